@@ -1,0 +1,173 @@
+"""Shared fixtures: the real broker and Redis, unique queue names, and cleanup.
+
+The broker is shared by every test and by CI, so each test names its own queues and every
+queue a test's apps declared is deleted at teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import aio_pika
+import pytest
+import redis.asyncio as aioredis
+
+from weclaw_mq import App, Settings, Worker
+from weclaw_mq.topology import queue_declarations
+
+AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+HOW_TO_GET_A_BROKER = (
+    "start one: 'rabbitmq-server -detached' (Debian package rabbitmq-server), or "
+    "'docker compose up -d rabbitmq' from this repository, or point WECLAW_MQ_AMQP_URL at one"
+)
+HOW_TO_GET_REDIS = (
+    "start one: 'redis-server --daemonize yes --port 6379 --save \"\" --appendonly no', or "
+    "'docker compose up -d redis', or point WECLAW_MQ_REDIS_URL at one"
+)
+
+
+async def _broker_answers(url: str) -> str | None:
+    try:
+        conn = await aio_pika.connect(url, timeout=5)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    await conn.close()
+    return None
+
+
+async def _redis_answers(url: str) -> str | None:
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=3)
+    try:
+        await client.ping()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        await client.aclose()
+    return None
+
+
+def _docker_engine() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return os.path.exists("/var/run/docker.sock") or bool(os.environ.get("DOCKER_HOST"))
+
+
+@pytest.fixture(scope="session")
+def broker_url() -> Iterator[str]:
+    problem = asyncio.run(_broker_answers(AMQP_URL))
+    if problem is None:
+        yield AMQP_URL
+        return
+    if _docker_engine():
+        from testcontainers.rabbitmq import RabbitMqContainer  # type: ignore[import-not-found]
+
+        with RabbitMqContainer("rabbitmq:3.13") as container:
+            params = container.get_connection_params()
+            yield f"amqp://guest:guest@{params.host}:{params.port}/"
+        return
+    pytest.fail(
+        f"no RabbitMQ answers at WECLAW_MQ_AMQP_URL ({problem}); {HOW_TO_GET_A_BROKER}",
+        pytrace=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    problem = asyncio.run(_redis_answers(REDIS_URL))
+    if problem is None:
+        yield REDIS_URL
+        return
+    if _docker_engine():
+        from testcontainers.redis import RedisContainer  # type: ignore[import-not-found]
+
+        with RedisContainer("redis:7") as container:
+            yield f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
+        return
+    pytest.fail(
+        f"no Redis answers at WECLAW_MQ_REDIS_URL ({problem}); {HOW_TO_GET_REDIS}", pytrace=False
+    )
+
+
+@pytest.fixture
+def qname(request: pytest.FixtureRequest) -> str:
+    """A queue name no other test (or CI run) uses."""
+    short = request.node.name.removeprefix("test_")[:40].replace("[", "-").rstrip("]")
+    return f"t-{short}-{uuid.uuid4().hex[:8]}"
+
+
+def settings_for(broker_url: str, redis_url: str, **overrides: Any) -> Settings:
+    return Settings(amqp_url=broker_url, redis_url=redis_url, **overrides)
+
+
+async def delete_queues(broker_url: str, names: list[str]) -> None:
+    conn = await aio_pika.connect(broker_url)
+    try:
+        for name in names:
+            channel = await conn.channel()
+            await channel.queue_delete(name)
+            await channel.close()
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..., App]]:
+    """Build Apps on the test broker; at teardown close them and delete every queue they own."""
+    apps: list[App] = []
+
+    def factory(name: str = "test", **overrides: Any) -> App:
+        app = App(name, settings=settings_for(broker_url, redis_url, **overrides))
+        apps.append(app)
+        return app
+
+    yield factory
+    names: list[str] = []
+    for app in apps:
+        await app.close()
+        for spec in app.handlers.values():
+            names.extend(n for n, _ in queue_declarations(spec.queue_spec()))
+    await delete_queues(broker_url, sorted(set(names)))
+
+
+@pytest.fixture
+async def start_worker() -> AsyncIterator[Callable[..., Any]]:
+    """Start a Worker in this event loop and wait until it consumes; stopped at teardown."""
+    running: list[tuple[Worker, asyncio.Task[None]]] = []
+
+    async def start(app: App, **kwargs: Any) -> Worker:
+        worker = Worker(app, **kwargs)
+        task = asyncio.create_task(worker.run())
+        running.append((worker, task))
+        ready = asyncio.create_task(worker.ready.wait())
+        done, _ = await asyncio.wait({ready, task}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            ready.cancel()
+            task.result()  # raises what stopped it
+        assert ready in done, "worker did not start consuming within 20 s"
+        return worker
+
+    yield start
+    for worker, task in running:
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+
+
+async def wait_until(predicate: Callable[[], Any], timeout_s: float = 10.0, what: str = "") -> None:
+    """Poll ``predicate`` (sync or async) until true, or fail after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
+        await asyncio.sleep(0.02)

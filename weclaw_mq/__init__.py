@@ -1,0 +1,48 @@
+"""weclaw_mq: AI tasks on RabbitMQ that survive crashes.
+
+Publish with confirms, ack only after success, retry with backoff through delay queues,
+dead-letter what cannot succeed, and guard effects with Redis so a redelivery never runs twice.
+"""
+
+from .app import App
+from .context import Context
+from .errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    ConfirmTimeoutError,
+    ConnectionLostError,
+    PayloadError,
+    PayloadTooLargeError,
+    PayloadValidationError,
+    PublishFailedError,
+    PublishNackedError,
+    TopologyConflictError,
+    UnroutableError,
+    WeclawMQError,
+)
+from .retry import RetryPolicy
+from .settings import Settings
+from .signals import Reject, Retry
+from .worker import Worker
+
+__all__ = [
+    "App",
+    "BrokerUnavailableError",
+    "ConfigurationError",
+    "ConfirmTimeoutError",
+    "ConnectionLostError",
+    "Context",
+    "PayloadError",
+    "PayloadTooLargeError",
+    "PayloadValidationError",
+    "PublishFailedError",
+    "PublishNackedError",
+    "Reject",
+    "Retry",
+    "RetryPolicy",
+    "Settings",
+    "TopologyConflictError",
+    "UnroutableError",
+    "WeclawMQError",
+    "Worker",
+]

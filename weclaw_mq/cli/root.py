@@ -1,0 +1,112 @@
+"""The typer application and its commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Annotated
+
+import typer
+
+from ..app import App
+from ..health import check_all
+from ..settings import Settings
+from ..tracing import configure_logging
+from .loading import load_app
+from .run_worker import run_worker
+
+cli = typer.Typer(
+    name="weclaw-mq",
+    help="Crash-proof AI task queues on RabbitMQ.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+AppPath = Annotated[
+    str, typer.Argument(help="Where your App lives, as MODULE:ATTRIBUTE (e.g. consumers.demo:app).")
+]
+LogLevel = Annotated[
+    str, typer.Option("--log-level", envvar="WECLAW_MQ_LOG_LEVEL", help="DEBUG, INFO, WARNING...")
+]
+
+
+@cli.command()
+def worker(
+    app_path: AppPath,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            "--concurrency",
+            "-c",
+            min=1,
+            help="Handlers in flight per queue (prefetch is the same). Default: settings.",
+        ),
+    ] = None,
+    queue: Annotated[
+        list[str] | None,
+        typer.Option("--queue", "-q", help="Only consume this queue (repeatable). Default: all."),
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option("--metrics-port", min=0, max=65535, help="Serve Prometheus /metrics here."),
+    ] = None,
+    log_level: LogLevel = "INFO",
+) -> None:
+    """Run a worker: declare queues, consume, ack only after success; SIGTERM stops cleanly."""
+    configure_logging(log_level.upper())
+    app = load_app(app_path)
+    asyncio.run(
+        run_worker(app, concurrency=concurrency, queues=queue or None, metrics_port=metrics_port)
+    )
+
+
+@cli.command()
+def declare(app_path: AppPath, log_level: LogLevel = "WARNING") -> None:
+    """Declare every queue of the app's handlers (idempotent); prints their names."""
+    configure_logging(log_level.upper())
+    app = load_app(app_path)
+    for name in asyncio.run(app.declare()):
+        typer.echo(name)
+
+
+@cli.command()
+def publish(
+    queue: Annotated[str, typer.Argument(help="Queue to publish to.")],
+    data: Annotated[str, typer.Option("--data", "-d", help="The task as a JSON document.")],
+    task_id: Annotated[
+        str | None, typer.Option("--task-id", help="Task id (default: a new uuid4).")
+    ] = None,
+    app_path: Annotated[
+        str | None,
+        typer.Option("--app", help="MODULE:APP whose handler model validates the payload."),
+    ] = None,
+) -> None:
+    """Publish one task and print its id once the broker confirmed it."""
+    try:
+        payload = json.loads(data)
+    except json.JSONDecodeError as e:
+        raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--data") from e
+    app = load_app(app_path) if app_path else App("weclaw-mq-cli")
+
+    async def send() -> str:
+        async with app:
+            return await app.publish(queue, payload, task_id=task_id)
+
+    typer.echo(asyncio.run(send()))
+
+
+@cli.command()
+def health() -> None:
+    """Check the broker and Redis: exit 0 when both answer, else one line per failing part."""
+    logging.disable(logging.WARNING)
+    parts = asyncio.run(check_all(Settings()))
+    failing = [p for p in parts if not p.ok]
+    for p in parts:
+        if p.ok:
+            typer.echo(f"{p.part}: ok ({p.detail})")
+    for p in failing:
+        typer.echo(f"{p.part}: FAILED {p.detail}", err=True)
+    if failing:
+        raise typer.Exit(1)

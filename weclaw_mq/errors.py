@@ -1,0 +1,91 @@
+"""The exceptions weclaw_mq raises, all under one root.
+
+    WeclawMQError
+    ├── ConfigurationError           a handler, queue name or option that cannot work
+    ├── PayloadError                 refused before anything was sent
+    │   ├── PayloadTooLargeError     body over ``max_message_bytes``
+    │   └── PayloadValidationError   body fails the handler's pydantic model
+    ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
+    ├── BrokerUnavailableError       no broker answered (connect failed)
+    └── PublishFailedError           publish did not end in a broker ack
+        ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
+        ├── UnroutableError          no queue bound for the routing key (mandatory return)
+        ├── ConfirmTimeoutError      no confirm within ``confirm_timeout_s``: outcome unknown
+        └── ConnectionLostError      the connection or channel died before the confirm
+
+A ``PublishFailedError`` means the caller does not hold a confirmed task; for
+``ConfirmTimeoutError`` and ``ConnectionLostError`` the message may still have reached the
+queue, so republishing with the same ``task_id`` is the safe response (the idempotency guard
+absorbs the duplicate).
+
+The control-flow signals ``Reject`` and ``Retry`` (raised by handlers) live in
+``weclaw_mq.signals``: they are decisions, not faults.
+"""
+
+from __future__ import annotations
+
+
+class WeclawMQError(Exception):
+    """Root of every error weclaw_mq raises."""
+
+
+class ConfigurationError(WeclawMQError):
+    pass
+
+
+class PayloadError(WeclawMQError):
+    pass
+
+
+class PayloadTooLargeError(PayloadError):
+    def __init__(self, queue: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"payload for {queue!r} is {size} bytes, over the limit of {limit} bytes "
+            "(WECLAW_MQ_MAX_MESSAGE_BYTES); store large inputs elsewhere and send a reference"
+        )
+        self.size = size
+        self.limit = limit
+
+
+class PayloadValidationError(PayloadError):
+    pass
+
+
+class TopologyConflictError(WeclawMQError):
+    def __init__(self, queue: str, argument: str | None, detail: str) -> None:
+        arg = f"argument {argument!r}" if argument else "its arguments"
+        super().__init__(
+            f"queue {queue!r} already exists with a different {arg} ({detail}). "
+            "RabbitMQ never changes a queue's arguments in place: either keep the old value in "
+            f"your handler options, or drain the queue and delete it (rabbitmqctl delete_queue "
+            f"{queue}) so the next declare creates it anew"
+        )
+        self.queue = queue
+        self.argument = argument
+
+
+class BrokerUnavailableError(WeclawMQError):
+    pass
+
+
+class PublishFailedError(WeclawMQError):
+    def __init__(self, message: str, *, queue: str, task_id: str) -> None:
+        super().__init__(message)
+        self.queue = queue
+        self.task_id = task_id
+
+
+class PublishNackedError(PublishFailedError):
+    pass
+
+
+class UnroutableError(PublishFailedError):
+    pass
+
+
+class ConfirmTimeoutError(PublishFailedError):
+    pass
+
+
+class ConnectionLostError(PublishFailedError):
+    pass

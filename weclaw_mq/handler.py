@@ -1,0 +1,121 @@
+"""A registered handler: the user's function plus everything decided about it at import time."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from .errors import ConfigurationError
+from .naming import validate_queue_name
+from .retry import RetryPolicy
+from .topology import QueueSpec
+
+HandlerFunc = Callable[..., Awaitable[Any]]
+
+
+class UndecodableBody(Exception):
+    """The body is not UTF-8 JSON: no retry can fix it."""
+
+
+class InvalidPayload(Exception):
+    """The body is JSON but fails the handler's model: no retry can fix it."""
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    queue: str
+    func: HandlerFunc
+    adapter: TypeAdapter[Any]
+    takes_context: bool
+    retry: RetryPolicy
+    timeout_s: float
+    delivery_limit: int
+    max_length: int | None
+    idempotent: bool
+
+    @property
+    def name(self) -> str:
+        return getattr(self.func, "__qualname__", repr(self.func))
+
+    def queue_spec(self) -> QueueSpec:
+        return QueueSpec(
+            name=self.queue,
+            retry_delays_ms=self.retry.delays_ms(),
+            delivery_limit=self.delivery_limit,
+            max_length=self.max_length,
+        )
+
+    def parse(self, body: bytes) -> Any:
+        """Decode and validate in one pass, telling undecodable from invalid."""
+        try:
+            return self.adapter.validate_json(body)
+        except ValidationError as e:
+            if any(err["type"] == "json_invalid" for err in e.errors()):
+                raise UndecodableBody(_first_error(e)) from e
+            raise InvalidPayload(_first_error(e)) from e
+
+
+def _first_error(e: ValidationError) -> str:
+    errors = e.errors(include_url=False)
+    head = errors[0]
+    loc = ".".join(str(p) for p in head["loc"]) or "<body>"
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc}: {head['msg']}{more}"
+
+
+def build_spec(
+    func: HandlerFunc,
+    *,
+    queue: str,
+    retry: RetryPolicy,
+    timeout_s: float,
+    delivery_limit: int,
+    max_length: int | None,
+    idempotent: bool,
+) -> HandlerSpec:
+    """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
+    validate_queue_name(queue)
+    if not inspect.iscoroutinefunction(func):
+        raise ConfigurationError(f"handler for {queue!r} must be an 'async def' function")
+    params = [
+        p
+        for p in inspect.signature(func).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if not 1 <= len(params) <= 2:
+        raise ConfigurationError(
+            f"handler for {queue!r} must take (task) or (task, ctx), got {len(params)} parameters"
+        )
+    if timeout_s <= 0:
+        raise ConfigurationError(f"timeout_s for {queue!r} must be > 0, got {timeout_s}")
+    if delivery_limit < 1:
+        raise ConfigurationError(f"delivery_limit for {queue!r} must be >= 1")
+    if max_length is not None and max_length < 1:
+        raise ConfigurationError(f"max_length for {queue!r} must be >= 1")
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception as e:  # an unresolvable forward reference
+        raise ConfigurationError(f"cannot resolve the type hints of {func!r}: {e}") from e
+    annotation = hints.get(params[0].name, Any)
+    try:
+        adapter: TypeAdapter[Any] = TypeAdapter(annotation)
+    except Exception as e:
+        raise ConfigurationError(
+            f"handler for {queue!r}: pydantic cannot validate {annotation!r}: {e}"
+        ) from e
+    return HandlerSpec(
+        queue=queue,
+        func=func,
+        adapter=adapter,
+        takes_context=len(params) == 2,
+        retry=retry,
+        timeout_s=timeout_s,
+        delivery_limit=delivery_limit,
+        max_length=max_length,
+        idempotent=idempotent,
+    )

@@ -1,0 +1,26 @@
+"""Every AMQP header weclaw_mq reads or writes. No other module spells a header name."""
+
+from __future__ import annotations
+
+PREFIX = "x-weclaw-"
+
+TRACE_ID = f"{PREFIX}trace-id"
+TRACEPARENT = "traceparent"  # W3C trace context, passed through where present
+# Our own count: never derived from x-death (3.13+ stops counting republished messages there).
+ATTEMPT = f"{PREFIX}attempt"
+ORIGINAL_QUEUE = f"{PREFIX}original-queue"
+
+ERROR_TYPE = f"{PREFIX}error-type"
+ERROR_MESSAGE = f"{PREFIX}error-message"
+ERROR_TRACEBACK = f"{PREFIX}error-traceback"
+FIRST_FAILURE_AT = f"{PREFIX}first-failure-at"
+LAST_FAILURE_AT = f"{PREFIX}last-failure-at"
+DEAD_LETTER_REASON = f"{PREFIX}dead-letter-reason"
+
+# Set by RabbitMQ itself.
+X_DEATH = "x-death"
+X_DELIVERY_COUNT = "x-delivery-count"
+X_FIRST_DEATH_REASON = "x-first-death-reason"
+
+ERROR_MESSAGE_MAX_CHARS = 1_000
+TRACEBACK_MAX_CHARS = 4_000

@@ -1,0 +1,48 @@
+"""Is each part this app depends on answering? Used by ``weclaw-mq health`` and probes."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from .connection import connect
+from .errors import BrokerUnavailableError
+from .settings import Settings, redact_url
+
+PING_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class PartHealth:
+    part: str
+    ok: bool
+    detail: str
+
+
+async def check_broker(settings: Settings) -> PartHealth:
+    try:
+        conn = await connect(settings, name="weclaw-mq-health")
+    except BrokerUnavailableError as e:
+        return PartHealth("broker", False, str(e))
+    await conn.close()
+    return PartHealth("broker", True, redact_url(settings.amqp_url_plain()))
+
+
+async def check_redis(settings: Settings) -> PartHealth:
+    url = settings.redis_url_plain()
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=PING_TIMEOUT_S)
+    try:
+        await asyncio.wait_for(client.ping(), PING_TIMEOUT_S)
+    except Exception as e:  # any failure to answer means the same thing here
+        return PartHealth(
+            "redis", False, f"cannot reach Redis at {redact_url(url)}: {type(e).__name__}: {e}"
+        )
+    finally:
+        await client.aclose()
+    return PartHealth("redis", True, redact_url(url))
+
+
+async def check_all(settings: Settings) -> list[PartHealth]:
+    return list(await asyncio.gather(check_broker(settings), check_redis(settings)))

@@ -1,0 +1,53 @@
+"""Every Prometheus collector weclaw_mq exports, in one injectable registry.
+
+Labels stay low-cardinality: queue names and a fixed set of outcomes, never task ids.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Outcome(str, Enum):
+    ACKED = "acked"
+    RETRIED = "retried"
+    DEAD_LETTERED = "dead_lettered"
+    DUPLICATE = "duplicate"
+    REQUEUED = "requeued"  # left unacked for redelivery (shutdown, lost connection)
+
+
+# LLM calls take 20-60 s: buckets reach past two minutes.
+HANDLER_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 300)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.published = Counter(
+            "weclaw_mq_published", "Publishes by outcome.", ["queue", "outcome"], registry=r
+        )
+        self.messages = Counter(
+            "weclaw_mq_messages",
+            "Deliveries settled, by outcome.",
+            ["queue", "outcome"],
+            registry=r,
+        )
+        self.handler_seconds = Histogram(
+            "weclaw_mq_handler_seconds",
+            "Handler run time.",
+            ["queue"],
+            buckets=HANDLER_BUCKETS_S,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "weclaw_mq_in_flight", "Handlers running now.", ["queue"], registry=r
+        )
+        self.reconnects = Counter(
+            "weclaw_mq_reconnects", "Broker connections re-established.", ["role"], registry=r
+        )
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,132 @@
+"""Confirmed publishing: ``publish`` returns only once the broker acked the message.
+
+Each failure ends in its own ``PublishFailedError`` subclass (see ``errors``). A channel the
+broker closed, or a connection that died, is dropped and opened anew on the next publish,
+never left broken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractConnection
+from aio_pika.message import Message
+
+from .connection import connect
+from .errors import (
+    ConfirmTimeoutError,
+    ConnectionLostError,
+    PublishNackedError,
+    UnroutableError,
+)
+from .metrics import Metrics
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+# Errors that mean the channel or connection under us is gone.
+_LINK_ERRORS = (
+    aiormq.exceptions.AMQPConnectionError,
+    aiormq.exceptions.ChannelClosed,
+    aiormq.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+)
+
+
+class Publisher:
+    """Publishes with confirms over one channel.
+
+    With ``connection`` given it borrows that connection (the worker's) and never reconnects;
+    without, it owns a connection that it opens on first use and again after a loss.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        *,
+        name: str,
+        connection: AbstractConnection | None = None,
+    ) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._name = name
+        self._owns_connection = connection is None
+        self._connection = connection
+        self._channel: AbstractChannel | None = None
+        self._lock = asyncio.Lock()
+
+    async def _ready_channel(self) -> AbstractChannel:
+        channel = self._channel
+        if channel is not None and not channel.is_closed:
+            return channel
+        async with self._lock:
+            if self._channel is not None and not self._channel.is_closed:
+                return self._channel
+            conn = self._connection
+            if conn is None or conn.is_closed:
+                if not self._owns_connection:
+                    raise aiormq.exceptions.ChannelInvalidStateError("worker connection closed")
+                conn = self._connection = await connect(self._settings, name=self._name)
+            # on_return_raises: an unroutable mandatory publish must raise, not vanish.
+            self._channel = await conn.channel(publisher_confirms=True, on_return_raises=True)
+            return self._channel
+
+    async def publish(self, queue: str, message: Message) -> None:
+        """Publish to ``queue`` through the default exchange and wait for the broker's ack."""
+        task_id = message.message_id or ""
+        timeout_s = self._settings.confirm_timeout_s
+        try:
+            channel = await self._ready_channel()
+            # wait_for covers the whole call: aio-pika waits forever on a blocked connection.
+            await asyncio.wait_for(
+                channel.default_exchange.publish(message, routing_key=queue, mandatory=True),
+                timeout_s,
+            )
+        except aiormq.exceptions.PublishError as e:
+            self._count(queue, "unroutable")
+            raise UnroutableError(
+                f"no queue named {queue!r}: run 'weclaw-mq declare' or start a worker first",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        except aiormq.exceptions.DeliveryError as e:
+            self._count(queue, "nacked")
+            raise PublishNackedError(
+                f"the broker refused the message for {queue!r} (queue full or broker "
+                "failure); nothing was stored, publish again later",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        except asyncio.TimeoutError as e:
+            self._count(queue, "timeout")
+            raise ConfirmTimeoutError(
+                f"no confirm for {queue!r} within {timeout_s} s; the message may or may not "
+                "be stored: republish with the same task_id",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        except _LINK_ERRORS as e:
+            self._count(queue, "connection_lost")
+            self._channel = None
+            raise ConnectionLostError(
+                f"connection lost while publishing to {queue!r}: {type(e).__name__}; the "
+                "message may or may not be stored: republish with the same task_id",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        self._count(queue, "confirmed")
+
+    def _count(self, queue: str, outcome: str) -> None:
+        self._metrics.published.labels(queue, outcome).inc()
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.is_closed:
+            await channel.close()
+        if self._owns_connection and self._connection is not None:
+            conn, self._connection = self._connection, None
+            if not conn.is_closed:
+                await conn.close()

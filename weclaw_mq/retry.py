@@ -1,0 +1,77 @@
+"""Retry policy and the pure decision of what happens to a finished delivery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .errors import ConfigurationError
+from .signals import Reject
+
+
+class DeadLetterReason(str, Enum):
+    UNDECODABLE = "undecodable"
+    INVALID_PAYLOAD = "invalid_payload"
+    REJECTED = "rejected"
+    RETRIES_EXHAUSTED = "retries_exhausted"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff: the n-th retry waits ``delay_s * multiplier**(n-1)``, capped."""
+
+    max_retries: int = 3
+    delay_s: float = 5.0
+    multiplier: float = 2.0
+    max_delay_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ConfigurationError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.delay_s <= 0 or self.max_delay_s <= 0:
+            raise ConfigurationError("delay_s and max_delay_s must be > 0")
+        if self.multiplier < 1:
+            raise ConfigurationError(f"multiplier must be >= 1, got {self.multiplier}")
+        if self.delay_ms(1) < 1:
+            raise ConfigurationError("delay_s must be at least 0.001 (1 ms)")
+
+    def delay_ms(self, failed_attempt: int) -> int:
+        """Delay before the attempt that follows ``failed_attempt`` (1-based)."""
+        raw = self.delay_s * self.multiplier ** max(failed_attempt - 1, 0)
+        return round(min(raw, self.max_delay_s) * 1000)
+
+    def delays_ms(self) -> tuple[int, ...]:
+        """Each distinct delay once: one delay queue is declared per entry."""
+        seen: dict[int, None] = {}
+        for attempt in range(1, self.max_retries + 1):
+            seen[self.delay_ms(attempt)] = None
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class Ack:
+    pass
+
+
+@dataclass(frozen=True)
+class RetryLater:
+    delay_ms: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    reason: DeadLetterReason
+
+
+Decision = Ack | RetryLater | DeadLetter
+
+
+def decide(attempt: int, error: BaseException | None, policy: RetryPolicy) -> Decision:
+    """What to do with a delivery whose handler ran as attempt ``attempt`` (1-based)."""
+    if error is None:
+        return Ack()
+    if isinstance(error, Reject):
+        return DeadLetter(DeadLetterReason.REJECTED)
+    if attempt > policy.max_retries:
+        return DeadLetter(DeadLetterReason.RETRIES_EXHAUSTED)
+    return RetryLater(policy.delay_ms(attempt))

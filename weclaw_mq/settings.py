@@ -1,0 +1,60 @@
+"""Every knob of weclaw_mq, read once from the environment (prefix ``WECLAW_MQ_``) or ``.env``."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# RabbitMQ closes a channel whose delivery stays unacked past consumer_timeout (30 min by
+# default, settable per queue only from 3.12), requeueing everything on it.
+BROKER_CONSUMER_TIMEOUT_S = 30 * 60
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="WECLAW_MQ_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+    )
+
+    amqp_url: SecretStr = SecretStr("amqp://guest:guest@localhost:5672/")
+    redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
+
+    concurrency: int = Field(default=1, ge=1, le=10_000)
+    # Defaults of the production config in our design notes: 5 s, 10 s, 20 s, then the DLQ.
+    max_retries: int = Field(default=3, ge=0, le=100)
+    retry_delay_s: float = Field(default=5.0, gt=0)
+    retry_multiplier: float = Field(default=2.0, ge=1.0)
+    retry_max_delay_s: float = Field(default=60.0, gt=0)
+    # Crash loops (worker dies on a message every time) end in the DLQ after this many returns.
+    delivery_limit: int = Field(default=10, ge=1)
+
+    max_message_bytes: int = Field(default=1024 * 1024, ge=1)
+    confirm_timeout_s: float = Field(default=10.0, gt=0)
+    # Well below the broker's consumer_timeout: a stuck model call must fail here first.
+    handler_timeout_s: float = Field(default=300.0, gt=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    reconnect_max_delay_s: float = Field(default=10.0, gt=0)
+    heartbeat_s: int = Field(default=30, ge=0)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+
+    def amqp_url_plain(self) -> str:
+        return self.amqp_url.get_secret_value()
+
+    def redis_url_plain(self) -> str:
+        return self.redis_url.get_secret_value()
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``: the only form that may reach a log."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

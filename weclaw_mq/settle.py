@@ -1,0 +1,109 @@
+"""The three ends of a delivery: ack, move to a delay queue, move to the dead-letter queue.
+
+Every move is "publish with confirm, then ack the source": a crash between the two leaves a
+duplicate (absorbed by the idempotency guard), never a loss. If the move fails, the source is
+returned to its queue instead, so the broker keeps the task.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from datetime import datetime, timezone
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage, HeadersType
+
+from . import headers as h
+from .errors import WeclawMQError
+from .message import Delivery, build_message
+from .naming import dlq_name, retry_queue_name
+from .producer import Publisher
+
+log = logging.getLogger(__name__)
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dict[str, Any]:
+    """The source's headers plus what went wrong; first-failure time survives every hop."""
+    out = dict(delivery.headers)
+    now = _now_iso()
+    tb = "".join(traceback.format_exception(error))
+    out[h.ERROR_TYPE] = f"{type(error).__module__}.{type(error).__qualname__}"
+    out[h.ERROR_MESSAGE] = str(error)[: h.ERROR_MESSAGE_MAX_CHARS]
+    # The end of a traceback says most: keep that part.
+    out[h.ERROR_TRACEBACK] = tb[-h.TRACEBACK_MAX_CHARS :]
+    out[h.ORIGINAL_QUEUE] = queue
+    out.setdefault(h.FIRST_FAILURE_AT, now)
+    out[h.LAST_FAILURE_AT] = now
+    out[h.TRACE_ID] = delivery.trace_id
+    return out
+
+
+async def ack(message: AbstractIncomingMessage) -> bool:
+    """Ack; False when the channel is gone (the broker will redeliver: a duplicate, not a loss)."""
+    try:
+        await message.ack()
+        return True
+    except Exception as e:  # any failure here means the same thing: not acked
+        log.warning("ack failed (%s: %s); the broker will redeliver", type(e).__name__, e)
+        return False
+
+
+async def give_back(message: AbstractIncomingMessage) -> None:
+    """Return the message to its queue now rather than when the channel closes."""
+    try:
+        await message.nack(requeue=True)
+    except Exception as e:
+        log.warning("nack failed (%s: %s); the broker will redeliver", type(e).__name__, e)
+
+
+async def _move(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    publisher: Publisher,
+    target: str,
+    headers: HeadersType,
+) -> bool:
+    copy = build_message(
+        delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
+    )
+    try:
+        await publisher.publish(target, copy)
+    except WeclawMQError as e:
+        log.error("could not move the task to %s (%s); returning it to its queue", target, e)
+        await give_back(message)
+        return False
+    return await ack(message)
+
+
+async def retry(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    publisher: Publisher,
+    *,
+    queue: str,
+    delay_ms: int,
+    error: BaseException,
+) -> bool:
+    headers = failure_headers(delivery, queue, error)
+    headers[h.ATTEMPT] = delivery.attempt + 1
+    return await _move(message, delivery, publisher, retry_queue_name(queue, delay_ms), headers)
+
+
+async def dead_letter(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    publisher: Publisher,
+    *,
+    queue: str,
+    reason: str,
+    error: BaseException,
+) -> bool:
+    headers = failure_headers(delivery, queue, error)
+    headers[h.ATTEMPT] = delivery.attempt
+    headers[h.DEAD_LETTER_REASON] = reason
+    return await _move(message, delivery, publisher, dlq_name(queue), headers)

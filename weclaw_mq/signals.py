@@ -1,0 +1,23 @@
+"""Decisions a handler can raise: not faults, so they stand apart from ``WeclawMQError``."""
+
+from __future__ import annotations
+
+
+class Reject(Exception):
+    """Send this task to the dead-letter queue now: retrying cannot fix it."""
+
+    def __init__(self, reason: str = "rejected by handler") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Retry(Exception):
+    """Retry this task after the policy's next delay, without logging it as a failure.
+
+    The delay comes from the policy only: each delay has its own delay queue, declared up
+    front, so a handler cannot pick an arbitrary one.
+    """
+
+    def __init__(self, reason: str = "retry requested by handler") -> None:
+        super().__init__(reason)
+        self.reason = reason

@@ -1,0 +1,99 @@
+"""The queues of one handler and their arguments, declared idempotently.
+
+For a handler queue ``Q`` (names from ``naming``):
+
+| queue           | type   | arguments                                                      |
+|-----------------|--------|----------------------------------------------------------------|
+| Q               | quorum | dead-letter to Q.dlq (at-least-once, reject-publish), delivery |
+|                 |        | limit, optional max length                                     |
+| Q.retry.<delay> | quorum | x-message-ttl = delay, dead-letter back to Q (at-least-once)   |
+| Q.dlq           | quorum | none: nothing expires or overflows there                       |
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import aiormq
+from aio_pika.abc import AbstractChannel
+
+from .errors import TopologyConflictError
+from .naming import dlq_name, retry_queue_name
+
+# All routing goes through the default exchange: a queue's name is its routing key, so a
+# missing queue shows up as an unroutable (returned) publish rather than a closed channel.
+DEFAULT_EXCHANGE = ""
+
+
+@dataclass(frozen=True)
+class QueueSpec:
+    name: str
+    retry_delays_ms: tuple[int, ...]
+    # Without a dead-letter exchange RabbitMQ 3.10 silently DROPS a message that reaches the
+    # delivery limit, so the limit is only ever set together with the DLQ routing below.
+    delivery_limit: int
+    max_length: int | None = None
+
+
+def _quorum_dead_lettering(target: str) -> dict[str, object]:
+    return {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": DEFAULT_EXCHANGE,
+        "x-dead-letter-routing-key": target,
+        # at-least-once keeps the message in the source until the target confirmed it;
+        # RabbitMQ requires reject-publish overflow for that strategy.
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+    }
+
+
+def work_queue_arguments(spec: QueueSpec) -> dict[str, object]:
+    args = _quorum_dead_lettering(dlq_name(spec.name))
+    args["x-delivery-limit"] = spec.delivery_limit
+    if spec.max_length is not None:
+        args["x-max-length"] = spec.max_length
+    return args
+
+
+def retry_queue_arguments(spec: QueueSpec, delay_ms: int) -> dict[str, object]:
+    # One queue per delay: RabbitMQ expires messages only at the head of a queue, so mixed
+    # per-message delays in one queue would hold short delays behind long ones.
+    args = _quorum_dead_lettering(spec.name)
+    args["x-message-ttl"] = delay_ms
+    return args
+
+
+def dlq_arguments() -> dict[str, object]:
+    return {"x-queue-type": "quorum"}
+
+
+def queue_declarations(spec: QueueSpec) -> list[tuple[str, dict[str, object]]]:
+    """Every (name, arguments) of one handler; the DLQ first, as the dead-letter target."""
+    decls: list[tuple[str, dict[str, object]]] = [(dlq_name(spec.name), dlq_arguments())]
+    decls.append((spec.name, work_queue_arguments(spec)))
+    for delay_ms in spec.retry_delays_ms:
+        decls.append((retry_queue_name(spec.name, delay_ms), retry_queue_arguments(spec, delay_ms)))
+    return decls
+
+
+_INEQUIVALENT_ARG = re.compile(r"inequivalent arg '([^']+)'")
+
+
+async def declare(channel: AbstractChannel, specs: Iterable[QueueSpec]) -> list[str]:
+    """Declare every queue of ``specs``; returns their names. Safe to run again and again.
+
+    A conflict closes ``channel`` (AMQP's rule), so callers open a fresh one afterwards.
+    """
+    declared: list[str] = []
+    for spec in specs:
+        for name, args in queue_declarations(spec):
+            try:
+                await channel.declare_queue(name, durable=True, arguments=args)  # type: ignore[arg-type]
+            except aiormq.exceptions.ChannelPreconditionFailed as e:
+                text = str(e)
+                match = _INEQUIVALENT_ARG.search(text)
+                raise TopologyConflictError(name, match.group(1) if match else None, text) from e
+            declared.append(name)
+    return declared
