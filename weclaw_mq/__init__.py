@@ -16,10 +16,12 @@ from .errors import (
     PayloadValidationError,
     PublishFailedError,
     PublishNackedError,
+    ResultTimeoutError,
     TopologyConflictError,
     UnroutableError,
     WeclawMQError,
 )
+from .results import ResultStore, TaskState, TaskStatus
 from .retry import RetryPolicy
 from .settings import Settings
 from .signals import Reject, Retry
@@ -38,9 +40,13 @@ __all__ = [
     "PublishFailedError",
     "PublishNackedError",
     "Reject",
+    "ResultStore",
+    "ResultTimeoutError",
     "Retry",
     "RetryPolicy",
     "Settings",
+    "TaskState",
+    "TaskStatus",
     "TopologyConflictError",
     "UnroutableError",
     "WeclawMQError",

@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import aio_pika
+import redis.asyncio as aioredis
 from aio_pika.abc import HeadersType
 from prometheus_client import CollectorRegistry
 
 from .connection import connect
 from .errors import ConfigurationError, PayloadTooLargeError, PayloadValidationError
+from .guard import IdempotencyGuard
 from .handler import HandlerFunc, HandlerSpec, InvalidPayload, UndecodableBody, build_spec
 from .message import build_message, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .producer import Publisher
+from .results import RedisResultStore, ResultStore, TaskState, TaskStatus
 from .retry import RetryPolicy
 from .settings import Settings
 from .topology import declare
 from .tracing import current, new_trace_id
+
+log = logging.getLogger("weclaw_mq.producer")
 
 
 class App:
@@ -29,12 +36,17 @@ class App:
         *,
         settings: Settings | None = None,
         registry: CollectorRegistry | None = None,
+        result_store: ResultStore | None = None,
     ) -> None:
+        """``result_store`` replaces the default Redis store (``results_enabled`` turns it off)."""
         self.name = name
         self.settings = settings if settings is not None else Settings()
         self.metrics = Metrics(registry)
         self._handlers: dict[str, HandlerSpec] = {}
         self._publisher: Publisher | None = None
+        self._redis: aioredis.Redis | None = None
+        self._results = result_store
+        self._guard: IdempotencyGuard | None = None
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -134,9 +146,78 @@ class App:
         ``tracing.bind``), a new one.
         """
         message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
-        await self._get_publisher().publish(queue, message)
         assert message.message_id is not None
+        store = self.results
+        if store is None:
+            await self._get_publisher().publish(queue, message)
+            return message.message_id
+        # The "queued" record is written beside the confirm, not after it (no added latency),
+        # and only if the task has no record yet, so it can never hide a later status.
+        queued = asyncio.create_task(
+            store.put(
+                TaskState(task_id=message.message_id, queue=queue, status=TaskStatus.QUEUED),
+                only_if_new=True,
+            )
+        )
+        try:
+            await self._get_publisher().publish(queue, message)
+        finally:
+            await self._settle_queued(queued)
         return message.message_id
+
+    @staticmethod
+    async def _settle_queued(queued: asyncio.Task[bool]) -> None:
+        # The task is safe in the broker whatever happens here: a missing "queued" record only
+        # means status() answers None until a worker picks the task up.
+        try:
+            await queued
+        except Exception as e:
+            log.warning("could not record the queued status (%s: %s)", type(e).__name__, e)
+
+    # -- results ------------------------------------------------------------------------
+    def _redis_client(self) -> aioredis.Redis:
+        if self._redis is None:
+            self._redis = aioredis.Redis.from_url(
+                self.settings.redis_url_plain(),
+                socket_connect_timeout=5,
+                socket_timeout=5,
+                health_check_interval=30,
+            )
+        return self._redis
+
+    @property
+    def results(self) -> ResultStore | None:
+        """The result store, or None when results are turned off."""
+        if self._results is None and self.settings.results_enabled:
+            self._results = RedisResultStore(self._redis_client(), ttl_s=self.settings.result_ttl_s)
+        return self._results
+
+    @property
+    def guard(self) -> IdempotencyGuard | None:
+        """The idempotency guard, or None when no handler asks for it."""
+        if self._guard is None and any(s.idempotent for s in self._handlers.values()):
+            self._guard = IdempotencyGuard(
+                self._redis_client(),
+                lease_s=self.settings.guard_lease_s,
+                done_ttl_s=self.settings.done_ttl_s,
+            )
+        return self._guard
+
+    def _require_results(self) -> ResultStore:
+        store = self.results
+        if store is None:
+            raise ConfigurationError(
+                "results are turned off (WECLAW_MQ_RESULTS_ENABLED=false): no status to read"
+            )
+        return store
+
+    async def status(self, task_id: str) -> TaskState | None:
+        """The task's latest recorded state, or None if none is known."""
+        return await self._require_results().get(task_id)
+
+    async def result(self, task_id: str, *, timeout_s: float = 60.0) -> TaskState:
+        """Wait (without polling in a loop) until the task succeeded or was dead-lettered."""
+        return await self._require_results().wait(task_id, timeout_s)
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:
@@ -152,6 +233,12 @@ class App:
         if self._publisher is not None:
             publisher, self._publisher = self._publisher, None
             await publisher.close()
+        if self._redis is not None:
+            client, self._redis = self._redis, None
+            self._guard = None
+            if isinstance(self._results, RedisResultStore):
+                self._results = None
+            await client.aclose()
 
     async def __aenter__(self) -> App:
         return self

@@ -7,6 +7,7 @@
     │   └── PayloadValidationError   body fails the handler's pydantic model
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
     ├── BrokerUnavailableError       no broker answered (connect failed)
+    ├── ResultTimeoutError           ``App.result`` saw no final state in time
     └── PublishFailedError           publish did not end in a broker ack
         ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
         ├── UnroutableError          no queue bound for the routing key (mandatory return)
@@ -89,3 +90,13 @@ class ConfirmTimeoutError(PublishFailedError):
 
 class ConnectionLostError(PublishFailedError):
     pass
+
+
+class ResultTimeoutError(WeclawMQError):
+    def __init__(self, task_id: str, timeout_s: float, last: object | None) -> None:
+        status = getattr(getattr(last, "status", None), "value", None) or "unknown"
+        super().__init__(
+            f"task {task_id} has no final result after {timeout_s} s (last status: {status})"
+        )
+        self.task_id = task_id
+        self.last = last

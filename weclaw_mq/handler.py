@@ -45,7 +45,8 @@ class HandlerSpec:
     def queue_spec(self) -> QueueSpec:
         return QueueSpec(
             name=self.queue,
-            retry_delays_ms=self.retry.delays_ms(),
+            # The first delay always exists: the guard parks duplicates there (max_retries=0 too).
+            retry_delays_ms=tuple(dict.fromkeys((self.retry.delay_ms(1), *self.retry.delays_ms()))),
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
         )

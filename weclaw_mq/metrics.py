@@ -14,7 +14,8 @@ class Outcome(str, Enum):
     ACKED = "acked"
     RETRIED = "retried"
     DEAD_LETTERED = "dead_lettered"
-    DUPLICATE = "duplicate"
+    DUPLICATE = "duplicate"  # a finished task seen again: acked unrun
+    DEFERRED = "deferred"  # parked in a delay queue: its twin is running, or Redis is down
     REQUEUED = "requeued"  # left unacked for redelivery (shutdown, lost connection)
 
 

@@ -17,6 +17,7 @@ RETRY_INFIX = ".retry."
 REDIS_PREFIX = "weclaw_mq"
 GUARD_KEY_PREFIX = f"{REDIS_PREFIX}:guard"
 RESULT_KEY_PREFIX = f"{REDIS_PREFIX}:result"
+RESULT_CHANNEL_PREFIX = f"{REDIS_PREFIX}:done"
 
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
@@ -62,3 +63,8 @@ def guard_key(queue: str, task_id: str) -> str:
 
 def result_key(task_id: str) -> str:
     return f"{RESULT_KEY_PREFIX}:{task_id}"
+
+
+def result_channel(task_id: str) -> str:
+    """Pub/sub channel that wakes ``result()`` waiters when the task reaches a final state."""
+    return f"{RESULT_CHANNEL_PREFIX}:{task_id}"

@@ -1,26 +1,34 @@
-"""One delivery, start to end: decode -> call -> decide -> settle.
+"""One delivery, start to end: decode -> guard -> call -> store -> decide -> settle.
 
-Nothing here acks before the handler returned; every path out of ``process`` either acked
-(after storing or moving the task), or left the message with the broker for redelivery.
+Nothing here acks before the handler returned and its result was stored; every path out of
+``process`` either acked (after storing or moving the task) or left the message with the
+broker for redelivery.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 
 from . import settle
 from .context import Context
+from .guard import Claim, IdempotencyGuard
 from .handler import HandlerSpec, InvalidPayload, UndecodableBody
 from .message import Delivery, read_delivery
 from .metrics import Metrics, Outcome
 from .producer import Publisher
-from .retry import Ack, DeadLetter, DeadLetterReason, RetryLater, decide
+from .results import ResultStore, TaskState, TaskStatus
+from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
+from .settings import Settings
 from .tracing import TraceContext, bind
 
 if TYPE_CHECKING:
@@ -33,13 +41,30 @@ class HandlerTimeout(Exception):
     """The handler ran past its ``timeout_s`` and was cancelled."""
 
 
+class UnserialisableResult(Exception):
+    """The handler returned something that is not JSON: storing it can never succeed."""
+
+
+class ResultNotStored(Exception):
+    """The result store did not answer within ``result_store_patience_s``."""
+
+
 @dataclass(frozen=True)
 class Runtime:
     """What a delivery needs from the worker that received it."""
 
     app: App
+    settings: Settings
     publisher: Publisher
     metrics: Metrics
+    guard: IdempotencyGuard | None
+    results: ResultStore | None
+
+
+class _Gate(Enum):
+    GUARDED = "guarded"  # we hold the claim
+    UNGUARDED = "unguarded"  # no guard for this handler, or Redis down with run_unguarded
+    SETTLED = "settled"  # duplicate or deferred: nothing more to do
 
 
 async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
@@ -61,13 +86,34 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
             await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, e)
             return
 
-        error = await _call(spec, task, delivery, rt)
+        owner = IdempotencyGuard.new_owner()
+        gate = await _pass_guard(message, delivery, spec, rt, owner)
+        if gate is _Gate.SETTLED:
+            return
+        held = owner if gate is _Gate.GUARDED else None
+
+        # The status write runs beside the handler: a model call need not wait for it.
+        running = asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
+        async with _lease(rt, spec, delivery, held):
+            result, error = await _call(spec, task, delivery, rt)
+        await running
+
+        if error is None:
+            try:
+                jsonable = pydantic_core.to_jsonable_python(result)
+            except pydantic_core.PydanticSerializationError as e:
+                await _release(rt, spec, delivery, held)
+                bad = UnserialisableResult(f"handler returned a value that is not JSON: {e}")
+                await _dead_letter(
+                    message, delivery, spec, rt, DeadLetterReason.INVALID_RESULT, bad
+                )
+                return
+            await _finish(message, delivery, spec, rt, jsonable, held)
+            return
+
+        await _release(rt, spec, delivery, held)
         decision = decide(delivery.attempt, error, spec.retry)
-        if isinstance(decision, Ack):
-            await settle.ack(message)
-            rt.metrics.messages.labels(spec.queue, Outcome.ACKED.value).inc()
-        elif isinstance(decision, RetryLater):
-            assert error is not None
+        if isinstance(decision, RetryLater):
             log.warning(
                 "attempt %d failed (%s: %s); retrying in %.3g s",
                 delivery.attempt,
@@ -75,6 +121,7 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
                 error,
                 decision.delay_ms / 1000,
             )
+            await _status(rt, delivery, spec, TaskStatus.RETRYING, error=_describe(error))
             if await settle.retry(
                 message,
                 delivery,
@@ -85,28 +132,66 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
             ):
                 rt.metrics.messages.labels(spec.queue, Outcome.RETRIED.value).inc()
         elif isinstance(decision, DeadLetter):
-            assert error is not None
             await _dead_letter(message, delivery, spec, rt, decision.reason, error)
+
+
+async def _pass_guard(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    owner: str,
+) -> _Gate:
+    if rt.guard is None or not spec.idempotent:
+        return _Gate.UNGUARDED
+    try:
+        claim = await rt.guard.claim(spec.queue, delivery.task_id, owner)
+    except Exception as e:  # Redis unreachable or failing: the same answer either way
+        if rt.settings.guard_on_redis_down == "run_unguarded":
+            log.warning("Redis unavailable (%s); running UNGUARDED as configured", e)
+            return _Gate.UNGUARDED
+        log.warning("Redis unavailable (%s: %s); deferring the task", type(e).__name__, e)
+        await _defer(message, delivery, spec, rt)
+        return _Gate.SETTLED
+    if claim is Claim.DONE:
+        log.info("duplicate of a finished task: acked without running the handler")
+        if await settle.ack(message):
+            rt.metrics.messages.labels(spec.queue, Outcome.DUPLICATE.value).inc()
+        return _Gate.SETTLED
+    if claim is Claim.BUSY:
+        log.info("another worker is running this task; deferring this copy")
+        await _defer(message, delivery, spec, rt)
+        return _Gate.SETTLED
+    return _Gate.GUARDED
+
+
+@contextlib.asynccontextmanager
+async def _lease(
+    rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: str | None
+) -> AsyncIterator[None]:
+    if owner is None or rt.guard is None:
+        yield
+        return
+    async with rt.guard.lease_kept(spec.queue, delivery.task_id, owner):
+        yield
 
 
 async def _call(
     spec: HandlerSpec, task: Any, delivery: Delivery, rt: Runtime
-) -> BaseException | None:
-    """Run the handler under its timeout; the error it ended with, or None."""
+) -> tuple[Any, BaseException | None]:
+    """Run the handler under its timeout: (its result, None) or (None, the error)."""
     args: tuple[Any, ...] = (task,)
     if spec.takes_context:
-        args = (
-            task,
-            Context(
-                task_id=delivery.task_id,
-                trace_id=delivery.trace_id,
-                queue=spec.queue,
-                attempt=delivery.attempt,
-                redelivered=delivery.redelivered,
-                headers=delivery.headers,
-                app=rt.app,
-            ),
+        ctx = Context(
+            task_id=delivery.task_id,
+            trace_id=delivery.trace_id,
+            queue=spec.queue,
+            attempt=delivery.attempt,
+            redelivered=delivery.redelivered,
+            headers=delivery.headers,
+            app=rt.app,
         )
+        args = (task, ctx)
     in_flight = rt.metrics.in_flight.labels(spec.queue)
     in_flight.inc()
     started = time.perf_counter()
@@ -114,17 +199,118 @@ async def _call(
         # A CancelledError from outside (the worker stopping hard) is a BaseException and
         # passes through: the message stays unacked and is redelivered.
         async with asyncio.timeout(spec.timeout_s) as deadline:
-            await spec.func(*args)
-        return None
+            return await spec.func(*args), None
     except TimeoutError as e:
         if deadline.expired():
-            return HandlerTimeout(f"handler ran past its timeout of {spec.timeout_s} s")
-        return e
+            return None, HandlerTimeout(f"handler ran past its timeout of {spec.timeout_s} s")
+        return None, e
     except Exception as e:
-        return e
+        return None, e
     finally:
         in_flight.dec()
         rt.metrics.handler_seconds.labels(spec.queue).observe(time.perf_counter() - started)
+
+
+async def _finish(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    result: Any,
+    owner: str | None,
+) -> None:
+    """Store first, then ack: a crash in between redelivers a task the guard knows is done."""
+    try:
+        store = rt.results
+        if store is not None:
+            state = _state(delivery, spec, TaskStatus.SUCCEEDED, result=result)
+            await _patiently(rt, lambda: store.put(state))
+        if owner is not None and rt.guard is not None:
+            guard = rt.guard
+            await _patiently(rt, lambda: guard.mark_done(spec.queue, delivery.task_id))
+    except ResultNotStored as e:
+        log.error("%s; giving the task back to the broker", e)
+        await settle.give_back(message)
+        return
+    if await settle.ack(message):
+        rt.metrics.messages.labels(spec.queue, Outcome.ACKED.value).inc()
+
+
+async def _patiently(rt: Runtime, write: Any) -> None:
+    """Retry a Redis write with backoff for up to ``result_store_patience_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + rt.settings.result_store_patience_s
+    delay = 0.1
+    while True:
+        try:
+            await write()
+            return
+        except Exception as e:  # any store failure is retried the same way
+            if loop.time() + delay > deadline:
+                raise ResultNotStored(f"could not store the result: {type(e).__name__}: {e}") from e
+            log.warning("storing the result failed (%s); retrying in %.1f s", e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def _release(rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: str | None) -> None:
+    if owner is None or rt.guard is None:
+        return
+    try:
+        await rt.guard.release(spec.queue, delivery.task_id, owner)
+    except Exception as e:  # the lease lapses by itself
+        log.warning("could not release the claim (%s); it lapses with its lease", e)
+
+
+async def _defer(
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+) -> None:
+    if await settle.defer(
+        message, delivery, rt.publisher, queue=spec.queue, delay_ms=spec.retry.delay_ms(1)
+    ):
+        rt.metrics.messages.labels(spec.queue, Outcome.DEFERRED.value).inc()
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _state(
+    delivery: Delivery,
+    spec: HandlerSpec,
+    status: TaskStatus,
+    *,
+    result: Any = None,
+    error: str | None = None,
+    reason: str | None = None,
+) -> TaskState:
+    return TaskState(
+        task_id=delivery.task_id,
+        queue=spec.queue,
+        status=status,
+        attempt=delivery.attempt,
+        result=result,
+        error=error,
+        reason=reason,
+    )
+
+
+async def _status(
+    rt: Runtime,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    status: TaskStatus,
+    *,
+    error: str | None = None,
+    reason: str | None = None,
+) -> None:
+    """Best effort: progress statuses help the caller, but never block the task's path."""
+    if rt.results is None:
+        return
+    try:
+        await rt.results.put(_state(delivery, spec, status, error=error, reason=reason))
+    except Exception as e:
+        log.warning("could not record status %s (%s)", status.value, e)
 
 
 async def _dead_letter(
@@ -141,6 +327,9 @@ async def _dead_letter(
         reason.value,
         type(error).__name__,
         error,
+    )
+    await _status(
+        rt, delivery, spec, TaskStatus.DEAD_LETTERED, error=_describe(error), reason=reason.value
     )
     if await settle.dead_letter(
         message, delivery, rt.publisher, queue=spec.queue, reason=reason.value, error=error

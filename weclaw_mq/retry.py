@@ -14,6 +14,7 @@ class DeadLetterReason(str, Enum):
     INVALID_PAYLOAD = "invalid_payload"
     REJECTED = "rejected"
     RETRIES_EXHAUSTED = "retries_exhausted"
+    INVALID_RESULT = "invalid_result"
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr
@@ -37,6 +38,19 @@ class Settings(BaseSettings):
     reconnect_max_delay_s: float = Field(default=10.0, gt=0)
     heartbeat_s: int = Field(default=30, ge=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
+
+    # Idempotency guard and result store (Redis).
+    results_enabled: bool = True
+    guard_lease_s: float = Field(default=30.0, gt=0)
+    done_ttl_s: float = Field(default=24 * 3600.0, gt=0)
+    result_ttl_s: float = Field(default=24 * 3600.0, gt=0)
+    # When Redis does not answer: "defer" parks the task in a delay queue until it does
+    # (never run unguarded); "run_unguarded" is the explicit best-effort choice of users
+    # who prefer availability over at-most-once effects.
+    guard_on_redis_down: Literal["defer", "run_unguarded"] = "defer"
+    # How long a finished handler keeps trying to store its result before giving the task
+    # back to the broker (which would run it again).
+    result_store_patience_s: float = Field(default=60.0, ge=0)
 
     def amqp_url_plain(self) -> str:
         return self.amqp_url.get_secret_value()

@@ -94,6 +94,20 @@ async def retry(
     return await _move(message, delivery, publisher, retry_queue_name(queue, delay_ms), headers)
 
 
+async def defer(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    publisher: Publisher,
+    *,
+    queue: str,
+    delay_ms: int,
+) -> bool:
+    """Park the task in a delay queue without counting an attempt: it did not fail."""
+    return await _move(
+        message, delivery, publisher, retry_queue_name(queue, delay_ms), dict(delivery.headers)
+    )
+
+
 async def dead_letter(
     message: AbstractIncomingMessage,
     delivery: Delivery,

@@ -86,6 +86,7 @@ def configure_logging(level: int | str = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    # aio-pika/aiormq log every reconnect attempt with the URL at DEBUG; keep them quiet.
-    logging.getLogger("aiormq").setLevel(logging.WARNING)
-    logging.getLogger("aio_pika").setLevel(logging.WARNING)
+    # aiormq/aio-pika log connection failures themselves, some with the broker URL; ours say
+    # the same with the password redacted, so theirs stay silent.
+    logging.getLogger("aiormq").setLevel(logging.CRITICAL)
+    logging.getLogger("aio_pika").setLevel(logging.CRITICAL)

@@ -119,7 +119,14 @@ class Worker:
         channel = await conn.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.concurrency)
         publisher = Publisher(self.settings, self.app.metrics, name=self._name, connection=conn)
-        runtime = Runtime(app=self.app, publisher=publisher, metrics=self.app.metrics)
+        runtime = Runtime(
+            app=self.app,
+            settings=self.settings,
+            publisher=publisher,
+            metrics=self.app.metrics,
+            guard=self.app.guard,
+            results=self.app.results,
+        )
         consumers: list[tuple[AbstractQueue, str]] = []
         for spec in self.specs:
             queue = await channel.get_queue(spec.queue, ensure=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Annotated
 
 import typer
@@ -84,6 +83,7 @@ def publish(
     ] = None,
 ) -> None:
     """Publish one task and print its id once the broker confirmed it."""
+    configure_logging("WARNING")
     try:
         payload = json.loads(data)
     except json.JSONDecodeError as e:
@@ -98,9 +98,36 @@ def publish(
 
 
 @cli.command()
+def status(
+    task_id: Annotated[str, typer.Argument(help="The id publish returned.")],
+    wait_s: Annotated[
+        float,
+        typer.Option("--wait", min=0, help="Wait up to this many seconds for a final state."),
+    ] = 0.0,
+) -> None:
+    """Print a task's status (and result) as JSON; exit 1 if the task is unknown."""
+    configure_logging("WARNING")
+
+    async def read() -> str | None:
+        async with App("weclaw-mq-cli") as app:
+            state = (
+                await app.result(task_id, timeout_s=wait_s)
+                if wait_s > 0
+                else await app.status(task_id)
+            )
+            return state.model_dump_json(indent=2) if state is not None else None
+
+    text = asyncio.run(read())
+    if text is None:
+        typer.echo(f"no status recorded for task {task_id}", err=True)
+        raise typer.Exit(1)
+    typer.echo(text)
+
+
+@cli.command()
 def health() -> None:
     """Check the broker and Redis: exit 0 when both answer, else one line per failing part."""
-    logging.disable(logging.WARNING)
+    configure_logging("CRITICAL")  # the verdict lines below say everything
     parts = asyncio.run(check_all(Settings()))
     failing = [p for p in parts if not p.ok]
     for p in parts:

@@ -1,0 +1,127 @@
+"""Task status and results by task id: the "202 now, poll later" half of the API.
+
+A ``ResultStore`` is a small protocol; ``RedisResultStore`` is the default. Each task has one
+record, overwritten as it moves queued -> running -> (retrying ->)* succeeded | dead_lettered.
+A succeeded record is final: a late or duplicate writer can never turn it back.
+
+For results to survive a Redis restart, Redis must persist them (``appendonly yes``); a Redis
+that keeps nothing on disk forgets every result (and every done marker) when it restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, Field
+
+from .errors import ResultTimeoutError
+from .naming import result_channel, result_key
+
+
+class TaskStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    DEAD_LETTERED = "dead_lettered"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TaskStatus.SUCCEEDED, TaskStatus.DEAD_LETTERED)
+
+
+class TaskState(BaseModel):
+    task_id: str
+    queue: str
+    status: TaskStatus
+    attempt: int = 0
+    result: Any = None
+    error: str | None = None
+    reason: str | None = None
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+class ResultStore(Protocol):
+    async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
+        """Write ``state``; False when refused (final record, or one exists and only_if_new)."""
+        ...
+
+    async def get(self, task_id: str) -> TaskState | None: ...
+
+    async def wait(self, task_id: str, timeout_s: float) -> TaskState:
+        """The task's state once terminal; ``ResultTimeoutError`` after ``timeout_s``."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+# One round trip: refuse to overwrite a succeeded record, write, expire, and wake waiters.
+_PUT = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if current == 'succeeded' then return 0 end
+if ARGV[4] == '1' and current then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'state', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered' then
+  redis.call('PUBLISH', KEYS[2], ARGV[1])
+end
+return 1
+"""
+
+# Waiters re-read the record this often even without a notification, so a notification
+# missed across a reconnect costs at most this much delay.
+_RECHECK_S = 2.0
+
+
+class RedisResultStore:
+    def __init__(self, client: aioredis.Redis, *, ttl_s: float) -> None:
+        self._redis = client
+        self._ttl_ms = int(ttl_s * 1000)
+        self._put = client.register_script(_PUT)
+
+    async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
+        written = await self._put(
+            keys=[result_key(state.task_id), result_channel(state.task_id)],
+            args=[
+                state.status.value,
+                state.model_dump_json(),
+                self._ttl_ms,
+                "1" if only_if_new else "0",
+            ],
+        )
+        return bool(written)
+
+    async def get(self, task_id: str) -> TaskState | None:
+        raw = await self._redis.hget(result_key(task_id), "state")
+        return TaskState.model_validate_json(raw) if raw is not None else None
+
+    async def wait(self, task_id: str, timeout_s: float) -> TaskState:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pubsub = self._redis.pubsub()
+        # Subscribe before the first read: a result stored in between still wakes us.
+        await pubsub.subscribe(result_channel(task_id))
+        try:
+            while True:
+                state = await self.get(task_id)
+                if state is not None and state.status.terminal:
+                    return state
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise ResultTimeoutError(task_id, timeout_s, state)
+                await pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=min(left, _RECHECK_S)
+                )
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.unsubscribe()
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def close(self) -> None:
+        # The client is shared with the guard and owned by the App.
+        return None
