@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from aio_pika.abc import HeadersType
 from prometheus_client import CollectorRegistry
 
-from .connection import connect
+from .connection import BrokerEndpoints
 from .errors import ConfigurationError, PayloadTooLargeError, PayloadValidationError
 from .guard import IdempotencyGuard
 from .handler import HandlerFunc, HandlerSpec, InvalidPayload, UndecodableBody, build_spec
@@ -42,6 +42,7 @@ class App:
         self.name = name
         self.settings = settings if settings is not None else Settings()
         self.metrics = Metrics(registry)
+        self.broker = BrokerEndpoints(self.settings)
         self._handlers: dict[str, HandlerSpec] = {}
         self._publisher: Publisher | None = None
         self._redis: aioredis.Redis | None = None
@@ -94,7 +95,7 @@ class App:
     # -- publishing ---------------------------------------------------------------------
     def _get_publisher(self) -> Publisher:
         if self._publisher is None:
-            self._publisher = Publisher(self.settings, self.metrics, name=f"{self.name}-producer")
+            self._publisher = Publisher(self.broker, self.metrics, name=f"{self.name}-producer")
         return self._publisher
 
     def prepare(
@@ -222,7 +223,7 @@ class App:
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:
         """Declare every queue of every handler; returns their names."""
-        conn = await connect(self.settings, name=f"{self.name}-declare")
+        conn = await self.broker.connect(name=f"{self.name}-declare")
         try:
             channel = await conn.channel()
             return await declare(channel, [s.queue_spec() for s in self._handlers.values()])

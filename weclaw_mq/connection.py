@@ -1,9 +1,10 @@
-"""Opening broker connections: the one place that turns a URL into a live connection.
+"""Opening broker connections: the one place that turns URLs into a live connection.
 
 We use plain (non-robust) aio-pika connections and own the reconnect loop ourselves (in the
 worker and the producer): a robust connection silently restores channels whose delivery tags
-are stale and, per our measurements, can restore a channel that nacks every later publish.
-A fresh connection with fresh channels after every loss is simpler to reason about.
+are stale, can restore a channel that nacks every later publish after a leader election
+(seen on 3.10.8), and never fails over to another node. A fresh connection with fresh
+channels after every loss is simpler to reason about.
 """
 
 from __future__ import annotations
@@ -18,50 +19,76 @@ from aio_pika.abc import AbstractConnection
 from .errors import BrokerUnavailableError
 from .settings import Settings, redact_url
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("weclaw_mq.connection")
 
 CONNECT_TIMEOUT_S = 10.0
 
 
-async def connect(settings: Settings, *, name: str) -> AbstractConnection:
-    """One connection attempt; raises ``BrokerUnavailableError`` with the URL redacted."""
-    url = settings.amqp_url_plain()
-    try:
-        return await aio_pika.connect(
-            url,
-            timeout=CONNECT_TIMEOUT_S,
-            heartbeat=settings.heartbeat_s,
-            client_properties={"connection_name": name},
-        )
-    except (OSError, asyncio.TimeoutError, aio_pika.exceptions.AMQPError) as e:
-        raise BrokerUnavailableError(
-            f"cannot connect to RabbitMQ at {redact_url(url)}: {type(e).__name__}: {e}"
-        ) from e
+class BrokerEndpoints:
+    """The cluster's node URLs, tried in turn: the node that last worked first, and after a
+    loss the next one, so a dead node is not the first thing every reconnect waits on."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.urls = settings.amqp_urls()
+        self._preferred = 0
+        self._connected: dict[int, int] = {}  # id(connection) -> index of its URL
+
+    def _order(self) -> list[int]:
+        n = len(self.urls)
+        return [(self._preferred + k) % n for k in range(n)]
+
+    async def connect(self, *, name: str) -> AbstractConnection:
+        """Connect to the first node that answers; ``BrokerUnavailableError`` if none does."""
+        problems: list[str] = []
+        timeout_s = CONNECT_TIMEOUT_S if len(self.urls) == 1 else CONNECT_TIMEOUT_S / 2
+        for index in self._order():
+            url = self.urls[index]
+            try:
+                conn = await aio_pika.connect(
+                    url,
+                    timeout=timeout_s,
+                    heartbeat=self.settings.heartbeat_s,
+                    client_properties={"connection_name": name},
+                )
+            except (OSError, asyncio.TimeoutError, aio_pika.exceptions.AMQPError) as e:
+                problems.append(f"{redact_url(url)}: {type(e).__name__}: {e}")
+                continue
+            self._preferred = index
+            self._connected[id(conn)] = index
+            conn.close_callbacks.add(self._on_close)
+            return conn
+        raise BrokerUnavailableError("cannot connect to RabbitMQ at " + "; ".join(problems))
+
+    def _on_close(self, conn: object, exc: BaseException | None = None) -> None:
+        index = self._connected.pop(id(conn), None)
+        if exc is not None and index is not None and index == self._preferred:
+            # Lost, not closed by us: start the next attempt on another node.
+            self._preferred = (index + 1) % len(self.urls)
+
+    async def connect_with_retry(
+        self, *, name: str, stop: asyncio.Event | None = None
+    ) -> AbstractConnection | None:
+        """Retry ``connect`` with backoff until it succeeds, or return None once ``stop`` is set."""
+        failures = 0
+        while True:
+            try:
+                return await self.connect(name=name)
+            except BrokerUnavailableError as e:
+                failures += 1
+                delay = backoff_s(failures, self.settings.reconnect_max_delay_s)
+                log.warning("%s; retrying in %.1f s", e, delay)
+                if stop is None:
+                    await asyncio.sleep(delay)
+                    continue
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                    return None
+                except asyncio.TimeoutError:
+                    continue
 
 
 def backoff_s(failures: int, max_delay_s: float) -> float:
     """0.2 s, 0.4 s, 0.8 s ... capped, with jitter so a fleet does not reconnect in step."""
     base: float = min(0.2 * 2 ** max(failures - 1, 0), max_delay_s)
     return base * random.uniform(0.5, 1.0)
-
-
-async def connect_with_retry(
-    settings: Settings, *, name: str, stop: asyncio.Event | None = None
-) -> AbstractConnection | None:
-    """Retry ``connect`` with backoff until it succeeds, or return None once ``stop`` is set."""
-    failures = 0
-    while True:
-        try:
-            return await connect(settings, name=name)
-        except BrokerUnavailableError as e:
-            failures += 1
-            delay = backoff_s(failures, settings.reconnect_max_delay_s)
-            log.warning("%s; retrying in %.1f s", e, delay)
-            if stop is None:
-                await asyncio.sleep(delay)
-                continue
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-                return None
-            except asyncio.TimeoutError:
-                continue

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from .connection import connect
+from .connection import BrokerEndpoints
 from .errors import BrokerUnavailableError
 from .settings import Settings, redact_url
 
@@ -23,11 +23,11 @@ class PartHealth:
 
 async def check_broker(settings: Settings) -> PartHealth:
     try:
-        conn = await connect(settings, name="weclaw-mq-health")
+        conn = await BrokerEndpoints(settings).connect(name="weclaw-mq-health")
     except BrokerUnavailableError as e:
         return PartHealth("broker", False, str(e))
     await conn.close()
-    return PartHealth("broker", True, redact_url(settings.amqp_url_plain()))
+    return PartHealth("broker", True, settings.amqp_url_redacted())
 
 
 async def check_redis(settings: Settings) -> PartHealth:

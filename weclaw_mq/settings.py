@@ -18,6 +18,8 @@ class Settings(BaseSettings):
         env_prefix="WECLAW_MQ_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
     )
 
+    # One URL, or a cluster's nodes separated by commas: clients connect to the first that
+    # answers and move to another node when theirs dies.
     amqp_url: SecretStr = SecretStr("amqp://guest:guest@localhost:5672/")
     redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
 
@@ -36,7 +38,8 @@ class Settings(BaseSettings):
     handler_timeout_s: float = Field(default=300.0, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     reconnect_max_delay_s: float = Field(default=10.0, gt=0)
-    heartbeat_s: int = Field(default=30, ge=0)
+    # A dead peer (paused broker, blackholed link) is noticed within (heartbeat_s + 1) * 3 s.
+    heartbeat_s: int = Field(default=10, ge=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
     # Idempotency guard and result store (Redis).
@@ -54,6 +57,13 @@ class Settings(BaseSettings):
 
     def amqp_url_plain(self) -> str:
         return self.amqp_url.get_secret_value()
+
+    def amqp_urls(self) -> list[str]:
+        urls = [u.strip() for u in self.amqp_url_plain().split(",") if u.strip()]
+        return urls or ["amqp://guest:guest@localhost:5672/"]
+
+    def amqp_url_redacted(self) -> str:
+        return ",".join(redact_url(u) for u in self.amqp_urls())
 
     def redis_url_plain(self) -> str:
         return self.redis_url.get_secret_value()

@@ -17,7 +17,7 @@ import aiormq
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
 from .app import App
-from .connection import backoff_s, connect_with_retry
+from .connection import backoff_s
 from .errors import ConfigurationError
 from .handler import HandlerSpec
 from .metrics import Outcome
@@ -87,7 +87,7 @@ class Worker:
         self._warn_about_consumer_timeout()
         failures = 0
         while not self._stop.is_set():
-            conn = await connect_with_retry(self.settings, name=self._name, stop=self._stop)
+            conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)
             if conn is None:
                 break
             if failures:
@@ -118,7 +118,7 @@ class Worker:
 
         channel = await conn.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.concurrency)
-        publisher = Publisher(self.settings, self.app.metrics, name=self._name, connection=conn)
+        publisher = Publisher(self.app.broker, self.app.metrics, name=self._name, connection=conn)
         runtime = Runtime(
             app=self.app,
             settings=self.settings,
