@@ -7,6 +7,7 @@ dead-letter what cannot succeed, and guard effects with Redis so a redelivery ne
 from .app import App
 from .context import Context
 from .errors import (
+    BatchPublishError,
     BrokerUnavailableError,
     ConfigurationError,
     ConfirmTimeoutError,
@@ -29,6 +30,7 @@ from .worker import Worker
 
 __all__ = [
     "App",
+    "BatchPublishError",
     "BrokerUnavailableError",
     "ConfigurationError",
     "ConfirmTimeoutError",

@@ -12,7 +12,9 @@
         ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
         ├── UnroutableError          no queue bound for the routing key (mandatory return)
         ├── ConfirmTimeoutError      no confirm within ``confirm_timeout_s``: outcome unknown
-        └── ConnectionLostError      the connection or channel died before the confirm
+        ├── ConnectionLostError      the connection or channel died before the confirm
+        └── BatchPublishError        part of a ``publish_many`` batch failed: ``.failed`` says
+                                     which (index -> error); the rest are confirmed
 
 A ``PublishFailedError`` means the caller does not hold a confirmed task; for
 ``ConfirmTimeoutError`` and ``ConnectionLostError`` the message may still have reached the
@@ -100,3 +102,21 @@ class ResultTimeoutError(WeclawMQError):
         )
         self.task_id = task_id
         self.last = last
+
+
+class BatchPublishError(PublishFailedError):
+    def __init__(self, queue: str, task_ids: list[str], failed: dict[int, Exception]) -> None:
+        first = min(failed)
+        super().__init__(
+            f"{len(failed)} of {len(task_ids)} messages for {queue!r} were not confirmed "
+            f"(first: #{first}, {failed[first]}); the other {len(task_ids) - len(failed)} are "
+            "stored. Republish only the failed ones, with the same task ids",
+            queue=queue,
+            task_id=task_ids[first],
+        )
+        self.task_ids = task_ids
+        self.failed = failed
+
+    @property
+    def confirmed(self) -> list[str]:
+        return [t for i, t in enumerate(self.task_ids) if i not in self.failed]

@@ -60,7 +60,12 @@ class Publisher:
         self._channel: AbstractChannel | None = None
         self._lock = asyncio.Lock()
         self._nack_streak = 0
-        self._closing: asyncio.Future[None] | None = None
+        self._retired: set[AbstractChannel] = set()  # dropped after nacks, closed later
+        self._closing: set[asyncio.Future[None]] = set()
+
+    async def connect(self) -> None:
+        """Open the channel now (``BrokerUnavailableError`` if no broker answers)."""
+        await self._ready_channel()
 
     async def _ready_channel(self) -> AbstractChannel:
         channel = self._channel
@@ -130,11 +135,24 @@ class Publisher:
         # nack EVERY later publish (seen in 5 of 8 runs on 3.10.8) while a fresh channel works
         # at once. A run of nacks therefore costs us the channel, never the caller's retries.
         self._nack_streak += 1
-        if self._nack_streak >= NACK_STREAK_RESET:
-            self._nack_streak = 0
-            channel, self._channel = self._channel, None
-            if channel is not None and not channel.is_closed:
-                self._closing = asyncio.ensure_future(_close_quietly(channel))
+        if self._nack_streak < NACK_STREAK_RESET:
+            return
+        self._nack_streak = 0
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.is_closed:
+            # Publishes still waiting on it keep their own outcome: close it only once every
+            # pending confirm has arrived or timed out.
+            self._retired.add(channel)
+            asyncio.get_running_loop().call_later(
+                self._settings.confirm_timeout_s + 1, self._close_retired, channel
+            )
+
+    def _close_retired(self, channel: AbstractChannel) -> None:
+        self._retired.discard(channel)
+        if not channel.is_closed:
+            task = asyncio.ensure_future(_close_quietly(channel))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def _count(self, queue: str, outcome: str) -> None:
         self._metrics.published.labels(queue, outcome).inc()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from enum import Enum
 from typing import Any, Protocol
@@ -51,6 +52,10 @@ class ResultStore(Protocol):
         """Write ``state``; False when refused (final record, or one exists and only_if_new)."""
         ...
 
+    async def put_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+        """``put`` for a batch, in as few round trips as the store allows."""
+        ...
+
     async def get(self, task_id: str) -> TaskState | None: ...
 
     async def wait(self, task_id: str, timeout_s: float) -> TaskState:
@@ -84,17 +89,23 @@ class RedisResultStore:
         self._ttl_ms = int(ttl_s * 1000)
         self._put = client.register_script(_PUT)
 
+    @staticmethod
+    def _keys(state: TaskState) -> list[str]:
+        return [result_key(state.task_id), result_channel(state.task_id)]
+
+    def _args(self, state: TaskState, only_if_new: bool) -> list[Any]:
+        return [state.status.value, state.model_dump_json(), self._ttl_ms, int(only_if_new)]
+
     async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
-        written = await self._put(
-            keys=[result_key(state.task_id), result_channel(state.task_id)],
-            args=[
-                state.status.value,
-                state.model_dump_json(),
-                self._ttl_ms,
-                "1" if only_if_new else "0",
-            ],
-        )
-        return bool(written)
+        return bool(await self._put(keys=self._keys(state), args=self._args(state, only_if_new)))
+
+    async def put_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for state in states:
+                await self._put(
+                    keys=self._keys(state), args=self._args(state, only_if_new), client=pipe
+                )
+            await pipe.execute()
 
     async def get(self, task_id: str) -> TaskState | None:
         raw = await self._redis.hget(result_key(task_id), "state")
