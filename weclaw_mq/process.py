@@ -62,7 +62,6 @@ class Runtime:
 
 
 class _Gate(Enum):
-    GUARDED = "guarded"  # we hold the claim
     UNGUARDED = "unguarded"  # no guard for this handler, or Redis down with run_unguarded
     SETTLED = "settled"  # duplicate or deferred: nothing more to do
 
@@ -86,16 +85,19 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
             await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, e)
             return
 
-        owner = IdempotencyGuard.new_owner()
-        gate = await _pass_guard(message, delivery, spec, rt, owner)
+        gate = await _pass_guard(message, delivery, spec, rt)
         if gate is _Gate.SETTLED:
             return
-        held = owner if gate is _Gate.GUARDED else None
+        held = gate if isinstance(gate, str) else None  # the claim's owner token
 
         # The status write runs beside the handler: a model call need not wait for it.
         running = asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
-        async with _lease(rt, spec, delivery, held):
-            result, error = await _call(spec, task, delivery, rt)
+        try:
+            async with _lease(rt, spec, delivery, held):
+                result, error = await _call(spec, task, delivery, rt)
+        except BaseException:
+            running.cancel()  # stopping hard: the message stays unacked
+            raise
         await running
 
         if error is None:
@@ -136,14 +138,12 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
 
 
 async def _pass_guard(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    owner: str,
-) -> _Gate:
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+) -> str | _Gate:
+    """The claim's owner token when we hold the claim, else how the delivery went on."""
     if rt.guard is None or not spec.idempotent:
         return _Gate.UNGUARDED
+    owner = rt.guard.new_owner()
     try:
         claim = await rt.guard.claim(spec.queue, delivery.task_id, owner)
     except Exception as e:  # Redis unreachable or failing: the same answer either way
@@ -162,7 +162,7 @@ async def _pass_guard(
         log.info("another worker is running this task; deferring this copy")
         await _defer(message, delivery, spec, rt)
         return _Gate.SETTLED
-    return _Gate.GUARDED
+    return owner
 
 
 @contextlib.asynccontextmanager
