@@ -51,7 +51,7 @@ class BrokerEndpoints:
                     heartbeat=self.settings.heartbeat_s,
                     client_properties={"connection_name": name},
                 )
-            except (OSError, asyncio.TimeoutError, aio_pika.exceptions.AMQPError) as e:
+            except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as e:
                 problems.append(f"{redact_url(url)}: {type(e).__name__}: {e}")
                 continue
             self._preferred = index
@@ -84,7 +84,7 @@ class BrokerEndpoints:
                 try:
                     await asyncio.wait_for(stop.wait(), delay)
                     return None
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
 
 

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from enum import Enum
+from enum import StrEnum
 
 import redis.asyncio as aioredis
 
@@ -28,7 +28,7 @@ DONE = "done"
 _RUNNING = "running:"
 
 
-class Claim(str, Enum):
+class Claim(StrEnum):
     ACQUIRED = "acquired"
     DONE = "done"  # finished before: ack without running
     BUSY = "busy"  # another worker holds it now: come back later

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
@@ -48,7 +48,7 @@ def build_message(
         message_id=task_id,
         content_type=CONTENT_TYPE,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        timestamp=timestamp or datetime.now(timezone.utc),
+        timestamp=timestamp or datetime.now(UTC),
         headers=headers,
     )
 

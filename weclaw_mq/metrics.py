@@ -5,12 +5,12 @@ Labels stay low-cardinality: queue names and a fixed set of outcomes, never task
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
-class Outcome(str, Enum):
+class Outcome(StrEnum):
     ACKED = "acked"
     RETRIED = "retried"
     DEAD_LETTERED = "dead_lettered"

@@ -110,7 +110,7 @@ class Publisher:
                 queue=queue,
                 task_id=task_id,
             ) from e
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             self._count(queue, "timeout")
             raise ConfirmTimeoutError(
                 f"no confirm for {queue!r} within {timeout_s} s; the message may or may not "

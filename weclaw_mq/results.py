@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from datetime import datetime, timezone
-from enum import Enum
+from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -24,7 +24,7 @@ from .errors import ResultTimeoutError
 from .naming import result_channel, result_key
 
 
-class TaskStatus(str, Enum):
+class TaskStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     RETRYING = "retrying"
@@ -44,7 +44,7 @@ class TaskState(BaseModel):
     result: Any = None
     error: str | None = None
     reason: str | None = None
-    updated_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 
 class ResultStore(Protocol):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from .errors import ConfigurationError
 from .signals import Reject
 
 
-class DeadLetterReason(str, Enum):
+class DeadLetterReason(StrEnum):
     UNDECODABLE = "undecodable"
     INVALID_PAYLOAD = "invalid_payload"
     REJECTED = "rejected"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
+    return datetime.now(UTC).isoformat()
 
 
 def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dict[str, Any]:
