@@ -19,6 +19,8 @@ from .errors import (
     ConfigurationError,
     PayloadTooLargeError,
     PayloadValidationError,
+    PublishNackedError,
+    UnroutableError,
 )
 from .guard import IdempotencyGuard
 from .handler import HandlerFunc, HandlerSpec, InvalidPayload, UndecodableBody, build_spec
@@ -165,10 +167,16 @@ class App:
                 only_if_new=True,
             )
         )
+        refused = False
         try:
             await self._get_publisher().publish(queue, message)
+        except (PublishNackedError, UnroutableError):
+            refused = True
+            raise
         finally:
             await self._settle_queued(queued)
+            if refused:
+                await self._forget([message.message_id])
         return message.message_id
 
     async def publish_many(
@@ -230,8 +238,26 @@ class App:
             elif isinstance(outcome, BaseException):
                 raise outcome  # cancellation: not a publish outcome
         if failed:
+            await self._forget(
+                [
+                    ids[i]
+                    for i, e in failed.items()
+                    if isinstance(e, PublishNackedError | UnroutableError)
+                ]
+            )
             raise BatchPublishError(queue, ids, failed)
         return ids
+
+    async def _forget(self, task_ids: list[str]) -> None:
+        """Drop the queued records of tasks the broker refused: they were never stored."""
+        store = self.results
+        if store is None:
+            return
+        for task_id in task_ids:
+            try:
+                await store.forget_queued(task_id)
+            except Exception as e:  # a stale "queued" record expires with its TTL
+                log.warning("could not drop the queued status of %s (%s)", task_id, e)
 
     @staticmethod
     async def _settle_queued(queued: asyncio.Task[Any]) -> None:

@@ -88,6 +88,26 @@ class BrokerEndpoints:
                     continue
 
 
+def is_alive(conn: AbstractConnection) -> bool:
+    # aio-pika marks a connection closed only when WE close it; a connection the broker or
+    # the network dropped shows only as a cleared ``connected`` event.
+    return not conn.is_closed and conn.connected.is_set()
+
+
+def when_lost(conn: AbstractConnection) -> asyncio.Future[None]:
+    """A future that completes when ``conn`` closes for any reason."""
+    lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def mark(*_: object) -> None:
+        if not lost.done():
+            lost.set_result(None)
+
+    conn.close_callbacks.add(mark)
+    if not is_alive(conn):
+        mark()
+    return lost
+
+
 def backoff_s(failures: int, max_delay_s: float) -> float:
     """0.2 s, 0.4 s, 0.8 s ... capped, with jitter so a fleet does not reconnect in step."""
     base: float = min(0.2 * 2 ** max(failures - 1, 0), max_delay_s)

@@ -14,7 +14,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.message import Message
 
-from .connection import BrokerEndpoints
+from .connection import BrokerEndpoints, is_alive
 from .errors import (
     ConfirmTimeoutError,
     ConnectionLostError,
@@ -75,13 +75,19 @@ class Publisher:
             if self._channel is not None and not self._channel.is_closed:
                 return self._channel
             conn = self._connection
-            if conn is None or conn.is_closed:
+            if conn is None or not is_alive(conn):
                 if not self._owns_connection:
                     raise aiormq.exceptions.ChannelInvalidStateError("worker connection closed")
+                if conn is not None:
+                    await _close_quietly(conn)
                 conn = self._connection = await self._broker.connect(name=self._name)
-            # on_return_raises: an unroutable mandatory publish must raise, not vanish.
-            self._channel = await conn.channel(publisher_confirms=True, on_return_raises=True)
-            return self._channel
+            try:
+                # on_return_raises: an unroutable mandatory publish must raise, not vanish.
+                channel = await conn.channel(publisher_confirms=True, on_return_raises=True)
+            except RuntimeError as e:  # aio-pika's word for "this connection is closed"
+                raise aiormq.exceptions.ChannelInvalidStateError(str(e)) from e
+            self._channel = channel
+            return channel
 
     async def publish(self, queue: str, message: Message) -> None:
         """Publish to ``queue`` through the default exchange and wait for the broker's ack."""
@@ -167,8 +173,8 @@ class Publisher:
                 await conn.close()
 
 
-async def _close_quietly(channel: AbstractChannel) -> None:
+async def _close_quietly(link: AbstractChannel | AbstractConnection) -> None:
     try:
-        await channel.close()
-    except Exception as e:  # closing a failing channel may fail too; it is dropped either way
-        log.debug("closing a dropped channel failed: %s", e)
+        await link.close()
+    except Exception as e:  # closing a failing link may fail too; it is dropped either way
+        log.debug("closing a dropped channel or connection failed: %s", e)

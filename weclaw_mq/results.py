@@ -56,6 +56,10 @@ class ResultStore(Protocol):
         """``put`` for a batch, in as few round trips as the store allows."""
         ...
 
+    async def forget_queued(self, task_id: str) -> None:
+        """Drop a ``queued`` record whose publish the broker refused: that task never existed."""
+        ...
+
     async def get(self, task_id: str) -> TaskState | None: ...
 
     async def wait(self, task_id: str, timeout_s: float) -> TaskState:
@@ -78,6 +82,13 @@ end
 return 1
 """
 
+_FORGET_QUEUED = """
+if redis.call('HGET', KEYS[1], 'status') == 'queued' then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 # Waiters re-read the record this often even without a notification, so a notification
 # missed across a reconnect costs at most this much delay.
 _RECHECK_S = 2.0
@@ -88,6 +99,7 @@ class RedisResultStore:
         self._redis = client
         self._ttl_ms = int(ttl_s * 1000)
         self._put = client.register_script(_PUT)
+        self._forget_queued = client.register_script(_FORGET_QUEUED)
 
     @staticmethod
     def _keys(state: TaskState) -> list[str]:
@@ -106,6 +118,9 @@ class RedisResultStore:
                     keys=self._keys(state), args=self._args(state, only_if_new), client=pipe
                 )
             await pipe.execute()
+
+    async def forget_queued(self, task_id: str) -> None:
+        await self._forget_queued(keys=[result_key(task_id)])
 
     async def get(self, task_id: str) -> TaskState | None:
         raw = await self._redis.hget(result_key(task_id), "state")

@@ -17,7 +17,7 @@ import aiormq
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
 from .app import App
-from .connection import backoff_s
+from .connection import backoff_s, when_lost
 from .errors import ConfigurationError
 from .handler import HandlerSpec
 from .metrics import Outcome
@@ -140,7 +140,7 @@ class Worker:
         self.ready.set()
 
         stop = asyncio.ensure_future(self._stop.wait())
-        lost = asyncio.ensure_future(_first(conn.closed(), channel.closed()))
+        lost = asyncio.ensure_future(_first(when_lost(conn), channel.closed()))
         try:
             await asyncio.wait({stop, lost}, return_when=asyncio.FIRST_COMPLETED)
         finally:

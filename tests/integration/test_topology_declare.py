@@ -1,0 +1,215 @@
+"""App.declare() against the real broker: the queues it creates, and what a conflict says."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import aio_pika
+import pytest
+
+from weclaw_mq import App, RetryPolicy, TopologyConflictError
+
+
+def _list_queues() -> dict[str, dict[str, Any]]:
+    """Every queue on the broker as the broker itself reports it (type, durable, arguments)."""
+    out = subprocess.run(
+        [
+            *("rabbitmqctl", "-q", "list_queues", "name", "type", "durable", "arguments"),
+            *("--formatter", "json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    queues: dict[str, dict[str, Any]] = {}
+    for row in json.loads(out):
+        # arguments come as [name, amqp-type, value] triples
+        row["arguments"] = {name: value for name, _type, value in row["arguments"]}
+        queues[row["name"]] = row
+    return queues
+
+
+async def _queues_named(prefix: str) -> dict[str, dict[str, Any]]:
+    everything = await asyncio.to_thread(_list_queues)
+    return {n: q for n, q in everything.items() if n == prefix or n.startswith(f"{prefix}.")}
+
+
+def _register(app: App, queue: str, **options: Any) -> None:
+    async def summarise(task: dict[str, str]) -> None:
+        return None
+
+    app.handler(queue, **options)(summarise)
+
+
+async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_delay(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    app = make_app()
+    _register(
+        app,
+        qname,
+        retry=RetryPolicy(max_retries=2, delay_s=0.2, multiplier=2),
+        delivery_limit=4,
+    )
+
+    names = await app.declare()
+
+    assert sorted(names) == sorted(
+        [qname, f"{qname}.dlq", f"{qname}.retry.200ms", f"{qname}.retry.400ms"]
+    )
+    queues = await _queues_named(qname)
+    assert set(queues) == set(names)
+    for q in queues.values():
+        assert q["type"] == "quorum"
+        assert q["durable"] is True
+    assert queues[qname]["arguments"] == {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": f"{qname}.dlq",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+        "x-delivery-limit": 4,
+    }
+    for delay_ms in (200, 400):
+        assert queues[f"{qname}.retry.{delay_ms}ms"]["arguments"] == {
+            "x-queue-type": "quorum",
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": qname,
+            "x-dead-letter-strategy": "at-least-once",
+            "x-overflow": "reject-publish",
+            "x-message-ttl": delay_ms,
+        }
+    assert queues[f"{qname}.dlq"]["arguments"] == {"x-queue-type": "quorum"}
+
+
+async def test_capped_delays_share_one_retry_queue(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    app = make_app()
+    _register(
+        app,
+        qname,
+        retry=RetryPolicy(max_retries=5, delay_s=0.1, multiplier=2, max_delay_s=0.2),
+        max_length=50,
+    )
+
+    await app.declare()
+
+    queues = await _queues_named(qname)
+    assert sorted(queues) == sorted(
+        [qname, f"{qname}.dlq", f"{qname}.retry.100ms", f"{qname}.retry.200ms"]
+    )
+    assert queues[qname]["arguments"]["x-max-length"] == 50
+
+
+async def test_declare_covers_every_handler_of_the_app(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    app = make_app()
+    other = f"{qname}-b"
+    policy = RetryPolicy(max_retries=1, delay_s=0.05)
+    _register(app, qname, retry=policy)
+    _register(app, other, retry=policy)
+
+    names = await app.declare()
+
+    assert set(names) == {
+        qname,
+        f"{qname}.dlq",
+        f"{qname}.retry.50ms",
+        other,
+        f"{other}.dlq",
+        f"{other}.retry.50ms",
+    }
+    assert set(names) <= set(await asyncio.to_thread(_list_queues))
+
+
+async def test_declaring_twice_is_harmless_and_keeps_queued_messages(
+    make_app: Callable[..., App], qname: str, broker_url: str
+) -> None:
+    policy = RetryPolicy(max_retries=1, delay_s=0.05)
+    app = make_app()
+    _register(app, qname, retry=policy)
+    first = await app.declare()
+    task_id = await app.publish(qname, {"text": "still here"})
+
+    assert await app.declare() == first
+    # a second process (another App with the same handler) declares the same topology
+    twin = make_app(name="twin")
+    _register(twin, qname, retry=policy)
+    assert await twin.declare() == first
+
+    conn = await aio_pika.connect(broker_url)
+    try:
+        channel = await conn.channel()
+        queue = await channel.declare_queue(qname, passive=True)
+        assert queue.declaration_result.message_count == 1
+        message = await queue.get(no_ack=True)
+        assert message.message_id == task_id
+    finally:
+        await conn.close()
+
+
+async def test_redeclaring_with_another_delivery_limit_raises_a_conflict_that_says_what_to_do(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    policy = RetryPolicy(max_retries=1, delay_s=0.05)
+    old = make_app(name="old")
+    _register(old, qname, retry=policy, delivery_limit=5)
+    await old.declare()
+
+    new = make_app(name="new")
+    _register(new, qname, retry=policy, delivery_limit=6)
+    with pytest.raises(TopologyConflictError) as info:
+        await new.declare()
+
+    err = info.value
+    assert err.queue == qname
+    assert err.argument == "x-delivery-limit"
+    text = str(err)
+    assert repr(qname) in text
+    assert "'x-delivery-limit'" in text
+    # it must tell the operator the two ways out
+    assert "keep the old value" in text
+    assert f"rabbitmqctl delete_queue {qname}" in text
+    # and the existing queue is untouched
+    queues = await _queues_named(qname)
+    assert queues[qname]["arguments"]["x-delivery-limit"] == 5
+
+
+async def test_adding_a_max_length_to_an_existing_queue_is_a_conflict_naming_that_argument(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    policy = RetryPolicy(max_retries=1, delay_s=0.05)
+    old = make_app(name="old")
+    _register(old, qname, retry=policy)
+    await old.declare()
+
+    new = make_app(name="new")
+    _register(new, qname, retry=policy, max_length=10)
+    with pytest.raises(TopologyConflictError) as info:
+        await new.declare()
+
+    assert info.value.queue == qname
+    assert info.value.argument == "x-max-length"
+
+
+async def test_a_conflict_does_not_stop_the_app_from_declaring_again(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    # the conflict closes the declaring channel; the next declare must use a fresh one
+    policy = RetryPolicy(max_retries=1, delay_s=0.05)
+    old = make_app(name="old")
+    _register(old, qname, retry=policy, delivery_limit=5)
+    await old.declare()
+    new = make_app(name="new")
+    _register(new, qname, retry=policy, delivery_limit=6)
+    with pytest.raises(TopologyConflictError):
+        await new.declare()
+
+    assert qname in await old.declare()

@@ -1,0 +1,143 @@
+"""Queue names and queue arguments: pure functions, checked without a broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from weclaw_mq import ConfigurationError
+from weclaw_mq.naming import delay_label, dlq_name, retry_queue_name, validate_queue_name
+from weclaw_mq.topology import (
+    QueueSpec,
+    dlq_arguments,
+    queue_declarations,
+    retry_queue_arguments,
+    work_queue_arguments,
+)
+
+
+def test_dlq_name_appends_dot_dlq() -> None:
+    assert dlq_name("summarise") == "summarise.dlq"
+
+
+@pytest.mark.parametrize(
+    ("delay_ms", "label"),
+    [(5_000, "5s"), (60_000, "60s"), (250, "250ms"), (1_500, "1500ms"), (1, "1ms")],
+)
+def test_delay_label_reads_as_seconds_when_whole_and_milliseconds_otherwise(
+    delay_ms: int, label: str
+) -> None:
+    assert delay_label(delay_ms) == label
+
+
+def test_retry_queue_name_carries_the_readable_delay() -> None:
+    assert retry_queue_name("summarise", 5_000) == "summarise.retry.5s"
+    assert retry_queue_name("summarise", 250) == "summarise.retry.250ms"
+
+
+@pytest.mark.parametrize(
+    "name", ["summarise", "a", "ai.summarise", "ai:summarise-v2", "Q_1", "7up"]
+)
+def test_ordinary_queue_names_are_accepted_unchanged(name: str) -> None:
+    assert validate_queue_name(name) == name
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("", "1 to 200 bytes"),
+        ("x" * 201, "1 to 200 bytes"),
+        ("amq.work", "reserved"),
+        ("has space", "letters, digits"),
+        ("-leading-dash", "start with a letter or digit"),
+        (".hidden", "start with a letter or digit"),
+        ("slash/name", "letters, digits"),
+        ("unicodé", "letters, digits"),
+        ("summarise.dlq", "derived"),
+        ("summarise.retry.5s", "derived"),
+    ],
+)
+def test_queue_names_that_cannot_work_are_refused(name: str, fragment: str) -> None:
+    with pytest.raises(ConfigurationError, match=fragment):
+        validate_queue_name(name)
+
+
+def test_longest_accepted_name_still_fits_amqp_after_suffixes() -> None:
+    name = "q" * 200
+    validate_queue_name(name)
+    # AMQP short strings stop at 255 bytes; every derived name must stay under that.
+    assert len(retry_queue_name(name, 123_456_789).encode()) <= 255
+    assert len(dlq_name(name).encode()) <= 255
+
+
+def _spec(**overrides: object) -> QueueSpec:
+    values: dict[str, object] = {
+        "name": "work",
+        "retry_delays_ms": (100, 200),
+        "delivery_limit": 7,
+    }
+    values.update(overrides)
+    return QueueSpec(**values)  # type: ignore[arg-type]
+
+
+def test_work_queue_is_quorum_and_dead_letters_to_its_dlq_at_least_once() -> None:
+    args = work_queue_arguments(_spec())
+    assert args == {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": "work.dlq",
+        "x-dead-letter-strategy": "at-least-once",
+        # at-least-once dead-lettering is only honoured with reject-publish overflow
+        "x-overflow": "reject-publish",
+        "x-delivery-limit": 7,
+    }
+
+
+def test_work_queue_has_a_max_length_only_when_asked() -> None:
+    assert "x-max-length" not in work_queue_arguments(_spec())
+    assert work_queue_arguments(_spec(max_length=500))["x-max-length"] == 500
+
+
+def test_retry_queue_expires_after_its_delay_back_into_the_work_queue() -> None:
+    args = retry_queue_arguments(_spec(), 250)
+    assert args["x-message-ttl"] == 250
+    assert args["x-dead-letter-exchange"] == ""
+    assert args["x-dead-letter-routing-key"] == "work"
+    assert args["x-dead-letter-strategy"] == "at-least-once"
+    assert args["x-overflow"] == "reject-publish"
+    assert args["x-queue-type"] == "quorum"
+    # a crash-loop limit belongs to the work queue only
+    assert "x-delivery-limit" not in args
+
+
+def test_dlq_holds_messages_forever() -> None:
+    args = dlq_arguments()
+    assert args == {"x-queue-type": "quorum"}
+    for never in ("x-message-ttl", "x-max-length", "x-dead-letter-exchange", "x-expires"):
+        assert never not in args
+
+
+def test_declarations_list_the_dlq_first_then_the_work_queue_then_each_delay() -> None:
+    spec = _spec(retry_delays_ms=(100, 200, 5_000))
+    decls = queue_declarations(spec)
+    assert [name for name, _ in decls] == [
+        "work.dlq",
+        "work",
+        "work.retry.100ms",
+        "work.retry.200ms",
+        "work.retry.5s",
+    ]
+    by_name = dict(decls)
+    assert by_name["work.dlq"] == dlq_arguments()
+    assert by_name["work"] == work_queue_arguments(spec)
+    assert by_name["work.retry.5s"] == retry_queue_arguments(spec, 5_000)
+
+
+def test_declarations_without_retries_are_just_the_dlq_and_the_work_queue() -> None:
+    assert [n for n, _ in queue_declarations(_spec(retry_delays_ms=()))] == ["work.dlq", "work"]
+
+
+def test_declaration_arguments_are_fresh_dicts_each_call() -> None:
+    # a caller mutating one declaration must not change the next one
+    first = work_queue_arguments(_spec())
+    first["x-delivery-limit"] = 999
+    assert work_queue_arguments(_spec())["x-delivery-limit"] == 7
