@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from .connection import BrokerEndpoints
 from .errors import (
     BatchPublishError,
+    BrokerUnavailableError,
     ConfigurationError,
     PayloadTooLargeError,
     PayloadValidationError,
@@ -54,6 +55,7 @@ class App:
         self._publisher: Publisher | None = None
         self._redis: aioredis.Redis | None = None
         self._results = result_store
+        self._owns_results = result_store is None  # ours to drop on close, not the user's
         self._guard: IdempotencyGuard | None = None
 
     # -- registration -------------------------------------------------------------------
@@ -170,7 +172,7 @@ class App:
         refused = False
         try:
             await self._get_publisher().publish(queue, message)
-        except (PublishNackedError, UnroutableError):
+        except (PublishNackedError, UnroutableError, BrokerUnavailableError):
             refused = True
             raise
         finally:
@@ -249,7 +251,8 @@ class App:
         return ids
 
     async def _forget(self, task_ids: list[str]) -> None:
-        """Drop the queued records of tasks the broker refused: they were never stored."""
+        """Drop the queued records of tasks that were certainly not stored (refused, or no
+        broker answered): a status must never claim a task the broker does not hold."""
         store = self.results
         if store is None:
             return
@@ -271,12 +274,18 @@ class App:
     # -- results ------------------------------------------------------------------------
     def _redis_client(self) -> aioredis.Redis:
         if self._redis is None:
-            self._redis = aioredis.Redis.from_url(
-                self.settings.redis_url_plain(),
-                socket_connect_timeout=5,
-                socket_timeout=5,
+            s = self.settings
+            # A blocking pool waits for a free connection; the default pool raises once
+            # full, which a worker would mistake for Redis being down.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                s.redis_url_plain(),
+                max_connections=s.redis_max_connections,
+                timeout=s.redis_timeout_s,
+                socket_connect_timeout=s.redis_timeout_s,
+                socket_timeout=s.redis_timeout_s,
                 health_check_interval=30,
             )
+            self._redis = aioredis.Redis(connection_pool=pool)
         return self._redis
 
     @property
@@ -330,7 +339,7 @@ class App:
         if self._redis is not None:
             client, self._redis = self._redis, None
             self._guard = None
-            if isinstance(self._results, RedisResultStore):
+            if self._owns_results:
                 self._results = None
             await client.aclose()
 

@@ -9,6 +9,10 @@ TRACEPARENT = "traceparent"  # W3C trace context, passed through where present
 # Our own count: never derived from x-death (3.13+ stops counting republished messages there).
 ATTEMPT = f"{PREFIX}attempt"
 ORIGINAL_QUEUE = f"{PREFIX}original-queue"
+# Times the task went back to its queue unsettled (its worker died or lost the connection),
+# summed across hops: each hop starts the broker's x-delivery-count afresh, and a task that
+# kills every worker would otherwise loop forever through the guard's delay queue.
+RETURNS = f"{PREFIX}returns"
 
 ERROR_TYPE = f"{PREFIX}error-type"
 ERROR_MESSAGE = f"{PREFIX}error-message"

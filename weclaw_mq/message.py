@@ -61,6 +61,7 @@ class Delivery:
     trace_id: str
     traceparent: str | None
     attempt: int
+    returns: int  # unsettled returns so far, across hops (see headers.RETURNS)
     headers: dict[str, Any]
     body: bytes
     redelivered: bool
@@ -77,11 +78,16 @@ def read_delivery(message: AbstractIncomingMessage) -> Delivery:
         trace_id=trace_id,
         traceparent=traceparent,
         attempt=attempt if isinstance(attempt, int) and attempt >= 1 else 1,
+        returns=_count(headers.get(h.RETURNS)) + _count(headers.get(h.X_DELIVERY_COUNT)),
         headers=headers,
         body=message.body,
         redelivered=bool(message.redelivered),
         timestamp=message.timestamp,
     )
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 def publish_headers(

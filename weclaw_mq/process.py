@@ -29,6 +29,7 @@ from .producer import Publisher
 from .results import ResultStore, TaskState, TaskStatus
 from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
 from .settings import Settings
+from .signals import Retry
 from .tracing import TraceContext, bind
 
 if TYPE_CHECKING:
@@ -43,6 +44,10 @@ class HandlerTimeout(Exception):
 
 class UnserialisableResult(Exception):
     """The handler returned something that is not JSON: storing it can never succeed."""
+
+
+class WorkerCrashLoop(Exception):
+    """The task was returned unsettled more often than the handler's delivery limit."""
 
 
 class ResultNotStored(Exception):
@@ -76,6 +81,15 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
         traceparent=delivery.traceparent,
     )
     with bind(trace):
+        if delivery.returns > spec.delivery_limit:
+            # The broker enforces the limit within one stint in Q; this catches a task that
+            # keeps killing workers while hopping through the guard's delay queue.
+            crash = WorkerCrashLoop(
+                f"the task went back unsettled {delivery.returns} times (its worker died or "
+                f"lost its connection); delivery limit {spec.delivery_limit}"
+            )
+            await _dead_letter(message, delivery, spec, rt, DeadLetterReason.DELIVERY_LIMIT, crash)
+            return
         try:
             task = spec.parse(delivery.body)
         except UndecodableBody as e:
@@ -116,7 +130,8 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
         await _release(rt, spec, delivery, held)
         decision = decide(delivery.attempt, error, spec.retry)
         if isinstance(decision, RetryLater):
-            log.warning(
+            log.log(
+                logging.INFO if isinstance(error, Retry) else logging.WARNING,
                 "attempt %d failed (%s: %s); retrying in %.3g s",
                 delivery.attempt,
                 type(error).__name__,
@@ -153,8 +168,10 @@ async def _pass_guard(
         log.warning("Redis unavailable (%s: %s); deferring the task", type(e).__name__, e)
         await _defer(message, delivery, spec, rt)
         return _Gate.SETTLED
-    if claim is Claim.DONE:
+    if claim is Claim.DONE or await _finished_before(delivery, rt):
         log.info("duplicate of a finished task: acked without running the handler")
+        if claim is not Claim.DONE:
+            await _mark_done_quietly(rt.guard, spec, delivery)
         if await settle.ack(message):
             rt.metrics.messages.labels(spec.queue, Outcome.DUPLICATE.value).inc()
         return _Gate.SETTLED
@@ -163,6 +180,31 @@ async def _pass_guard(
         await _defer(message, delivery, spec, rt)
         return _Gate.SETTLED
     return owner
+
+
+async def _finished_before(delivery: Delivery, rt: Runtime) -> bool:
+    """Did a worker store this task's result, then die before marking it done?
+
+    Asked only of a copy that came back unsettled (a fresh delivery cannot be in that state),
+    so the common path pays no extra round trip.
+    """
+    if rt.results is None or not (delivery.redelivered or delivery.returns):
+        return False
+    try:
+        state = await rt.results.get(delivery.task_id)
+    except Exception as e:  # unknown: let the guard's answer stand
+        log.warning("could not read the stored result (%s)", e)
+        return False
+    return state is not None and state.status is TaskStatus.SUCCEEDED
+
+
+async def _mark_done_quietly(
+    guard: IdempotencyGuard, spec: HandlerSpec, delivery: Delivery
+) -> None:
+    try:
+        await guard.mark_done(spec.queue, delivery.task_id)
+    except Exception as e:  # the stored result still answers the next copy
+        log.warning("could not mark the task done (%s)", e)
 
 
 @contextlib.asynccontextmanager

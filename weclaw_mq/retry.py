@@ -15,6 +15,8 @@ class DeadLetterReason(StrEnum):
     REJECTED = "rejected"
     RETRIES_EXHAUSTED = "retries_exhausted"
     INVALID_RESULT = "invalid_result"
+    # The broker's own name for it: a task whose worker died on it too often.
+    DELIVERY_LIMIT = "delivery_limit"
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
     # Idempotency guard and result store (Redis).
+    redis_max_connections: int = Field(default=64, ge=1)
+    redis_timeout_s: float = Field(default=5.0, gt=0)
     results_enabled: bool = True
     guard_lease_s: float = Field(default=30.0, gt=0)
     done_ttl_s: float = Field(default=24 * 3600.0, gt=0)

@@ -27,9 +27,18 @@ def _now_iso() -> str:
     return datetime.now(UTC).isoformat()
 
 
+def carried_headers(delivery: Delivery) -> dict[str, Any]:
+    """The source's headers for its next hop, with the return count carried forward."""
+    out = dict(delivery.headers)
+    out.pop(h.X_DELIVERY_COUNT, None)  # the broker's, for one stint in one queue
+    if delivery.returns:
+        out[h.RETURNS] = delivery.returns
+    return out
+
+
 def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dict[str, Any]:
     """The source's headers plus what went wrong; first-failure time survives every hop."""
-    out = dict(delivery.headers)
+    out = carried_headers(delivery)
     now = _now_iso()
     tb = "".join(traceback.format_exception(error))
     out[h.ERROR_TYPE] = f"{type(error).__module__}.{type(error).__qualname__}"
@@ -104,7 +113,7 @@ async def defer(
 ) -> bool:
     """Park the task in a delay queue without counting an attempt: it did not fail."""
     return await _move(
-        message, delivery, publisher, retry_queue_name(queue, delay_ms), dict(delivery.headers)
+        message, delivery, publisher, retry_queue_name(queue, delay_ms), carried_headers(delivery)
     )
 
 

@@ -12,10 +12,11 @@ class Reject(Exception):
 
 
 class Retry(Exception):
-    """Retry this task after the policy's next delay, without logging it as a failure.
+    """Retry this task after the policy's next delay (e.g. the model's API said "busy").
 
-    The delay comes from the policy only: each delay has its own delay queue, declared up
-    front, so a handler cannot pick an arbitrary one.
+    It counts as an attempt, like a failure, so a task cannot ask for retries forever; it is
+    logged at INFO rather than as an error. The delay comes from the policy only: each delay
+    has its own delay queue, declared up front, so a handler cannot pick an arbitrary one.
     """
 
     def __init__(self, reason: str = "retry requested by handler") -> None:
