@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
@@ -48,7 +48,7 @@ def _record(calls: list[Call], task: Prompt, ctx: Context) -> None:
             trace_id=ctx.trace_id,
             attempt=ctx.attempt,
             started=time.monotonic(),
-            started_at=datetime.now(timezone.utc),
+            started_at=datetime.now(UTC),
             headers=dict(ctx.headers),
         )
     )
@@ -160,7 +160,7 @@ async def test_failed_handler_lands_in_dlq_after_max_retries_with_the_failure_he
     task_id = await app.publish(qname, Prompt(text="doomed"), trace_id="trace-doomed")
 
     dead = await _next_message(amqp, dlq_name(qname))
-    failed_at = datetime.now(timezone.utc)
+    failed_at = datetime.now(UTC)
 
     assert [c.attempt for c in calls] == [1, 2, 3]  # the first run plus max_retries=2
     assert dead.message_id == task_id

@@ -1,0 +1,71 @@
+# Two commands set everything up: 'make demo' and 'make test'. Both create .venv and install
+# the project on first use; later runs skip the install until pyproject.toml changes.
+# Recipes call .venv/bin/... directly: no activated venv is needed or used.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_TASKS ?= 10
+
+.DEFAULT_GOAL := help
+.PHONY: help venv install test lint format demo compose-check clean distclean
+
+help:
+	@echo "make demo           install, then run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
+	@echo "make test           install, lint (ruff, mypy), then run every test (needs RabbitMQ + Redis)"
+	@echo "make install        create .venv and pip install -e '.[dev]' (skipped when up to date)"
+	@echo "make lint           ruff check, ruff format --check, mypy"
+	@echo "make format         ruff format and ruff check --fix"
+	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
+	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
+
+venv: $(BIN)/python
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+install: $(STAMP)
+
+# The stamp records a finished install; pip runs again only when pyproject.toml is newer.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[dev]'
+	@touch $@
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/mypy consumers producers
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+# Lint and tests both run, so one failure does not hide the other; the recipe fails if
+# either did. pytest runs last so its summary line closes the output.
+test: install
+	@status=0; \
+	$(MAKE) --no-print-directory lint || status=1; \
+	$(BIN)/pytest -q tests || status=1; \
+	if [ $$status -ne 0 ]; then echo "make test: FAILED (see lint and pytest output above)"; fi; \
+	exit $$status
+
+demo: install
+	$(BIN)/python -m consumers.demo_run $(DEMO_TASKS)
+
+compose-check:
+	@if command -v docker-compose >/dev/null 2>&1; then \
+		echo "docker-compose -f docker-compose.yml config -q"; \
+		docker-compose -f docker-compose.yml config -q && echo "docker-compose.yml is valid"; \
+	else \
+		echo "compose-check skipped: docker-compose is not installed"; \
+	fi
+
+clean:
+	rm -rf .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

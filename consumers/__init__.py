@@ -1,0 +1,1 @@
+"""Runnable example workers. ``consumers.demo:app`` is the one ``make demo`` runs."""

@@ -1,0 +1,154 @@
+"""An HTTP front door for AI tasks: ``POST /tasks`` answers 202 + task id once RabbitMQ has it.
+
+Run it (with a worker beside it, e.g. ``weclaw-mq worker consumers.demo:app``)::
+
+    .venv/bin/uvicorn --factory producers.api:create_app --port 8000
+    curl -s -XPOST localhost:8000/tasks -H 'content-type: application/json' \
+        -d '{"text": "write a haiku about queues"}'
+    curl -s localhost:8000/tasks/<task_id>
+
+The API publishes through the demo's own ``App`` object (``consumers.demo.app``): that App
+holds the handler, so ``publish`` checks each payload against the handler's pydantic model
+before anything is sent, and a payload the worker would dead-letter is refused here with a
+422. A separate ``App("demo")`` without the handler would only check the size. In a real
+service, put the models and the handler registration in a module both sides import.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Header, HTTPException, status
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from consumers.demo import Prompt
+from weclaw_mq import (
+    App,
+    BrokerUnavailableError,
+    ConfirmTimeoutError,
+    ConnectionLostError,
+    PayloadTooLargeError,
+    PayloadValidationError,
+    PublishFailedError,
+)
+
+log = logging.getLogger("producers.api")
+
+# How long a client should wait before trying again when the broker is down or refusing.
+RETRY_AFTER_S = 5
+# Same alphabet as a queue name, short: the key becomes the AMQP message_id and Redis keys.
+IDEMPOTENCY_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$"
+
+
+class Accepted(BaseModel):
+    task_id: str
+
+
+class TaskView(BaseModel):
+    task_id: str
+    status: str
+    result: Any = None
+    error: str | None = None
+    attempt: int
+
+
+def _unavailable(message: str, *, task_id: str | None = None) -> JSONResponse:
+    detail: dict[str, Any] = {"message": message}
+    if task_id is not None:
+        detail["task_id"] = task_id
+    return JSONResponse(
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        content={"detail": detail},
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def create_app(
+    mq: App | None = None, *, queue: str | None = None, declare_on_startup: bool = True
+) -> FastAPI:
+    """The FastAPI app publishing to ``queue`` (default: the App's only handler queue).
+
+    ``mq`` defaults to the demo worker's App; tests pass their own App pointed at a unique
+    queue. The App is closed when the FastAPI app shuts down.
+    """
+    if mq is None:
+        from consumers.demo import app as demo_app
+
+        mq = demo_app
+    mq_app: App = mq
+    target = queue or _only_queue(mq_app)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if declare_on_startup:
+            # So POST works before the first worker ever started. Best effort: an API that
+            # cannot reach the broker still starts and answers 503 until the broker is back.
+            try:
+                await mq_app.declare()
+            except BrokerUnavailableError as e:
+                log.warning("could not declare queues at startup: %s", e)
+        try:
+            yield
+        finally:
+            await mq_app.close()
+
+    api = FastAPI(title="weclaw_mq example producer", lifespan=lifespan)
+
+    @api.post("/tasks", status_code=status.HTTP_202_ACCEPTED, response_model=Accepted)
+    async def submit(
+        prompt: Prompt,
+        idempotency_key: Annotated[
+            str | None, Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN)
+        ] = None,
+    ) -> Any:
+        """Publish the prompt; 202 means the broker confirmed it is stored."""
+        try:
+            task_id = await mq_app.publish(target, prompt, task_id=idempotency_key)
+        # Plain numbers: Starlette renamed the 413 and 422 constants across versions.
+        except PayloadTooLargeError as e:
+            raise HTTPException(413, str(e)) from e
+        except PayloadValidationError as e:
+            raise HTTPException(422, str(e)) from e
+        except BrokerUnavailableError as e:
+            # The full reason (broker host included) goes to our log, not to the client.
+            log.warning("POST /tasks refused: %s", e)
+            return _unavailable("the task queue is unavailable; nothing was accepted")
+        except (ConfirmTimeoutError, ConnectionLostError) as e:
+            log.warning("POST /tasks outcome unknown: %s", e)
+            return _unavailable(
+                "the task queue did not confirm; the task may or may not be stored. Retry "
+                "with the header 'Idempotency-Key: <task_id>' to keep the same task id",
+                task_id=e.task_id,
+            )
+        except PublishFailedError as e:
+            log.warning("POST /tasks refused: %s", e)
+            return _unavailable("the task queue refused the task; nothing was accepted")
+        return Accepted(task_id=task_id)
+
+    @api.get("/tasks/{task_id}", response_model=TaskView)
+    async def task_status(task_id: str) -> TaskView:
+        state = await mq_app.status(task_id)
+        if state is None:
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no task {task_id!r} is known")
+        return TaskView(
+            task_id=state.task_id,
+            status=state.status.value,
+            result=state.result,
+            error=state.error,
+            attempt=state.attempt,
+        )
+
+    return api
+
+
+def _only_queue(mq: App) -> str:
+    queues = list(mq.handlers)
+    if len(queues) != 1:
+        raise ValueError(
+            f"App {mq.name!r} has {len(queues)} handler queues; pass queue= to create_app"
+        )
+    return queues[0]

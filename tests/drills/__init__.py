@@ -1,0 +1,1 @@
+"""Fault drills: real processes killed with SIGKILL, services restarted (marker: drill)."""

@@ -1,0 +1,173 @@
+"""The drill weclaw_mq was born from: kill -9 the worker mid-stream, three times, lose nothing.
+
+1000 tasks are published, then a real worker process (``--concurrency 8``) is SIGKILLed each
+time the completion count passes a random threshold and started again; the last one finishes
+the queue. Every task must end ``succeeded``. Duplicates are allowed only for the tasks a
+killed worker had in flight (at most its prefetch, 8, per kill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import delete_queues, settings_for, wait_until
+from tests.integration.fixture_apps import guard_app
+from tests.integration.processes import WorkerProcess, queue_names, ready_count
+from weclaw_mq import App, TaskStatus
+from weclaw_mq.naming import GUARD_KEY_PREFIX, result_key
+
+TASKS = 1000
+KILLS = 3
+CONCURRENCY = 8
+PUBLISH_CHUNK = 50
+STATUS_CHUNK = 50
+MIN_RUN = 40
+# Short leases and delays: a killed worker's claims lapse, and its tasks come back, in
+# seconds instead of the production 30 s.
+LEASE_S = 2.0
+RETRY_DELAY_S = 0.2
+
+
+async def _publish_all(app: App, queue: str, count: int) -> list[str]:
+    # Concurrent publishes share one confirmed channel: chunks keep the confirms pipelined.
+    ids: list[str] = []
+    for start in range(0, count, PUBLISH_CHUNK):
+        chunk = range(start, min(start + PUBLISH_CHUNK, count))
+        ids += await asyncio.gather(*(app.publish(queue, guard_app.Job(n=n)) for n in chunk))
+    return ids
+
+
+async def _statuses(app: App, ids: list[str]) -> Counter[str]:
+    found: Counter[str] = Counter()
+    # Chunks below the Redis client's pool size (100 connections, and it raises when full).
+    for start in range(0, len(ids), STATUS_CHUNK):
+        chunk = ids[start : start + STATUS_CHUNK]
+        states = await asyncio.gather(*(app.status(t) for t in chunk))
+        found.update(s.status.value if s is not None else "unknown" for s in states)
+    return found
+
+
+async def _forget(client: aioredis.Redis, queue: str, record_key: str, ids: list[str]) -> None:
+    keys = guard_app.record_keys(record_key) + [result_key(t) for t in ids]
+    keys += [k async for k in client.scan_iter(match=f"{GUARD_KEY_PREFIX}:{queue}:*", count=500)]
+    for start in range(0, len(keys), 500):
+        await client.delete(*keys[start : start + 500])
+
+
+@pytest.mark.drill
+async def test_worker_killed_three_times_mid_stream_loses_no_task(
+    broker_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    # Printed with the results; set DRILL_SEED to replay a run's kill points.
+    seed = int(os.environ.get("DRILL_SEED") or random.randrange(2**32))
+    rng = random.Random(seed)
+    thresholds = sorted(rng.sample(range(100, 800), KILLS))
+    queue = f"drill-kill9-{uuid.uuid4().hex[:8]}"
+    record_key = f"weclaw-test:{queue}"
+    runs_key = guard_app.runs_key(record_key)
+    settings = settings_for(
+        broker_url,
+        redis_url,
+        guard_lease_s=LEASE_S,
+        retry_delay_s=RETRY_DELAY_S,
+        result_ttl_s=600,
+        done_ttl_s=600,
+    )
+    publisher = guard_app.build_app(queue, settings=settings, record_key=record_key)
+    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
+    workers: list[WorkerProcess] = []
+    ids: list[str] = []
+    killed_at: list[int] = []
+
+    def spawn() -> WorkerProcess:
+        worker = guard_app.spawn_worker(
+            queue=queue,
+            record_key=record_key,
+            settings=settings,
+            log_path=tmp_path / f"worker-{len(workers)}.log",
+            concurrency=CONCURRENCY,
+            sleep_min_s=0.005,
+            sleep_max_s=0.02,
+        )
+        workers.append(worker)
+        return worker
+
+    async def completions() -> int:
+        return int(await client.llen(runs_key))
+
+    started = time.perf_counter()
+    try:
+        await publisher.declare()
+        ids = await _publish_all(publisher, queue, TASKS)
+        publish_s = time.perf_counter() - started
+
+        for planned in thresholds:
+            # Every worker completes some tasks before its kill, so it dies mid-stream with
+            # its prefetch full rather than right after it connected.
+            threshold = max(planned, (killed_at[-1] if killed_at else 0) + MIN_RUN)
+            worker = spawn()
+            await worker.wait_consuming()
+
+            async def passed(threshold: int = threshold, worker: WorkerProcess = worker) -> bool:
+                return await completions() >= threshold or worker.popen.poll() is not None
+
+            await wait_until(passed, 30, f"{threshold} completions")
+            assert worker.popen.poll() is None, f"worker died by itself: {worker.describe()}"
+            worker.kill()
+            assert worker.popen.returncode == -signal.SIGKILL
+            killed_at.append(await completions())
+
+        last = spawn()
+        await last.wait_consuming()
+
+        async def all_completed() -> bool:
+            return len(set(await client.lrange(runs_key, 0, -1))) >= TASKS
+
+        await wait_until(all_completed, 40, f"all {TASKS} tasks to complete")
+
+        async def all_succeeded() -> bool:
+            return (await _statuses(publisher, ids))[TaskStatus.SUCCEEDED.value] == TASKS
+
+        await wait_until(all_succeeded, 20, f"all {TASKS} results to be stored")
+
+        async def work_queues_drained() -> bool:
+            return not any([await ready_count(broker_url, n) for n in queue_names(publisher)])
+
+        await wait_until(work_queues_drained, 20, "the queues to drain")
+        last.signal(signal.SIGTERM)
+        assert await last.wait_exit(30) == 0, last.describe()
+        elapsed_s = time.perf_counter() - started
+
+        statuses = await _statuses(publisher, ids)
+        runs = Counter(guard_app.as_text(r) for r in await client.lrange(runs_key, 0, -1))
+        recovered = statuses[TaskStatus.SUCCEEDED.value]
+        duplicated = {t: c for t, c in runs.items() if c > 1}
+        duplicates = sum(c - 1 for c in duplicated.values())
+        leftovers = {n: await ready_count(broker_url, n) for n in queue_names(publisher)}
+        print(
+            f"\nkill -9 drill: seed {seed}, kills at completions {killed_at} "
+            f"(planned {thresholds}), publish {publish_s:.1f} s, total {elapsed_s:.1f} s\n"
+            f"| published | recovered | lost | duplicates |\n"
+            f"| {TASKS:>9} | {recovered:>9} | {TASKS - recovered:>4} | {duplicates:>10} |"
+        )
+        assert set(runs) == set(ids), "a task never completed"
+        assert recovered == TASKS, f"statuses: {dict(statuses)}"
+        assert duplicates <= CONCURRENCY * KILLS, f"duplicated tasks: {duplicated}"
+        assert leftovers == dict.fromkeys(leftovers, 0), f"messages left behind: {leftovers}"
+    finally:
+        for worker in workers:
+            worker.kill()
+        await publisher.close()
+        await delete_queues(broker_url, queue_names(publisher))
+        await _forget(client, queue, record_key, ids)
+        await client.aclose()

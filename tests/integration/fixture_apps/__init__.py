@@ -1,0 +1,1 @@
+"""Apps that integration tests run as real worker processes (``weclaw-mq worker ...``)."""

@@ -1,0 +1,114 @@
+"""A worker app whose behaviour the test chooses through environment variables.
+
+Run as ``weclaw-mq worker tests.integration.fixture_apps.worker_app:app`` with cwd at the
+repository root. The handler records every start and finish as one line appended to
+``$TEST_RECORD_DIR/events.log``, outside the process, so a test can still count them after it
+killed the worker with SIGKILL.
+
+Environment:
+    TEST_QUEUE            the handler's queue (required to use ``app``)
+    TEST_RECORD_DIR       where ``events.log`` is written (required to use ``app``)
+    TEST_HANDLER_SLEEP_S  how long each handler call takes (default 0)
+    TEST_CRASH_ON         a ``text`` value on which the handler SIGKILLs its own process
+The ``WECLAW_MQ_*`` settings apply as in any app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from weclaw_mq import App, Context, Settings
+
+EVENTS_FILE = "events.log"
+
+
+class Job(BaseModel):
+    text: str
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # "started" or "finished"
+    task_id: str
+    pid: int
+    attempt: int
+
+
+def record(record_dir: Path, kind: str, ctx: Context) -> None:
+    line = f"{kind} {ctx.task_id} {os.getpid()} {ctx.attempt}\n"
+    # One write() on an O_APPEND file: lines from concurrent handlers and processes never
+    # interleave, and the page cache keeps the line even if we are SIGKILLed right after.
+    fd = os.open(record_dir / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def read_events(record_dir: Path) -> list[Event]:
+    path = record_dir / EVENTS_FILE
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        kind, task_id, pid, attempt = line.split()
+        events.append(Event(kind, task_id, int(pid), int(attempt)))
+    return events
+
+
+def build_app(
+    queue: str,
+    *,
+    settings: Settings,
+    record_dir: Path,
+    sleep_s: float = 0.0,
+    crash_on: str | None = None,
+) -> App:
+    app = App("fixture", settings=settings)
+
+    @app.handler(queue)
+    async def work(task: Job, ctx: Context) -> dict[str, str]:
+        record(record_dir, "started", ctx)
+        if crash_on is not None and task.text == crash_on:
+            os.kill(os.getpid(), signal.SIGKILL)
+        await asyncio.sleep(sleep_s)
+        record(record_dir, "finished", ctx)
+        return {"echo": task.text}
+
+    return app
+
+
+def _app_from_env() -> App:
+    try:
+        queue = os.environ["TEST_QUEUE"]
+        record_dir = Path(os.environ["TEST_RECORD_DIR"])
+    except KeyError as e:
+        raise RuntimeError(f"{__name__} needs the environment variable {e}") from e
+    crash_on = os.environ.get("TEST_CRASH_ON") or None
+    return build_app(
+        queue,
+        settings=Settings(),
+        record_dir=record_dir,
+        sleep_s=float(os.environ.get("TEST_HANDLER_SLEEP_S", "0")),
+        crash_on=crash_on,
+    )
+
+
+_app: App | None = None
+
+
+def __getattr__(name: str) -> App:
+    # Built on first access rather than at import, so tests can import build_app and
+    # read_events without the worker's environment.
+    global _app
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _app is None:
+        _app = _app_from_env()
+    return _app

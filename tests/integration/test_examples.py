@@ -1,0 +1,229 @@
+"""The runnable examples: the FastAPI producer (``producers.api``) and ``make demo``'s script.
+
+Real broker, real Redis; the demo handler runs in a Worker in this event loop (start_worker)
+or, for the demo script, in the worker process the script starts itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from consumers import demo
+from producers.api import RETRY_AFTER_S, create_app
+from tests.conftest import settings_for, wait_until
+from weclaw_mq import App
+from weclaw_mq.naming import dlq_name, guard_key, result_key
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEAD_BROKER_URL = "amqp://guest:guest@127.0.0.1:1/"
+DEMO_RUN_TIMEOUT_S = 90.0
+
+
+@pytest.fixture(autouse=True)
+def fast_reliable_llm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in model answers at once and never fails, so results are deterministic."""
+    monkeypatch.setenv("DEMO_LLM_FAILURE_RATE", "0")
+    monkeypatch.setenv("DEMO_LLM_LATENCY_S", "0.01")
+
+
+@pytest.fixture
+async def forget_tasks(redis_url: str) -> AsyncIterator[list[tuple[str, str]]]:
+    """(queue, task id) pairs whose Redis records are deleted at teardown."""
+    tasks: list[tuple[str, str]] = []
+    yield tasks
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        for queue, task_id in tasks:
+            await client.delete(result_key(task_id), guard_key(queue, task_id))
+    finally:
+        await client.aclose()
+
+
+def client_for(api: FastAPI) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://api")
+
+
+async def poll_status(client: httpx.AsyncClient, task_id: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def finished() -> bool:
+        response = await client.get(f"/tasks/{task_id}")
+        if response.status_code == 200:
+            seen.update(response.json())
+        return seen.get("status") in ("succeeded", "dead_lettered")
+
+    await wait_until(finished, timeout_s=20, what=f"task {task_id} to finish")
+    return seen
+
+
+async def test_posted_prompt_is_accepted_with_202_and_its_status_reaches_succeeded(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    forget_tasks: list[tuple[str, str]],
+) -> None:
+    mq = make_app("demo-api")
+    demo.register(mq, queue=qname)
+    api = create_app(mq)
+    # The lifespan declares the queues, so the API accepts tasks before any worker started.
+    async with api.router.lifespan_context(api), client_for(api) as client:
+        response = await client.post("/tasks", json={"text": "hello", "user_id": "u1"})
+        assert response.status_code == 202, response.text
+        task_id = response.json()["task_id"]
+        forget_tasks.append((qname, task_id))
+
+        await start_worker(mq)
+        body = await poll_status(client, task_id)
+
+    assert body == {
+        "task_id": task_id,
+        "status": "succeeded",
+        "result": {"reply": demo.reply_to("hello"), "model": demo.MODEL_NAME, "attempt": 1},
+        "error": None,
+        "attempt": 1,
+    }
+
+
+async def test_post_with_an_idempotency_key_uses_it_as_the_task_id(
+    make_app: Callable[..., App], qname: str, forget_tasks: list[tuple[str, str]]
+) -> None:
+    mq = make_app("demo-api")
+    demo.register(mq, queue=qname)
+    api = create_app(mq)
+    key = f"order-{qname}"
+    forget_tasks.append((qname, key))
+    async with api.router.lifespan_context(api), client_for(api) as client:
+        response = await client.post(
+            "/tasks", json={"text": "hi"}, headers={"Idempotency-Key": key}
+        )
+        refused = await client.post(
+            "/tasks", json={"text": "hi"}, headers={"Idempotency-Key": "no spaces allowed"}
+        )
+
+    assert response.status_code == 202, response.text
+    assert response.json() == {"task_id": key}
+    assert refused.status_code == 422
+
+
+async def test_post_answers_503_with_retry_after_when_the_broker_is_unreachable(
+    redis_url: str, qname: str, forget_tasks: list[tuple[str, str]]
+) -> None:
+    # Built by hand: make_app pins the URL to the live broker. Nothing is declared on a
+    # broker that does not answer, so there are no queues to delete.
+    mq = App("demo-api", settings=settings_for(DEAD_BROKER_URL, redis_url))
+    demo.register(mq, queue=qname)
+    api = create_app(mq)
+    key = f"t-{qname}"
+    forget_tasks.append((qname, key))
+    # The lifespan's declare fails too: the API must start anyway and answer 503.
+    async with api.router.lifespan_context(api), client_for(api) as client:
+        response = await client.post(
+            "/tasks", json={"text": "hello"}, headers={"Idempotency-Key": key}
+        )
+
+    assert response.status_code == 503, response.text
+    assert response.headers["Retry-After"] == str(RETRY_AFTER_S)
+    detail = response.json()["detail"]
+    assert "unavailable" in detail["message"]
+    # The broker's address stays in the server log, out of the client's answer.
+    assert "127.0.0.1" not in response.text
+
+
+async def test_post_answers_413_when_the_prompt_is_over_the_size_limit(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    mq = make_app("demo-api", max_message_bytes=64)
+    demo.register(mq, queue=qname)
+    async with client_for(create_app(mq)) as client:
+        response = await client.post("/tasks", json={"text": "x" * 100})
+
+    assert response.status_code == 413
+    assert "64 bytes" in response.json()["detail"]
+
+
+async def test_post_answers_422_when_the_body_is_not_a_prompt(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    mq = make_app("demo-api")
+    demo.register(mq, queue=qname)
+    async with client_for(create_app(mq)) as client:
+        response = await client.post("/tasks", json={"prompt": "the field is called text"})
+
+    assert response.status_code == 422
+
+
+async def test_get_answers_404_for_a_task_id_nobody_published(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    mq = make_app("demo-api")
+    demo.register(mq, queue=qname)
+    async with client_for(create_app(mq)) as client:
+        response = await client.get(f"/tasks/never-published-{qname}")
+
+    assert response.status_code == 404
+
+
+async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
+    make_app: Callable[..., App],
+    broker_url: str,
+    redis_url: str,
+    qname: str,
+    forget_tasks: list[tuple[str, str]],
+) -> None:
+    # An App on the same queue name, so make_app deletes the demo's queues at teardown.
+    demo.register(make_app("demo-cleanup"), queue=qname)
+    env = {
+        **os.environ,
+        "DEMO_QUEUE": qname,
+        "WECLAW_MQ_AMQP_URL": broker_url,
+        "WECLAW_MQ_REDIS_URL": redis_url,
+        "PYTHONUNBUFFERED": "1",
+    }
+    # Its own process group: on a timeout the script's worker child is killed with it.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "consumers.demo_run",
+        "3",
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), DEMO_RUN_TIMEOUT_S)
+    except TimeoutError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        raise AssertionError(f"the demo did not finish within {DEMO_RUN_TIMEOUT_S} s") from None
+    text = out.decode(errors="replace")
+    rows = re.findall(r"^([0-9a-f-]{36})\s+(\S+)\s+(\d+)\s", text, flags=re.MULTILINE)
+    forget_tasks.extend((qname, task_id) for task_id, _, _ in rows)
+
+    assert proc.returncode == 0, text
+    assert "summary: 3 published, 3 succeeded, 0 dead-lettered" in text, text
+    assert [status for _, status, _ in rows] == ["succeeded"] * 3, text
+    assert "worker exited with code 0" in text, text
+    # Every task was acked: nothing waits in the queue or its DLQ.
+    conn = await aio_pika.connect(broker_url)
+    try:
+        channel = await conn.channel()
+        for name in (qname, dlq_name(qname)):
+            queue = await channel.declare_queue(name, passive=True)
+            assert queue.declaration_result.message_count == 0, name
+    finally:
+        await conn.close()
