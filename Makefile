@@ -10,12 +10,13 @@ STAMP := $(VENV)/.installed
 DEMO_TASKS ?= 10
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install test lint format demo compose-check clean distclean
+.PHONY: help venv install tools test lint format demo compose-check clean distclean
 
 help:
 	@echo "make demo           install, then run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
 	@echo "make test           install, lint (ruff, mypy), then run every test (needs RabbitMQ + Redis)"
 	@echo "make install        create .venv and pip install -e '.[dev]' (skipped when up to date)"
+	@echo "make tools          install promtool (as root with apt-get) for the alert-rule tests"
 	@echo "make lint           ruff check, ruff format --check, mypy"
 	@echo "make format         ruff format and ruff check --fix"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
@@ -33,6 +34,20 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[dev]'
 	@touch $@
 
+# promtool (Debian's prometheus package) checks ops/prometheus/alerts.yml in the tests. As
+# root with apt-get (a fresh machine, CI) it is installed here; elsewhere we say how.
+tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing promtool: apt-get install prometheus"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				--no-install-recommends prometheus >/dev/null; \
+		else \
+			echo "make test needs promtool: 'apt-get install prometheus' (Debian) or put promtool on PATH"; \
+			exit 1; \
+		fi; \
+	}
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -45,7 +60,7 @@ format: install
 
 # Lint and tests both run, so one failure does not hide the other; the recipe fails if
 # either did. pytest runs last so its summary line closes the output.
-test: install
+test: install tools
 	@status=0; \
 	$(MAKE) --no-print-directory lint || status=1; \
 	$(BIN)/pytest -q tests || status=1; \

@@ -370,10 +370,17 @@ async def _dead_letter(
         type(error).__name__,
         error,
     )
-    await _status(
-        rt, delivery, spec, TaskStatus.DEAD_LETTERED, error=_describe(error), reason=reason.value
-    )
     if await settle.dead_letter(
         message, delivery, rt.publisher, queue=spec.queue, reason=reason.value, error=error
     ):
+        # Only once the DLQ holds it: "dead_lettered" is final for result() waiters, and a
+        # failed move returns the task to its queue, where it may yet succeed.
+        await _status(
+            rt,
+            delivery,
+            spec,
+            TaskStatus.DEAD_LETTERED,
+            error=_describe(error),
+            reason=reason.value,
+        )
         rt.metrics.messages.labels(spec.queue, Outcome.DEAD_LETTERED.value).inc()

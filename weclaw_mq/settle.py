@@ -2,7 +2,8 @@
 
 Every move is "publish with confirm, then ack the source": a crash between the two leaves a
 duplicate (absorbed by the idempotency guard), never a loss. If the move fails, the source is
-returned to its queue instead, so the broker keeps the task.
+returned to its queue instead, so the broker keeps the task. The moves answer whether the
+copy reached its target.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ async def _move(
         log.error("could not move the task to %s (%s); returning it to its queue", target, e)
         await give_back(message)
         return False
-    return await ack(message)
+    # Moved, whatever the ack does: if it fails, the source comes back as a duplicate.
+    await ack(message)
+    return True
 
 
 async def retry(
