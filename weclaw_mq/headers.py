@@ -13,6 +13,8 @@ ORIGINAL_QUEUE = f"{PREFIX}original-queue"
 # summed across hops: each hop starts the broker's x-delivery-count afresh, and a task that
 # kills every worker would otherwise loop forever through the guard's delay queue.
 RETURNS = f"{PREFIX}returns"
+# How often ops shovelled this task back from its DLQ (weclaw_mq.dlq.requeue).
+REQUEUED = f"{PREFIX}requeued"
 
 ERROR_TYPE = f"{PREFIX}error-type"
 ERROR_MESSAGE = f"{PREFIX}error-message"
@@ -25,6 +27,9 @@ DEAD_LETTER_REASON = f"{PREFIX}dead-letter-reason"
 X_DEATH = "x-death"
 X_DELIVERY_COUNT = "x-delivery-count"
 X_FIRST_DEATH_REASON = "x-first-death-reason"
+X_FIRST_DEATH_QUEUE = "x-first-death-queue"
+# Set on dead-lettering ("x-last-death-*" from 3.13 on); stale after a requeue.
+BROKER_DEATH_PREFIXES = ("x-first-death-", "x-last-death-")
 
 ERROR_MESSAGE_MAX_CHARS = 1_000
 TRACEBACK_MAX_CHARS = 4_000

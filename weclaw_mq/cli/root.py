@@ -137,3 +137,9 @@ def health() -> None:
         typer.echo(f"{p.part}: FAILED {p.detail}", err=True)
     if failing:
         raise typer.Exit(1)
+
+
+from .dlq import dlq_cli, stats  # noqa: E402  (kept beside its registration)
+
+cli.add_typer(dlq_cli, name="dlq")
+cli.command("stats")(stats)

@@ -1,0 +1,338 @@
+#!/usr/bin/env bash
+# Local RabbitMQ nodes for the fault drills: a 3-node cluster and one private single node, each
+# with its own node name, ports, data folder and Erlang cookie, so nothing here ever touches
+# the machine's default node (rabbit@localhost on 5672).
+#
+#   ops/cluster/cluster.sh start          start weclaw-c1..c3 and join c2, c3 to c1
+#   ops/cluster/cluster.sh stop           stop the three cluster nodes (data kept)
+#   ops/cluster/cluster.sh destroy        stop every node of ours and delete the base folder
+#   ops/cluster/cluster.sh status         what runs, where, and the cluster's view of itself
+#   ops/cluster/cluster.sh single-start   start the private single node weclaw-s1 (5680)
+#   ops/cluster/cluster.sh single-stop    stop it (data kept)
+#   ops/cluster/cluster.sh node-start c2  start one node (e.g. a cluster member killed by a drill)
+#   ops/cluster/cluster.sh node-stop c2   stop one node
+#   ops/cluster/cluster.sh pid c2         the OS pid of a running node's beam process
+#   ops/cluster/cluster.sh url c2|cluster the AMQP URL of a node, or the cluster's comma list
+#   ops/cluster/cluster.sh ctl|diag|queues c1 ARGS...
+#                                         rabbitmqctl / rabbitmq-diagnostics / rabbitmq-queues
+#                                         against one of our nodes (its cookie, never 5672's)
+#
+# | node | name               | AMQP | distribution |
+# |------|--------------------|------|--------------|
+# | s1   | weclaw-s1@localhost| 5680 | 25680        |
+# | c1   | weclaw-c1@localhost| 5681 | 25681        |
+# | c2   | weclaw-c2@localhost| 5682 | 25682        |
+# | c3   | weclaw-c3@localhost| 5683 | 25683        |
+#
+# Environment: WECLAW_CLUSTER_DIR (default /tmp/weclaw-mq-cluster), WECLAW_CLUSTER_START_TIMEOUT_S
+# (default 120), RABBITMQ_BIN (default /usr/lib/rabbitmq/bin).
+#
+# The binaries under /usr/lib/rabbitmq/bin are called directly: the /usr/sbin wrappers switch
+# to the rabbitmq user and its cookie. Debian's /etc/rabbitmq files name the default node and
+# its 5672 listener, so every node here gets its own config and env files instead.
+set -euo pipefail
+
+BASE=${WECLAW_CLUSTER_DIR:-/tmp/weclaw-mq-cluster}
+BIN=${RABBITMQ_BIN:-/usr/lib/rabbitmq/bin}
+START_TIMEOUT_S=${WECLAW_CLUSTER_START_TIMEOUT_S:-120}
+STOP_TIMEOUT_S=60
+CLUSTER_NODES=(c1 c2 c3)
+HOME_DIR="$BASE/home"
+
+# CLI tools open their own Erlang distribution port; a range of our own keeps them from
+# competing with rabbitmqctl calls other people make against the default node.
+export RABBITMQ_CTL_DIST_PORT_MIN=35700
+export RABBITMQ_CTL_DIST_PORT_MAX=35730
+export ERL_EPMD_ADDRESS=127.0.0.1
+
+log() { printf '[cluster] %s\n' "$*" >&2; }
+die() { printf '[cluster] ERROR: %s\n' "$*" >&2; exit 1; }
+
+amqp_port() {
+	case "$1" in
+	s1) echo 5680 ;; c1) echo 5681 ;; c2) echo 5682 ;; c3) echo 5683 ;;
+	*) die "unknown node '$1' (expected s1, c1, c2 or c3)" ;;
+	esac
+}
+dist_port() { echo $(($(amqp_port "$1") + 20000)); }
+node_name() { amqp_port "$1" >/dev/null && echo "weclaw-$1@localhost"; }
+node_dir() { echo "$BASE/$1"; }
+pid_file() { echo "$(node_dir "$1")/rabbitmq.pid"; }
+node_url() { echo "amqp://guest:guest@127.0.0.1:$(amqp_port "$1")/"; }
+
+ensure_cookie() {
+	mkdir -p "$HOME_DIR"
+	if [ ! -s "$HOME_DIR/.erlang.cookie" ]; then
+		# Erlang wants letters only; 32 random ones, shared by every node of ours.
+		tr -dc '[:upper:]' </dev/urandom | head -c 32 >"$HOME_DIR/.erlang.cookie"
+	fi
+	chmod 400 "$HOME_DIR/.erlang.cookie"
+}
+
+# The environment every rabbitmq binary sees for node $1.
+node_env() {
+	local n=$1 dir
+	dir=$(node_dir "$n")
+	export HOME="$HOME_DIR"
+	export RABBITMQ_NODENAME
+	RABBITMQ_NODENAME=$(node_name "$n")
+	export RABBITMQ_NODE_IP_ADDRESS=127.0.0.1
+	export RABBITMQ_NODE_PORT
+	RABBITMQ_NODE_PORT=$(amqp_port "$n")
+	export RABBITMQ_DIST_PORT
+	RABBITMQ_DIST_PORT=$(dist_port "$n")
+	export RABBITMQ_MNESIA_BASE="$dir/mnesia"
+	export RABBITMQ_LOG_BASE="$dir/log"
+	export RABBITMQ_PID_FILE="$dir/rabbitmq.pid"
+	export RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins"
+	export RABBITMQ_CONFIG_FILE="$dir/rabbitmq.conf"
+	export RABBITMQ_ADVANCED_CONFIG_FILE="$dir/advanced.config"
+	export RABBITMQ_CONF_ENV_FILE="$dir/rabbitmq-env.conf"
+	# Distribution on loopback only, like the default node.
+	export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+}
+
+ctl() {
+	local n=$1
+	shift
+	(node_env "$n" && "$BIN/rabbitmqctl" -n "$(node_name "$n")" "$@")
+}
+
+prepare_node() {
+	local n=$1 dir
+	dir=$(node_dir "$n")
+	mkdir -p "$dir/mnesia" "$dir/log"
+	echo '[].' >"$dir/enabled_plugins" # no management plugin: no 15672 clash
+	cat >"$dir/rabbitmq.conf" <<-EOF
+		listeners.tcp.1 = 127.0.0.1:$(amqp_port "$n")
+		loopback_users.guest = true
+		log.file.level = info
+		log.console = false
+	EOF
+	# An env file of our own, so Debian's (NODENAME=rabbit@localhost) is never read.
+	echo "# weclaw-mq drill node $n" >"$dir/rabbitmq-env.conf"
+}
+
+# The pid of node $1's beam process, if it runs (the pid file alone may be stale after kill -9).
+running_pid() {
+	local n=$1 file pid
+	file=$(pid_file "$n")
+	[ -s "$file" ] || return 1
+	pid=$(tr -dc '0-9' <"$file")
+	[ -n "$pid" ] || return 1
+	# The node name is not on the beam command line, only in its environment.
+	[ -r "/proc/$pid/environ" ] || return 1
+	tr '\0' '\n' <"/proc/$pid/environ" | grep -qx -- "RABBITMQ_NODENAME=$(node_name "$n")" || return 1
+	echo "$pid"
+}
+
+port_in_use() { ss -ltnH "sport = :$1" 2>/dev/null | grep -q .; }
+
+# Launch node $1 in the background (its own session, so it outlives this script).
+launch_node() {
+	local n=$1 dir
+	dir=$(node_dir "$n")
+	if running_pid "$n" >/dev/null; then
+		log "$(node_name "$n") already runs (pid $(running_pid "$n"))"
+		return 0
+	fi
+	for port in "$(amqp_port "$n")" "$(dist_port "$n")"; do
+		if port_in_use "$port"; then
+			die "port $port is taken by another process; $(node_name "$n") cannot start (ss -ltnp 'sport = :$port')"
+		fi
+	done
+	ensure_cookie
+	prepare_node "$n"
+	rm -f "$(pid_file "$n")"
+	log "starting $(node_name "$n") on 127.0.0.1:$(amqp_port "$n") (data in $dir)"
+	(
+		node_env "$n"
+		exec setsid "$BIN/rabbitmq-server" >>"$dir/log/stdout.log" 2>&1 </dev/null
+	) &
+}
+
+# Wait until node $1 runs the rabbit application, or fail with the log tail.
+await_node() {
+	local n=$1 deadline
+	deadline=$((SECONDS + START_TIMEOUT_S))
+	while [ ! -s "$(pid_file "$n")" ]; do
+		if [ "$SECONDS" -ge "$deadline" ]; then
+			fail_start "$n" "no pid file after ${START_TIMEOUT_S} s"
+		fi
+		sleep 0.5
+	done
+	local left=$((deadline - SECONDS))
+	[ "$left" -gt 5 ] || left=5
+	if ! ctl "$n" wait --timeout "$left" "$(pid_file "$n")" >/dev/null 2>&1; then
+		fail_start "$n" "not running within ${START_TIMEOUT_S} s"
+	fi
+	log "$(node_name "$n") is running (pid $(running_pid "$n" || echo '?'))"
+}
+
+fail_start() {
+	local n=$1 why=$2 dir
+	dir=$(node_dir "$n")
+	log "$(node_name "$n") did not start: $why. Last lines of its logs:"
+	tail -n 15 "$dir/log/stdout.log" >&2 2>/dev/null || true
+	tail -n 15 "$dir/log/$(node_name "$n").log" >&2 2>/dev/null || true
+	die "$(node_name "$n") did not start ($why); logs in $dir/log"
+}
+
+stop_node() {
+	local n=$1 pid
+	if ! pid=$(running_pid "$n"); then
+		log "$(node_name "$n") is not running"
+		rm -f "$(pid_file "$n")"
+		return 0
+	fi
+	log "stopping $(node_name "$n") (pid $pid)"
+	# A drill may have left it paused (SIGSTOP): a stopped VM cannot answer 'stop'.
+	kill -CONT "$pid" 2>/dev/null || true
+	# With the pid file, 'stop' returns only once the VM has exited.
+	(
+		node_env "$n"
+		timeout "$STOP_TIMEOUT_S" "$BIN/rabbitmqctl" -n "$(node_name "$n")" stop "$(pid_file "$n")" \
+			>/dev/null 2>&1
+	) || true
+	if kill -0 "$pid" 2>/dev/null && running_pid "$n" >/dev/null; then
+		log "$(node_name "$n") did not stop within ${STOP_TIMEOUT_S} s; sending SIGKILL to pid $pid"
+		kill -9 "$pid" 2>/dev/null || true
+	fi
+	rm -f "$(pid_file "$n")"
+}
+
+# Running members as seen by node $1 (one per line).
+running_members() {
+	ctl "$1" cluster_status --formatter json 2>/dev/null |
+		python3 -c 'import json,sys; print("\n".join(json.load(sys.stdin).get("running_nodes", [])))'
+}
+
+disk_members() {
+	ctl "$1" cluster_status --formatter json 2>/dev/null |
+		python3 -c 'import json,sys; print("\n".join(json.load(sys.stdin).get("disk_nodes", [])))'
+}
+
+join_to_c1() {
+	local n=$1
+	if disk_members c1 | grep -qx "$(node_name "$n")"; then
+		return 0
+	fi
+	log "joining $(node_name "$n") to $(node_name c1)"
+	# A node that never was a member holds nothing worth keeping: reset makes the join legal.
+	quiet_ctl "$n" stop_app
+	quiet_ctl "$n" reset
+	quiet_ctl "$n" join_cluster "$(node_name c1)"
+	quiet_ctl "$n" start_app
+}
+
+# ctl with its chatter (feature-flag warnings and the like) shown only when it fails.
+quiet_ctl() {
+	local out
+	if ! out=$(ctl "$@" 2>&1); then
+		printf '%s\n' "$out" >&2
+		die "rabbitmqctl -n $(node_name "$1") ${*:2} failed"
+	fi
+}
+
+await_cluster() {
+	local deadline count
+	deadline=$((SECONDS + START_TIMEOUT_S))
+	while true; do
+		count=$(running_members c1 | grep -c . || true)
+		[ "$count" -ge 3 ] && break
+		if [ "$SECONDS" -ge "$deadline" ]; then
+			ctl c1 cluster_status >&2 || true
+			die "cluster_status shows $count running node(s), not 3, after ${START_TIMEOUT_S} s"
+		fi
+		sleep 1
+	done
+	log "cluster of 3 running nodes: $(running_members c1 | tr '\n' ' ')"
+}
+
+cmd_start() {
+	local started=$SECONDS
+	# All at once: members of an existing cluster wait for each other at boot, and three
+	# cold starts side by side are faster than one after another.
+	for n in "${CLUSTER_NODES[@]}"; do launch_node "$n"; done
+	for n in "${CLUSTER_NODES[@]}"; do await_node "$n"; done
+	for n in c2 c3; do join_to_c1 "$n"; done
+	await_cluster
+	log "cluster ready in $((SECONDS - started)) s; URLs: $(cluster_urls)"
+}
+
+cmd_stop() {
+	# Reverse order: c1 stops last and so holds the freshest view of the membership.
+	for n in c3 c2 c1; do stop_node "$n"; done
+}
+
+cmd_destroy() {
+	for n in c3 c2 c1 s1; do stop_node "$n"; done
+	case "$BASE" in
+	/ | "" | /tmp | "$HOME") die "refusing to delete '$BASE'" ;;
+	esac
+	rm -rf "$BASE"
+	log "deleted $BASE"
+}
+
+cmd_status() {
+	local any=0
+	for n in s1 "${CLUSTER_NODES[@]}"; do
+		if pid=$(running_pid "$n"); then
+			printf '%-22s running  pid %-8s amqp 127.0.0.1:%s\n' "$(node_name "$n")" "$pid" "$(amqp_port "$n")"
+			any=1
+		else
+			printf '%-22s stopped\n' "$(node_name "$n")"
+		fi
+	done
+	if running_pid c1 >/dev/null; then
+		echo "cluster members running (seen by c1): $(running_members c1 | tr '\n' ' ')"
+	fi
+	[ "$any" = 1 ] || true
+}
+
+cluster_urls() {
+	local urls=()
+	for n in "${CLUSTER_NODES[@]}"; do urls+=("$(node_url "$n")"); done
+	(IFS=,; echo "${urls[*]}")
+}
+
+main() {
+	[ -x "$BIN/rabbitmq-server" ] || die "no RabbitMQ at $BIN (Debian: apt-get install rabbitmq-server)"
+	local cmd=${1:-}
+	shift || true
+	case "$cmd" in
+	start) cmd_start ;;
+	stop) cmd_stop ;;
+	destroy) cmd_destroy ;;
+	status) cmd_status ;;
+	single-start)
+		launch_node s1
+		await_node s1
+		;;
+	single-stop) stop_node s1 ;;
+	node-start)
+		launch_node "${1:?node-start needs a node: c1, c2, c3 or s1}"
+		await_node "$1"
+		;;
+	node-stop) stop_node "${1:?node-stop needs a node}" ;;
+	pid) running_pid "${1:?pid needs a node}" || die "$(node_name "$1") is not running" ;;
+	ctl | diag | queues)
+		# A rabbitmq CLI tool against one of our nodes, with that node's cookie and env.
+		local node=${1:?$cmd needs a node}
+		shift
+		local tool=rabbitmqctl
+		[ "$cmd" = diag ] && tool=rabbitmq-diagnostics
+		[ "$cmd" = queues ] && tool=rabbitmq-queues
+		(node_env "$node" && exec "$BIN/$tool" -n "$(node_name "$node")" "$@")
+		;;
+	url)
+		if [ "${1:-}" = cluster ]; then cluster_urls; else node_url "${1:?url needs a node}"; fi
+		;;
+	*)
+		sed -n '2,23p' "$0" >&2
+		exit 2
+		;;
+	esac
+}
+
+main "$@"

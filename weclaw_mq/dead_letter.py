@@ -1,0 +1,213 @@
+"""What a dead letter says, and the copy that goes back to work. Pure: no broker I/O.
+
+For a handler queue ``Q`` the dead letters sit in ``Q.dlq``. Two kinds arrive there:
+
+- moved by our worker (``settle.dead_letter``): our headers say why (reason, error type and
+  message, traceback, attempt, first and last failure times);
+- dead-lettered by RabbitMQ itself: the delivery limit was reached (a worker died on the
+  message again and again: reason ``delivery_limit``) or it expired (``expired``). Only the
+  broker's ``x-death`` headers say why; the error headers, if any, are from an earlier retry.
+
+``DeadLetter`` reads both into one shape.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractIncomingMessage
+
+from . import headers as h
+from .message import CONTENT_TYPE
+
+# Our record of a failure: dropped from a requeued copy, so its next failure is told afresh.
+_FAILURE_HEADERS = frozenset(
+    {
+        h.DEAD_LETTER_REASON,
+        h.ERROR_TYPE,
+        h.ERROR_MESSAGE,
+        h.ERROR_TRACEBACK,
+        h.ORIGINAL_QUEUE,
+        h.FIRST_FAILURE_AT,
+        h.LAST_FAILURE_AT,
+        h.X_DEATH,
+        h.X_DELIVERY_COUNT,
+    }
+)
+
+UNKNOWN_REASON = "unknown"
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One message in ``Q.dlq``, whoever put it there."""
+
+    task_id: str  # "" for a foreign message without a message_id
+    reason: str
+    error_type: str | None
+    error_message: str | None
+    attempts: int | None
+    original_queue: str | None
+    first_failure_at: datetime | None
+    last_failure_at: datetime | None
+    trace_id: str | None
+    body: bytes
+    headers: dict[str, Any]
+
+    @property
+    def traceback(self) -> str | None:
+        return _text(self.headers.get(h.ERROR_TRACEBACK))
+
+    @property
+    def by_broker(self) -> bool:
+        """Dead-lettered by RabbitMQ (delivery limit, expiry), not by our worker."""
+        return h.DEAD_LETTER_REASON not in self.headers
+
+
+def read_dead_letter(task_id: str | None, headers: Mapping[str, Any], body: bytes) -> DeadLetter:
+    """Our headers when the worker dead-lettered it, else the broker's most recent death."""
+    hdrs = dict(headers)
+    deaths = [d for d in hdrs.get(h.X_DEATH) or [] if isinstance(d, Mapping)]
+    # x-death is most recent first; the latest death is what put it in the DLQ (earlier ones
+    # are usually our delay queues' TTL expiries, reason "expired", on the way back to Q).
+    latest = deaths[0] if deaths else {}
+    attempt = hdrs.get(h.ATTEMPT)
+    ours = _text(hdrs.get(h.DEAD_LETTER_REASON))
+    if ours is not None:
+        reason = ours
+        original = _text(hdrs.get(h.ORIGINAL_QUEUE))
+        first = _time(hdrs.get(h.FIRST_FAILURE_AT))
+        last = _time(hdrs.get(h.LAST_FAILURE_AT))
+    else:
+        reason = (
+            _text(latest.get("reason")) or _text(hdrs.get(h.X_FIRST_DEATH_REASON)) or UNKNOWN_REASON
+        )
+        original = _text(latest.get("queue")) or _text(hdrs.get(h.X_FIRST_DEATH_QUEUE))
+        died_at = _time(latest.get("time"))
+        first = _time(hdrs.get(h.FIRST_FAILURE_AT)) or _time(
+            deaths[-1].get("time") if deaths else None
+        )
+        last = died_at or _time(hdrs.get(h.LAST_FAILURE_AT))
+    return DeadLetter(
+        task_id=task_id or "",
+        reason=reason,
+        error_type=_text(hdrs.get(h.ERROR_TYPE)),
+        error_message=_text(hdrs.get(h.ERROR_MESSAGE)),
+        # Our attempt number: for a crash loop, the attempt whose deliveries kept dying.
+        attempts=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
+        original_queue=original,
+        first_failure_at=first,
+        last_failure_at=last,
+        trace_id=_text(hdrs.get(h.TRACE_ID)),
+        body=body,
+        headers=hdrs,
+    )
+
+
+def requeue_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """The headers of a copy sent back to work: a fresh first attempt that remembers the trip."""
+    out = {
+        k: v
+        for k, v in headers.items()
+        if k not in _FAILURE_HEADERS and not k.startswith(h.BROKER_DEATH_PREFIXES)
+    }
+    out[h.ATTEMPT] = 1
+    before = headers.get(h.REQUEUED)
+    out[h.REQUEUED] = (before if isinstance(before, int) and before > 0 else 0) + 1
+    return out
+
+
+def requeued_message(message: AbstractIncomingMessage) -> aio_pika.Message:
+    """Same body, task id, trace id and properties as the dead letter; new headers."""
+    return aio_pika.Message(
+        message.body,
+        headers=requeue_headers(message.headers or {}),
+        content_type=message.content_type or CONTENT_TYPE,
+        content_encoding=message.content_encoding,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        priority=message.priority,
+        correlation_id=message.correlation_id,
+        reply_to=message.reply_to,
+        message_id=message.message_id,
+        timestamp=message.timestamp,
+        type=message.type,
+        app_id=message.app_id,
+        # Left out on purpose: expiration (the copy would only expire again) and user_id
+        # (the broker refuses a user_id that is not this connection's user).
+    )
+
+
+def export_record(dead: DeadLetter) -> dict[str, Any]:
+    """One JSON-able object: the DeadLetter fields, the body as text or base64."""
+    try:
+        body, encoding = dead.body.decode("utf-8"), "utf-8"
+    except UnicodeDecodeError:
+        body, encoding = base64.b64encode(dead.body).decode("ascii"), "base64"
+    return {
+        "task_id": dead.task_id,
+        "reason": dead.reason,
+        "error_type": dead.error_type,
+        "error_message": dead.error_message,
+        "attempts": dead.attempts,
+        "original_queue": dead.original_queue,
+        "first_failure_at": _iso(dead.first_failure_at),
+        "last_failure_at": _iso(dead.last_failure_at),
+        "trace_id": dead.trace_id,
+        "body": body,
+        "body_encoding": encoding,
+        "headers": _jsonable(dead.headers),
+    }
+
+
+# -- header values -------------------------------------------------------------------------
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", errors="replace")
+    return None
+
+
+def _time(value: object) -> datetime | None:
+    if isinstance(value, datetime):
+        return value
+    text = _text(value)
+    if text is None:
+        return None
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def _jsonable(value: object) -> Any:
+    """AMQP field values as JSON: times as ISO text, bytes as text (or base64), decimals as
+    strings so no precision is lost."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return base64.b64encode(value).decode("ascii")
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)

@@ -1,0 +1,67 @@
+"""Queue depths: ready messages and consumers of a handler queue, its delay queues and DLQ."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .app import App
+from .dlq import connected, ready_count
+from .naming import dlq_name, retry_queue_name
+
+
+@dataclass(frozen=True)
+class QueueCount:
+    name: str
+    role: str  # "work", "retry" or "dlq"
+    exists: bool
+    messages: int | None  # ready only: messages a consumer holds unacked are not counted
+    consumers: int | None
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queue: str
+    work: QueueCount
+    retries: tuple[QueueCount, ...]
+    dlq: QueueCount
+
+    @property
+    def all(self) -> tuple[QueueCount, ...]:
+        return (self.work, *self.retries, self.dlq)
+
+
+async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) -> QueueStats:
+    """Message and consumer counts of ``Q``, each ``Q.retry.<delay>`` and ``Q.dlq``; a queue
+    that does not exist is reported absent (passive declares never create anything)."""
+    async with connected(app, "stats") as conn:
+
+        async def count(name: str, role: str) -> QueueCount:
+            counts = await ready_count(conn, name)
+            if counts is None:
+                return QueueCount(name, role, exists=False, messages=None, consumers=None)
+            return QueueCount(name, role, exists=True, messages=counts[0], consumers=counts[1])
+
+        work = await count(queue, "work")
+        retries = [
+            await count(retry_queue_name(queue, d), "retry") for d in dict.fromkeys(retry_delays_ms)
+        ]
+        dlq = await count(dlq_name(queue), "dlq")
+    return QueueStats(queue, work, tuple(retries), dlq)
+
+
+def handler_retry_delays_ms(app: App, queue: str) -> tuple[int, ...]:
+    """The delays whose queues ``queue``'s handler declares: from its spec when ``app`` has
+    one, else what a handler registered without retry options would get from settings."""
+    spec = app.handlers.get(queue)
+    if spec is None:
+        # A stand-in on a scratch App: App.handler's defaults and the spec's delay rules stay
+        # in one place instead of being copied here.
+        scratch = App(f"{app.name}-stats", settings=app.settings)
+
+        async def stand_in(task: object) -> None:
+            return None
+
+        scratch.handler(queue)(stand_in)
+        spec = scratch.handlers[queue]
+    return spec.queue_spec().retry_delays_ms
