@@ -1,9 +1,9 @@
 """The idempotency guard: each task id's handler runs once per queue, however often it arrives.
 
 One Redis key per (queue, task id), in one of two states:
-- ``running:<owner>`` with a lease (PX): a worker holds the task. The lease is renewed while
-  the handler runs, so a minute-long model call is not taken by a second worker; if the
-  holder dies, the lease lapses and a redelivered copy may claim it.
+- ``running:<owner>`` with a lease (PX): a worker holds the task. The lease is renewed every
+  third of its length while the handler runs, so a minute-long model call is not taken by a
+  second worker; if the holder dies, the lease lapses and a redelivered copy may claim it.
 - ``done`` with a TTL (``done_ttl_s``): the result is stored; copies are acked unrun.
 
 Claims are one atomic ``SET NX``, never check-then-set.
@@ -15,12 +15,13 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from enum import StrEnum
 
 import redis.asyncio as aioredis
 
 from .naming import guard_key
+from .results import DoneMarker
 
 log = logging.getLogger("weclaw_mq.guard")
 
@@ -57,6 +58,8 @@ class IdempotencyGuard:
         self._done_ttl_ms = int(done_ttl_s * 1000)
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
+        self._held: dict[str, str] = {}  # guard key -> owner token, while its handler runs
+        self._renewer: asyncio.Task[None] | None = None
 
     @staticmethod
     def new_owner() -> str:
@@ -80,30 +83,57 @@ class IdempotencyGuard:
     async def release(self, queue: str, task_id: str, owner: str) -> None:
         await self._release(keys=[guard_key(queue, task_id)], args=[owner])
 
+    def done_marker(self, queue: str, task_id: str) -> DoneMarker:
+        return DoneMarker(guard_key(queue, task_id), DONE, self._done_ttl_ms)
+
     async def mark_done(self, queue: str, task_id: str) -> None:
         await self._redis.set(guard_key(queue, task_id), DONE, px=self._done_ttl_ms)
 
-    @contextlib.asynccontextmanager
-    async def lease_kept(self, queue: str, task_id: str, owner: str) -> AsyncIterator[None]:
-        """Renew the lease every third of its length while the body runs."""
-        keeper = asyncio.create_task(self._keep(queue, task_id, owner))
+    @contextlib.contextmanager
+    def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
+        """Keep the lease renewed while the body runs.
+
+        One renewer serves every lease of the process, in one pipelined round trip per
+        period, instead of a task and a timer per message.
+        """
+        key = guard_key(queue, task_id)
+        self._held[key] = owner
+        if self._renewer is None:
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_while_held())
         try:
             yield
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            if self._held.get(key) == owner:
+                del self._held[key]
 
-    async def _keep(self, queue: str, task_id: str, owner: str) -> None:
+    async def _renew_while_held(self) -> None:
         while True:
             await asyncio.sleep(self.lease_s / 3)
+            if not self._held:
+                # No await between this check and the return: a new holder either came
+                # before it (we go on) or sees no renewer and starts one.
+                self._renewer = None
+                return
+            held = list(self._held.items())
             try:
-                if not await self.extend(queue, task_id, owner):
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key, owner in held:
+                        await self._extend(keys=[key], args=[owner, self._lease_ms], client=pipe)
+                    renewed = await pipe.execute()
+            except Exception as e:  # a Redis blip must not kill the handlers
+                log.warning("could not renew %d lease(s) (%s: %s)", len(held), type(e).__name__, e)
+                continue
+            for (key, owner), ok in zip(held, renewed, strict=True):
+                if not ok and self._held.get(key) == owner:
                     log.warning(
-                        "lost the lease on task %s (it lapsed or was taken); another worker "
-                        "may run it too",
-                        task_id,
+                        "lost the lease on %s (it lapsed or was taken); another worker may "
+                        "run the task too",
+                        key,
                     )
-                    return
-            except Exception as e:  # Redis blips must not kill the handler
-                log.warning("could not renew the lease (%s: %s)", type(e).__name__, e)
+
+    async def close(self) -> None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer

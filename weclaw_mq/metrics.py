@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class Outcome(StrEnum):
@@ -50,5 +50,35 @@ class Metrics:
             "weclaw_mq_reconnects", "Broker connections re-established.", ["role"], registry=r
         )
 
+        # Label lookups take a lock and build a tuple: done once per (queue, outcome), not
+        # once per message.
+        self._settled: dict[tuple[str, Outcome], Counter] = {}
+        self._published: dict[tuple[str, str], Counter] = {}
+        self._timing: dict[str, tuple[Histogram, Gauge]] = {}
+
+    def settled(self, queue: str, outcome: Outcome) -> Counter:
+        child = self._settled.get((queue, outcome))
+        if child is None:
+            child = self._settled[queue, outcome] = self.messages.labels(queue, outcome.value)
+        return child
+
+    def publish_outcome(self, queue: str, outcome: str) -> Counter:
+        child = self._published.get((queue, outcome))
+        if child is None:
+            child = self._published[queue, outcome] = self.published.labels(queue, outcome)
+        return child
+
+    def handler_timing(self, queue: str) -> tuple[Histogram, Gauge]:
+        pair = self._timing.get(queue)
+        if pair is None:
+            pair = self._timing[queue] = (
+                self.handler_seconds.labels(queue),
+                self.in_flight.labels(queue),
+            )
+        return pair
+
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        # Imported here: the HTTP server is not needed by processes that only publish.
+        from prometheus_client import start_http_server
+
         start_http_server(port, addr=addr, registry=self.registry)

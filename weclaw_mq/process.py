@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -26,7 +26,7 @@ from .handler import HandlerSpec, InvalidPayload, UndecodableBody
 from .message import Delivery, read_delivery
 from .metrics import Metrics, Outcome
 from .producer import Publisher
-from .results import ResultStore, TaskState, TaskStatus
+from .results import RedisResultStore, ResultStore, TaskState, TaskStatus
 from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
 from .settings import Settings
 from .signals import Retry
@@ -105,14 +105,20 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
         held = gate if isinstance(gate, str) else None  # the claim's owner token
 
         # The status write runs beside the handler: a model call need not wait for it.
-        running = asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
+        running = (
+            asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
+            if rt.results is not None
+            else None
+        )
         try:
-            async with _lease(rt, spec, delivery, held):
+            with _lease(rt, spec, delivery, held):
                 result, error = await _call(spec, task, delivery, rt)
         except BaseException:
-            running.cancel()  # stopping hard: the message stays unacked
+            if running is not None:
+                running.cancel()  # stopping hard: the message stays unacked
             raise
-        await running
+        if running is not None:
+            await running
 
         if error is None:
             try:
@@ -147,7 +153,7 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
                 delay_ms=decision.delay_ms,
                 error=error,
             ):
-                rt.metrics.messages.labels(spec.queue, Outcome.RETRIED.value).inc()
+                rt.metrics.settled(spec.queue, Outcome.RETRIED).inc()
         elif isinstance(decision, DeadLetter):
             await _dead_letter(message, delivery, spec, rt, decision.reason, error)
 
@@ -173,7 +179,7 @@ async def _pass_guard(
         if claim is not Claim.DONE:
             await _mark_done_quietly(rt.guard, spec, delivery)
         if await settle.ack(message):
-            rt.metrics.messages.labels(spec.queue, Outcome.DUPLICATE.value).inc()
+            rt.metrics.settled(spec.queue, Outcome.DUPLICATE).inc()
         return _Gate.SETTLED
     if claim is Claim.BUSY:
         log.info("another worker is running this task; deferring this copy")
@@ -207,14 +213,12 @@ async def _mark_done_quietly(
         log.warning("could not mark the task done (%s)", e)
 
 
-@contextlib.asynccontextmanager
-async def _lease(
-    rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: str | None
-) -> AsyncIterator[None]:
+@contextlib.contextmanager
+def _lease(rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: str | None) -> Iterator[None]:
     if owner is None or rt.guard is None:
         yield
         return
-    async with rt.guard.lease_kept(spec.queue, delivery.task_id, owner):
+    with rt.guard.holding(spec.queue, delivery.task_id, owner):
         yield
 
 
@@ -234,7 +238,7 @@ async def _call(
             app=rt.app,
         )
         args = (task, ctx)
-    in_flight = rt.metrics.in_flight.labels(spec.queue)
+    timing, in_flight = rt.metrics.handler_timing(spec.queue)
     in_flight.inc()
     started = time.perf_counter()
     try:
@@ -250,7 +254,7 @@ async def _call(
         return None, e
     finally:
         in_flight.dec()
-        rt.metrics.handler_seconds.labels(spec.queue).observe(time.perf_counter() - started)
+        timing.observe(time.perf_counter() - started)
 
 
 async def _finish(
@@ -262,20 +266,27 @@ async def _finish(
     owner: str | None,
 ) -> None:
     """Store first, then ack: a crash in between redelivers a task the guard knows is done."""
+    store = rt.results
+    guard = rt.guard if owner is not None else None
     try:
-        store = rt.results
         if store is not None:
             state = _state(delivery, spec, TaskStatus.SUCCEEDED, result=result)
-            await _patiently(rt, lambda: store.put(state))
-        if owner is not None and rt.guard is not None:
-            guard = rt.guard
-            await _patiently(rt, lambda: guard.mark_done(spec.queue, delivery.task_id))
+            if guard is not None and isinstance(store, RedisResultStore):
+                # The default store writes the guard's done marker with the result.
+                done = guard.done_marker(spec.queue, delivery.task_id)
+                await _patiently(rt, lambda: store.put_final(state, done))
+                guard = None
+            else:
+                await _patiently(rt, lambda: store.put(state))
+        if guard is not None:
+            marking = guard
+            await _patiently(rt, lambda: marking.mark_done(spec.queue, delivery.task_id))
     except ResultNotStored as e:
         log.error("%s; giving the task back to the broker", e)
         await settle.give_back(message)
         return
     if await settle.ack(message):
-        rt.metrics.messages.labels(spec.queue, Outcome.ACKED.value).inc()
+        rt.metrics.settled(spec.queue, Outcome.ACKED).inc()
 
 
 async def _patiently(rt: Runtime, write: Any) -> None:
@@ -310,7 +321,7 @@ async def _defer(
     if await settle.defer(
         message, delivery, rt.publisher, queue=spec.queue, delay_ms=spec.retry.delay_ms(1)
     ):
-        rt.metrics.messages.labels(spec.queue, Outcome.DEFERRED.value).inc()
+        rt.metrics.settled(spec.queue, Outcome.DEFERRED).inc()
 
 
 def _describe(error: BaseException) -> str:
@@ -383,4 +394,4 @@ async def _dead_letter(
             error=_describe(error),
             reason=reason.value,
         )
-        rt.metrics.messages.labels(spec.queue, Outcome.DEAD_LETTERED.value).inc()
+        rt.metrics.settled(spec.queue, Outcome.DEAD_LETTERED).inc()

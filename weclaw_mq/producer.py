@@ -95,11 +95,10 @@ class Publisher:
         timeout_s = self._settings.confirm_timeout_s
         try:
             channel = await self._ready_channel()
-            # wait_for covers the whole call: aio-pika waits forever on a blocked connection.
-            await asyncio.wait_for(
-                channel.default_exchange.publish(message, routing_key=queue, mandatory=True),
-                timeout_s,
-            )
+            # The deadline covers the whole call: aio-pika waits forever on a blocked
+            # connection. asyncio.timeout, unlike wait_for, costs no extra task per publish.
+            async with asyncio.timeout(timeout_s):
+                await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
         except aiormq.exceptions.PublishError as e:
             self._count(queue, "unroutable")
             raise UnroutableError(
@@ -161,7 +160,7 @@ class Publisher:
             task.add_done_callback(self._closing.discard)
 
     def _count(self, queue: str, outcome: str) -> None:
-        self._metrics.published.labels(queue, outcome).inc()
+        self._metrics.publish_outcome(queue, outcome).inc()
 
     async def close(self) -> None:
         channel, self._channel = self._channel, None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
@@ -22,6 +23,15 @@ from pydantic import BaseModel, Field
 
 from .errors import ResultTimeoutError
 from .naming import result_channel, result_key
+
+
+@dataclass(frozen=True)
+class DoneMarker:
+    """The guard's "done" key for a task, handed to ``RedisResultStore.put_final``."""
+
+    key: str
+    value: str
+    ttl_ms: int
 
 
 class TaskStatus(StrEnum):
@@ -71,6 +81,10 @@ class ResultStore(Protocol):
 
 # One round trip: refuse to overwrite a succeeded record, write, expire, and wake waiters.
 _PUT = """
+if KEYS[3] then
+  -- the guard's done marker, written in the same step as the result it vouches for
+  redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[6])
+end
 local current = redis.call('HGET', KEYS[1], 'status')
 if current == 'succeeded' then return 0 end
 if ARGV[4] == '1' and current then return 0 end
@@ -78,6 +92,17 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'state', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered' then
   redis.call('PUBLISH', KEYS[2], ARGV[1])
+end
+return 1
+"""
+
+# Records for tasks that have none yet; never wakes waiters (no final state is written).
+_PUT_NEW_MANY = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 0 then
+    redis.call('HSET', key, 'status', ARGV[2 * i], 'state', ARGV[2 * i + 1])
+    redis.call('PEXPIRE', key, ARGV[1])
+  end
 end
 return 1
 """
@@ -100,6 +125,7 @@ class RedisResultStore:
         self._ttl_ms = int(ttl_s * 1000)
         self._put = client.register_script(_PUT)
         self._forget_queued = client.register_script(_FORGET_QUEUED)
+        self._put_new_many = client.register_script(_PUT_NEW_MANY)
 
     @staticmethod
     def _keys(state: TaskState) -> list[str]:
@@ -111,7 +137,29 @@ class RedisResultStore:
     async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
         return bool(await self._put(keys=self._keys(state), args=self._args(state, only_if_new)))
 
+    async def put_final(self, state: TaskState, done: DoneMarker) -> bool:
+        """``put`` a final state and set the guard's done marker, atomically, in one round trip.
+
+        Two separate writes would cost a second round trip per task and leave a window where
+        a crash stores the result but not the marker.
+        """
+        return bool(
+            await self._put(
+                keys=[*self._keys(state), done.key],
+                args=[*self._args(state, False), done.value, done.ttl_ms],
+            )
+        )
+
     async def put_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+        if not states:
+            return
+        if only_if_new and not any(st.status.terminal for st in states):
+            # The publish_many case: one script call for the whole batch, not one per task.
+            args: list[Any] = [self._ttl_ms]
+            for st in states:
+                args += [st.status.value, st.model_dump_json()]
+            await self._put_new_many(keys=[result_key(st.task_id) for st in states], args=args)
+            return
         async with self._redis.pipeline(transaction=False) as pipe:
             for state in states:
                 await self._put(

@@ -43,7 +43,9 @@ class Settings(BaseSettings):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
     # Idempotency guard and result store (Redis).
-    redis_max_connections: int = Field(default=64, ge=1)
+    # Per process. A worker needs about two per handler in flight (claim or result write,
+    # and a status write beside it); past the limit a command fails like an outage.
+    redis_max_connections: int = Field(default=256, ge=4)
     redis_timeout_s: float = Field(default=5.0, gt=0)
     results_enabled: bool = True
     guard_lease_s: float = Field(default=30.0, gt=0)

@@ -85,6 +85,7 @@ class Worker:
 
     async def run(self) -> None:
         self._warn_about_consumer_timeout()
+        self._check_redis_pool()
         failures = 0
         while not self._stop.is_set():
             conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)
@@ -162,7 +163,7 @@ class Worker:
             if self._stop.is_set():
                 # Arrived after we decided to stop: left unacked, the broker gives it to
                 # another worker when this connection closes.
-                self.app.metrics.messages.labels(spec.queue, Outcome.REQUEUED.value).inc()
+                self.app.metrics.settled(spec.queue, Outcome.REQUEUED).inc()
                 return
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and
@@ -198,6 +199,17 @@ class Worker:
                 len(pending),
             )
             await asyncio.wait(pending)
+
+    def _check_redis_pool(self) -> None:
+        if self.app.guard is None and self.app.results is None:
+            return
+        needed = 2 * self.concurrency * len(self.specs) + 8
+        if needed > self.settings.redis_max_connections:
+            raise ConfigurationError(
+                f"concurrency {self.concurrency} on {len(self.specs)} queue(s) needs about "
+                f"{needed} Redis connections, over WECLAW_MQ_REDIS_MAX_CONNECTIONS="
+                f"{self.settings.redis_max_connections}; raise it or lower the concurrency"
+            )
 
     def _warn_about_consumer_timeout(self) -> None:
         for spec in self.specs:

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from weclaw_mq import App, Context, Settings, TaskState, TaskStatus
-from weclaw_mq.results import RedisResultStore
+from weclaw_mq.results import DoneMarker, RedisResultStore
 
 if TYPE_CHECKING:
     from tests.integration.processes import WorkerProcess
@@ -81,13 +81,23 @@ class DieAfterStoreResults(RedisResultStore):
 
     async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
         written = await super().put(state, only_if_new=only_if_new)
+        await self._die_if_flagged(state)
+        return written
+
+    async def put_final(self, state: TaskState, done: DoneMarker) -> bool:
+        # The worker stores a success this way when the guard is on (result and done marker
+        # in one step): the kill lands after both, before the ack.
+        written = await super().put_final(state, done)
+        await self._die_if_flagged(state)
+        return written
+
+    async def _die_if_flagged(self, state: TaskState) -> None:
         if (
             state.status is TaskStatus.SUCCEEDED
             and state.task_id in self.flagged
             and await self._client.set(died_key(self._record_key), str(os.getpid()), nx=True)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
-        return written
 
 
 def build_app(
