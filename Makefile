@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 DEMO_TASKS ?= 10
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools test lint format demo compose-check clean distclean
+.PHONY: help venv install tools test lint format demo drill bench compose-check clean distclean
 
 help:
 	@echo "make demo           install, then run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
@@ -19,6 +19,8 @@ help:
 	@echo "make tools          install promtool (as root with apt-get) for the alert-rule tests"
 	@echo "make lint           ruff check, ruff format --check, mypy"
 	@echo "make format         ruff format and ruff check --fix"
+	@echo "make drill          every fault drill (private RabbitMQ nodes, 3-node cluster) and its table"
+	@echo "make bench          benchmark vs raw aio-pika, FastStream, Dramatiq (own venv; BENCH_ARGS=--smoke)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -69,6 +71,13 @@ test: install tools
 
 demo: install
 	$(BIN)/python -m consumers.demo_run $(DEMO_TASKS)
+
+drill: install
+	tests/drills/run_drills.sh $(DRILL_ARGS)
+
+# The peers live in benchmarks/.venv, built by run.sh on first use, never in .venv.
+bench:
+	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

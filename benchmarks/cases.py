@@ -1,0 +1,522 @@
+"""The cases and contenders of a run, and how each measurement is set up.
+
+Each measurement runs one contender in its own process (``infra.Children``); a case runs
+every contender ``repeats`` times, in an order rotated by one each repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import SecretStr
+
+from weclaw_mq import App, Settings
+
+from .common import ChildConfig, make_payload, now_ns
+from .infra import Child, Children, ContenderFailed, Infra
+from .report import Results, RowSpec, Target
+
+SLEEP_S = 0.05  # the I/O-bound handler: asyncio.sleep(0.05) standing in for a model call
+E2E_WARMUP = 5
+
+
+@dataclass(frozen=True)
+class Contender:
+    key: str
+    label: str
+    module: str
+    guard: bool = False  # weclaw: guard + results on; raw: the Redis calls by hand
+    dramatiq: bool = False  # declares its own queues and needs its own message format
+    short: str = ""  # how a ratio names it as the baseline
+
+
+RAW = Contender("raw", "raw aio-pika", "raw_aiopika", short="raw")
+RAW_REDIS = Contender(
+    "raw-redis", "raw aio-pika + Redis by hand", "raw_aiopika", guard=True, short="raw+Redis"
+)
+WECLAW = Contender("weclaw", "weclaw_mq (guard off)", "weclaw")
+WECLAW_GUARD = Contender("weclaw-guard", "weclaw_mq (guard + results)", "weclaw", guard=True)
+FASTSTREAM = Contender("faststream", "FastStream", "faststream_bench")
+DRAMATIQ = Contender("dramatiq", "Dramatiq", "dramatiq_bench", dramatiq=True)
+
+PUB_RAW = Contender("raw", "raw aio-pika (confirm, mandatory)", "raw_aiopika", short="raw")
+PUB_WECLAW = Contender("weclaw", "weclaw_mq App.publish (results off)", "weclaw")
+PUB_WECLAW_RESULTS = Contender(
+    "weclaw-results", "weclaw_mq App.publish (results on)", "weclaw", guard=True
+)
+MANY_RAW = Contender("raw", "raw aio-pika gather, one channel", "raw_aiopika", short="raw")
+MANY_WECLAW = Contender("weclaw", "weclaw_mq publish_many (results off)", "weclaw")
+MANY_WECLAW_RESULTS = Contender(
+    "weclaw-results", "weclaw_mq publish_many (results on)", "weclaw", guard=True
+)
+
+
+@dataclass
+class Counts:
+    consume: dict[int, int]  # concurrency -> messages
+    io_concurrency: tuple[int, ...]
+    io_waves: int  # messages = concurrency * waves: about waves * 50 ms per run
+    publish: int
+    publish_many_batches: int  # of 100 messages
+    rss: int
+    e2e: int
+    e2e_interval_s: float
+
+    def scaled(self, factor: float) -> Counts:
+        def s(n: int, floor: int) -> int:
+            return max(floor, round(n * factor))
+
+        return Counts(
+            consume={c: s(n, 50) for c, n in self.consume.items()},
+            io_concurrency=self.io_concurrency,
+            io_waves=s(self.io_waves, 3),
+            publish=s(self.publish, 50),
+            publish_many_batches=s(self.publish_many_batches, 2),
+            rss=self.rss,
+            e2e=s(self.e2e, 20),
+            e2e_interval_s=self.e2e_interval_s,
+        )
+
+
+FULL = Counts(
+    consume={1: 1500, 10: 6000, 100: 8000},
+    io_concurrency=(8, 32, 128),
+    io_waves=40,
+    publish=2000,
+    publish_many_batches=50,
+    rss=50,
+    e2e=200,
+    e2e_interval_s=0.01,
+)
+SMOKE = Counts(
+    consume={10: 200},
+    io_concurrency=(8,),
+    io_waves=4,
+    publish=100,
+    publish_many_batches=3,
+    rss=20,
+    e2e=20,
+    e2e_interval_s=0.005,
+)
+CASES = ("consume", "io", "publish", "rss", "e2e")
+OURS_AND_BASELINES = frozenset({"raw", "raw-redis", "weclaw", "weclaw-guard", "weclaw-results"})
+
+
+@dataclass
+class Bench:
+    infra: Infra
+    children: Children
+    counts: Counts
+    repeats: int
+    cases: tuple[str, ...]
+    skip_peers: bool
+    only: frozenset[str] = frozenset()  # contender keys to run; empty: all
+    results: Results = field(default_factory=Results)
+
+    # -- one run of one contender ---------------------------------------------------------
+    def _cfg(self, mode: str, queue: str, contender: Contender, **kw: Any) -> ChildConfig:
+        return ChildConfig(
+            mode=mode,
+            queue=queue,
+            amqp_url=self.infra.amqp_url,
+            redis_url=self.infra.redis_url,
+            guard=contender.guard,
+            **kw,
+        )
+
+    async def _consume(
+        self,
+        case: str,
+        contender: Contender,
+        repeat: int,
+        *,
+        count: int,
+        concurrency: int,
+        sleep_s: float = 0.0,
+        idle_rss: bool = False,
+    ) -> dict[str, Any]:
+        queue = self.infra.new_queue(case, contender.key, f"r{repeat}")
+        try:
+            arguments = {} if contender.dramatiq else await self.infra.declare_weclaw(queue)
+            timeout_s = 60 + count / 100 + count * sleep_s / concurrency * 3
+            cfg = self._cfg(
+                "consume",
+                queue,
+                contender,
+                count=count,
+                concurrency=concurrency,
+                sleep_s=sleep_s,
+                extra={"queue_arguments": arguments, "timeout_s": timeout_s},
+            )
+
+            async def fill() -> None:
+                await self.infra.fill(queue, count, dramatiq=contender.dramatiq)
+
+            return await self.children.run(
+                contender.module,
+                cfg,
+                queue,
+                before_go=fill,
+                fill_while_starting=not contender.dramatiq,
+                done_timeout_s=timeout_s,
+                idle_rss_after_s=1.0 if idle_rss else None,
+            )
+        finally:
+            await self.infra.delete(queue)
+
+    async def _publish(
+        self, case: str, mode: str, contender: Contender, repeat: int, *, count: int
+    ) -> dict[str, Any]:
+        queue = self.infra.new_queue(case, contender.key, f"r{repeat}")
+        try:
+            await self.infra.declare_weclaw(queue)
+            cfg = self._cfg(
+                mode, queue, contender, count=count, batch=100, extra={"task_prefix": queue}
+            )
+            return await self.children.run(
+                contender.module, cfg, queue, done_timeout_s=60 + count / 50
+            )
+        finally:
+            await self.infra.delete(queue)
+
+    async def _e2e(self, case: str, contender: Contender, repeat: int) -> dict[str, Any]:
+        queue = self.infra.new_queue(case, contender.key, f"r{repeat}")
+        n = self.counts.e2e
+        interval = self.counts.e2e_interval_s
+        publisher: App | None = None
+        try:
+            await self.infra.declare_weclaw(queue)
+            cfg = self._cfg("e2e", queue, contender, count=n + E2E_WARMUP, concurrency=1)
+            if contender.module == "weclaw":
+                publisher = App(
+                    "bench-e2e-publisher",
+                    settings=Settings(
+                        amqp_url=SecretStr(self.infra.amqp_url),
+                        redis_url=SecretStr(self.infra.redis_url),
+                        results_enabled=contender.guard,
+                        _env_file=None,  # type: ignore[call-arg]
+                    ),
+                )
+
+            async def publish(seq: int) -> None:
+                # The stamp is taken right before the publish call: publish -> handler start.
+                payload = make_payload(seq, now_ns())
+                task_id = f"{queue}-{seq}-{uuid.uuid4().hex[:6]}"
+                if publisher is not None:
+                    await publisher.publish(queue, payload, task_id=task_id)
+                else:
+                    await self.infra.publish_raw(queue, payload, task_id)
+
+            async def drive(child: Child) -> None:
+                await child.wait_for("consuming", 30)
+                for _ in range(E2E_WARMUP):
+                    await publish(-1)
+                    await asyncio.sleep(interval)
+                for seq in range(n):
+                    await publish(seq)
+                    await asyncio.sleep(interval)  # the worker is idle when the next arrives
+
+            return await self.children.run(
+                contender.module, cfg, queue, after_go=drive, done_timeout_s=60 + n * interval * 3
+            )
+        finally:
+            if publisher is not None:
+                await publisher.close()
+            await self.infra.delete(queue)
+
+    # -- cases ---------------------------------------------------------------------------
+    async def _case(
+        self,
+        case_id: str,
+        contenders: list[Contender],
+        run: Callable[[Contender, int], Awaitable[dict[str, float]]],
+    ) -> None:
+        """Every repeat runs every contender, in an order rotated by one each repeat."""
+        if self.only:
+            contenders = [c for c in contenders if c.key in self.only]
+        if not contenders:
+            return
+        for repeat in range(self.repeats):
+            shift = repeat % len(contenders)
+            for contender in contenders[shift:] + contenders[:shift]:
+                started = time.monotonic()
+                try:
+                    metrics = await run(contender, repeat)
+                except ContenderFailed as e:
+                    self.results.fail(case_id, contender.key, str(e))
+                    log(f"[{case_id}] {contender.key} r{repeat + 1}: FAILED {e}")
+                    continue
+                self.results.record(case_id, contender.key, metrics)
+                self.results.runs.append(
+                    {"case": case_id, "contender": contender.key, "repeat": repeat, **metrics}
+                )
+                shown = ", ".join(f"{k}={v:,.3g}" for k, v in metrics.items())
+                log(
+                    f"[{case_id}] {contender.key} r{repeat + 1}/{self.repeats}: {shown} "
+                    f"({time.monotonic() - started:.1f} s)"
+                )
+
+    def _spec(
+        self,
+        case_id: str,
+        case_label: str,
+        c: Contender,
+        metric: str,
+        unit: str,
+        *,
+        baseline: Contender | None = None,
+        target: Target | None = None,
+        decimals: int = 0,
+    ) -> None:
+        if self.only and c.key not in self.only:
+            return  # left out with --only: no row
+        self.results.add_spec(
+            RowSpec(
+                case_id=case_id,
+                case_label=case_label,
+                contender=c.key,
+                contender_label=c.label,
+                metric=metric,
+                unit=unit,
+                baseline=baseline.key if baseline else None,
+                baseline_label=baseline.short if baseline else None,
+                target=target,
+                decimals=decimals,
+            )
+        )
+
+    async def consume_cases(self) -> None:
+        peers = [] if self.skip_peers else [FASTSTREAM, DRAMATIQ]
+        contenders = [RAW, WECLAW, RAW_REDIS, WECLAW_GUARD, *peers]
+        for concurrency, count in self.counts.consume.items():
+            case_id = f"consume-c{concurrency}"
+            label = f"consume no-op, c={concurrency}"
+            for c in contenders:
+                baseline = RAW_REDIS if c is WECLAW_GUARD else (None if c is RAW else RAW)
+                target = None
+                if c is WECLAW and concurrency in (10, 100):
+                    target = Target("ratio_min", 0.9)
+                if c is WECLAW_GUARD:
+                    target = Target("ratio_min", 0.9)
+                self._spec(case_id, label, c, "rate", "msg/s", baseline=baseline, target=target)
+            for c in contenders:
+                baseline = RAW_REDIS if c is WECLAW_GUARD else (None if c is RAW else RAW)
+                self._spec(
+                    case_id,
+                    f"consumer CPU per message, c={concurrency}",
+                    c,
+                    "cpu_us",
+                    "us CPU/msg",
+                    baseline=baseline,
+                )
+
+            async def run(
+                c: Contender, r: int, n: int = count, k: int = concurrency
+            ) -> dict[str, float]:
+                done = await self._consume(f"consume-c{k}", c, r, count=n, concurrency=k)
+                return {"rate": done["rate"], "cpu_us": done["cpu_us"]}
+
+            await self._case(case_id, contenders, run)
+
+    async def io_cases(self) -> None:
+        contenders = [RAW, WECLAW, WECLAW_GUARD]
+        for concurrency in self.counts.io_concurrency:
+            case_id = f"io-c{concurrency}"
+            label = f"I/O 50 ms handler, c={concurrency}"
+            bound = concurrency / SLEEP_S
+            for c in contenders:
+                self._spec(
+                    case_id,
+                    label,
+                    c,
+                    "efficiency",
+                    f"x bound ({bound:,.0f}/s)",
+                    baseline=None if c is RAW else RAW,
+                    target=None if c is RAW else Target("min", 0.9),
+                    decimals=3,
+                )
+
+            async def run(c: Contender, r: int, k: int = concurrency) -> dict[str, float]:
+                done = await self._consume(
+                    f"io-c{k}",
+                    c,
+                    r,
+                    count=k * self.counts.io_waves,
+                    concurrency=k,
+                    sleep_s=SLEEP_S,
+                )
+                return {"efficiency": done["rate"] / (k / SLEEP_S), "rate": done["rate"]}
+
+            await self._case(case_id, contenders, run)
+
+    async def publish_cases(self) -> None:
+        single = [PUB_RAW, PUB_WECLAW, PUB_WECLAW_RESULTS]
+        label = "publish one at a time"
+        for c in single:
+            weclaw = c is not PUB_RAW
+            base = None if c is PUB_RAW else PUB_RAW
+            self._spec(
+                "publish",
+                label,
+                c,
+                "rate",
+                "msg/s",
+                baseline=base,
+                target=Target("ratio_min", 0.9) if weclaw else None,
+            )
+            self._spec("publish", label, c, "p50_ms", "ms p50", baseline=base, decimals=2)
+            self._spec(
+                "publish",
+                label,
+                c,
+                "p95_ms",
+                "ms p95",
+                baseline=base,
+                decimals=2,
+                target=Target("max", 1.5) if weclaw else None,
+            )
+            self._spec("publish", label, c, "p99_ms", "ms p99", baseline=base, decimals=2)
+
+        async def one(c: Contender, r: int) -> dict[str, float]:
+            done = await self._publish("publish", "publish", c, r, count=self.counts.publish)
+            return {k: done[k] for k in ("rate", "p50_ms", "p95_ms", "p99_ms")}
+
+        await self._case("publish", single, one)
+
+        many = [MANY_RAW, MANY_WECLAW, MANY_WECLAW_RESULTS]
+        label = "publish_many, batches of 100"
+        for c in many:
+            weclaw = c is not MANY_RAW
+            base = None if c is MANY_RAW else MANY_RAW
+            self._spec(
+                "publish-many",
+                label,
+                c,
+                "rate",
+                "msg/s",
+                baseline=base,
+                target=Target("ratio_min", 0.9) if weclaw else None,
+            )
+            self._spec(
+                "publish-many",
+                label,
+                c,
+                "p50_ms",
+                "ms per 100 (median batch)",
+                baseline=base,
+                decimals=1,
+            )
+
+        async def batches(c: Contender, r: int) -> dict[str, float]:
+            count = 100 * self.counts.publish_many_batches
+            done = await self._publish("publish-many", "publish_many", c, r, count=count)
+            return {"rate": done["rate"], "p50_ms": done["p50_ms"]}
+
+        await self._case("publish-many", many, batches)
+
+    async def rss_case(self) -> None:
+        peers = [] if self.skip_peers else [FASTSTREAM, DRAMATIQ]
+        contenders = [RAW, WECLAW, WECLAW_GUARD, *peers]
+        label = f"idle worker RSS (c=10, after {self.counts.rss} messages)"
+        for c in contenders:
+            weclaw = c in (WECLAW, WECLAW_GUARD)
+            self._spec(
+                "rss",
+                label,
+                c,
+                "rss_mib",
+                "MiB",
+                baseline=None if c is RAW else RAW,
+                target=Target("max", 40) if weclaw else None,
+                decimals=1,
+            )
+
+        async def run(c: Contender, r: int) -> dict[str, float]:
+            done = await self._consume(
+                "rss", c, r, count=self.counts.rss, concurrency=10, idle_rss=True
+            )
+            return {"rss_mib": done["rss_mib"]}
+
+        await self._case("rss", contenders, run)
+
+    async def e2e_case(self) -> None:
+        contenders = [RAW, WECLAW, WECLAW_GUARD]
+        label = "publish -> handler start, idle worker"
+        for c in contenders:
+            base = None if c is RAW else RAW
+            self._spec("e2e", label, c, "p50_ms", "ms p50", baseline=base, decimals=2)
+            self._spec("e2e", label, c, "p95_ms", "ms p95", baseline=base, decimals=2)
+
+        async def run(c: Contender, r: int) -> dict[str, float]:
+            done = await self._e2e("e2e", c, r)
+            return {"p50_ms": done["p50_ms"], "p95_ms": done["p95_ms"]}
+
+        await self._case("e2e", contenders, run)
+
+    async def run_all(self) -> None:
+        steps = {
+            "consume": self.consume_cases,
+            "io": self.io_cases,
+            "publish": self.publish_cases,
+            "rss": self.rss_case,
+            "e2e": self.e2e_case,
+        }
+        for name in CASES:
+            if name in self.cases:
+                await steps[name]()
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def notes(counts: Counts, skip_peers: bool) -> list[str]:
+    out = [
+        "Every contender runs in its own process; consume throughput is timed from the first "
+        "delivery to the last ack on a queue pre-filled with pipelined confirmed publishes "
+        "(1 KiB persistent JSON, quorum queue with weclaw_mq's arguments, prefetch = "
+        "concurrency, manual ack after the handler). The delivery and ack hooks are the same "
+        "patch of aio-pika's IncomingMessage for raw, weclaw_mq and FastStream.",
+        "Redis round trips per message: weclaw_mq with guard + results makes 4 (claim SET NX "
+        "PX; 'running' status EVALSHA, beside the handler; result EVALSHA; done marker SET PX; "
+        "+1 GET only when a claim fails); 'raw aio-pika + Redis by hand' makes the same 4 "
+        "(SET NX PX; SET beside the handler; SET; SET) in the same order.",
+        "raw aio-pika does what weclaw_mq's worker does: one task per delivery, json.loads of "
+        "the body, the handler, ack; its messages carry the same properties and headers. "
+        "It uses redis-py's default ConnectionPool; weclaw_mq uses a BlockingConnectionPool "
+        "(its own choice, so its cost is part of weclaw_mq's figures).",
+        "weclaw_mq runs as users run it: App + Worker(app, concurrency=N), its default "
+        "per-message trace context and Prometheus metrics on; 'guard off' = settings "
+        "results_enabled=False and handler(idempotent=False).",
+        "'consumer CPU per message' is the consumer process's CPU time (all threads) between "
+        "first delivery and last ack, divided by the messages: much less sensitive to a busy "
+        "machine than msg/s.",
+        "I/O efficiency = measured msg/s / (concurrency / 0.05 s).",
+        "publish: one message is published before the clock starts (warm connections, also "
+        "Redis with results on); the weclaw_mq App has no handler for the queue, so no model "
+        "validation. publish_many msg/s covers all batches; 'ms per 100' is the median batch.",
+        "e2e: stamp (CLOCK_MONOTONIC, shared by all processes) taken just before the publish "
+        f"call, read at handler start; {E2E_WARMUP} warm-up messages are not counted; one "
+        f"message every {counts.e2e_interval_s * 1000:g} ms so the worker is idle.",
+        "RSS: VmRSS from /proc/PID/status 1 s after the last ack, in MiB (VmRSS kB / 1024); "
+        "the 40 MB target is checked against MiB.",
+    ]
+    if skip_peers:
+        out.append("FastStream and Dramatiq were skipped (--skip-peers).")
+    else:
+        out += [
+            "FastStream: RabbitBroker, RabbitQueue(queue_type=QUORUM, same arguments), "
+            "Channel(prefetch_count=concurrency), AckPolicy.REJECT_ON_ERROR (ack after the "
+            "handler), logger=None (its default logs two lines per message).",
+            "Dramatiq: RabbitmqBroker declares its own queues (Q, Q.DQ, Q.XQ); a subclass adds "
+            "x-queue-type=quorum to Q and Q.DQ (Q.XQ stays classic, unused here). worker_threads "
+            "= prefetch = concurrency; sync actor; default middleware; its messages are its own "
+            "JSON format padded to 1 KiB. Its first-delivery hook is before_process_message.",
+        ]
+    return out

@@ -1,0 +1,128 @@
+"""weclaw_mq as a user runs it: an ``App`` with one handler, a ``Worker(app, concurrency=N)``.
+
+Its default per-message pipeline (trace context, metrics) is always on. ``guard`` turns the
+Redis idempotency guard and the result store on (settings ``results_enabled`` and
+``handler(idempotent=...)``); off, no Redis call is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import SecretStr
+
+from weclaw_mq import App, Settings, Worker
+
+from ..common import (
+    ChildConfig,
+    Tracker,
+    emit,
+    expect,
+    latency_summary,
+    make_payload,
+    now_ns,
+    stdin_lines,
+)
+from .aio_hooks import track
+
+# process.py on a successful guarded delivery: claim SET NX PX, "running" status (EVALSHA,
+# beside the handler), result (EVALSHA), done marker SET PX. A failed claim adds a GET.
+REDIS_ROUND_TRIPS = 4
+
+
+def build_app(cfg: ChildConfig) -> App:
+    settings = Settings(
+        amqp_url=SecretStr(cfg.amqp_url),
+        redis_url=SecretStr(cfg.redis_url),
+        results_enabled=cfg.guard,
+        concurrency=cfg.concurrency,
+        _env_file=None,  # type: ignore[call-arg]  # a stray .env must not change the run
+    )
+    return App("bench", settings=settings)
+
+
+async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
+    reader = await stdin_lines()
+    done = asyncio.Event()
+    tracker = Tracker(cfg.count, done.set)
+    track(tracker)
+    latencies_ms: list[float] = []
+    sleep_s = cfg.sleep_s
+    app = build_app(cfg)
+
+    @app.handler(cfg.queue, idempotent=cfg.guard)
+    async def handle(task: dict[str, Any]) -> None:
+        if e2e and task["seq"] >= 0:  # seq -1: warm-up messages
+            latencies_ms.append((now_ns() - task["sent_ns"]) / 1e6)
+        if sleep_s:
+            await asyncio.sleep(sleep_s)
+
+    worker = Worker(app, concurrency=cfg.concurrency)
+    if cfg.guard:
+        await app._redis_client().ping()  # connect now, not inside the timed window
+    emit("ready", redis_round_trips=REDIS_ROUND_TRIPS if cfg.guard else 0)
+    await expect(reader, "go")
+    running = asyncio.create_task(worker.run())
+    if e2e:  # the publisher starts only once the worker consumes
+        await worker.ready.wait()
+        emit("consuming")
+    await done.wait()
+    result = tracker.result()
+    if e2e:
+        result.update(latency_summary(latencies_ms))
+    emit("done", **result)
+    await expect(reader, "stop")
+    worker.stop()
+    await running
+    await app.close()
+
+
+async def publish(cfg: ChildConfig) -> None:
+    """``App.publish`` one at a time, or ``App.publish_many`` in batches of ``cfg.batch``."""
+    reader = await stdin_lines()
+    app = build_app(cfg)
+    prefix = cfg.extra["task_prefix"]
+    payloads = [make_payload(seq) for seq in range(cfg.count)]
+    # Both contenders publish one message before the clock starts: connections (broker, and
+    # Redis with results on) are open, as in a long-running producer.
+    await app.publish(cfg.queue, make_payload(-1), task_id=f"{prefix}-warmup")
+    emit("ready")
+    await expect(reader, "go")
+    latencies_ms: list[float] = []
+    started = now_ns()
+    if cfg.mode == "publish":
+        for seq in range(cfg.count):
+            t0 = now_ns()
+            await app.publish(cfg.queue, payloads[seq], task_id=f"{prefix}-{seq}")
+            latencies_ms.append((now_ns() - t0) / 1e6)
+    else:
+        for first in range(0, cfg.count, cfg.batch):
+            t0 = now_ns()
+            seqs = range(first, min(first + cfg.batch, cfg.count))
+            await app.publish_many(
+                cfg.queue, [payloads[s] for s in seqs], task_ids=[f"{prefix}-{s}" for s in seqs]
+            )
+            latencies_ms.append((now_ns() - t0) / 1e6)
+    elapsed_s = (now_ns() - started) / 1e9
+    emit(
+        "done",
+        count=cfg.count,
+        elapsed_s=elapsed_s,
+        rate=cfg.count / elapsed_s,
+        **latency_summary(latencies_ms),
+    )
+    await expect(reader, "stop")
+    await app.close()
+
+
+def main() -> None:
+    cfg = ChildConfig.from_argv()
+    if cfg.mode in ("publish", "publish_many"):
+        asyncio.run(publish(cfg))
+    else:
+        asyncio.run(consume(cfg, e2e=cfg.mode == "e2e"))
+
+
+if __name__ == "__main__":
+    main()

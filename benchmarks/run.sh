@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The benchmark's single entry point (what 'make bench' runs).
+#
+#   benchmarks/run.sh            full run (about 6-8 minutes on 2 cores)
+#   benchmarks/run.sh --smoke    tiny counts, one repeat (under a minute once the venv exists)
+#   benchmarks/run.sh --help     every option (--scale, --repeats, --cases, ...)
+#
+# The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
+# That venv is created on first use and re-installed only when requirements.txt or
+# pyproject.toml is newer than its stamp.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+venv="$here/.venv"
+stamp="$venv/.installed"
+python="${PYTHON:-python3}"
+
+if [[ ! -x "$venv/bin/python" ]]; then
+    echo "benchmarks: creating $venv" >&2
+    "$python" -m venv "$venv"
+fi
+if [[ ! -f "$stamp" || "$here/requirements.txt" -nt "$stamp" || "$root/pyproject.toml" -nt "$stamp" ]]; then
+    echo "benchmarks: installing weclaw_mq (editable) and the peers into $venv" >&2
+    "$venv/bin/python" -m pip install --disable-pip-version-check -q \
+        -e "$root" -r "$here/requirements.txt"
+    touch "$stamp"
+fi
+
+cd "$root"
+exec "$venv/bin/python" -m benchmarks.bench "$@"

@@ -1,0 +1,34 @@
+"""The benchmark script still runs end to end (tiny counts): the numbers live in `make bench`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MEASURED_BY_US = {"raw", "raw-redis", "weclaw", "weclaw-guard"}
+
+
+def test_benchmark_smoke_run_measures_weclaw_and_its_baselines(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "run.sh"), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "latest.json").read_text())
+    measured = {
+        row["contender"]
+        for row in report["rows"]
+        if row["case"].startswith("consume") and row["median"] is not None
+    }
+    assert measured >= MEASURED_BY_US, f"no consume figures for {MEASURED_BY_US - measured}"
+    assert "| case |" in proc.stdout, "the markdown table was not printed"
+    listing = subprocess.run(
+        ["rabbitmqctl", "list_queues", "-q", "name"], capture_output=True, text=True, timeout=60
+    )
+    run_id = report["header"]["run_id"]
+    assert run_id not in listing.stdout, "the benchmark left queues behind"
