@@ -42,6 +42,11 @@ class BrokerEndpoints:
         """Connect to the first node that answers; ``BrokerUnavailableError`` if none does."""
         problems: list[str] = []
         timeout_s = CONNECT_TIMEOUT_S if len(self.urls) == 1 else CONNECT_TIMEOUT_S / 2
+        hb = self.settings.heartbeat_s
+        if hb > 0:
+            # aiormq starts its heartbeat clock before the handshake: a handshake that ends
+            # past (hb+1)*3 s gets its reader cancelled. Give up before that instead.
+            timeout_s = min(timeout_s, (hb + 1) * 3 - 1)
         for index in self._order():
             url = self.urls[index]
             try:
@@ -53,6 +58,11 @@ class BrokerEndpoints:
                 )
             except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as e:
                 problems.append(f"{redact_url(url)}: {type(e).__name__}: {e}")
+                continue
+            except asyncio.CancelledError:
+                if cancelled_by_caller():
+                    raise
+                problems.append(f"{redact_url(url)}: the handshake was cut off")
                 continue
             self._preferred = index
             self._connected[id(conn)] = index
@@ -86,6 +96,17 @@ class BrokerEndpoints:
                     return None
                 except TimeoutError:
                     continue
+
+
+def cancelled_by_caller() -> bool:
+    """Is this CancelledError meant for us (our task was cancelled, e.g. a timeout or a stop)?
+
+    aiormq also cancels its own futures when a connection dies (its heartbeat watchdog, a
+    closing reader); that CancelledError reaches whoever awaited them but means "connection
+    lost", and must not stop a worker or escape a publish as a cancellation.
+    """
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def is_alive(conn: AbstractConnection) -> bool:

@@ -53,7 +53,7 @@ def build_message(
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Delivery:
     """What the worker knows about one incoming message before running its handler."""
 

@@ -8,10 +8,8 @@ broker for redelivery.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -19,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 
-from . import settle
+from . import settle, tracing
 from .context import Context
 from .guard import Claim, IdempotencyGuard
 from .handler import HandlerSpec, InvalidPayload, UndecodableBody
@@ -30,7 +28,7 @@ from .results import RedisResultStore, ResultStore, TaskState, TaskStatus
 from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
 from .settings import Settings
 from .signals import Retry
-from .tracing import TraceContext, bind
+from .tracing import TraceContext
 
 if TYPE_CHECKING:
     from .app import App
@@ -80,82 +78,92 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
         attempt=delivery.attempt,
         traceparent=delivery.traceparent,
     )
-    with bind(trace):
-        if delivery.returns > spec.delivery_limit:
-            # The broker enforces the limit within one stint in Q; this catches a task that
-            # keeps killing workers while hopping through the guard's delay queue.
-            crash = WorkerCrashLoop(
-                f"the task went back unsettled {delivery.returns} times (its worker died or "
-                f"lost its connection); delivery limit {spec.delivery_limit}"
-            )
-            await _dead_letter(message, delivery, spec, rt, DeadLetterReason.DELIVERY_LIMIT, crash)
-            return
-        try:
-            task = spec.parse(delivery.body)
-        except UndecodableBody as e:
-            await _dead_letter(message, delivery, spec, rt, DeadLetterReason.UNDECODABLE, e)
-            return
-        except InvalidPayload as e:
-            await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, e)
-            return
+    token = tracing.enter(trace)
+    try:
+        await _process(message, delivery, spec, rt)
+    finally:
+        tracing.leave(token)
 
-        gate = await _pass_guard(message, delivery, spec, rt)
-        if gate is _Gate.SETTLED:
-            return
-        held = gate if isinstance(gate, str) else None  # the claim's owner token
 
-        # The status write runs beside the handler: a model call need not wait for it.
-        running = (
-            asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
-            if rt.results is not None
-            else None
+async def _process(
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+) -> None:
+    if delivery.returns > spec.delivery_limit:
+        # The broker enforces the limit within one stint in Q; this catches a task that
+        # keeps killing workers while hopping through the guard's delay queue.
+        crash = WorkerCrashLoop(
+            f"the task went back unsettled {delivery.returns} times (its worker died or "
+            f"lost its connection); delivery limit {spec.delivery_limit}"
         )
-        try:
-            with _lease(rt, spec, delivery, held):
+        await _dead_letter(message, delivery, spec, rt, DeadLetterReason.DELIVERY_LIMIT, crash)
+        return
+    try:
+        task = spec.parse(delivery.body)
+    except UndecodableBody as e:
+        await _dead_letter(message, delivery, spec, rt, DeadLetterReason.UNDECODABLE, e)
+        return
+    except InvalidPayload as e:
+        await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, e)
+        return
+
+    gate = await _pass_guard(message, delivery, spec, rt)
+    if gate is _Gate.SETTLED:
+        return
+    held = gate if isinstance(gate, str) else None  # the claim's owner token
+
+    # The status write runs beside the handler: a model call need not wait for it.
+    running = (
+        asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
+        if rt.results is not None
+        else None
+    )
+    try:
+        if held is None or rt.guard is None:
+            result, error = await _call(spec, task, delivery, rt)
+        else:
+            with rt.guard.holding(spec.queue, delivery.task_id, held):
                 result, error = await _call(spec, task, delivery, rt)
-        except BaseException:
-            if running is not None:
-                running.cancel()  # stopping hard: the message stays unacked
-            raise
+    except BaseException:
         if running is not None:
-            await running
+            running.cancel()  # stopping hard: the message stays unacked
+        raise
+    if running is not None:
+        await running
 
-        if error is None:
-            try:
-                jsonable = pydantic_core.to_jsonable_python(result)
-            except pydantic_core.PydanticSerializationError as e:
-                await _release(rt, spec, delivery, held)
-                bad = UnserialisableResult(f"handler returned a value that is not JSON: {e}")
-                await _dead_letter(
-                    message, delivery, spec, rt, DeadLetterReason.INVALID_RESULT, bad
-                )
-                return
-            await _finish(message, delivery, spec, rt, jsonable, held)
+    if error is None:
+        try:
+            jsonable = pydantic_core.to_jsonable_python(result)
+        except pydantic_core.PydanticSerializationError as e:
+            await _release(rt, spec, delivery, held)
+            bad = UnserialisableResult(f"handler returned a value that is not JSON: {e}")
+            await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_RESULT, bad)
             return
+        await _finish(message, delivery, spec, rt, jsonable, held)
+        return
 
-        await _release(rt, spec, delivery, held)
-        decision = decide(delivery.attempt, error, spec.retry)
-        if isinstance(decision, RetryLater):
-            log.log(
-                logging.INFO if isinstance(error, Retry) else logging.WARNING,
-                "attempt %d failed (%s: %s); retrying in %.3g s",
-                delivery.attempt,
-                type(error).__name__,
-                error,
-                decision.delay_ms / 1000,
-            )
-            await _status(rt, delivery, spec, TaskStatus.RETRYING, error=_describe(error))
-            if await settle.retry(
-                message,
-                delivery,
-                rt.publisher,
-                queue=spec.queue,
-                delay_ms=decision.delay_ms,
-                error=error,
-            ):
-                rt.metrics.settled(spec.queue, Outcome.RETRIED).inc()
-        elif isinstance(decision, DeadLetter):
-            await _dead_letter(message, delivery, spec, rt, decision.reason, error)
+    await _release(rt, spec, delivery, held)
+    decision = decide(delivery.attempt, error, spec.retry)
+    if isinstance(decision, RetryLater):
+        log.log(
+            logging.INFO if isinstance(error, Retry) else logging.WARNING,
+            "attempt %d failed (%s: %s); retrying in %.3g s",
+            delivery.attempt,
+            type(error).__name__,
+            error,
+            decision.delay_ms / 1000,
+        )
+        await _status(rt, delivery, spec, TaskStatus.RETRYING, error=_describe(error))
+        if await settle.retry(
+            message,
+            delivery,
+            rt.publisher,
+            queue=spec.queue,
+            delay_ms=decision.delay_ms,
+            error=error,
+        ):
+            rt.metrics.settled(spec.queue, Outcome.RETRIED).inc()
+    elif isinstance(decision, DeadLetter):
+        await _dead_letter(message, delivery, spec, rt, decision.reason, error)
 
 
 async def _pass_guard(
@@ -211,15 +219,6 @@ async def _mark_done_quietly(
         await guard.mark_done(spec.queue, delivery.task_id)
     except Exception as e:  # the stored result still answers the next copy
         log.warning("could not mark the task done (%s)", e)
-
-
-@contextlib.contextmanager
-def _lease(rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: str | None) -> Iterator[None]:
-    if owner is None or rt.guard is None:
-        yield
-        return
-    with rt.guard.holding(spec.queue, delivery.task_id, owner):
-        yield
 
 
 async def _call(

@@ -14,8 +14,9 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.message import Message
 
-from .connection import BrokerEndpoints, is_alive
+from .connection import BrokerEndpoints, cancelled_by_caller, is_alive
 from .errors import (
+    BrokerUnavailableError,
     ConfirmTimeoutError,
     ConnectionLostError,
     PublishNackedError,
@@ -58,7 +59,7 @@ class Publisher:
         self._owns_connection = connection is None
         self._connection = connection
         self._channel: AbstractChannel | None = None
-        self._lock = asyncio.Lock()
+        self._opening: asyncio.Future[AbstractChannel] | None = None
         self._nack_streak = 0
         self._retired: set[AbstractChannel] = set()  # dropped after nacks, closed later
         self._closing: set[asyncio.Future[None]] = set()
@@ -71,33 +72,42 @@ class Publisher:
         channel = self._channel
         if channel is not None and not channel.is_closed:
             return channel
-        async with self._lock:
-            if self._channel is not None and not self._channel.is_closed:
-                return self._channel
-            conn = self._connection
-            if conn is None or not is_alive(conn):
-                if not self._owns_connection:
-                    raise aiormq.exceptions.ChannelInvalidStateError("worker connection closed")
-                if conn is not None:
-                    await _close_quietly(conn)
-                conn = self._connection = await self._broker.connect(name=self._name)
-            try:
-                # on_return_raises: an unroutable mandatory publish must raise, not vanish.
-                channel = await conn.channel(publisher_confirms=True, on_return_raises=True)
-            except RuntimeError as e:  # aio-pika's word for "this connection is closed"
-                raise aiormq.exceptions.ChannelInvalidStateError(str(e)) from e
-            self._channel = channel
-            return channel
+        # Concurrent publishes share one attempt: during an outage they fail together,
+        # not one connect timeout after another.
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.ensure_future(self._open_channel())
+            self._opening.add_done_callback(_retrieve)
+        # Shielded: one caller's deadline must not cancel the attempt the others wait on.
+        return await asyncio.shield(self._opening)
+
+    async def _open_channel(self) -> AbstractChannel:
+        conn = self._connection
+        if conn is None or not is_alive(conn):
+            if not self._owns_connection:
+                raise aiormq.exceptions.ChannelInvalidStateError("worker connection closed")
+            if conn is not None:
+                await _close_quietly(conn)
+            conn = self._connection = await self._broker.connect(name=self._name)
+        try:
+            # on_return_raises: an unroutable mandatory publish must raise, not vanish.
+            channel = await conn.channel(publisher_confirms=True, on_return_raises=True)
+        except RuntimeError as e:  # aio-pika's word for "this connection is closed"
+            raise aiormq.exceptions.ChannelInvalidStateError(str(e)) from e
+        self._channel = channel
+        return channel
 
     async def publish(self, queue: str, message: Message) -> None:
         """Publish to ``queue`` through the default exchange and wait for the broker's ack."""
         task_id = message.message_id or ""
         timeout_s = self._settings.confirm_timeout_s
+        sent = False
         try:
-            channel = await self._ready_channel()
-            # The deadline covers the whole call: aio-pika waits forever on a blocked
-            # connection. asyncio.timeout, unlike wait_for, costs no extra task per publish.
+            # One deadline for the whole call, reconnect included: aio-pika alone waits
+            # forever on a blocked connection. asyncio.timeout, unlike wait_for, costs no
+            # extra task per publish.
             async with asyncio.timeout(timeout_s):
+                channel = await self._ready_channel()
+                sent = True
                 await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
         except aiormq.exceptions.PublishError as e:
             self._count(queue, "unroutable")
@@ -116,6 +126,11 @@ class Publisher:
                 task_id=task_id,
             ) from e
         except TimeoutError as e:
+            if not sent:
+                self._count(queue, "unavailable")
+                raise BrokerUnavailableError(
+                    f"no connection to RabbitMQ within {timeout_s} s; nothing was sent"
+                ) from e
             self._count(queue, "timeout")
             raise ConfirmTimeoutError(
                 f"no confirm for {queue!r} within {timeout_s} s; the message may or may not "
@@ -123,17 +138,24 @@ class Publisher:
                 queue=queue,
                 task_id=task_id,
             ) from e
+        except asyncio.CancelledError as e:
+            if cancelled_by_caller():
+                raise
+            raise self._lost(queue, task_id, "aiormq cancelled the call") from e
         except _LINK_ERRORS as e:
-            self._count(queue, "connection_lost")
-            self._channel = None
-            raise ConnectionLostError(
-                f"connection lost while publishing to {queue!r}: {type(e).__name__}; the "
-                "message may or may not be stored: republish with the same task_id",
-                queue=queue,
-                task_id=task_id,
-            ) from e
+            raise self._lost(queue, task_id, type(e).__name__) from e
         self._nack_streak = 0
         self._count(queue, "confirmed")
+
+    def _lost(self, queue: str, task_id: str, cause: str) -> ConnectionLostError:
+        self._count(queue, "connection_lost")
+        self._channel = None
+        return ConnectionLostError(
+            f"connection lost while publishing to {queue!r} ({cause}); the message may or may "
+            "not be stored: republish with the same task_id",
+            queue=queue,
+            task_id=task_id,
+        )
 
     def _note_nack(self) -> None:
         # After a quorum leader dies, a channel opened before the new leader was elected can
@@ -177,3 +199,9 @@ async def _close_quietly(link: AbstractChannel | AbstractConnection) -> None:
         await link.close()
     except Exception as e:  # closing a failing link may fail too; it is dropped either way
         log.debug("closing a dropped channel or connection failed: %s", e)
+
+
+def _retrieve(future: asyncio.Future[AbstractChannel]) -> None:
+    # Every waiter may have given up (deadline) before the shared attempt failed.
+    if not future.cancelled():
+        future.exception()

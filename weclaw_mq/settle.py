@@ -8,6 +8,7 @@ copy reached its target.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
 from datetime import UTC, datetime
@@ -16,6 +17,7 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
 from . import headers as h
+from .connection import cancelled_by_caller
 from .errors import WeclawMQError
 from .message import Delivery, build_message
 from .naming import dlq_name, retry_queue_name
@@ -53,22 +55,37 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     return out
 
 
+# An ack or nack is one frame handed to the connection's writer. After the writer died,
+# aiormq's basic_ack waits forever; past this the connection is taken for dead.
+SETTLE_TIMEOUT_S = 5.0
+
+
+async def _settle(message: AbstractIncomingMessage, *, requeue: bool | None) -> bool:
+    what = "ack" if requeue is None else "nack"
+    try:
+        async with asyncio.timeout(SETTLE_TIMEOUT_S):
+            if requeue is None:
+                await message.ack()
+            else:
+                await message.nack(requeue=requeue)
+        return True
+    except asyncio.CancelledError:
+        if cancelled_by_caller():
+            raise
+        log.warning("%s failed (connection lost); the broker will redeliver", what)
+    except Exception as e:  # any failure here means the same thing: not settled
+        log.warning("%s failed (%s: %s); the broker will redeliver", what, type(e).__name__, e)
+    return False
+
+
 async def ack(message: AbstractIncomingMessage) -> bool:
     """Ack; False when the channel is gone (the broker will redeliver: a duplicate, not a loss)."""
-    try:
-        await message.ack()
-        return True
-    except Exception as e:  # any failure here means the same thing: not acked
-        log.warning("ack failed (%s: %s); the broker will redeliver", type(e).__name__, e)
-        return False
+    return await _settle(message, requeue=None)
 
 
 async def give_back(message: AbstractIncomingMessage) -> None:
     """Return the message to its queue now rather than when the channel closes."""
-    try:
-        await message.nack(requeue=True)
-    except Exception as e:
-        log.warning("nack failed (%s: %s); the broker will redeliver", type(e).__name__, e)
+    await _settle(message, requeue=True)
 
 
 async def _move(

@@ -10,13 +10,13 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Iterator
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
 from . import headers as h
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceContext:
     trace_id: str
     task_id: str | None = None
@@ -39,6 +39,15 @@ def current() -> TraceContext | None:
 def current_trace_id() -> str | None:
     ctx = _current.get()
     return ctx.trace_id if ctx else None
+
+
+def enter(ctx: TraceContext) -> Token[TraceContext | None]:
+    """Make ``ctx`` current; hand the token to ``leave``. (``bind`` is the friendlier form.)"""
+    return _current.set(ctx)
+
+
+def leave(token: Token[TraceContext | None]) -> None:
+    _current.reset(token)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import aiormq
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
 from .app import App
-from .connection import backoff_s, when_lost
+from .connection import backoff_s, cancelled_by_caller, when_lost
 from .errors import ConfigurationError
 from .handler import HandlerSpec
 from .metrics import Outcome
@@ -100,6 +100,11 @@ class Worker:
             except _SESSION_ERRORS as e:
                 failures += 1
                 log.warning("broker connection lost (%s: %s)", type(e).__name__, e)
+            except asyncio.CancelledError:
+                if cancelled_by_caller():
+                    raise
+                failures += 1
+                log.warning("broker connection lost (aiormq cancelled the session)")
             finally:
                 self.ready.clear()
                 with contextlib.suppress(Exception):

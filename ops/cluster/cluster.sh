@@ -27,6 +27,9 @@
 # Environment: WECLAW_CLUSTER_DIR (default /tmp/weclaw-mq-cluster), WECLAW_CLUSTER_START_TIMEOUT_S
 # (default 120), RABBITMQ_BIN (default /usr/lib/rabbitmq/bin).
 #
+# Measured with Debian's 3.10.8 on 2 cores: single node 4-6 s; cluster 23 s from nothing (the
+# three boot side by side, then two joins), 13-16 s when the nodes already hold their data.
+#
 # The binaries under /usr/lib/rabbitmq/bin are called directly: the /usr/sbin wrappers switch
 # to the rabbitmq user and its cookie. Debian's /etc/rabbitmq files name the default node and
 # its 5672 listener, so every node here gets its own config and env files instead.
@@ -63,8 +66,10 @@ node_url() { echo "amqp://guest:guest@127.0.0.1:$(amqp_port "$1")/"; }
 ensure_cookie() {
 	mkdir -p "$HOME_DIR"
 	if [ ! -s "$HOME_DIR/.erlang.cookie" ]; then
-		# Erlang wants letters only; 32 random ones, shared by every node of ours.
-		tr -dc '[:upper:]' </dev/urandom | head -c 32 >"$HOME_DIR/.erlang.cookie"
+		# 32 random capital letters, shared by every node of ours. (Not 'tr </dev/urandom |
+		# head': under pipefail the SIGPIPE that ends tr would fail the script.)
+		python3 -c 'import secrets, string; print("".join(secrets.choice(string.ascii_uppercase) for _ in range(32)), end="")' \
+			>"$HOME_DIR/.erlang.cookie"
 	fi
 	chmod 400 "$HOME_DIR/.erlang.cookie"
 }
@@ -275,11 +280,9 @@ cmd_destroy() {
 }
 
 cmd_status() {
-	local any=0
 	for n in s1 "${CLUSTER_NODES[@]}"; do
 		if pid=$(running_pid "$n"); then
 			printf '%-22s running  pid %-8s amqp 127.0.0.1:%s\n' "$(node_name "$n")" "$pid" "$(amqp_port "$n")"
-			any=1
 		else
 			printf '%-22s stopped\n' "$(node_name "$n")"
 		fi
@@ -287,7 +290,6 @@ cmd_status() {
 	if running_pid c1 >/dev/null; then
 		echo "cluster members running (seen by c1): $(running_members c1 | tr '\n' ' ')"
 	fi
-	[ "$any" = 1 ] || true
 }
 
 cluster_urls() {
@@ -329,7 +331,7 @@ main() {
 		if [ "${1:-}" = cluster ]; then cluster_urls; else node_url "${1:?url needs a node}"; fi
 		;;
 	*)
-		sed -n '2,23p' "$0" >&2
+		sed -n '2,/^[^#]/{/^#/p}' "$0" >&2
 		exit 2
 		;;
 	esac

@@ -21,6 +21,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import delete_queues, settings_for, wait_until
+from tests.drills.conftest import DrillReport
 from tests.integration.fixture_apps import guard_app
 from tests.integration.processes import WorkerProcess, queue_names, ready_count
 from weclaw_mq import App, TaskStatus
@@ -66,7 +67,7 @@ async def _forget(client: aioredis.Redis, queue: str, record_key: str, ids: list
 
 @pytest.mark.drill
 async def test_worker_killed_three_times_mid_stream_loses_no_task(
-    broker_url: str, redis_url: str, tmp_path: Path
+    broker_url: str, redis_url: str, tmp_path: Path, drill_report: DrillReport
 ) -> None:
     # Printed with the results; set DRILL_SEED to replay a run's kill points.
     seed = int(os.environ.get("DRILL_SEED") or random.randrange(2**32))
@@ -154,11 +155,15 @@ async def test_worker_killed_three_times_mid_stream_loses_no_task(
         duplicated = {t: c for t, c in runs.items() if c > 1}
         duplicates = sum(c - 1 for c in duplicated.values())
         leftovers = {n: await ready_count(broker_url, n) for n in queue_names(publisher)}
-        print(
-            f"\nkill -9 drill: seed {seed}, kills at completions {killed_at} "
-            f"(planned {thresholds}), publish {publish_s:.1f} s, total {elapsed_s:.1f} s\n"
-            f"| published | recovered | lost | duplicates |\n"
-            f"| {TASKS:>9} | {recovered:>9} | {TASKS - recovered:>4} | {duplicates:>10} |"
+        drill_report.add(
+            f"kill -9 of the worker x{KILLS} (concurrency {CONCURRENCY})",
+            published=TASKS,
+            confirmed=len(ids),
+            processed=recovered,
+            lost=TASKS - recovered,
+            duplicated=duplicates,
+            seconds=elapsed_s,
+            notes=f"seed {seed}; killed at completions {killed_at}; publish {publish_s:.1f} s",
         )
         assert set(runs) == set(ids), "a task never completed"
         assert recovered == TASKS, f"statuses: {dict(statuses)}"

@@ -1,0 +1,561 @@
+"""Fixtures for the fault drills: private RabbitMQ nodes of our own, and the drill table.
+
+Every disruptive drill (stopped app, paused VM, memory alarm, closed connections, killed node)
+runs against nodes that ``ops/cluster/cluster.sh`` starts on their own ports with their own
+cookie: the machine's default broker on 5672 is shared and is never touched here.
+
+Fixtures:
+    private_node     the single node weclaw-s1 (AMQP 5680), started once per session
+    node             the same node, put back in order after each drill (resumed, alarm off,
+                     app started, VM restarted if it was killed)
+    rabbit_cluster   the 3-node cluster weclaw-c1..c3, started on first use, stopped at the end
+    drill_redis_url  a redis-server of the drills' own on a unix socket, for this session
+    drill_report     collects one row per drill; printed as a table at the end of the run
+    forget_tasks     deletes the Redis records (results, guard keys) of a drill's tasks
+
+The cluster failover drill is only collected when ``WECLAW_CLUSTER_DRILL=1``
+(``tests/drills/run_drills.sh``, i.e. ``make drill``, sets it): it needs three more nodes and
+about a minute. A drill that did not run must not look like one that passed, so it is left
+out of the collection (and the summary says so) rather than reported as skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from weclaw_mq.naming import GUARD_KEY_PREFIX, result_key
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_SH = REPO_ROOT / "ops" / "cluster" / "cluster.sh"
+CLUSTER_DIR = Path(os.environ.get("WECLAW_CLUSTER_DIR", "/tmp/weclaw-mq-cluster"))
+CLUSTER_DRILL_ENV = "WECLAW_CLUSTER_DRILL"
+CLUSTER_DRILL_FILE = "test_cluster_failover_drill.py"
+REPORT_JSON_ENV = "WECLAW_DRILL_REPORT_JSON"
+
+NODE_START_TIMEOUT_S = 180.0
+CLUSTER_START_TIMEOUT_S = 300.0
+CLI_TIMEOUT_S = 60.0
+# vm_memory_high_watermark: a fraction no VM fits under raises the alarm at once; 0.4 is
+# RabbitMQ's default, which the private node runs with.
+ALARM_WATERMARK = "0.000001"
+NORMAL_WATERMARK = "0.4"
+
+_PORTS = {"s1": 5680, "c1": 5681, "c2": 5682, "c3": 5683}
+
+
+# -- running cluster.sh -----------------------------------------------------------------------
+
+
+class ClusterScriptError(RuntimeError):
+    pass
+
+
+def _script_env() -> dict[str, str]:
+    return {**os.environ, "WECLAW_CLUSTER_DIR": str(CLUSTER_DIR)}
+
+
+def cluster_sh(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
+    """Run ``cluster.sh ARGS`` and return its stdout; raise with its stderr if it fails."""
+    try:
+        done = subprocess.run(
+            ["bash", str(CLUSTER_SH), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=_script_env(),
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as e:
+        raise ClusterScriptError(f"cluster.sh {' '.join(args)} ran past {timeout_s} s") from e
+    if done.returncode != 0:
+        raise ClusterScriptError(
+            f"cluster.sh {' '.join(args)} exited {done.returncode}:\n{done.stderr.strip()}"
+        )
+    return done.stdout
+
+
+async def acluster_sh(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
+    """``cluster_sh`` without blocking the event loop (drills keep publishing meanwhile)."""
+    proc = await asyncio.create_subprocess_exec(
+        "bash",
+        str(CLUSTER_SH),
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=_script_env(),
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise ClusterScriptError(f"cluster.sh {' '.join(args)} ran past {timeout_s} s") from None
+    except BaseException:  # cancelled: the CLI is ours, it must not outlive the drill
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise
+    if proc.returncode != 0:
+        raise ClusterScriptError(
+            f"cluster.sh {' '.join(args)} exited {proc.returncode}:\n{err.decode().strip()}"
+        )
+    return out.decode()
+
+
+# -- one node ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RabbitNode:
+    """One of our private nodes, driven through ``cluster.sh`` and signals to its pid."""
+
+    key: str  # s1, c1, c2, c3
+
+    @property
+    def name(self) -> str:
+        return f"weclaw-{self.key}@localhost"
+
+    @property
+    def port(self) -> int:
+        return _PORTS[self.key]
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    @property
+    def pid_file(self) -> Path:
+        return CLUSTER_DIR / self.key / "rabbitmq.pid"
+
+    def pid(self) -> int | None:
+        """The beam process's pid, or None if it does not run (the file may be stale)."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except (OSError, ValueError):
+            return None
+        if f"RABBITMQ_NODENAME={self.name}".encode() not in environ.split(b"\0"):
+            return None
+        return pid
+
+    def require_pid(self) -> int:
+        pid = self.pid()
+        if pid is None:
+            raise AssertionError(f"{self.name} is not running (pid file {self.pid_file})")
+        return pid
+
+    async def ctl(self, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
+        return await acluster_sh("ctl", self.key, *args, timeout_s=timeout_s)
+
+    async def diag(self, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
+        return await acluster_sh("diag", self.key, *args, timeout_s=timeout_s)
+
+    async def queues(self, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
+        return await acluster_sh("queues", self.key, *args, timeout_s=timeout_s)
+
+    # The faults.
+    async def stop_app(self) -> None:
+        await self.ctl("stop_app")
+
+    async def start_app(self) -> None:
+        await self.ctl("start_app")
+        await self.ctl("await_startup", "--timeout", "60", timeout_s=90)
+
+    def pause(self) -> int:
+        """SIGSTOP the VM: sockets stay open, nothing answers. Always ``resume()`` after."""
+        pid = self.require_pid()
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    def resume(self) -> None:
+        pid = self.pid()
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+
+    async def kill9(self) -> int:
+        """SIGKILL the VM by pid and wait until it is gone; returns the pid."""
+        pid = self.require_pid()
+        os.kill(pid, signal.SIGCONT)  # a paused VM would otherwise die only when resumed
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} (pid {pid}) still runs 10 s after SIGKILL")
+            await asyncio.sleep(0.02)
+        return pid
+
+    async def start(self) -> None:
+        """Start the VM (after ``kill9``); returns once the node runs."""
+        await acluster_sh("node-start", self.key, timeout_s=NODE_START_TIMEOUT_S)
+
+    async def set_memory_alarm(self, on: bool) -> None:
+        """Raise (or clear) the memory alarm and wait until the node reports it so."""
+        await self.ctl("set_vm_memory_high_watermark", ALARM_WATERMARK if on else NORMAL_WATERMARK)
+        deadline = time.monotonic() + 30
+        while ("Memory alarm" in await self.diag("alarms")) != on:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"memory alarm on {self.name} not {'set' if on else 'clear'}")
+            await asyncio.sleep(0.2)
+
+    async def close_all_connections(self, reason: str = "drill") -> None:
+        await self.ctl("close_all_connections", reason)
+
+    async def arm_cut(self, trigger: Path, reason: str = "drill") -> asyncio.Task[str]:
+        """Arm a ``close_all_connections`` that fires the moment ``trigger`` exists.
+
+        rabbitmqctl needs one to five seconds to boot an Erlang VM under load, too slow to
+        aim a cut at a 10-second publish. So the CLI is started now, waits on the node for
+        the file, and then makes the same call ``rabbitmqctl close_all_connections`` makes
+        (``rabbit_networking:close_all_connections/1``). Returns once armed; the task ends
+        with "cut" once it fired.
+        """
+        armed = trigger.with_name(trigger.name + ".armed")
+        for path in (trigger, armed):
+            if not all(c.isalnum() or c in "/._-" for c in str(path)):
+                raise ValueError(f"unsafe path for an Erlang string: {path}")
+        # Deleting the .armed file disarms it (see disarm_cut); it gives up after 120 s.
+        expr = (
+            f'ok = file:write_file("{armed}", <<>>), '
+            f'Wait = fun W(N) -> case filelib:is_regular("{trigger}") of true -> ok; '
+            f'false -> case filelib:is_regular("{armed}") of false -> disarmed; '
+            "true when N > 0 -> timer:sleep(5), W(N - 1); true -> timeout end end end, "
+            f'case Wait(24000) of ok -> rabbit_networking:close_all_connections("{reason}"), '
+            "cut; Other -> Other end."
+        )
+        task = asyncio.create_task(self.ctl("eval", expr, timeout_s=180))
+        deadline = time.monotonic() + 60
+        while not armed.exists():
+            if task.done():
+                task.result()  # raises what went wrong
+                raise AssertionError("the armed cut ended before it was armed")
+            if time.monotonic() > deadline:
+                task.cancel()
+                raise AssertionError(f"could not arm a cut on {self.name} within 60 s")
+            await asyncio.sleep(0.02)
+        return task
+
+    @staticmethod
+    async def disarm_cut(trigger: Path, task: asyncio.Task[str]) -> None:
+        """Disarm a cut that was not fired (a failed drill must not cut later)."""
+        trigger.with_name(trigger.name + ".armed").unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+
+    async def is_app_running(self) -> bool:
+        try:
+            await self.diag("check_running", timeout_s=30)
+        except ClusterScriptError:
+            return False
+        return True
+
+    async def restore(self) -> None:
+        """Undo whatever a drill did: resumed, alarm off, app running, VM running."""
+        if self.pid() is None:
+            await self.start()
+            return
+        self.resume()
+        if not await self.is_app_running():
+            await self.start_app()
+        if "Memory alarm" in await self.diag("alarms"):
+            await self.set_memory_alarm(False)
+
+
+def _alive(pid: int) -> bool:
+    """Running, i.e. neither gone nor a zombie (the VM is not our child: init reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="session")
+def private_node() -> Iterator[RabbitNode]:
+    """The private single node, started for this session and stopped at its end."""
+    node = RabbitNode("s1")
+    started_here = node.pid() is None
+    try:
+        cluster_sh("single-start", timeout_s=NODE_START_TIMEOUT_S)
+    except ClusterScriptError as e:
+        pytest.fail(
+            f"cannot start the private RabbitMQ node for the drills ({e}); it needs "
+            f"/usr/lib/rabbitmq/bin (Debian package rabbitmq-server) and free ports 5680, 25680",
+            pytrace=False,
+        )
+    yield node
+    node.resume()
+    if started_here:
+        cluster_sh("single-stop", timeout_s=CLI_TIMEOUT_S * 2)
+
+
+@pytest.fixture
+async def node(private_node: RabbitNode) -> AsyncIterator[RabbitNode]:
+    """The private node, put back in working order after the drill whatever happened."""
+    await private_node.restore()
+    yield private_node
+    await private_node.restore()
+
+
+@dataclass
+class ClusterNodes:
+    nodes: list[RabbitNode]
+
+    def urls(self, first: int = 0) -> str:
+        """Every node's URL, comma-separated, starting at ``nodes[first]``."""
+        order = self.nodes[first:] + self.nodes[:first]
+        return ",".join(n.url for n in order)
+
+    def by_name(self, name: str) -> RabbitNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    async def quorum_members(self, queue: str, via: RabbitNode) -> dict[str, str]:
+        """node name -> Raft state of each member of ``queue``, as ``via`` sees it."""
+        out = await via.queues("quorum_status", queue, "--formatter", "json")
+        return {row["Node Name"]: str(row["Raft State"]) for row in json.loads(out)}
+
+    async def leader(self, queue: str, via: RabbitNode) -> str:
+        out = await via.ctl("list_queues", "name", "leader", "--formatter", "json")
+        for row in json.loads(out):
+            if row["name"] == queue:
+                return str(row["leader"])
+        raise AssertionError(f"queue {queue!r} not listed by {via.name}")
+
+
+@pytest.fixture(scope="session")
+def rabbit_cluster() -> Iterator[ClusterNodes]:
+    """The 3-node cluster (started on first use, stopped at the end of the session)."""
+    cluster = ClusterNodes([RabbitNode(k) for k in ("c1", "c2", "c3")])
+    try:
+        cluster_sh("start", timeout_s=CLUSTER_START_TIMEOUT_S)
+    except ClusterScriptError as e:
+        pytest.fail(f"cannot start the 3-node drill cluster: {e}", pytrace=False)
+    yield cluster
+    for n in cluster.nodes:
+        n.resume()
+    cluster_sh("stop", timeout_s=CLI_TIMEOUT_S * 3)
+
+
+# -- Redis for the drills ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def drill_redis_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A Redis of the drills' own on a unix socket, so their counts cannot be spoiled by
+    anyone restarting the shared Redis; the shared one only when redis-server is missing."""
+    server = shutil.which("redis-server")
+    if server is None:
+        yield str(request.getfixturevalue("redis_url"))
+        return
+    folder = tmp_path_factory.mktemp("drill-redis")
+    sock = folder / "redis.sock"
+    args = [server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
+    args += ["--save", "", "--appendonly", "no", "--dir", str(folder)]
+    with (folder / "redis.log").open("wb") as log:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    url = f"unix://{sock}?db=0"
+    try:
+        deadline = time.monotonic() + 20
+        while not _redis_pings(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"the drills' private redis-server did not start; see {folder}/redis.log",
+                    pytrace=False,
+                )
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _redis_pings(url: str) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+@pytest.fixture
+async def forget_tasks(drill_redis_url: str) -> AsyncIterator[Callable[[str, list[str]], None]]:
+    """Register (queue, task ids); their results and guard keys are deleted at teardown."""
+    registered: list[tuple[str, list[str]]] = []
+
+    def register(queue: str, ids: list[str]) -> None:
+        registered.append((queue, ids))
+
+    yield register
+    client = aioredis.Redis.from_url(drill_redis_url, socket_connect_timeout=5, socket_timeout=10)
+    try:
+        for queue, ids in registered:
+            keys = [result_key(t) for t in ids]
+            keys += [k async for k in client.scan_iter(match=f"{GUARD_KEY_PREFIX}:{queue}:*")]
+            for start in range(0, len(keys), 500):
+                await client.delete(*keys[start : start + 500])
+    finally:
+        await client.aclose()
+
+
+# -- the drill table --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DrillRow:
+    drill: str
+    queue: str
+    published: int
+    confirmed: int
+    processed: int
+    lost: int
+    duplicated: int
+    seconds: float
+    notes: str
+
+
+@dataclass
+class DrillReport:
+    rows: list[DrillRow] = field(default_factory=list)
+
+    def add(
+        self,
+        drill: str,
+        *,
+        published: int,
+        confirmed: int,
+        processed: int,
+        lost: int,
+        duplicated: int,
+        seconds: float,
+        queue: str = "weclaw_mq (quorum)",
+        notes: str = "",
+    ) -> DrillRow:
+        row = DrillRow(
+            drill, queue, published, confirmed, processed, lost, duplicated, seconds, notes
+        )
+        self.rows.append(row)
+        return row
+
+    def add_counts(
+        self,
+        drill: str,
+        *,
+        published: int,
+        confirmed: set[str],
+        effects: Counter[str],
+        seconds: float,
+        queue: str = "weclaw_mq (quorum)",
+        notes: str = "",
+    ) -> DrillRow:
+        """A row from the confirmed task ids and the effects counted outside the worker:
+        lost = confirmed but never run; duplicated = extra runs of one task id."""
+        return self.add(
+            drill,
+            published=published,
+            confirmed=len(confirmed),
+            processed=len(confirmed & set(effects)),
+            lost=len(confirmed - set(effects)),
+            duplicated=sum(c - 1 for c in effects.values() if c > 1),
+            seconds=seconds,
+            queue=queue,
+            notes=notes,
+        )
+
+    def table(self) -> list[str]:
+        head = (
+            "drill",
+            "queue",
+            "published",
+            "confirmed",
+            "processed",
+            "lost",
+            "duplicated",
+            "time",
+            "notes",
+        )
+        body = [
+            (
+                r.drill,
+                r.queue,
+                str(r.published),
+                str(r.confirmed),
+                str(r.processed),
+                str(r.lost),
+                str(r.duplicated),
+                f"{r.seconds:.1f} s",
+                r.notes,
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
+
+        def line(cells: tuple[str, ...]) -> str:
+            return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+        rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+        return [line(head), rule, *(line(r) for r in body)]
+
+
+_REPORT = pytest.StashKey[DrillReport]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_REPORT] = DrillReport()
+    config.addinivalue_line(
+        "markers", "cluster: needs the local 3-node RabbitMQ cluster (ops/cluster/cluster.sh)"
+    )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path.name == CLUSTER_DRILL_FILE and os.environ.get(CLUSTER_DRILL_ENV) != "1":
+        return True
+    return None
+
+
+@pytest.fixture
+def drill_report(request: pytest.FixtureRequest) -> DrillReport:
+    return request.config.stash[_REPORT]
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    report = config.stash.get(_REPORT, None)
+    if report is None:
+        return
+    if report.rows:
+        terminalreporter.write_sep("=", "fault drills: counts from the runs above")
+        for line in report.table():
+            terminalreporter.write_line(line)
+        path = os.environ.get(REPORT_JSON_ENV)
+        if path:
+            Path(path).write_text(json.dumps([r.__dict__ for r in report.rows], indent=2))
+            terminalreporter.write_line(f"(also written to {path})")
+    if os.environ.get(CLUSTER_DRILL_ENV) != "1":
+        terminalreporter.write_line(
+            f"cluster failover drill not collected: set {CLUSTER_DRILL_ENV}=1 "
+            "(make drill does) to run it on the local 3-node cluster"
+        )

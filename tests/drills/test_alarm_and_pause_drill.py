@@ -1,0 +1,269 @@
+"""Drills: a broker that stops taking publishes, and a broker that stops answering at all.
+
+1. Memory alarm (``connection.blocked``): the private node's memory watermark is set so low
+   that the alarm goes off. RabbitMQ then stops reading from publishing connections, and a
+   plain aio-pika publish waits forever; ``App.publish`` must raise ``ConfirmTimeoutError``
+   within ``confirm_timeout_s``. Once the alarm clears, publishing works again, and the
+   timed-out tasks, republished with the same task id, each run once.
+2. Paused broker (SIGSTOP of the node's VM, then SIGCONT): the worker, a real process, must
+   notice within the heartbeat bound and recover after the resume; every task published
+   before the pause runs, once.
+
+Alarms are always cleared and the VM always resumed in ``finally`` (and again by the ``node``
+fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import aio_pika
+import pytest
+
+from tests.conftest import delete_queues, settings_for, wait_until
+from tests.drills import drill_app
+from tests.drills.conftest import DrillReport, RabbitNode
+from tests.drills.drill_app import CONSUMING, LOST, Outcomes
+from tests.integration.processes import WorkerProcess, queue_names, ready_count
+from weclaw_mq import ConfirmTimeoutError
+from weclaw_mq.connection import CONNECT_TIMEOUT_S
+
+CONFIRM_TIMEOUT_S = 2.0
+# Scheduling slack on a loaded 2-core machine, on top of the confirm timeout.
+MARGIN_S = 1.5
+BEFORE = 100
+UNDER_ALARM = 10
+AFTER = 100
+# How long the plain aio-pika control publish is given before we call it stuck.
+RAW_PATIENCE_S = 3 * CONFIRM_TIMEOUT_S
+
+
+async def _drained(url: str, queue: str) -> bool:
+    return await ready_count(url, queue) == 0
+
+
+async def _raw_publish_completes(url: str, queue: str, patience_s: float) -> bool:
+    """Whether a bare aio-pika confirmed publish finishes within ``patience_s``."""
+    conn = await aio_pika.connect(url, timeout=10)
+    try:
+        channel = await conn.channel(publisher_confirms=True)
+        message = aio_pika.Message(b'{"n": 0}', message_id=f"raw-{uuid.uuid4()}")
+        try:
+            await asyncio.wait_for(
+                channel.default_exchange.publish(message, routing_key=queue), patience_s
+            )
+        except TimeoutError:
+            return False
+        return True
+    finally:
+        # Closing a blocked connection waits for the unblock too: do not wait for it.
+        close = asyncio.ensure_future(conn.close())
+        done, _ = await asyncio.wait({close}, timeout=2)
+        if not done:
+            close.cancel()
+
+
+@pytest.mark.drill
+async def test_publish_under_a_memory_alarm_raises_instead_of_hanging(
+    node: RabbitNode,
+    drill_redis_url: str,
+    tmp_path: Path,
+    drill_report: DrillReport,
+    forget_tasks: Callable[[str, list[str]], None],
+) -> None:
+    started = time.perf_counter()
+    queue = f"drill-alarm-{uuid.uuid4().hex[:8]}"
+    effects = tmp_path / "effects.log"
+    settings = settings_for(
+        node.url,
+        drill_redis_url,
+        confirm_timeout_s=CONFIRM_TIMEOUT_S,
+        reconnect_max_delay_s=1,
+        guard_lease_s=2,
+        retry_delay_s=0.2,
+        result_ttl_s=600,
+        done_ttl_s=600,
+        shutdown_grace_s=drill_app.GRACE_S,
+    )
+    app = drill_app.build_app(queue, settings=settings, effects=effects)
+    before = [str(uuid.uuid4()) for _ in range(BEFORE)]
+    under = [str(uuid.uuid4()) for _ in range(UNDER_ALARM)]
+    after = [str(uuid.uuid4()) for _ in range(AFTER)]
+    forget_tasks(queue, before + under + after)
+    blocked = Outcomes()
+    worker: WorkerProcess | None = None
+    raw_completed: bool | None = None
+    try:
+        await app.declare()
+        await drill_app.publish_jobs(app, queue, before)
+        try:
+            await node.set_memory_alarm(True)
+            # One alone, then the rest together.
+            await blocked.publish(app, queue, 0, under[0], CONFIRM_TIMEOUT_S + 10)
+            await asyncio.gather(
+                *(blocked.publish(app, queue, 0, t, CONFIRM_TIMEOUT_S + 10) for t in under[1:])
+            )
+            raw_completed = await _raw_publish_completes(node.url, queue, RAW_PATIENCE_S)
+        finally:
+            await node.set_memory_alarm(False)
+        cleared_at = time.monotonic()
+        # Same task ids again: the caller's answer to "outcome unknown".
+        retried = Outcomes()
+        for task_id in under:
+            await retried.publish(app, queue, 0, task_id, CONFIRM_TIMEOUT_S + 10)
+        first_confirm_s = time.monotonic() - cleared_at
+        await drill_app.publish_jobs(app, queue, after)
+        # Messages the blocked publishes left in the client's buffer reach the queue now.
+        confirmed = set(before) | set(after) | blocked.confirmed | retried.confirmed
+
+        worker = drill_app.spawn_worker(
+            queue=queue,
+            settings=settings,
+            effects=effects,
+            log_path=tmp_path / "worker.log",
+            concurrency=20,
+        )
+        await worker.wait_consuming()
+        await wait_until(
+            lambda: set(drill_app.read_effects(effects)) >= confirmed, 60, "every task to run"
+        )
+        await wait_until(lambda: _drained(node.url, queue), 30, "the queue to drain")
+        exit_code, stuck = await drill_app.stop_worker(worker)
+
+        ran = drill_app.read_effects(effects)
+        row = drill_report.add_counts(
+            "memory alarm (connection.blocked)",
+            published=BEFORE + UNDER_ALARM + AFTER,
+            confirmed=confirmed,
+            effects=ran,
+            seconds=time.perf_counter() - started,
+            notes=f"{len(blocked.failed)} of {UNDER_ALARM} publishes under the alarm raised "
+            f"({blocked.error_kinds()}) in <= {blocked.slowest_s:.1f} s (timeout "
+            f"{CONFIRM_TIMEOUT_S} s); plain aio-pika publish "
+            f"{'completed' if raw_completed else f'still waiting after {RAW_PATIENCE_S} s'}; "
+            f"republished with the same ids: first confirm {first_confirm_s:.1f} s after the "
+            "alarm cleared",
+        )
+        assert not blocked.hung and not blocked.foreign, blocked.summary()
+        assert not blocked.confirmed, "a publish was confirmed by a node under a memory alarm"
+        assert all(isinstance(e, ConfirmTimeoutError) for e in blocked.failed.values()), (
+            blocked.summary()
+        )
+        assert blocked.slowest_s <= CONFIRM_TIMEOUT_S + MARGIN_S, blocked.summary()
+        assert raw_completed is False, "the control (plain aio-pika) was expected to block"
+        assert retried.confirmed == set(under), f"republish after the alarm: {retried.summary()}"
+        assert row.lost == 0, f"{row.lost} confirmed task(s) never ran"
+        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
+        assert exit_code == 0, worker.describe()
+        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+    finally:
+        if worker is not None:
+            worker.kill()
+        await app.close()
+        await node.restore()
+        await delete_queues(node.url, queue_names(app))
+
+
+HEARTBEAT_S = 2
+DETECT_BOUND_S = (HEARTBEAT_S + 1) * 3 + max(1, HEARTBEAT_S // 2) + 2
+PAUSE_TASKS = 400
+
+
+@pytest.mark.drill
+async def test_worker_notices_a_paused_broker_within_the_heartbeat_bound_and_recovers(
+    node: RabbitNode,
+    drill_redis_url: str,
+    tmp_path: Path,
+    drill_report: DrillReport,
+    forget_tasks: Callable[[str, list[str]], None],
+) -> None:
+    started = time.perf_counter()
+    queue = f"drill-pause-{uuid.uuid4().hex[:8]}"
+    effects = tmp_path / "effects.log"
+    settings = settings_for(
+        node.url,
+        drill_redis_url,
+        heartbeat_s=HEARTBEAT_S,
+        reconnect_max_delay_s=1,
+        guard_lease_s=2,
+        retry_delay_s=0.2,
+        result_ttl_s=600,
+        done_ttl_s=600,
+        shutdown_grace_s=drill_app.GRACE_S,
+    )
+    app = drill_app.build_app(queue, settings=settings, effects=effects)
+    ids = [str(uuid.uuid4()) for _ in range(PAUSE_TASKS)]
+    forget_tasks(queue, ids)
+    worker: WorkerProcess | None = None
+    try:
+        await app.declare()
+        await drill_app.publish_jobs(app, queue, ids)
+        await app.close()  # the producer's part is done; only the worker meets the pause
+        worker = drill_app.spawn_worker(
+            queue=queue,
+            settings=settings,
+            effects=effects,
+            log_path=tmp_path / "worker.log",
+            concurrency=4,
+            sleep_s=0.05,
+        )
+        await worker.wait_consuming()
+        await wait_until(
+            lambda: len(drill_app.read_effects(effects)) >= PAUSE_TASKS // 5, 30, "tasks to run"
+        )
+        try:
+            node.pause()
+            paused_at = time.monotonic()
+            ran_at_pause = len(drill_app.read_effects(effects))
+            await wait_until(
+                lambda: LOST in worker.log() or worker.popen.poll() is not None,
+                DETECT_BOUND_S + 10,
+                "the worker to notice the paused broker",
+            )
+            detect_s = time.monotonic() - paused_at
+        finally:
+            node.resume()
+        resumed_at = time.monotonic()
+        await wait_until(
+            lambda: _count(worker, CONSUMING) >= 2 or worker.popen.poll() is not None,
+            CONNECT_TIMEOUT_S + 15,
+            "the worker to consume again",
+        )
+        assert worker.popen.poll() is None, f"the worker died: {worker.describe()}"
+        recover_s = time.monotonic() - resumed_at
+        await wait_until(
+            lambda: set(drill_app.read_effects(effects)) >= set(ids), 60, "every task to run"
+        )
+        await wait_until(lambda: _drained(node.url, queue), 30, "the queue to drain")
+        exit_code, stuck = await drill_app.stop_worker(worker)
+
+        ran = drill_app.read_effects(effects)
+        row = drill_report.add_counts(
+            "paused broker (SIGSTOP/SIGCONT), heartbeat 2 s",
+            published=PAUSE_TASKS,
+            confirmed=set(ids),
+            effects=ran,
+            seconds=time.perf_counter() - started,
+            notes=f"paused after {ran_at_pause} ran; worker noticed in {detect_s:.1f} s "
+            f"(bound {DETECT_BOUND_S} s), consumed again {recover_s:.1f} s after SIGCONT",
+        )
+        assert detect_s <= DETECT_BOUND_S, f"noticed after {detect_s:.1f} s"
+        assert row.lost == 0, f"{row.lost} task(s) never ran"
+        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
+        assert exit_code == 0, worker.describe()
+        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+    finally:
+        node.resume()
+        if worker is not None:
+            worker.kill()
+        await app.close()
+        await node.restore()
+        await delete_queues(node.url, queue_names(app))
+
+
+def _count(worker: WorkerProcess, mark: str) -> int:
+    return worker.log().count(mark)
