@@ -2,7 +2,7 @@
 
 For a handler queue ``Q`` the dead letters sit in ``Q.dlq``. Two kinds arrive there:
 
-- moved by our worker (``settle.dead_letter``): our headers say why (reason, error type and
+- moved by our worker (``Settler.dead_letter``): our headers say why (reason, error type and
   message, traceback, attempt, first and last failure times);
 - dead-lettered by RabbitMQ itself: the delivery limit was reached (a worker died on the
   message again and again: reason ``delivery_limit``) or it expired (``expired``). Only the

@@ -5,6 +5,7 @@ Labels stay low-cardinality: queue names and a fixed set of outcomes, never task
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -44,7 +45,7 @@ class Metrics:
             registry=r,
         )
         self.in_flight = Gauge(
-            "weclaw_mq_in_flight", "Handlers running now.", ["queue"], registry=r
+            "weclaw_mq_in_flight", "Deliveries being processed now.", ["queue"], registry=r
         )
         self.reconnects = Counter(
             "weclaw_mq_reconnects", "Broker connections re-established.", ["role"], registry=r
@@ -54,7 +55,7 @@ class Metrics:
         # once per message.
         self._settled: dict[tuple[str, Outcome], Counter] = {}
         self._published: dict[tuple[str, str], Counter] = {}
-        self._timing: dict[str, tuple[Histogram, Gauge]] = {}
+        self._timing: dict[str, Histogram] = {}
 
     def settled(self, queue: str, outcome: Outcome) -> Counter:
         child = self._settled.get((queue, outcome))
@@ -68,14 +69,15 @@ class Metrics:
             child = self._published[queue, outcome] = self.published.labels(queue, outcome)
         return child
 
-    def handler_timing(self, queue: str) -> tuple[Histogram, Gauge]:
-        pair = self._timing.get(queue)
-        if pair is None:
-            pair = self._timing[queue] = (
-                self.handler_seconds.labels(queue),
-                self.in_flight.labels(queue),
-            )
-        return pair
+    def handler_timing(self, queue: str) -> Histogram:
+        child = self._timing.get(queue)
+        if child is None:
+            child = self._timing[queue] = self.handler_seconds.labels(queue)
+        return child
+
+    def count_in_flight(self, queue: str, running: Callable[[], int]) -> None:
+        """The in-flight gauge reads ``running()`` when scraped: no cost per message."""
+        self.in_flight.labels(queue).set_function(running)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         # Imported here: the HTTP server is not needed by processes that only publish.

@@ -17,16 +17,17 @@ from typing import TYPE_CHECKING, Any
 import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 
-from . import settle, tracing
+from . import tracing
 from .context import Context
+from .deadlines import Deadlines
 from .guard import Claim, IdempotencyGuard
 from .handler import HandlerSpec, InvalidPayload, UndecodableBody
 from .message import Delivery, read_delivery
 from .metrics import Metrics, Outcome
-from .producer import Publisher
 from .results import RedisResultStore, ResultStore, TaskState, TaskStatus
 from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
 from .settings import Settings
+from .settle import Settler
 from .signals import Retry
 from .tracing import TraceContext
 
@@ -58,7 +59,8 @@ class Runtime:
 
     app: App
     settings: Settings
-    publisher: Publisher
+    settler: Settler
+    deadlines: Deadlines
     metrics: Metrics
     guard: IdempotencyGuard | None
     results: ResultStore | None
@@ -153,10 +155,9 @@ async def _process(
             decision.delay_ms / 1000,
         )
         await _status(rt, delivery, spec, TaskStatus.RETRYING, error=_describe(error))
-        if await settle.retry(
+        if await rt.settler.retry(
             message,
             delivery,
-            rt.publisher,
             queue=spec.queue,
             delay_ms=decision.delay_ms,
             error=error,
@@ -186,7 +187,7 @@ async def _pass_guard(
         log.info("duplicate of a finished task: acked without running the handler")
         if claim is not Claim.DONE:
             await _mark_done_quietly(rt.guard, spec, delivery)
-        if await settle.ack(message):
+        if await rt.settler.ack(message):
             rt.metrics.settled(spec.queue, Outcome.DUPLICATE).inc()
         return _Gate.SETTLED
     if claim is Claim.BUSY:
@@ -237,22 +238,20 @@ async def _call(
             app=rt.app,
         )
         args = (task, ctx)
-    timing, in_flight = rt.metrics.handler_timing(spec.queue)
-    in_flight.inc()
+    timing = rt.metrics.handler_timing(spec.queue)
     started = time.perf_counter()
     try:
         # A CancelledError from outside (the worker stopping hard) is a BaseException and
         # passes through: the message stays unacked and is redelivered.
-        async with asyncio.timeout(spec.timeout_s) as deadline:
+        with rt.deadlines.within(spec.timeout_s) as deadline:
             return await spec.func(*args), None
     except TimeoutError as e:
-        if deadline.expired():
+        if deadline.expired:
             return None, HandlerTimeout(f"handler ran past its timeout of {spec.timeout_s} s")
         return None, e
     except Exception as e:
         return None, e
     finally:
-        in_flight.dec()
         timing.observe(time.perf_counter() - started)
 
 
@@ -282,9 +281,9 @@ async def _finish(
             await _patiently(rt, lambda: marking.mark_done(spec.queue, delivery.task_id))
     except ResultNotStored as e:
         log.error("%s; giving the task back to the broker", e)
-        await settle.give_back(message)
+        await rt.settler.give_back(message)
         return
-    if await settle.ack(message):
+    if await rt.settler.ack(message):
         rt.metrics.settled(spec.queue, Outcome.ACKED).inc()
 
 
@@ -317,9 +316,7 @@ async def _release(rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: st
 async def _defer(
     message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
 ) -> None:
-    if await settle.defer(
-        message, delivery, rt.publisher, queue=spec.queue, delay_ms=spec.retry.delay_ms(1)
-    ):
+    if await rt.settler.defer(message, delivery, queue=spec.queue, delay_ms=spec.retry.delay_ms(1)):
         rt.metrics.settled(spec.queue, Outcome.DEFERRED).inc()
 
 
@@ -380,8 +377,8 @@ async def _dead_letter(
         type(error).__name__,
         error,
     )
-    if await settle.dead_letter(
-        message, delivery, rt.publisher, queue=spec.queue, reason=reason.value, error=error
+    if await rt.settler.dead_letter(
+        message, delivery, queue=spec.queue, reason=reason.value, error=error
     ):
         # Only once the DLQ holds it: "dead_lettered" is final for result() waiters, and a
         # failed move returns the task to its queue, where it may yet succeed.

@@ -18,6 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
 from . import headers as h
 from .connection import cancelled_by_caller
+from .deadlines import Deadlines
 from .errors import WeclawMQError
 from .message import Delivery, build_message
 from .naming import dlq_name, retry_queue_name
@@ -60,93 +61,88 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
 SETTLE_TIMEOUT_S = 5.0
 
 
-async def _settle(message: AbstractIncomingMessage, *, requeue: bool | None) -> bool:
-    what = "ack" if requeue is None else "nack"
-    try:
-        async with asyncio.timeout(SETTLE_TIMEOUT_S):
-            if requeue is None:
-                await message.ack()
-            else:
-                await message.nack(requeue=requeue)
+class Settler:
+    """Ends deliveries for one worker session: its publisher for moves, its deadlines."""
+
+    def __init__(self, publisher: Publisher, deadlines: Deadlines) -> None:
+        self.publisher = publisher
+        self.deadlines = deadlines
+
+    async def ack(self, message: AbstractIncomingMessage) -> bool:
+        """Ack; False when the channel is gone (the broker redelivers: a duplicate, not a loss)."""
+        return await self._settle(message, requeue=None)
+
+    async def give_back(self, message: AbstractIncomingMessage) -> None:
+        """Return the message to its queue now rather than when the channel closes."""
+        await self._settle(message, requeue=True)
+
+    async def retry(
+        self,
+        message: AbstractIncomingMessage,
+        delivery: Delivery,
+        *,
+        queue: str,
+        delay_ms: int,
+        error: BaseException,
+    ) -> bool:
+        headers = failure_headers(delivery, queue, error)
+        headers[h.ATTEMPT] = delivery.attempt + 1
+        return await self._move(message, delivery, retry_queue_name(queue, delay_ms), headers)
+
+    async def defer(
+        self, message: AbstractIncomingMessage, delivery: Delivery, *, queue: str, delay_ms: int
+    ) -> bool:
+        """Park the task in a delay queue without counting an attempt: it did not fail."""
+        target = retry_queue_name(queue, delay_ms)
+        return await self._move(message, delivery, target, carried_headers(delivery))
+
+    async def dead_letter(
+        self,
+        message: AbstractIncomingMessage,
+        delivery: Delivery,
+        *,
+        queue: str,
+        reason: str,
+        error: BaseException,
+    ) -> bool:
+        headers = failure_headers(delivery, queue, error)
+        headers[h.ATTEMPT] = delivery.attempt
+        headers[h.DEAD_LETTER_REASON] = reason
+        return await self._move(message, delivery, dlq_name(queue), headers)
+
+    async def _move(
+        self,
+        message: AbstractIncomingMessage,
+        delivery: Delivery,
+        target: str,
+        headers: HeadersType,
+    ) -> bool:
+        copy = build_message(
+            delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
+        )
+        try:
+            await self.publisher.publish(target, copy)
+        except WeclawMQError as e:
+            log.error("could not move the task to %s (%s); returning it to its queue", target, e)
+            await self.give_back(message)
+            return False
+        # Moved, whatever the ack does: if it fails, the source comes back as a duplicate.
+        await self.ack(message)
         return True
-    except asyncio.CancelledError:
-        if cancelled_by_caller():
-            raise
-        log.warning("%s failed (connection lost); the broker will redeliver", what)
-    except Exception as e:  # any failure here means the same thing: not settled
-        log.warning("%s failed (%s: %s); the broker will redeliver", what, type(e).__name__, e)
-    return False
 
-
-async def ack(message: AbstractIncomingMessage) -> bool:
-    """Ack; False when the channel is gone (the broker will redeliver: a duplicate, not a loss)."""
-    return await _settle(message, requeue=None)
-
-
-async def give_back(message: AbstractIncomingMessage) -> None:
-    """Return the message to its queue now rather than when the channel closes."""
-    await _settle(message, requeue=True)
-
-
-async def _move(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    publisher: Publisher,
-    target: str,
-    headers: HeadersType,
-) -> bool:
-    copy = build_message(
-        delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
-    )
-    try:
-        await publisher.publish(target, copy)
-    except WeclawMQError as e:
-        log.error("could not move the task to %s (%s); returning it to its queue", target, e)
-        await give_back(message)
+    async def _settle(self, message: AbstractIncomingMessage, *, requeue: bool | None) -> bool:
+        what = "ack" if requeue is None else "nack"
+        try:
+            with self.deadlines.within(SETTLE_TIMEOUT_S):
+                if requeue is None:
+                    await message.ack()
+                else:
+                    await message.nack(requeue=requeue)
+            return True
+        except asyncio.CancelledError:
+            if cancelled_by_caller():
+                raise
+            log.warning("%s failed (connection lost); the broker will redeliver", what)
+        except Exception as e:  # any failure here means the same thing: not settled
+            log.warning("%s failed (%s: %s); the broker will redeliver", what, type(e).__name__, e)
         return False
-    # Moved, whatever the ack does: if it fails, the source comes back as a duplicate.
-    await ack(message)
-    return True
-
-
-async def retry(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    publisher: Publisher,
-    *,
-    queue: str,
-    delay_ms: int,
-    error: BaseException,
-) -> bool:
-    headers = failure_headers(delivery, queue, error)
-    headers[h.ATTEMPT] = delivery.attempt + 1
-    return await _move(message, delivery, publisher, retry_queue_name(queue, delay_ms), headers)
-
-
-async def defer(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    publisher: Publisher,
-    *,
-    queue: str,
-    delay_ms: int,
-) -> bool:
-    """Park the task in a delay queue without counting an attempt: it did not fail."""
-    return await _move(
-        message, delivery, publisher, retry_queue_name(queue, delay_ms), carried_headers(delivery)
-    )
-
-
-async def dead_letter(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    publisher: Publisher,
-    *,
-    queue: str,
-    reason: str,
-    error: BaseException,
-) -> bool:
-    headers = failure_headers(delivery, queue, error)
-    headers[h.ATTEMPT] = delivery.attempt
-    headers[h.DEAD_LETTER_REASON] = reason
-    return await _move(message, delivery, publisher, dlq_name(queue), headers)

@@ -18,12 +18,14 @@ from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQu
 
 from .app import App
 from .connection import backoff_s, cancelled_by_caller, when_lost
+from .deadlines import Deadlines
 from .errors import ConfigurationError
 from .handler import HandlerSpec
 from .metrics import Outcome
 from .process import Runtime, process
 from .producer import Publisher
 from .settings import BROKER_CONSUMER_TIMEOUT_S
+from .settle import Settler
 from .topology import declare
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -59,7 +61,11 @@ class Worker:
         self.specs = self._select(app, queues)
         self.ready = asyncio.Event()  # set while consuming; tests and health checks wait on it
         self._stop = asyncio.Event()
-        self._in_flight: set[asyncio.Task[None]] = set()
+        # Per queue, for the in-flight gauge; every delivery being processed is in one set.
+        self._in_flight: dict[str, set[asyncio.Task[None]]] = {s.queue: set() for s in self.specs}
+        self._deadlines = Deadlines()
+        for spec in self.specs:
+            app.metrics.count_in_flight(spec.queue, self._in_flight[spec.queue].__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
 
     @staticmethod
@@ -81,7 +87,7 @@ class Worker:
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        return sum(len(tasks) for tasks in self._in_flight.values())
 
     async def run(self) -> None:
         self._warn_about_consumer_timeout()
@@ -128,7 +134,8 @@ class Worker:
         runtime = Runtime(
             app=self.app,
             settings=self.settings,
-            publisher=publisher,
+            settler=Settler(publisher, self._deadlines),
+            deadlines=self._deadlines,
             metrics=self.app.metrics,
             guard=self.app.guard,
             results=self.app.results,
@@ -164,6 +171,8 @@ class Worker:
     def _dispatcher(
         self, spec: HandlerSpec, runtime: Runtime
     ) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
+        in_flight = self._in_flight[spec.queue]
+
         async def on_message(message: AbstractIncomingMessage) -> None:
             if self._stop.is_set():
                 # Arrived after we decided to stop: left unacked, the broker gives it to
@@ -174,8 +183,8 @@ class Worker:
             # connection drops, and a model call that is paid for should still finish and
             # store its result even if its ack can no longer be sent.
             task = asyncio.create_task(self._handle(message, spec, runtime))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
 
         return on_message
 
@@ -189,12 +198,13 @@ class Worker:
 
     async def _drain(self) -> None:
         """Wait for in-flight handlers up to the grace period, then cancel the rest (unacked)."""
-        if not self._in_flight:
+        running = set().union(*self._in_flight.values())
+        if not running:
             return
         log.info(
-            "waiting up to %.0f s for %d in-flight task(s)", self.shutdown_grace_s, self.in_flight
+            "waiting up to %.0f s for %d in-flight task(s)", self.shutdown_grace_s, len(running)
         )
-        _, pending = await asyncio.wait(set(self._in_flight), timeout=self.shutdown_grace_s)
+        _, pending = await asyncio.wait(running, timeout=self.shutdown_grace_s)
         for task in pending:
             task.cancel()
         if pending:

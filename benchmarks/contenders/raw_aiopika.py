@@ -30,8 +30,9 @@ from ..common import (
 from .aio_hooks import track
 
 # weclaw_mq's process.py on a successful, guarded delivery: claim (SET NX PX), a "running"
-# status written beside the handler, the result, the done marker (SET PX). Mirrored 1:1.
-REDIS_ROUND_TRIPS = 4
+# status written beside the handler, then the result and the done marker together in one
+# round trip (one script there, a pipeline here). Mirrored 1:1: 4 writes, 3 round trips.
+REDIS_ROUND_TRIPS = 3
 LEASE_MS = 30_000
 TTL_MS = 24 * 3600 * 1000
 
@@ -85,8 +86,10 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
         if sleep_s:
             await asyncio.sleep(sleep_s)
         await running
-        await redis.set(f"{key}:state", json.dumps({"status": "succeeded"}), px=TTL_MS)
-        await redis.set(f"{key}:claim", "done", px=TTL_MS)
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.set(f"{key}:state", json.dumps({"status": "succeeded"}), px=TTL_MS)
+            pipe.set(f"{key}:claim", "done", px=TTL_MS)
+            await pipe.execute()
         await msg.ack()
 
     async def on_message(msg: AbstractIncomingMessage) -> None:

@@ -27,8 +27,8 @@ from ..common import (
 from .aio_hooks import track
 
 # process.py on a successful guarded delivery: claim SET NX PX, "running" status (EVALSHA,
-# beside the handler), result (EVALSHA), done marker SET PX. A failed claim adds a GET.
-REDIS_ROUND_TRIPS = 4
+# beside the handler), result and done marker in one EVALSHA. A failed claim adds a GET.
+REDIS_ROUND_TRIPS = 3
 
 
 def build_app(cfg: ChildConfig) -> App:
