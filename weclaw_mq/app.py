@@ -122,7 +122,8 @@ class App:
         if len(body) > limit:
             raise PayloadTooLargeError(queue, len(body), limit)
         spec = self._handlers.get(queue)
-        if spec is not None:
+        # An instance of the handler's own model was validated when it was built.
+        if spec is not None and not (spec.model is not None and type(payload) is spec.model):
             try:
                 spec.parse(body)
             except (InvalidPayload, UndecodableBody) as e:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .errors import ConfigurationError
 from .naming import validate_queue_name
@@ -31,6 +31,7 @@ class HandlerSpec:
     queue: str
     func: HandlerFunc
     adapter: TypeAdapter[Any]
+    model: type[BaseModel] | None  # the task's pydantic model, when it is one
     takes_context: bool
     retry: RetryPolicy
     timeout_s: float
@@ -59,6 +60,10 @@ class HandlerSpec:
             if any(err["type"] == "json_invalid" for err in e.errors()):
                 raise UndecodableBody(_first_error(e)) from e
             raise InvalidPayload(_first_error(e)) from e
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _first_error(e: ValidationError) -> str:
@@ -113,6 +118,9 @@ def build_spec(
         queue=queue,
         func=func,
         adapter=adapter,
+        model=annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        else None,
         takes_context=len(params) == 2,
         retry=retry,
         timeout_s=timeout_s,
