@@ -10,17 +10,39 @@ one tick late, which is nothing next to the model calls and acks it bounds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 TICK_S = 0.1
 
 
-@dataclass(slots=True)
 class Deadline:
-    at: float
-    expired: bool = False
+    """One wait under a deadline; a context manager (a class, not a generator: it runs twice
+    per delivery)."""
+
+    __slots__ = ("_owner", "_task", "at", "expired", "timeout_s")
+
+    def __init__(self, owner: Deadlines, timeout_s: float) -> None:
+        self._owner = owner
+        self.timeout_s = timeout_s
+        self.at = 0.0
+        self.expired = False
+        self._task: asyncio.Task[object] | None = None
+
+    def __enter__(self) -> Deadline:
+        task = asyncio.current_task()
+        assert task is not None, "a deadline needs a running task"
+        self._task = task
+        self.at = task.get_loop().time() + self.timeout_s
+        self._owner._add(task, self)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: object
+    ) -> None:
+        task = self._task
+        assert task is not None
+        self._owner._due.pop(task, None)
+        if kind is asyncio.CancelledError and self.expired and task.uncancel() == 0:
+            raise TimeoutError from error
 
 
 class Deadlines:
@@ -28,26 +50,17 @@ class Deadlines:
         self._due: dict[asyncio.Task[object], Deadline] = {}
         self._ticker: asyncio.TimerHandle | None = None
 
-    @contextlib.contextmanager
-    def within(self, timeout_s: float) -> Iterator[Deadline]:
+    def within(self, timeout_s: float) -> Deadline:
         """Like ``asyncio.timeout``: past ``timeout_s`` the body is cancelled and
         ``TimeoutError`` raised; ``deadline.expired`` tells it from a TimeoutError of the body's
         own. Not nestable within one task."""
-        task = asyncio.current_task()
-        assert task is not None
-        loop = task.get_loop()
-        deadline = Deadline(loop.time() + timeout_s)
+        return Deadline(self, timeout_s)
+
+    def _add(self, task: asyncio.Task[object], deadline: Deadline) -> None:
         self._due[task] = deadline
         if self._ticker is None:
+            loop = task.get_loop()
             self._ticker = loop.call_later(TICK_S, self._tick, loop)
-        try:
-            yield deadline
-        except asyncio.CancelledError:
-            if deadline.expired and task.uncancel() == 0:
-                raise TimeoutError from None
-            raise
-        finally:
-            self._due.pop(task, None)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()

@@ -67,7 +67,7 @@ class Runtime:
 
 
 class _Gate(Enum):
-    UNGUARDED = "unguarded"  # no guard for this handler, or Redis down with run_unguarded
+    UNGUARDED = "unguarded"  # Redis down, and the user chose run_unguarded
     SETTLED = "settled"  # duplicate or deferred: nothing more to do
 
 
@@ -108,10 +108,12 @@ async def _process(
         await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, e)
         return
 
-    gate = await _pass_guard(message, delivery, spec, rt)
-    if gate is _Gate.SETTLED:
-        return
-    held = gate if isinstance(gate, str) else None  # the claim's owner token
+    held: str | None = None  # the claim's owner token, while we hold the claim
+    if rt.guard is not None and spec.idempotent:
+        gate = await _pass_guard(message, delivery, spec, rt.guard, rt)
+        if gate is _Gate.SETTLED:
+            return
+        held = gate if isinstance(gate, str) else None
 
     # The status write runs beside the handler: a model call need not wait for it.
     running = (
@@ -168,14 +170,16 @@ async def _process(
 
 
 async def _pass_guard(
-    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    guard: IdempotencyGuard,
+    rt: Runtime,
 ) -> str | _Gate:
     """The claim's owner token when we hold the claim, else how the delivery went on."""
-    if rt.guard is None or not spec.idempotent:
-        return _Gate.UNGUARDED
-    owner = rt.guard.new_owner()
+    owner = guard.new_owner()
     try:
-        claim = await rt.guard.claim(spec.queue, delivery.task_id, owner)
+        claim = await guard.claim(spec.queue, delivery.task_id, owner)
     except Exception as e:  # Redis unreachable or failing: the same answer either way
         if rt.settings.guard_on_redis_down == "run_unguarded":
             log.warning("Redis unavailable (%s); running UNGUARDED as configured", e)
@@ -186,7 +190,7 @@ async def _pass_guard(
     if claim is Claim.DONE or await _finished_before(delivery, rt):
         log.info("duplicate of a finished task: acked without running the handler")
         if claim is not Claim.DONE:
-            await _mark_done_quietly(rt.guard, spec, delivery)
+            await _mark_done_quietly(guard, spec, delivery)
         if await rt.settler.ack(message):
             rt.metrics.settled(spec.queue, Outcome.DUPLICATE).inc()
         return _Gate.SETTLED

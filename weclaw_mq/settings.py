@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     # Idempotency guard and result store (Redis).
     # Per process. A worker needs about two per handler in flight (claim or result write,
     # and a status write beside it); past the limit a command fails like an outage.
-    redis_max_connections: int = Field(default=256, ge=4)
+    redis_max_connections: int = Field(default=1024, ge=4)
     redis_timeout_s: float = Field(default=5.0, gt=0)
     results_enabled: bool = True
     guard_lease_s: float = Field(default=30.0, gt=0)
