@@ -6,7 +6,8 @@ One Redis key per (queue, task id), in one of two states:
   second worker; if the holder dies, the lease lapses and a redelivered copy may claim it.
 - ``done`` with a TTL (``done_ttl_s``): the result is stored; copies are acked unrun.
 
-Claims are one atomic ``SET NX``, never check-then-set.
+Claims are one atomic script around ``SET NX``, never check-then-set; with the default result
+store the claim also writes the task's "running" record in the same step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from enum import StrEnum
 import redis.asyncio as aioredis
 
 from .naming import guard_key
-from .results import DoneMarker
+from .results import RECORD_WRITE_LUA, DoneMarker, RecordWrite
 
 log = logging.getLogger("weclaw_mq.guard")
 
@@ -34,6 +35,20 @@ class Claim(StrEnum):
     DONE = "done"  # finished before: ack without running
     BUSY = "busy"  # another worker holds it now: come back later
 
+
+# SET NX, never check-then-set. A lease that lapses between the SET and the GET reads as busy:
+# the next delivery claims it.
+_CLAIM = (
+    RECORD_WRITE_LUA
+    + """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if KEYS[2] then write_record(KEYS[2], ARGV[4], ARGV[5], ARGV[6], false) end
+  return 'acquired'
+end
+if redis.call('GET', KEYS[1]) == ARGV[3] then return 'done' end
+return 'busy'
+"""
+)
 
 # Only the holder may renew or release its lease.
 _EXTEND = """
@@ -56,6 +71,7 @@ class IdempotencyGuard:
         self.lease_s = lease_s
         self._lease_ms = int(lease_s * 1000)
         self._done_ttl_ms = int(done_ttl_s * 1000)
+        self._claim = client.register_script(_CLAIM)
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
         self._held: dict[str, str] = {}  # guard key -> owner token, while its handler runs
@@ -65,15 +81,18 @@ class IdempotencyGuard:
     def new_owner() -> str:
         return f"{_RUNNING}{uuid.uuid4().hex}"
 
-    async def claim(self, queue: str, task_id: str, owner: str) -> Claim:
-        key = guard_key(queue, task_id)
-        if await self._redis.set(key, owner, nx=True, px=self._lease_ms):
-            return Claim.ACQUIRED
-        current = await self._redis.get(key)
-        if current is None:
-            # The holder's lease lapsed between our two calls: let the next delivery claim.
-            return Claim.BUSY
-        return Claim.DONE if current == DONE.encode() else Claim.BUSY
+    async def claim(
+        self, queue: str, task_id: str, owner: str, *, record: RecordWrite | None = None
+    ) -> Claim:
+        """Claim the task for ``owner``; with ``record``, write it (the "running" status) in
+        the same step when the claim is granted: one round trip, one command."""
+        keys = [guard_key(queue, task_id)]
+        args: list[str | int] = [owner, self._lease_ms, DONE]
+        if record is not None:
+            keys.append(record.key)
+            args += [record.status, record.state, record.ttl_ms]
+        answer = await self._claim(keys=keys, args=args)
+        return Claim(answer.decode() if isinstance(answer, bytes) else answer)
 
     async def extend(self, queue: str, task_id: str, owner: str) -> bool:
         return bool(

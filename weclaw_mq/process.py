@@ -24,7 +24,7 @@ from .guard import Claim, IdempotencyGuard
 from .handler import HandlerSpec, InvalidPayload, UndecodableBody
 from .message import Delivery, read_delivery
 from .metrics import Metrics, Outcome
-from .results import RedisResultStore, ResultStore, TaskState, TaskStatus
+from .results import RecordWrite, RedisResultStore, ResultStore, TaskState, TaskStatus
 from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
 from .settings import Settings
 from .settle import Settler
@@ -109,16 +109,22 @@ async def _process(
         return
 
     held: str | None = None  # the claim's owner token, while we hold the claim
+    # The default store's "running" record rides on the guard's claim (one command).
+    record = (
+        rt.results.record_write(_state(delivery, spec, TaskStatus.RUNNING))
+        if isinstance(rt.results, RedisResultStore) and rt.guard is not None and spec.idempotent
+        else None
+    )
     if rt.guard is not None and spec.idempotent:
-        gate = await _pass_guard(message, delivery, spec, rt.guard, rt)
+        gate = await _pass_guard(message, delivery, spec, rt.guard, rt, record)
         if gate is _Gate.SETTLED:
             return
         held = gate if isinstance(gate, str) else None
 
-    # The status write runs beside the handler: a model call need not wait for it.
+    # Otherwise the status write runs beside the handler: a model call need not wait for it.
     running = (
         asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
-        if rt.results is not None
+        if rt.results is not None and (record is None or held is None)
         else None
     )
     try:
@@ -175,11 +181,12 @@ async def _pass_guard(
     spec: HandlerSpec,
     guard: IdempotencyGuard,
     rt: Runtime,
+    record: RecordWrite | None,
 ) -> str | _Gate:
     """The claim's owner token when we hold the claim, else how the delivery went on."""
     owner = guard.new_owner()
     try:
-        claim = await guard.claim(spec.queue, delivery.task_id, owner)
+        claim = await guard.claim(spec.queue, delivery.task_id, owner, record=record)
     except Exception as e:  # Redis unreachable or failing: the same answer either way
         if rt.settings.guard_on_redis_down == "run_unguarded":
             log.warning("Redis unavailable (%s); running UNGUARDED as configured", e)

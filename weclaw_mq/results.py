@@ -79,22 +79,45 @@ class ResultStore(Protocol):
     async def close(self) -> None: ...
 
 
-# One round trip: refuse to overwrite a succeeded record, write, expire, and wake waiters.
-_PUT = """
+# The one rule for writing a task's record, shared by every script that writes one (the
+# guard's claim embeds it too): a succeeded record is final; only_if_new writes only where
+# no record exists.
+RECORD_WRITE_LUA = """
+local function write_record(key, status, state, ttl_ms, only_if_new)
+  local current = redis.call('HGET', key, 'status')
+  if current == 'succeeded' or (only_if_new and current) then return 0 end
+  redis.call('HSET', key, 'status', status, 'state', state)
+  redis.call('PEXPIRE', key, ttl_ms)
+  return 1
+end
+"""
+
+# One round trip: (the guard's done marker,) the record, and a wake-up for result() waiters.
+_PUT = (
+    RECORD_WRITE_LUA
+    + """
 if KEYS[3] then
   -- the guard's done marker, written in the same step as the result it vouches for
   redis.call('SET', KEYS[3], ARGV[5], 'PX', ARGV[6])
 end
-local current = redis.call('HGET', KEYS[1], 'status')
-if current == 'succeeded' then return 0 end
-if ARGV[4] == '1' and current then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'state', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-if ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered' then
+local written = write_record(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1')
+if written == 1 and (ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered') then
   redis.call('PUBLISH', KEYS[2], ARGV[1])
 end
-return 1
+return written
 """
+)
+
+
+@dataclass(frozen=True)
+class RecordWrite:
+    """A record write that another script (the guard's claim) performs in its own step."""
+
+    key: str
+    status: str
+    state: str
+    ttl_ms: int
+
 
 # Records for tasks that have none yet; never wakes waiters (no final state is written).
 _PUT_NEW_MANY = """
@@ -136,6 +159,11 @@ class RedisResultStore:
 
     async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
         return bool(await self._put(keys=self._keys(state), args=self._args(state, only_if_new)))
+
+    def record_write(self, state: TaskState) -> RecordWrite:
+        return RecordWrite(
+            result_key(state.task_id), state.status.value, state.model_dump_json(), self._ttl_ms
+        )
 
     async def put_final(self, state: TaskState, done: DoneMarker) -> bool:
         """``put`` a final state and set the guard's done marker, atomically, in one round trip.
