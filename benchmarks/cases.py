@@ -483,10 +483,10 @@ def notes(counts: Counts, skip_peers: bool) -> list[str]:
         "(1 KiB persistent JSON, quorum queue with weclaw_mq's arguments, prefetch = "
         "concurrency, manual ack after the handler). The delivery and ack hooks are the same "
         "patch of aio-pika's IncomingMessage for raw, weclaw_mq and FastStream.",
-        "Redis round trips per message: weclaw_mq with guard + results makes 3 (claim SET NX "
-        "PX; 'running' status EVALSHA, beside the handler; result and done marker in one "
-        "EVALSHA; +1 GET only when a claim fails); 'raw aio-pika + Redis by hand' makes the "
-        "same 3 (SET NX PX; SET beside the handler; a pipeline of two SETs) in the same order.",
+        "Redis round trips per message: weclaw_mq with guard + results makes 2 (the claim "
+        "script: SET NX PX and the 'running' record; the result script: the record and the "
+        "done marker); 'raw aio-pika + Redis by hand' makes the same 2 (a pipeline of SET NX "
+        "PX + SET; a pipeline of two SETs) in the same order.",
         "raw aio-pika does what weclaw_mq's worker does: one task per delivery, json.loads of "
         "the body, the handler, ack; its messages carry the same properties and headers. "
         "Both use redis-py's default ConnectionPool.",

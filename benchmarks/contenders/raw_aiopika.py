@@ -29,10 +29,10 @@ from ..common import (
 )
 from .aio_hooks import track
 
-# weclaw_mq's process.py on a successful, guarded delivery: claim (SET NX PX), a "running"
-# status written beside the handler, then the result and the done marker together in one
-# round trip (one script there, a pipeline here). Mirrored 1:1: 4 writes, 3 round trips.
-REDIS_ROUND_TRIPS = 3
+# weclaw_mq's process.py on a successful, guarded delivery: the claim (SET NX PX) with the
+# "running" record, then the result with the done marker: two round trips, one script each
+# there, a pipeline of two SETs each here.
+REDIS_ROUND_TRIPS = 2
 LEASE_MS = 30_000
 TTL_MS = 24 * 3600 * 1000
 
@@ -79,13 +79,15 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
             return
         key = f"{cfg.queue}:{msg.message_id}"
         owner = uuid.uuid4().hex
-        if not await redis.set(f"{key}:claim", owner, nx=True, px=LEASE_MS):
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.set(f"{key}:claim", owner, nx=True, px=LEASE_MS)
+            pipe.set(f"{key}:state", "running", px=TTL_MS)
+            claimed, _ = await pipe.execute()
+        if not claimed:
             await msg.ack()  # a duplicate: never happens here, but keeps the shape honest
             return
-        running = asyncio.create_task(redis.set(f"{key}:state", "running", px=TTL_MS))
         if sleep_s:
             await asyncio.sleep(sleep_s)
-        await running
         async with redis.pipeline(transaction=False) as pipe:
             pipe.set(f"{key}:state", json.dumps({"status": "succeeded"}), px=TTL_MS)
             pipe.set(f"{key}:claim", "done", px=TTL_MS)

@@ -26,9 +26,9 @@ from ..common import (
 )
 from .aio_hooks import track
 
-# process.py on a successful guarded delivery: claim SET NX PX, "running" status (EVALSHA,
-# beside the handler), result and done marker in one EVALSHA. A failed claim adds a GET.
-REDIS_ROUND_TRIPS = 3
+# process.py on a successful guarded delivery: the claim script (SET NX PX + the "running"
+# record), then the result script (record + done marker): two EVALSHA.
+REDIS_ROUND_TRIPS = 2
 
 
 def build_app(cfg: ChildConfig) -> App:
