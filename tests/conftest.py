@@ -16,6 +16,7 @@ from typing import Any
 import aio_pika
 import pytest
 import redis.asyncio as aioredis
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from weclaw_mq import App, Settings, Worker
 from weclaw_mq.topology import queue_declarations
@@ -171,3 +172,57 @@ async def wait_until(predicate: Callable[[], Any], timeout_s: float = 10.0, what
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
         await asyncio.sleep(0.02)
+
+
+# -- reading the broker back with plain aio-pika, independent of weclaw_mq ---------------------
+
+
+@pytest.fixture
+async def amqp(broker_url: str) -> AsyncIterator[AbstractChannel]:
+    """A plain aio-pika channel for publishing raw bodies and reading queues back: the test's
+    own view of the broker, independent of the library under test."""
+    conn = await aio_pika.connect(broker_url)
+    try:
+        yield await conn.channel()
+    finally:
+        await conn.close()
+
+
+async def queue_depth(channel: AbstractChannel, queue: str) -> int:
+    """Messages ready in ``queue`` (unacked ones belong to a consumer and are not counted)."""
+    declared = await channel.declare_queue(queue, passive=True)
+    count = declared.declaration_result.message_count
+    assert count is not None
+    return count
+
+
+async def get_message(channel: AbstractChannel, queue: str) -> AbstractIncomingMessage | None:
+    """Take the head of ``queue`` (acked on delivery); None when the queue is empty."""
+    q = await channel.get_queue(queue, ensure=False)
+    return await q.get(no_ack=True, fail=False)
+
+
+async def next_message(
+    channel: AbstractChannel, queue: str, *, no_ack: bool = True, timeout_s: float = 10.0
+) -> AbstractIncomingMessage:
+    """The next message of ``queue``, waiting up to ``timeout_s`` for it: a hop through a
+    dead-letter queue or a nack's return is not instant. ``no_ack=False`` leaves it to settle."""
+    got: list[AbstractIncomingMessage] = []
+    q = await channel.get_queue(queue, ensure=False)
+
+    async def arrived() -> bool:
+        message = await q.get(no_ack=no_ack, fail=False)
+        if message is not None:
+            got.append(message)
+        return bool(got)
+
+    await wait_until(arrived, timeout_s, what=f"a message in {queue}")
+    return got[0]
+
+
+def outcome_count(app: App, queue: str, outcome: str) -> float:
+    """Deliveries of ``queue`` that ``app``'s worker settled with ``outcome`` (its metrics)."""
+    value = app.metrics.registry.get_sample_value(
+        "weclaw_mq_messages_total", {"queue": queue, "outcome": str(outcome)}
+    )
+    return value or 0.0

@@ -12,6 +12,8 @@ Fixtures:
     drill_redis_url  a redis-server of the drills' own on a unix socket, for this session
     drill_report     collects one row per drill; printed as a table at the end of the run
     forget_tasks     deletes the Redis records (results, guard keys) of a drill's tasks
+    new_drill_run    makes a DrillRun: one drill's queue, app, effects file and worker, with
+                     the steps the drills share (start, wait, stop, count, clean up)
 
 The cluster failover drill is only collected when ``WECLAW_CLUSTER_DRILL=1``
 (``tests/drills/run_drills.sh``, i.e. ``make drill``, sets it): it needs three more nodes and
@@ -29,14 +31,20 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
+from tests.conftest import delete_queues, settings_for, wait_until
+from tests.drills import drill_app
+from tests.integration.processes import WorkerProcess, queue_names, ready_count_is
+from weclaw_mq import Settings
 from weclaw_mq.naming import GUARD_KEY_PREFIX, result_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -418,6 +426,167 @@ async def forget_tasks(drill_redis_url: str) -> AsyncIterator[Callable[[str, lis
                 await client.delete(*keys[start : start + 500])
     finally:
         await client.aclose()
+
+
+# -- the steps drills share -------------------------------------------------------------------
+
+
+def drill_settings(url: str, redis_url: str, **overrides: Any) -> Settings:
+    """What every drill runs with, unless it says otherwise: reconnects within a second, short
+    guard leases and retry delays (a dead worker's tasks come back in seconds), results kept
+    long enough to be counted, and the drills' short shutdown grace."""
+    defaults: dict[str, Any] = {
+        "reconnect_max_delay_s": 1,
+        "guard_lease_s": 2,
+        "retry_delay_s": 0.2,
+        "result_ttl_s": 600,
+        "done_ttl_s": 600,
+        "shutdown_grace_s": drill_app.GRACE_S,
+    }
+    return settings_for(url, redis_url, **{**defaults, **overrides})
+
+
+class DrillRun:
+    """One drill's queue, effects file, app (which declares and publishes, never consumes)
+    and worker process, with the steps every drill takes: start the worker, wait until the
+    tasks ran and the queue drained, stop the worker, count the effects into the drill table."""
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        settings: Settings,
+        work_dir: Path,
+        report: DrillReport,
+        forget: Callable[[str, list[str]], None],
+    ) -> None:
+        self.started = time.perf_counter()
+        self.queue = f"drill-{kind}-{uuid.uuid4().hex[:8]}"
+        self.effects = work_dir / "effects.log"
+        self.settings = settings
+        self.app = drill_app.build_app(self.queue, settings=settings, effects=self.effects)
+        self.worker: WorkerProcess | None = None
+        self._work_dir = work_dir
+        self._report = report
+        self._forget_tasks = forget
+
+    def task_ids(self, count: int, prefix: str = "") -> list[str]:
+        """New task ids, whose Redis records are deleted when the drill ends."""
+        ids = [f"{prefix}{uuid.uuid4()}" for _ in range(count)]
+        self.forget(ids)
+        return ids
+
+    def forget(self, ids: list[str]) -> None:
+        """Delete the Redis records of these tasks when the drill ends."""
+        self._forget_tasks(self.queue, ids)
+
+    async def start_worker(
+        self,
+        *,
+        concurrency: int = 1,
+        sleep_s: float = 0.0,
+        settings: Settings | None = None,
+        consuming_within_s: float | None = 20.0,
+    ) -> WorkerProcess:
+        """Start the worker process, with the app's settings unless given others, and wait
+        until it consumes (``consuming_within_s=None``: do not wait)."""
+        self.worker = drill_app.spawn_worker(
+            queue=self.queue,
+            settings=settings or self.settings,
+            effects=self.effects,
+            log_path=self._work_dir / "worker.log",
+            concurrency=concurrency,
+            sleep_s=sleep_s,
+        )
+        if consuming_within_s is not None:
+            await self.worker.wait_consuming(consuming_within_s)
+        return self.worker
+
+    def ran(self) -> Counter[str]:
+        """How many times each task id's effect happened so far."""
+        return drill_app.read_effects(self.effects)
+
+    async def wait_ran(
+        self, expected: int | Collection[str], timeout_s: float, what: str = ""
+    ) -> None:
+        """Until ``expected`` tasks ran (a count), or every one of those task ids ran."""
+        if isinstance(expected, int):
+            count = expected
+            await wait_until(
+                lambda: len(self.ran()) >= count, timeout_s, what or f"{count} tasks to run"
+            )
+        else:
+            wanted = set(expected)
+            await wait_until(
+                lambda: set(self.ran()) >= wanted, timeout_s, what or "every task to run"
+            )
+
+    async def wait_drained(self, url: str, timeout_s: float = 30.0) -> None:
+        """Until the queue on the node at ``url`` is empty, i.e. the acks have arrived."""
+        await wait_until(
+            lambda: ready_count_is(url, self.queue, 0), timeout_s, "the queue to drain"
+        )
+
+    async def stop_worker(self) -> tuple[int, int]:
+        """SIGTERM the worker: (exit code, handler tasks stuck at the stop)."""
+        assert self.worker is not None, "the drill started no worker"
+        return await drill_app.stop_worker(self.worker)
+
+    async def finish(
+        self,
+        url: str,
+        expected: int | Collection[str],
+        *,
+        run_within_s: float = 60.0,
+        drain_within_s: float = 30.0,
+    ) -> tuple[int, int]:
+        """Wait until ``expected`` ran and the queue drained, then stop the worker."""
+        await self.wait_ran(expected, run_within_s)
+        await self.wait_drained(url, drain_within_s)
+        return await self.stop_worker()
+
+    def report(self, drill: str, *, published: int, confirmed: set[str], notes: str) -> DrillRow:
+        """The drill's row in the table, counted from the effects against ``confirmed``."""
+        return self._report.add_counts(
+            drill,
+            published=published,
+            confirmed=confirmed,
+            effects=self.ran(),
+            seconds=time.perf_counter() - self.started,
+            notes=notes,
+        )
+
+    def assert_clean(self, row: DrillRow, exit_code: int, stuck: int) -> None:
+        """No confirmed task lost, none run twice, and the worker stopped within its grace."""
+        assert row.lost == 0, f"{row.lost} confirmed task(s) never ran"
+        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
+        assert exit_code == 0, self.describe_worker()
+        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+
+    def describe_worker(self) -> str:
+        return "no worker" if self.worker is None else self.worker.describe()
+
+    async def clean_up(self, node: RabbitNode) -> None:
+        """Kill the worker, close the app, put ``node`` back in order, delete the queues."""
+        if self.worker is not None:
+            self.worker.kill()
+        await self.app.close()
+        await node.restore()
+        await delete_queues(node.url, queue_names(self.app))
+
+
+@pytest.fixture
+def new_drill_run(
+    tmp_path: Path, drill_report: DrillReport, forget_tasks: Callable[[str, list[str]], None]
+) -> Callable[[str, Settings], DrillRun]:
+    """``new_drill_run(kind, settings)``: a DrillRun in this test's tmp_path and report."""
+
+    def new(kind: str, settings: Settings) -> DrillRun:
+        return DrillRun(
+            kind, settings=settings, work_dir=tmp_path, report=drill_report, forget=forget_tasks
+        )
+
+    return new
 
 
 # -- the drill table --------------------------------------------------------------------------

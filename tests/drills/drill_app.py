@@ -24,7 +24,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
+from tests.integration.fixture_apps import lazy_app, required_env
 from weclaw_mq import App, Context, Settings, WeclawMQError
 
 if TYPE_CHECKING:
@@ -86,32 +86,12 @@ def spawn_worker(
 ) -> WorkerProcess:
     """Start ``weclaw-mq worker`` on this app; the caller kills it by pid when done."""
     # Imported here: the worker process itself never needs the test helpers.
-    from tests.integration.processes import (
-        REPO_ROOT,
-        WorkerProcess,
-        cli_executable,
-        settings_env,
-    )
+    from tests.integration.processes import spawn_cli_worker
 
-    env = {
-        **os.environ,
-        **settings_env(settings),
-        "DRILL_QUEUE": queue,
-        "DRILL_EFFECTS": str(effects),
-        "DRILL_SLEEP_S": str(sleep_s),
-        "PYTHONUNBUFFERED": "1",
-    }
-    args = [cli_executable(), "worker", APP_PATH, "--concurrency", str(concurrency)]
-    with log_path.open("wb") as log:
-        popen = subprocess.Popen(
-            args,
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    return WorkerProcess(popen, log_path)
+    app_env = {"DRILL_QUEUE": queue, "DRILL_EFFECTS": str(effects), "DRILL_SLEEP_S": str(sleep_s)}
+    return spawn_cli_worker(
+        APP_PATH, settings=settings, app_env=app_env, log_path=log_path, concurrency=concurrency
+    )
 
 
 async def publish_jobs(app: App, queue: str, ids: list[str], *, in_flight: int = 50) -> None:
@@ -241,31 +221,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _app_from_env() -> App:
-    try:
-        queue = os.environ["DRILL_QUEUE"]
-        effects = Path(os.environ["DRILL_EFFECTS"])
-    except KeyError as e:
-        raise RuntimeError(f"{__name__} needs the environment variable {e}") from e
+    queue, effects = required_env(__name__, "DRILL_QUEUE", "DRILL_EFFECTS")
     return build_app(
         queue,
         settings=Settings(),
-        effects=effects,
+        effects=Path(effects),
         sleep_s=float(os.environ.get("DRILL_SLEEP_S", "0")),
     )
 
 
-_app: App | None = None
-
-
-def __getattr__(name: str) -> App:
-    # Built on first access rather than at import, so drills can import the helpers without
-    # the worker's environment.
-    global _app
-    if name != "app":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if _app is None:
-        _app = _app_from_env()
-    return _app
+# Built on first access rather than at import, so drills can import the helpers without the
+# worker's environment.
+__getattr__ = lazy_app(__name__, _app_from_env)
 
 
 if __name__ == "__main__":

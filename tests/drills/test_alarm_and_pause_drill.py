@@ -19,17 +19,15 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import aio_pika
 import pytest
 
-from tests.conftest import delete_queues, settings_for, wait_until
+from tests.conftest import wait_until
 from tests.drills import drill_app
-from tests.drills.conftest import DrillReport, RabbitNode
+from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.drills.drill_app import CONSUMING, LOST, Outcomes
-from tests.integration.processes import WorkerProcess, queue_names, ready_count
-from weclaw_mq import ConfirmTimeoutError
+from weclaw_mq import ConfirmTimeoutError, Settings
 from weclaw_mq.connection import CONNECT_TIMEOUT_S
 
 CONFIRM_TIMEOUT_S = 2.0
@@ -40,10 +38,6 @@ UNDER_ALARM = 10
 AFTER = 100
 # How long the plain aio-pika control publish is given before we call it stuck.
 RAW_PATIENCE_S = 3 * CONFIRM_TIMEOUT_S
-
-
-async def _drained(url: str, queue: str) -> bool:
-    return await ready_count(url, queue) == 0
 
 
 async def _raw_publish_completes(url: str, queue: str, patience_s: float) -> bool:
@@ -69,33 +63,13 @@ async def _raw_publish_completes(url: str, queue: str, patience_s: float) -> boo
 
 @pytest.mark.drill
 async def test_publish_under_a_memory_alarm_raises_instead_of_hanging(
-    node: RabbitNode,
-    drill_redis_url: str,
-    tmp_path: Path,
-    drill_report: DrillReport,
-    forget_tasks: Callable[[str, list[str]], None],
+    node: RabbitNode, drill_redis_url: str, new_drill_run: Callable[[str, Settings], DrillRun]
 ) -> None:
-    started = time.perf_counter()
-    queue = f"drill-alarm-{uuid.uuid4().hex[:8]}"
-    effects = tmp_path / "effects.log"
-    settings = settings_for(
-        node.url,
-        drill_redis_url,
-        confirm_timeout_s=CONFIRM_TIMEOUT_S,
-        reconnect_max_delay_s=1,
-        guard_lease_s=2,
-        retry_delay_s=0.2,
-        result_ttl_s=600,
-        done_ttl_s=600,
-        shutdown_grace_s=drill_app.GRACE_S,
-    )
-    app = drill_app.build_app(queue, settings=settings, effects=effects)
-    before = [str(uuid.uuid4()) for _ in range(BEFORE)]
-    under = [str(uuid.uuid4()) for _ in range(UNDER_ALARM)]
-    after = [str(uuid.uuid4()) for _ in range(AFTER)]
-    forget_tasks(queue, before + under + after)
+    settings = drill_settings(node.url, drill_redis_url, confirm_timeout_s=CONFIRM_TIMEOUT_S)
+    run = new_drill_run("alarm", settings)
+    app, queue = run.app, run.queue
+    before, under, after = run.task_ids(BEFORE), run.task_ids(UNDER_ALARM), run.task_ids(AFTER)
     blocked = Outcomes()
-    worker: WorkerProcess | None = None
     raw_completed: bool | None = None
     try:
         await app.declare()
@@ -120,27 +94,13 @@ async def test_publish_under_a_memory_alarm_raises_instead_of_hanging(
         # Messages the blocked publishes left in the client's buffer reach the queue now.
         confirmed = set(before) | set(after) | blocked.confirmed | retried.confirmed
 
-        worker = drill_app.spawn_worker(
-            queue=queue,
-            settings=settings,
-            effects=effects,
-            log_path=tmp_path / "worker.log",
-            concurrency=20,
-        )
-        await worker.wait_consuming()
-        await wait_until(
-            lambda: set(drill_app.read_effects(effects)) >= confirmed, 60, "every task to run"
-        )
-        await wait_until(lambda: _drained(node.url, queue), 30, "the queue to drain")
-        exit_code, stuck = await drill_app.stop_worker(worker)
+        await run.start_worker(concurrency=20)
+        exit_code, stuck = await run.finish(node.url, confirmed)
 
-        ran = drill_app.read_effects(effects)
-        row = drill_report.add_counts(
+        row = run.report(
             "memory alarm (connection.blocked)",
             published=BEFORE + UNDER_ALARM + AFTER,
             confirmed=confirmed,
-            effects=ran,
-            seconds=time.perf_counter() - started,
             notes=f"{len(blocked.failed)} of {UNDER_ALARM} publishes under the alarm raised "
             f"({blocked.error_kinds()}) in <= {blocked.slowest_s:.1f} s (timeout "
             f"{CONFIRM_TIMEOUT_S} s); plain aio-pika publish "
@@ -156,16 +116,9 @@ async def test_publish_under_a_memory_alarm_raises_instead_of_hanging(
         assert blocked.slowest_s <= CONFIRM_TIMEOUT_S + MARGIN_S, blocked.summary()
         assert raw_completed is False, "the control (plain aio-pika) was expected to block"
         assert retried.confirmed == set(under), f"republish after the alarm: {retried.summary()}"
-        assert row.lost == 0, f"{row.lost} confirmed task(s) never ran"
-        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
-        assert exit_code == 0, worker.describe()
-        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+        run.assert_clean(row, exit_code, stuck)
     finally:
-        if worker is not None:
-            worker.kill()
-        await app.close()
-        await node.restore()
-        await delete_queues(node.url, queue_names(app))
+        await run.clean_up(node)
 
 
 HEARTBEAT_S = 2
@@ -175,95 +128,45 @@ PAUSE_TASKS = 400
 
 @pytest.mark.drill
 async def test_worker_notices_a_paused_broker_within_the_heartbeat_bound_and_recovers(
-    node: RabbitNode,
-    drill_redis_url: str,
-    tmp_path: Path,
-    drill_report: DrillReport,
-    forget_tasks: Callable[[str, list[str]], None],
+    node: RabbitNode, drill_redis_url: str, new_drill_run: Callable[[str, Settings], DrillRun]
 ) -> None:
-    started = time.perf_counter()
-    queue = f"drill-pause-{uuid.uuid4().hex[:8]}"
-    effects = tmp_path / "effects.log"
-    settings = settings_for(
-        node.url,
-        drill_redis_url,
-        heartbeat_s=HEARTBEAT_S,
-        reconnect_max_delay_s=1,
-        guard_lease_s=2,
-        retry_delay_s=0.2,
-        result_ttl_s=600,
-        done_ttl_s=600,
-        shutdown_grace_s=drill_app.GRACE_S,
-    )
-    app = drill_app.build_app(queue, settings=settings, effects=effects)
-    ids = [str(uuid.uuid4()) for _ in range(PAUSE_TASKS)]
-    forget_tasks(queue, ids)
-    worker: WorkerProcess | None = None
+    run = new_drill_run("pause", drill_settings(node.url, drill_redis_url, heartbeat_s=HEARTBEAT_S))
+    ids = run.task_ids(PAUSE_TASKS)
     try:
-        await app.declare()
-        await drill_app.publish_jobs(app, queue, ids)
-        await app.close()  # the producer's part is done; only the worker meets the pause
-        worker = drill_app.spawn_worker(
-            queue=queue,
-            settings=settings,
-            effects=effects,
-            log_path=tmp_path / "worker.log",
-            concurrency=4,
-            sleep_s=0.05,
-        )
-        await worker.wait_consuming()
-        await wait_until(
-            lambda: len(drill_app.read_effects(effects)) >= PAUSE_TASKS // 5, 30, "tasks to run"
-        )
+        await run.app.declare()
+        await drill_app.publish_jobs(run.app, run.queue, ids)
+        await run.app.close()  # the producer's part is done; only the worker meets the pause
+        worker = await run.start_worker(concurrency=4, sleep_s=0.05)
+        await run.wait_ran(PAUSE_TASKS // 5, 30)
         try:
             node.pause()
             paused_at = time.monotonic()
-            ran_at_pause = len(drill_app.read_effects(effects))
-            await wait_until(
-                lambda: LOST in worker.log() or worker.popen.poll() is not None,
-                DETECT_BOUND_S + 10,
-                "the worker to notice the paused broker",
+            ran_at_pause = len(run.ran())
+            await worker.wait_for_log(
+                LOST, DETECT_BOUND_S + 10, "the worker to notice the paused broker"
             )
             detect_s = time.monotonic() - paused_at
         finally:
             node.resume()
         resumed_at = time.monotonic()
         await wait_until(
-            lambda: _count(worker, CONSUMING) >= 2 or worker.popen.poll() is not None,
+            lambda: worker.log().count(CONSUMING) >= 2 or worker.popen.poll() is not None,
             CONNECT_TIMEOUT_S + 15,
             "the worker to consume again",
         )
         assert worker.popen.poll() is None, f"the worker died: {worker.describe()}"
         recover_s = time.monotonic() - resumed_at
-        await wait_until(
-            lambda: set(drill_app.read_effects(effects)) >= set(ids), 60, "every task to run"
-        )
-        await wait_until(lambda: _drained(node.url, queue), 30, "the queue to drain")
-        exit_code, stuck = await drill_app.stop_worker(worker)
+        exit_code, stuck = await run.finish(node.url, ids)
 
-        ran = drill_app.read_effects(effects)
-        row = drill_report.add_counts(
+        row = run.report(
             "paused broker (SIGSTOP/SIGCONT), heartbeat 2 s",
             published=PAUSE_TASKS,
             confirmed=set(ids),
-            effects=ran,
-            seconds=time.perf_counter() - started,
             notes=f"paused after {ran_at_pause} ran; worker noticed in {detect_s:.1f} s "
             f"(bound {DETECT_BOUND_S} s), consumed again {recover_s:.1f} s after SIGCONT",
         )
         assert detect_s <= DETECT_BOUND_S, f"noticed after {detect_s:.1f} s"
-        assert row.lost == 0, f"{row.lost} task(s) never ran"
-        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
-        assert exit_code == 0, worker.describe()
-        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+        run.assert_clean(row, exit_code, stuck)
     finally:
         node.resume()
-        if worker is not None:
-            worker.kill()
-        await app.close()
-        await node.restore()
-        await delete_queues(node.url, queue_names(app))
-
-
-def _count(worker: WorkerProcess, mark: str) -> int:
-    return worker.log().count(mark)
+        await run.clean_up(node)

@@ -9,17 +9,15 @@ disk, so a worker started after the restart must run all 500 of them, each once.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import delete_queues, settings_for, wait_until
+from tests.conftest import settings_for, wait_until
 from tests.drills import drill_app
-from tests.drills.conftest import DrillReport, RabbitNode
-from tests.integration.processes import WorkerProcess, queue_names, ready_count
-from weclaw_mq import BrokerUnavailableError
+from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
+from tests.integration.processes import ready_count, ready_count_is
+from weclaw_mq import BrokerUnavailableError, Settings
 from weclaw_mq.connection import BrokerEndpoints
 
 TASKS = 500
@@ -45,33 +43,16 @@ async def test_tasks_queued_before_a_broker_restart_all_run_after_it(
     how: str,
     node: RabbitNode,
     drill_redis_url: str,
-    tmp_path: Path,
-    drill_report: DrillReport,
-    forget_tasks: Callable[[str, list[str]], None],
+    new_drill_run: Callable[[str, Settings], DrillRun],
 ) -> None:
-    started = time.perf_counter()
-    queue = f"drill-restart-{uuid.uuid4().hex[:8]}"
-    effects = tmp_path / "effects.log"
-    settings = settings_for(
-        node.url,
-        drill_redis_url,
-        result_ttl_s=600,
-        done_ttl_s=600,
-        shutdown_grace_s=drill_app.GRACE_S,
-        guard_lease_s=2,
-        retry_delay_s=0.2,
-        reconnect_max_delay_s=1,
-    )
-    app = drill_app.build_app(queue, settings=settings, effects=effects)
-    ids = [str(uuid.uuid4()) for _ in range(TASKS)]
-    forget_tasks(queue, ids)
-    worker: WorkerProcess | None = None
+    run = new_drill_run("restart", drill_settings(node.url, drill_redis_url))
+    ids = run.task_ids(TASKS)
     try:
-        await app.declare()
+        await run.app.declare()
         # publish_jobs raises unless every publish was confirmed.
-        await drill_app.publish_jobs(app, queue, ids)
-        await app.close()
-        depth_before = await ready_count(node.url, queue)
+        await drill_app.publish_jobs(run.app, run.queue, ids)
+        await run.app.close()
+        depth_before = await ready_count(node.url, run.queue)
         assert depth_before == TASKS
 
         down_at = time.perf_counter()
@@ -87,51 +68,22 @@ async def test_tasks_queued_before_a_broker_restart_all_run_after_it(
         # Right after a restart a quorum queue reports only what it has replayed of its log
         # so far (0 or 388 of 500 measured after kill -9): wait for the full count.
         await wait_until(
-            lambda: _depth_is(node.url, queue, TASKS), 30, f"the queue to hold {TASKS} again"
+            lambda: ready_count_is(node.url, run.queue, TASKS),
+            30,
+            f"the queue to hold {TASKS} again",
         )
         depth_after = TASKS
 
-        worker = drill_app.spawn_worker(
-            queue=queue,
-            settings=settings,
-            effects=effects,
-            log_path=tmp_path / "worker.log",
-            concurrency=CONCURRENCY,
-        )
-        await worker.wait_consuming()
-        await wait_until(
-            lambda: len(drill_app.read_effects(effects)) >= TASKS, 60, f"{TASKS} tasks to run"
-        )
-        await wait_until(
-            lambda: _queue_empty(node.url, queue), 20, "the queue to drain (acks to arrive)"
-        )
-        exit_code, stuck = await drill_app.stop_worker(worker)
+        await run.start_worker(concurrency=CONCURRENCY)
+        exit_code, stuck = await run.finish(node.url, TASKS, drain_within_s=20)
 
-        ran = drill_app.read_effects(effects)
-        row = drill_report.add_counts(
+        row = run.report(
             f"broker restart ({how})",
             published=TASKS,
             confirmed=set(ids),
-            effects=ran,
-            seconds=time.perf_counter() - started,
             notes=f"queue depth {depth_before} before, {depth_after} after; down {down_s:.1f} s",
         )
-        assert set(ran) <= set(ids), "the worker ran tasks nobody published"
-        assert row.lost == 0, f"{row.lost} task(s) lost"
-        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
-        assert exit_code == 0, worker.describe()
-        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+        assert set(run.ran()) <= set(ids), "the worker ran tasks nobody published"
+        run.assert_clean(row, exit_code, stuck)
     finally:
-        if worker is not None:
-            worker.kill()
-        await app.close()
-        await node.restore()
-        await delete_queues(node.url, queue_names(app))
-
-
-async def _queue_empty(url: str, queue: str) -> bool:
-    return await ready_count(url, queue) == 0
-
-
-async def _depth_is(url: str, queue: str, expected: int) -> bool:
-    return await ready_count(url, queue) == expected
+        await run.clean_up(node)

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import delete_queues, settings_for, wait_until
+from tests.conftest import delete_queues, wait_until
 from tests.drills import drill_app
-from tests.drills.conftest import ClusterNodes, DrillReport, RabbitNode
-from tests.integration.processes import WorkerProcess, queue_names, ready_count
+from tests.drills.conftest import ClusterNodes, DrillRun, RabbitNode, drill_settings
+from tests.integration.processes import queue_names
 from weclaw_mq import App, Settings, WeclawMQError
 
 pytestmark = [pytest.mark.drill, pytest.mark.cluster]
@@ -47,18 +47,7 @@ FAILOVER_BOUND_S = 30.0
 
 
 def _settings(urls: str, redis_url: str) -> Settings:
-    return settings_for(
-        urls,
-        redis_url,
-        heartbeat_s=HEARTBEAT_S,
-        confirm_timeout_s=5,
-        reconnect_max_delay_s=1,
-        guard_lease_s=2,
-        retry_delay_s=0.2,
-        result_ttl_s=600,
-        done_ttl_s=600,
-        shutdown_grace_s=drill_app.GRACE_S,
-    )
+    return drill_settings(urls, redis_url, heartbeat_s=HEARTBEAT_S, confirm_timeout_s=5)
 
 
 class Producer:
@@ -122,26 +111,19 @@ async def test_killing_the_queue_leader_loses_no_confirmed_task(
     run: int,
     rabbit_cluster: ClusterNodes,
     drill_redis_url: str,
-    tmp_path: Path,
-    drill_report: DrillReport,
-    forget_tasks: Callable[[str, list[str]], None],
+    new_drill_run: Callable[[str, Settings], DrillRun],
 ) -> None:
     cluster = rabbit_cluster
-    started = time.perf_counter()
-    queue = f"drill-failover-{uuid.uuid4().hex[:8]}"
-    effects = tmp_path / "effects.log"
     # The leader goes where the queue is declared: a different node each run.
     home = (run - 1) % 3
     next_node = (home + 1) % 3
     producer_first, worker_first = (home, next_node) if run % 2 else (next_node, home)
+    drill = new_drill_run("failover", _settings(cluster.urls(producer_first), drill_redis_url))
+    app, queue = drill.app, drill.queue
     declarer = drill_app.build_app(
-        queue, settings=_settings(cluster.nodes[home].url, drill_redis_url), effects=effects
-    )
-    app = drill_app.build_app(
-        queue, settings=_settings(cluster.urls(producer_first), drill_redis_url), effects=effects
+        queue, settings=_settings(cluster.nodes[home].url, drill_redis_url), effects=drill.effects
     )
     producer = Producer(app, queue)
-    worker: WorkerProcess | None = None
     victim: RabbitNode | None = None
     try:
         await declarer.declare()
@@ -152,20 +134,16 @@ async def test_killing_the_queue_leader_loses_no_confirmed_task(
         victim = cluster.by_name(leader)
         survivor = next(n for n in cluster.nodes if n is not victim)
 
-        worker = drill_app.spawn_worker(
-            queue=queue,
+        worker = await drill.start_worker(
             settings=_settings(cluster.urls(worker_first), drill_redis_url),
-            effects=effects,
-            log_path=tmp_path / "worker.log",
             concurrency=10,
             sleep_s=0.005,
+            consuming_within_s=30,
         )
-        await worker.wait_consuming(30)
         producer.start()
         await wait_until(
             lambda: (
-                len(producer.confirmed_at) >= BEFORE_KILL
-                and len(drill_app.read_effects(effects)) >= BEFORE_KILL // 3
+                len(producer.confirmed_at) >= BEFORE_KILL and len(drill.ran()) >= BEFORE_KILL // 3
             ),
             60,
             f"{BEFORE_KILL} confirms and tasks running before the kill",
@@ -186,12 +164,8 @@ async def test_killing_the_queue_leader_loses_no_confirmed_task(
         confirmed = set(producer.confirmed_at)
 
         # Tasks confirmed after the kill could only reach the worker through a survivor.
-        await wait_until(
-            lambda: set(drill_app.read_effects(effects)) >= set(after_kill),
-            60,
-            "the worker to run tasks published after the kill",
-        )
-        ran_at = _first_effect_times(effects)
+        await drill.wait_ran(after_kill, 60, "the worker to run tasks published after the kill")
+        ran_at = _first_effect_times(drill.effects)
         worker_failover_s = min(ran_at[i] for i in after_kill) - killed_wall
         assert worker.popen.poll() is None, f"the worker died: {worker.describe()}"
 
@@ -205,23 +179,14 @@ async def test_killing_the_queue_leader_loses_no_confirmed_task(
         rejoin_s = time.monotonic() - restart_began
         members_after = await cluster.quorum_members(queue, via=survivor)
 
-        await wait_until(
-            lambda: set(drill_app.read_effects(effects)) >= confirmed, 90, "every task to run"
-        )
-        await wait_until(
-            lambda: _drained(survivor.url, queue), 30, "the queue to drain (acks to land)"
-        )
-        exit_code, stuck = await drill_app.stop_worker(worker)
+        exit_code, stuck = await drill.finish(survivor.url, confirmed, run_within_s=90)
 
-        ran = drill_app.read_effects(effects)
         errors = ", ".join(f"{k} x{v}" for k, v in producer.errors.most_common()) or "none"
         on_victim = "producer" if run % 2 else "worker"
-        row = drill_report.add_counts(
+        row = drill.report(
             f"cluster: kill -9 of the queue leader (run {run})",
             published=len(published),
             confirmed=confirmed,
-            effects=ran,
-            seconds=time.perf_counter() - started,
             notes=f"leader {victim.name} (the {on_victim} was on it); client failover "
             f"{failover_s:.1f} s, worker {worker_failover_s:.1f} s; failed publishes "
             f"(republished): {errors}; node back with 3 members {rejoin_s:.1f} s after restart",
@@ -231,24 +196,21 @@ async def test_killing_the_queue_leader_loses_no_confirmed_task(
             f"{failover_s:.2f} s; worker ran a post-kill task {worker_failover_s:.2f} s after it"
         )
         assert not producer.given_up, f"{len(producer.given_up)} task(s) never confirmed"
-        assert set(ran) <= published, "the worker ran tasks nobody published"
-        assert row.lost == 0, f"{row.lost} confirmed task(s) never ran"
-        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
-        assert exit_code == 0, worker.describe()
-        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+        assert set(drill.ran()) <= published, "the worker ran tasks nobody published"
+        drill.assert_clean(row, exit_code, stuck)
         assert failover_s <= FAILOVER_BOUND_S
         assert sorted(members_after) == sorted(n.name for n in cluster.nodes), members_after
     finally:
         await producer.stop()
-        if worker is not None:
-            worker.kill()
+        if drill.worker is not None:
+            drill.worker.kill()
         await app.close()
         await declarer.close()
         if victim is not None and victim.pid() is None:
             await victim.start()
         up = next(n for n in cluster.nodes if n.pid() is not None)
         await delete_queues(up.url, queue_names(app))
-        forget_tasks(queue, list(producer.published))
+        drill.forget(list(producer.published))
 
 
 def _first_effect_times(effects: Path) -> dict[str, float]:
@@ -257,7 +219,3 @@ def _first_effect_times(effects: Path) -> dict[str, float]:
         task_id, _, at = line.split()
         first.setdefault(task_id, float(at))
     return first
-
-
-async def _drained(url: str, queue: str) -> bool:
-    return await ready_count(url, queue) == 0

@@ -23,22 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import delete_queues, settings_for, wait_until
+from tests.conftest import delete_queues, wait_until
 from tests.drills import drill_app
-from tests.drills.conftest import DrillReport, RabbitNode
+from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.drills.drill_app import CONSUMING, LOST, Outcomes
 from tests.drills.tcp_proxy import TcpProxy
-from tests.integration.processes import WorkerProcess, queue_names, ready_count
+from tests.integration.processes import queue_names
 from weclaw_mq import Settings, WeclawMQError
 from weclaw_mq.connection import CONNECT_TIMEOUT_S
-
-
-def _count(worker: WorkerProcess, mark: str) -> int:
-    return worker.log().count(mark)
-
-
-async def _drained(url: str, queue: str) -> bool:
-    return await ready_count(url, queue) == 0
 
 
 def _confirmed_at_least(outcomes: Outcomes, count: int) -> bool:
@@ -63,41 +55,19 @@ async def test_every_publish_during_connection_cuts_is_stored_or_raises(
     node: RabbitNode,
     drill_redis_url: str,
     tmp_path: Path,
-    drill_report: DrillReport,
-    forget_tasks: Callable[[str, list[str]], None],
+    new_drill_run: Callable[[str, Settings], DrillRun],
 ) -> None:
-    started = time.perf_counter()
-    queue = f"drill-cut-{uuid.uuid4().hex[:8]}"
-    effects = tmp_path / "effects.log"
-    settings = settings_for(
-        node.url,
-        drill_redis_url,
-        confirm_timeout_s=CONFIRM_TIMEOUT_S,
-        reconnect_max_delay_s=1,
-        guard_lease_s=2,
-        retry_delay_s=0.2,
-        result_ttl_s=600,
-        done_ttl_s=600,
-        shutdown_grace_s=drill_app.GRACE_S,
-    )
-    app = drill_app.build_app(queue, settings=settings, effects=effects)
-    ids = [str(uuid.uuid4()) for _ in range(TASKS)]
-    forget_tasks(queue, ids)
+    settings = drill_settings(node.url, drill_redis_url, confirm_timeout_s=CONFIRM_TIMEOUT_S)
+    run = new_drill_run("cut", settings)
+    app, queue = run.app, run.queue
+    ids = run.task_ids(TASKS)
     outcomes = Outcomes()
     cut_at: list[int] = []
     triggers = [tmp_path / f"cut-{i}" for i in range(CUTS)]
     armed: list[asyncio.Task[str]] = []
-    worker: WorkerProcess | None = None
     try:
         await app.declare()
-        worker = drill_app.spawn_worker(
-            queue=queue,
-            settings=settings,
-            effects=effects,
-            log_path=tmp_path / "worker.log",
-            concurrency=50,
-        )
-        await worker.wait_consuming()
+        worker = await run.start_worker(concurrency=50)
         todo = iter(enumerate(ids))
         publishing = True
 
@@ -133,44 +103,34 @@ async def test_every_publish_during_connection_cuts_is_stored_or_raises(
             await retried.publish(app, queue, position[task_id], task_id, CUT_PUBLISH_LIMIT_S)
         assert not retried.failed and not retried.hung, f"retries failed: {retried.failed}"
 
-        await wait_until(
-            lambda: len(drill_app.read_effects(effects)) >= TASKS, 120, f"{TASKS} tasks to run"
-        )
-        await wait_until(lambda: _drained(node.url, queue), 30, "the queue to drain")
+        await run.wait_ran(TASKS, 120)
+        await run.wait_drained(node.url)
         assert worker.popen.poll() is None, f"the worker died: {worker.describe()}"
-        consumed = _count(worker, CONSUMING)
-        exit_code, stuck = await drill_app.stop_worker(worker)
+        consumed = worker.log().count(CONSUMING)
+        exit_code, stuck = await run.stop_worker()
 
-        ran = drill_app.read_effects(effects)
-        row = drill_report.add_counts(
+        row = run.report(
             f"close_all_connections x{CUTS} during publish",
             published=TASKS,
             confirmed=outcomes.confirmed | retried.confirmed,
-            effects=ran,
-            seconds=time.perf_counter() - started,
             notes=f"cuts after {cut_at} publishes; {len(outcomes.failed)} raised "
             f"({outcomes.error_kinds()}), all republished OK; worker consumed "
             f"{consumed} times; slowest publish {outcomes.slowest_s:.2f} s; "
             f"publishing took {publish_s:.1f} s",
         )
+        ran = run.ran()
         assert len(cut_at) == CUTS
         # Every publish that returned is stored: its task ran.
         assert outcomes.confirmed <= set(ran), "a confirmed task never ran"
         assert set(ran) <= set(ids), "the worker ran tasks nobody published"
-        assert row.lost == 0 and row.confirmed == TASKS
-        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
-        assert exit_code == 0, worker.describe()
-        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+        assert row.confirmed == TASKS
+        run.assert_clean(row, exit_code, stuck)
         # One consume per connection: the first, then one after each cut, no manual action.
         assert consumed >= 1 + CUTS, worker.describe()
     finally:
         for trigger, cut in zip(triggers, armed, strict=False):
             await node.disarm_cut(trigger, cut)
-        if worker is not None:
-            worker.kill()
-        await app.close()
-        await node.restore()
-        await delete_queues(node.url, queue_names(app))
+        await run.clean_up(node)
 
 
 # -- 2. a blackholed connection ---------------------------------------------------------------
@@ -191,27 +151,14 @@ PROBES = 5  # concurrent publishes into the blackhole, once on the silent link, 
 
 
 def _blackhole_settings(url: str, redis_url: str) -> Settings:
-    return settings_for(
-        url,
-        redis_url,
-        heartbeat_s=HEARTBEAT_S,
-        confirm_timeout_s=BLACKHOLE_CONFIRM_TIMEOUT_S,
-        reconnect_max_delay_s=1,
-        guard_lease_s=2,
-        retry_delay_s=0.2,
-        result_ttl_s=600,
-        done_ttl_s=600,
-        shutdown_grace_s=drill_app.GRACE_S,
+    return drill_settings(
+        url, redis_url, heartbeat_s=HEARTBEAT_S, confirm_timeout_s=BLACKHOLE_CONFIRM_TIMEOUT_S
     )
 
 
 @pytest.mark.drill
 async def test_blackholed_connection_is_detected_within_the_heartbeat_bound_and_heals(
-    node: RabbitNode,
-    drill_redis_url: str,
-    tmp_path: Path,
-    drill_report: DrillReport,
-    forget_tasks: Callable[[str, list[str]], None],
+    node: RabbitNode, drill_redis_url: str, new_drill_run: Callable[[str, Settings], DrillRun]
 ) -> None:
     """The link goes silent mid-stream. Publishes on the silent link must raise within the
     confirm timeout; the worker must notice within the heartbeat bound; publishes once the
@@ -223,46 +170,25 @@ async def test_blackholed_connection_is_detected_within_the_heartbeat_bound_and_
     later than (heartbeat + 1) * 3 s hits the separate failure that
     ``test_worker_survives_a_link_that_heals_late_in_its_handshake`` pins down.
     """
-    started = time.perf_counter()
-    queue = f"drill-blackhole-{uuid.uuid4().hex[:8]}"
-    effects = tmp_path / "effects.log"
     proxy = TcpProxy("127.0.0.1", node.port)
     await proxy.start()
-    settings = _blackhole_settings(proxy.url_for(node.url), drill_redis_url)
-    app = drill_app.build_app(queue, settings=settings, effects=effects)
-    before = [str(uuid.uuid4()) for _ in range(BEFORE)]
-    after = [str(uuid.uuid4()) for _ in range(AFTER)]
-    silent_ids = [f"probe-{uuid.uuid4()}" for _ in range(PROBES)]
-    dead_ids = [f"probe-{uuid.uuid4()}" for _ in range(PROBES)]
-    forget_tasks(queue, before + after + silent_ids + dead_ids)
+    run = new_drill_run("blackhole", _blackhole_settings(proxy.url_for(node.url), drill_redis_url))
+    app, queue = run.app, run.queue
+    before, after = run.task_ids(BEFORE), run.task_ids(AFTER)
+    silent_ids, dead_ids = run.task_ids(PROBES, "probe-"), run.task_ids(PROBES, "probe-")
     on_silent_link, on_dead_link = Outcomes(), Outcomes()
-    worker: WorkerProcess | None = None
     try:
         await app.declare()
-        worker = drill_app.spawn_worker(
-            queue=queue,
-            settings=settings,
-            effects=effects,
-            log_path=tmp_path / "worker.log",
-            concurrency=5,
-            sleep_s=0.02,
-        )
-        await worker.wait_consuming()
+        worker = await run.start_worker(concurrency=5, sleep_s=0.02)
         await drill_app.publish_jobs(app, queue, before)
-        await wait_until(
-            lambda: len(drill_app.read_effects(effects)) >= 200, 30, "200 tasks to run"
-        )
+        await run.wait_ran(200, 30)
 
         proxy.blackhole()
         holed_at = time.monotonic()
         silent = asyncio.gather(
             *(on_silent_link.publish(app, queue, 0, t, HUNG_AFTER_S) for t in silent_ids)
         )
-        await wait_until(
-            lambda: LOST in worker.log() or worker.popen.poll() is not None,
-            DETECT_BOUND_S + 10,
-            "the worker to notice the dead link",
-        )
+        await worker.wait_for_log(LOST, DETECT_BOUND_S + 10, "the worker to notice the dead link")
         detect_s = time.monotonic() - holed_at
         await silent
         # The producer's link is dead by now too (same heartbeat): these must reconnect.
@@ -280,12 +206,13 @@ async def test_blackholed_connection_is_detected_within_the_heartbeat_bound_and_
             CONNECT_TIMEOUT_S + 5,
             "a connect attempt of the worker to fail",
         )
-        consumed_before_heal = _count(worker, CONSUMING)
+        consumed_before_heal = worker.log().count(CONSUMING)
         proxy.pass_traffic()
         healed_at = time.monotonic()
         await wait_until(
             lambda: (
-                _count(worker, CONSUMING) > consumed_before_heal or worker.popen.poll() is not None
+                worker.log().count(CONSUMING) > consumed_before_heal
+                or worker.popen.poll() is not None
             ),
             CONNECT_TIMEOUT_S + 10,
             "the worker to reconnect by itself",
@@ -294,19 +221,12 @@ async def test_blackholed_connection_is_detected_within_the_heartbeat_bound_and_
         reconnect_s = time.monotonic() - healed_at
         await drill_app.publish_jobs(app, queue, after)  # raises unless all are confirmed
         confirmed = set(before) | set(after) | on_silent_link.confirmed | on_dead_link.confirmed
-        await wait_until(
-            lambda: set(drill_app.read_effects(effects)) >= confirmed, 60, "every task to run"
-        )
-        await wait_until(lambda: _drained(node.url, queue), 30, "the queue to drain")
-        exit_code, stuck = await drill_app.stop_worker(worker)
+        exit_code, stuck = await run.finish(node.url, confirmed)
 
-        ran = drill_app.read_effects(effects)
-        row = drill_report.add_counts(
+        row = run.report(
             "blackhole (TCP proxy), heartbeat 2 s",
             published=BEFORE + AFTER + 2 * PROBES,
             confirmed=confirmed,
-            effects=ran,
-            seconds=time.perf_counter() - started,
             notes=f"worker noticed in {detect_s:.1f} s (bound {DETECT_BOUND_S} s), "
             f"reconnected {reconnect_s:.1f} s after the heal; publishes on the silent link: "
             f"{on_silent_link.summary()}; after it died: {on_dead_link.summary()}",
@@ -321,17 +241,10 @@ async def test_blackholed_connection_is_detected_within_the_heartbeat_bound_and_
                 f"publishes into the blackhole {when} must raise within {limit_s} s: "
                 f"{probes.summary()}"
             )
-        assert row.lost == 0, f"{row.lost} confirmed task(s) never ran"
-        assert row.duplicated == 0, f"{row.duplicated} duplicate run(s)"
-        assert exit_code == 0, worker.describe()
-        assert stuck == 0, drill_app.stuck_at_stop(stuck)
+        run.assert_clean(row, exit_code, stuck)
     finally:
-        if worker is not None:
-            worker.kill()
-        await app.close()
+        await run.clean_up(node)
         await proxy.close()
-        await node.restore()
-        await delete_queues(node.url, queue_names(app))
 
 
 # -- 3. a link that heals late in the handshake -----------------------------------------------
@@ -343,44 +256,33 @@ LATE_HEAL_S = (STUCK_AFTER_S + CONNECT_TIMEOUT_S) / 2
 
 @pytest.mark.drill
 async def test_worker_survives_a_link_that_heals_late_in_its_handshake(
-    node: RabbitNode, drill_redis_url: str, tmp_path: Path
+    node: RabbitNode, drill_redis_url: str, new_drill_run: Callable[[str, Settings], DrillRun]
 ) -> None:
     """A worker whose connect attempt sat in a blackhole for 9.5 s (heartbeat 2 s) and then
     completed must consume, or fail that attempt and retry; it must not die."""
-    queue = f"drill-lateheal-{uuid.uuid4().hex[:8]}"
-    effects = tmp_path / "effects.log"
     proxy = TcpProxy("127.0.0.1", node.port)
     await proxy.start()
-    settings = _blackhole_settings(proxy.url_for(node.url), drill_redis_url)
-    declarer = drill_app.build_app(
-        queue, settings=_blackhole_settings(node.url, drill_redis_url), effects=effects
-    )
-    worker: WorkerProcess | None = None
+    # The run's app only declares, straight to the node; the worker dials through the proxy.
+    run = new_drill_run("lateheal", _blackhole_settings(node.url, drill_redis_url))
     try:
-        await declarer.declare()
+        await run.app.declare()
         proxy.blackhole()
-        worker = drill_app.spawn_worker(
-            queue=queue, settings=settings, effects=effects, log_path=tmp_path / "worker.log"
+        worker = await run.start_worker(
+            settings=_blackhole_settings(proxy.url_for(node.url), drill_redis_url),
+            consuming_within_s=None,
         )
         await wait_until(lambda: proxy.accepted >= 1, 20, "the worker to dial the broker")
         # Fault timing, not synchronisation: the heal lands at a chosen age of the attempt.
         heal_at = proxy.accepted_at[0] + LATE_HEAL_S
         await asyncio.sleep(heal_at - asyncio.get_running_loop().time())
         proxy.pass_traffic()
-        await wait_until(
-            lambda: CONSUMING in worker.log() or worker.popen.poll() is not None,
-            CONNECT_TIMEOUT_S + 10,
-            "the worker to consume",
-        )
+        await worker.wait_for_log(CONSUMING, CONNECT_TIMEOUT_S + 10, "the worker to consume")
         assert worker.popen.poll() is None, (
             f"the worker died after a late handshake: {worker.describe()}"
         )
     finally:
-        if worker is not None:
-            worker.kill()
-        await declarer.close()
+        await run.clean_up(node)
         await proxy.close()
-        await delete_queues(node.url, queue_names(declarer))
 
 
 @pytest.mark.drill

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from tests.conftest import delete_queues, settings_for, wait_until
 from tests.drills.conftest import DrillReport
 from tests.integration.fixture_apps import guard_app
-from tests.integration.processes import WorkerProcess, queue_names, ready_count
+from tests.integration.processes import WorkerProcess, all_empty, queue_names, ready_count
 from weclaw_mq import App, TaskStatus
 from weclaw_mq.naming import GUARD_KEY_PREFIX, result_key
 
@@ -141,10 +141,9 @@ async def test_worker_killed_three_times_mid_stream_loses_no_task(
 
         await wait_until(all_succeeded, 20, f"all {TASKS} results to be stored")
 
-        async def work_queues_drained() -> bool:
-            return not any([await ready_count(broker_url, n) for n in queue_names(publisher)])
-
-        await wait_until(work_queues_drained, 20, "the queues to drain")
+        await wait_until(
+            lambda: all_empty(broker_url, queue_names(publisher)), 20, "the queues to drain"
+        )
         last.signal(signal.SIGTERM)
         assert await last.wait_exit(30) == 0, last.describe()
         elapsed_s = time.perf_counter() - started

@@ -13,14 +13,20 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aio_pika
 
-from tests.conftest import delete_queues, settings_for, wait_until
+from tests.conftest import (
+    delete_queues,
+    get_message,
+    queue_depth,
+    settings_for,
+    wait_until,
+)
 from tests.integration.fixture_apps.worker_app import Event, build_app, read_events
 from weclaw_mq import App, Settings
 from weclaw_mq.topology import queue_declarations
@@ -83,6 +89,15 @@ async def run_cli(
     return CliResult(proc.returncode, out.decode(), err.decode())
 
 
+def one_error_line(result: CliResult) -> str:
+    """The single stderr line of a failed command; fails on a traceback or on silence."""
+    assert result.code != 0, result
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
+    return lines[0]
+
+
 @dataclass
 class WorkerProcess:
     popen: subprocess.Popen[bytes]
@@ -99,11 +114,15 @@ class WorkerProcess:
         tail = "\n".join(self.log().splitlines()[-20:])
         return f"worker pid {self.pid} (exit {self.popen.poll()}), log tail:\n{tail}"
 
-    async def wait_consuming(self, timeout_s: float = 20.0) -> None:
+    async def wait_for_log(self, mark: str, timeout_s: float, what: str) -> None:
+        """Until ``mark`` is in the log or the process has ended (the caller tells which)."""
         await wait_until(
-            lambda: CONSUMING_MARK in self.log() or self.popen.poll() is not None,
-            timeout_s,
-            f"worker pid {self.pid} to start consuming",
+            lambda: mark in self.log() or self.popen.poll() is not None, timeout_s, what
+        )
+
+    async def wait_consuming(self, timeout_s: float = 20.0) -> None:
+        await self.wait_for_log(
+            CONSUMING_MARK, timeout_s, f"worker pid {self.pid} to start consuming"
         )
         if self.popen.poll() is not None:
             raise AssertionError(f"worker exited before consuming: {self.describe()}")
@@ -127,6 +146,34 @@ class WorkerProcess:
         self.popen.wait(timeout=10)
 
 
+def spawn_cli_worker(
+    app_path: str,
+    *,
+    settings: Settings,
+    app_env: dict[str, str],
+    log_path: Path,
+    concurrency: int = 1,
+    extra_args: Sequence[str] = (),
+) -> WorkerProcess:
+    """Start ``weclaw-mq worker APP_PATH`` from the repository root, with ``settings`` and the
+    app's own ``app_env`` in its environment; its output goes to ``log_path``.
+
+    The caller owns the process: kill it by pid (``WorkerProcess.kill``) when done.
+    """
+    env = {**os.environ, **settings_env(settings), **app_env, "PYTHONUNBUFFERED": "1"}
+    args = [cli_executable(), "worker", app_path, "--concurrency", str(concurrency), *extra_args]
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(
+            args,
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return WorkerProcess(popen, log_path)
+
+
 class WorkerFleet:
     """The worker processes of one test, all on one handler queue of the fixture app.
 
@@ -143,34 +190,24 @@ class WorkerFleet:
         self.app: App = build_app(queue, settings=settings, record_dir=self.record_dir)
         self.workers: list[WorkerProcess] = []
 
-    def env(self, *, sleep_s: float = 0.0, crash_on: str | None = None) -> dict[str, str]:
-        env = {
-            **os.environ,
-            **settings_env(self.settings),
-            "TEST_QUEUE": self.queue,
-            "TEST_RECORD_DIR": str(self.record_dir),
-            "TEST_HANDLER_SLEEP_S": str(sleep_s),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if crash_on is not None:
-            env["TEST_CRASH_ON"] = crash_on
-        return env
-
     def start(
         self, *, concurrency: int = 1, sleep_s: float = 0.0, crash_on: str | None = None
     ) -> WorkerProcess:
         """Start ``weclaw-mq worker`` on the fixture app; its stderr goes to a log file."""
-        log_path = self.work_dir / f"worker-{len(self.workers)}.log"
-        with log_path.open("wb") as log:
-            popen = subprocess.Popen(
-                [cli_executable(), "worker", FIXTURE_APP, "--concurrency", str(concurrency)],
-                cwd=REPO_ROOT,
-                env=self.env(sleep_s=sleep_s, crash_on=crash_on),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        worker = WorkerProcess(popen, log_path)
+        app_env = {
+            "TEST_QUEUE": self.queue,
+            "TEST_RECORD_DIR": str(self.record_dir),
+            "TEST_HANDLER_SLEEP_S": str(sleep_s),
+        }
+        if crash_on is not None:
+            app_env["TEST_CRASH_ON"] = crash_on
+        worker = spawn_cli_worker(
+            FIXTURE_APP,
+            settings=self.settings,
+            app_env=app_env,
+            log_path=self.work_dir / f"worker-{len(self.workers)}.log",
+            concurrency=concurrency,
+        )
         self.workers.append(worker)
         return worker
 
@@ -222,22 +259,24 @@ async def ready_count(broker_url: str, queue: str) -> int:
     """Messages ready in ``queue`` (unacked ones are not counted: they belong to a consumer)."""
     conn = await aio_pika.connect(broker_url)
     try:
-        channel = await conn.channel()
-        declared = await channel.declare_queue(queue, passive=True)
-        count = declared.declaration_result.message_count
-        assert count is not None
-        return count
+        return await queue_depth(await conn.channel(), queue)
     finally:
         await conn.close()
+
+
+async def ready_count_is(broker_url: str, queue: str, expected: int) -> bool:
+    return await ready_count(broker_url, queue) == expected
+
+
+async def all_empty(broker_url: str, names: list[str]) -> bool:
+    counts = [await ready_count(broker_url, name) for name in names]
+    return not any(counts)
 
 
 async def take_one(broker_url: str, queue: str) -> aio_pika.abc.AbstractIncomingMessage | None:
     """Fetch the head of ``queue`` and ack it; None when the queue is empty."""
     conn = await aio_pika.connect(broker_url)
     try:
-        channel = await conn.channel()
-        q = await channel.get_queue(queue, ensure=False)
-        message = await q.get(fail=False, no_ack=True)
-        return message
+        return await get_message(await conn.channel(), queue)
     finally:
         await conn.close()

@@ -15,7 +15,7 @@ from tests.conftest import delete_queues, settings_for
 from tests.integration.fixture_apps.worker_app import build_app
 from tests.integration.processes import (
     FIXTURE_APP,
-    CliResult,
+    one_error_line,
     queue_names,
     run_cli,
     settings_env,
@@ -24,15 +24,6 @@ from tests.integration.processes import (
 from weclaw_mq.cli import cli
 
 SECRET = "s3cret-pass"
-
-
-def one_error_line(result: CliResult) -> str:
-    """The single stderr line of a failed command; fails on a traceback or on silence."""
-    assert result.code != 0, result
-    assert "Traceback" not in result.stderr + result.stdout, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
-    return lines[0]
 
 
 @dataclass

@@ -4,18 +4,17 @@ purge, queue depths; for dead letters of our worker and of RabbitMQ itself; and 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import pytest
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import wait_until
-from tests.integration.processes import FIXTURE_APP, CliResult, run_cli, settings_env
+from tests.conftest import next_message, outcome_count, queue_depth, wait_until
+from tests.integration.processes import FIXTURE_APP, one_error_line, run_cli, settings_env
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus, dlq, queue_stats
 from weclaw_mq import headers as h
 from weclaw_mq.naming import dlq_name, retry_queue_name
@@ -48,44 +47,6 @@ class DeadLettered:
         return [c for c in self.calls if c.task_id == task_id]
 
 
-def _settled(app: App, queue: str, outcome: str) -> float:
-    value = app.metrics.registry.get_sample_value(
-        "weclaw_mq_messages_total", {"queue": queue, "outcome": outcome}
-    )
-    return value or 0.0
-
-
-@pytest.fixture
-async def amqp(broker_url: str) -> AsyncIterator[AbstractChannel]:
-    """A plain aio-pika channel: our own view of the queues, independent of weclaw_mq.dlq."""
-    conn = await aio_pika.connect(broker_url)
-    try:
-        yield await conn.channel()
-    finally:
-        await conn.close()
-
-
-async def _ready(channel: AbstractChannel, queue: str) -> int:
-    declared = await channel.declare_queue(queue, passive=True)
-    count = declared.declaration_result.message_count
-    assert count is not None
-    return count
-
-
-async def _get(queue: AbstractQueue, *, no_ack: bool = False) -> AbstractIncomingMessage:
-    """The next message of ``queue``, waiting for it: a nack's return is not instant."""
-    got: list[AbstractIncomingMessage] = []
-
-    async def arrived() -> bool:
-        message = await queue.get(no_ack=no_ack, fail=False)
-        if message is not None:
-            got.append(message)
-        return bool(got)
-
-    await wait_until(arrived, 10, f"a message in {queue.name}")
-    return got[0]
-
-
 @pytest.fixture
 async def dead(
     make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
@@ -105,7 +66,7 @@ async def dead(
         task_id = await app.publish(qname, Prompt(text=f"doc-{i}"), trace_id=f"trace-{i}")
         state.task_ids.append(task_id)
     # Counted only after the DLQ copy was confirmed and the source acked.
-    await wait_until(lambda: _settled(app, qname, "dead_lettered") == 3, 15, "3 dead letters")
+    await wait_until(lambda: outcome_count(app, qname, "dead_lettered") == 3, 15, "3 dead letters")
     return state
 
 
@@ -129,11 +90,11 @@ async def test_inspect_shows_each_dead_letter_with_its_reason_and_error_and_leav
         assert d.first_failure_at < d.last_failure_at  # two failures, one delay apart
         assert not d.by_broker
     # Nothing was taken: the broker has all three, and the next look sees them again at once.
-    assert await _ready(amqp, dlq_name(dead.queue)) == 3
+    assert await queue_depth(amqp, dlq_name(dead.queue)) == 3
     again = await dlq.inspect(dead.app, dead.queue)
     assert sorted(d.task_id for d in again) == sorted(dead.task_ids)
     assert len(await dlq.inspect(dead.app, dead.queue, limit=2)) == 2
-    assert await _ready(amqp, dlq_name(dead.queue)) == 3
+    assert await queue_depth(amqp, dlq_name(dead.queue)) == 3
 
 
 async def test_requeue_by_task_id_moves_only_that_task_and_the_fixed_handler_succeeds(
@@ -163,7 +124,7 @@ async def test_requeue_by_task_id_moves_only_that_task_and_the_fixed_handler_suc
 
     for task_id in rest:
         assert (await dead.app.result(task_id, timeout_s=10)).status is TaskStatus.SUCCEEDED
-    assert await _ready(amqp, dlq_name(dead.queue)) == 0
+    assert await queue_depth(amqp, dlq_name(dead.queue)) == 0
 
 
 async def test_requeue_records_queued_so_a_waiter_never_sees_the_old_dead_lettered_state(
@@ -187,8 +148,10 @@ async def test_requeue_of_a_task_id_not_in_the_dlq_moves_nothing_and_keeps_the_o
     assert await dlq.requeue(dead.app, dead.queue, task_ids=["no-such-task"]) == 0
     assert await dlq.requeue(dead.app, dead.queue, limit=1) == 1
 
-    await wait_until(lambda: _settled(dead.app, dead.queue, "dead_lettered") == 4, 10, "re-death")
-    assert await _ready(amqp, dlq_name(dead.queue)) == 3
+    await wait_until(
+        lambda: outcome_count(dead.app, dead.queue, "dead_lettered") == 4, 10, "re-death"
+    )
+    assert await queue_depth(amqp, dlq_name(dead.queue)) == 3
 
 
 async def test_export_writes_one_json_line_per_dead_letter_and_purge_empties_the_dlq(
@@ -209,13 +172,13 @@ async def test_export_writes_one_json_line_per_dead_letter_and_purge_empties_the
         assert json.loads(r["body"]) == {"text": f"doc-{i}"}
         assert r["trace_id"] == f"trace-{i}"
         assert r["headers"][h.ORIGINAL_QUEUE] == dead.queue
-    assert await _ready(amqp, dlq_name(dead.queue)) == 3  # export takes nothing
+    assert await queue_depth(amqp, dlq_name(dead.queue)) == 3  # export takes nothing
     assert await dlq.export(dead.app, dead.queue, path, limit=1) == 1
     assert len(path.read_text().splitlines()) == 1
 
     assert await dlq.purge(dead.app, dead.queue) == 3
 
-    assert await _ready(amqp, dlq_name(dead.queue)) == 0
+    assert await queue_depth(amqp, dlq_name(dead.queue)) == 0
     assert await dlq.inspect(dead.app, dead.queue) == []
 
 
@@ -248,13 +211,12 @@ async def test_message_dead_lettered_by_the_broker_at_its_delivery_limit_is_list
     task_id = await app.publish(qname, Prompt(text="crash loop"), trace_id="trace-loop")
     # A consumer that dies on the message, twice: each return counts one delivery, and past
     # the limit of 1 the quorum queue itself dead-letters it.
-    queue = await amqp.get_queue(qname, ensure=False)
     for _ in range(2):
-        message = await _get(queue)
+        message = await next_message(amqp, qname, no_ack=False)
         assert message.message_id == task_id
         await message.nack(requeue=True)
     await wait_until(
-        lambda: _ready(amqp, dlq_name(qname)), 10, "the broker to dead-letter the message"
+        lambda: queue_depth(amqp, dlq_name(qname)), 10, "the broker to dead-letter the message"
     )
 
     [letter] = await dlq.inspect(app, qname)
@@ -271,7 +233,7 @@ async def test_message_dead_lettered_by_the_broker_at_its_delivery_limit_is_list
 
     assert await dlq.requeue(app, qname) == 1
 
-    copy = await _get(queue, no_ack=True)
+    copy = await next_message(amqp, qname)
     assert copy.message_id == task_id
     headers = dict(copy.headers or {})
     assert not [k for k in headers if k.startswith(("x-death", "x-first-death-"))], headers
@@ -281,14 +243,6 @@ async def test_message_dead_lettered_by_the_broker_at_its_delivery_limit_is_list
 
 
 # -- the CLI, as the installed script ------------------------------------------------------
-
-
-def _one_error_line(result: CliResult) -> str:
-    assert result.code != 0, result
-    assert "Traceback" not in result.stderr + result.stdout, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
-    return lines[0]
 
 
 async def test_cli_lists_shows_requeues_and_purges_and_refuses_to_purge_without_yes(
@@ -318,13 +272,13 @@ async def test_cli_lists_shows_requeues_and_purges_and_refuses_to_purge_without_
     assert state.status is TaskStatus.SUCCEEDED
 
     refused = await run_cli("dlq", "purge", q, env=env)
-    assert "--yes" in _one_error_line(refused)
-    assert await _ready(amqp, dlq_name(q)) == 2
+    assert "--yes" in one_error_line(refused)
+    assert await queue_depth(amqp, dlq_name(q)) == 2
 
     purged = await run_cli("dlq", "purge", q, "--yes", env=env)
     assert purged.code == 0, purged.stderr
     assert purged.stdout.startswith("purged 2 message(s)"), purged.stdout
-    assert await _ready(amqp, dlq_name(q)) == 0
+    assert await queue_depth(amqp, dlq_name(q)) == 0
 
 
 async def test_cli_stats_prints_the_queue_the_apps_delay_queues_and_the_dlq(
@@ -351,4 +305,4 @@ async def test_cli_stats_prints_the_queue_the_apps_delay_queues_and_the_dlq(
     }
 
     unknown = await run_cli("stats", "t-no-such-queue-for-stats", "--app", FIXTURE_APP, env=env)
-    assert "has no handler" in _one_error_line(unknown)
+    assert "has no handler" in one_error_line(unknown)

@@ -7,6 +7,7 @@ or, for the demo script, in the worker process the script starts itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -15,15 +16,14 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from fastapi import FastAPI
+from aio_pika.abc import AbstractChannel
 
 from consumers import demo
 from producers.api import RETRY_AFTER_S, create_app
-from tests.conftest import settings_for, wait_until
+from tests.conftest import queue_depth, settings_for, wait_until
 from weclaw_mq import App
 from weclaw_mq.naming import dlq_name, guard_key, result_key
 
@@ -52,8 +52,21 @@ async def forget_tasks(redis_url: str) -> AsyncIterator[list[tuple[str, str]]]:
         await client.aclose()
 
 
-def client_for(api: FastAPI) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://api")
+@contextlib.asynccontextmanager
+async def demo_client(
+    mq: App, queue: str, *, lifespan: bool = False
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the demo API over ``mq``, with the demo handler on ``queue``. ``lifespan``
+    runs the API's startup too, which declares the queues."""
+    demo.register(mq, queue=queue)
+    api = create_app(mq)
+    async with contextlib.AsyncExitStack() as stack:
+        if lifespan:
+            await stack.enter_async_context(api.router.lifespan_context(api))
+        transport = httpx.ASGITransport(app=api)
+        yield await stack.enter_async_context(
+            httpx.AsyncClient(transport=transport, base_url="http://api")
+        )
 
 
 async def poll_status(client: httpx.AsyncClient, task_id: str) -> dict[str, Any]:
@@ -76,10 +89,8 @@ async def test_posted_prompt_is_accepted_with_202_and_its_status_reaches_succeed
     forget_tasks: list[tuple[str, str]],
 ) -> None:
     mq = make_app("demo-api")
-    demo.register(mq, queue=qname)
-    api = create_app(mq)
     # The lifespan declares the queues, so the API accepts tasks before any worker started.
-    async with api.router.lifespan_context(api), client_for(api) as client:
+    async with demo_client(mq, qname, lifespan=True) as client:
         response = await client.post("/tasks", json={"text": "hello", "user_id": "u1"})
         assert response.status_code == 202, response.text
         task_id = response.json()["task_id"]
@@ -100,12 +111,9 @@ async def test_posted_prompt_is_accepted_with_202_and_its_status_reaches_succeed
 async def test_post_with_an_idempotency_key_uses_it_as_the_task_id(
     make_app: Callable[..., App], qname: str, forget_tasks: list[tuple[str, str]]
 ) -> None:
-    mq = make_app("demo-api")
-    demo.register(mq, queue=qname)
-    api = create_app(mq)
     key = f"order-{qname}"
     forget_tasks.append((qname, key))
-    async with api.router.lifespan_context(api), client_for(api) as client:
+    async with demo_client(make_app("demo-api"), qname, lifespan=True) as client:
         response = await client.post(
             "/tasks", json={"text": "hi"}, headers={"Idempotency-Key": key}
         )
@@ -124,12 +132,10 @@ async def test_post_answers_503_with_retry_after_when_the_broker_is_unreachable(
     # Built by hand: make_app pins the URL to the live broker. Nothing is declared on a
     # broker that does not answer, so there are no queues to delete.
     mq = App("demo-api", settings=settings_for(DEAD_BROKER_URL, redis_url))
-    demo.register(mq, queue=qname)
-    api = create_app(mq)
     key = f"t-{qname}"
     forget_tasks.append((qname, key))
     # The lifespan's declare fails too: the API must start anyway and answer 503.
-    async with api.router.lifespan_context(api), client_for(api) as client:
+    async with demo_client(mq, qname, lifespan=True) as client:
         response = await client.post(
             "/tasks", json={"text": "hello"}, headers={"Idempotency-Key": key}
         )
@@ -145,9 +151,7 @@ async def test_post_answers_503_with_retry_after_when_the_broker_is_unreachable(
 async def test_post_answers_413_when_the_prompt_is_over_the_size_limit(
     make_app: Callable[..., App], qname: str
 ) -> None:
-    mq = make_app("demo-api", max_message_bytes=64)
-    demo.register(mq, queue=qname)
-    async with client_for(create_app(mq)) as client:
+    async with demo_client(make_app("demo-api", max_message_bytes=64), qname) as client:
         response = await client.post("/tasks", json={"text": "x" * 100})
 
     assert response.status_code == 413
@@ -157,9 +161,7 @@ async def test_post_answers_413_when_the_prompt_is_over_the_size_limit(
 async def test_post_answers_422_when_the_body_is_not_a_prompt(
     make_app: Callable[..., App], qname: str
 ) -> None:
-    mq = make_app("demo-api")
-    demo.register(mq, queue=qname)
-    async with client_for(create_app(mq)) as client:
+    async with demo_client(make_app("demo-api"), qname) as client:
         response = await client.post("/tasks", json={"prompt": "the field is called text"})
 
     assert response.status_code == 422
@@ -168,9 +170,7 @@ async def test_post_answers_422_when_the_body_is_not_a_prompt(
 async def test_get_answers_404_for_a_task_id_nobody_published(
     make_app: Callable[..., App], qname: str
 ) -> None:
-    mq = make_app("demo-api")
-    demo.register(mq, queue=qname)
-    async with client_for(create_app(mq)) as client:
+    async with demo_client(make_app("demo-api"), qname) as client:
         response = await client.get(f"/tasks/never-published-{qname}")
 
     assert response.status_code == 404
@@ -182,6 +182,7 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
     redis_url: str,
     qname: str,
     forget_tasks: list[tuple[str, str]],
+    amqp: AbstractChannel,
 ) -> None:
     # An App on the same queue name, so make_app deletes the demo's queues at teardown.
     demo.register(make_app("demo-cleanup"), queue=qname)
@@ -219,11 +220,5 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
     assert [status for _, status, _ in rows] == ["succeeded"] * 3, text
     assert "worker exited with code 0" in text, text
     # Every task was acked: nothing waits in the queue or its DLQ.
-    conn = await aio_pika.connect(broker_url)
-    try:
-        channel = await conn.channel()
-        for name in (qname, dlq_name(qname)):
-            queue = await channel.declare_queue(name, passive=True)
-            assert queue.declaration_result.message_count == 0, name
-    finally:
-        await conn.close()
+    for name in (qname, dlq_name(qname)):
+        assert await queue_depth(amqp, name) == 0, name

@@ -18,6 +18,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,9 +28,16 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, settings_for, wait_until
+from tests.conftest import delete_queues, outcome_count, settings_for, wait_until
 from tests.integration.fixture_apps import guard_app
-from tests.integration.processes import WorkerProcess, queue_names, ready_count, run_cli
+from tests.integration.processes import (
+    WorkerProcess,
+    all_empty,
+    queue_names,
+    ready_count,
+    ready_count_is,
+    run_cli,
+)
 from weclaw_mq import App, Context, ResultTimeoutError, RetryPolicy, TaskStatus
 from weclaw_mq.metrics import Outcome
 from weclaw_mq.naming import guard_key, result_key, retry_queue_name
@@ -59,28 +67,21 @@ REDIS_START = [
 ]
 
 
+# Stops the shared Redis: a drill (deselect with -m 'not drill' beside other runs).
+STOPS_SHARED_REDIS = pytest.mark.drill
+
+
 class Job(BaseModel):
     n: int = 0
     sleep_s: float = 0.0
 
 
-def outcome(app: App, queue: str, which: Outcome) -> float:
-    value = app.metrics.registry.get_sample_value(
-        "weclaw_mq_messages_total", {"queue": queue, "outcome": which.value}
-    )
-    return value or 0.0
-
-
 def settled(apps: list[App], queue: str) -> float:
     """Deliveries that ended in an ack of the task itself: ran and acked, or acked unrun."""
     return sum(
-        outcome(app, queue, Outcome.ACKED) + outcome(app, queue, Outcome.DUPLICATE) for app in apps
+        outcome_count(app, queue, Outcome.ACKED) + outcome_count(app, queue, Outcome.DUPLICATE)
+        for app in apps
     )
-
-
-async def all_empty(broker_url: str, names: list[str]) -> bool:
-    counts = [await ready_count(broker_url, name) for name in names]
-    return not any(counts)
 
 
 @pytest.fixture
@@ -116,10 +117,10 @@ async def test_two_workers_given_the_same_task_id_at_once_run_the_handler_once(
 
     await wait_until(lambda: settled(apps, qname) >= 2, 15, "both copies to be acked")
     assert runs == [task_id]
-    assert sum(outcome(a, qname, Outcome.DEFERRED) for a in apps) >= 1, (
+    assert sum(outcome_count(a, qname, Outcome.DEFERRED) for a in apps) >= 1, (
         "the second copy never met the first one running: the race was not exercised"
     )
-    assert sum(outcome(a, qname, Outcome.DUPLICATE) for a in apps) == 1
+    assert sum(outcome_count(a, qname, Outcome.DUPLICATE) for a in apps) == 1
     state = await apps[0].result(task_id, timeout_s=5)
     assert (state.status, state.result) == (TaskStatus.SUCCEEDED, {"n": 1})
     names = [qname, retry_queue_name(qname, FAST_RETRY.delay_ms(1))]
@@ -145,7 +146,7 @@ async def test_same_task_id_published_twice_runs_once_and_has_one_result(
 
     await wait_until(lambda: settled([app], qname) >= 2, 15, "both copies to be acked")
     assert len(tokens) == 1
-    assert outcome(app, qname, Outcome.DUPLICATE) == 1
+    assert outcome_count(app, qname, Outcome.DUPLICATE) == 1
     first = await app.result(task_id, timeout_s=5)
     again = await app.result(task_id, timeout_s=5)
     assert first.status is TaskStatus.SUCCEEDED
@@ -179,7 +180,7 @@ async def test_handler_longer_than_the_initial_lease_is_not_run_twice_by_a_dupli
     # Each round trip through the delay queue takes at least its TTL (0.2 s), so four
     # refusals mean the copy was still turned away after the initial 0.6 s lease had run
     # out: only a renewed lease can do that.
-    deferred = outcome(app, qname, Outcome.DEFERRED)
+    deferred = outcome_count(app, qname, Outcome.DEFERRED)
     assert deferred * FAST_RETRY.delay_s > lease_s, f"deferred only {deferred} times"
     assert await redis_client.get(guard_key(qname, task_id)) == b"done"
     state = await app.result(task_id, timeout_s=5)
@@ -292,54 +293,56 @@ async def _run(args: list[str], timeout_s: float = 15.0) -> None:
         raise AssertionError(f"{args[0]} exited {done.returncode}: {done.stderr.strip()}")
 
 
+@dataclass
+class RedisControl:
+    """Stops the local Redis and starts it again with CI's command; ``probe`` watches it."""
+
+    probe: aioredis.Redis
+
+    async def stop(self) -> None:
+        await _run(["redis-cli", "-p", str(REDIS_PORT), "shutdown", "nosave"])
+        await wait_until(lambda: _redis_answers_not(self.probe), 10, "Redis to stop")
+
+    async def start(self) -> float:
+        """Seconds from the start command until Redis answered PING."""
+        started = time.perf_counter()
+        await _run(REDIS_START)
+        await wait_until(lambda: _redis_answers(self.probe), 15, "Redis to answer PING")
+        return time.perf_counter() - started
+
+
 @pytest.fixture
-async def redis_control(redis_url: str) -> AsyncIterator[Callable[[], Any]]:
+async def redis_control(redis_url: str) -> AsyncIterator[RedisControl]:
     """Stop the local Redis on demand; it is always started again at teardown, pass or fail."""
     parts = urlsplit(redis_url)
     if parts.hostname not in ("127.0.0.1", "localhost") or (parts.port or 6379) != REDIS_PORT:
         pytest.skip(f"Redis-down tests need the local Redis on port {REDIS_PORT}")
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("Redis-down tests need redis-server and redis-cli")
-    probe = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=1)
-
-    async def stop() -> None:
-        await _run(["redis-cli", "-p", str(REDIS_PORT), "shutdown", "nosave"])
-        await wait_until(lambda: _redis_answers_not(probe), 10, "Redis to stop")
-
+    control = RedisControl(
+        aioredis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=1)
+    )
     try:
-        yield stop
+        yield control
     finally:
-        if not await _redis_answers(probe):
-            await _run(REDIS_START)
-        await wait_until(lambda: _redis_answers(probe), 15, "Redis to answer PING again")
-        await probe.aclose()
+        try:
+            if not await _redis_answers(control.probe):
+                await control.start()
+        finally:
+            await control.probe.aclose()
 
 
 async def _redis_answers_not(client: aioredis.Redis) -> bool:
     return not await _redis_answers(client)
 
 
-async def _start_redis(redis_url: str) -> float:
-    """Start Redis with CI's command; seconds until it answered PING."""
-    started = time.perf_counter()
-    await _run(REDIS_START)
-    probe = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=1)
-    try:
-        await wait_until(lambda: _redis_answers(probe), 15, "Redis to answer PING")
-    finally:
-        await probe.aclose()
-    return time.perf_counter() - started
-
-
-# Stops the shared Redis: a drill (deselect with -m 'not drill' beside other runs).
-@pytest.mark.drill
+@STOPS_SHARED_REDIS
 async def test_tasks_published_while_redis_is_down_are_deferred_then_run_once_when_it_returns(
     make_app: Callable[..., App],
     start_worker: Callable[..., Any],
     qname: str,
     broker_url: str,
-    redis_url: str,
-    redis_control: Callable[[], Any],
+    redis_control: RedisControl,
 ) -> None:
     app = make_app(result_store_patience_s=30, **SHORT_TTLS)
     # Counted in this process: Redis is exactly what is missing during the test.
@@ -360,13 +363,13 @@ async def test_tasks_published_while_redis_is_down_are_deferred_then_run_once_wh
     in_flight = await app.publish(qname, Job(n=-1, sleep_s=1.0))
     await wait_until(lambda: in_flight in started, 10, "the in-flight task to start")
 
-    await redis_control()
+    await redis_control.stop()
     t0 = time.perf_counter()
     down_ids = [await app.publish(qname, Job(n=i)) for i in range(1, 11)]
     publish_s = time.perf_counter() - t0
     # Every task met the missing Redis at least once and was parked, not run.
     await wait_until(
-        lambda: outcome(app, qname, Outcome.DEFERRED) >= len(down_ids),
+        lambda: outcome_count(app, qname, Outcome.DEFERRED) >= len(down_ids),
         15,
         "every task to be deferred while Redis is down",
     )
@@ -375,7 +378,7 @@ async def test_tasks_published_while_redis_is_down_are_deferred_then_run_once_wh
     await wait_until(lambda: runs[in_flight] == 1, 10, "the in-flight handler to return")
     assert settled([app], qname) == 1, "a task was acked while its result could not be stored"
 
-    restart_s = await _start_redis(redis_url)
+    restart_s = await redis_control.start()
     t1 = time.perf_counter()
     states = await asyncio.gather(*(app.result(t, timeout_s=30) for t in [*down_ids, in_flight]))
     resume_s = time.perf_counter() - t1
@@ -394,15 +397,13 @@ async def test_tasks_published_while_redis_is_down_are_deferred_then_run_once_wh
     await wait_until(lambda: all_empty(broker_url, queue_names(app)), 5, "the queues to be empty")
 
 
-# Stops the shared Redis: a drill (deselect with -m 'not drill' beside other runs).
-@pytest.mark.drill
+@STOPS_SHARED_REDIS
 async def test_run_unguarded_mode_runs_tasks_while_redis_is_down(
     make_app: Callable[..., App],
     start_worker: Callable[..., Any],
     qname: str,
     broker_url: str,
-    redis_url: str,
-    redis_control: Callable[[], Any],
+    redis_control: RedisControl,
 ) -> None:
     app = make_app(guard_on_redis_down="run_unguarded", result_store_patience_s=30, **SHORT_TTLS)
     runs: Counter[str] = Counter()
@@ -415,13 +416,13 @@ async def test_run_unguarded_mode_runs_tasks_while_redis_is_down(
     # Each task that ran holds its slot until its result is stored, i.e. until Redis is
     # back: more tasks than slots would stall the worker (see result_store_patience_s).
     await start_worker(app, concurrency=8)
-    await redis_control()
+    await redis_control.stop()
     ids = [await app.publish(qname, Job(n=i)) for i in range(5)]
     await wait_until(lambda: set(runs) == set(ids), 15, "every task to run with Redis down")
     # Their results wait for Redis (result_store_patience_s) instead of being acked unstored.
     assert settled([app], qname) == 0
 
-    await _start_redis(redis_url)
+    await redis_control.start()
     states = await asyncio.gather(*(app.result(t, timeout_s=30) for t in ids))
     assert [s.status for s in states] == [TaskStatus.SUCCEEDED] * len(ids)
     assert [runs[t] for t in ids] == [1] * len(ids)
@@ -496,10 +497,6 @@ async def test_handler_returning_a_value_that_is_not_json_ends_dead_lettered_as_
     await wait_until(
         lambda: ready_count_is(broker_url, f"{qname}.dlq", 1), 5, "the task to reach the DLQ"
     )
-
-
-async def ready_count_is(broker_url: str, queue: str, expected: int) -> bool:
-    return await ready_count(broker_url, queue) == expected
 
 
 async def test_result_raises_result_timeout_error_when_nothing_finishes_in_time(

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aio_pika
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues
+from tests.conftest import delete_queues, get_message
 from weclaw_mq import (
     App,
     BatchPublishError,
@@ -25,20 +25,10 @@ class Prompt(BaseModel):
     text: str
 
 
-@pytest.fixture
-async def amqp(broker_url: str) -> AsyncIterator[aio_pika.abc.AbstractChannel]:
-    conn = await aio_pika.connect(broker_url)
-    try:
-        yield await conn.channel()
-    finally:
-        await conn.close()
-
-
 async def _drain_ids(channel: aio_pika.abc.AbstractChannel, queue: str) -> list[str]:
     """Every message id in ``queue``, in queue order (messages are acked: the test owns Q)."""
-    q = await channel.get_queue(queue, ensure=False)
     ids: list[str] = []
-    while (message := await q.get(no_ack=True, fail=False)) is not None:
+    while (message := await get_message(channel, queue)) is not None:
         assert message.message_id is not None
         ids.append(message.message_id)
     return ids

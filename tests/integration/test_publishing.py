@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import aio_pika
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues
+from tests.conftest import delete_queues, get_message, queue_depth
 from weclaw_mq import (
     App,
     ConnectionLostError,
@@ -28,31 +28,6 @@ from weclaw_mq import headers as h
 
 class Prompt(BaseModel):
     text: str
-
-
-@pytest.fixture
-async def amqp(broker_url: str) -> AsyncIterator[aio_pika.abc.AbstractChannel]:
-    """A plain aio-pika channel for reading queues back, independent of the library."""
-    conn = await aio_pika.connect(broker_url)
-    try:
-        yield await conn.channel()
-    finally:
-        await conn.close()
-
-
-async def _get(
-    channel: aio_pika.abc.AbstractChannel, queue: str
-) -> aio_pika.abc.AbstractIncomingMessage | None:
-    q = await channel.get_queue(queue, ensure=False)
-    message = await q.get(no_ack=True, fail=False)
-    return message
-
-
-async def _depth(channel: aio_pika.abc.AbstractChannel, queue: str) -> int:
-    declared = await channel.declare_queue(queue, passive=True)
-    count = declared.declaration_result.message_count
-    assert count is not None
-    return count
 
 
 async def _app_with_prompt_handler(
@@ -80,7 +55,7 @@ async def test_publish_returns_the_task_id_of_a_stored_persistent_json_message(
     task_id = await app.publish(qname, Prompt(text="hello"))
 
     # publish returned only after the confirm, so the message is already in the queue
-    message = await _get(amqp, qname)
+    message = await get_message(amqp, qname)
     assert message is not None, "a confirmed publish must already be in the queue"
     assert message.message_id == task_id
     uuid.UUID(task_id)  # a uuid unless the producer gives one
@@ -109,7 +84,7 @@ async def test_publish_keeps_the_given_task_id_trace_id_and_extra_headers(
     )
 
     assert task_id == given
-    message = await _get(amqp, qname)
+    message = await get_message(amqp, qname)
     assert message is not None
     assert message.message_id == given
     headers = message.headers or {}
@@ -127,7 +102,7 @@ async def test_two_publishes_get_different_task_and_trace_ids(
     second = await app.publish(qname, Prompt(text="b"))
 
     assert first != second
-    m1, m2 = await _get(amqp, qname), await _get(amqp, qname)
+    m1, m2 = await get_message(amqp, qname), await get_message(amqp, qname)
     assert m1 is not None and m2 is not None
     assert [m1.message_id, m2.message_id] == [first, second]
     assert (m1.headers or {})[h.TRACE_ID] != (m2.headers or {})[h.TRACE_ID]
@@ -161,8 +136,8 @@ async def test_publish_to_a_full_queue_is_nacked(
     assert info.value.queue == qname
     assert info.value.task_id == f"{qname}-overflow"
     # reject-publish: the queue kept what it accepted and stored nothing it refused
-    assert await _depth(amqp, qname) == len(kept)
-    stored = [await _get(amqp, qname) for _ in kept]
+    assert await queue_depth(amqp, qname) == len(kept)
+    stored = [await get_message(amqp, qname) for _ in kept]
     assert [m.message_id for m in stored if m is not None] == kept
 
 
@@ -189,10 +164,10 @@ async def test_oversized_payload_is_refused_before_sending(
 
     assert info.value.limit == 64
     assert info.value.size > 64
-    assert await _depth(amqp, qname) == 0
+    assert await queue_depth(amqp, qname) == 0
     # a payload at the limit still goes through: the limit is on size, not a blanket refusal
     await app.publish(qname, Prompt(text="ok"))
-    assert await _depth(amqp, qname) == 1
+    assert await queue_depth(amqp, qname) == 1
 
 
 async def test_payload_failing_the_handler_model_is_refused_before_sending(
@@ -203,7 +178,7 @@ async def test_payload_failing_the_handler_model_is_refused_before_sending(
     with pytest.raises(PayloadValidationError, match="text"):
         await app.publish(qname, {"prompt": "wrong field"})
 
-    assert await _depth(amqp, qname) == 0
+    assert await queue_depth(amqp, qname) == 0
 
 
 async def test_payload_that_is_not_json_serialisable_is_refused(
@@ -214,7 +189,7 @@ async def test_payload_that_is_not_json_serialisable_is_refused(
     with pytest.raises(PayloadError):
         await app.publish(qname, {"text": object()})
 
-    assert await _depth(amqp, qname) == 0
+    assert await queue_depth(amqp, qname) == 0
 
 
 async def test_app_publishes_again_after_a_refused_publish(
@@ -231,10 +206,10 @@ async def test_app_publishes_again_after_a_refused_publish(
 
     # make room, then the same App must publish again on a working channel
     for _ in kept:
-        assert await _get(amqp, qname) is not None
+        assert await get_message(amqp, qname) is not None
     task_id = await app.publish(qname, Prompt(text="after the errors"))
 
-    message = await _get(amqp, qname)
+    message = await get_message(amqp, qname)
     assert message is not None and message.message_id == task_id
 
 
@@ -286,13 +261,8 @@ def _close_connections_named(name: str) -> int:
 async def test_app_publishes_again_after_the_broker_closed_its_connection(
     make_app: Callable[..., App], qname: str, amqp: aio_pika.abc.AbstractChannel
 ) -> None:
-    app = make_app(name=qname)
-
-    @app.handler(qname)
-    async def summarise(task: Prompt) -> None:
-        return None
-
-    await app.declare()
+    # Named after the queue: the connection to close is found by its name.
+    app = await _app_with_prompt_handler(make_app, qname, name=qname)
     await app.publish(qname, Prompt(text="opens the producer connection"))
     assert await asyncio.to_thread(_close_connections_named, f"{qname}-producer") == 1
 
@@ -303,7 +273,8 @@ async def test_app_publishes_again_after_the_broker_closed_its_connection(
     except ConnectionLostError:
         task_id = await app.publish(qname, Prompt(text="after the close"))
 
-    ids = [m.message_id for m in [await _get(amqp, qname), await _get(amqp, qname)] if m]
+    two = [await get_message(amqp, qname), await get_message(amqp, qname)]
+    ids = [m.message_id for m in two if m]
     assert task_id in ids
 
 
@@ -315,7 +286,7 @@ async def test_publish_reaches_a_queue_the_app_has_no_handler_for(
     try:
         # no handler, so no model check: any JSON goes
         task_id = await app.publish(qname, {"anything": [1, 2, 3]})
-        message = await _get(amqp, qname)
+        message = await get_message(amqp, qname)
         assert message is not None and message.message_id == task_id
         assert message.body == b'{"anything":[1,2,3]}'
     finally:

@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
-import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from pydantic import BaseModel
 
-from tests.conftest import wait_until
+from tests.conftest import next_message, outcome_count, queue_depth, wait_until
 from weclaw_mq import App, Context, Reject, RetryPolicy
 from weclaw_mq import headers as h
 from weclaw_mq.naming import dlq_name, retry_queue_name
@@ -54,50 +53,9 @@ def _record(calls: list[Call], task: Prompt, ctx: Context) -> None:
     )
 
 
-@pytest.fixture
-async def amqp(broker_url: str) -> AsyncIterator[AbstractChannel]:
-    """A plain aio-pika channel for publishing raw bodies and reading queues back."""
-    conn = await aio_pika.connect(broker_url)
-    try:
-        yield await conn.channel()
-    finally:
-        await conn.close()
-
-
-async def _next_message(
-    channel: AbstractChannel, queue: str, timeout_s: float = 10.0
-) -> AbstractIncomingMessage:
-    """The next message in ``queue`` (consumed), waiting for it up to ``timeout_s``."""
-    got: list[AbstractIncomingMessage] = []
-    q = await channel.get_queue(queue, ensure=False)
-
-    async def arrived() -> bool:
-        message = await q.get(no_ack=True, fail=False)
-        if message is not None:
-            got.append(message)
-        return bool(got)
-
-    await wait_until(arrived, timeout_s, what=f"a message in {queue}")
-    return got[0]
-
-
 def _headers(message: AbstractIncomingMessage) -> dict[str, Any]:
     # typed loosely on purpose: the assertions below check the values' types themselves
     return dict(message.headers or {})
-
-
-async def _ready_count(channel: AbstractChannel, queue: str) -> int:
-    declared = await channel.declare_queue(queue, passive=True)
-    count = declared.declaration_result.message_count
-    assert count is not None
-    return count
-
-
-def _settled(app: App, queue: str, outcome: str) -> float:
-    value = app.metrics.registry.get_sample_value(
-        "weclaw_mq_messages_total", {"queue": queue, "outcome": outcome}
-    )
-    return value or 0.0
 
 
 async def _publish_raw(channel: AbstractChannel, queue: str, body: bytes, task_id: str) -> None:
@@ -106,6 +64,21 @@ async def _publish_raw(channel: AbstractChannel, queue: str, body: bytes, task_i
         aio_pika.Message(body, message_id=task_id, headers={h.TRACE_ID: f"trace-{task_id}"}),
         routing_key=queue,
     )
+
+
+async def _recording_worker(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], queue: str
+) -> tuple[App, list[Call]]:
+    """A running worker whose handler on ``queue`` only records its calls."""
+    app = make_app()
+    calls: list[Call] = []
+
+    @app.handler(queue, retry=FAST)
+    async def summarise(task: Prompt, ctx: Context) -> None:
+        _record(calls, task, ctx)
+
+    await start_worker(app)
+    return app, calls
 
 
 async def test_handler_failing_twice_then_succeeding_runs_three_times_with_backoff(
@@ -122,7 +95,9 @@ async def test_handler_failing_twice_then_succeeding_runs_three_times_with_backo
 
     await start_worker(app)
     task_id = await app.publish(qname, Prompt(text="hello"), trace_id="trace-flaky")
-    await wait_until(lambda: _settled(app, qname, "acked") == 1, 15, "the third attempt to ack")
+    await wait_until(
+        lambda: outcome_count(app, qname, "acked") == 1, 15, "the third attempt to ack"
+    )
 
     assert [c.attempt for c in calls] == [1, 2, 3]
     assert {c.task_id for c in calls} == {task_id}
@@ -138,8 +113,8 @@ async def test_handler_failing_twice_then_succeeding_runs_three_times_with_backo
     assert calls[1].headers[h.ERROR_TYPE] == "builtins.RuntimeError"
     assert calls[1].headers[h.ERROR_MESSAGE] == "model overloaded (attempt 1)"
     assert calls[2].headers[h.ERROR_MESSAGE] == "model overloaded (attempt 2)"
-    assert _settled(app, qname, "retried") == 2
-    assert _settled(app, qname, "dead_lettered") == 0
+    assert outcome_count(app, qname, "retried") == 2
+    assert outcome_count(app, qname, "dead_lettered") == 0
 
 
 async def test_failed_handler_lands_in_dlq_after_max_retries_with_the_failure_headers(
@@ -159,7 +134,7 @@ async def test_failed_handler_lands_in_dlq_after_max_retries_with_the_failure_he
     await start_worker(app)
     task_id = await app.publish(qname, Prompt(text="doomed"), trace_id="trace-doomed")
 
-    dead = await _next_message(amqp, dlq_name(qname))
+    dead = await next_message(amqp, dlq_name(qname))
     failed_at = datetime.now(UTC)
 
     assert [c.attempt for c in calls] == [1, 2, 3]  # the first run plus max_retries=2
@@ -182,9 +157,11 @@ async def test_failed_handler_lands_in_dlq_after_max_retries_with_the_failure_he
     assert calls[0].started_at <= first <= calls[1].started_at
     assert calls[2].started_at <= last <= failed_at
     # nothing is left behind anywhere else
-    assert await _ready_count(amqp, qname) == 0
-    assert await _ready_count(amqp, retry_queue_name(qname, 50)) == 0
-    await wait_until(lambda: _settled(app, qname, "dead_lettered") == 1, 5, "the DLQ move to ack")
+    assert await queue_depth(amqp, qname) == 0
+    assert await queue_depth(amqp, retry_queue_name(qname, 50)) == 0
+    await wait_until(
+        lambda: outcome_count(app, qname, "dead_lettered") == 1, 5, "the DLQ move to ack"
+    )
 
 
 async def test_undecodable_body_goes_straight_to_dlq_and_the_worker_keeps_serving(
@@ -193,18 +170,11 @@ async def test_undecodable_body_goes_straight_to_dlq_and_the_worker_keeps_servin
     qname: str,
     amqp: AbstractChannel,
 ) -> None:
-    app = make_app()
-    calls: list[Call] = []
-
-    @app.handler(qname, retry=FAST)
-    async def summarise(task: Prompt, ctx: Context) -> None:
-        _record(calls, task, ctx)
-
-    await start_worker(app)
+    app, calls = await _recording_worker(make_app, start_worker, qname)
     garbage_id = f"{qname}-garbage"
     await _publish_raw(amqp, qname, b"\xff{not json", task_id=garbage_id)
 
-    dead = await _next_message(amqp, dlq_name(qname))
+    dead = await next_message(amqp, dlq_name(qname))
     assert dead.message_id == garbage_id
     assert dead.body == b"\xff{not json"  # kept byte for byte for the operator to inspect
     hdrs = _headers(dead)
@@ -225,17 +195,10 @@ async def test_body_failing_the_model_goes_to_dlq_as_invalid_payload_without_run
     qname: str,
     amqp: AbstractChannel,
 ) -> None:
-    app = make_app()
-    calls: list[Call] = []
-
-    @app.handler(qname, retry=FAST)
-    async def summarise(task: Prompt, ctx: Context) -> None:
-        _record(calls, task, ctx)
-
-    await start_worker(app)
+    _, calls = await _recording_worker(make_app, start_worker, qname)
     await _publish_raw(amqp, qname, b'{"prompt": "wrong field"}', task_id=f"{qname}-invalid")
 
-    dead = await _next_message(amqp, dlq_name(qname))
+    dead = await next_message(amqp, dlq_name(qname))
     hdrs = _headers(dead)
     assert dead.message_id == f"{qname}-invalid"
     assert hdrs[h.DEAD_LETTER_REASON] == "invalid_payload"
@@ -262,7 +225,7 @@ async def test_handler_raising_reject_goes_to_dlq_after_one_attempt(
     await start_worker(app)
     task_id = await app.publish(qname, Prompt(text="forbidden"))
 
-    dead = await _next_message(amqp, dlq_name(qname))
+    dead = await next_message(amqp, dlq_name(qname))
     hdrs = _headers(dead)
     assert dead.message_id == task_id
     assert hdrs[h.DEAD_LETTER_REASON] == "rejected"
@@ -270,7 +233,7 @@ async def test_handler_raising_reject_goes_to_dlq_after_one_attempt(
     assert hdrs[h.ERROR_MESSAGE] == "prompt violates policy"
     assert hdrs[h.ATTEMPT] == 1
     assert [c.attempt for c in calls] == [1]
-    assert _settled(app, qname, "retried") == 0
+    assert outcome_count(app, qname, "retried") == 0
 
 
 async def test_handler_running_past_its_timeout_is_cancelled_and_retried(
@@ -292,7 +255,9 @@ async def test_handler_running_past_its_timeout_is_cancelled_and_retried(
 
     await start_worker(app)
     task_id = await app.publish(qname, Prompt(text="slow"))
-    await wait_until(lambda: _settled(app, qname, "acked") == 1, 10, "the second attempt to ack")
+    await wait_until(
+        lambda: outcome_count(app, qname, "acked") == 1, 10, "the second attempt to ack"
+    )
 
     assert cancelled.is_set(), "the timed-out attempt was not cancelled"
     assert [c.attempt for c in calls] == [1, 2]
@@ -364,7 +329,7 @@ async def test_log_records_inside_a_handler_carry_the_task_identifiers(
         user_log.info("outside any task")
         await start_worker(app)
         task_id = await app.publish(qname, Prompt(text="hi"), trace_id="trace-logs")
-        await wait_until(lambda: _settled(app, qname, "acked") == 1, 10, "the retry to ack")
+        await wait_until(lambda: outcome_count(app, qname, "acked") == 1, 10, "the retry to ack")
     finally:
         user_log.removeHandler(capture)
         ctx_log.removeHandler(capture)

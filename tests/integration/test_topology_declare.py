@@ -8,9 +8,10 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-import aio_pika
 import pytest
+from aio_pika.abc import AbstractChannel
 
+from tests.conftest import get_message, queue_depth
 from weclaw_mq import App, RetryPolicy, TopologyConflictError
 
 
@@ -130,7 +131,7 @@ async def test_declare_covers_every_handler_of_the_app(
 
 
 async def test_declaring_twice_is_harmless_and_keeps_queued_messages(
-    make_app: Callable[..., App], qname: str, broker_url: str
+    make_app: Callable[..., App], qname: str, amqp: AbstractChannel
 ) -> None:
     policy = RetryPolicy(max_retries=1, delay_s=0.05)
     app = make_app()
@@ -144,31 +145,33 @@ async def test_declaring_twice_is_harmless_and_keeps_queued_messages(
     _register(twin, qname, retry=policy)
     assert await twin.declare() == first
 
-    conn = await aio_pika.connect(broker_url)
-    try:
-        channel = await conn.channel()
-        queue = await channel.declare_queue(qname, passive=True)
-        assert queue.declaration_result.message_count == 1
-        message = await queue.get(no_ack=True)
-        assert message.message_id == task_id
-    finally:
-        await conn.close()
+    assert await queue_depth(amqp, qname) == 1
+    message = await get_message(amqp, qname)
+    assert message is not None and message.message_id == task_id
+
+
+async def _conflict(
+    make_app: Callable[..., App], queue: str, *, old: dict[str, Any], new: dict[str, Any]
+) -> tuple[App, TopologyConflictError]:
+    """Declare ``queue`` with the ``old`` handler options, then have another App declare it
+    with the ``new`` ones; returns the first App and the conflict the second one raised."""
+    policy = RetryPolicy(max_retries=1, delay_s=0.05)
+    first = make_app(name="old")
+    _register(first, queue, retry=policy, **old)
+    await first.declare()
+
+    second = make_app(name="new")
+    _register(second, queue, retry=policy, **new)
+    with pytest.raises(TopologyConflictError) as info:
+        await second.declare()
+    return first, info.value
 
 
 async def test_redeclaring_with_another_delivery_limit_raises_a_conflict_that_says_what_to_do(
     make_app: Callable[..., App], qname: str
 ) -> None:
-    policy = RetryPolicy(max_retries=1, delay_s=0.05)
-    old = make_app(name="old")
-    _register(old, qname, retry=policy, delivery_limit=5)
-    await old.declare()
+    _, err = await _conflict(make_app, qname, old={"delivery_limit": 5}, new={"delivery_limit": 6})
 
-    new = make_app(name="new")
-    _register(new, qname, retry=policy, delivery_limit=6)
-    with pytest.raises(TopologyConflictError) as info:
-        await new.declare()
-
-    err = info.value
     assert err.queue == qname
     assert err.argument == "x-delivery-limit"
     text = str(err)
@@ -185,31 +188,16 @@ async def test_redeclaring_with_another_delivery_limit_raises_a_conflict_that_sa
 async def test_adding_a_max_length_to_an_existing_queue_is_a_conflict_naming_that_argument(
     make_app: Callable[..., App], qname: str
 ) -> None:
-    policy = RetryPolicy(max_retries=1, delay_s=0.05)
-    old = make_app(name="old")
-    _register(old, qname, retry=policy)
-    await old.declare()
+    _, err = await _conflict(make_app, qname, old={}, new={"max_length": 10})
 
-    new = make_app(name="new")
-    _register(new, qname, retry=policy, max_length=10)
-    with pytest.raises(TopologyConflictError) as info:
-        await new.declare()
-
-    assert info.value.queue == qname
-    assert info.value.argument == "x-max-length"
+    assert err.queue == qname
+    assert err.argument == "x-max-length"
 
 
 async def test_a_conflict_does_not_stop_the_app_from_declaring_again(
     make_app: Callable[..., App], qname: str
 ) -> None:
     # the conflict closes the declaring channel; the next declare must use a fresh one
-    policy = RetryPolicy(max_retries=1, delay_s=0.05)
-    old = make_app(name="old")
-    _register(old, qname, retry=policy, delivery_limit=5)
-    await old.declare()
-    new = make_app(name="new")
-    _register(new, qname, retry=policy, delivery_limit=6)
-    with pytest.raises(TopologyConflictError):
-        await new.declare()
+    old, _ = await _conflict(make_app, qname, old={"delivery_limit": 5}, new={"delivery_limit": 6})
 
     assert qname in await old.declare()

@@ -23,13 +23,13 @@ import asyncio
 import os
 import random
 import signal
-import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
+from tests.integration.fixture_apps import lazy_app, required_env
 from weclaw_mq import App, Context, Settings, TaskState, TaskStatus
 from weclaw_mq.results import DoneMarker, RedisResultStore
 
@@ -130,11 +130,7 @@ def build_app(
 
 
 def _app_from_env() -> App:
-    try:
-        queue = os.environ["GUARD_APP_QUEUE"]
-        record_key = os.environ["GUARD_APP_RECORD_KEY"]
-    except KeyError as e:
-        raise RuntimeError(f"{__name__} needs the environment variable {e}") from e
+    queue, record_key = required_env(__name__, "GUARD_APP_QUEUE", "GUARD_APP_RECORD_KEY")
     shortest = float(os.environ.get("GUARD_APP_SLEEP_MIN_S", "0"))
     return build_app(
         queue,
@@ -163,47 +159,26 @@ def spawn_worker(
     The caller owns the process: kill it by pid (``WorkerProcess.kill``) when done.
     """
     # Imported here: the worker process itself never needs the test helpers.
-    from tests.integration.processes import (
-        REPO_ROOT,
-        WorkerProcess,
-        cli_executable,
-        settings_env,
-    )
+    from tests.integration.processes import spawn_cli_worker
 
-    env = {
-        **os.environ,
-        **settings_env(settings),
+    app_env = {
         "GUARD_APP_QUEUE": queue,
         "GUARD_APP_RECORD_KEY": record_key,
         "GUARD_APP_SLEEP_MIN_S": str(sleep_min_s),
         "GUARD_APP_SLEEP_MAX_S": str(sleep_min_s if sleep_max_s is None else sleep_max_s),
         "GUARD_APP_DIE_AFTER_STORE": "1" if die_after_store else "0",
-        "PYTHONUNBUFFERED": "1",
     }
-    args = [cli_executable(), "worker", APP_PATH, "--concurrency", str(concurrency)]
-    if metrics_port is not None:
-        args += ["--metrics-port", str(metrics_port)]
-    with log_path.open("wb") as log:
-        popen = subprocess.Popen(
-            args,
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    return WorkerProcess(popen, log_path)
+    extra = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
+    return spawn_cli_worker(
+        APP_PATH,
+        settings=settings,
+        app_env=app_env,
+        log_path=log_path,
+        concurrency=concurrency,
+        extra_args=extra,
+    )
 
 
-_app: App | None = None
-
-
-def __getattr__(name: str) -> App:
-    # Built on first access rather than at import, so tests can import build_app without the
-    # worker's environment.
-    global _app
-    if name != "app":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if _app is None:
-        _app = _app_from_env()
-    return _app
+# Built on first access rather than at import, so tests can import build_app without the
+# worker's environment.
+__getattr__ = lazy_app(__name__, _app_from_env)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from tests.integration.fixture_apps import lazy_app, required_env
 from weclaw_mq import App, Context, Settings
 
 EVENTS_FILE = "events.log"
@@ -85,30 +86,17 @@ def build_app(
 
 
 def _app_from_env() -> App:
-    try:
-        queue = os.environ["TEST_QUEUE"]
-        record_dir = Path(os.environ["TEST_RECORD_DIR"])
-    except KeyError as e:
-        raise RuntimeError(f"{__name__} needs the environment variable {e}") from e
+    queue, record_dir = required_env(__name__, "TEST_QUEUE", "TEST_RECORD_DIR")
     crash_on = os.environ.get("TEST_CRASH_ON") or None
     return build_app(
         queue,
         settings=Settings(),
-        record_dir=record_dir,
+        record_dir=Path(record_dir),
         sleep_s=float(os.environ.get("TEST_HANDLER_SLEEP_S", "0")),
         crash_on=crash_on,
     )
 
 
-_app: App | None = None
-
-
-def __getattr__(name: str) -> App:
-    # Built on first access rather than at import, so tests can import build_app and
-    # read_events without the worker's environment.
-    global _app
-    if name != "app":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if _app is None:
-        _app = _app_from_env()
-    return _app
+# Built on first access rather than at import, so tests can import build_app and
+# read_events without the worker's environment.
+__getattr__ = lazy_app(__name__, _app_from_env)
