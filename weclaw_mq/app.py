@@ -36,6 +36,10 @@ from .tracing import current, new_trace_id
 
 log = logging.getLogger("weclaw_mq.producer")
 
+# Publish failures that certainly stored nothing (refused, or no broker to send to); a
+# ConfirmTimeoutError or ConnectionLostError may have stored the task.
+NOT_STORED = (PublishNackedError, UnroutableError, BrokerUnavailableError)
+
 
 class App:
     def __init__(
@@ -173,7 +177,7 @@ class App:
         refused = False
         try:
             await self._get_publisher().publish(queue, message)
-        except (PublishNackedError, UnroutableError, BrokerUnavailableError):
+        except NOT_STORED:
             refused = True
             raise
         finally:
@@ -241,13 +245,7 @@ class App:
             elif isinstance(outcome, BaseException):
                 raise outcome  # cancellation: not a publish outcome
         if failed:
-            await self._forget(
-                [
-                    ids[i]
-                    for i, e in failed.items()
-                    if isinstance(e, PublishNackedError | UnroutableError)
-                ]
-            )
+            await self._forget([ids[i] for i, e in failed.items() if isinstance(e, NOT_STORED)])
             raise BatchPublishError(queue, ids, failed)
         return ids
 

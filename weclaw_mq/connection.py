@@ -14,6 +14,7 @@ import logging
 import random
 
 import aio_pika
+import aiormq
 from aio_pika.abc import AbstractConnection
 
 from .errors import BrokerUnavailableError
@@ -22,6 +23,14 @@ from .settings import Settings, redact_url
 log = logging.getLogger("weclaw_mq.connection")
 
 CONNECT_TIMEOUT_S = 10.0
+
+# What a dying connection or channel raises (OSError covers socket errors and timeouts).
+LINK_ERRORS = (
+    aiormq.exceptions.AMQPConnectionError,
+    aiormq.exceptions.ChannelClosed,
+    aiormq.exceptions.ChannelInvalidStateError,
+    OSError,
+)
 
 
 class BrokerEndpoints:

@@ -94,11 +94,6 @@ class IdempotencyGuard:
         answer = await self._claim(keys=keys, args=args)
         return Claim(answer.decode() if isinstance(answer, bytes) else answer)
 
-    async def extend(self, queue: str, task_id: str, owner: str) -> bool:
-        return bool(
-            await self._extend(keys=[guard_key(queue, task_id)], args=[owner, self._lease_ms])
-        )
-
     async def release(self, queue: str, task_id: str, owner: str) -> None:
         await self._release(keys=[guard_key(queue, task_id)], args=[owner])
 

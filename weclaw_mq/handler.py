@@ -118,9 +118,7 @@ def build_spec(
         queue=queue,
         func=func,
         adapter=adapter,
-        model=annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-        else None,
+        model=annotation if _is_model(annotation) else None,
         takes_context=len(params) == 2,
         retry=retry,
         timeout_s=timeout_s,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -109,13 +110,11 @@ async def _process(
         return
 
     held: str | None = None  # the claim's owner token, while we hold the claim
-    # The default store's "running" record rides on the guard's claim (one command).
-    record = (
-        rt.results.record_write(_state(delivery, spec, TaskStatus.RUNNING))
-        if isinstance(rt.results, RedisResultStore) and rt.guard is not None and spec.idempotent
-        else None
-    )
+    record: RecordWrite | None = None
     if rt.guard is not None and spec.idempotent:
+        if isinstance(rt.results, RedisResultStore):
+            # The default store's "running" record rides on the claim (one command).
+            record = rt.results.record_write(_state(delivery, spec, TaskStatus.RUNNING))
         gate = await _pass_guard(message, delivery, spec, rt.guard, rt, record)
         if gate is _Gate.SETTLED:
             return
@@ -298,7 +297,7 @@ async def _finish(
         rt.metrics.settled(spec.queue, Outcome.ACKED).inc()
 
 
-async def _patiently(rt: Runtime, write: Any) -> None:
+async def _patiently(rt: Runtime, write: Callable[[], Awaitable[object]]) -> None:
     """Retry a Redis write with backoff for up to ``result_store_patience_s``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + rt.settings.result_store_patience_s

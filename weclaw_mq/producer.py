@@ -14,7 +14,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.message import Message
 
-from .connection import BrokerEndpoints, cancelled_by_caller, is_alive
+from .connection import LINK_ERRORS, BrokerEndpoints, cancelled_by_caller, is_alive
 from .errors import (
     BrokerUnavailableError,
     ConfirmTimeoutError,
@@ -27,14 +27,6 @@ from .metrics import Metrics
 log = logging.getLogger(__name__)
 
 NACK_STREAK_RESET = 3
-
-# Errors that mean the channel or connection under us is gone.
-_LINK_ERRORS = (
-    aiormq.exceptions.AMQPConnectionError,
-    aiormq.exceptions.ChannelClosed,
-    aiormq.exceptions.ChannelInvalidStateError,
-    ConnectionError,
-)
 
 
 class Publisher:
@@ -142,7 +134,7 @@ class Publisher:
             if cancelled_by_caller():
                 raise
             raise self._lost(queue, task_id, "aiormq cancelled the call") from e
-        except _LINK_ERRORS as e:
+        except LINK_ERRORS as e:
             raise self._lost(queue, task_id, type(e).__name__) from e
         self._nack_streak = 0
         self._count(queue, "confirmed")

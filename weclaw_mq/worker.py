@@ -17,7 +17,7 @@ import aiormq
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
 
 from .app import App
-from .connection import backoff_s, cancelled_by_caller, when_lost
+from .connection import LINK_ERRORS, backoff_s, cancelled_by_caller, when_lost
 from .deadlines import Deadlines
 from .errors import ConfigurationError
 from .handler import HandlerSpec
@@ -29,16 +29,6 @@ from .settle import Settler
 from .topology import declare
 
 log = logging.getLogger("weclaw_mq.worker")
-
-# What a dying connection raises from inside a session; anything else is a bug and stops us.
-_SESSION_ERRORS = (
-    aiormq.exceptions.AMQPConnectionError,
-    aiormq.exceptions.ChannelClosed,
-    aiormq.exceptions.ChannelInvalidStateError,
-    ConnectionError,
-    OSError,
-    asyncio.TimeoutError,
-)
 
 
 class Worker:
@@ -103,7 +93,7 @@ class Worker:
             try:
                 await self._session(conn)
                 failures = 0
-            except _SESSION_ERRORS as e:
+            except LINK_ERRORS as e:
                 failures += 1
                 log.warning("broker connection lost (%s: %s)", type(e).__name__, e)
             except asyncio.CancelledError:
@@ -164,7 +154,7 @@ class Worker:
         # Stopping: take no new deliveries, then let the running handlers finish and ack
         # while the connection is still open.
         for queue, tag in consumers:
-            with contextlib.suppress(*_SESSION_ERRORS):
+            with contextlib.suppress(*LINK_ERRORS):
                 await queue.cancel(tag)
         await self._drain()
 
