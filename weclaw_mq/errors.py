@@ -8,6 +8,7 @@
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
     ├── BrokerUnavailableError       no broker answered (connect failed)
     ├── ResultTimeoutError           ``App.result`` saw no final state in time
+    ├── StateUnavailableError        Redis (task states and results) did not answer
     └── PublishFailedError           publish did not end in a broker ack
         ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
         ├── UnroutableError          no queue bound for the routing key (mandatory return)
@@ -102,6 +103,10 @@ class ResultTimeoutError(WeclawMQError):
         )
         self.task_id = task_id
         self.last = last
+
+
+class StateUnavailableError(WeclawMQError):
+    """The task-state store (Redis by default) failed or did not answer: nothing was read."""
 
 
 class BatchPublishError(PublishFailedError):
