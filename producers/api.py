@@ -34,6 +34,7 @@ from weclaw_mq import (
     PayloadTooLargeError,
     PayloadValidationError,
     PublishFailedError,
+    StateUnavailableError,
 )
 
 log = logging.getLogger("producers.api")
@@ -50,6 +51,7 @@ class Accepted(BaseModel):
 
 class TaskView(BaseModel):
     task_id: str
+    queue: str
     status: str
     result: Any = None
     error: str | None = None
@@ -130,12 +132,19 @@ def create_app(
         return Accepted(task_id=task_id)
 
     @api.get("/tasks/{task_id}", response_model=TaskView)
-    async def task_status(task_id: str) -> TaskView:
-        state = await mq_app.status(task_id)
+    async def task_status(task_id: str, queue: str | None = None) -> Any:
+        """The task's latest record, or with ``?queue=`` its record in that queue (a task id
+        that several pipeline stages share has one record per stage)."""
+        try:
+            state = await mq_app.status(task_id, queue=queue)
+        except StateUnavailableError as e:
+            log.warning("GET /tasks/%s: %s", task_id, e)
+            return _unavailable("task statuses are unavailable right now")
         if state is None:
             raise HTTPException(status.HTTP_404_NOT_FOUND, f"no task {task_id!r} is known")
         return TaskView(
             task_id=state.task_id,
+            queue=state.queue,
             status=state.status.value,
             result=state.result,
             error=state.error,

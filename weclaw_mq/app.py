@@ -18,6 +18,7 @@ from .errors import (
     BatchPublishError,
     BrokerUnavailableError,
     ConfigurationError,
+    MessageEncodingError,
     PayloadTooLargeError,
     PayloadValidationError,
     PublishNackedError,
@@ -25,10 +26,17 @@ from .errors import (
 )
 from .guard import IdempotencyGuard
 from .handler import HandlerFunc, HandlerSpec, InvalidPayload, UndecodableBody, build_spec
-from .message import build_message, encode_payload, new_task_id, publish_headers
+from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .producer import Publisher
-from .results import RedisResultStore, ResultStore, TaskState, TaskStatus
+from .results import (
+    REDIS_FAILURES,
+    RedisResultStore,
+    ResultStore,
+    TaskState,
+    TaskStatus,
+    state_unavailable,
+)
 from .retry import RetryPolicy
 from .settings import Settings
 from .topology import declare
@@ -36,9 +44,17 @@ from .tracing import current, new_trace_id
 
 log = logging.getLogger("weclaw_mq.producer")
 
-# Publish failures that certainly stored nothing (refused, or no broker to send to); a
-# ConfirmTimeoutError or ConnectionLostError may have stored the task.
-NOT_STORED = (PublishNackedError, UnroutableError, BrokerUnavailableError)
+# Publish failures that certainly stored nothing (refused, never sent, or no broker to send
+# to); a ConfirmTimeoutError or ConnectionLostError may have stored the task.
+NOT_STORED = (PublishNackedError, UnroutableError, BrokerUnavailableError, MessageEncodingError)
+
+# How long publish waits, after the broker's confirm, for the task's "queued" record. Redis
+# usually answers in well under a millisecond, so status() right after publish sees the
+# record; a Redis that hangs costs a publish at most this, never its socket timeout: the
+# write goes on in the background (and only_if_new keeps it from hiding a later status).
+QUEUED_RECORD_WAIT_S = 0.25
+# On close, how long pending "queued" writes may still take before they are dropped.
+QUEUED_RECORD_CLOSE_WAIT_S = 1.0
 
 
 class App:
@@ -61,6 +77,9 @@ class App:
         self._results = result_store
         self._owns_results = result_store is None  # ours to drop on close, not the user's
         self._guard: IdempotencyGuard | None = None
+        # Queued-record writes that outlived their publish: held here so they are not
+        # garbage-collected mid-write, and awaited (briefly) on close.
+        self._record_writes: set[asyncio.Task[None]] = set()
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -135,7 +154,7 @@ class App:
                     f"payload for {queue!r} fails the handler's model: {e}"
                 ) from e
         ctx = current()
-        return build_message(
+        message = build_message(
             body,
             task_id=task_id or new_task_id(),
             headers=publish_headers(
@@ -145,6 +164,10 @@ class App:
                 extra=headers,
             ),
         )
+        # Before anything is sent or recorded: aiormq would raise a bare TypeError/ValueError
+        # mid-publish, or silently truncate a long header name.
+        check_encodable(queue, message)
+        return message
 
     async def publish(
         self,
@@ -174,16 +197,14 @@ class App:
                 only_if_new=True,
             )
         )
-        refused = False
+        refused: list[str] = []
         try:
             await self._get_publisher().publish(queue, message)
         except NOT_STORED:
-            refused = True
+            refused.append(message.message_id)
             raise
         finally:
-            await self._settle_queued(queued)
-            if refused:
-                await self._forget([message.message_id])
+            await self._settle_queued(queued, queue, refused)
         return message.message_id
 
     async def publish_many(
@@ -231,13 +252,17 @@ class App:
             if store is not None
             else None
         )
+        refused: list[str] = []
         try:
             outcomes = await asyncio.gather(
                 *(publisher.publish(queue, m) for m in messages), return_exceptions=True
             )
+            refused = [
+                ids[i] for i, outcome in enumerate(outcomes) if isinstance(outcome, NOT_STORED)
+            ]
         finally:
             if queued is not None:
-                await self._settle_queued(queued)
+                await self._settle_queued(queued, queue, refused)
         failed: dict[int, Exception] = {}
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, Exception):
@@ -245,30 +270,39 @@ class App:
             elif isinstance(outcome, BaseException):
                 raise outcome  # cancellation: not a publish outcome
         if failed:
-            await self._forget([ids[i] for i, e in failed.items() if isinstance(e, NOT_STORED)])
             raise BatchPublishError(queue, ids, failed)
         return ids
 
-    async def _forget(self, task_ids: list[str]) -> None:
-        """Drop the queued records of tasks that were certainly not stored (refused, or no
-        broker answered): a status must never claim a task the broker does not hold."""
-        store = self.results
-        if store is None:
-            return
-        for task_id in task_ids:
-            try:
-                await store.forget_queued(task_id)
-            except Exception as e:  # a stale "queued" record expires with its TTL
-                log.warning("could not drop the queued status of %s (%s)", task_id, e)
+    async def _settle_queued(
+        self, queued: asyncio.Task[Any], queue: str, refused: list[str]
+    ) -> None:
+        """Let the "queued" write finish, then drop the records of ``refused`` tasks; wait for
+        both at most ``QUEUED_RECORD_WAIT_S``, and leave the rest to the background."""
+        settling = asyncio.create_task(self._queued_then_forget(queued, queue, refused))
+        self._record_writes.add(settling)
+        settling.add_done_callback(self._record_writes.discard)
+        # asyncio.wait never cancels what it waits for: a slow write goes on after we return.
+        await asyncio.wait({settling}, timeout=QUEUED_RECORD_WAIT_S)
 
-    @staticmethod
-    async def _settle_queued(queued: asyncio.Task[Any]) -> None:
+    async def _queued_then_forget(
+        self, queued: asyncio.Task[Any], queue: str, refused: list[str]
+    ) -> None:
         # The task is safe in the broker whatever happens here: a missing "queued" record only
         # means status() answers None until a worker picks the task up.
         try:
             await queued
         except Exception as e:
             log.warning("could not record the queued status (%s: %s)", type(e).__name__, e)
+        # Only after the write above ended: a forget that overtook it would leave a "queued"
+        # record for a task the broker does not hold.
+        store = self.results
+        if store is None:
+            return
+        for task_id in refused:
+            try:
+                await store.forget_queued(queue, task_id)
+            except Exception as e:  # a stale "queued" record expires with its TTL
+                log.warning("could not drop the queued status of %s (%s)", task_id, e)
 
     # -- results ------------------------------------------------------------------------
     def _redis_client(self) -> aioredis.Redis:
@@ -312,13 +346,34 @@ class App:
             )
         return store
 
-    async def status(self, task_id: str) -> TaskState | None:
-        """The task's latest recorded state, or None if none is known."""
-        return await self._require_results().get(task_id)
+    async def status(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
+        """The task's recorded state in ``queue``, or None if none is known.
 
-    async def result(self, task_id: str, *, timeout_s: float = 60.0) -> TaskState:
-        """Wait (without polling in a loop) until the task succeeded or was dead-lettered."""
-        return await self._require_results().wait(task_id, timeout_s)
+        A task has one record per queue it went through (pipeline stages may share a task
+        id). Without ``queue``, the most recently written record of the task id answers.
+        ``StateUnavailableError`` when Redis fails or does not answer.
+        """
+        store = self._require_results()
+        try:
+            return await store.get(task_id, queue=queue)
+        except REDIS_FAILURES as e:  # a custom store on redis-py, unwrapped
+            raise state_unavailable(e) from e
+
+    async def result(
+        self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
+    ) -> TaskState:
+        """Wait (without polling in a loop) until the task's record in ``queue`` (without a
+        queue: its most recently written record) is succeeded or dead_lettered.
+
+        For a pipeline whose stages share a task id, pass the last stage's queue: without
+        it, an earlier stage's final record may answer before the next stage wrote its own.
+        ``ResultTimeoutError`` after ``timeout_s``; ``StateUnavailableError`` when Redis fails.
+        """
+        store = self._require_results()
+        try:
+            return await store.wait(task_id, timeout_s, queue=queue)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:
@@ -331,6 +386,14 @@ class App:
             await conn.close()
 
     async def close(self) -> None:
+        if self._record_writes:
+            # Before the Redis client goes: a healthy Redis finishes them in milliseconds.
+            _, late = await asyncio.wait(self._record_writes, timeout=QUEUED_RECORD_CLOSE_WAIT_S)
+            for write in late:
+                write.cancel()
+            if late:
+                log.warning("dropped %d queued-status write(s) Redis did not answer", len(late))
+                await asyncio.wait(late)
         if self._publisher is not None:
             publisher, self._publisher = self._publisher, None
             await publisher.close()

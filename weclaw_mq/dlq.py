@@ -217,7 +217,7 @@ class _QueuedStatus:
         if self._store is None or not task_id:
             return None
         try:
-            before = await self._store.get(task_id)
+            before = await self._store.get(task_id, queue=self._queue)
             await self._store.put(
                 TaskState(task_id=task_id, queue=self._queue, status=TaskStatus.QUEUED)
             )

@@ -4,7 +4,10 @@
     ├── ConfigurationError           a handler, queue name or option that cannot work
     ├── PayloadError                 refused before anything was sent
     │   ├── PayloadTooLargeError     body over ``max_message_bytes``
-    │   └── PayloadValidationError   body fails the handler's pydantic model
+    │   ├── PayloadValidationError   body fails the handler's pydantic model
+    │   └── MessageEncodingError     AMQP cannot carry the task id, queue name or a header
+    │                                (over 255 bytes, a header name over 128, a value type
+    │                                with no AMQP encoding such as an object, set or bytes)
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
     ├── BrokerUnavailableError       no broker answered (connect failed)
     ├── ResultTimeoutError           ``App.result`` saw no final state in time
@@ -53,6 +56,10 @@ class PayloadTooLargeError(PayloadError):
 
 class PayloadValidationError(PayloadError):
     pass
+
+
+class MessageEncodingError(PayloadError):
+    """The task id, queue name or a header cannot be encoded as AMQP: nothing was sent."""
 
 
 class TopologyConflictError(WeclawMQError):

@@ -1,6 +1,6 @@
 """The idempotency guard: each task id's handler runs once per queue, however often it arrives.
 
-One Redis key per (queue, task id), in one of two states:
+One Redis key per (queue, task id) (``naming.guard_key``), in one of two states:
 - ``running:<owner>`` with a lease (PX): a worker holds the task. The lease is renewed every
   third of its length while the handler runs, so a minute-long model call is not taken by a
   second worker; if the holder dies, the lease lapses and a redelivered copy may claim it.
@@ -42,7 +42,7 @@ _CLAIM = (
     RECORD_WRITE_LUA
     + """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  if KEYS[2] then write_record(KEYS[2], ARGV[4], ARGV[5], ARGV[6], false) end
+  if KEYS[2] then write_record(KEYS[2], KEYS[3], ARGV[4], ARGV[5], ARGV[6], false) end
   return 'acquired'
 end
 if redis.call('GET', KEYS[1]) == ARGV[3] then return 'done' end
@@ -89,7 +89,7 @@ class IdempotencyGuard:
         keys = [guard_key(queue, task_id)]
         args: list[str | int] = [owner, self._lease_ms, DONE]
         if record is not None:
-            keys.append(record.key)
+            keys += [record.key, record.latest]
             args += [record.status, record.state, record.ttl_ms]
         answer = await self._claim(keys=keys, args=args)
         return Claim(answer.decode() if isinstance(answer, bytes) else answer)

@@ -6,18 +6,20 @@ headers from ``weclaw_mq.headers``.
 
 from __future__ import annotations
 
+import struct
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
+import pamqp.encode
 import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
 from pydantic import BaseModel
 
 from . import headers as h
-from .errors import PayloadError
+from .errors import MessageEncodingError, PayloadError
 from .tracing import trace_from_headers
 
 CONTENT_TYPE = "application/json"
@@ -28,12 +30,76 @@ def new_task_id() -> str:
 
 
 def encode_payload(payload: Any) -> bytes:
-    if isinstance(payload, BaseModel):
-        return payload.model_dump_json().encode()
     try:
+        if isinstance(payload, BaseModel):
+            return payload.model_dump_json().encode()
         return pydantic_core.to_json(payload)
-    except pydantic_core.PydanticSerializationError as e:
+    except (pydantic_core.PydanticSerializationError, UnicodeError) as e:
         raise PayloadError(f"payload is not JSON-serialisable: {e}") from e
+
+
+# AMQP 0-9-1 short strings (message_id, the routing key, table field names) hold at most 255
+# bytes, and RabbitMQ's field names at most 128. Past these, aiormq/pamqp raise a bare
+# TypeError or ValueError from inside publish, or (a long header name) truncate it with only
+# a log warning: we refuse such a message before anything is sent or recorded.
+SHORTSTR_MAX_BYTES = 255
+HEADER_NAME_MAX_BYTES = 128
+# pamqp's own message names the value with its repr, which can be as long as the value.
+_MAX_DETAIL = 200
+
+
+def check_encodable(queue: str, message: aio_pika.Message) -> None:
+    """``MessageEncodingError`` unless AMQP can carry this message to ``queue`` unchanged."""
+    _check_short_string("queue name", queue)
+    _check_short_string("task id", message.message_id)
+    _check_field_names(message.headers, "headers")
+    try:
+        pamqp.encode.field_table(message.headers)
+    except (TypeError, ValueError, OverflowError, struct.error) as e:
+        detail = str(e)
+        if len(detail) > _MAX_DETAIL:
+            detail = detail[:_MAX_DETAIL] + "..."
+        raise MessageEncodingError(
+            f"a header cannot be encoded in AMQP ({detail}); header values may be str, int, "
+            "float, bool, None, Decimal, datetime, bytearray, and lists or dicts of those"
+        ) from e
+
+
+def _check_short_string(what: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise MessageEncodingError(f"the {what} must be a str, not {type(value).__name__}")
+    try:
+        size = len(value.encode())
+    except UnicodeError as e:
+        raise MessageEncodingError(f"the {what} {value!r} is not valid UTF-8 ({e})") from e
+    if size > SHORTSTR_MAX_BYTES:
+        raise MessageEncodingError(
+            f"the {what} is {size} bytes long; AMQP carries at most {SHORTSTR_MAX_BYTES} "
+            f"(starts {value[:40]!r})"
+        )
+
+
+def _check_field_names(value: object, path: str) -> None:
+    """Every table field name, at any depth, is a str of at most 128 UTF-8 bytes."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise MessageEncodingError(
+                    f"{path}: field name {key!r} must be a str, not {type(key).__name__}"
+                )
+            try:
+                size = len(key.encode())
+            except UnicodeError as e:
+                raise MessageEncodingError(f"{path}: field name {key!r} is not UTF-8") from e
+            if size > HEADER_NAME_MAX_BYTES:
+                raise MessageEncodingError(
+                    f"{path}: field name {key[:40]!r}... is {size} bytes long; AMQP carries "
+                    f"at most {HEADER_NAME_MAX_BYTES}"
+                )
+            _check_field_names(item, f"{path}[{key!r}]")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_field_names(item, f"{path}[{i}]")
 
 
 def build_message(

@@ -16,8 +16,9 @@ RETRY_INFIX = ".retry."
 # Redis key prefixes (the guard and the result store build keys only through these).
 REDIS_PREFIX = "weclaw_mq"
 GUARD_KEY_PREFIX = f"{REDIS_PREFIX}:guard"
-RESULT_KEY_PREFIX = f"{REDIS_PREFIX}:result"
-RESULT_CHANNEL_PREFIX = f"{REDIS_PREFIX}:done"
+STATE_KEY_PREFIX = f"{REDIS_PREFIX}:state"
+LATEST_KEY_PREFIX = f"{REDIS_PREFIX}:latest"
+DONE_CHANNEL_PREFIX = f"{REDIS_PREFIX}:done"
 
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
@@ -57,14 +58,49 @@ def retry_queue_name(queue: str, delay_ms: int) -> str:
     return f"{queue}{RETRY_INFIX}{delay_label(delay_ms)}"
 
 
+# -- Redis keys of one task --------------------------------------------------------------
+# A task's state lives per (queue, task id): a pipeline whose stages share a task id keeps one
+# record and one guard key per stage. Layout, for queue Q and task id T:
+#
+#     weclaw_mq:guard:<len(Q)>:Q:{T}     the idempotency claim / done marker
+#     weclaw_mq:state:<len(Q)>:Q:{T}     the task's record in Q (hash: status, state)
+#     weclaw_mq:latest:{T}               the name of T's most recently written record
+#     weclaw_mq:done:{T}                 pub/sub channel: some record of T became final
+#
+# Unambiguous whatever the characters: Q is read by its byte length, T runs from the brace
+# after Q to the last character, so ("a:b", "c") and ("a", "b:c") never share a key. The
+# braces are a Redis Cluster hash tag: every key of T hashes on (the start of) T alone, so
+# one script may touch all of them on one node. That holds as long as Q has no '{' (which
+# validate_queue_name guarantees for every handler queue) and T does not start with '}'
+# (an empty tag: a cluster port must refuse such ids; ours are uuid4).
+
+
+def _task_key(prefix: str, queue: str, task_id: str) -> str:
+    return f"{prefix}:{len(queue.encode())}:{queue}:{{{task_id}}}"
+
+
 def guard_key(queue: str, task_id: str) -> str:
-    return f"{GUARD_KEY_PREFIX}:{queue}:{task_id}"
+    return _task_key(GUARD_KEY_PREFIX, queue, task_id)
 
 
-def result_key(task_id: str) -> str:
-    return f"{RESULT_KEY_PREFIX}:{task_id}"
+def state_key(queue: str, task_id: str) -> str:
+    return _task_key(STATE_KEY_PREFIX, queue, task_id)
 
 
-def result_channel(task_id: str) -> str:
-    """Pub/sub channel that wakes ``result()`` waiters when the task reaches a final state."""
-    return f"{RESULT_CHANNEL_PREFIX}:{task_id}"
+def latest_key(task_id: str) -> str:
+    return f"{LATEST_KEY_PREFIX}:{{{task_id}}}"
+
+
+def done_channel(task_id: str) -> str:
+    """Pub/sub channel that wakes ``result()`` waiters when a record of the task is final."""
+    return f"{DONE_CHANNEL_PREFIX}:{{{task_id}}}"
+
+
+def queue_key_pattern(prefix: str, queue: str) -> str:
+    """A SCAN pattern for every key under ``prefix`` of ``queue`` (e.g. its guard keys)."""
+    return f"{prefix}:{len(queue.encode())}:{queue}:{{*"
+
+
+def task_keys(queue: str, task_id: str) -> list[str]:
+    """Every key that (queue, task id) may own: for cleanup by tests and operator scripts."""
+    return [guard_key(queue, task_id), state_key(queue, task_id), latest_key(task_id)]

@@ -193,7 +193,7 @@ async def _pass_guard(
         log.warning("Redis unavailable (%s: %s); deferring the task", type(e).__name__, e)
         await _defer(message, delivery, spec, rt)
         return _Gate.SETTLED
-    if claim is Claim.DONE or await _finished_before(delivery, rt):
+    if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
         log.info("duplicate of a finished task: acked without running the handler")
         if claim is not Claim.DONE:
             await _mark_done_quietly(guard, spec, delivery)
@@ -207,8 +207,8 @@ async def _pass_guard(
     return owner
 
 
-async def _finished_before(delivery: Delivery, rt: Runtime) -> bool:
-    """Did a worker store this task's result, then die before marking it done?
+async def _finished_before(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> bool:
+    """Did a worker store this task's result in this queue, then die before marking it done?
 
     Asked only of a copy that came back unsettled (a fresh delivery cannot be in that state),
     so the common path pays no extra round trip.
@@ -216,7 +216,7 @@ async def _finished_before(delivery: Delivery, rt: Runtime) -> bool:
     if rt.results is None or not (delivery.redelivered or delivery.returns):
         return False
     try:
-        state = await rt.results.get(delivery.task_id)
+        state = await rt.results.get(delivery.task_id, queue=spec.queue)
     except Exception as e:  # unknown: let the guard's answer stand
         log.warning("could not read the stored result (%s)", e)
         return False

@@ -19,6 +19,7 @@ from .errors import (
     BrokerUnavailableError,
     ConfirmTimeoutError,
     ConnectionLostError,
+    MessageEncodingError,
     PublishNackedError,
     UnroutableError,
 )
@@ -117,6 +118,10 @@ class Publisher:
                 queue=queue,
                 task_id=task_id,
             ) from e
+        except BrokerUnavailableError:
+            # A refused connection fails fast, before our deadline: count it like a slow one.
+            self._count(queue, "unavailable")
+            raise
         except TimeoutError as e:
             if not sent:
                 self._count(queue, "unavailable")
@@ -136,6 +141,13 @@ class Publisher:
             raise self._lost(queue, task_id, "aiormq cancelled the call") from e
         except LINK_ERRORS as e:
             raise self._lost(queue, task_id, type(e).__name__) from e
+        except (TypeError, ValueError) as e:
+            # aiormq encodes the frames before writing any (App.prepare checks them first;
+            # this keeps a message built elsewhere inside our error tree): nothing was sent.
+            self._count(queue, "invalid")
+            raise MessageEncodingError(
+                f"the message for {queue!r} cannot be encoded in AMQP ({e}); nothing was sent"
+            ) from e
         self._nack_streak = 0
         self._count(queue, "confirmed")
 

@@ -45,7 +45,7 @@ from tests.conftest import delete_queues, settings_for, wait_until
 from tests.drills import drill_app
 from tests.integration.processes import WorkerProcess, queue_names, ready_count_is
 from weclaw_mq import Settings
-from weclaw_mq.naming import GUARD_KEY_PREFIX, result_key
+from weclaw_mq.naming import GUARD_KEY_PREFIX, queue_key_pattern, task_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SH = REPO_ROOT / "ops" / "cluster" / "cluster.sh"
@@ -420,8 +420,9 @@ async def forget_tasks(drill_redis_url: str) -> AsyncIterator[Callable[[str, lis
     client = aioredis.Redis.from_url(drill_redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
         for queue, ids in registered:
-            keys = [result_key(t) for t in ids]
-            keys += [k async for k in client.scan_iter(match=f"{GUARD_KEY_PREFIX}:{queue}:*")]
+            keys = [k for t in ids for k in task_keys(queue, t)]
+            pattern = queue_key_pattern(GUARD_KEY_PREFIX, queue)
+            keys += [k async for k in client.scan_iter(match=pattern)]
             for start in range(0, len(keys), 500):
                 await client.delete(*keys[start : start + 500])
     finally:

@@ -25,7 +25,7 @@ from tests.drills.conftest import DrillReport
 from tests.integration.fixture_apps import guard_app
 from tests.integration.processes import WorkerProcess, all_empty, queue_names, ready_count
 from weclaw_mq import App, TaskStatus
-from weclaw_mq.naming import GUARD_KEY_PREFIX, result_key
+from weclaw_mq.naming import GUARD_KEY_PREFIX, queue_key_pattern, task_keys
 
 TASKS = 1000
 KILLS = 3
@@ -59,8 +59,9 @@ async def _statuses(app: App, ids: list[str]) -> Counter[str]:
 
 
 async def _forget(client: aioredis.Redis, queue: str, record_key: str, ids: list[str]) -> None:
-    keys = guard_app.record_keys(record_key) + [result_key(t) for t in ids]
-    keys += [k async for k in client.scan_iter(match=f"{GUARD_KEY_PREFIX}:{queue}:*", count=500)]
+    keys = guard_app.record_keys(record_key) + [k for t in ids for k in task_keys(queue, t)]
+    pattern = queue_key_pattern(GUARD_KEY_PREFIX, queue)
+    keys += [k async for k in client.scan_iter(match=pattern, count=500)]
     for start in range(0, len(keys), 500):
         await client.delete(*keys[start : start + 500])
 

@@ -25,7 +25,7 @@ from consumers import demo
 from producers.api import RETRY_AFTER_S, create_app
 from tests.conftest import queue_depth, settings_for, wait_until
 from weclaw_mq import App
-from weclaw_mq.naming import dlq_name, guard_key, result_key
+from weclaw_mq.naming import dlq_name, task_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEAD_BROKER_URL = "amqp://guest:guest@127.0.0.1:1/"
@@ -47,7 +47,7 @@ async def forget_tasks(redis_url: str) -> AsyncIterator[list[tuple[str, str]]]:
     client = aioredis.Redis.from_url(redis_url)
     try:
         for queue, task_id in tasks:
-            await client.delete(result_key(task_id), guard_key(queue, task_id))
+            await client.delete(*task_keys(queue, task_id))
     finally:
         await client.aclose()
 

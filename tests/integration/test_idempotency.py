@@ -40,7 +40,7 @@ from tests.integration.processes import (
 )
 from weclaw_mq import App, Context, ResultTimeoutError, RetryPolicy, TaskStatus
 from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import guard_key, result_key, retry_queue_name
+from weclaw_mq.naming import guard_key, retry_queue_name, task_keys
 
 # Keys this file leaves behind expire soon instead of after the 24 h defaults.
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
@@ -270,7 +270,7 @@ async def test_worker_killed_after_storing_the_result_but_before_the_ack_does_no
         await delete_queues(broker_url, queue_names(publisher))
         keys = guard_app.record_keys(record_key)
         if task_id:
-            keys += [guard_key(qname, task_id), result_key(task_id)]
+            keys += task_keys(qname, task_id)
         await redis_client.delete(*keys)
 
 
