@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -79,7 +79,7 @@ class App:
         self._guard: IdempotencyGuard | None = None
         # Queued-record writes that outlived their publish: held here so they are not
         # garbage-collected mid-write, and awaited (briefly) on close.
-        self._record_writes: set[asyncio.Task[None]] = set()
+        self._record_writes: set[asyncio.Task[Any]] = set()
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -191,7 +191,7 @@ class App:
             return message.message_id
         # The "queued" record is written beside the confirm, not after it (no added latency),
         # and only if the task has no record yet, so it can never hide a later status.
-        queued = asyncio.create_task(
+        queued = self._record_in_background(
             store.put(
                 TaskState(task_id=message.message_id, queue=queue, status=TaskStatus.QUEUED),
                 only_if_new=True,
@@ -243,7 +243,7 @@ class App:
         await publisher.connect()
         store = self.results
         queued = (
-            asyncio.create_task(
+            self._record_in_background(
                 store.put_many(
                     [TaskState(task_id=t, queue=queue, status=TaskStatus.QUEUED) for t in ids],
                     only_if_new=True,
@@ -273,28 +273,44 @@ class App:
             raise BatchPublishError(queue, ids, failed)
         return ids
 
+    def _record_in_background(self, write: Coroutine[Any, Any, object]) -> asyncio.Task[Any]:
+        """Run a best-effort state write as a task we hold until it ends (the loop itself
+        keeps only a weak reference), and log its failure whoever waited for it."""
+        task = asyncio.create_task(write)
+        self._record_writes.add(task)
+        task.add_done_callback(self._record_write_ended)
+        return task
+
+    def _record_write_ended(self, task: asyncio.Task[Any]) -> None:
+        self._record_writes.discard(task)
+        # The task is safe in the broker whatever happens here: a missing "queued" record only
+        # means status() answers None until a worker picks the task up.
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.warning("could not record the queued status (%s: %s)", type(e).__name__, e)
+
     async def _settle_queued(
         self, queued: asyncio.Task[Any], queue: str, refused: list[str]
     ) -> None:
-        """Let the "queued" write finish, then drop the records of ``refused`` tasks; wait for
-        both at most ``QUEUED_RECORD_WAIT_S``, and leave the rest to the background."""
-        settling = asyncio.create_task(self._queued_then_forget(queued, queue, refused))
-        self._record_writes.add(settling)
-        settling.add_done_callback(self._record_writes.discard)
-        # asyncio.wait never cancels what it waits for: a slow write goes on after we return.
-        await asyncio.wait({settling}, timeout=QUEUED_RECORD_WAIT_S)
+        """Wait for the "queued" write, then drop the records of ``refused`` tasks, both within
+        ``QUEUED_RECORD_WAIT_S`` in all; what is left goes on in the background."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + QUEUED_RECORD_WAIT_S
+        if not queued.done():
+            # asyncio.wait never cancels what it waits for: a slow write goes on after we return.
+            await asyncio.wait({queued}, timeout=QUEUED_RECORD_WAIT_S)
+        if not refused:
+            return
+        forgetting = self._record_in_background(self._forget_after(queued, queue, refused))
+        left = deadline - loop.time()
+        if left > 0:
+            await asyncio.wait({forgetting}, timeout=left)
 
-    async def _queued_then_forget(
+    async def _forget_after(
         self, queued: asyncio.Task[Any], queue: str, refused: list[str]
     ) -> None:
-        # The task is safe in the broker whatever happens here: a missing "queued" record only
-        # means status() answers None until a worker picks the task up.
-        try:
-            await queued
-        except Exception as e:
-            log.warning("could not record the queued status (%s: %s)", type(e).__name__, e)
-        # Only after the write above ended: a forget that overtook it would leave a "queued"
-        # record for a task the broker does not hold.
+        # Only once the write ended: a forget that overtook it would leave a "queued" record
+        # for a task the broker does not hold.
+        await asyncio.wait({queued})
         store = self.results
         if store is None:
             return

@@ -144,7 +144,6 @@ class Publisher:
         except (TypeError, ValueError) as e:
             # aiormq encodes the frames before writing any (App.prepare checks them first;
             # this keeps a message built elsewhere inside our error tree): nothing was sent.
-            self._count(queue, "invalid")
             raise MessageEncodingError(
                 f"the message for {queue!r} cannot be encoded in AMQP ({e}); nothing was sent"
             ) from e

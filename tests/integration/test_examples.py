@@ -24,6 +24,7 @@ from aio_pika.abc import AbstractChannel
 from consumers import demo
 from producers.api import RETRY_AFTER_S, create_app
 from tests.conftest import queue_depth, settings_for, wait_until
+from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App
 from weclaw_mq.naming import dlq_name, task_keys
 
@@ -101,6 +102,7 @@ async def test_posted_prompt_is_accepted_with_202_and_its_status_reaches_succeed
 
     assert body == {
         "task_id": task_id,
+        "queue": qname,
         "status": "succeeded",
         "result": {"reply": demo.reply_to("hello"), "model": demo.MODEL_NAME, "attempt": 1},
         "error": None,
@@ -174,6 +176,31 @@ async def test_get_answers_404_for_a_task_id_nobody_published(
         response = await client.get(f"/tasks/never-published-{qname}")
 
     assert response.status_code == 404
+
+
+async def test_get_answers_503_when_redis_does_not_answer(broker_url: str, qname: str) -> None:
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    mq = App("demo-api", settings=settings_for(broker_url, url, redis_timeout_s=1))
+    async with mq, demo_client(mq, qname) as client:
+        response = await client.get(f"/tasks/some-task-{qname}")
+
+    assert response.status_code == 503, response.text
+    assert response.headers["Retry-After"] == str(RETRY_AFTER_S)
+
+
+async def test_get_reads_one_queues_record_when_asked_for_it(
+    make_app: Callable[..., App], qname: str, forget_tasks: list[tuple[str, str]]
+) -> None:
+    mq = make_app("demo-api")
+    async with demo_client(mq, qname, lifespan=True) as client:
+        response = await client.post("/tasks", json={"text": "hello", "user_id": "u1"})
+        task_id = response.json()["task_id"]
+        forget_tasks.append((qname, task_id))
+        mine = await client.get(f"/tasks/{task_id}", params={"queue": qname})
+        other = await client.get(f"/tasks/{task_id}", params={"queue": f"{qname}-other"})
+
+    assert mine.status_code == 200 and mine.json()["status"] == "queued", mine.text
+    assert other.status_code == 404
 
 
 async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(

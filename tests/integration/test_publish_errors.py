@@ -14,7 +14,7 @@ import aio_pika
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, queue_depth, settings_for
+from tests.conftest import delete_queues, get_message, queue_depth, settings_for
 from tests.integration.dead_endpoints import closed_port, silent_server
 from weclaw_mq import (
     App,
@@ -23,6 +23,8 @@ from weclaw_mq import (
     PayloadError,
     TaskStatus,
 )
+from weclaw_mq.message import build_message
+from weclaw_mq.producer import Publisher
 from weclaw_mq.topology import queue_declarations
 
 
@@ -125,6 +127,26 @@ async def test_one_bad_header_refuses_a_whole_batch_before_sending(
     app = await _declared_app(make_app, qname)
     with pytest.raises(MessageEncodingError):
         await app.publish_many(qname, [Prompt(text="a")] * 3, headers={"x-thing": object()})
+    assert await queue_depth(amqp, qname) == 0
+
+
+async def test_a_message_built_elsewhere_that_amqp_cannot_encode_fails_as_ours_and_harms_nothing(
+    make_app: Callable[..., App], qname: str, amqp: aio_pika.abc.AbstractChannel
+) -> None:
+    # The publisher under the worker's moves and the DLQ tools, without App.prepare's check.
+    app = await _declared_app(make_app, qname)
+    publisher = Publisher(app.broker, app.metrics, name="t-publisher")
+    try:
+        bad = build_message(b"{}", task_id="bad", headers={"x-thing": object()})
+        with pytest.raises(MessageEncodingError, match="nothing was sent"):
+            await publisher.publish(qname, bad)
+        with pytest.raises(MessageEncodingError):
+            await publisher.publish("q" * 256, build_message(b"{}", task_id="long", headers={}))
+        await publisher.publish(qname, build_message(b"{}", task_id="good", headers={}))
+    finally:
+        await publisher.close()
+    message = await get_message(amqp, qname)
+    assert message is not None and message.message_id == "good"
     assert await queue_depth(amqp, qname) == 0
 
 
