@@ -110,7 +110,8 @@ async def wait_until_consuming(worker: asyncio.subprocess.Process, ready: asynci
 
 async def collect(task_ids: Sequence[str]) -> list[TaskState | BaseException]:
     outcomes = await asyncio.gather(
-        *(app.result(t, timeout_s=RESULT_TIMEOUT_S) for t in task_ids), return_exceptions=True
+        *(app.result(t, queue=QUEUE, timeout_s=RESULT_TIMEOUT_S) for t in task_ids),
+        return_exceptions=True,
     )
     return list(outcomes)
 
