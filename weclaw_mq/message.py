@@ -71,7 +71,7 @@ def _check_short_string(what: str, value: object) -> None:
     try:
         size = len(value.encode())
     except UnicodeError as e:
-        raise MessageEncodingError(f"the {what} {value!r} is not valid UTF-8 ({e})") from e
+        raise MessageEncodingError(f"the {what} {value[:40]!r} is not valid UTF-8 ({e})") from e
     if size > SHORTSTR_MAX_BYTES:
         raise MessageEncodingError(
             f"the {what} is {size} bytes long; AMQP carries at most {SHORTSTR_MAX_BYTES} "
@@ -90,7 +90,7 @@ def _check_field_names(value: object, path: str) -> None:
             try:
                 size = len(key.encode())
             except UnicodeError as e:
-                raise MessageEncodingError(f"{path}: field name {key!r} is not UTF-8") from e
+                raise MessageEncodingError(f"{path}: field name {key[:40]!r} is not UTF-8") from e
             if size > HEADER_NAME_MAX_BYTES:
                 raise MessageEncodingError(
                     f"{path}: field name {key[:40]!r}... is {size} bytes long; AMQP carries "

@@ -145,7 +145,9 @@ class Publisher:
             # aiormq encodes the frames before writing any (App.prepare checks them first;
             # this keeps a message built elsewhere inside our error tree): nothing was sent.
             raise MessageEncodingError(
-                f"the message for {queue!r} cannot be encoded in AMQP ({e}); nothing was sent"
+                # pamqp's message holds the value's repr, which can be as long as the value.
+                f"the message for {queue!r} cannot be encoded in AMQP ({str(e)[:200]}); "
+                "nothing was sent"
             ) from e
         self._nack_streak = 0
         self._count(queue, "confirmed")
