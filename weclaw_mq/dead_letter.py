@@ -27,8 +27,11 @@ from . import headers as h
 from .message import CONTENT_TYPE
 
 # Our record of a failure: dropped from a requeued copy, so its next failure is told afresh.
+# The carried return count goes too: an operator requeues a crash-looping task after fixing
+# the crash, and a copy that still carried it would be dead-lettered again without running.
 _FAILURE_HEADERS = frozenset(
     {
+        h.RETURNS,
         h.DEAD_LETTER_REASON,
         h.ERROR_TYPE,
         h.ERROR_MESSAGE,
