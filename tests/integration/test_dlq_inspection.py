@@ -254,5 +254,6 @@ async def test_requeue_by_task_id_leaves_the_others_identical_and_in_order(
     assert moved.message_id == "odd-2"
     left = await drain(amqp, dlq_name(queue))
     assert [m.message_id for m in left] == ["ours-1", "loop-3"]
-    assert all(not m.redelivered and (m.headers or {}).get(h.X_DELIVERY_COUNT, 0) == 0 for m in left)
+    for m in left:
+        assert not m.redelivered and (m.headers or {}).get(h.X_DELIVERY_COUNT, 0) == 0
     assert without_delivery_count(seen(left[0])["headers"]) == odd_dlq.before["ours-1"]["headers"]
