@@ -257,3 +257,28 @@ async def test_requeue_by_task_id_leaves_the_others_identical_and_in_order(
     for m in left:
         assert not m.redelivered and (m.headers or {}).get(h.X_DELIVERY_COUNT, 0) == 0
     assert without_delivery_count(seen(left[0])["headers"]) == odd_dlq.before["ours-1"]["headers"]
+
+
+async def test_25_looks_at_well_formed_dead_letters_never_raise_their_delivery_count(
+    make_app: Callable[..., App], qname: str, amqp: AbstractChannel, tmp_path: Path
+) -> None:
+    app = make_app()
+
+    @app.handler(qname)
+    async def never_runs(task: Prompt) -> None:
+        raise AssertionError("no worker runs in this test")
+
+    await app.declare()
+    await amqp.default_exchange.publish(ours(), routing_key=dlq_name(qname))
+
+    for _ in range(LOOKS):
+        assert [d.task_id for d in await dlq.inspect(app, qname)] == ["ours-1"]
+        assert await dlq.find(app, qname, "ours-1") is not None
+        assert await dlq.export(app, qname, tmp_path / "dead.jsonl") == 1
+
+    [after] = await drain(amqp, dlq_name(qname))
+    view = seen(after)
+    assert view["redelivered"] is False
+    assert view["headers"].get(h.X_DELIVERY_COUNT, 0) == 0, view["headers"]
+    assert without_delivery_count(view["headers"]) == dict(ours().headers or {})
+    assert view["body"] == ours().body and view["timestamp"] == ours().timestamp
