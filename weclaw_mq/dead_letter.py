@@ -26,6 +26,7 @@ from pamqp.commands import Basic
 
 from . import headers as h
 from .message import CONTENT_TYPE
+from .undecodable import raw_properties, undecodable
 
 # Our record of a failure: dropped from a requeued copy, so its next failure is told afresh.
 # The carried return count goes too: an operator requeues a crash-looping task after fixing
@@ -46,6 +47,8 @@ _FAILURE_HEADERS = frozenset(
 )
 
 UNKNOWN_REASON = "unknown"
+# A message whose properties the client cannot decode (see weclaw_mq.undecodable).
+UNDECODABLE_PROPERTIES_REASON = "undecodable_properties"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,20 @@ def read_dead_letter(task_id: object, headers: object, body: bytes) -> DeadLette
     look at the whole DLQ.
     """
     hdrs = dict(headers) if isinstance(headers, Mapping) else {}
+    if undecodable(hdrs) is not None:
+        return DeadLetter(
+            task_id="",
+            reason=UNDECODABLE_PROPERTIES_REASON,
+            error_type=None,
+            error_message=_text(hdrs.get(h.UNDECODABLE_ERROR)),
+            attempts=None,
+            original_queue=None,
+            first_failure_at=None,
+            last_failure_at=None,
+            trace_id=None,
+            body=body,
+            headers=hdrs,
+        )
     died = hdrs.get(h.X_DEATH)
     deaths = [d for d in died if isinstance(d, Mapping)] if isinstance(died, list) else []
     # x-death is most recent first; the latest death is what put it in the DLQ (earlier ones
@@ -174,7 +191,11 @@ def _with(properties: Basic.Properties, **changes: Any) -> Basic.Properties:
 def kept_properties(properties: Basic.Properties) -> Basic.Properties:
     """The properties of the copy that takes a dead letter's place when a look rotates the
     DLQ: every property and header exactly as read, minus the broker's ``x-delivery-count``
-    (its count of returns in this queue: the copy was never returned)."""
+    (its count of returns in this queue: the copy was never returned). Properties the client
+    could not decode are copied back as the bytes they were read from."""
+    raw = undecodable(properties.headers)
+    if raw is not None:
+        return raw_properties(raw)
     headers = properties.headers
     if isinstance(headers, dict) and h.X_DELIVERY_COUNT in headers:
         headers = {k: v for k, v in headers.items() if k != h.X_DELIVERY_COUNT}

@@ -38,6 +38,7 @@ from .errors import (
 )
 from .naming import dlq_name
 from .results import ResultStore, TaskState, TaskStatus
+from .undecodable import tolerant_properties, undecodable
 
 log = logging.getLogger("weclaw_mq.dlq")
 
@@ -213,6 +214,14 @@ class _Pass:
 
 @contextlib.asynccontextmanager
 async def _pass(app: App, queue: str, purpose: str) -> AsyncIterator[_Pass]:
+    # Held from before the connection opens until after it closed: its reader decodes.
+    with tolerant_properties():
+        async with _pass_on_connection(app, queue, purpose) as dlq:
+            yield dlq
+
+
+@contextlib.asynccontextmanager
+async def _pass_on_connection(app: App, queue: str, purpose: str) -> AsyncIterator[_Pass]:
     async with connected(app, purpose) as conn:
         depth = await _dlq_depth(conn, queue)
         channel: AbstractChannel = await conn.channel(publisher_confirms=True)
@@ -327,7 +336,7 @@ async def requeue(
     if wanted is not None and not wanted:
         return 0
     statuses = _QueuedStatus(app.results, queue)
-    moved = 0
+    moved = skipped = 0
     async with _pass(app, queue, "requeue") as dlq:
         try:
             while limit is None or moved < limit:
@@ -335,6 +344,11 @@ async def requeue(
                 if message is None:
                     break
                 task_id = message.header.properties.message_id or ""
+                if undecodable(message.header.properties.headers) is not None:
+                    # It would only kill its worker's connection again and again.
+                    skipped += 1
+                    await dlq.keep(message)
+                    continue
                 if wanted is not None and task_id not in wanted:
                     await dlq.keep(message)
                     continue
@@ -346,6 +360,13 @@ async def requeue(
             if moved:  # the error says why it stopped; only we know how far it got
                 log.error("requeue stopped after moving %d message(s) to %s", moved, queue)
             raise
+    if skipped:
+        log.warning(
+            "left %d message(s) in %s whose properties the client cannot decode (listed as "
+            "undecodable_properties); see the README's DLQ section",
+            skipped,
+            dlq_name(queue),
+        )
     return moved
 
 

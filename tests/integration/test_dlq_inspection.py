@@ -18,10 +18,12 @@ from typing import Any
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from pamqp.commands import Basic
 from pydantic import BaseModel
 
 from tests.conftest import get_message, next_message, queue_depth, wait_until
 from tests.integration.processes import run_cli, settings_env
+from tests.integration.raw_amqp import publish_raw
 from weclaw_mq import App, dlq
 from weclaw_mq import headers as h
 from weclaw_mq.naming import dlq_name
@@ -282,3 +284,64 @@ async def test_25_looks_at_well_formed_dead_letters_never_raise_their_delivery_c
     assert view["headers"].get(h.X_DELIVERY_COUNT, 0) == 0, view["headers"]
     assert without_delivery_count(view["headers"]) == dict(ours().headers or {})
     assert view["body"] == ours().body and view["timestamp"] == ours().timestamp
+
+
+# A message_id that is not UTF-8: RabbitMQ stores it, pamqp refuses to decode it, and aiormq
+# closes the whole connection over it.
+BAD_ID_PATCH = b"\x04\x01\x01\x01\x01" + b"\x04\xff\xfe\xfd\xfc"
+
+
+async def test_a_message_whose_properties_cannot_be_decoded_is_listed_kept_intact_and_skipped(
+    make_app: Callable[..., App], qname: str, amqp: AbstractChannel, broker_url: str
+) -> None:
+    app = make_app()
+
+    @app.handler(qname)
+    async def never_runs(task: Prompt) -> None:
+        raise AssertionError("no worker runs in this test")
+
+    await app.declare()
+    await amqp.default_exchange.publish(ours(), routing_key=dlq_name(qname))
+    await publish_raw(
+        broker_url,
+        dlq_name(qname),
+        properties=Basic.Properties(
+            message_id="\x01\x01\x01\x01",
+            content_type="application/json",
+            delivery_mode=2,
+            headers={"x-weclaw-trace-id": "trace-bad"},
+        ),
+        body=b'{"text": "bad properties"}',
+        patch=BAD_ID_PATCH,
+    )
+    tail = ours()
+    tail.message_id = "tail-3"
+    await amqp.default_exchange.publish(tail, routing_key=dlq_name(qname))
+
+    first = await dlq.inspect(app, qname)
+    assert [d.reason for d in first] == [
+        "retries_exhausted",
+        "undecodable_properties",
+        "retries_exhausted",
+    ]
+    bad = first[1]
+    raw = bytes(bad.headers[h.UNDECODABLE_PROPERTIES])
+    assert b"\xff\xfe\xfd\xfc" in raw
+    assert bad.error_message is not None and "utf-8" in bad.error_message
+    assert bad.body == b'{"text": "bad properties"}'
+
+    for _ in range(5):
+        again = await dlq.inspect(app, qname)
+        assert [d.task_id for d in again] == ["ours-1", "", "tail-3"]
+        assert bytes(again[1].headers[h.UNDECODABLE_PROPERTIES]) == raw  # byte for byte
+
+    listed = await run_cli("dlq", "list", qname, env=settings_env(app.settings))
+    assert listed.code == 0, listed.stderr
+    assert "undecodable_properties" in listed.stdout
+
+    assert await dlq.requeue(app, qname) == 2
+
+    [left] = await dlq.inspect(app, qname)
+    assert left.reason == "undecodable_properties"
+    assert bytes(left.headers[h.UNDECODABLE_PROPERTIES]) == raw
+    assert sorted(m.message_id or "" for m in await drain(amqp, qname)) == ["ours-1", "tail-3"]
