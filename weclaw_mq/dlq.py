@@ -76,9 +76,8 @@ async def connected(app: App, purpose: str) -> AsyncIterator[AbstractConnection]
         yield conn
     except aiormq.exceptions.InvalidFrameError as e:
         raise BrokerUnavailableError(
-            f"dlq {purpose} stopped: the client cannot decode a message's properties ({e}); "
-            "it is back in the queue, unchanged but for its x-delivery-count. See the "
-            "README (DLQ, undecodable messages) for how to move it"
+            f"dlq {purpose} stopped: the client cannot decode a frame from the broker ({e}); "
+            "messages not yet moved stay where they were"
         ) from e
     except (aiormq.exceptions.AMQPError, ConnectionError) as e:
         raise BrokerUnavailableError(
