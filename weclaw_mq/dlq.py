@@ -1,8 +1,9 @@
 """Operating a handler's dead-letter queue ``Q.dlq``: look, export, shovel back, purge.
 
 What a dead letter says is read by ``weclaw_mq.dead_letter``; this module holds the broker
-side. Every move back to ``Q`` is "publish with confirm, then ack the DLQ copy", like every
-other hop: a crash in between duplicates, never loses.
+side. Every move is "publish with confirm, then ack the DLQ copy", like every other hop: a
+crash in between duplicates, never loses. That holds for looking too: a look rotates the DLQ
+(see ``_Pass``) rather than taking messages and handing them back.
 """
 
 from __future__ import annotations
