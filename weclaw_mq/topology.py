@@ -91,12 +91,18 @@ def queue_declarations(
 _INEQUIVALENT_ARG = re.compile(r"inequivalent arg '([^']+)'")
 
 
-async def declare(channel: AbstractChannel, specs: Iterable[QueueSpec]) -> list[str]:
+async def declare(
+    channel: AbstractChannel,
+    specs: Iterable[QueueSpec],
+    *,
+    server_version: ServerVersion | None = None,
+) -> list[str]:
     """Declare every queue of ``specs``; returns their names. Safe to run again and again.
 
     A conflict closes ``channel`` (AMQP's rule), so callers open a fresh one afterwards.
+    The broker's version is read from ``channel`` unless ``server_version`` says it.
     """
-    version = await channel_server_version(channel)
+    version = server_version or await channel_server_version(channel)
     declared: list[str] = []
     for spec in specs:
         for name, args in queue_declarations(spec, version):
