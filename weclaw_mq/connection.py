@@ -15,8 +15,9 @@ import random
 
 import aio_pika
 import aiormq
-from aio_pika.abc import AbstractConnection
+from aio_pika.abc import AbstractChannel, AbstractConnection
 
+from .broker_version import ServerVersion, parse_server_version
 from .errors import BrokerUnavailableError
 from .settings import Settings, redact_url
 
@@ -116,6 +117,24 @@ def cancelled_by_caller() -> bool:
     """
     task = asyncio.current_task()
     return task is None or task.cancelling() > 0
+
+
+def server_version(conn: AbstractConnection) -> ServerVersion | None:
+    """The RabbitMQ version ``conn``'s broker announced; None if it did not say."""
+    transport = conn.transport
+    if transport is None:
+        return None
+    return parse_server_version((transport.connection.server_properties or {}).get("version"))
+
+
+async def channel_server_version(channel: AbstractChannel) -> ServerVersion | None:
+    """The same, from a channel (what topology declares on)."""
+    try:
+        underlay = await channel.get_underlay_channel()
+    except aiormq.exceptions.ChannelInvalidStateError:
+        return None
+    properties = underlay.connection.server_properties or {}
+    return parse_server_version(properties.get("version"))
 
 
 def is_alive(conn: AbstractConnection) -> bool:

@@ -14,21 +14,26 @@ For a handler queue ``Q`` the dead letters sit in ``Q.dlq``. Two kinds arrive th
 from __future__ import annotations
 
 import base64
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-import aio_pika
-from aio_pika.abc import AbstractIncomingMessage
+from pamqp import encode
+from pamqp.commands import Basic
 
 from . import headers as h
 from .message import CONTENT_TYPE
+from .undecodable import raw_properties, undecodable
 
 # Our record of a failure: dropped from a requeued copy, so its next failure is told afresh.
+# The carried return count goes too: an operator requeues a crash-looping task after fixing
+# the crash, and a copy that still carried it would be dead-lettered again without running.
 _FAILURE_HEADERS = frozenset(
     {
+        h.RETURNS,
         h.DEAD_LETTER_REASON,
         h.ERROR_TYPE,
         h.ERROR_MESSAGE,
@@ -42,6 +47,8 @@ _FAILURE_HEADERS = frozenset(
 )
 
 UNKNOWN_REASON = "unknown"
+# A message whose properties the client cannot decode (see weclaw_mq.undecodable).
+UNDECODABLE_PROPERTIES_REASON = "undecodable_properties"
 
 
 @dataclass(frozen=True)
@@ -70,10 +77,30 @@ class DeadLetter:
         return h.DEAD_LETTER_REASON not in self.headers
 
 
-def read_dead_letter(task_id: str | None, headers: Mapping[str, Any], body: bytes) -> DeadLetter:
-    """Our headers when the worker dead-lettered it, else the broker's most recent death."""
-    hdrs = dict(headers)
-    deaths = [d for d in hdrs.get(h.X_DEATH) or [] if isinstance(d, Mapping)]
+def read_dead_letter(task_id: object, headers: object, body: bytes) -> DeadLetter:
+    """Our headers when the worker dead-lettered it, else the broker's most recent death.
+
+    Never raises for what another producer may have written: a header of an unexpected type
+    reads as absent (and is still shown among the headers), so one odd message never stops a
+    look at the whole DLQ.
+    """
+    hdrs = dict(headers) if isinstance(headers, Mapping) else {}
+    if undecodable(hdrs) is not None:
+        return DeadLetter(
+            task_id="",
+            reason=UNDECODABLE_PROPERTIES_REASON,
+            error_type=None,
+            error_message=_text(hdrs.get(h.UNDECODABLE_ERROR)),
+            attempts=None,
+            original_queue=None,
+            first_failure_at=None,
+            last_failure_at=None,
+            trace_id=None,
+            body=body,
+            headers=hdrs,
+        )
+    died = hdrs.get(h.X_DEATH)
+    deaths = [d for d in died if isinstance(d, Mapping)] if isinstance(died, list) else []
     # x-death is most recent first; the latest death is what put it in the DLQ (earlier ones
     # are usually our delay queues' TTL expiries, reason "expired", on the way back to Q).
     latest = deaths[0] if deaths else {}
@@ -95,7 +122,7 @@ def read_dead_letter(task_id: str | None, headers: Mapping[str, Any], body: byte
         )
         last = died_at or _time(hdrs.get(h.LAST_FAILURE_AT))
     return DeadLetter(
-        task_id=task_id or "",
+        task_id=_text(task_id) or "",
         reason=reason,
         error_type=_text(hdrs.get(h.ERROR_TYPE)),
         error_message=_text(hdrs.get(h.ERROR_MESSAGE)),
@@ -123,23 +150,70 @@ def requeue_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def requeued_message(message: AbstractIncomingMessage) -> aio_pika.Message:
+class _ExactProperties(Basic.Properties):
+    """Properties whose headers are written back with the value a reader decoded: pamqp's
+    own encoder would write a 64-bit float as a 32-bit one (changing 0.1), refuse bytes (what
+    it decodes a non-UTF-8 long string to) and reorder the keys."""
+
+    # No __slots__ of its own: pamqp's marshal() walks self.__slots__, which must stay the
+    # parent's list of properties.
+
+    def encode_property(self, name: str, value: Any) -> bytes:
+        if name == "headers" and isinstance(value, dict):
+            return _field_table(value)
+        return super().encode_property(name, value)
+
+
+def _field_table(table: Mapping[str, Any]) -> bytes:
+    body = b"".join(encode.short_string(k) + _field_value(v) for k, v in table.items())
+    return struct.pack(">I", len(body)) + body
+
+
+def _field_value(value: Any) -> bytes:
+    if isinstance(value, float):
+        return b"d" + encode.double(value)
+    if isinstance(value, bytes):
+        return b"S" + struct.pack(">I", len(value)) + value
+    if isinstance(value, Mapping):
+        return b"F" + _field_table(value)
+    if isinstance(value, list):
+        items = b"".join(_field_value(v) for v in value)
+        return b"A" + struct.pack(">I", len(items)) + items
+    return encode.encode_table_value(value)
+
+
+def _with(properties: Basic.Properties, **changes: Any) -> Basic.Properties:
+    values = {name: getattr(properties, name) for name in properties.attributes()}
+    values.update(changes)
+    return _ExactProperties(**values)
+
+
+def kept_properties(properties: Basic.Properties) -> Basic.Properties:
+    """The properties of the copy that takes a dead letter's place when a look rotates the
+    DLQ: every property and header exactly as read, minus the broker's ``x-delivery-count``
+    (its count of returns in this queue: the copy was never returned). Properties the client
+    could not decode are copied back as the bytes they were read from."""
+    raw = undecodable(properties.headers)
+    if raw is not None:
+        return raw_properties(raw)
+    headers = properties.headers
+    if isinstance(headers, dict) and h.X_DELIVERY_COUNT in headers:
+        headers = {k: v for k, v in headers.items() if k != h.X_DELIVERY_COUNT}
+    return _with(properties, headers=headers)
+
+
+def requeued_properties(properties: Basic.Properties) -> Basic.Properties:
     """Same body, task id, trace id and properties as the dead letter; new headers."""
-    return aio_pika.Message(
-        message.body,
-        headers=requeue_headers(message.headers or {}),
-        content_type=message.content_type or CONTENT_TYPE,
-        content_encoding=message.content_encoding,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        priority=message.priority,
-        correlation_id=message.correlation_id,
-        reply_to=message.reply_to,
-        message_id=message.message_id,
-        timestamp=message.timestamp,
-        type=message.type,
-        app_id=message.app_id,
+    headers = properties.headers if isinstance(properties.headers, Mapping) else {}
+    return _with(
+        properties,
+        headers=requeue_headers(headers),
+        content_type=properties.content_type or CONTENT_TYPE,
+        delivery_mode=2,  # persistent
         # Left out on purpose: expiration (the copy would only expire again) and user_id
         # (the broker refuses a user_id that is not this connection's user).
+        expiration=None,
+        user_id=None,
     )
 
 

@@ -1,63 +1,72 @@
 """Operating a handler's dead-letter queue ``Q.dlq``: look, export, shovel back, purge.
 
 What a dead letter says is read by ``weclaw_mq.dead_letter``; this module holds the broker
-side. Every move back to ``Q`` is "publish with confirm, then ack the DLQ copy", like every
-other hop: a crash in between duplicates, never loses.
+side. Every move is "publish with confirm, then ack the DLQ copy", like every other hop: a
+crash in between duplicates, never loses. That holds for looking too: a look rotates the DLQ
+(see ``_Pass``) rather than taking messages and handing them back.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiormq
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractConnection
+from aiormq.abc import DeliveredMessage
+from pamqp.commands import Basic
 
 from .app import App
-from .dead_letter import DeadLetter, export_record, read_dead_letter, requeued_message
-from .errors import BrokerUnavailableError, ConfigurationError, WeclawMQError
+from .dead_letter import (
+    DeadLetter,
+    export_record,
+    kept_properties,
+    read_dead_letter,
+    requeued_properties,
+)
+from .errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    ConfirmTimeoutError,
+    ConnectionLostError,
+    PublishNackedError,
+    UnroutableError,
+    WeclawMQError,
+)
 from .naming import dlq_name
-from .producer import Publisher
 from .results import ResultStore, TaskState, TaskStatus
+from .undecodable import tolerant_properties, undecodable
 
 log = logging.getLogger("weclaw_mq.dlq")
 
-# How long a look waits for the messages it handed back to show in the DLQ again.
-RETURN_WAIT_S = 5.0
+UNREADABLE_REASON = "unreadable"
 
 
-def _dead_letter(message: AbstractIncomingMessage) -> DeadLetter:
-    return read_dead_letter(message.message_id, message.headers or {}, message.body)
-
-
-# -- reading the DLQ without taking from it ----------------------------------------------
-
-
-class _Taker:
-    """basic.get without ack, at most as many messages as the queue held when we started:
-    messages dead-lettered meanwhile do not keep a look at a busy DLQ going forever."""
-
-    def __init__(self, queue: AbstractQueue, budget: int) -> None:
-        self._queue = queue
-        self._budget = budget
-        self.held = 0  # taken and not acked: handed back when the channel closes
-
-    async def next(self) -> AbstractIncomingMessage | None:
-        if self._budget <= 0:
-            return None
-        self._budget -= 1
-        message = await self._queue.get(no_ack=False, fail=False)
-        if message is not None:
-            self.held += 1
-        return message
-
-    async def ack(self, message: AbstractIncomingMessage) -> None:
-        await message.ack()
-        self.held -= 1
+def _dead_letter(message: DeliveredMessage) -> DeadLetter:
+    """What the message says; a message our reader trips over is shown as unreadable (with
+    its raw headers and body) instead of stopping the look at the whole DLQ."""
+    props = message.header.properties
+    try:
+        return read_dead_letter(props.message_id, props.headers or {}, message.body)
+    except Exception as e:  # another producer's message: anything may be in it
+        headers = props.headers if isinstance(props.headers, dict) else {}
+        return DeadLetter(
+            task_id=props.message_id if isinstance(props.message_id, str) else "",
+            reason=UNREADABLE_REASON,
+            error_type=type(e).__name__,
+            error_message=str(e),
+            attempts=None,
+            original_queue=None,
+            first_failure_at=None,
+            last_failure_at=None,
+            trace_id=None,
+            body=message.body,
+            headers=dict(headers),
+        )
 
 
 @contextlib.asynccontextmanager
@@ -66,6 +75,11 @@ async def connected(app: App, purpose: str) -> AsyncIterator[AbstractConnection]
     conn = await app.broker.connect(name=f"{app.name}-dlq-{purpose}")
     try:
         yield conn
+    except aiormq.exceptions.InvalidFrameError as e:
+        raise BrokerUnavailableError(
+            f"dlq {purpose} stopped: the client cannot decode a frame from the broker ({e}); "
+            "messages not yet moved stay where they were"
+        ) from e
     except (aiormq.exceptions.AMQPError, ConnectionError) as e:
         raise BrokerUnavailableError(
             f"lost the broker during dlq {purpose}: {type(e).__name__}: {e}; messages not yet "
@@ -101,103 +115,164 @@ async def _dlq_depth(conn: AbstractConnection, queue: str) -> int:
     return counts[0]
 
 
+# -- reading the DLQ without changing it ---------------------------------------------------
+
+
+@dataclass
+class _Pass:
+    """One pass over ``Q.dlq``: each message present when it started is taken once and then
+    either kept (an exact copy published to the tail with a confirm, then the original acked)
+    or moved elsewhere by the caller.
+
+    AMQP 0-9-1 has no "browse". Taking a message and handing it back (basic.get without ack,
+    then closing the channel) marks it redelivered and raises its x-delivery-count; on
+    RabbitMQ 4.0+ a quorum DLQ has a default delivery limit of 20 and nowhere to dead-letter
+    to, so the 20th look would drop every dead letter. A rotation hands nothing back, on
+    every version: body, properties and headers stay as they were (x-delivery-count, the
+    broker's count of returns in this queue, is left off the copy, which was never
+    returned), and a whole pass ends with the messages in their old order. A crash between a
+    copy's confirm and the original's ack leaves both: a duplicate, never a loss.
+
+    We use aiormq's channel under aio-pika's: its message carries the properties exactly as
+    decoded, which we publish back untouched, so no conversion of ours can alter them.
+    """
+
+    channel: aiormq.abc.AbstractChannel
+    dlq: str
+    budget: int  # messages in the DLQ at the start: arrivals and our copies are not taken
+    confirm_timeout_s: float
+
+    async def next(self) -> DeliveredMessage | None:
+        if self.budget <= 0:
+            return None
+        self.budget -= 1
+        got = await self.channel.basic_get(self.dlq, no_ack=False)
+        if not isinstance(got.delivery, Basic.GetOk):
+            self.budget = 0  # empty (another reader took the rest)
+            return None
+        return got
+
+    async def keep(self, message: DeliveredMessage) -> None:
+        await self.publish(self.dlq, message.body, kept_properties(message.header.properties))
+        await self.ack(message)
+
+    async def ack(self, message: DeliveredMessage) -> None:
+        tag = message.delivery.delivery_tag if isinstance(message.delivery, Basic.GetOk) else None
+        if tag is None:  # pragma: no cover - every message of a pass came from a get-ok
+            raise ConfigurationError("internal: a DLQ message without a delivery tag")
+        await self.channel.basic_ack(tag)
+
+    async def publish(self, queue: str, body: bytes, properties: Basic.Properties) -> None:
+        """Publish with a confirm; a typed error when the broker did not take it."""
+        task_id = properties.message_id or ""
+        try:
+            confirm = await self.channel.basic_publish(
+                body,
+                exchange="",
+                routing_key=queue,
+                properties=properties,
+                mandatory=True,
+                timeout=self.confirm_timeout_s,
+            )
+        except aiormq.exceptions.PublishError as e:
+            raise UnroutableError(
+                f"{queue!r} refused the copy of {task_id}: no such queue ({e})",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        except TimeoutError as e:
+            raise ConfirmTimeoutError(
+                f"no confirm for the copy of {task_id} in {self.confirm_timeout_s} s; its "
+                "original stays in the DLQ",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        except aiormq.exceptions.DeliveryError as e:
+            raise PublishNackedError(
+                f"{queue!r} refused the copy of {task_id}; its original stays in the DLQ",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        except (aiormq.exceptions.AMQPError, ConnectionError) as e:
+            raise ConnectionLostError(
+                f"the link died before the copy of {task_id} was confirmed: {e}",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        if not isinstance(confirm, Basic.Ack):
+            raise PublishNackedError(
+                f"{queue!r} refused the copy of {task_id}; its original stays in the DLQ",
+                queue=queue,
+                task_id=task_id,
+            )
+
+    async def keep_the_rest(self) -> None:
+        """Finish the pass, so the messages keep their order."""
+        while (message := await self.next()) is not None:
+            await self.keep(message)
+
+
 @contextlib.asynccontextmanager
-async def _taking(
-    app: App, queue: str, purpose: str
-) -> AsyncIterator[tuple[AbstractConnection, _Taker]]:
-    dlq = dlq_name(queue)
+async def _pass(app: App, queue: str, purpose: str) -> AsyncIterator[_Pass]:
+    # Held from before the connection opens until after it closed: its reader decodes.
+    with tolerant_properties():
+        async with _pass_on_connection(app, queue, purpose) as dlq:
+            yield dlq
+
+
+@contextlib.asynccontextmanager
+async def _pass_on_connection(app: App, queue: str, purpose: str) -> AsyncIterator[_Pass]:
     async with connected(app, purpose) as conn:
         depth = await _dlq_depth(conn, queue)
-        channel = await conn.channel()
-        taker = _Taker(await channel.get_queue(dlq, ensure=False), depth)
+        channel: AbstractChannel = await conn.channel(publisher_confirms=True)
         try:
-            yield conn, taker
-        except BaseException:
+            yield _Pass(
+                await channel.get_underlay_channel(),
+                dlq_name(queue),
+                depth,
+                app.settings.confirm_timeout_s,
+            )
+        finally:
+            # Anything taken and not yet settled (an error stopped us) goes back to the DLQ.
             with contextlib.suppress(Exception):
                 if not channel.is_closed:
                     await channel.close()
-            raise
-        await _hand_back(conn, channel, dlq, taker.held)
-
-
-async def _hand_back(
-    conn: AbstractConnection, channel: AbstractChannel, dlq: str, held: int
-) -> None:
-    """Close the channel, so every message still unacked on it returns to the DLQ, and wait
-    until the broker shows them again.
-
-    AMQP 0-9-1 has no "browse": a look is a basic.get without ack, and closing the channel
-    gives the messages back. That is safe: the broker keeps an unacked message until it is
-    acked, and a channel or connection that dies (even this process under kill -9) returns
-    it just the same; the DLQ has no delivery limit, so nothing is dead-lettered or dropped.
-    The cost: each returned message is marked redelivered, its x-delivery-count goes up by
-    one, and a quorum queue serves returned messages first, so the DLQ's order can change.
-    While we hold them, other readers of the DLQ do not see them.
-
-    A quorum queue applies the return after the channel is gone (seen on 3.10.8: the DLQ
-    still counted 0 right after close-ok), so without the wait a "list" followed at once by
-    "requeue" would find nothing to move.
-    """
-    if channel.is_closed:
-        return  # closed under us: returned all the same, but nothing to wait on here
-    before = await ready_count(conn, dlq) if held else None
-    await channel.close()
-    if before is None:
-        return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + RETURN_WAIT_S
-    while True:
-        now = await ready_count(conn, dlq)
-        # ">=" and a deadline: messages dead-lettered meanwhile only make it sooner; another
-        # reader taking messages from the DLQ could keep it from ever matching.
-        if now is None or now[0] >= before[0] + held:
-            return
-        if loop.time() > deadline:
-            log.warning(
-                "%d message(s) handed back to %s are not all visible after %.0f s; they "
-                "are still in the broker (another reader may hold them)",
-                held,
-                dlq,
-                RETURN_WAIT_S,
-            )
-            return
-        await asyncio.sleep(0.02)
 
 
 async def inspect(app: App, queue: str, *, limit: int | None = 100) -> list[DeadLetter]:
-    """Up to ``limit`` messages of ``Q.dlq`` (None: all), left in the DLQ."""
+    """Up to ``limit`` messages of ``Q.dlq`` (None: all), left in the DLQ unchanged."""
     found: list[DeadLetter] = []
-    async with _taking(app, queue, "inspect") as (_, taker):
-        while limit is None or len(found) < limit:
-            message = await taker.next()
-            if message is None:
-                break
-            found.append(_dead_letter(message))
+    async with _pass(app, queue, "inspect") as dlq:
+        while (message := await dlq.next()) is not None:
+            if limit is None or len(found) < limit:
+                found.append(_dead_letter(message))
+            await dlq.keep(message)
     return found
 
 
 async def find(app: App, queue: str, task_id: str) -> DeadLetter | None:
     """The first message of ``Q.dlq`` with this task id, left in the DLQ; None if none."""
-    async with _taking(app, queue, "show") as (_, taker):
-        while (message := await taker.next()) is not None:
-            if message.message_id == task_id:
-                return _dead_letter(message)
-    return None
+    found: DeadLetter | None = None
+    async with _pass(app, queue, "show") as dlq:
+        while (message := await dlq.next()) is not None:
+            if found is None and message.header.properties.message_id == task_id:
+                found = _dead_letter(message)
+            await dlq.keep(message)
+    return found
 
 
 async def export(app: App, queue: str, path: str | Path, *, limit: int | None = None) -> int:
     """Write ``Q.dlq`` as JSON lines to ``path`` (left in the DLQ); how many were written."""
     written = 0
-    async with _taking(app, queue, "export") as (_, taker):
+    async with _pass(app, queue, "export") as dlq:
         # Opened once the DLQ is known to exist, so a typo never truncates a file. Blocking
         # writes are fine here: small buffered lines to a local file, from an ops command.
         with Path(path).open("w", encoding="utf-8") as out:  # noqa: ASYNC230
-            while limit is None or written < limit:
-                message = await taker.next()
-                if message is None:
-                    break
-                out.write(json.dumps(export_record(_dead_letter(message))) + "\n")
-                written += 1
+            while (message := await dlq.next()) is not None:
+                if limit is None or written < limit:
+                    out.write(json.dumps(export_record(_dead_letter(message))) + "\n")
+                    written += 1
+                await dlq.keep(message)
     return written
 
 
@@ -251,7 +326,8 @@ async def requeue(
     task_ids: Iterable[str] | None = None,
 ) -> int:
     """Shovel messages from ``Q.dlq`` back to ``Q``: all, the first ``limit``, or those whose
-    task id is in ``task_ids`` (others are returned to the DLQ untouched). How many moved.
+    task id is in ``task_ids`` (the others stay in the DLQ, unchanged and in order). How many
+    moved.
 
     Each copy starts again at attempt 1 without the failure headers, counts the trip in
     ``headers.REQUEUED``, and is confirmed by the broker before its DLQ copy is acked.
@@ -260,51 +336,54 @@ async def requeue(
     if wanted is not None and not wanted:
         return 0
     statuses = _QueuedStatus(app.results, queue)
-    moved = 0
-    seen: set[str] = set()
-    async with _taking(app, queue, "requeue") as (conn, taker):
-        publisher = Publisher(app.broker, app.metrics, name=f"{app.name}-dlq", connection=conn)
+    moved = skipped = 0
+    async with _pass(app, queue, "requeue") as dlq:
         try:
             while limit is None or moved < limit:
-                # Stop once every asked-for id moved, rather than pulling a whole big DLQ
-                # through this channel for ids that are not there.
-                if wanted is not None and wanted <= seen:
-                    break
-                message = await taker.next()
+                message = await dlq.next()
                 if message is None:
                     break
-                task_id = message.message_id or ""
+                task_id = message.header.properties.message_id or ""
+                if undecodable(message.header.properties.headers) is not None:
+                    # It would only kill its worker's connection again and again.
+                    skipped += 1
+                    await dlq.keep(message)
+                    continue
                 if wanted is not None and task_id not in wanted:
-                    continue  # held unacked: back in the DLQ when the channel closes
-                await _move_back(message, taker, publisher, statuses, queue)
-                seen.add(task_id)
+                    await dlq.keep(message)
+                    continue
+                await _move_back(message, dlq, statuses, queue)
                 moved += 1
+            if wanted is not None:
+                await dlq.keep_the_rest()  # the pass ends with the others in their order
         except WeclawMQError:
             if moved:  # the error says why it stopped; only we know how far it got
                 log.error("requeue stopped after moving %d message(s) to %s", moved, queue)
             raise
-        finally:
-            await publisher.close()
+    if skipped:
+        log.warning(
+            "left %d message(s) in %s whose properties the client cannot decode (listed as "
+            "undecodable_properties); see the README's DLQ section",
+            skipped,
+            dlq_name(queue),
+        )
     return moved
 
 
 async def _move_back(
-    message: AbstractIncomingMessage,
-    taker: _Taker,
-    publisher: Publisher,
-    statuses: _QueuedStatus,
-    queue: str,
+    message: DeliveredMessage, dlq: _Pass, statuses: _QueuedStatus, queue: str
 ) -> None:
     # "queued" is written BEFORE the copy exists: a worker's running/succeeded/dead_lettered
     # record then always lands after it, and a waiter never sees a stale final state.
-    before = await statuses.mark(message.message_id or "")
+    properties = message.header.properties
+    before = await statuses.mark(properties.message_id or "")
     try:
-        await publisher.publish(queue, requeued_message(message))
+        await dlq.publish(queue, message.body, requeued_properties(properties))
     except WeclawMQError:
         await statuses.restore(before)
         raise  # the DLQ copy stays unacked and returns to the DLQ
     # Acked only after the confirm: a crash in between leaves a duplicate, never a loss.
-    await taker.ack(message)
+    await dlq.ack(message)
 
 
 async def purge(app: App, queue: str) -> int:

@@ -33,3 +33,9 @@ BROKER_DEATH_PREFIXES = ("x-first-death-", "x-last-death-")
 
 ERROR_MESSAGE_MAX_CHARS = 1_000
 TRACEBACK_MAX_CHARS = 4_000
+
+# Set by weclaw_mq's DLQ tools on a message whose properties the client cannot decode (e.g. a
+# short string that is not UTF-8, a timestamp out of range): the raw property bytes as read,
+# and why they failed. Never sent: such a message is copied back byte for byte.
+UNDECODABLE_PROPERTIES = f"{PREFIX}undecodable-properties"
+UNDECODABLE_ERROR = f"{PREFIX}undecodable-error"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr
+import yarl
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # RabbitMQ closes a channel whose delivery stays unacked past consumer_timeout (30 min by
@@ -15,7 +16,12 @@ BROKER_CONSUMER_TIMEOUT_S = 30 * 60
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="WECLAW_MQ_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+        env_prefix="WECLAW_MQ_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        # A rejected value is never echoed back: it may be a URL with a password in it.
+        hide_input_in_errors=True,
     )
 
     # One URL, or a cluster's nodes separated by commas: clients connect to the first that
@@ -59,6 +65,23 @@ class Settings(BaseSettings):
     # back to the broker (which would run it again).
     result_store_patience_s: float = Field(default=60.0, ge=0)
 
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_urls_parse(cls, value: SecretStr) -> SecretStr:
+        # Checked here, not at the first connect: a garbage URL is a configuration mistake,
+        # and aio-pika would report it as a bare ValueError from deep inside its parser.
+        for url in (u.strip() for u in value.get_secret_value().split(",")):
+            if url:
+                _check_url(url, ("amqp", "amqps"), need_host=True)
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url_parses(cls, value: SecretStr) -> SecretStr:
+        url = value.get_secret_value()
+        _check_url(url, ("redis", "rediss", "unix"), need_host=False)
+        return value
+
     def amqp_url_plain(self) -> str:
         return self.amqp_url.get_secret_value()
 
@@ -73,16 +96,31 @@ class Settings(BaseSettings):
         return self.redis_url.get_secret_value()
 
 
+def _check_url(url: str, schemes: tuple[str, ...], *, need_host: bool) -> None:
+    """Raise ValueError (with the URL redacted) unless ``url`` parses with one of ``schemes``."""
+    try:
+        parsed = yarl.URL(url)
+        _ = parsed.port  # an out-of-range port raises only when read
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"cannot parse the URL {redact_url(url)} ({e})") from None
+    if parsed.scheme not in schemes:
+        raise ValueError(
+            f"the URL {redact_url(url)} does not start with "
+            + " or ".join(f"{s}://" for s in schemes)
+        )
+    if need_host and not parsed.host:
+        raise ValueError(f"the URL {redact_url(url)} names no host")
+
+
 def redact_url(url: str) -> str:
     """The URL with any password replaced by ``***``: the only form that may reach a log."""
     try:
         parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        # The host part as written: reading .port would raise for a port out of range.
+        host = parts.netloc.rpartition("@")[2]
     except ValueError:
         return "<unparseable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -7,11 +7,15 @@ For a handler queue ``Q`` (names from ``naming``):
 | Q               | quorum | dead-letter to Q.dlq (at-least-once, reject-publish), delivery |
 |                 |        | limit, optional max length                                     |
 | Q.retry.<delay> | quorum | x-message-ttl = delay, dead-letter back to Q (at-least-once)   |
-| Q.dlq           | quorum | none: nothing expires or overflows there                       |
+| Q.dlq           | quorum | nothing expires or overflows there; from RabbitMQ 4.0 on, the  |
+|                 |        | default delivery limit turned off (x-delivery-limit -1)        |
+
+What differs by broker version is decided in ``broker_version.dlq_plan``.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,8 +23,12 @@ from dataclasses import dataclass
 import aiormq
 from aio_pika.abc import AbstractChannel
 
+from .broker_version import ServerVersion, dlq_plan
+from .connection import channel_server_version
 from .errors import TopologyConflictError
 from .naming import dlq_name, retry_queue_name
+
+log = logging.getLogger(__name__)
 
 # All routing goes through the default exchange: a queue's name is its routing key, so a
 # missing queue shows up as an unroutable (returned) publish rather than a closed channel.
@@ -65,13 +73,15 @@ def retry_queue_arguments(spec: QueueSpec, delay_ms: int) -> dict[str, object]:
     return args
 
 
-def dlq_arguments() -> dict[str, object]:
-    return {"x-queue-type": "quorum"}
+def dlq_arguments(version: ServerVersion | None = None) -> dict[str, object]:
+    return {"x-queue-type": "quorum", **dlq_plan(version).extra_arguments}
 
 
-def queue_declarations(spec: QueueSpec) -> list[tuple[str, dict[str, object]]]:
+def queue_declarations(
+    spec: QueueSpec, version: ServerVersion | None = None
+) -> list[tuple[str, dict[str, object]]]:
     """Every (name, arguments) of one handler; the DLQ first, as the dead-letter target."""
-    decls: list[tuple[str, dict[str, object]]] = [(dlq_name(spec.name), dlq_arguments())]
+    decls: list[tuple[str, dict[str, object]]] = [(dlq_name(spec.name), dlq_arguments(version))]
     decls.append((spec.name, work_queue_arguments(spec)))
     for delay_ms in spec.retry_delays_ms:
         decls.append((retry_queue_name(spec.name, delay_ms), retry_queue_arguments(spec, delay_ms)))
@@ -81,19 +91,48 @@ def queue_declarations(spec: QueueSpec) -> list[tuple[str, dict[str, object]]]:
 _INEQUIVALENT_ARG = re.compile(r"inequivalent arg '([^']+)'")
 
 
-async def declare(channel: AbstractChannel, specs: Iterable[QueueSpec]) -> list[str]:
+async def declare(
+    channel: AbstractChannel,
+    specs: Iterable[QueueSpec],
+    *,
+    server_version: ServerVersion | None = None,
+) -> list[str]:
     """Declare every queue of ``specs``; returns their names. Safe to run again and again.
 
     A conflict closes ``channel`` (AMQP's rule), so callers open a fresh one afterwards.
+    The broker's version is read from ``channel`` unless ``server_version`` says it.
     """
+    version = server_version or await channel_server_version(channel)
     declared: list[str] = []
     for spec in specs:
-        for name, args in queue_declarations(spec):
+        for name, args in queue_declarations(spec, version):
             try:
                 await channel.declare_queue(name, durable=True, arguments=args)  # type: ignore[arg-type]
             except aiormq.exceptions.ChannelPreconditionFailed as e:
                 text = str(e)
                 match = _INEQUIVALENT_ARG.search(text)
-                raise TopologyConflictError(name, match.group(1) if match else None, text) from e
+                argument = match.group(1) if match else None
+                if name == dlq_name(spec.name) and argument in dlq_plan(version).extra_arguments:
+                    await _declare_older_dlq(channel, name, version)
+                else:
+                    raise TopologyConflictError(name, argument, text) from e
             declared.append(name)
     return declared
+
+
+async def _declare_older_dlq(
+    channel: AbstractChannel, name: str, version: ServerVersion | None
+) -> None:
+    """A DLQ declared before its broker imposed a default delivery limit (an upgrade to 4.0
+    or newer): keep it as it is, and say how to turn the limit off. Our looks never hand a
+    message back, so it only matters to other readers of the DLQ."""
+    await channel.reopen()
+    await channel.declare_queue(name, durable=True, arguments=dlq_arguments(None))  # type: ignore[arg-type]
+    log.warning(
+        "%s was declared before RabbitMQ %s gave quorum queues a default delivery limit: a "
+        "message handed back to it %d times is dropped. Turn the limit off with: %s",
+        name,
+        version,
+        dlq_plan(version).default_delivery_limit,
+        dlq_plan(version).policy_hint(name),
+    )

@@ -1,4 +1,9 @@
-"""The ``weclaw-mq`` command. Thin: parse, call the library, print."""
+"""The ``weclaw-mq`` command. Thin: parse, call the library, print.
+
+Exit codes (``weclaw_mq.cli.failures.ExitCode``): 0 ok; 1 the answer is no or the operation
+failed (unknown task, not in the DLQ, unhealthy, refused); 2 usage; 3 configuration; 4 broker
+unavailable; 5 state store (Redis) unavailable; 130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +17,29 @@ try:  # recent typer carries its own copy of click, whose errors are not click's
 except ImportError:  # pragma: no cover - older typer on the real click
     from click.exceptions import UsageError  # type: ignore[assignment]
 
-from ..errors import WeclawMQError
+from .failures import ExitCode, classify, report
 from .root import cli
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: every error ends as one line on stderr, never a stack trace."""
+    """Entry point: every failure ends as one line on stderr and a documented exit code."""
     command = typer.main.get_command(cli)
     try:
         code = command.main(args=argv, prog_name="weclaw-mq", standalone_mode=False)
     except UsageError as e:
         message = e.format_message()
         if not message:  # bare 'weclaw-mq': the help was printed, nothing went wrong
-            sys.exit(0)
-        print(f"weclaw-mq: {message}", file=sys.stderr)
-        sys.exit(2)
-    except WeclawMQError as e:
-        print(f"weclaw-mq: {e}", file=sys.stderr)
-        sys.exit(1)
+            sys.exit(ExitCode.OK)
+        report(message)
+        sys.exit(ExitCode.USAGE)
     except (Abort, KeyboardInterrupt):
-        print("weclaw-mq: interrupted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        report("interrupted")
+        sys.exit(ExitCode.INTERRUPTED)
+    except Exception as e:  # the one boundary: no traceback ever reaches the operator
+        exit_code, message = classify(e)
+        report(message)
+        sys.exit(exit_code)
+    sys.exit(code if isinstance(code, int) else ExitCode.OK)
 
 
 __all__ = ["cli", "main"]

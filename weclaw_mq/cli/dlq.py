@@ -17,6 +17,7 @@ from ..app import App
 from ..errors import ConfigurationError
 from ..naming import dlq_name
 from ..tracing import configure_logging
+from .failures import fail
 from .loading import load_app
 
 T = TypeVar("T")
@@ -97,8 +98,7 @@ def show(
     """Every field of one dead letter, its headers, body and traceback; exit 1 if absent."""
     dead = _run(app_path, lambda app: dlq.find(app, queue, task_id))
     if dead is None:
-        typer.echo(f"weclaw-mq: no task {task_id} in {dlq_name(queue)}", err=True)
-        raise typer.Exit(1)
+        fail(f"no task {task_id} in {dlq_name(queue)}")
     record = dead_letter.export_record(dead)
     headers = record.pop("headers")
     body = record.pop("body")
@@ -128,8 +128,7 @@ def requeue(
     moved = _run(app_path, lambda app: dlq.requeue(app, queue, limit=limit, task_ids=task_id))
     typer.echo(f"moved {moved} message(s) from {dlq_name(queue)} to {queue}")
     if task_id and moved == 0:
-        typer.echo(f"weclaw-mq: none of the task ids is in {dlq_name(queue)}", err=True)
-        raise typer.Exit(1)
+        fail(f"none of the task ids is in {dlq_name(queue)}")
 
 
 @dlq_cli.command()
@@ -142,12 +141,10 @@ def purge(
 ) -> None:
     """Delete every dead letter of QUEUE for good (needs --yes)."""
     if not yes:
-        typer.echo(
-            f"weclaw-mq: refusing to purge {dlq_name(queue)} without --yes; purged messages "
-            "cannot be recovered (save them first with 'weclaw-mq dlq export')",
-            err=True,
+        fail(
+            f"refusing to purge {dlq_name(queue)} without --yes; purged messages cannot be "
+            "recovered (save them first with 'weclaw-mq dlq export')"
         )
-        raise typer.Exit(1)
     removed = _run(app_path, lambda app: dlq.purge(app, queue))
     typer.echo(f"purged {removed} message(s) from {dlq_name(queue)}")
 

@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 
+import pydantic
+
 from ..app import App
 from ..errors import ConfigurationError
 
@@ -21,6 +23,12 @@ def load_app(path: str) -> App:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise ConfigurationError(f"cannot import {module_name!r}: {e}") from e
+    except pydantic.ValidationError:
+        raise  # the App's Settings(): an invalid WECLAW_MQ_* value, said as such by the CLI
+    except Exception as e:  # the user's module failed while importing: say where, not how
+        raise ConfigurationError(
+            f"importing {module_name!r} failed: {type(e).__name__}: {e}"
+        ) from e
     app = getattr(module, attr, None)
     if not isinstance(app, App):
         raise ConfigurationError(

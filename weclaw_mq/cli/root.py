@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Annotated
 
 import typer
@@ -12,6 +13,7 @@ from ..app import App
 from ..health import check_all
 from ..settings import Settings
 from ..tracing import configure_logging
+from .failures import fail
 from .loading import load_app
 from .run_worker import run_worker
 
@@ -26,8 +28,24 @@ cli = typer.Typer(
 AppPath = Annotated[
     str, typer.Argument(help="Where your App lives, as MODULE:ATTRIBUTE (e.g. consumers.demo:app).")
 ]
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
 LogLevel = Annotated[
-    str, typer.Option("--log-level", envvar="WECLAW_MQ_LOG_LEVEL", help="DEBUG, INFO, WARNING...")
+    str,
+    typer.Option(
+        "--log-level",
+        envvar="WECLAW_MQ_LOG_LEVEL",
+        callback=_log_level,
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL.",
+    ),
 ]
 
 
@@ -54,7 +72,7 @@ def worker(
     log_level: LogLevel = "INFO",
 ) -> None:
     """Run a worker: declare queues, consume, ack only after success; SIGTERM stops cleanly."""
-    configure_logging(log_level.upper())
+    configure_logging(log_level)
     app = load_app(app_path)
     asyncio.run(
         run_worker(app, concurrency=concurrency, queues=queue or None, metrics_port=metrics_port)
@@ -64,7 +82,7 @@ def worker(
 @cli.command()
 def declare(app_path: AppPath, log_level: LogLevel = "WARNING") -> None:
     """Declare every queue of the app's handlers (idempotent); prints their names."""
-    configure_logging(log_level.upper())
+    configure_logging(log_level)
     app = load_app(app_path)
     for name in asyncio.run(app.declare()):
         typer.echo(name)
@@ -119,8 +137,7 @@ def status(
 
     text = asyncio.run(read())
     if text is None:
-        typer.echo(f"no status recorded for task {task_id}", err=True)
-        raise typer.Exit(1)
+        fail(f"no status recorded for task {task_id}")
     typer.echo(text)
 
 

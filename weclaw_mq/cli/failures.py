@@ -1,0 +1,92 @@
+"""How a failed ``weclaw-mq`` command ends: one line on stderr and an exit code.
+
+Every exception that reaches the CLI boundary (``weclaw_mq.cli.main``) is mapped here, by
+class, to one of a few documented codes, and printed as ``weclaw-mq: error: <one line>`` with
+any URL password redacted. Commands that answer "no" (an unknown task, a missing dead letter,
+a refused purge) end the same way through ``fail``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from enum import IntEnum
+from typing import NoReturn
+
+import pydantic
+import redis.exceptions
+import typer
+
+from ..errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    ConfirmTimeoutError,
+    ConnectionLostError,
+    StateUnavailableError,
+    WeclawMQError,
+)
+
+PROG = "weclaw-mq"
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    # The command ran and the answer is no: unknown task, not in the DLQ, unhealthy, a
+    # publish the broker refused, a queue with other arguments, a file it could not write.
+    FAILED = 1
+    USAGE = 2  # a bad argument or option (typer's own code)
+    CONFIG = 3  # an invalid WECLAW_MQ_* value or URL, an App that cannot be loaded
+    BROKER_UNAVAILABLE = 4  # RabbitMQ did not answer, or the link died mid-command
+    STATE_UNAVAILABLE = 5  # Redis (task states, results) did not answer
+    INTERRUPTED = 130  # Ctrl-C
+
+
+# user:password@ in any URL-looking text; the scheme and user stay, the password goes.
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*):[^@\s/]*@")
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line, with every URL password replaced by ``***``."""
+    flat = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return _URL_PASSWORD.sub(r"\g<head>:***@", flat)
+
+
+def report(message: str) -> None:
+    print(f"{PROG}: error: {one_line(message)}", file=sys.stderr)
+
+
+def fail(message: str, code: ExitCode = ExitCode.FAILED) -> NoReturn:
+    """End a command with one error line and ``code`` (a typer exit, no traceback)."""
+    report(message)
+    raise typer.Exit(int(code))
+
+
+def _settings_problem(e: pydantic.ValidationError) -> str:
+    # Never e's str(): it spans lines. Inputs are hidden by the model config; loc and msg
+    # say which variable and what is wrong with it.
+    parts = []
+    for err in e.errors(include_url=False, include_input=False):
+        where = ".".join(str(p) for p in err["loc"])
+        name = f"WECLAW_MQ_{where.upper()}" if e.title == "Settings" and where else where
+        msg = err["msg"].removeprefix("Value error, ")  # our validators' own words
+        parts.append(f"{name}: {msg}" if name else msg)
+    return f"invalid configuration: {'; '.join(parts) or e.title}"
+
+
+def classify(e: BaseException) -> tuple[ExitCode, str]:
+    """The exit code and the message for an exception that ended a command."""
+    if isinstance(e, pydantic.ValidationError):
+        return ExitCode.CONFIG, _settings_problem(e)
+    if isinstance(e, ConfigurationError):
+        return ExitCode.CONFIG, str(e)
+    if isinstance(e, (BrokerUnavailableError, ConnectionLostError, ConfirmTimeoutError)):
+        return ExitCode.BROKER_UNAVAILABLE, str(e)
+    if isinstance(e, StateUnavailableError):
+        return ExitCode.STATE_UNAVAILABLE, str(e)
+    if isinstance(e, redis.exceptions.RedisError):  # a path that does not wrap them (yet)
+        return ExitCode.STATE_UNAVAILABLE, f"Redis did not answer: {type(e).__name__}: {e}"
+    if isinstance(e, WeclawMQError):
+        return ExitCode.FAILED, str(e)
+    if isinstance(e, OSError) and e.filename is not None:  # a local file: the export path
+        return ExitCode.FAILED, f"cannot write {e.filename}: {e.strerror or e}"
+    return ExitCode.FAILED, f"unexpected {type(e).__name__}: {e}"
