@@ -15,7 +15,7 @@ def safe_text(value: object) -> str:
     """``str(value)``, or a stand-in when that raises; never a string UTF-8 cannot encode."""
     try:
         text = str(value)
-    except BaseException:  # noqa: BLE001 - a broken __str__ may raise anything
+    except BaseException:  # a broken __str__ may raise anything
         return f"<{type(value).__name__}: str() failed>"
     if not isinstance(text, str):  # a str subclass whose __str__ misbehaves
         return f"<{type(value).__name__}: str() failed>"
