@@ -224,7 +224,7 @@ class Worker:
             await declaring.close()
             queue = await channel.get_queue(spec.queue, ensure=False)
             tag = await queue.consume(self._dispatcher(spec, runtime))
-        except LINK_ERRORS as e:
+        except (*LINK_ERRORS, RuntimeError) as e:  # RuntimeError: aio-pika's "closed"
             raise aiormq.exceptions.ConnectionClosed(
                 320, f"could not consume {spec.queue!r} again: {describe(e)}"
             ) from e
