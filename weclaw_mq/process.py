@@ -5,7 +5,7 @@ Nothing here acks before the handler returned and its result was stored; every p
 broker. Whatever the handler does (returns anything, raises anything, ignores its
 cancellation) ends the attempt as a success or a failure with a reason; only a cancel of the
 delivery's own task (the worker stopping hard) escapes, and the worker then gives the message
-back (``Worker._handle``).
+back (``worker._settled``).
 """
 
 from __future__ import annotations
@@ -159,15 +159,18 @@ async def _process(
         else:
             with rt.guard.holding(spec.queue, delivery.task_id, held):
                 outcome = await _call(spec, task, delivery, rt, on_stuck)
-    except BaseException:
         if running is not None:
-            running.cancel()  # stopping hard: the worker gives the message back
+            await running
+        if outcome is not None:  # None: abandoned, and the task that took over settled it
+            await _conclude(message, delivery, spec, rt, held, *outcome)
+    except BaseException:
+        # Stopping hard, or a bug of ours: the worker gives the message back. Free the claim
+        # so the next delivery runs at once, not after the lease (owner-checked: a no-op once
+        # the task is done or another worker holds it).
+        if running is not None:
+            running.cancel()
+        await _release(rt, spec, delivery, held)
         raise
-    if running is not None:
-        await running
-    if outcome is None:
-        return  # abandoned: the task that took over has settled the message
-    await _conclude(message, delivery, spec, rt, held, *outcome)
 
 
 async def _conclude(

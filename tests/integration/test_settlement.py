@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aio_pika
 import pytest
+import redis.asyncio as aioredis
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel, field_validator
 
-from tests.conftest import next_message, outcome_count, wait_until
+from tests.conftest import delete_queues, next_message, outcome_count, settings_for, wait_until
+from tests.integration.processes import queue_names
 from weclaw_mq import App, Context, RetryPolicy
 from weclaw_mq import headers as h
 from weclaw_mq.naming import dlq_name
-from weclaw_mq.results import TaskStatus
+from weclaw_mq.results import RedisResultStore, TaskState, TaskStatus
 
 FAST = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)
 
@@ -236,3 +238,63 @@ async def test_consumer_cancelled_by_the_broker_is_re_established_and_serves_aga
     await wait_until(lambda: after in seen, 10, "a task published after the queue came back")
     state = await app.result(after, timeout_s=10)
     assert state.status is TaskStatus.SUCCEEDED
+
+
+class _Bug(BaseException):
+    """Stands for a bug of ours that escapes every handler in the processing path."""
+
+
+class _StoreWithABug:
+    """The default store, except that its first "running" write raises ``_Bug``."""
+
+    def __init__(self, inner: RedisResultStore) -> None:
+        self.inner = inner
+        self.bugs_left = 1
+
+    async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
+        if state.status is TaskStatus.RUNNING and self.bugs_left:
+            self.bugs_left -= 1
+            raise _Bug("a bug in the processing path")
+        return await self.inner.put(state, only_if_new=only_if_new)
+
+    async def put_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+        await self.inner.put_many(states, only_if_new=only_if_new)
+
+    async def forget_queued(self, task_id: str) -> None:
+        await self.inner.forget_queued(task_id)
+
+    async def get(self, task_id: str) -> TaskState | None:
+        return await self.inner.get(task_id)
+
+    async def wait(self, task_id: str, timeout_s: float) -> TaskState:
+        return await self.inner.wait(task_id, timeout_s)
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_an_error_escaping_processing_gives_the_message_back_at_once(
+    broker_url: str, redis_url: str, start_worker: Callable[..., Any], qname: str
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    store = _StoreWithABug(RedisResultStore(client, ttl_s=60))
+    app = App("test", settings=settings_for(broker_url, redis_url), result_store=store)
+    seen: list[str] = []
+
+    @app.handler(qname, retry=FAST)
+    async def work(task: Job, ctx: Context) -> dict[str, bool]:
+        seen.append(ctx.task_id)
+        return {"ok": True}
+
+    try:
+        await start_worker(app, concurrency=1)
+        task_id = await app.publish(qname, Job(text="hit by the bug"))
+        # Given back on the live channel and run again: not held until the channel closes.
+        state = await app.result(task_id, timeout_s=10)
+        assert state.status is TaskStatus.SUCCEEDED
+        assert store.bugs_left == 0
+        assert outcome_count(app, qname, "requeued") == 1
+    finally:
+        await app.close()
+        await client.aclose()
+        await delete_queues(broker_url, queue_names(app))
