@@ -15,9 +15,7 @@ def safe_text(value: object) -> str:
     """``str(value)``, or a stand-in when that raises; never a string UTF-8 cannot encode."""
     try:
         text = str(value)
-    except BaseException:  # a broken __str__ may raise anything
-        return f"<{type(value).__name__}: str() failed>"
-    if not isinstance(text, str):  # a str subclass whose __str__ misbehaves
+    except BaseException:  # a broken __str__ may raise anything (or return a non-str)
         return f"<{type(value).__name__}: str() failed>"
     try:
         text.encode("utf-8")
