@@ -5,11 +5,19 @@ schedules and cancels a timer handle per wait, which showed up as the largest si
 our consume path. Here each wait only records its deadline in a dict; one ticker wakes a few
 times a second and cancels the tasks that are past theirs. A deadline therefore fires up to
 one tick late, which is nothing next to the model calls and acks it bounds.
+
+A body that swallows its cancellation cannot be stopped by anyone; a wait given ``on_stuck``
+is handed to that callback ``grace_s`` after its deadline (by the same ticker: no timer of its
+own), so its caller can end the work elsewhere and stop waiting for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 TICK_S = 0.1
 
@@ -18,13 +26,31 @@ class Deadline:
     """One wait under a deadline; a context manager (a class, not a generator: it runs twice
     per delivery)."""
 
-    __slots__ = ("_owner", "_task", "at", "expired", "timeout_s")
+    __slots__ = (
+        "_owner",
+        "_task",
+        "abandoned",
+        "at",
+        "expired",
+        "grace_s",
+        "on_stuck",
+        "timeout_s",
+    )
 
-    def __init__(self, owner: Deadlines, timeout_s: float) -> None:
+    def __init__(
+        self,
+        owner: Deadlines,
+        timeout_s: float,
+        on_stuck: Callable[[asyncio.Task[object]], object] | None,
+        grace_s: float,
+    ) -> None:
         self._owner = owner
         self.timeout_s = timeout_s
+        self.on_stuck = on_stuck
+        self.grace_s = grace_s
         self.at = 0.0
         self.expired = False
+        self.abandoned = False  # handed to on_stuck: its body ignored the cancellation
         self._task: asyncio.Task[object] | None = None
 
     def __enter__(self) -> Deadline:
@@ -41,7 +67,11 @@ class Deadline:
         task = self._task
         assert task is not None
         self._owner._due.pop(task, None)
-        if kind is asyncio.CancelledError and self.expired and task.uncancel() == 0:
+        # Take our cancel request back whatever the body made of it: re-raised, turned into
+        # another error, or swallowed. Left counted, it would make every later CancelledError
+        # of this task (aiormq cancelling an ack when its connection dies) look like a cancel
+        # meant for the task, and escape.
+        if self.expired and task.uncancel() == 0 and kind is asyncio.CancelledError:
             raise TimeoutError from error
 
 
@@ -50,11 +80,20 @@ class Deadlines:
         self._due: dict[asyncio.Task[object], Deadline] = {}
         self._ticker: asyncio.TimerHandle | None = None
 
-    def within(self, timeout_s: float) -> Deadline:
+    def within(
+        self,
+        timeout_s: float,
+        *,
+        on_stuck: Callable[[asyncio.Task[object]], object] | None = None,
+        grace_s: float = 0.0,
+    ) -> Deadline:
         """Like ``asyncio.timeout``: past ``timeout_s`` the body is cancelled and
         ``TimeoutError`` raised; ``deadline.expired`` tells it from a TimeoutError of the body's
-        own. Not nestable within one task."""
-        return Deadline(self, timeout_s)
+        own. Not nestable within one task.
+
+        With ``on_stuck``: if the body is still running ``grace_s`` after it was cancelled,
+        ``on_stuck(task)`` is called once (from the ticker) and ``deadline.abandoned`` set."""
+        return Deadline(self, timeout_s, on_stuck, grace_s)
 
     def _add(self, task: asyncio.Task[object], deadline: Deadline) -> None:
         self._due[task] = deadline
@@ -65,7 +104,17 @@ class Deadlines:
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()
         for task, deadline in list(self._due.items()):
-            if deadline.at <= now and not deadline.expired:
+            if deadline.at > now:
+                continue
+            if not deadline.expired:
                 deadline.expired = True
                 task.cancel()
+            elif deadline.on_stuck is not None and deadline.at + deadline.grace_s <= now:
+                # Cancelled a grace ago and still running: it swallowed the cancellation.
+                del self._due[task]
+                deadline.abandoned = True
+                try:
+                    deadline.on_stuck(task)
+                except Exception:  # the ticker serves every other wait: it must go on
+                    log.exception("the on_stuck callback of a deadline failed")
         self._ticker = loop.call_later(TICK_S, self._tick, loop) if self._due else None

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .errors import ConfigurationError
+from .failures import describe
 from .naming import validate_queue_name
 from .retry import RetryPolicy
 from .topology import QueueSpec
@@ -60,6 +61,11 @@ class HandlerSpec:
             if any(err["type"] == "json_invalid" for err in e.errors()):
                 raise UndecodableBody(_first_error(e)) from e
             raise InvalidPayload(_first_error(e)) from e
+        except Exception as e:
+            # pydantic wraps only ValueError and AssertionError raised in a validator; a
+            # validator raising anything else (KeyError, TypeError, RecursionError...) is
+            # still this body failing the model, and no retry can fix it.
+            raise InvalidPayload(f"a validator raised {describe(e)}") from e
 
 
 def _is_model(annotation: Any) -> bool:

@@ -1,8 +1,11 @@
 """One delivery, start to end: decode -> guard -> call -> store -> decide -> settle.
 
 Nothing here acks before the handler returned and its result was stored; every path out of
-``process`` either acked (after storing or moving the task) or left the message with the
-broker for redelivery.
+``process`` either acked (after storing or moving the task) or gave the message back to the
+broker. Whatever the handler does (returns anything, raises anything, ignores its
+cancellation) ends the attempt as a success or a failure with a reason; only a cancel of the
+delivery's own task (the worker stopping hard) escapes, and the worker then gives the message
+back (``worker._settled``).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -19,8 +22,10 @@ import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 
 from . import tracing
+from .connection import cancelled_by_caller
 from .context import Context
 from .deadlines import Deadlines
+from .failures import describe, safe_text
 from .guard import Claim, IdempotencyGuard
 from .handler import HandlerSpec, InvalidPayload, UndecodableBody
 from .message import Delivery, read_delivery
@@ -40,6 +45,10 @@ log = logging.getLogger("weclaw_mq.worker")
 
 class HandlerTimeout(Exception):
     """The handler ran past its ``timeout_s`` and was cancelled."""
+
+
+class HandlerAbandoned(Exception):
+    """The handler ignored its cancellation: its attempt was ended without it (it may still run)."""
 
 
 class UnserialisableResult(Exception):
@@ -65,6 +74,19 @@ class Runtime:
     metrics: Metrics
     guard: IdempotencyGuard | None
     results: ResultStore | None
+    # take_over(message, spec, rt, stuck, ending) runs a delivery's ending in a new task in
+    # place of ``stuck``, whose handler ignored its cancellation; the worker counts the new
+    # task as in flight, not the old one, and settles the message if the ending fails.
+    take_over: Callable[
+        [
+            AbstractIncomingMessage,
+            HandlerSpec,
+            Runtime,
+            asyncio.Task[Any],
+            Coroutine[Any, Any, None],
+        ],
+        None,
+    ]
 
 
 class _Gate(Enum):
@@ -74,18 +96,21 @@ class _Gate(Enum):
 
 async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
     delivery = read_delivery(message)
-    trace = TraceContext(
+    token = tracing.enter(_trace(delivery, spec))
+    try:
+        await _process(message, delivery, spec, rt)
+    finally:
+        tracing.leave(token)
+
+
+def _trace(delivery: Delivery, spec: HandlerSpec) -> TraceContext:
+    return TraceContext(
         trace_id=delivery.trace_id,
         task_id=delivery.task_id,
         queue=spec.queue,
         attempt=delivery.attempt,
         traceparent=delivery.traceparent,
     )
-    token = tracing.enter(trace)
-    try:
-        await _process(message, delivery, spec, rt)
-    finally:
-        tracing.leave(token)
 
 
 async def _process(
@@ -126,25 +151,43 @@ async def _process(
         if rt.results is not None and (record is None or held is None)
         else None
     )
+    # If the handler ignores its cancellation, another task ends the attempt without it.
+    on_stuck = _ending_without(message, delivery, spec, rt, held)
     try:
         if held is None or rt.guard is None:
-            result, error = await _call(spec, task, delivery, rt)
+            outcome = await _call(spec, task, delivery, rt, on_stuck)
         else:
             with rt.guard.holding(spec.queue, delivery.task_id, held):
-                result, error = await _call(spec, task, delivery, rt)
-    except BaseException:
+                outcome = await _call(spec, task, delivery, rt, on_stuck)
         if running is not None:
-            running.cancel()  # stopping hard: the message stays unacked
+            await running
+        if outcome is not None:  # None: abandoned, and the task that took over settled it
+            await _conclude(message, delivery, spec, rt, held, *outcome)
+    except BaseException:
+        # Stopping hard, or a bug of ours: the worker gives the message back. Free the claim
+        # so the next delivery runs at once, not after the lease (owner-checked: a no-op once
+        # the task is done or another worker holds it).
+        if running is not None:
+            running.cancel()
+        await _release(rt, spec, delivery, held)
         raise
-    if running is not None:
-        await running
 
+
+async def _conclude(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+    result: Any,
+    error: BaseException | None,
+) -> None:
+    """Store the result and ack; or release the claim, then retry or dead-letter."""
     if error is None:
         try:
-            jsonable = pydantic_core.to_jsonable_python(result)
-        except pydantic_core.PydanticSerializationError as e:
+            jsonable = _as_json(result)
+        except UnserialisableResult as bad:
             await _release(rt, spec, delivery, held)
-            bad = UnserialisableResult(f"handler returned a value that is not JSON: {e}")
             await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_RESULT, bad)
             return
         await _finish(message, delivery, spec, rt, jsonable, held)
@@ -155,13 +198,12 @@ async def _process(
     if isinstance(decision, RetryLater):
         log.log(
             logging.INFO if isinstance(error, Retry) else logging.WARNING,
-            "attempt %d failed (%s: %s); retrying in %.3g s",
+            "attempt %d failed (%s); retrying in %.3g s",
             delivery.attempt,
-            type(error).__name__,
-            error,
+            describe(error),
             decision.delay_ms / 1000,
         )
-        await _status(rt, delivery, spec, TaskStatus.RETRYING, error=_describe(error))
+        await _status(rt, delivery, spec, TaskStatus.RETRYING, error=describe(error))
         if await rt.settler.retry(
             message,
             delivery,
@@ -232,10 +274,36 @@ async def _mark_done_quietly(
         log.warning("could not mark the task done (%s)", e)
 
 
+def _as_json(result: Any) -> Any:
+    """The result as plain JSON data, decided here once, before any Redis write.
+
+    A round trip through JSON text: what comes back always encodes (no cycles, no ``bytes``
+    that are not UTF-8, no lone surrogates), so a store that fails later is the store's fault,
+    never the value's, and is not mistaken for an outage of a value that can never be stored.
+    """
+    try:
+        return pydantic_core.from_json(pydantic_core.to_json(result))
+    except Exception as e:  # whatever the serialiser (or the value's own hooks) raised
+        raise UnserialisableResult(
+            f"handler returned a value that is not JSON: {safe_text(e)}"
+        ) from e
+
+
 async def _call(
-    spec: HandlerSpec, task: Any, delivery: Delivery, rt: Runtime
-) -> tuple[Any, BaseException | None]:
-    """Run the handler under its timeout: (its result, None) or (None, the error)."""
+    spec: HandlerSpec,
+    task: Any,
+    delivery: Delivery,
+    rt: Runtime,
+    on_stuck: Callable[[asyncio.Task[Any]], None],
+) -> tuple[Any, BaseException | None] | None:
+    """Run the handler under its timeout: (its result, None), (None, the error), or None when
+    it ignored its cancellation and ``on_stuck`` ended the attempt without it.
+
+    Anything the handler raises is its attempt's failure, BaseExceptions included: a
+    ``SystemExit``, ``KeyboardInterrupt`` or ``CancelledError`` of its own fails that task and
+    never stops the worker (a worker stops on SIGTERM/SIGINT or ``Worker.stop``). Only a
+    cancel of this task from outside (the worker stopping hard) passes through.
+    """
     args: tuple[Any, ...] = (task,)
     if spec.takes_context:
         ctx = Context(
@@ -250,19 +318,79 @@ async def _call(
         args = (task, ctx)
     timing = rt.metrics.handler_timing(spec.queue)
     started = time.perf_counter()
+    deadline = rt.deadlines.within(
+        spec.timeout_s, on_stuck=on_stuck, grace_s=rt.settings.handler_cancel_grace_s
+    )
+    result: Any = None
+    error: BaseException | None = None
     try:
-        # A CancelledError from outside (the worker stopping hard) is a BaseException and
-        # passes through: the message stays unacked and is redelivered.
-        with rt.deadlines.within(spec.timeout_s) as deadline:
-            return await spec.func(*args), None
-    except TimeoutError as e:
-        if deadline.expired:
-            return None, HandlerTimeout(f"handler ran past its timeout of {spec.timeout_s} s")
-        return None, e
-    except Exception as e:
-        return None, e
+        with deadline:
+            result = await spec.func(*args)
+    except asyncio.CancelledError as e:
+        if cancelled_by_caller():
+            raise
+        error = e  # raised by the handler itself, not a cancel of this task
+    except GeneratorExit:
+        raise  # this coroutine is being closed: nothing can be awaited any more
+    except BaseException as e:
+        error = e
     finally:
         timing.observe(time.perf_counter() - started)
+    if deadline.abandoned:
+        log.warning(
+            "a handler abandoned for ignoring its cancellation ended after all (%s); "
+            "its outcome is dropped: the task was already retried or dead-lettered",
+            "returned" if error is None else describe(error),
+        )
+        return None
+    if deadline.expired and error is not None:
+        # Whatever the handler made of our cancellation (re-raised, wrapped), it timed out.
+        timeout = HandlerTimeout(f"handler ran past its timeout of {spec.timeout_s} s")
+        timeout.__cause__ = error if not isinstance(error, TimeoutError) else None
+        return None, timeout
+    return result, error
+
+
+def _ending_without(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+) -> Callable[[asyncio.Task[Any]], None]:
+    """What the deadline ticker calls when the handler is still running ``grace`` after its
+    cancellation: end the attempt as a failure in a new task, so the message is retried or
+    dead-lettered, the claim released, and the worker's slot freed."""
+
+    def take_over(stuck: asyncio.Task[Any]) -> None:
+        rt.take_over(message, spec, rt, stuck, _end_abandoned(message, delivery, spec, rt, held))
+
+    return take_over
+
+
+async def _end_abandoned(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+) -> None:
+    token = tracing.enter(_trace(delivery, spec))
+    try:
+        grace_s = rt.settings.handler_cancel_grace_s
+        log.error(
+            "handler still running %.3g s after it was cancelled at its timeout of %.3g s "
+            "(it ignores cancellation); ending the attempt without it",
+            grace_s,
+            spec.timeout_s,
+        )
+        error = HandlerAbandoned(
+            f"handler ran past its timeout of {spec.timeout_s} s and ignored its cancellation "
+            f"for {grace_s} s"
+        )
+        await _conclude(message, delivery, spec, rt, held, None, error)
+    finally:
+        tracing.leave(token)
 
 
 async def _finish(
@@ -330,10 +458,6 @@ async def _defer(
         rt.metrics.settled(spec.queue, Outcome.DEFERRED).inc()
 
 
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
 def _state(
     delivery: Delivery,
     spec: HandlerSpec,
@@ -381,11 +505,7 @@ async def _dead_letter(
     error: BaseException,
 ) -> None:
     log.error(
-        "dead-lettering after attempt %d: %s (%s: %s)",
-        delivery.attempt,
-        reason.value,
-        type(error).__name__,
-        error,
+        "dead-lettering after attempt %d: %s (%s)", delivery.attempt, reason.value, describe(error)
     )
     if await rt.settler.dead_letter(
         message, delivery, queue=spec.queue, reason=reason.value, error=error
@@ -397,7 +517,7 @@ async def _dead_letter(
             delivery,
             spec,
             TaskStatus.DEAD_LETTERED,
-            error=_describe(error),
+            error=describe(error),
             reason=reason.value,
         )
         rt.metrics.settled(spec.queue, Outcome.DEAD_LETTERED).inc()

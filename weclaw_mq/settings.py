@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     confirm_timeout_s: float = Field(default=10.0, gt=0)
     # Well below the broker's consumer_timeout: a stuck model call must fail here first.
     handler_timeout_s: float = Field(default=300.0, gt=0)
+    # A handler still running this long after its timeout's cancel is abandoned (it ignores
+    # cancellation): its attempt fails, the worker serves on. See process._ending_without.
+    handler_cancel_grace_s: float = Field(default=10.0, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     reconnect_max_delay_s: float = Field(default=10.0, gt=0)
     # A dead peer (paused broker, blackholed link) is noticed within (heartbeat_s + 1) * 3 s.

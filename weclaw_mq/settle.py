@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import traceback
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,6 +19,7 @@ from . import headers as h
 from .connection import cancelled_by_caller
 from .deadlines import Deadlines
 from .errors import WeclawMQError
+from .failures import describe, error_type, safe_text, traceback_text
 from .message import Delivery, build_message
 from .naming import dlq_name, retry_queue_name
 from .producer import Publisher
@@ -44,11 +44,12 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     """The source's headers plus what went wrong; first-failure time survives every hop."""
     out = carried_headers(delivery)
     now = _now_iso()
-    tb = "".join(traceback.format_exception(error))
-    out[h.ERROR_TYPE] = f"{type(error).__module__}.{type(error).__qualname__}"
-    out[h.ERROR_MESSAGE] = str(error)[: h.ERROR_MESSAGE_MAX_CHARS]
+    # Safe text only: an error whose __str__ raises, or whose message UTF-8 cannot encode,
+    # must not stop the headers from being built or encoded (the task would stay unsettled).
+    out[h.ERROR_TYPE] = error_type(error)
+    out[h.ERROR_MESSAGE] = safe_text(error)[: h.ERROR_MESSAGE_MAX_CHARS]
     # The end of a traceback says most: keep that part.
-    out[h.ERROR_TRACEBACK] = tb[-h.TRACEBACK_MAX_CHARS :]
+    out[h.ERROR_TRACEBACK] = traceback_text(error)[-h.TRACEBACK_MAX_CHARS :]
     out[h.ORIGINAL_QUEUE] = queue
     out.setdefault(h.FIRST_FAILURE_AT, now)
     out[h.LAST_FAILURE_AT] = now
@@ -72,9 +73,9 @@ class Settler:
         """Ack; False when the channel is gone (the broker redelivers: a duplicate, not a loss)."""
         return await self._settle(message, requeue=None)
 
-    async def give_back(self, message: AbstractIncomingMessage) -> None:
+    async def give_back(self, message: AbstractIncomingMessage) -> bool:
         """Return the message to its queue now rather than when the channel closes."""
-        await self._settle(message, requeue=True)
+        return await self._settle(message, requeue=True)
 
     async def retry(
         self,
@@ -122,8 +123,14 @@ class Settler:
         )
         try:
             await self.publisher.publish(target, copy)
-        except WeclawMQError as e:
-            log.error("could not move the task to %s (%s); returning it to its queue", target, e)
+        except Exception as e:
+            # Any failure (not only ours: a header the client cannot encode, say) means the
+            # copy may not be there; the source goes back and the broker's delivery limit
+            # bounds how often that can repeat.
+            reason = str(e) if isinstance(e, WeclawMQError) else describe(e)
+            log.error(
+                "could not move the task to %s (%s); returning it to its queue", target, reason
+            )
             await self.give_back(message)
             return False
         # Moved, whatever the ack does: if it fails, the source comes back as a duplicate.

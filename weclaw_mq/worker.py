@@ -2,6 +2,10 @@
 
 ``--concurrency N`` sets prefetch = N per handler queue and so at most N handlers in flight
 per queue: a worker never holds a message it is not processing (prefetch=1, generalised).
+
+Every bound of a stop is here: in-flight handlers get ``shutdown_grace_s``, then are cancelled
+and get ``DRAIN_CANCEL_S`` to give their messages back; a handler that ignores even that is
+left behind (its message returns to the queue when the connection closes).
 """
 
 from __future__ import annotations
@@ -11,15 +15,22 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import aiormq
-from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractConnection,
+    AbstractIncomingMessage,
+    AbstractQueue,
+)
 
 from .app import App
 from .connection import LINK_ERRORS, backoff_s, cancelled_by_caller, when_lost
 from .deadlines import Deadlines
 from .errors import ConfigurationError
+from .failures import describe
 from .handler import HandlerSpec
 from .metrics import Outcome
 from .process import Runtime, process
@@ -29,6 +40,11 @@ from .settle import Settler
 from .topology import declare
 
 log = logging.getLogger("weclaw_mq.worker")
+
+# After the grace, cancelled handlers get this long to give their messages back.
+DRAIN_CANCEL_S = 5.0
+# Closing a connection waits for the broker's answer; a stop does not wait longer than this.
+CLOSE_TIMEOUT_S = 5.0
 
 
 class Worker:
@@ -53,6 +69,9 @@ class Worker:
         self._stop = asyncio.Event()
         # Per queue, for the in-flight gauge; every delivery being processed is in one set.
         self._in_flight: dict[str, set[asyncio.Task[None]]] = {s.queue: set() for s in self.specs}
+        # Tasks whose handler ignored its cancellation: they hold no message any more, are no
+        # longer in flight, and a stop does not wait for them.
+        self._abandoned: set[asyncio.Task[Any]] = set()
         self._deadlines = Deadlines()
         for spec in self.specs:
             app.metrics.count_in_flight(spec.queue, self._in_flight[spec.queue].__len__)
@@ -79,6 +98,11 @@ class Worker:
     def in_flight(self) -> int:
         return sum(len(tasks) for tasks in self._in_flight.values())
 
+    @property
+    def abandoned(self) -> int:
+        """Handlers still running that ignored their cancellation (they hold no message)."""
+        return len(self._abandoned)
+
     async def run(self) -> None:
         self._warn_about_consumer_timeout()
         self._check_redis_pool()
@@ -104,7 +128,7 @@ class Worker:
             finally:
                 self.ready.clear()
                 with contextlib.suppress(Exception):
-                    await conn.close()
+                    await asyncio.wait_for(conn.close(), CLOSE_TIMEOUT_S)
             if not self._stop.is_set() and failures:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(
@@ -129,12 +153,21 @@ class Worker:
             metrics=self.app.metrics,
             guard=self.app.guard,
             results=self.app.results,
+            take_over=self._take_over,
         )
-        consumers: list[tuple[AbstractQueue, str]] = []
+        # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
+        # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel
+        # stays open and nothing else would tell us that no more deliveries come.
+        cancelled: asyncio.Queue[str] = asyncio.Queue()
+        underlay = await channel.get_underlay_channel()
+        underlay.on_consumer_cancel_callbacks.add(
+            lambda frame: cancelled.put_nowait(frame.consumer_tag or "")
+        )
+        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]] = {}
         for spec in self.specs:
             queue = await channel.get_queue(spec.queue, ensure=False)
             tag = await queue.consume(self._dispatcher(spec, runtime))
-            consumers.append((queue, tag))
+            consumers[tag] = (spec, queue)
         log.info(
             "consuming %s with concurrency %d",
             ", ".join(s.queue for s in self.specs),
@@ -145,7 +178,20 @@ class Worker:
         stop = asyncio.ensure_future(self._stop.wait())
         lost = asyncio.ensure_future(_first(when_lost(conn), channel.closed()))
         try:
-            await asyncio.wait({stop, lost}, return_when=asyncio.FIRST_COMPLETED)
+            while not (stop.done() or lost.done()):
+                next_cancel = asyncio.ensure_future(cancelled.get())
+                try:
+                    await asyncio.wait(
+                        {stop, lost, next_cancel}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    next_cancel.cancel()
+                if next_cancel.done() and not next_cancel.cancelled():
+                    tag = next_cancel.result()
+                    if tag in consumers and not (stop.done() or lost.done()):
+                        spec, _ = consumers.pop(tag)
+                        queue, tag = await self._consume_again(conn, channel, spec, runtime)
+                        consumers[tag] = (spec, queue)
         finally:
             stop.cancel()
             lost.cancel()
@@ -153,16 +199,41 @@ class Worker:
             raise aiormq.exceptions.ConnectionClosed(320, "connection or channel closed")
         # Stopping: take no new deliveries, then let the running handlers finish and ack
         # while the connection is still open.
-        for queue, tag in consumers:
-            with contextlib.suppress(*LINK_ERRORS):
-                await queue.cancel(tag)
+        for tag, (_, queue) in consumers.items():
+            with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
+                await asyncio.wait_for(queue.cancel(tag), CLOSE_TIMEOUT_S)
         await self._drain()
+
+    async def _consume_again(
+        self,
+        conn: AbstractConnection,
+        channel: AbstractChannel,
+        spec: HandlerSpec,
+        runtime: Runtime,
+    ) -> tuple[AbstractQueue, str]:
+        """Consume ``spec``'s queue again after the broker cancelled our consumer.
+
+        The queue is declared first, as at start (it may have been deleted): consuming from
+        a missing queue would close the channel of every other consumer too. Any failure ends
+        the session, and the reconnect path declares and consumes everything afresh.
+        """
+        log.warning("the broker cancelled our consumer of %r; consuming it again", spec.queue)
+        try:
+            declaring = await conn.channel()
+            await declare(declaring, [spec.queue_spec()])
+            await declaring.close()
+            queue = await channel.get_queue(spec.queue, ensure=False)
+            tag = await queue.consume(self._dispatcher(spec, runtime))
+        except (*LINK_ERRORS, RuntimeError) as e:  # RuntimeError: aio-pika's "closed"
+            raise aiormq.exceptions.ConnectionClosed(
+                320, f"could not consume {spec.queue!r} again: {describe(e)}"
+            ) from e
+        log.info("consuming %s again", spec.queue)
+        return queue, tag
 
     def _dispatcher(
         self, spec: HandlerSpec, runtime: Runtime
     ) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
-        in_flight = self._in_flight[spec.queue]
-
         async def on_message(message: AbstractIncomingMessage) -> None:
             if self._stop.is_set():
                 # Arrived after we decided to stop: left unacked, the broker gives it to
@@ -172,22 +243,36 @@ class Worker:
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and
             # store its result even if its ack can no longer be sent.
-            task = asyncio.create_task(self._handle(message, spec, runtime))
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
+            self._track(
+                spec.queue, _settled(message, spec, runtime, process(message, spec, runtime))
+            )
 
         return on_message
 
-    @staticmethod
-    async def _handle(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
-        try:
-            await process(message, spec, rt)
-        except Exception:
-            # A bug of ours must not kill the consumer; the message stays unacked.
-            log.exception("unexpected error while processing; the task will be redelivered")
+    def _track(self, queue: str, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        in_flight = self._in_flight[queue]
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+
+    def _take_over(
+        self,
+        message: AbstractIncomingMessage,
+        spec: HandlerSpec,
+        rt: Runtime,
+        stuck: asyncio.Task[Any],
+        ending: Coroutine[Any, Any, None],
+    ) -> None:
+        """Run ``ending`` (the delivery's failure path) in place of ``stuck``, whose handler
+        ignored its cancellation: the slot and the message are freed, the handler left."""
+        self._in_flight[spec.queue].discard(stuck)
+        self._abandoned.add(stuck)
+        stuck.add_done_callback(self._abandoned.discard)
+        self._track(spec.queue, _settled(message, spec, rt, ending))
 
     async def _drain(self) -> None:
-        """Wait for in-flight handlers up to the grace period, then cancel the rest (unacked)."""
+        """Wait for in-flight handlers up to the grace period, then cancel the rest; they
+        give their messages back. Bounded: a handler that ignores its cancellation is left."""
         running = set().union(*self._in_flight.values())
         if not running:
             return
@@ -195,15 +280,27 @@ class Worker:
             "waiting up to %.0f s for %d in-flight task(s)", self.shutdown_grace_s, len(running)
         )
         _, pending = await asyncio.wait(running, timeout=self.shutdown_grace_s)
+        if not pending:
+            return
         for task in pending:
             task.cancel()
-        if pending:
-            log.warning(
-                "%d task(s) still running after the grace period were cancelled; "
-                "they stay unacked and will be redelivered",
-                len(pending),
+        log.warning(
+            "%d task(s) still running after the grace period were cancelled; their messages "
+            "go back to the queue",
+            len(pending),
+        )
+        _, stuck = await asyncio.wait(pending, timeout=DRAIN_CANCEL_S)
+        if stuck:
+            log.error(
+                "%d handler(s) ignored their cancellation; leaving them behind (their messages "
+                "return to the queue when the connection closes)",
+                len(stuck),
             )
-            await asyncio.wait(pending)
+            for task in stuck:
+                for in_flight in self._in_flight.values():
+                    in_flight.discard(task)
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned.discard)
 
     def _check_redis_pool(self) -> None:
         if self.app.guard is None and self.app.results is None:
@@ -227,6 +324,37 @@ class Worker:
                     spec.timeout_s,
                     int(spec.timeout_s * 1000 * 2),
                 )
+
+
+async def _settled(
+    message: AbstractIncomingMessage,
+    spec: HandlerSpec,
+    rt: Runtime,
+    work: Coroutine[Any, Any, None],
+) -> None:
+    """Run ``work`` (the processing of ``message``) and, whatever escapes it, settle the
+    message: no path leaves it held by this live worker with nothing running for it."""
+    try:
+        await work
+    except GeneratorExit:
+        raise  # this coroutine is being closed: nothing can be awaited any more
+    except asyncio.CancelledError:
+        # Stopping hard (the grace ran out): give the message back now, not only when the
+        # connection closes.
+        await _give_back(message, spec, rt)
+        raise
+    except BaseException as e:
+        # A bug of ours must not kill the consumer: the message goes back to its queue (the
+        # broker's delivery limit bounds how often one message can do this).
+        log.exception("unexpected error while processing (%s); giving the task back", describe(e))
+        await _give_back(message, spec, rt)
+
+
+async def _give_back(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
+    if message.processed:
+        return  # settled before the error: nothing is held
+    if await rt.settler.give_back(message):
+        rt.metrics.settled(spec.queue, Outcome.REQUEUED).inc()
 
 
 async def _first(*awaitables: object) -> None:

@@ -191,13 +191,19 @@ class WorkerFleet:
         self.workers: list[WorkerProcess] = []
 
     def start(
-        self, *, concurrency: int = 1, sleep_s: float = 0.0, crash_on: str | None = None
+        self,
+        *,
+        concurrency: int = 1,
+        sleep_s: float = 0.0,
+        crash_on: str | None = None,
+        mode: str = "sleep",
     ) -> WorkerProcess:
         """Start ``weclaw-mq worker`` on the fixture app; its stderr goes to a log file."""
         app_env = {
             "TEST_QUEUE": self.queue,
             "TEST_RECORD_DIR": str(self.record_dir),
             "TEST_HANDLER_SLEEP_S": str(sleep_s),
+            "TEST_HANDLER_MODE": mode,
         }
         if crash_on is not None:
             app_env["TEST_CRASH_ON"] = crash_on

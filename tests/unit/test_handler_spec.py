@@ -5,9 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, SecretStr, field_validator
 
-from weclaw_mq import App, ConfigurationError, Context, RetryPolicy, Settings
+from weclaw_mq import (
+    App,
+    ConfigurationError,
+    Context,
+    PayloadValidationError,
+    RetryPolicy,
+    Settings,
+)
 from weclaw_mq.handler import InvalidPayload, UndecodableBody
 from weclaw_mq.settings import redact_url
 
@@ -244,3 +251,37 @@ def test_settings_never_show_the_url_password() -> None:
     assert "s3cr3t-pw" not in repr(settings)
     assert "s3cr3t-pw" not in str(settings.model_dump())
     assert settings.amqp_url_plain() == "amqp://worker:s3cr3t-pw@rabbit:5672/"
+
+
+class _Strict(BaseModel):
+    text: str
+
+    @field_validator("text")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        return {"ok": "fine"}[value]  # KeyError for anything else: pydantic does not wrap it
+
+
+def test_a_validator_raising_a_key_error_is_an_invalid_payload() -> None:
+    app = _app()
+
+    @app.handler("strict")
+    async def strict(task: _Strict) -> None:
+        return None
+
+    spec = app.handlers["strict"]
+    assert spec.parse(b'{"text": "ok"}').text == "fine"
+    with pytest.raises(InvalidPayload, match="KeyError"):
+        spec.parse(b'{"text": "unknown"}')
+
+
+def test_publishing_a_payload_whose_validator_raises_a_key_error_is_a_validation_error() -> None:
+    app = _app()
+
+    @app.handler("strict")
+    async def strict(task: _Strict) -> None:
+        return None
+
+    # prepare() is publish's check before anything is sent: no broker needed to see it refuse
+    with pytest.raises(PayloadValidationError, match="KeyError"):
+        app.prepare("strict", {"text": "unknown"})

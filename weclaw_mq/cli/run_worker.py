@@ -1,16 +1,33 @@
-"""Running a worker as a process: signals, metrics endpoint, clean exit."""
+"""Running a worker as a process: signals, metrics endpoint, and an exit with a hard bound.
+
+The first SIGTERM or SIGINT stops the worker: no new deliveries, in-flight handlers get
+``shutdown_grace_s``, then are cancelled and give their messages back. Whatever a handler
+does (ignores its cancellation, blocks the event loop in a synchronous call), the process
+exits within ``shutdown_grace_s + HARD_EXIT_MARGIN_S``: a watchdog thread ends it then, and
+the broker returns every message it still held to its queue. A second signal ends it at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import threading
 from collections.abc import Sequence
+from types import FrameType
 
 from ..app import App
 from ..worker import Worker
 
 log = logging.getLogger("weclaw_mq.worker")
+
+# Past the grace: cancelled handlers give their messages back (worker.DRAIN_CANCEL_S), the
+# connection and Redis close (a few seconds each at most); then the watchdog ends the process.
+HARD_EXIT_MARGIN_S = 10.0
+# Exit status of a stop the watchdog (or a second signal) had to force.
+FORCED_EXIT_CODE = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 async def run_worker(
@@ -25,16 +42,61 @@ async def run_worker(
     if port is not None:
         app.metrics.serve(port)
         log.info("metrics on :%d/metrics", port)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, worker, sig)
+    stopper = _Stopper(worker, asyncio.get_running_loop())
     try:
         await worker.run()
-    finally:
         await app.close()
+    finally:
+        stopper.restore()
+    if worker.abandoned:
+        # asyncio.run would cancel them and wait for them to end, which they never do.
+        _hard_exit(
+            f"worker stopped; {worker.abandoned} handler(s) that ignore cancellation are "
+            "still running: exiting without them"
+        )
     log.info("worker stopped")
 
 
-def _on_signal(worker: Worker, sig: signal.Signals) -> None:
-    log.info("%s: finishing in-flight tasks, taking no new ones", sig.name)
-    worker.stop()
+class _Stopper:
+    """Plain ``signal.signal`` handlers, not the loop's: they run in the main thread even while
+    a handler blocks the event loop, so the watchdog starts whatever the loop is doing."""
+
+    def __init__(self, worker: Worker, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.loop = loop
+        self.signalled = False
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signalled:
+            _hard_exit(f"{name} again: exiting now; unfinished tasks go back to their queues")
+        self.signalled = True
+        bound_s = self.worker.shutdown_grace_s + HARD_EXIT_MARGIN_S
+        watchdog = threading.Timer(
+            bound_s,
+            _hard_exit,
+            args=(
+                f"still running {bound_s:.0f} s after {name}: exiting now; unfinished tasks "
+                "go back to their queues",
+            ),
+        )
+        watchdog.daemon = True
+        watchdog.start()
+        self.loop.call_soon_threadsafe(self._stop, name)
+
+    def _stop(self, name: str) -> None:
+        log.info("%s: finishing in-flight tasks, taking no new ones", name)
+        self.worker.stop()
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _hard_exit(why: str) -> None:
+    # os._exit skips the event loop and its cleanup (which would wait on handlers that never
+    # end); the broker requeues whatever this connection held once the socket closes.
+    log.error("%s", why)
+    logging.shutdown()
+    os._exit(FORCED_EXIT_CODE)

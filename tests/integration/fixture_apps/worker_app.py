@@ -10,14 +10,19 @@ Environment:
     TEST_RECORD_DIR       where ``events.log`` is written (required to use ``app``)
     TEST_HANDLER_SLEEP_S  how long each handler call takes (default 0)
     TEST_CRASH_ON         a ``text`` value on which the handler SIGKILLs its own process
+    TEST_HANDLER_MODE     how the handler spends TEST_HANDLER_SLEEP_S: "sleep" (default),
+                          "ignore_cancel" (sleeps, swallowing every cancellation), "block"
+                          (blocks the event loop in a synchronous sleep)
 The ``WECLAW_MQ_*`` settings apply as in any app.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +75,7 @@ def build_app(
     record_dir: Path,
     sleep_s: float = 0.0,
     crash_on: str | None = None,
+    mode: str = "sleep",
 ) -> App:
     app = App("fixture", settings=settings)
 
@@ -78,7 +84,15 @@ def build_app(
         record(record_dir, "started", ctx)
         if crash_on is not None and task.text == crash_on:
             os.kill(os.getpid(), signal.SIGKILL)
-        await asyncio.sleep(sleep_s)
+        if mode == "block":
+            time.sleep(sleep_s)  # noqa: ASYNC251 - on purpose: a call the loop cannot interrupt
+        elif mode == "ignore_cancel":
+            until = time.monotonic() + sleep_s
+            while time.monotonic() < until:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(until - time.monotonic())
+        else:
+            await asyncio.sleep(sleep_s)
         record(record_dir, "finished", ctx)
         return {"echo": task.text}
 
@@ -94,6 +108,7 @@ def _app_from_env() -> App:
         record_dir=Path(record_dir),
         sleep_s=float(os.environ.get("TEST_HANDLER_SLEEP_S", "0")),
         crash_on=crash_on,
+        mode=os.environ.get("TEST_HANDLER_MODE", "sleep"),
     )
 
 
