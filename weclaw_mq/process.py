@@ -36,6 +36,7 @@ from .settings import Settings
 from .settle import Settler
 from .signals import Retry
 from .tracing import TraceContext
+from .undecodable import undecodable
 
 if TYPE_CHECKING:
     from .app import App
@@ -116,6 +117,14 @@ def _trace(delivery: Delivery, spec: HandlerSpec) -> TraceContext:
 async def _process(
     message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
 ) -> None:
+    if undecodable(delivery.headers) is not None:
+        # Its properties did not decode (the worker reads them tolerantly, see Worker.run), so
+        # no copy of it can be built: one reject has the broker move the original to Q.dlq,
+        # where the DLQ tools show it as "undecodable_properties".
+        log.error("message properties could not be decoded; rejecting it to the dead-letter queue")
+        if await rt.settler.reject(message):
+            rt.metrics.settled(spec.queue, Outcome.DEAD_LETTERED).inc()
+        return
     if delivery.returns > spec.delivery_limit:
         # The broker enforces the limit within one stint in Q; this catches a task that
         # keeps killing workers while hopping through the guard's delay queue.

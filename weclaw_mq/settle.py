@@ -77,6 +77,14 @@ class Settler:
         """Return the message to its queue now rather than when the channel closes."""
         return await self._settle(message, requeue=True)
 
+    async def reject(self, message: AbstractIncomingMessage) -> bool:
+        """Reject without requeue: the broker dead-letters the untouched original to ``Q.dlq``.
+
+        Only for a message we cannot copy (its properties did not decode): every other move is
+        "publish a copy with confirm, then ack", which keeps our failure headers.
+        """
+        return await self._settle(message, requeue=False)
+
     async def retry(
         self,
         message: AbstractIncomingMessage,
@@ -138,7 +146,7 @@ class Settler:
         return True
 
     async def _settle(self, message: AbstractIncomingMessage, *, requeue: bool | None) -> bool:
-        what = "ack" if requeue is None else "nack"
+        what = "ack" if requeue is None else ("nack" if requeue else "reject")
         try:
             with self.deadlines.within(SETTLE_TIMEOUT_S):
                 if requeue is None:

@@ -38,6 +38,7 @@ from .producer import Publisher
 from .settings import BROKER_CONSUMER_TIMEOUT_S
 from .settle import Settler
 from .topology import declare
+from .undecodable import tolerant_properties
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -106,6 +107,14 @@ class Worker:
     async def run(self) -> None:
         self._warn_about_consumer_timeout()
         self._check_redis_pool()
+        # Without it, one message whose properties pamqp cannot decode closes the whole
+        # connection and returns every message in flight with it, again and again until the
+        # delivery limit dead-letters them all (measured: 42 s, three innocent tasks lost to
+        # the DLQ); read tolerantly, it arrives as a marker that ``process`` rejects at once.
+        with tolerant_properties():
+            await self._run()
+
+    async def _run(self) -> None:
         failures = 0
         while not self._stop.is_set():
             conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from aio_pika.abc import AbstractChannel
 from pamqp.commands import Basic
@@ -79,3 +80,42 @@ async def test_an_undecodable_message_rejected_once_lands_untouched_in_the_dlq(
 
 async def _depth_is(channel: AbstractChannel, queue: str, n: int) -> bool:
     return await queue_depth(channel, queue) == n
+
+
+async def test_a_worker_rejects_an_undecodable_message_at_once_and_keeps_serving(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    amqp: AbstractChannel,
+    broker_url: str,
+) -> None:
+    """In a live worker: the bad message reaches Q.dlq in one delivery, the connection stays
+    up, and the tasks around it run once each (none is dead-lettered with it)."""
+    app = make_app()
+    handled: list[str] = []
+
+    @app.handler(qname)
+    async def work(task: Prompt) -> None:
+        handled.append(task.text)
+
+    await app.declare()
+    await app.publish(qname, Prompt(text="before"))
+    await publish_raw(
+        broker_url,
+        qname,
+        properties=Basic.Properties(
+            message_id="\x01\x01\x01\x01", content_type="application/json", delivery_mode=2
+        ),
+        body=b'{"text": "bad"}',
+        patch=BAD_ID_PATCH,
+    )
+    await app.publish(qname, Prompt(text="after"))
+    worker = await start_worker(app, concurrency=4)
+
+    await wait_until(lambda: _depth_is(amqp, dlq_name(qname), 1), 10, "the rejected original")
+    await wait_until(lambda: sorted(handled) == ["after", "before"], 10, "the innocent tasks")
+    [letter] = await dlq.inspect(app, qname)
+    assert letter.reason == "undecodable_properties"
+    assert letter.body == b'{"text": "bad"}'
+    assert worker.ready.is_set()  # never lost its connection
+    assert app.metrics.reconnects.labels("worker")._value.get() == 0
