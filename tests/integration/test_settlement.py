@@ -260,14 +260,14 @@ class _StoreWithABug:
     async def put_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
         await self.inner.put_many(states, only_if_new=only_if_new)
 
-    async def forget_queued(self, task_id: str) -> None:
-        await self.inner.forget_queued(task_id)
+    async def forget_queued(self, queue: str, task_id: str) -> None:
+        await self.inner.forget_queued(queue, task_id)
 
-    async def get(self, task_id: str) -> TaskState | None:
-        return await self.inner.get(task_id)
+    async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
+        return await self.inner.get(task_id, queue=queue)
 
-    async def wait(self, task_id: str, timeout_s: float) -> TaskState:
-        return await self.inner.wait(task_id, timeout_s)
+    async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
+        return await self.inner.wait(task_id, timeout_s, queue=queue)
 
     async def close(self) -> None:
         return None
