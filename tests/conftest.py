@@ -109,7 +109,9 @@ def private_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Privat
     ending the process on the spot, an ``atexit`` hook stops what is left, and a reaper
     process stops everything once pytest is gone, even after SIGKILL.
     """
-    servers = PrivateServers(tmp_path_factory.mktemp("servers"), uuid.uuid4().hex[:10])
+    servers = PrivateServers(
+        tmp_path_factory.getbasetemp(), tmp_path_factory.mktemp("servers"), uuid.uuid4().hex[:10]
+    )
     servers.open()
     previous = signal.getsignal(signal.SIGTERM)
     if previous is signal.SIG_DFL:

@@ -125,9 +125,16 @@ def start_reaper(folder: Path, marker: str) -> subprocess.Popen[bytes]:
 
 
 class PrivateServers:
-    """One pytest run's folder for private servers, its marker, and its safety nets."""
+    """One pytest run's folder for private servers, its marker, and its safety nets.
 
-    def __init__(self, root: Path, run_id: str) -> None:
+    ``watch`` is the run's whole temporary folder (pytest's basetemp): every ``*.pid`` file
+    under it names a process the safety nets stop, the worker processes tests start included
+    (``tests/integration/processes.py`` writes one beside each worker's log); ``root`` is
+    the folder the servers themselves live in.
+    """
+
+    def __init__(self, watch: Path, root: Path, run_id: str) -> None:
+        self.watch = watch
         self.root = root
         self.run_id = run_id
         self.marker = f"{RUN_ENV}={run_id}"
@@ -147,20 +154,23 @@ class PrivateServers:
         return path
 
     def open(self) -> None:
-        self._reaper = start_reaper(self.root, self.marker)
+        # Every process started from now on carries the marker, worker processes included.
+        os.environ[RUN_ENV] = self.run_id
+        self._reaper = start_reaper(self.watch, self.marker)
         atexit.register(self.reap)
 
     def reap(self) -> list[int]:
-        return reap(self.root, self.marker)
+        return reap(self.watch, self.marker)
 
     def stop(self, pids: Iterable[int]) -> list[int]:
         """Stop those of ``pids`` that are this run's (see ``stop_processes``)."""
-        return stop_processes(pids, self.marker, self.root)
+        return stop_processes(pids, self.marker, self.watch)
 
     def close(self) -> None:
         """Stop anything still running; the reaper then finds nothing and exits."""
         self.reap()
         atexit.unregister(self.reap)
+        os.environ.pop(RUN_ENV, None)
         if self._reaper is not None and self._reaper.stdin is not None:
             self._reaper.stdin.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
