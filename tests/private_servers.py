@@ -188,6 +188,10 @@ class PrivateRedis:
         self.url = f"unix://{self.socket}?db=0"
         self._proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
     def start(self, timeout_s: float = 20.0) -> float:
         """Start it and wait until it answers PING; returns the seconds that took."""
         started = time.perf_counter()

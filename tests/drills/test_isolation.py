@@ -78,7 +78,7 @@ _DOOMED = textwrap.dedent(
     servers.open()
     redis = PrivateRedis(servers, servers.folder("redis"))
     redis.start()
-    print(redis._proc.pid, flush=True)
+    print(redis.pid, flush=True)
     time.sleep(600)
     """
 )
