@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
+from tests.private_servers import PrivateRedis, PrivateServers
 from weclaw_mq import App, Settings, Worker
 from weclaw_mq.topology import queue_declarations
 
@@ -94,6 +96,45 @@ def redis_url() -> Iterator[str]:
     pytest.fail(
         f"no Redis answers at WECLAW_MQ_REDIS_URL ({problem}); {HOW_TO_GET_REDIS}", pytrace=False
     )
+
+
+# -- private servers, for tests that stop or break one (see tests/private_servers.py) --------
+
+
+@pytest.fixture(scope="session")
+def private_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateServers]:
+    """This run's folder for private servers, and the safety nets that stop them.
+
+    While it is open, SIGTERM to pytest acts as Ctrl-C (fixtures are torn down) instead of
+    ending the process on the spot, an ``atexit`` hook stops what is left, and a reaper
+    process stops everything once pytest is gone, even after SIGKILL.
+    """
+    servers = PrivateServers(
+        tmp_path_factory.getbasetemp(), tmp_path_factory.mktemp("servers"), uuid.uuid4().hex[:10]
+    )
+    servers.open()
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    try:
+        yield servers
+    finally:
+        if previous is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        servers.close()
+
+
+@pytest.fixture
+def private_redis(private_servers: PrivateServers) -> Iterator[PrivateRedis]:
+    """A redis-server of this test's own (unix socket), running; stop and start it at will."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server (Debian package redis-server) for a private Redis")
+    redis = PrivateRedis(private_servers, private_servers.folder("redis"))
+    redis.start()
+    try:
+        yield redis
+    finally:
+        redis.stop()
 
 
 @pytest.fixture

@@ -1,14 +1,19 @@
 """Fixtures for the fault drills: private RabbitMQ nodes of our own, and the drill table.
 
 Every disruptive drill (stopped app, paused VM, memory alarm, closed connections, killed node)
-runs against nodes that ``ops/cluster/cluster.sh`` starts on their own ports with their own
-cookie: the machine's default broker on 5672 is shared and is never touched here.
+runs against nodes that ``ops/cluster/cluster.sh`` starts with their own cookie: the machine's
+default broker on 5672 is shared and is never touched here. Each pytest run's nodes are its
+own: named ``weclaw-s1-<run id>@localhost``, on free ports picked when they start, with every
+file they write (data, logs, cookie, erl_crash.dump) in the run's temporary folder; so two
+checkouts can run the drills side by side, and a node an interrupted run left behind is in
+nobody's way. They are stopped by pid at the end of the session, and by the safety nets of
+``tests/private_servers.py`` if the session does not end well (Ctrl-C, SIGTERM, SIGKILL).
 
 Fixtures:
-    private_node     the single node weclaw-s1 (AMQP 5680), started once per session
+    private_node     the single node s1, started once per session
     node             the same node, put back in order after each drill (resumed, alarm off,
                      app started, VM restarted if it was killed)
-    rabbit_cluster   the 3-node cluster weclaw-c1..c3, started on first use, stopped at the end
+    rabbit_cluster   the 3-node cluster c1..c3, started on first use, stopped at the end
     drill_redis_url  a redis-server of the drills' own on a unix socket, for this session
     drill_report     collects one row per drill; printed as a table at the end of the run
     forget_tasks     deletes the Redis records (results, guard keys) of a drill's tasks
@@ -44,12 +49,12 @@ import redis.asyncio as aioredis
 from tests.conftest import delete_queues, settings_for, wait_until
 from tests.drills import drill_app
 from tests.integration.processes import WorkerProcess, queue_names, ready_count_is
+from tests.private_servers import PrivateRedis, PrivateServers, has_env, running
 from weclaw_mq import Settings
 from weclaw_mq.naming import GUARD_KEY_PREFIX, queue_key_pattern, task_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SH = REPO_ROOT / "ops" / "cluster" / "cluster.sh"
-CLUSTER_DIR = Path(os.environ.get("WECLAW_CLUSTER_DIR", "/tmp/weclaw-mq-cluster"))
 CLUSTER_DRILL_ENV = "WECLAW_CLUSTER_DRILL"
 CLUSTER_DRILL_FILE = "test_cluster_failover_drill.py"
 REPORT_JSON_ENV = "WECLAW_DRILL_REPORT_JSON"
@@ -62,8 +67,6 @@ CLI_TIMEOUT_S = 60.0
 ALARM_WATERMARK = "0.000001"
 NORMAL_WATERMARK = "0.4"
 
-_PORTS = {"s1": 5680, "c1": 5681, "c2": 5682, "c3": 5683}
-
 
 # -- running cluster.sh -----------------------------------------------------------------------
 
@@ -72,11 +75,24 @@ class ClusterScriptError(RuntimeError):
     pass
 
 
-def _script_env() -> dict[str, str]:
-    return {**os.environ, "WECLAW_CLUSTER_DIR": str(CLUSTER_DIR)}
+@dataclass(frozen=True)
+class NodeSpace:
+    """Where this run's nodes live: cluster.sh's base folder, the suffix of their names, and
+    the run marker the safety nets know them by."""
+
+    base: Path
+    cluster_id: str
+    servers: PrivateServers
+
+    def env(self) -> dict[str, str]:
+        return self.servers.env(
+            WECLAW_CLUSTER_DIR=str(self.base),
+            WECLAW_CLUSTER_ID=self.cluster_id,
+            WECLAW_CLUSTER_PORTS="auto",
+        )
 
 
-def cluster_sh(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
+def cluster_sh(space: NodeSpace, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
     """Run ``cluster.sh ARGS`` and return its stdout; raise with its stderr if it fails."""
     try:
         done = subprocess.run(
@@ -84,8 +100,9 @@ def cluster_sh(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
             capture_output=True,
             text=True,
             timeout=timeout_s,
-            env=_script_env(),
+            env=space.env(),
             stdin=subprocess.DEVNULL,
+            cwd=space.base,
         )
     except subprocess.TimeoutExpired as e:
         raise ClusterScriptError(f"cluster.sh {' '.join(args)} ran past {timeout_s} s") from e
@@ -96,7 +113,7 @@ def cluster_sh(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
     return done.stdout
 
 
-async def acluster_sh(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
+async def acluster_sh(space: NodeSpace, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
     """``cluster_sh`` without blocking the event loop (drills keep publishing meanwhile)."""
     proc = await asyncio.create_subprocess_exec(
         "bash",
@@ -105,7 +122,8 @@ async def acluster_sh(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=_script_env(),
+        env=space.env(),
+        cwd=space.base,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
@@ -133,14 +151,16 @@ class RabbitNode:
     """One of our private nodes, driven through ``cluster.sh`` and signals to its pid."""
 
     key: str  # s1, c1, c2, c3
+    space: NodeSpace
 
     @property
     def name(self) -> str:
-        return f"weclaw-{self.key}@localhost"
+        return f"weclaw-{self.key}-{self.space.cluster_id}@localhost"
 
     @property
     def port(self) -> int:
-        return _PORTS[self.key]
+        """The AMQP port cluster.sh picked when the node first started (kept on restarts)."""
+        return int((self.space.base / self.key / "ports").read_text().split()[0])
 
     @property
     def url(self) -> str:
@@ -148,18 +168,19 @@ class RabbitNode:
 
     @property
     def pid_file(self) -> Path:
-        return CLUSTER_DIR / self.key / "rabbitmq.pid"
+        return self.space.base / self.key / "rabbitmq.pid"
+
+    @property
+    def launcher_pid_file(self) -> Path:
+        return self.space.base / self.key / "launcher.pid"
 
     def pid(self) -> int | None:
         """The beam process's pid, or None if it does not run (the file may be stale)."""
         try:
             pid = int(self.pid_file.read_text().strip())
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
         except (OSError, ValueError):
             return None
-        if f"RABBITMQ_NODENAME={self.name}".encode() not in environ.split(b"\0"):
-            return None
-        return pid
+        return pid if has_env(pid, f"RABBITMQ_NODENAME={self.name}") else None
 
     def require_pid(self) -> int:
         pid = self.pid()
@@ -168,13 +189,13 @@ class RabbitNode:
         return pid
 
     async def ctl(self, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
-        return await acluster_sh("ctl", self.key, *args, timeout_s=timeout_s)
+        return await acluster_sh(self.space, "ctl", self.key, *args, timeout_s=timeout_s)
 
     async def diag(self, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
-        return await acluster_sh("diag", self.key, *args, timeout_s=timeout_s)
+        return await acluster_sh(self.space, "diag", self.key, *args, timeout_s=timeout_s)
 
     async def queues(self, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> str:
-        return await acluster_sh("queues", self.key, *args, timeout_s=timeout_s)
+        return await acluster_sh(self.space, "queues", self.key, *args, timeout_s=timeout_s)
 
     # The faults.
     async def stop_app(self) -> None:
@@ -201,7 +222,7 @@ class RabbitNode:
         os.kill(pid, signal.SIGCONT)  # a paused VM would otherwise die only when resumed
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while _alive(pid):
+        while running(pid):
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.name} (pid {pid}) still runs 10 s after SIGKILL")
             await asyncio.sleep(0.02)
@@ -209,7 +230,20 @@ class RabbitNode:
 
     async def start(self) -> None:
         """Start the VM (after ``kill9``); returns once the node runs."""
-        await acluster_sh("node-start", self.key, timeout_s=NODE_START_TIMEOUT_S)
+        await acluster_sh(self.space, "node-start", self.key, timeout_s=NODE_START_TIMEOUT_S)
+
+    def pids_to_stop(self) -> list[int]:
+        """The VM's pid and its launcher's, as far as their pid files exist."""
+        pids = []
+        for file in (self.pid_file, self.launcher_pid_file):
+            with contextlib.suppress(OSError, ValueError):
+                pids.append(int(file.read_text().strip()))
+        return pids
+
+    def terminate(self) -> None:
+        """Stop the VM and its launcher by pid (SIGTERM, SIGKILL after a grace): the node is
+        throwaway, so no CLI round trip; its logs stay in the run's folder."""
+        self.space.servers.stop(self.pids_to_stop())
 
     async def set_memory_alarm(self, on: bool) -> None:
         """Raise (or clear) the memory alarm and wait until the node reports it so."""
@@ -283,32 +317,28 @@ class RabbitNode:
             await self.set_memory_alarm(False)
 
 
-def _alive(pid: int) -> bool:
-    """Running, i.e. neither gone nor a zombie (the VM is not our child: init reaps it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+@pytest.fixture(scope="session")
+def node_space(private_servers: PrivateServers) -> NodeSpace:
+    """This run's base folder and node-name suffix for cluster.sh."""
+    return NodeSpace(private_servers.folder("rabbit"), private_servers.run_id, private_servers)
 
 
 @pytest.fixture(scope="session")
-def private_node() -> Iterator[RabbitNode]:
+def private_node(node_space: NodeSpace) -> Iterator[RabbitNode]:
     """The private single node, started for this session and stopped at its end."""
-    node = RabbitNode("s1")
-    started_here = node.pid() is None
+    node = RabbitNode("s1", node_space)
     try:
-        cluster_sh("single-start", timeout_s=NODE_START_TIMEOUT_S)
-    except ClusterScriptError as e:
-        pytest.fail(
-            f"cannot start the private RabbitMQ node for the drills ({e}); it needs "
-            f"/usr/lib/rabbitmq/bin (Debian package rabbitmq-server) and free ports 5680, 25680",
-            pytrace=False,
-        )
-    yield node
-    node.resume()
-    if started_here:
-        cluster_sh("single-stop", timeout_s=CLI_TIMEOUT_S * 2)
+        try:
+            cluster_sh(node_space, "single-start", timeout_s=NODE_START_TIMEOUT_S)
+        except ClusterScriptError as e:
+            pytest.fail(
+                f"cannot start the private RabbitMQ node for the drills ({e}); it needs "
+                "/usr/lib/rabbitmq/bin (Debian package rabbitmq-server)",
+                pytrace=False,
+            )
+        yield node
+    finally:
+        node.terminate()
 
 
 @pytest.fixture
@@ -348,17 +378,18 @@ class ClusterNodes:
 
 
 @pytest.fixture(scope="session")
-def rabbit_cluster() -> Iterator[ClusterNodes]:
+def rabbit_cluster(node_space: NodeSpace) -> Iterator[ClusterNodes]:
     """The 3-node cluster (started on first use, stopped at the end of the session)."""
-    cluster = ClusterNodes([RabbitNode(k) for k in ("c1", "c2", "c3")])
+    cluster = ClusterNodes([RabbitNode(k, node_space) for k in ("c1", "c2", "c3")])
     try:
-        cluster_sh("start", timeout_s=CLUSTER_START_TIMEOUT_S)
-    except ClusterScriptError as e:
-        pytest.fail(f"cannot start the 3-node drill cluster: {e}", pytrace=False)
-    yield cluster
-    for n in cluster.nodes:
-        n.resume()
-    cluster_sh("stop", timeout_s=CLI_TIMEOUT_S * 3)
+        try:
+            cluster_sh(node_space, "start", timeout_s=CLUSTER_START_TIMEOUT_S)
+        except ClusterScriptError as e:
+            pytest.fail(f"cannot start the 3-node drill cluster: {e}", pytrace=False)
+        yield cluster
+    finally:
+        # All three at once: stopped one by one, the last would wait for its lost peers.
+        node_space.servers.stop([p for n in cluster.nodes for p in n.pids_to_stop()])
 
 
 # -- Redis for the drills ---------------------------------------------------------------------
@@ -366,46 +397,22 @@ def rabbit_cluster() -> Iterator[ClusterNodes]:
 
 @pytest.fixture(scope="session")
 def drill_redis_url(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, private_servers: PrivateServers
 ) -> Iterator[str]:
     """A Redis of the drills' own on a unix socket, so their counts cannot be spoiled by
     anyone restarting the shared Redis; the shared one only when redis-server is missing."""
-    server = shutil.which("redis-server")
-    if server is None:
+    if shutil.which("redis-server") is None:
         yield str(request.getfixturevalue("redis_url"))
         return
-    folder = tmp_path_factory.mktemp("drill-redis")
-    sock = folder / "redis.sock"
-    args = [server, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
-    args += ["--save", "", "--appendonly", "no", "--dir", str(folder)]
-    with (folder / "redis.log").open("wb") as log:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    url = f"unix://{sock}?db=0"
+    redis = PrivateRedis(private_servers, private_servers.folder("drill-redis"))
     try:
-        deadline = time.monotonic() + 20
-        while not _redis_pings(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"the drills' private redis-server did not start; see {folder}/redis.log",
-                    pytrace=False,
-                )
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
-def _redis_pings(url: str) -> bool:
-    import redis
-
-    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+        redis.start()
+    except RuntimeError as e:
+        pytest.fail(f"the drills' private Redis: {e}", pytrace=False)
     try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
+        yield redis.url
     finally:
-        client.close()
+        redis.stop()
 
 
 @pytest.fixture

@@ -171,6 +171,8 @@ def spawn_cli_worker(
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+    # For the safety nets of tests/private_servers.py: a worker must not outlive pytest either.
+    log_path.with_suffix(".pid").write_text(str(popen.pid))
     return WorkerProcess(popen, log_path)
 
 

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import socket
-import subprocess
 import time
 import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
@@ -38,6 +34,7 @@ from tests.integration.processes import (
     ready_count_is,
     run_cli,
 )
+from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, ResultTimeoutError, RetryPolicy, TaskStatus
 from weclaw_mq.metrics import Outcome
 from weclaw_mq.naming import guard_key, retry_queue_name, task_keys
@@ -45,30 +42,6 @@ from weclaw_mq.naming import guard_key, retry_queue_name, task_keys
 # Keys this file leaves behind expire soon instead of after the 24 h defaults.
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 FAST_RETRY = RetryPolicy(max_retries=3, delay_s=0.2)
-REDIS_PORT = 6379
-# The exact command CI starts Redis with; the Redis-down tests restart it the same way.
-REDIS_START = [
-    "redis-server",
-    "--daemonize",
-    "yes",
-    "--bind",
-    "127.0.0.1",
-    "-::1",
-    "--port",
-    str(REDIS_PORT),
-    "--save",
-    "",
-    "--appendonly",
-    "no",
-    "--dir",
-    "/var/lib/redis",
-    "--logfile",
-    "/var/log/redis/ci.log",
-]
-
-
-# Stops the shared Redis: a drill (deselect with -m 'not drill' beside other runs).
-STOPS_SHARED_REDIS = pytest.mark.drill
 
 
 class Job(BaseModel):
@@ -277,157 +250,114 @@ async def test_worker_killed_after_storing_the_result_but_before_the_ack_does_no
 # -- Redis going away under a consuming worker ----------------------------------------------
 
 
-async def _redis_answers(client: aioredis.Redis) -> bool:
-    try:
-        return bool(await asyncio.wait_for(client.ping(), 2))
-    except Exception:
-        return False
+class TestRedisGoingAway:
+    """Redis stopped under a consuming worker and started again: a redis-server of each
+    test's own (``private_redis``), never the shared one, which other runs are using."""
 
+    @pytest.fixture
+    def redis_url(self, private_redis: PrivateRedis) -> str:
+        """Every app of these tests (``make_app``) stores its state in the private Redis."""
+        return private_redis.url
 
-async def _run(args: list[str], timeout_s: float = 15.0) -> None:
-    # Bounded: a stuck redis-cli or redis-server must fail the test, not hang it.
-    done = await asyncio.to_thread(
-        subprocess.run, args, capture_output=True, text=True, timeout=timeout_s
-    )
-    if done.returncode != 0:
-        raise AssertionError(f"{args[0]} exited {done.returncode}: {done.stderr.strip()}")
+    async def test_tasks_published_while_redis_is_down_are_deferred_then_run_once_when_it_returns(
+        self,
+        make_app: Callable[..., App],
+        start_worker: Callable[..., Any],
+        qname: str,
+        broker_url: str,
+        private_redis: PrivateRedis,
+    ) -> None:
+        app = make_app(result_store_patience_s=30, **SHORT_TTLS)
+        # Counted in this process: Redis is exactly what is missing during the test.
+        runs: Counter[str] = Counter()
+        started: set[str] = set()
 
+        @app.handler(qname, retry=FAST_RETRY)
+        async def work(task: Job, ctx: Context) -> dict[str, int]:
+            started.add(ctx.task_id)
+            await asyncio.sleep(task.sleep_s)
+            runs[ctx.task_id] += 1
+            return {"n": task.n}
 
-@dataclass
-class RedisControl:
-    """Stops the local Redis and starts it again with CI's command; ``probe`` watches it."""
+        await start_worker(app, concurrency=4)
+        warm = await app.publish(qname, Job(n=0))
+        assert (await app.result(warm, timeout_s=10)).status is TaskStatus.SUCCEEDED
+        # One task is mid-handler when Redis goes: it must keep its result until Redis is back.
+        in_flight = await app.publish(qname, Job(n=-1, sleep_s=1.0))
+        await wait_until(lambda: in_flight in started, 10, "the in-flight task to start")
 
-    probe: aioredis.Redis
+        await asyncio.to_thread(private_redis.stop)
+        t0 = time.perf_counter()
+        down_ids = [await app.publish(qname, Job(n=i)) for i in range(1, 11)]
+        publish_s = time.perf_counter() - t0
+        # Every task met the missing Redis at least once and was parked, not run.
+        await wait_until(
+            lambda: outcome_count(app, qname, Outcome.DEFERRED) >= len(down_ids),
+            15,
+            "every task to be deferred while Redis is down",
+        )
+        assert not started & set(down_ids), "a task ran without its guard while Redis was down"
+        # The handler itself needs no Redis: the in-flight task finishes and holds its result.
+        await wait_until(lambda: runs[in_flight] == 1, 10, "the in-flight handler to return")
+        assert settled([app], qname) == 1, "a task was acked while its result could not be stored"
 
-    async def stop(self) -> None:
-        await _run(["redis-cli", "-p", str(REDIS_PORT), "shutdown", "nosave"])
-        await wait_until(lambda: _redis_answers_not(self.probe), 10, "Redis to stop")
+        restart_s = await asyncio.to_thread(private_redis.start)
+        t1 = time.perf_counter()
+        states = await asyncio.gather(
+            *(app.result(t, timeout_s=30) for t in [*down_ids, in_flight])
+        )
+        resume_s = time.perf_counter() - t1
+        print(
+            f"\nRedis down: 10 publishes {publish_s:.2f} s, Redis restart {restart_s:.2f} s, "
+            f"all results {resume_s:.2f} s after the restart"
+        )
+        assert [s.status for s in states] == [TaskStatus.SUCCEEDED] * len(states)
+        assert [s.result for s in states] == [{"n": i} for i in range(1, 11)] + [{"n": -1}]
+        assert {t: runs[t] for t in [warm, in_flight, *down_ids]} == dict.fromkeys(
+            [warm, in_flight, *down_ids], 1
+        )
+        await wait_until(
+            lambda: settled([app], qname) >= 12, 10, "every task to be acked after Redis returned"
+        )
+        await wait_until(
+            lambda: all_empty(broker_url, queue_names(app)), 5, "the queues to be empty"
+        )
 
-    async def start(self) -> float:
-        """Seconds from the start command until Redis answered PING."""
-        started = time.perf_counter()
-        await _run(REDIS_START)
-        await wait_until(lambda: _redis_answers(self.probe), 15, "Redis to answer PING")
-        return time.perf_counter() - started
+    async def test_run_unguarded_mode_runs_tasks_while_redis_is_down(
+        self,
+        make_app: Callable[..., App],
+        start_worker: Callable[..., Any],
+        qname: str,
+        broker_url: str,
+        private_redis: PrivateRedis,
+    ) -> None:
+        app = make_app(
+            guard_on_redis_down="run_unguarded", result_store_patience_s=30, **SHORT_TTLS
+        )
+        runs: Counter[str] = Counter()
 
+        @app.handler(qname, retry=FAST_RETRY)
+        async def work(task: Job, ctx: Context) -> dict[str, int]:
+            runs[ctx.task_id] += 1
+            return {"n": task.n}
 
-@pytest.fixture
-async def redis_control(redis_url: str) -> AsyncIterator[RedisControl]:
-    """Stop the local Redis on demand; it is always started again at teardown, pass or fail."""
-    parts = urlsplit(redis_url)
-    if parts.hostname not in ("127.0.0.1", "localhost") or (parts.port or 6379) != REDIS_PORT:
-        pytest.skip(f"Redis-down tests need the local Redis on port {REDIS_PORT}")
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        pytest.skip("Redis-down tests need redis-server and redis-cli")
-    control = RedisControl(
-        aioredis.Redis.from_url(redis_url, socket_connect_timeout=1, socket_timeout=1)
-    )
-    try:
-        yield control
-    finally:
-        try:
-            if not await _redis_answers(control.probe):
-                await control.start()
-        finally:
-            await control.probe.aclose()
+        # Each task that ran holds its slot until its result is stored, i.e. until Redis is
+        # back: more tasks than slots would stall the worker (see result_store_patience_s).
+        await start_worker(app, concurrency=8)
+        await asyncio.to_thread(private_redis.stop)
+        ids = [await app.publish(qname, Job(n=i)) for i in range(5)]
+        await wait_until(lambda: set(runs) == set(ids), 15, "every task to run with Redis down")
+        # Their results wait for Redis (result_store_patience_s) instead of being acked unstored.
+        assert settled([app], qname) == 0
 
-
-async def _redis_answers_not(client: aioredis.Redis) -> bool:
-    return not await _redis_answers(client)
-
-
-@STOPS_SHARED_REDIS
-async def test_tasks_published_while_redis_is_down_are_deferred_then_run_once_when_it_returns(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    qname: str,
-    broker_url: str,
-    redis_control: RedisControl,
-) -> None:
-    app = make_app(result_store_patience_s=30, **SHORT_TTLS)
-    # Counted in this process: Redis is exactly what is missing during the test.
-    runs: Counter[str] = Counter()
-    started: set[str] = set()
-
-    @app.handler(qname, retry=FAST_RETRY)
-    async def work(task: Job, ctx: Context) -> dict[str, int]:
-        started.add(ctx.task_id)
-        await asyncio.sleep(task.sleep_s)
-        runs[ctx.task_id] += 1
-        return {"n": task.n}
-
-    await start_worker(app, concurrency=4)
-    warm = await app.publish(qname, Job(n=0))
-    assert (await app.result(warm, timeout_s=10)).status is TaskStatus.SUCCEEDED
-    # One task is mid-handler when Redis goes: it must keep its result until Redis is back.
-    in_flight = await app.publish(qname, Job(n=-1, sleep_s=1.0))
-    await wait_until(lambda: in_flight in started, 10, "the in-flight task to start")
-
-    await redis_control.stop()
-    t0 = time.perf_counter()
-    down_ids = [await app.publish(qname, Job(n=i)) for i in range(1, 11)]
-    publish_s = time.perf_counter() - t0
-    # Every task met the missing Redis at least once and was parked, not run.
-    await wait_until(
-        lambda: outcome_count(app, qname, Outcome.DEFERRED) >= len(down_ids),
-        15,
-        "every task to be deferred while Redis is down",
-    )
-    assert not started & set(down_ids), "a task ran without its guard while Redis was down"
-    # The handler itself needs no Redis: the in-flight task finishes and holds its result.
-    await wait_until(lambda: runs[in_flight] == 1, 10, "the in-flight handler to return")
-    assert settled([app], qname) == 1, "a task was acked while its result could not be stored"
-
-    restart_s = await redis_control.start()
-    t1 = time.perf_counter()
-    states = await asyncio.gather(*(app.result(t, timeout_s=30) for t in [*down_ids, in_flight]))
-    resume_s = time.perf_counter() - t1
-    print(
-        f"\nRedis down: 10 publishes {publish_s:.2f} s, Redis restart {restart_s:.2f} s, "
-        f"all results {resume_s:.2f} s after the restart"
-    )
-    assert [s.status for s in states] == [TaskStatus.SUCCEEDED] * len(states)
-    assert [s.result for s in states] == [{"n": i} for i in range(1, 11)] + [{"n": -1}]
-    assert {t: runs[t] for t in [warm, in_flight, *down_ids]} == dict.fromkeys(
-        [warm, in_flight, *down_ids], 1
-    )
-    await wait_until(
-        lambda: settled([app], qname) >= 12, 10, "every task to be acked after Redis returned"
-    )
-    await wait_until(lambda: all_empty(broker_url, queue_names(app)), 5, "the queues to be empty")
-
-
-@STOPS_SHARED_REDIS
-async def test_run_unguarded_mode_runs_tasks_while_redis_is_down(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    qname: str,
-    broker_url: str,
-    redis_control: RedisControl,
-) -> None:
-    app = make_app(guard_on_redis_down="run_unguarded", result_store_patience_s=30, **SHORT_TTLS)
-    runs: Counter[str] = Counter()
-
-    @app.handler(qname, retry=FAST_RETRY)
-    async def work(task: Job, ctx: Context) -> dict[str, int]:
-        runs[ctx.task_id] += 1
-        return {"n": task.n}
-
-    # Each task that ran holds its slot until its result is stored, i.e. until Redis is
-    # back: more tasks than slots would stall the worker (see result_store_patience_s).
-    await start_worker(app, concurrency=8)
-    await redis_control.stop()
-    ids = [await app.publish(qname, Job(n=i)) for i in range(5)]
-    await wait_until(lambda: set(runs) == set(ids), 15, "every task to run with Redis down")
-    # Their results wait for Redis (result_store_patience_s) instead of being acked unstored.
-    assert settled([app], qname) == 0
-
-    await redis_control.start()
-    states = await asyncio.gather(*(app.result(t, timeout_s=30) for t in ids))
-    assert [s.status for s in states] == [TaskStatus.SUCCEEDED] * len(ids)
-    assert [runs[t] for t in ids] == [1] * len(ids)
-    await wait_until(lambda: settled([app], qname) >= len(ids), 10, "every task to be acked")
-    await wait_until(lambda: all_empty(broker_url, queue_names(app)), 5, "the queues to be empty")
+        await asyncio.to_thread(private_redis.start)
+        states = await asyncio.gather(*(app.result(t, timeout_s=30) for t in ids))
+        assert [s.status for s in states] == [TaskStatus.SUCCEEDED] * len(ids)
+        assert [runs[t] for t in ids] == [1] * len(ids)
+        await wait_until(lambda: settled([app], qname) >= len(ids), 10, "every task to be acked")
+        await wait_until(
+            lambda: all_empty(broker_url, queue_names(app)), 5, "the queues to be empty"
+        )
 
 
 # -- the result store ---------------------------------------------------------------------
