@@ -292,11 +292,17 @@ instance_alive() {
 	return 1
 }
 
+# fd 9 holds the lock. Bash cannot mark it close-on-exec, so every command that may leave a
+# process behind (servers, apt-get, docker) runs with '9>&-'; else that process would hold the
+# lock and the next 'up' or 'down' would wait for it.
 lock_state() {
 	mkdir -p "$STATE"
 	if command -v flock >/dev/null 2>&1; then
 		exec 9>"$STATE/.lock"
-		flock -w 300 9 || die "another 'ops/dev-services.sh' holds $STATE/.lock for 300 s"
+		if ! flock -n 9; then
+			log "waiting for another ops/dev-services.sh to finish (lock $STATE/.lock)"
+			flock -w 300 9 || die "another process holds $STATE/.lock for 300 s (see: fuser -v $STATE/.lock)"
+		fi
 	fi
 }
 
@@ -309,11 +315,12 @@ apt_install() {
 	export DEBIAN_FRONTEND=noninteractive
 	if [ "$APT_UPDATED" = 0 ]; then
 		log "apt-get update"
-		apt-get update -qq || return 1
+		apt-get update -qq 9>&- || return 1
 		APT_UPDATED=1
 	fi
 	log "apt-get install $*"
-	apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+	# Without systemd, a package's postinst may start its daemon from here: fd 9 closed.
+	apt-get install -y -qq --no-install-recommends "$@" >/dev/null 9>&-
 }
 
 rabbitmq_installed() { [ -x "$(rmq_bin)/rabbitmq-server" ]; }
@@ -339,7 +346,7 @@ docker_ready() {
 	fi
 }
 
-compose() { (cd "$ROOT" && "${COMPOSE[@]}" -f docker-compose.yml "$@"); }
+compose() { (cd "$ROOT" && "${COMPOSE[@]}" -f docker-compose.yml "$@" 9>&-); }
 
 # Start a compose service and record its container; the caller waits for its healthcheck.
 docker_start() {
@@ -676,9 +683,9 @@ ensure_begin() {
 				return 0
 			fi
 		else
-			local how="'sudo apt-get install $package' (Debian/Ubuntu)"
-			[ "$(id -u)" = 0 ] && how="the $package package of your system"
-			missing "$name: nothing answers at $shown and $package is not installed: install $how, or start Docker and run 'docker compose up -d $service', then run this again"
+			local how="'sudo apt-get install $package' on Debian/Ubuntu, elsewhere your system's $package package"
+			[ "$(id -u)" = 0 ] && how="your system's $package package (no apt-get here)"
+			missing "$name: nothing answers at $shown and $package is not installed: install it ($how), or start Docker and run 'docker compose up -d $service', then run this again"
 			return 1
 		fi
 	fi
