@@ -18,8 +18,9 @@ DEMO_TASKS ?= 10
 help:
 	@echo "make demo           install, start RabbitMQ + Redis if needed, run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
 	@echo "make test           install, start RabbitMQ + Redis if needed, lint (ruff, mypy), run every test"
-	@echo "make services-up    make RabbitMQ and Redis answer (ops/dev-services.sh up); services-down stops what it started"
-	@echo "make services-status what answers, and what services-up started"
+	@echo "make services-up    make RabbitMQ + Redis answer (ops/dev-services.sh up; demo and test run it)"
+	@echo "make services-down  stop what services-up started (never a server it found running)"
+	@echo "make services-status  what answers, and what services-up started"
 	@echo "make install        create .venv and pip install -e '.[dev]' (skipped when up to date)"
 	@echo "make tools          install promtool (as root with apt-get) for the alert-rule tests"
 	@echo "make lint           ruff check, ruff format --check, mypy"
