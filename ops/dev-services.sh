@@ -215,6 +215,8 @@ start_time() {
 	local stat fields
 	stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
 	read -r -a fields <<<"${stat##*) }"
+	# A zombie (killed, not yet reaped by its parent) has exited: not alive.
+	case "${fields[0]}" in Z | X) return 1 ;; esac
 	echo "${fields[19]}"
 }
 
@@ -366,7 +368,8 @@ docker_await() {
 	id=$(record_get "$dir" container)
 	deadline=$((SECONDS + DOCKER_TIMEOUT_S))
 	while :; do
-		state=$(docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}' "$id" 2>/dev/null || echo gone)
+		state=$(docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{else}}{{.State.Status}}{{end}}' "$id" 2>/dev/null) || state=gone
+		state=$(echo "$state" | tr -d '[:space:]')
 		case "$state" in
 		healthy) return 0 ;;
 		unhealthy | exited | dead | gone)
@@ -588,6 +591,23 @@ redis_start() {
 	done
 }
 
+# Wait for a Redis started earlier (a container, or our server from a previous run).
+redis_await() {
+	local dir=$1 deadline
+	if [ "$(record_get "$dir" kind)" = docker ]; then
+		docker_await "$dir" || return 1
+	fi
+	log "waiting up to ${REDIS_TIMEOUT_S} s for Redis at $(redact "$REDIS_URL")"
+	deadline=$((SECONDS + REDIS_TIMEOUT_S))
+	until py probe redis "$U_HOST" "$U_PORT" 2; do
+		if [ "$SECONDS" -ge "$deadline" ]; then
+			err "Redis did not answer within ${REDIS_TIMEOUT_S} s"
+			return 1
+		fi
+		sleep 0.2
+	done
+}
+
 # -- up --------------------------------------------------------------------------------------
 
 instance_dir() { echo "$STATE/$1-$2"; }
@@ -722,10 +742,10 @@ cmd_up() {
 	ensure_begin redis "$REDIS_URL" redis "$COMPOSE_REDIS_PORT" redis-server || status=1
 	if [ -n "$PENDING" ]; then
 		parse_url "$REDIS_URL" redis
-		if docker_await "$PENDING" && py probe redis "$U_HOST" "$U_PORT" 3; then
+		if redis_await "$PENDING"; then
 			log "Redis answers at $(redact "$REDIS_URL") (started: $(describe "$PENDING"))"
 		else
-			missing "Redis: the container did not become healthy (see above)"
+			missing "Redis: did not come up (see above)"
 			status=1
 		fi
 	fi

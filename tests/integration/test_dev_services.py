@@ -81,11 +81,14 @@ def output(result: subprocess.CompletedProcess[str]) -> str:
 
 
 def start_time(pid: int) -> str | None:
+    """Start time of a live process; None once it has exited (a zombie has, too: in a
+    container its parent may be an init that reaps late)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def recorded_tags(state: Path) -> set[tuple[int, str]]:
@@ -297,3 +300,34 @@ def test_up_refuses_a_port_held_by_something_that_is_not_redis(
     assert f"port {port} is taken by a process that does not answer as Redis" in text
     assert "MISSING Redis" in text
     assert not list((tmp_path / "state").glob("*/record"))
+
+
+def test_up_replaces_a_server_of_its_own_that_died(tmp_path: Path, broker_url: str) -> None:
+    """A recorded redis-server killed with SIGKILL (a zombie until reaped) is not taken for a
+    live one: the next ``up`` starts a new one and ``down`` stops that."""
+    state = tmp_path / "state"
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    env = script_env(state, broker_url, redis_url)
+    tags: set[tuple[int, str]] = set()
+    try:
+        first = run_script("up", env, UP_TIMEOUT_S)
+        tags = recorded_tags(state)
+        assert first.returncode == 0 and len(tags) == 1, output(first)
+        (dead,) = tags
+        os.kill(dead[0], signal.SIGKILL)
+
+        second = run_script("up", env, UP_TIMEOUT_S)
+        tags |= recorded_tags(state)
+        text = output(second)
+        assert second.returncode == 0, text
+        assert "no longer running" in text and "starting redis-server" in text
+        assert redis_answers(redis_url)
+        (new,) = recorded_tags(state)
+        assert new != dead and alive(new)
+    finally:
+        tags |= recorded_tags(state)
+        try:
+            run_script("down", env, DOWN_TIMEOUT_S)
+        finally:
+            kill_leftovers(tags)
+    assert not redis_answers(redis_url)
