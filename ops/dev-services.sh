@@ -285,9 +285,13 @@ record_set() {
 	mv "$file.new" "$file"
 }
 
-# Any recorded process of an instance still running?
+# Any recorded process (or the container) of an instance still running?
 instance_alive() {
 	local tag
+	if [ "$(record_get "$1" kind)" = docker ]; then
+		[ "$(docker inspect -f '{{.State.Running}}' "$(record_get "$1" container)" 2>/dev/null | tr -d '[:space:]')" = true ]
+		return
+	fi
 	for tag in $(record_get "$1" pid) $(record_get "$1" wrapper); do
 		tag_alive "$tag" && return 0
 	done
@@ -673,7 +677,7 @@ ensure_begin() {
 	fi
 	dir=$(instance_dir "$service" "$U_PORT")
 	if [ -f "$dir/record" ]; then
-		if instance_alive "$dir" || [ "$(record_get "$dir" kind)" = docker ]; then
+		if instance_alive "$dir"; then
 			log "$name was started here before ($(describe "$dir")) and does not answer yet"
 			PENDING=$dir
 			return 0
@@ -771,7 +775,7 @@ stop_instance() {
 	case "$kind" in
 	docker)
 		id=$(record_get "$dir" container)
-		if [ "$(docker inspect -f '{{.State.Running}}' "$id" 2>/dev/null || true)" = true ]; then
+		if instance_alive "$dir"; then
 			log "stopping $service: docker stop ${id:0:12}"
 			timeout "$STOP_TIMEOUT_S" docker stop "$id" >/dev/null || return 1
 		else
@@ -848,7 +852,7 @@ cmd_status() {
 			dir=${dir%/}
 			[ -f "$dir/record" ] || continue
 			any=1
-			if instance_alive "$dir" || [ "$(record_get "$dir" kind)" = docker ]; then
+			if instance_alive "$dir"; then
 				state=running
 			else
 				state="no longer running"
