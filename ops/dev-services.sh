@@ -207,6 +207,17 @@ parse_url() {
 
 redact() { py redact "$1"; }
 
+# Does a server answer, asked three times a second apart? A server that is restarting right
+# now (someone else's, on a shared machine) must not be taken for a missing one and replaced.
+answers_settled() {
+	local try
+	for try in 1 2 3; do
+		py probe "$@" 3 && return 0
+		[ "$try" = 3 ] || sleep 1
+	done
+	return 1
+}
+
 # -- processes -------------------------------------------------------------------------------
 
 # Start time of a process (field 22 of /proc/<pid>/stat, after the command name, which may
@@ -667,7 +678,7 @@ ensure_begin() {
 		missing "$name: cannot parse the URL $shown"
 		return 1
 	}
-	if py probe "$U_SCHEME" "$U_HOST" "$U_PORT" 3; then
+	if answers_settled "$U_SCHEME" "$U_HOST" "$U_PORT"; then
 		log "$name answers at $shown, using it"
 		return 0
 	fi
