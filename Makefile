@@ -1,5 +1,7 @@
 # Two commands set everything up: 'make demo' and 'make test'. Both create .venv and install
-# the project on first use; later runs skip the install until pyproject.toml changes.
+# the project on first use; later runs skip the install until pyproject.toml changes. Both
+# then run ops/dev-services.sh up: RabbitMQ and Redis answer afterwards (used as found, else
+# started with Docker, else installed with apt-get as root and started locally).
 # Recipes call .venv/bin/... directly: no activated venv is needed or used.
 
 SHELL := /bin/bash
@@ -10,11 +12,15 @@ STAMP := $(VENV)/.installed
 DEMO_TASKS ?= 10
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools test lint format demo drill bench compose-check clean distclean
+.PHONY: help venv install tools test lint format demo drill bench compose-check clean distclean \
+	services-up services-down services-status
 
 help:
-	@echo "make demo           install, then run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
-	@echo "make test           install, lint (ruff, mypy), then run every test (needs RabbitMQ + Redis)"
+	@echo "make demo           install, start RabbitMQ + Redis if needed, run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
+	@echo "make test           install, start RabbitMQ + Redis if needed, lint (ruff, mypy), run every test"
+	@echo "make services-up    make RabbitMQ + Redis answer (ops/dev-services.sh up; demo and test run it)"
+	@echo "make services-down  stop what services-up started (never a server it found running)"
+	@echo "make services-status  what answers, and what services-up started"
 	@echo "make install        create .venv and pip install -e '.[dev]' (skipped when up to date)"
 	@echo "make tools          install promtool (as root with apt-get) for the alert-rule tests"
 	@echo "make lint           ruff check, ruff format --check, mypy"
@@ -63,6 +69,7 @@ format: install
 # Lint and tests both run, so one failure does not hide the other; the recipe fails if
 # either did. pytest runs last so its summary line closes the output.
 test: install tools
+	@ops/dev-services.sh up
 	@status=0; \
 	$(MAKE) --no-print-directory lint || status=1; \
 	$(BIN)/pytest -q tests || status=1; \
@@ -70,7 +77,19 @@ test: install tools
 	exit $$status
 
 demo: install
+	@ops/dev-services.sh up
 	$(BIN)/python -m consumers.demo_run $(DEMO_TASKS)
+
+# RabbitMQ and Redis on WECLAW_MQ_AMQP_URL / WECLAW_MQ_REDIS_URL: 'up' uses what answers and
+# starts what does not; 'down' stops only what 'up' started (recorded in .dev-services/).
+services-up:
+	@ops/dev-services.sh up
+
+services-down:
+	@ops/dev-services.sh down
+
+services-status:
+	@ops/dev-services.sh status
 
 drill: install
 	tests/drills/run_drills.sh $(DRILL_ARGS)
