@@ -252,7 +252,7 @@ class Bench:
                     self.results.fail(case_id, contender.key, str(e))
                     log(f"[{case_id}] {contender.key} r{repeat + 1}: FAILED {e}")
                     continue
-                self.results.record(case_id, contender.key, metrics)
+                self.results.record(case_id, contender.key, repeat, metrics)
                 self.results.runs.append(
                     {"case": case_id, "contender": contender.key, "repeat": repeat, **metrics}
                 )
