@@ -2,8 +2,9 @@
 
 Run it through ``benchmarks/run.sh`` (its own venv). Each measurement runs a contender in
 its own process (own event loop, own RSS); contenders are interleaved and each case repeated
-(median, min, max); ratios pair each repeat with its baseline's run in the same round. Consume cases time a pre-filled queue from the first delivery to the
-last ack. The table goes to stdout and, with the JSON, to ``benchmarks/results/``.
+(median, min, max); a ratio pairs each repeat with its baseline's run in the same round.
+Consume cases time a pre-filled queue from the first delivery to the last ack. The table goes
+to stdout and, with the JSON, to ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/run.sh", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny counts, 1 repeat (< 60 s)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply message counts (0.2)")
-    p.add_argument("--repeats", type=int, default=None, help=f"repeats per case (default {DEFAULT_REPEATS}; 1 with --smoke)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"repeats per case (default {DEFAULT_REPEATS}; 1 with --smoke)",
+    )
     p.add_argument(
         "--cases",
         default=",".join(CASES),
