@@ -483,10 +483,14 @@ def notes(counts: Counts, skip_peers: bool) -> list[str]:
         "(1 KiB persistent JSON, quorum queue with weclaw_mq's arguments, prefetch = "
         "concurrency, manual ack after the handler). The delivery and ack hooks are the same "
         "patch of aio-pika's IncomingMessage for raw, weclaw_mq and FastStream.",
-        "Redis round trips per message: weclaw_mq with guard + results makes 2 (the claim "
-        "script: SET NX PX and the 'running' record; the result script: the record and the "
-        "done marker); 'raw aio-pika + Redis by hand' makes the same 2 (a pipeline of SET NX "
-        "PX + SET; a pipeline of two SETs) in the same order.",
+        "Redis per message: weclaw_mq with guard + results makes 2 script calls (EVALSHA): "
+        "the claim script (SET NX PX and the 'running' record) and the finish script (the "
+        "result record and the done marker). 'raw aio-pika + Redis by hand' calls the very "
+        "same two scripts (their text imported from weclaw_mq, registered with redis-py's "
+        "register_script, the same KEYS and ARGV, keys from weclaw_mq.naming), in the same "
+        "order, with a record JSON it builds by hand; it checks after the run that they stored "
+        "a succeeded record and the done marker. So Redis does the same work for both, and "
+        "the difference between the two rows is weclaw_mq's own overhead.",
         "raw aio-pika does what weclaw_mq's worker does: one task per delivery, json.loads of "
         "the body, the handler, ack; its messages carry the same properties and headers. "
         "Both use redis-py's default ConnectionPool.",
@@ -498,8 +502,11 @@ def notes(counts: Counts, skip_peers: bool) -> list[str]:
         "machine than msg/s.",
         "I/O efficiency = measured msg/s / (concurrency / 0.05 s).",
         "publish: one message is published before the clock starts (warm connections, also "
-        "Redis with results on); the weclaw_mq App has no handler for the queue, so no model "
-        "validation. publish_many msg/s covers all batches; 'ms per 100' is the median batch.",
+        "Redis with results on). The publishing weclaw_mq App has the queue's handler "
+        "registered, with a pydantic model of the payload (seq: int, sent_ns: int, pad: str), "
+        "and publishes dicts: every publish validates its payload against that model (as "
+        "App.publish does for a queue whose handler it knows); raw aio-pika validates nothing. "
+        "publish_many msg/s covers all batches; 'ms per 100' is the median batch.",
         "e2e: stamp (CLOCK_MONOTONIC, shared by all processes) taken just before the publish "
         f"call, read at handler start; {E2E_WARMUP} warm-up messages are not counted; one "
         f"message every {counts.e2e_interval_s * 1000:g} ms so the worker is idle.",
