@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated contender keys to run (raw, raw-redis, weclaw, weclaw-guard, "
-        "weclaw-results, faststream, dramatiq); the others get no rows",
+        "weclaw-results, faststream, dramatiq, dramatiq-cli); the others get no rows",
     )
     p.add_argument(
         "--amqp-url",

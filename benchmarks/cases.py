@@ -7,6 +7,7 @@ every contender ``repeats`` times, in an order rotated by one each repeat.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -34,6 +35,10 @@ class Contender:
     guard: bool = False  # weclaw: guard + results on; raw: the Redis calls by hand
     dramatiq: bool = False  # declares its own queues and needs its own message format
     short: str = ""  # how a ratio names it as the baseline
+    # Dramatiq as its CLI runs it: this many worker processes of ``threads`` threads each
+    # (0: one process, threads = the case's concurrency)
+    processes: int = 0
+    threads: int = 0
 
 
 RAW = Contender("raw", "raw aio-pika", "raw_aiopika", short="raw")
@@ -43,7 +48,21 @@ RAW_REDIS = Contender(
 WECLAW = Contender("weclaw", "weclaw_mq (guard off)", "weclaw")
 WECLAW_GUARD = Contender("weclaw-guard", "weclaw_mq (guard + results)", "weclaw", guard=True)
 FASTSTREAM = Contender("faststream", "FastStream", "faststream_bench")
-DRAMATIQ = Contender("dramatiq", "Dramatiq", "dramatiq_bench", dramatiq=True)
+DRAMATIQ = Contender(
+    "dramatiq", "Dramatiq (1 process, threads = c)", "dramatiq_bench", dramatiq=True
+)
+# What Dramatiq's docs recommend: the ``dramatiq`` CLI's defaults, one process per CPU and 8
+# threads each (its prefetch: twice the threads), whatever the case's concurrency.
+DRAMATIQ_PROCESSES = os.cpu_count() or 1
+DRAMATIQ_THREADS = 8
+DRAMATIQ_CLI = Contender(
+    "dramatiq-cli",
+    f"Dramatiq ({DRAMATIQ_PROCESSES} processes x {DRAMATIQ_THREADS} threads, its CLI defaults)",
+    "dramatiq_bench",
+    dramatiq=True,
+    processes=DRAMATIQ_PROCESSES,
+    threads=DRAMATIQ_THREADS,
+)
 
 PUB_RAW = Contender("raw", "raw aio-pika (confirm, mandatory)", "raw_aiopika", short="raw")
 PUB_WECLAW = Contender("weclaw", "weclaw_mq App.publish (results off)", "weclaw")
@@ -145,6 +164,9 @@ class Bench:
         try:
             arguments = {} if contender.dramatiq else await self.infra.declare_weclaw(queue)
             timeout_s = 60 + count / 100 + count * sleep_s / concurrency * 3
+            extra: dict[str, Any] = {"queue_arguments": arguments, "timeout_s": timeout_s}
+            if contender.processes:
+                extra.update(processes=contender.processes, threads=contender.threads)
             cfg = self._cfg(
                 "consume",
                 queue,
@@ -152,7 +174,7 @@ class Bench:
                 count=count,
                 concurrency=concurrency,
                 sleep_s=sleep_s,
-                extra={"queue_arguments": arguments, "timeout_s": timeout_s},
+                extra=extra,
             )
 
             async def fill() -> None:
@@ -292,7 +314,7 @@ class Bench:
         )
 
     async def consume_cases(self) -> None:
-        peers = [] if self.skip_peers else [FASTSTREAM, DRAMATIQ]
+        peers = [] if self.skip_peers else [FASTSTREAM, DRAMATIQ, DRAMATIQ_CLI]
         contenders = [RAW, WECLAW, RAW_REDIS, WECLAW_GUARD, *peers]
         for concurrency, count in self.counts.consume.items():
             case_id = f"consume-c{concurrency}"
@@ -521,8 +543,17 @@ def notes(counts: Counts, skip_peers: bool) -> list[str]:
             "Channel(prefetch_count=concurrency), AckPolicy.REJECT_ON_ERROR (ack after the "
             "handler), logger=None (its default logs two lines per message).",
             "Dramatiq: RabbitmqBroker declares its own queues (Q, Q.DQ, Q.XQ); a subclass adds "
-            "x-queue-type=quorum to Q and Q.DQ (Q.XQ stays classic, unused here). worker_threads "
-            "= prefetch = concurrency; sync actor; default middleware; its messages are its own "
-            "JSON format padded to 1 KiB. Its first-delivery hook is before_process_message.",
+            "x-queue-type=quorum to Q and Q.DQ (Q.XQ stays classic, unused here). Sync actor; "
+            "default middleware; its messages are its own JSON format padded to 1 KiB. Its "
+            "first-delivery hook is before_process_message, its ack hook after_ack. Two modes: "
+            "'1 process, threads = c': one Worker, worker_threads = prefetch = the case's "
+            f"concurrency, like every other contender; '{DRAMATIQ_PROCESSES} processes x "
+            f"{DRAMATIQ_THREADS} threads': what its docs recommend, the dramatiq CLI's defaults "
+            "(one process per CPU, 8 threads, prefetch twice the threads, processes forked), "
+            "the same for every c. There the window runs from the first delivery in any process "
+            "to the last ack in any process (the ack count is shared memory under one "
+            "cross-process lock), and CPU per message is the sum of the worker processes' CPU, "
+            "each from its own first delivery to the last ack. It has no RSS row (several "
+            "processes).",
         ]
     return out
