@@ -500,6 +500,12 @@ def log(text: str) -> None:
 
 def notes(counts: Counts, skip_peers: bool) -> list[str]:
     out = [
+        "Repeats: each repeat runs every contender of a case once, in an order rotated by one "
+        "each repeat; median, min and max are over the repeats. Ratios are paired: repeat i of "
+        "a contender over repeat i of its baseline (the same rotated round, so the same "
+        "machine load), shown as the median of those per-repeat ratios with their min-max. A "
+        "target is met when it holds for the median (the median paired ratio, or the median "
+        "value for an absolute target); the result also says in how many repeats it held.",
         "Every contender runs in its own process; consume throughput is timed from the first "
         "delivery to the last ack on a queue pre-filled with pipelined confirmed publishes "
         "(1 KiB persistent JSON, quorum queue with weclaw_mq's arguments, prefetch = "
