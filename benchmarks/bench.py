@@ -149,6 +149,7 @@ async def amain(args: argparse.Namespace) -> int:
         "header": header,
         "rows": rows,
         "runs": bench.results.runs,
+        "worker_pids": children.worker_pids,
         "notes": notes(counts, args.skip_peers),
     }
     (args.out / "latest.json").write_text(json.dumps(payload, indent=2) + "\n")
