@@ -12,8 +12,8 @@ STAMP := $(VENV)/.installed
 DEMO_TASKS ?= 10
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools test lint format demo drill bench compose-check clean distclean \
-	services-up services-down services-status
+.PHONY: help venv install tools test lint format demo drill bench bench-own-cost compose-check clean \
+	distclean services-up services-down services-status
 
 help:
 	@echo "make demo           install, start RabbitMQ + Redis if needed, run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
@@ -27,6 +27,7 @@ help:
 	@echo "make format         ruff format and ruff check --fix"
 	@echo "make drill          every fault drill (private RabbitMQ nodes, 3-node cluster) and its table"
 	@echo "make bench          benchmark vs raw aio-pika, FastStream, Dramatiq (own venv; BENCH_ARGS=--smoke)"
+	@echo "make bench-own-cost weclaw_mq's own CPU per delivery, in isolation (no broker, no Redis)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -97,6 +98,11 @@ drill: install
 # The peers live in benchmarks/.venv, built by run.sh on first use, never in .venv.
 bench:
 	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
+
+# The README's "own work per delivery": process() against a bare handler call (needs only
+# the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.
+bench-own-cost: install
+	$(BIN)/python -m benchmarks.own_cost $(OWN_COST_ARGS)
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

@@ -2,8 +2,9 @@
 
 Run it through ``benchmarks/run.sh`` (its own venv). Each measurement runs a contender in
 its own process (own event loop, own RSS); contenders are interleaved and each case repeated
-(median, min, max). Consume cases time a pre-filled queue from the first delivery to the
-last ack. The table goes to stdout and, with the JSON, to ``benchmarks/results/``.
+(median, min, max); a ratio pairs each repeat with its baseline's run in the same round.
+Consume cases time a pre-filled queue from the first delivery to the last ack. The table goes
+to stdout and, with the JSON, to ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .infra import ROOT, Children, Infra, machine_info, package_versions
 from .report import render
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
+DEFAULT_REPEATS = 5
 PACKAGES = (
     "weclaw_mq",
     "aio-pika",
@@ -44,7 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks/run.sh", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny counts, 1 repeat (< 60 s)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply message counts (0.2)")
-    p.add_argument("--repeats", type=int, default=None, help="repeats per case (default 3)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"repeats per case (default {DEFAULT_REPEATS}; 1 with --smoke)",
+    )
     p.add_argument(
         "--cases",
         default=",".join(CASES),
@@ -55,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--only",
         default="",
         help="comma-separated contender keys to run (raw, raw-redis, weclaw, weclaw-guard, "
-        "weclaw-results, faststream, dramatiq); the others get no rows",
+        "weclaw-results, faststream, dramatiq, dramatiq-cli); the others get no rows",
     )
     p.add_argument(
         "--amqp-url",
@@ -88,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 async def amain(args: argparse.Namespace) -> int:
     counts = SMOKE if args.smoke else FULL.scaled(args.scale)
-    repeats = args.repeats if args.repeats is not None else (1 if args.smoke else 3)
+    repeats = args.repeats if args.repeats is not None else (1 if args.smoke else DEFAULT_REPEATS)
     run_id = f"bench-{datetime.now(UTC):%m%d%H%M%S}-{uuid.uuid4().hex[:4]}"
     infra = Infra(args.amqp_url, args.redis_url, run_id)
     children = Children(args.out / "profiles" if args.profile else None)
@@ -142,6 +149,7 @@ async def amain(args: argparse.Namespace) -> int:
         "header": header,
         "rows": rows,
         "runs": bench.results.runs,
+        "worker_pids": children.worker_pids,
         "notes": notes(counts, args.skip_peers),
     }
     (args.out / "latest.json").write_text(json.dumps(payload, indent=2) + "\n")

@@ -7,6 +7,7 @@ every contender ``repeats`` times, in an order rotated by one each repeat.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -34,6 +35,10 @@ class Contender:
     guard: bool = False  # weclaw: guard + results on; raw: the Redis calls by hand
     dramatiq: bool = False  # declares its own queues and needs its own message format
     short: str = ""  # how a ratio names it as the baseline
+    # Dramatiq as its CLI runs it: this many worker processes of ``threads`` threads each
+    # (0: one process, threads = the case's concurrency)
+    processes: int = 0
+    threads: int = 0
 
 
 RAW = Contender("raw", "raw aio-pika", "raw_aiopika", short="raw")
@@ -43,7 +48,21 @@ RAW_REDIS = Contender(
 WECLAW = Contender("weclaw", "weclaw_mq (guard off)", "weclaw")
 WECLAW_GUARD = Contender("weclaw-guard", "weclaw_mq (guard + results)", "weclaw", guard=True)
 FASTSTREAM = Contender("faststream", "FastStream", "faststream_bench")
-DRAMATIQ = Contender("dramatiq", "Dramatiq", "dramatiq_bench", dramatiq=True)
+DRAMATIQ = Contender(
+    "dramatiq", "Dramatiq (1 process, threads = c)", "dramatiq_bench", dramatiq=True
+)
+# What Dramatiq's docs recommend: the ``dramatiq`` CLI's defaults, one process per CPU and 8
+# threads each (its prefetch: twice the threads), whatever the case's concurrency.
+DRAMATIQ_PROCESSES = os.cpu_count() or 1
+DRAMATIQ_THREADS = 8
+DRAMATIQ_CLI = Contender(
+    "dramatiq-cli",
+    f"Dramatiq ({DRAMATIQ_PROCESSES} processes x {DRAMATIQ_THREADS} threads, its CLI defaults)",
+    "dramatiq_bench",
+    dramatiq=True,
+    processes=DRAMATIQ_PROCESSES,
+    threads=DRAMATIQ_THREADS,
+)
 
 PUB_RAW = Contender("raw", "raw aio-pika (confirm, mandatory)", "raw_aiopika", short="raw")
 PUB_WECLAW = Contender("weclaw", "weclaw_mq App.publish (results off)", "weclaw")
@@ -145,6 +164,9 @@ class Bench:
         try:
             arguments = {} if contender.dramatiq else await self.infra.declare_weclaw(queue)
             timeout_s = 60 + count / 100 + count * sleep_s / concurrency * 3
+            extra: dict[str, Any] = {"queue_arguments": arguments, "timeout_s": timeout_s}
+            if contender.processes:
+                extra.update(processes=contender.processes, threads=contender.threads)
             cfg = self._cfg(
                 "consume",
                 queue,
@@ -152,7 +174,7 @@ class Bench:
                 count=count,
                 concurrency=concurrency,
                 sleep_s=sleep_s,
-                extra={"queue_arguments": arguments, "timeout_s": timeout_s},
+                extra=extra,
             )
 
             async def fill() -> None:
@@ -252,7 +274,7 @@ class Bench:
                     self.results.fail(case_id, contender.key, str(e))
                     log(f"[{case_id}] {contender.key} r{repeat + 1}: FAILED {e}")
                     continue
-                self.results.record(case_id, contender.key, metrics)
+                self.results.record(case_id, contender.key, repeat, metrics)
                 self.results.runs.append(
                     {"case": case_id, "contender": contender.key, "repeat": repeat, **metrics}
                 )
@@ -292,7 +314,7 @@ class Bench:
         )
 
     async def consume_cases(self) -> None:
-        peers = [] if self.skip_peers else [FASTSTREAM, DRAMATIQ]
+        peers = [] if self.skip_peers else [FASTSTREAM, DRAMATIQ, DRAMATIQ_CLI]
         contenders = [RAW, WECLAW, RAW_REDIS, WECLAW_GUARD, *peers]
         for concurrency, count in self.counts.consume.items():
             case_id = f"consume-c{concurrency}"
@@ -478,15 +500,25 @@ def log(text: str) -> None:
 
 def notes(counts: Counts, skip_peers: bool) -> list[str]:
     out = [
+        "Repeats: each repeat runs every contender of a case once, in an order rotated by one "
+        "each repeat; median, min and max are over the repeats. Ratios are paired: repeat i of "
+        "a contender over repeat i of its baseline (the same rotated round, so the same "
+        "machine load), shown as the median of those per-repeat ratios with their min-max. A "
+        "target is met when it holds for the median (the median paired ratio, or the median "
+        "value for an absolute target); the result also says in how many repeats it held.",
         "Every contender runs in its own process; consume throughput is timed from the first "
         "delivery to the last ack on a queue pre-filled with pipelined confirmed publishes "
         "(1 KiB persistent JSON, quorum queue with weclaw_mq's arguments, prefetch = "
         "concurrency, manual ack after the handler). The delivery and ack hooks are the same "
         "patch of aio-pika's IncomingMessage for raw, weclaw_mq and FastStream.",
-        "Redis round trips per message: weclaw_mq with guard + results makes 2 (the claim "
-        "script: SET NX PX and the 'running' record; the result script: the record and the "
-        "done marker); 'raw aio-pika + Redis by hand' makes the same 2 (a pipeline of SET NX "
-        "PX + SET; a pipeline of two SETs) in the same order.",
+        "Redis per message: weclaw_mq with guard + results makes 2 script calls (EVALSHA): "
+        "the claim script (SET NX PX and the 'running' record) and the finish script (the "
+        "result record and the done marker). 'raw aio-pika + Redis by hand' calls the very "
+        "same two scripts (their text imported from weclaw_mq, registered with redis-py's "
+        "register_script, the same KEYS and ARGV, keys from weclaw_mq.naming), in the same "
+        "order, with a record JSON it builds by hand; it checks after the run that they stored "
+        "a succeeded record and the done marker. So Redis does the same work for both, and "
+        "the difference between the two rows is weclaw_mq's own overhead.",
         "raw aio-pika does what weclaw_mq's worker does: one task per delivery, json.loads of "
         "the body, the handler, ack; its messages carry the same properties and headers. "
         "Both use redis-py's default ConnectionPool.",
@@ -498,8 +530,11 @@ def notes(counts: Counts, skip_peers: bool) -> list[str]:
         "machine than msg/s.",
         "I/O efficiency = measured msg/s / (concurrency / 0.05 s).",
         "publish: one message is published before the clock starts (warm connections, also "
-        "Redis with results on); the weclaw_mq App has no handler for the queue, so no model "
-        "validation. publish_many msg/s covers all batches; 'ms per 100' is the median batch.",
+        "Redis with results on). The publishing weclaw_mq App has the queue's handler "
+        "registered, with a pydantic model of the payload (seq: int, sent_ns: int, pad: str), "
+        "and publishes dicts: every publish validates its payload against that model (as "
+        "App.publish does for a queue whose handler it knows); raw aio-pika validates nothing. "
+        "publish_many msg/s covers all batches; 'ms per 100' is the median batch.",
         "e2e: stamp (CLOCK_MONOTONIC, shared by all processes) taken just before the publish "
         f"call, read at handler start; {E2E_WARMUP} warm-up messages are not counted; one "
         f"message every {counts.e2e_interval_s * 1000:g} ms so the worker is idle.",
@@ -514,8 +549,17 @@ def notes(counts: Counts, skip_peers: bool) -> list[str]:
             "Channel(prefetch_count=concurrency), AckPolicy.REJECT_ON_ERROR (ack after the "
             "handler), logger=None (its default logs two lines per message).",
             "Dramatiq: RabbitmqBroker declares its own queues (Q, Q.DQ, Q.XQ); a subclass adds "
-            "x-queue-type=quorum to Q and Q.DQ (Q.XQ stays classic, unused here). worker_threads "
-            "= prefetch = concurrency; sync actor; default middleware; its messages are its own "
-            "JSON format padded to 1 KiB. Its first-delivery hook is before_process_message.",
+            "x-queue-type=quorum to Q and Q.DQ (Q.XQ stays classic, unused here). Sync actor; "
+            "default middleware; its messages are its own JSON format padded to 1 KiB. Its "
+            "first-delivery hook is before_process_message, its ack hook after_ack. Two modes: "
+            "'1 process, threads = c': one Worker, worker_threads = prefetch = the case's "
+            f"concurrency, like every other contender; '{DRAMATIQ_PROCESSES} processes x "
+            f"{DRAMATIQ_THREADS} threads': what its docs recommend, the dramatiq CLI's defaults "
+            "(one process per CPU, 8 threads, prefetch twice the threads, processes forked), "
+            "the same for every c. There the window runs from the first delivery in any process "
+            "to the last ack in any process (the ack count is shared memory under one "
+            "cross-process lock), and CPU per message is the sum of the worker processes' CPU, "
+            "each from its own first delivery to the last ack. It has no RSS row (several "
+            "processes).",
         ]
     return out

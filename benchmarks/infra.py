@@ -257,6 +257,9 @@ class Children:
     def __init__(self, profile_dir: Path | None) -> None:
         self.live: dict[int, Child] = {}
         self.profile_dir = profile_dir
+        # Processes a contender started itself (Dramatiq's worker processes), as it reported
+        # them: the contender stops them; the JSON lists them so a test can check it did.
+        self.worker_pids: list[int] = []
 
     async def start(self, module: str, cfg: ChildConfig, label: str) -> Child:
         args = ["-m", f"benchmarks.contenders.{module}", cfg.to_arg()]
@@ -299,6 +302,7 @@ class Children:
                 await child.wait_for("ready", 90)
                 if before_go is not None:
                     await before_go()
+            self.worker_pids += child.events["ready"].get("worker_pids", [])
             await child.send("go")
             if after_go is not None:
                 await after_go(child)

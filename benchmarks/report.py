@@ -1,15 +1,23 @@
-"""Rows, targets and the two renderings of a run: a markdown table and JSON."""
+"""Rows, targets and the two renderings of a run: a markdown table and JSON.
+
+Ratios are paired: every repeat runs every contender once, in one rotated round
+(``cases.Bench._case``), so repeat i of a contender is divided by repeat i of its baseline,
+which ran minutes apart at most under the same machine load. A row shows the median of those
+per-repeat ratios with their min and max; a target is met when it holds for the median, and
+the row also says in how many repeats it held.
+"""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
 @dataclass(frozen=True)
 class Target:
-    """``ratio_min``: median / baseline median >= value; ``min`` / ``max``: on the median."""
+    """``ratio_min``: the median paired ratio >= value; ``min`` / ``max``: on the median value."""
 
     kind: Literal["ratio_min", "min", "max"]
     value: float
@@ -20,9 +28,41 @@ class Target:
         return f"{'>=' if self.kind == 'min' else '<='} {self.value:g}"
 
     def met(self, median: float, ratio: float | None) -> bool | None:
+        """On the medians: the row's median value, or its median paired ratio."""
         if self.kind == "ratio_min":
             return None if ratio is None else ratio >= self.value
         return median >= self.value if self.kind == "min" else median <= self.value
+
+    def held(self, values: Mapping[int, float], ratios: Mapping[int, float]) -> dict[int, bool]:
+        """Per repeat: did the target hold for that repeat's value (or paired ratio)?"""
+        if self.kind == "ratio_min":
+            return {r: ratio >= self.value for r, ratio in ratios.items()}
+        if self.kind == "min":
+            return {r: v >= self.value for r, v in values.items()}
+        return {r: v <= self.value for r, v in values.items()}
+
+
+def paired_ratios(values: Mapping[int, float], baseline: Mapping[int, float]) -> dict[int, float]:
+    """Repeat -> value / baseline value of the same repeat (the same rotated round).
+
+    A repeat in which either side failed, or the baseline measured 0, has no ratio: it is
+    left out rather than paired with another round's baseline.
+    """
+    return {r: v / baseline[r] for r, v in sorted(values.items()) if baseline.get(r)}
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    min: float
+    max: float
+
+
+def spread(values: Mapping[int, float]) -> Spread | None:
+    if not values:
+        return None
+    xs = list(values.values())
+    return Spread(statistics.median(xs), min(xs), max(xs))
 
 
 @dataclass(frozen=True)
@@ -42,7 +82,8 @@ class RowSpec:
 @dataclass
 class Results:
     specs: list[RowSpec] = field(default_factory=list)
-    samples: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
+    # (case, contender, metric) -> repeat -> value: keyed by repeat, so ratios pair rounds
+    samples: dict[tuple[str, str, str], dict[int, float]] = field(default_factory=dict)
     failures: dict[tuple[str, str], str] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)  # every run, raw, for the JSON
 
@@ -50,60 +91,88 @@ class Results:
         if spec not in self.specs:
             self.specs.append(spec)
 
-    def record(self, case_id: str, contender: str, metrics: dict[str, float]) -> None:
+    def record(self, case_id: str, contender: str, repeat: int, metrics: dict[str, float]) -> None:
         for metric, value in metrics.items():
-            self.samples.setdefault((case_id, contender, metric), []).append(value)
+            self.samples.setdefault((case_id, contender, metric), {})[repeat] = value
 
     def fail(self, case_id: str, contender: str, reason: str) -> None:
         self.failures[(case_id, contender)] = reason
 
-    def median(self, case_id: str, contender: str, metric: str) -> float | None:
-        values = self.samples.get((case_id, contender, metric))
-        return statistics.median(values) if values else None
-
     def rows(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for s in self.specs:
-            values = self.samples.get((s.case_id, s.contender, s.metric), [])
-            row: dict[str, Any] = {
-                "case": s.case_id,
-                "case_label": s.case_label,
-                "contender": s.contender,
-                "contender_label": s.contender_label,
-                "metric": s.metric,
-                "unit": s.unit,
-                "values": values,
-                "median": statistics.median(values) if values else None,
-                "min": min(values) if values else None,
-                "max": max(values) if values else None,
-                "baseline": s.baseline,
-                "ratio": None,
-                "target": s.target.text(s.baseline_label) if s.target else None,
-                "result": None,
-                "error": self.failures.get((s.case_id, s.contender)),
-                "decimals": s.decimals,
-                "baseline_label": s.baseline_label,
-            }
-            base = self.median(s.case_id, s.baseline, s.metric) if s.baseline else None
-            if row["median"] is not None and base:
-                row["ratio"] = row["median"] / base
-            if s.target is not None:
-                if row["median"] is None:
-                    row["result"] = "miss (no data)"
-                else:
-                    met = s.target.met(row["median"], row["ratio"])
-                    row["result"] = "n/a" if met is None else ("pass" if met else "MISS")
-            out.append(row)
-        return out
+        return [self.row(s) for s in self.specs]
+
+    def row(self, s: RowSpec) -> dict[str, Any]:
+        values = self.samples.get((s.case_id, s.contender, s.metric), {})
+        base = self.samples.get((s.case_id, s.baseline, s.metric), {}) if s.baseline else {}
+        ratios = paired_ratios(values, base) if s.baseline else {}
+        v, q = spread(values), spread(ratios)
+        row: dict[str, Any] = {
+            "case": s.case_id,
+            "case_label": s.case_label,
+            "contender": s.contender,
+            "contender_label": s.contender_label,
+            "metric": s.metric,
+            "unit": s.unit,
+            "values": [values[r] for r in sorted(values)],
+            "repeats": sorted(values),
+            "median": v.median if v else None,
+            "min": v.min if v else None,
+            "max": v.max if v else None,
+            "baseline": s.baseline,
+            # the median, min and max of the paired per-repeat ratios
+            "ratios": [ratios[r] for r in sorted(ratios)],
+            "ratio": q.median if q else None,
+            "ratio_min": q.min if q else None,
+            "ratio_max": q.max if q else None,
+            "target": s.target.text(s.baseline_label) if s.target else None,
+            "result": None,
+            "held_in": None,  # repeats in which the target held
+            "held_of": None,  # repeats it could be checked in
+            "error": self.failures.get((s.case_id, s.contender)),
+            "decimals": s.decimals,
+            "baseline_label": s.baseline_label,
+        }
+        if s.target is not None:
+            if v is None:
+                row["result"] = "miss (no data)"
+            else:
+                met = s.target.met(v.median, row["ratio"])
+                row["result"] = "n/a" if met is None else ("pass" if met else "MISS")
+                held = s.target.held(values, ratios)
+                row["held_in"] = sum(held.values())
+                row["held_of"] = len(held)
+        return row
 
 
 def _num(value: float | None, decimals: int) -> str:
     return "-" if value is None else f"{value:,.{decimals}f}"
 
 
+def ratio_text(row: Mapping[str, Any]) -> str:
+    """``0.92x raw (0.88-0.95)``: the median paired ratio, then min-max when repeats differ."""
+    if row["ratio"] is None or not row["baseline_label"]:
+        return ""
+    text = f"{row['ratio']:.2f}x {row['baseline_label']}"
+    if len(row["ratios"]) > 1:
+        text += f" ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
+    return text
+
+
+def result_text(row: Mapping[str, Any]) -> str:
+    """``pass``/``MISS`` on the median, and in how many repeats the target held."""
+    result = row["result"] or ""
+    if row["held_of"]:
+        k, n = row["held_in"], row["held_of"]
+        result += f" (held in every repeat, {k}/{n})" if k == n else f" (held in {k}/{n} repeats)"
+    if row["error"]:
+        result = f"{result} (some repeats failed: {_cell(row['error'])})".strip()
+    return result
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| case | contender | median | min | max | unit | ratio | target | result |",
+        "| case | contender | median | min | max | unit | ratio (paired: median (min-max)) "
+        "| target | result |",
         "|---|---|---:|---:|---:|---|---|---|---|",
     ]
     for r in rows:
@@ -115,16 +184,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                 f"{r['target'] or ''} | did not run: {_cell(why)} |"
             )
             continue
-        ratio = ""
-        if r["ratio"] is not None and r["baseline_label"]:
-            ratio = f"{r['ratio']:.2f}x {r['baseline_label']}"
-        result = r["result"] or ""
-        if r["error"]:
-            result = f"{result} (some repeats failed: {_cell(r['error'])})".strip()
         lines.append(
             f"| {r['case_label']} | {r['contender_label']} | {_num(r['median'], d)} | "
-            f"{_num(r['min'], d)} | {_num(r['max'], d)} | {r['unit']} | {ratio} | "
-            f"{r['target'] or ''} | {result} |"
+            f"{_num(r['min'], d)} | {_num(r['max'], d)} | {r['unit']} | {ratio_text(r)} | "
+            f"{r['target'] or ''} | {result_text(r)} |"
         )
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark's single entry point (what 'make bench' runs).
 #
-#   benchmarks/run.sh            full run (about 6-8 minutes on 2 cores)
+#   benchmarks/run.sh            full run, 5 repeats (about 10-12 minutes on 2 cores)
 #   benchmarks/run.sh --smoke    tiny counts, one repeat (under a minute once the venv exists)
 #   benchmarks/run.sh --help     every option (--scale, --repeats, --cases, ...)
 #

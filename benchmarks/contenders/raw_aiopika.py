@@ -1,8 +1,10 @@
 """The baseline: plain aio-pika written the way weclaw_mq's worker works.
 
 consume: prefetch = concurrency, one task per delivery, ``json.loads`` of the body, the
-handler, then a manual ack. With ``guard`` it makes by hand the Redis round trips weclaw_mq
-makes per message (see ``REDIS_ROUND_TRIPS``).
+handler, then a manual ack. With ``guard`` it makes by hand the Redis calls weclaw_mq makes
+per message: the same two Lua scripts (imported from weclaw_mq), registered with redis-py's
+``register_script`` as weclaw_mq registers them, with the same KEYS and ARGV (keys built by
+``weclaw_mq.naming``), so the two differ only by the framework around those calls.
 """
 
 from __future__ import annotations
@@ -29,12 +31,44 @@ from ..common import (
 )
 from .aio_hooks import track
 
-# weclaw_mq's process.py on a successful, guarded delivery: the claim (SET NX PX) with the
-# "running" record, then the result with the done marker: two round trips, one script each
-# there, a pipeline of two SETs each here.
+# weclaw_mq's process.py on a successful, guarded delivery: the claim script (SET NX PX and
+# the "running" record), then the finish script (the result record and the done marker): two
+# EVALSHA round trips, here as there. Lease and TTLs are weclaw_mq's defaults.
 REDIS_ROUND_TRIPS = 2
 LEASE_MS = 30_000
 TTL_MS = 24 * 3600 * 1000
+DONE = "done"
+
+
+def state_scripts() -> tuple[str, str]:
+    """weclaw_mq's claim script and finish script, by their public names where they have
+    them (``weclaw_mq.state.redis``), else by the private ones they had before."""
+    try:
+        from weclaw_mq.state.redis import (  # type: ignore[import-not-found,unused-ignore]
+            CLAIM_SCRIPT,
+            FINISH_SCRIPT,
+        )
+    except ImportError:
+        from weclaw_mq.guard import _CLAIM as CLAIM_SCRIPT
+        from weclaw_mq.results import _PUT as FINISH_SCRIPT
+    return str(CLAIM_SCRIPT), str(FINISH_SCRIPT)
+
+
+def task_state(queue: str, task_id: str, status: str) -> str:
+    """A task record as weclaw_mq stores it (its TaskState fields), as JSON, by hand."""
+    return json.dumps(
+        {
+            "task_id": task_id,
+            "queue": queue,
+            "status": status,
+            "attempt": 1,
+            "result": None,
+            "error": None,
+            "reason": None,
+            "updated_at": datetime.now(UTC).isoformat(),
+        },
+        separators=(",", ":"),
+    )
 
 
 def message(body: bytes, task_id: str) -> aio_pika.Message:
@@ -49,17 +83,40 @@ def message(body: bytes, task_id: str) -> aio_pika.Message:
     )
 
 
+async def check_stored(redis: Any, queue: str, task_id: str) -> None:
+    """After the timed window: the scripts stored what weclaw_mq's store (a succeeded record,
+    the done marker), so KEYS/ARGV that no longer match weclaw_mq's cannot go unnoticed."""
+    from weclaw_mq.naming import guard_key, state_key
+
+    status = await redis.hget(state_key(queue, task_id), "status")
+    marker = await redis.get(guard_key(queue, task_id))
+    if status != b"succeeded" or marker != DONE.encode():
+        raise SystemExit(
+            f"raw+Redis: task {task_id!r} has record status {status!r} and guard key "
+            f"{marker!r}, not 'succeeded' and {DONE!r}: the KEYS/ARGV given to weclaw_mq's "
+            "scripts no longer match what weclaw_mq passes"
+        )
+
+
 async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
     reader = await stdin_lines()
     done = asyncio.Event()
     tracker = Tracker(cfg.count, done.set)
     track(tracker)
     redis: Any = None
+    claim: Any = None
+    finish: Any = None
     if cfg.guard:
-        import redis.asyncio as aioredis  # only this variant pays for the import
+        # Only this variant pays for these imports.
+        import redis.asyncio as aioredis
+
+        from weclaw_mq.naming import done_channel, guard_key, latest_key, state_key
 
         redis = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=5, socket_timeout=5)
         await redis.ping()
+        claim_lua, finish_lua = state_scripts()
+        claim = redis.register_script(claim_lua)
+        finish = redis.register_script(finish_lua)
     latencies_ms: list[float] = []
     conn = await aio_pika.connect(cfg.amqp_url)
     channel = await conn.channel(publisher_confirms=False)
@@ -67,6 +124,7 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
     queue = await channel.get_queue(cfg.queue, ensure=False)
     in_flight: set[asyncio.Task[None]] = set()
     sleep_s = cfg.sleep_s
+    last_task_id = ""
 
     async def handle(msg: AbstractIncomingMessage) -> None:
         task = json.loads(msg.body)
@@ -77,21 +135,28 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
                 await asyncio.sleep(sleep_s)
             await msg.ack()
             return
-        key = f"{cfg.queue}:{msg.message_id}"
-        owner = uuid.uuid4().hex
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.set(f"{key}:claim", owner, nx=True, px=LEASE_MS)
-            pipe.set(f"{key}:state", "running", px=TTL_MS)
-            claimed, _ = await pipe.execute()
-        if not claimed:
+        nonlocal last_task_id
+        q, task_id = cfg.queue, msg.message_id or ""
+        last_task_id = task_id
+        guard, state, latest = guard_key(q, task_id), state_key(q, task_id), latest_key(task_id)
+        # KEYS: guard, record, latest; ARGV: owner, lease ms, done value, status, record, ttl.
+        owner = f"running:{uuid.uuid4().hex}"
+        running = task_state(q, task_id, "running")
+        answer = await claim(
+            keys=[guard, state, latest], args=[owner, LEASE_MS, DONE, "running", running, TTL_MS]
+        )
+        if answer != b"acquired":
             await msg.ack()  # a duplicate: never happens here, but keeps the shape honest
             return
         if sleep_s:
             await asyncio.sleep(sleep_s)
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.set(f"{key}:state", json.dumps({"status": "succeeded"}), px=TTL_MS)
-            pipe.set(f"{key}:claim", "done", px=TTL_MS)
-            await pipe.execute()
+        # KEYS: record, latest, done marker; ARGV: status, record, ttl, only_if_new, channel,
+        # queue, done value, done ttl.
+        succeeded = task_state(q, task_id, "succeeded")
+        await finish(
+            keys=[state, latest, guard],
+            args=["succeeded", succeeded, TTL_MS, 0, done_channel(task_id), q, DONE, TTL_MS],
+        )
         await msg.ack()
 
     async def on_message(msg: AbstractIncomingMessage) -> None:
@@ -107,6 +172,8 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
     result = tracker.result()
     if e2e:
         result.update(latency_summary(latencies_ms))
+    if redis is not None:
+        await check_stored(redis, cfg.queue, last_task_id)
     emit("done", **result)
     await expect(reader, "stop")
     await queue.cancel(tag)

@@ -32,3 +32,15 @@ def test_benchmark_smoke_run_measures_weclaw_and_its_baselines(tmp_path: Path) -
     )
     run_id = report["header"]["run_id"]
     assert run_id not in listing.stdout, "the benchmark left queues behind"
+    # Dramatiq's worker processes (its multi-process mode), when the peers ran.
+    left = [pid for pid in report["worker_pids"] if _running(pid)]
+    assert not left, f"worker processes outlived the benchmark: {left}"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child not yet reaped holds nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
