@@ -17,7 +17,7 @@ def open_store(settings: Settings) -> TaskStore:
     return open_redis_store(settings)
 
 
-def in_memory(store: MemoryTaskStore) -> TaskStore:
+def _memory_store_is_a_task_store(store: MemoryTaskStore) -> TaskStore:
     """Typed as ``TaskStore``: mypy checks that the in-memory store keeps the protocol."""
     return store
 

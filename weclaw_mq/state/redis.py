@@ -372,13 +372,6 @@ class RedisTaskStore:
                 await pubsub.unsubscribe()
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
 
-    async def ping(self) -> None:
-        """One round trip: connects the pool now (e.g. before a timed window)."""
-        try:
-            await self._redis.ping()
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
     async def close(self) -> None:
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
