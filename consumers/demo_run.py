@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from consumers.demo import QUEUE, Prompt, app
+from weclaw_mq import TaskState, TaskStatus
 from weclaw_mq.errors import ResultTimeoutError
-from weclaw_mq.results import TaskState, TaskStatus
 
 APP_PATH = "consumers.demo:app"
 REPO_ROOT = Path(__file__).resolve().parents[1]

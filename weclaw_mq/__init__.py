@@ -24,11 +24,14 @@ from .errors import (
     UnroutableError,
     WeclawMQError,
 )
-from .results import ResultStore, TaskState, TaskStatus
 from .retry import RetryPolicy
 from .settings import Settings
 from .signals import Reject, Retry
+from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
 from .worker import Worker
+
+# The name of the store protocol before it held the guard too (claims, leases, done markers).
+ResultStore = TaskStore
 
 __all__ = [
     "App",
@@ -38,6 +41,7 @@ __all__ = [
     "ConfirmTimeoutError",
     "ConnectionLostError",
     "Context",
+    "MemoryTaskStore",
     "MessageEncodingError",
     "PayloadError",
     "PayloadTooLargeError",
@@ -53,6 +57,7 @@ __all__ = [
     "StateUnavailableError",
     "TaskState",
     "TaskStatus",
+    "TaskStore",
     "TopologyConflictError",
     "UnroutableError",
     "WeclawMQError",

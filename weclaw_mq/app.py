@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import warnings
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import aio_pika
-import redis.asyncio as aioredis
 from aio_pika.abc import HeadersType
 from prometheus_client import CollectorRegistry
 
@@ -24,21 +24,13 @@ from .errors import (
     PublishNackedError,
     UnroutableError,
 )
-from .guard import IdempotencyGuard
 from .handler import HandlerFunc, HandlerSpec, InvalidPayload, UndecodableBody, build_spec
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .producer import Publisher
-from .results import (
-    REDIS_FAILURES,
-    RedisResultStore,
-    ResultStore,
-    TaskState,
-    TaskStatus,
-    state_unavailable,
-)
 from .retry import RetryPolicy
 from .settings import Settings
+from .state import REDIS_FAILURES, TaskState, TaskStatus, TaskStore, open_store, state_unavailable
 from .topology import declare
 from .tracing import current, new_trace_id
 
@@ -64,19 +56,26 @@ class App:
         *,
         settings: Settings | None = None,
         registry: CollectorRegistry | None = None,
-        result_store: ResultStore | None = None,
+        store: TaskStore | None = None,
+        result_store: TaskStore | None = None,
     ) -> None:
-        """``result_store`` replaces the default Redis store (``results_enabled`` turns it off)."""
+        """``store`` replaces the default Redis ``TaskStore`` (claims and records; the caller
+        closes it). ``result_store`` is its former name."""
+        if result_store is not None:
+            if store is not None:
+                raise ConfigurationError("pass the task store once, as store=")
+            warnings.warn(
+                "App(result_store=...) is now App(store=...)", DeprecationWarning, stacklevel=2
+            )
+            store = result_store
         self.name = name
         self.settings = settings if settings is not None else Settings()
         self.metrics = Metrics(registry)
         self.broker = BrokerEndpoints(self.settings)
         self._handlers: dict[str, HandlerSpec] = {}
         self._publisher: Publisher | None = None
-        self._redis: aioredis.Redis | None = None
-        self._results = result_store
-        self._owns_results = result_store is None  # ours to drop on close, not the user's
-        self._guard: IdempotencyGuard | None = None
+        self._store = store
+        self._owns_store = store is None  # ours to close, not the user's
         # Queued-record writes that outlived their publish: held here so they are not
         # garbage-collected mid-write, and awaited (briefly) on close.
         self._record_writes: set[asyncio.Task[Any]] = set()
@@ -192,7 +191,7 @@ class App:
         # The "queued" record is written beside the confirm, not after it (no added latency),
         # and only if the task has no record yet, so it can never hide a later status.
         queued = self._record_in_background(
-            store.put(
+            store.record(
                 TaskState(task_id=message.message_id, queue=queue, status=TaskStatus.QUEUED),
                 only_if_new=True,
             )
@@ -244,7 +243,7 @@ class App:
         store = self.results
         queued = (
             self._record_in_background(
-                store.put_many(
+                store.record_many(
                     [TaskState(task_id=t, queue=queue, status=TaskStatus.QUEUED) for t in ids],
                     only_if_new=True,
                 )
@@ -321,40 +320,22 @@ class App:
                 log.warning("could not drop the queued status of %s (%s)", task_id, e)
 
     # -- results ------------------------------------------------------------------------
-    def _redis_client(self) -> aioredis.Redis:
-        if self._redis is None:
-            s = self.settings
-            # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us
-            # per command (measured). The worker sizes its concurrency to fit this pool.
-            pool = aioredis.ConnectionPool.from_url(
-                s.redis_url_plain(),
-                max_connections=s.redis_max_connections,
-                socket_connect_timeout=s.redis_timeout_s,
-                socket_timeout=s.redis_timeout_s,
-                health_check_interval=30,
-            )
-            self._redis = aioredis.Redis(connection_pool=pool)
-        return self._redis
+    @property
+    def store(self) -> TaskStore | None:
+        """The task store (claims and records), or None when nothing needs one: results are
+        off and no handler is guarded."""
+        if self._store is None and (
+            self.settings.results_enabled or any(s.idempotent for s in self._handlers.values())
+        ):
+            self._store = open_store(self.settings)
+        return self._store
 
     @property
-    def results(self) -> ResultStore | None:
-        """The result store, or None when results are turned off."""
-        if self._results is None and self.settings.results_enabled:
-            self._results = RedisResultStore(self._redis_client(), ttl_s=self.settings.result_ttl_s)
-        return self._results
+    def results(self) -> TaskStore | None:
+        """The task store when results are on (records are written and read), else None."""
+        return self.store if self.settings.results_enabled else None
 
-    @property
-    def guard(self) -> IdempotencyGuard | None:
-        """The idempotency guard, or None when no handler asks for it."""
-        if self._guard is None and any(s.idempotent for s in self._handlers.values()):
-            self._guard = IdempotencyGuard(
-                self._redis_client(),
-                lease_s=self.settings.guard_lease_s,
-                done_ttl_s=self.settings.done_ttl_s,
-            )
-        return self._guard
-
-    def _require_results(self) -> ResultStore:
+    def _require_results(self) -> TaskStore:
         store = self.results
         if store is None:
             raise ConfigurationError(
@@ -367,7 +348,7 @@ class App:
 
         A task has one record per queue it went through (pipeline stages may share a task
         id). Without ``queue``, the most recently written record of the task id answers.
-        ``StateUnavailableError`` when Redis fails or does not answer.
+        ``StateUnavailableError`` when the store fails or does not answer.
         """
         store = self._require_results()
         try:
@@ -383,7 +364,7 @@ class App:
 
         For a pipeline whose stages share a task id, pass the last stage's queue: without
         it, an earlier stage's final record may answer before the next stage wrote its own.
-        ``ResultTimeoutError`` after ``timeout_s``; ``StateUnavailableError`` when Redis fails.
+        ``ResultTimeoutError`` after ``timeout_s``; ``StateUnavailableError`` when the store fails.
         """
         store = self._require_results()
         try:
@@ -403,7 +384,7 @@ class App:
 
     async def close(self) -> None:
         if self._record_writes:
-            # Before the Redis client goes: a healthy Redis finishes them in milliseconds.
+            # Before the store closes: a healthy Redis finishes them in milliseconds.
             _, late = await asyncio.wait(self._record_writes, timeout=QUEUED_RECORD_CLOSE_WAIT_S)
             for write in late:
                 write.cancel()
@@ -413,14 +394,9 @@ class App:
         if self._publisher is not None:
             publisher, self._publisher = self._publisher, None
             await publisher.close()
-        if self._guard is not None:
-            guard, self._guard = self._guard, None
-            await guard.close()
-        if self._redis is not None:
-            client, self._redis = self._redis, None
-            if self._owns_results:
-                self._results = None
-            await client.aclose()
+        if self._store is not None and self._owns_store:
+            store, self._store = self._store, None
+            await store.close()
 
     async def __aenter__(self) -> App:
         return self

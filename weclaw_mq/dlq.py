@@ -38,7 +38,7 @@ from .errors import (
     WeclawMQError,
 )
 from .naming import dlq_name
-from .results import ResultStore, TaskState, TaskStatus
+from .state import TaskState, TaskStatus, TaskStore
 from .undecodable import tolerant_properties, undecodable
 
 log = logging.getLogger("weclaw_mq.dlq")
@@ -283,7 +283,7 @@ class _QueuedStatus:
     """Best effort "queued" records: the task is safe in the broker whatever Redis says, so
     after the first failure we stop asking (each try may wait seconds on a dead Redis)."""
 
-    def __init__(self, store: ResultStore | None, queue: str) -> None:
+    def __init__(self, store: TaskStore | None, queue: str) -> None:
         self._store = store
         self._queue = queue
 
@@ -293,7 +293,7 @@ class _QueuedStatus:
             return None
         try:
             before = await self._store.get(task_id, queue=self._queue)
-            await self._store.put(
+            await self._store.record(
                 TaskState(task_id=task_id, queue=self._queue, status=TaskStatus.QUEUED)
             )
         except Exception as e:  # Redis down or failing: the same answer either way
@@ -305,7 +305,7 @@ class _QueuedStatus:
         if self._store is None or before is None:
             return
         try:
-            await self._store.put(before)
+            await self._store.record(before)
         except Exception as e:
             self._give_up(e)
 

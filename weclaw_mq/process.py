@@ -26,15 +26,14 @@ from .connection import cancelled_by_caller
 from .context import Context
 from .deadlines import Deadlines
 from .failures import describe, safe_text
-from .guard import Claim, IdempotencyGuard
 from .handler import HandlerSpec, InvalidPayload, UndecodableBody
 from .message import Delivery, read_delivery
 from .metrics import Metrics, Outcome
-from .results import RecordWrite, RedisResultStore, ResultStore, TaskState, TaskStatus
 from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
 from .settings import Settings
 from .settle import Settler
 from .signals import Retry
+from .state import Claim, TaskState, TaskStatus, TaskStore, new_owner
 from .tracing import TraceContext
 from .undecodable import undecodable
 
@@ -73,8 +72,10 @@ class Runtime:
     settler: Settler
     deadlines: Deadlines
     metrics: Metrics
-    guard: IdempotencyGuard | None
-    results: ResultStore | None
+    # The task store, for claims; None when no handler is guarded and results are off.
+    store: TaskStore | None
+    # The same store when results are on (records are written), else None.
+    results: TaskStore | None
     # take_over(message, spec, rt, stuck, ending) runs a delivery's ending in a new task in
     # place of ``stuck``, whose handler ignored its cancellation; the worker counts the new
     # task as in flight, not the old one, and settles the message if the ending fails.
@@ -144,29 +145,26 @@ async def _process(
         return
 
     held: str | None = None  # the claim's owner token, while we hold the claim
-    record: RecordWrite | None = None
-    if rt.guard is not None and spec.idempotent:
-        if isinstance(rt.results, RedisResultStore):
-            # The default store's "running" record rides on the claim (one command).
-            record = rt.results.record_write(_state(delivery, spec, TaskStatus.RUNNING))
-        gate = await _pass_guard(message, delivery, spec, rt.guard, rt, record)
+    if rt.store is not None and spec.idempotent:
+        gate = await _pass_guard(message, delivery, spec, rt.store, rt)
         if gate is _Gate.SETTLED:
             return
         held = gate if isinstance(gate, str) else None
 
-    # Otherwise the status write runs beside the handler: a model call need not wait for it.
+    # Without a claim (that wrote it), the "running" record is written beside the handler:
+    # a model call need not wait for it.
     running = (
         asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
-        if rt.results is not None and (record is None or held is None)
+        if rt.results is not None and held is None
         else None
     )
     # If the handler ignores its cancellation, another task ends the attempt without it.
     on_stuck = _ending_without(message, delivery, spec, rt, held)
     try:
-        if held is None or rt.guard is None:
+        if held is None or rt.store is None:
             outcome = await _call(spec, task, delivery, rt, on_stuck)
         else:
-            with rt.guard.holding(spec.queue, delivery.task_id, held):
+            with rt.store.holding(spec.queue, delivery.task_id, held):
                 outcome = await _call(spec, task, delivery, rt, on_stuck)
         if running is not None:
             await running
@@ -229,15 +227,16 @@ async def _pass_guard(
     message: AbstractIncomingMessage,
     delivery: Delivery,
     spec: HandlerSpec,
-    guard: IdempotencyGuard,
+    store: TaskStore,
     rt: Runtime,
-    record: RecordWrite | None,
 ) -> str | _Gate:
     """The claim's owner token when we hold the claim, else how the delivery went on."""
-    owner = guard.new_owner()
+    owner = new_owner()
+    # With results on, the "running" record rides on the claim (one step, one round trip).
+    running = _state(delivery, spec, TaskStatus.RUNNING) if rt.results is not None else None
     try:
-        claim = await guard.claim(spec.queue, delivery.task_id, owner, record=record)
-    except Exception as e:  # Redis unreachable or failing: the same answer either way
+        claim = await store.claim(spec.queue, delivery.task_id, owner, running=running)
+    except Exception as e:  # the store unreachable or failing: the same answer either way
         if rt.settings.guard_on_redis_down == "run_unguarded":
             log.warning("Redis unavailable (%s); running UNGUARDED as configured", e)
             return _Gate.UNGUARDED
@@ -247,7 +246,7 @@ async def _pass_guard(
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
         log.info("duplicate of a finished task: acked without running the handler")
         if claim is not Claim.DONE:
-            await _mark_done_quietly(guard, spec, delivery)
+            await _mark_done_quietly(store, spec, delivery)
         if await rt.settler.ack(message):
             rt.metrics.settled(spec.queue, Outcome.DUPLICATE).inc()
         return _Gate.SETTLED
@@ -274,11 +273,9 @@ async def _finished_before(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -
     return state is not None and state.status is TaskStatus.SUCCEEDED
 
 
-async def _mark_done_quietly(
-    guard: IdempotencyGuard, spec: HandlerSpec, delivery: Delivery
-) -> None:
+async def _mark_done_quietly(store: TaskStore, spec: HandlerSpec, delivery: Delivery) -> None:
     try:
-        await guard.mark_done(spec.queue, delivery.task_id)
+        await store.finish(spec.queue, delivery.task_id, None)
     except Exception as e:  # the stored result still answers the next copy
         log.warning("could not mark the task done (%s)", e)
 
@@ -411,21 +408,18 @@ async def _finish(
     owner: str | None,
 ) -> None:
     """Store first, then ack: a crash in between redelivers a task the guard knows is done."""
-    store = rt.results
-    guard = rt.guard if owner is not None else None
+    records = rt.results
+    state = (
+        _state(delivery, spec, TaskStatus.SUCCEEDED, result=result) if records is not None else None
+    )
     try:
-        if store is not None:
-            state = _state(delivery, spec, TaskStatus.SUCCEEDED, result=result)
-            if guard is not None and isinstance(store, RedisResultStore):
-                # The default store writes the guard's done marker with the result.
-                done = guard.done_marker(spec.queue, delivery.task_id)
-                await _patiently(rt, lambda: store.put_final(state, done))
-                guard = None
-            else:
-                await _patiently(rt, lambda: store.put(state))
-        if guard is not None:
-            marking = guard
-            await _patiently(rt, lambda: marking.mark_done(spec.queue, delivery.task_id))
+        if owner is not None and rt.store is not None:
+            # Claimed: the result and the done marker together (one step).
+            store = rt.store
+            await _patiently(rt, lambda: store.finish(spec.queue, delivery.task_id, state))
+        elif records is not None and state is not None:
+            final = state
+            await _patiently(rt, lambda: records.record(final))
     except ResultNotStored as e:
         log.error("%s; giving the task back to the broker", e)
         await rt.settler.give_back(message)
@@ -452,10 +446,10 @@ async def _patiently(rt: Runtime, write: Callable[[], Awaitable[object]]) -> Non
 
 
 async def _release(rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: str | None) -> None:
-    if owner is None or rt.guard is None:
+    if owner is None or rt.store is None:
         return
     try:
-        await rt.guard.release(spec.queue, delivery.task_id, owner)
+        await rt.store.release(spec.queue, delivery.task_id, owner)
     except Exception as e:  # the lease lapses by itself
         log.warning("could not release the claim (%s); it lapses with its lease", e)
 
@@ -500,7 +494,7 @@ async def _status(
     if rt.results is None:
         return
     try:
-        await rt.results.put(_state(delivery, spec, status, error=error, reason=reason))
+        await rt.results.record(_state(delivery, spec, status, error=error, reason=reason))
     except Exception as e:
         log.warning("could not record status %s (%s)", status.value, e)
 

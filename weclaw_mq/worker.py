@@ -160,7 +160,7 @@ class Worker:
             settler=Settler(publisher, self._deadlines),
             deadlines=self._deadlines,
             metrics=self.app.metrics,
-            guard=self.app.guard,
+            store=self.app.store,
             results=self.app.results,
             take_over=self._take_over,
         )
@@ -312,7 +312,7 @@ class Worker:
                 task.add_done_callback(self._abandoned.discard)
 
     def _check_redis_pool(self) -> None:
-        if self.app.guard is None and self.app.results is None:
+        if self.app.store is None:
             return
         needed = 2 * self.concurrency * len(self.specs) + 8
         if needed > self.settings.redis_max_connections:

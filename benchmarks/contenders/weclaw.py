@@ -68,7 +68,8 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
 
     worker = Worker(app, concurrency=cfg.concurrency)
     if cfg.guard:
-        await app._redis_client().ping()  # connect now, not inside the timed window
+        assert app.store is not None
+        await app.store.get("warm-up")  # connect now, not inside the timed window
     emit("ready", redis_round_trips=REDIS_ROUND_TRIPS if cfg.guard else 0)
     await expect(reader, "go")
     running = asyncio.create_task(worker.run())

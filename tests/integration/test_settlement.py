@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import aio_pika
@@ -20,7 +21,7 @@ from tests.integration.processes import queue_names
 from weclaw_mq import App, Context, RetryPolicy
 from weclaw_mq import headers as h
 from weclaw_mq.naming import dlq_name
-from weclaw_mq.results import RedisResultStore, TaskState, TaskStatus
+from weclaw_mq.state import Claim, RedisTaskStore, TaskState, TaskStatus
 
 FAST = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)
 
@@ -245,20 +246,34 @@ class _Bug(BaseException):
 
 
 class _StoreWithABug:
-    """The default store, except that its first "running" write raises ``_Bug``."""
+    """The default store, except that its first finish (after the claim) raises ``_Bug``."""
 
-    def __init__(self, inner: RedisResultStore) -> None:
+    def __init__(self, inner: RedisTaskStore) -> None:
         self.inner = inner
         self.bugs_left = 1
 
-    async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
-        if state.status is TaskStatus.RUNNING and self.bugs_left:
+    async def claim(
+        self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
+    ) -> Claim:
+        return await self.inner.claim(queue, task_id, owner, running=running)
+
+    def holding(self, queue: str, task_id: str, owner: str) -> AbstractContextManager[None]:
+        return self.inner.holding(queue, task_id, owner)
+
+    async def release(self, queue: str, task_id: str, owner: str) -> None:
+        await self.inner.release(queue, task_id, owner)
+
+    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
+        if self.bugs_left:
             self.bugs_left -= 1
             raise _Bug("a bug in the processing path")
-        return await self.inner.put(state, only_if_new=only_if_new)
+        await self.inner.finish(queue, task_id, result)
 
-    async def put_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
-        await self.inner.put_many(states, only_if_new=only_if_new)
+    async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
+        return await self.inner.record(state, only_if_new=only_if_new)
+
+    async def record_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+        await self.inner.record_many(states, only_if_new=only_if_new)
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
         await self.inner.forget_queued(queue, task_id)
@@ -270,15 +285,15 @@ class _StoreWithABug:
         return await self.inner.wait(task_id, timeout_s, queue=queue)
 
     async def close(self) -> None:
-        return None
+        await self.inner.close()
 
 
 async def test_an_error_escaping_processing_gives_the_message_back_at_once(
     broker_url: str, redis_url: str, start_worker: Callable[..., Any], qname: str
 ) -> None:
     client = aioredis.Redis.from_url(redis_url)
-    store = _StoreWithABug(RedisResultStore(client, ttl_s=60))
-    app = App("test", settings=settings_for(broker_url, redis_url), result_store=store)
+    store = _StoreWithABug(RedisTaskStore(client, ttl_s=60, lease_s=30, done_ttl_s=60))
+    app = App("test", settings=settings_for(broker_url, redis_url), store=store)
     seen: list[str] = []
 
     @app.handler(qname, retry=FAST)
@@ -296,5 +311,6 @@ async def test_an_error_escaping_processing_gives_the_message_back_at_once(
         assert outcome_count(app, qname, "requeued") == 1
     finally:
         await app.close()
+        await store.close()
         await client.aclose()
         await delete_queues(broker_url, queue_names(app))

@@ -17,7 +17,7 @@ from weclaw_mq import App, Context, StateUnavailableError, TaskState, TaskStatus
 from weclaw_mq import headers as h
 from weclaw_mq.metrics import Outcome
 from weclaw_mq.naming import task_keys
-from weclaw_mq.results import RedisResultStore
+from weclaw_mq.state import RedisTaskStore
 
 
 class Step(BaseModel):
@@ -110,7 +110,7 @@ async def test_a_redelivered_copy_of_a_later_stage_runs_although_an_earlier_stag
     # once (its worker died) arrives: it must run, not be taken for a finished duplicate.
     store = app.results
     assert store is not None
-    await store.put(
+    await store.record(
         TaskState(task_id=task_id, queue=first, status=TaskStatus.SUCCEEDED, result={"stage": 1})
     )
     await app.publish(second, Step(n=5), task_id=task_id, headers={h.RETURNS: 1})
@@ -156,22 +156,22 @@ async def test_queue_and_task_id_that_join_to_the_same_text_are_two_tasks(
 async def test_status_without_a_queue_answers_the_most_recently_written_record(
     redis_client: aioredis.Redis, qname: str, forget_keys: list[tuple[str, str]]
 ) -> None:
-    store = RedisResultStore(redis_client, ttl_s=60)
+    store = RedisTaskStore(redis_client, ttl_s=60, lease_s=30, done_ttl_s=60)
     task_id, a, b = f"latest-{qname}", f"{qname}-a", f"{qname}-b"
     forget_keys += [(a, task_id), (b, task_id)]
 
-    assert await store.put(TaskState(task_id=task_id, queue=a, status=TaskStatus.RUNNING))
-    assert await store.put(
+    assert await store.record(TaskState(task_id=task_id, queue=a, status=TaskStatus.RUNNING))
+    assert await store.record(
         TaskState(task_id=task_id, queue=b, status=TaskStatus.QUEUED), only_if_new=True
     )
     latest = await store.get(task_id)
     assert latest is not None and (latest.queue, latest.status) == (b, TaskStatus.QUEUED)
 
-    assert await store.put(TaskState(task_id=task_id, queue=a, status=TaskStatus.SUCCEEDED))
+    assert await store.record(TaskState(task_id=task_id, queue=a, status=TaskStatus.SUCCEEDED))
     latest = await store.get(task_id)
     assert latest is not None and (latest.queue, latest.status) == (a, TaskStatus.SUCCEEDED)
     # A refused write (a late "queued" for a record that moved on) moves nothing.
-    assert not await store.put(
+    assert not await store.record(
         TaskState(task_id=task_id, queue=a, status=TaskStatus.QUEUED), only_if_new=True
     )
     after = await store.get(task_id, queue=a)

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from tests.integration.fixture_apps import lazy_app, required_env
 from weclaw_mq import App, Context, Settings, TaskState, TaskStatus
-from weclaw_mq.results import DoneMarker, RedisResultStore
+from weclaw_mq.state import RedisTaskStore
 
 if TYPE_CHECKING:
     from tests.integration.processes import WorkerProcess
@@ -70,26 +70,31 @@ def _client(settings: Settings) -> aioredis.Redis:
     )
 
 
-class DieAfterStoreResults(RedisResultStore):
+class DieAfterStoreResults(RedisTaskStore):
     """Stores a flagged task's success for real, then dies before anything else happens."""
 
-    def __init__(self, client: aioredis.Redis, *, ttl_s: float, record_key: str) -> None:
-        super().__init__(client, ttl_s=ttl_s)
+    def __init__(self, client: aioredis.Redis, *, settings: Settings, record_key: str) -> None:
+        super().__init__(
+            client,
+            ttl_s=settings.result_ttl_s,
+            lease_s=settings.guard_lease_s,
+            done_ttl_s=settings.done_ttl_s,
+        )
         self._client = client
         self._record_key = record_key
         self.flagged: set[str] = set()
 
-    async def put(self, state: TaskState, *, only_if_new: bool = False) -> bool:
-        written = await super().put(state, only_if_new=only_if_new)
+    async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
+        written = await super().record(state, only_if_new=only_if_new)
         await self._die_if_flagged(state)
         return written
 
-    async def put_final(self, state: TaskState, done: DoneMarker) -> bool:
+    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
         # The worker stores a success this way when the guard is on (result and done marker
         # in one step): the kill lands after both, before the ack.
-        written = await super().put_final(state, done)
-        await self._die_if_flagged(state)
-        return written
+        await super().finish(queue, task_id, result)
+        if result is not None:
+            await self._die_if_flagged(result)
 
     async def _die_if_flagged(self, state: TaskState) -> None:
         if (
@@ -112,10 +117,8 @@ def build_app(
     recorder = _client(settings)
     store: DieAfterStoreResults | None = None
     if die_after_store:
-        store = DieAfterStoreResults(
-            _client(settings), ttl_s=settings.result_ttl_s, record_key=record_key
-        )
-    app = App("guard-fixture", settings=settings, result_store=store)
+        store = DieAfterStoreResults(_client(settings), settings=settings, record_key=record_key)
+    app = App("guard-fixture", settings=settings, store=store)
     longest = sleep_min_s if sleep_max_s is None else sleep_max_s
 
     @app.handler(queue)

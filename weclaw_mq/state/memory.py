@@ -1,0 +1,172 @@
+"""``TaskStore`` in this process's memory: the same rules as Redis, nothing shared.
+
+For tests and single-process setups: a worker and the code that publishes and reads states
+must run in one process (and one event loop, for ``wait``). Everything is lost when the
+process ends, which is exactly what the guard must not do in production: use it where that
+is what you want.
+
+The rules match ``RedisTaskStore``: a claim lapses after ``lease_s`` unless its holder is
+inside ``holding``; a done marker lasts ``done_ttl_s`` and records ``ttl_s``; succeeded is
+final; ``only_if_new`` never writes over a record; every written record becomes the task's
+latest; ``wait`` is woken by an event when a final record is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from ..errors import ResultTimeoutError
+from .protocol import Claim, TaskState, TaskStatus
+
+_DONE = "done"  # a claim's holder once the task finished: no owner token is this
+
+
+@dataclass
+class _Entry:
+    value: str  # a claim: its owner token or _DONE; a record: its state as JSON
+    expires_at: float
+
+
+class MemoryTaskStore:
+    """``clock`` (seconds, monotonic) lets tests make leases and TTLs lapse without waiting."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 24 * 3600,
+        lease_s: float = 30.0,
+        done_ttl_s: float = 24 * 3600,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ttl_s = ttl_s
+        self._lease_s = lease_s
+        self._done_ttl_s = done_ttl_s
+        self._clock = clock
+        self._claims: dict[tuple[str, str], _Entry] = {}
+        self._held: dict[tuple[str, str], str] = {}  # claims kept alive by ``holding``
+        self._records: dict[tuple[str, str], _Entry] = {}
+        self._latest: dict[str, _Entry] = {}  # task id -> queue of its latest record
+        self._finals: dict[str, asyncio.Event] = {}  # task id -> set when a record turns final
+
+    def _live(self, table: dict[tuple[str, str], _Entry], key: tuple[str, str]) -> _Entry | None:
+        entry = table.get(key)
+        if entry is None:
+            return None
+        if table is self._claims and self._held.get(key) == entry.value:
+            return entry  # its holder renews it for as long as the handler runs
+        if entry.expires_at <= self._clock():
+            del table[key]
+            return None
+        return entry
+
+    # -- the guard ----------------------------------------------------------------------
+    async def claim(
+        self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
+    ) -> Claim:
+        key = (queue, task_id)
+        current = self._live(self._claims, key)
+        if current is None:
+            self._claims[key] = _Entry(owner, self._clock() + self._lease_s)
+            if running is not None:
+                self._write(running, only_if_new=False)
+            return Claim.ACQUIRED
+        return Claim.DONE if current.value == _DONE else Claim.BUSY
+
+    @contextlib.contextmanager
+    def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
+        key = (queue, task_id)
+        self._held[key] = owner
+        try:
+            yield
+        finally:
+            if self._held.get(key) == owner:
+                del self._held[key]
+                entry = self._claims.get(key)
+                if entry is not None and entry.value == owner:
+                    # Renewed up to now: the lease runs its full length from here.
+                    entry.expires_at = self._clock() + self._lease_s
+
+    async def release(self, queue: str, task_id: str, owner: str) -> None:
+        key = (queue, task_id)
+        current = self._live(self._claims, key)
+        if current is not None and current.value == owner:
+            del self._claims[key]
+
+    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
+        self._claims[(queue, task_id)] = _Entry(_DONE, self._clock() + self._done_ttl_s)
+        if result is not None:
+            self._write(result, only_if_new=False)
+
+    # -- the records --------------------------------------------------------------------
+    def _write(self, state: TaskState, *, only_if_new: bool) -> bool:
+        key = (state.queue, state.task_id)
+        current = self._live(self._records, key)
+        if current is not None and (
+            only_if_new
+            or TaskState.model_validate_json(current.value).status is TaskStatus.SUCCEEDED
+        ):
+            return False
+        expires_at = self._clock() + self._ttl_s
+        # Stored as JSON, as Redis does: a reader never shares an object with the writer.
+        self._records[key] = _Entry(state.model_dump_json(), expires_at)
+        self._latest[state.task_id] = _Entry(state.queue, expires_at)
+        if state.status.terminal:
+            woken = self._finals.pop(state.task_id, None)
+            if woken is not None:
+                woken.set()
+        return True
+
+    async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
+        return self._write(state, only_if_new=only_if_new)
+
+    async def record_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+        for state in states:
+            self._write(state, only_if_new=only_if_new)
+
+    async def forget_queued(self, queue: str, task_id: str) -> None:
+        key = (queue, task_id)
+        current = self._live(self._records, key)
+        if current is None:
+            return
+        if TaskState.model_validate_json(current.value).status is not TaskStatus.QUEUED:
+            return
+        del self._records[key]
+        latest = self._latest.get(task_id)
+        if latest is not None and latest.value == queue:
+            del self._latest[task_id]
+
+    def _read(self, task_id: str, queue: str | None) -> TaskState | None:
+        if queue is None:
+            latest = self._latest.get(task_id)
+            if latest is None or latest.expires_at <= self._clock():
+                return None
+            queue = latest.value
+        entry = self._live(self._records, (queue, task_id))
+        return TaskState.model_validate_json(entry.value) if entry is not None else None
+
+    async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
+        return self._read(task_id, queue)
+
+    async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            # No await between this read and taking the event: a final write lands either
+            # before the read (we see it) or after (it sets the event we wait on).
+            state = self._read(task_id, queue)
+            if state is not None and state.status.terminal:
+                return state
+            left = deadline - loop.time()
+            if left <= 0:
+                raise ResultTimeoutError(task_id, timeout_s, state)
+            final = self._finals.setdefault(task_id, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                # A final record of another queue also wakes us: one re-read.
+                await asyncio.wait_for(final.wait(), left)
+
+    async def close(self) -> None:
+        return None

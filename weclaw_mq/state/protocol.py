@@ -1,0 +1,117 @@
+"""A task's state, and the one protocol the worker and ``App`` use to keep it.
+
+A task has one record per queue it went through, overwritten as it moves queued -> running ->
+(retrying ->)* succeeded | dead_lettered. A succeeded record is final: a late or duplicate
+writer can never turn it back. Two pipeline stages that share a task id (``ctx.publish(...,
+task_id=ctx.task_id)``) therefore keep two records, and neither can hide the other. Reading
+without a queue answers the task's most recently written record (its "latest" pointer).
+
+Beside the records, the store keeps the idempotency guard's claim per (queue, task id):
+- held by one attempt (its ``owner`` token) under a lease, kept alive by ``holding`` while the
+  handler runs; if the holder dies, the lease lapses and a redelivered copy may claim it;
+- ``done`` for ``done_ttl_s`` once the result is stored: copies are acked unrun.
+
+``TaskStore`` is everything the worker and ``App`` ask of a store; nothing calls past it.
+``state.redis.RedisTaskStore`` is the default, ``state.memory.MemoryTaskStore`` keeps the same
+rules in one process (for tests). A store that fails or does not answer raises
+``StateUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol
+
+from pydantic import BaseModel, Field
+
+
+class TaskStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    DEAD_LETTERED = "dead_lettered"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TaskStatus.SUCCEEDED, TaskStatus.DEAD_LETTERED)
+
+
+class TaskState(BaseModel):
+    task_id: str
+    queue: str
+    status: TaskStatus
+    attempt: int = 0
+    result: Any = None
+    error: str | None = None
+    reason: str | None = None
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+class Claim(StrEnum):
+    """The answer to ``TaskStore.claim``."""
+
+    ACQUIRED = "acquired"  # this owner holds the task now: run it
+    DONE = "done"  # finished before: ack without running
+    BUSY = "busy"  # another attempt holds it now: come back later
+
+
+def new_owner() -> str:
+    """A token unique to one attempt: only its holder may renew or release a claim."""
+    return uuid.uuid4().hex
+
+
+class TaskStore(Protocol):
+    """A task's records (one per (queue, task id)) and its idempotency claim."""
+
+    # -- the guard ----------------------------------------------------------------------
+    async def claim(
+        self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
+    ) -> Claim:
+        """Claim (queue, task id) for ``owner`` under a lease, never check-then-set. With
+        ``running``, write that record in the same step when the claim is granted."""
+        ...
+
+    def holding(self, queue: str, task_id: str, owner: str) -> AbstractContextManager[None]:
+        """Keep ``owner``'s lease alive while the body runs (the handler)."""
+        ...
+
+    async def release(self, queue: str, task_id: str, owner: str) -> None:
+        """Drop the claim if ``owner`` still holds it, so the next copy runs at once."""
+        ...
+
+    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
+        """Mark (queue, task id) done and write its final record ``result`` (if given),
+        together: a crash can never keep one without the other."""
+        ...
+
+    # -- the records --------------------------------------------------------------------
+    async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
+        """Write ``state`` as the record of (state.queue, state.task_id); False when refused
+        (the record is succeeded, or one exists and ``only_if_new``)."""
+        ...
+
+    async def record_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+        """``record`` for a batch, in as few round trips as the store allows."""
+        ...
+
+    async def forget_queued(self, queue: str, task_id: str) -> None:
+        """Drop a ``queued`` record whose publish the broker refused: that task never existed."""
+        ...
+
+    async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
+        """The record of ``task_id`` in ``queue``; without a queue, its latest record."""
+        ...
+
+    async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
+        """That record once terminal, woken when it is written (not by polling);
+        ``ResultTimeoutError`` after ``timeout_s``."""
+        ...
+
+    async def close(self) -> None:
+        """Stop renewing leases and release what the store opened."""
+        ...

@@ -1,0 +1,393 @@
+"""The default ``TaskStore``: a task's records and its idempotency claim in Redis.
+
+Keys come from ``naming`` (guard key, record hash, latest pointer, done channel; all hash-tagged
+on the task id). Every step of the hot path is one script, so one round trip: the claim
+(``CLAIM_SCRIPT``, with the "running" record) and the finish (``FINISH_SCRIPT``: done marker
+and result). Leases are renewed by one task per store for every held claim, in one pipelined
+round trip per period, instead of a task and a timer per message.
+
+For results to survive a Redis restart, Redis must persist them (``appendonly yes``); a Redis
+that keeps nothing on disk forgets every result (and every done marker) when it restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ..errors import ResultTimeoutError, StateUnavailableError
+from ..naming import done_channel, guard_key, latest_key, state_key
+from ..settings import Settings
+from .protocol import Claim, TaskState
+
+log = logging.getLogger("weclaw_mq.state")
+
+# The guard key's value: "done", or "running:<owner>" while an attempt holds it.
+DONE = "done"
+_RUNNING = "running:"
+
+# Redis failing or not answering, as redis-py raises it (its errors, and socket errors that
+# escape it): the store turns each into StateUnavailableError.
+REDIS_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+
+
+def state_unavailable(e: BaseException) -> StateUnavailableError:
+    return StateUnavailableError(
+        f"Redis did not answer for task states ({type(e).__name__}: {e}); "
+        "check WECLAW_MQ_REDIS_URL and that Redis is up"
+    )
+
+
+# The one rule for writing a task's record, shared by every script that writes one: a
+# succeeded record is final; only_if_new writes only where no record exists. A written record
+# becomes the task's latest (same TTL as the record).
+RECORD_WRITE_LUA = """
+local function write_record(key, latest, status, state, ttl_ms, only_if_new)
+  local current = redis.call('HGET', key, 'status')
+  if current == 'succeeded' or (only_if_new and current) then return 0 end
+  redis.call('HSET', key, 'status', status, 'state', state)
+  redis.call('PEXPIRE', key, ttl_ms)
+  redis.call('SET', latest, key, 'PX', ttl_ms)
+  return 1
+end
+"""
+
+CLAIM_SCRIPT = (
+    RECORD_WRITE_LUA
+    + """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if KEYS[2] then write_record(KEYS[2], KEYS[3], ARGV[4], ARGV[5], ARGV[6], false) end
+  return 'acquired'
+end
+if redis.call('GET', KEYS[1]) == ARGV[3] then return 'done' end
+return 'busy'
+"""
+)
+"""The claim: ``SET NX PX`` of the guard key, and the "running" record in the same step.
+
+KEYS: guard key[, record key, latest key]. ARGV: "running:<owner>", lease_ms, "done"[, status,
+state JSON, record ttl_ms]. Returns 'acquired', 'done' (finished before) or 'busy'. A lease
+that lapses between the SET and the GET reads as busy: the next delivery claims it.
+"""
+
+FINISH_SCRIPT = (
+    RECORD_WRITE_LUA
+    + """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if not KEYS[2] then return 1 end
+local written = write_record(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], false)
+if written == 1 then redis.call('PUBLISH', ARGV[6], ARGV[7]) end
+return written
+"""
+)
+"""The finish: the guard's done marker and the final record, in one step.
+
+KEYS: guard key[, record key, latest key]. ARGV: "done", done ttl_ms[, status, state JSON,
+record ttl_ms, done channel, queue]. Returns 1, or 0 when the record was refused (already
+succeeded). Two separate writes would cost a second round trip per task and leave a window
+where a crash stores the result but not the marker.
+"""
+
+# Any record write, and a wake-up for result() waiters when it is final.
+# KEYS: record, latest; ARGV: status, state, ttl_ms, only_if_new, channel, queue.
+_RECORD = (
+    RECORD_WRITE_LUA
+    + """
+local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1')
+if written == 1 and (ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered') then
+  redis.call('PUBLISH', ARGV[5], ARGV[6])
+end
+return written
+"""
+)
+
+# Records for tasks that have none yet; never wakes waiters (no final state is written).
+# KEYS: record, latest, record, latest, ...; ARGV: ttl_ms, status, state, status, state, ...
+_RECORD_NEW_MANY = """
+for i = 1, #KEYS, 2 do
+  local key = KEYS[i]
+  if redis.call('EXISTS', key) == 0 then
+    redis.call('HSET', key, 'status', ARGV[i + 1], 'state', ARGV[i + 2])
+    redis.call('PEXPIRE', key, ARGV[1])
+    redis.call('SET', KEYS[i + 1], key, 'PX', ARGV[1])
+  end
+end
+return 1
+"""
+
+# The latest pointer goes too if it named this record: status() then answers "unknown"
+# rather than a task the broker never held.
+_FORGET_QUEUED = """
+if redis.call('HGET', KEYS[1], 'status') == 'queued' then
+  if redis.call('GET', KEYS[2]) == KEYS[1] then redis.call('DEL', KEYS[2]) end
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# The latest record in one round trip. It reads the key the pointer names (not passed in
+# KEYS): on one Redis that is fine, and under a cluster the hash tag keeps it on this node.
+_GET_LATEST = """
+local key = redis.call('GET', KEYS[1])
+if not key then return false end
+return redis.call('HGET', key, 'state')
+"""
+
+# Only the holder may renew or release its lease.
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# Waiters re-read the record this often even without a notification, so a notification
+# missed across a reconnect costs at most this much delay.
+_RECHECK_S = 2.0
+
+
+def open_client(settings: Settings) -> aioredis.Redis:
+    # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us per
+    # command (measured). The worker sizes its concurrency to fit this pool.
+    pool = aioredis.ConnectionPool.from_url(
+        settings.redis_url_plain(),
+        max_connections=settings.redis_max_connections,
+        socket_connect_timeout=settings.redis_timeout_s,
+        socket_timeout=settings.redis_timeout_s,
+        health_check_interval=30,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+class RedisTaskStore:
+    """``TaskStore`` on Redis; its failures surface as ``StateUnavailableError``.
+
+    ``owns_client``: ``close`` closes the client too (``open_store`` passes True).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        ttl_s: float,
+        lease_s: float,
+        done_ttl_s: float,
+        owns_client: bool = False,
+    ) -> None:
+        self._redis = client
+        self._owns_client = owns_client
+        self._ttl_ms = int(ttl_s * 1000)
+        self.lease_s = lease_s
+        self._lease_ms = int(lease_s * 1000)
+        self._done_ttl_ms = int(done_ttl_s * 1000)
+        self._claim = client.register_script(CLAIM_SCRIPT)
+        self._finish = client.register_script(FINISH_SCRIPT)
+        self._record = client.register_script(_RECORD)
+        self._record_new_many = client.register_script(_RECORD_NEW_MANY)
+        self._forget_queued = client.register_script(_FORGET_QUEUED)
+        self._get_latest = client.register_script(_GET_LATEST)
+        self._extend = client.register_script(_EXTEND)
+        self._release = client.register_script(_RELEASE)
+        self._held: dict[str, str] = {}  # guard key -> its value, while its handler runs
+        self._renewer: asyncio.Task[None] | None = None
+
+    # -- the guard ----------------------------------------------------------------------
+    async def claim(
+        self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
+    ) -> Claim:
+        keys = [guard_key(queue, task_id)]
+        args: list[str | int] = [_RUNNING + owner, self._lease_ms, DONE]
+        if running is not None:
+            keys += self._record_keys(running)
+            args += [running.status.value, running.model_dump_json(), self._ttl_ms]
+        try:
+            answer = await self._claim(keys=keys, args=args)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+        return Claim(answer.decode() if isinstance(answer, bytes) else answer)
+
+    @contextlib.contextmanager
+    def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
+        key, value = guard_key(queue, task_id), _RUNNING + owner
+        self._held[key] = value
+        if self._renewer is None:
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_while_held())
+        try:
+            yield
+        finally:
+            if self._held.get(key) == value:
+                del self._held[key]
+
+    async def _renew_while_held(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            if not self._held:
+                # No await between this check and the return: a new holder either came
+                # before it (we go on) or sees no renewer and starts one.
+                self._renewer = None
+                return
+            held = list(self._held.items())
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key, value in held:
+                        await self._extend(keys=[key], args=[value, self._lease_ms], client=pipe)
+                    renewed = await pipe.execute()
+            except Exception as e:  # a Redis blip must not kill the handlers
+                log.warning("could not renew %d lease(s) (%s: %s)", len(held), type(e).__name__, e)
+                continue
+            for (key, value), ok in zip(held, renewed, strict=True):
+                if not ok and self._held.get(key) == value:
+                    log.warning(
+                        "lost the lease on %s (it lapsed or was taken); another worker may "
+                        "run the task too",
+                        key,
+                    )
+
+    async def release(self, queue: str, task_id: str, owner: str) -> None:
+        try:
+            await self._release(keys=[guard_key(queue, task_id)], args=[_RUNNING + owner])
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
+        keys = [guard_key(queue, task_id)]
+        args: list[str | int] = [DONE, self._done_ttl_ms]
+        if result is not None:
+            keys += self._record_keys(result)
+            args += [
+                result.status.value,
+                result.model_dump_json(),
+                self._ttl_ms,
+                done_channel(result.task_id),
+                result.queue,
+            ]
+        try:
+            await self._finish(keys=keys, args=args)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    # -- the records --------------------------------------------------------------------
+    @staticmethod
+    def _record_keys(state: TaskState) -> list[str]:
+        return [state_key(state.queue, state.task_id), latest_key(state.task_id)]
+
+    def _record_args(self, state: TaskState, only_if_new: bool) -> list[Any]:
+        return [
+            state.status.value,
+            state.model_dump_json(),
+            self._ttl_ms,
+            int(only_if_new),
+            done_channel(state.task_id),
+            state.queue,
+        ]
+
+    async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
+        keys, args = self._record_keys(state), self._record_args(state, only_if_new)
+        try:
+            return bool(await self._record(keys=keys, args=args))
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def record_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+        if not states:
+            return
+        try:
+            await self._record_many(states, only_if_new)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def _record_many(self, states: Sequence[TaskState], only_if_new: bool) -> None:
+        if only_if_new and not any(st.status.terminal for st in states):
+            # The publish_many case: one script call for the whole batch, not one per task.
+            keys: list[str] = []
+            args: list[Any] = [self._ttl_ms]
+            for st in states:
+                keys += self._record_keys(st)
+                args += [st.status.value, st.model_dump_json()]
+            await self._record_new_many(keys=keys, args=args)
+            return
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for state in states:
+                await self._record(
+                    keys=self._record_keys(state),
+                    args=self._record_args(state, only_if_new),
+                    client=pipe,
+                )
+            await pipe.execute()
+
+    async def forget_queued(self, queue: str, task_id: str) -> None:
+        try:
+            await self._forget_queued(keys=[state_key(queue, task_id), latest_key(task_id)])
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
+        try:
+            if queue is None:
+                raw = await self._get_latest(keys=[latest_key(task_id)])
+            else:
+                raw = await self._redis.hget(state_key(queue, task_id), "state")
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+        return TaskState.model_validate_json(raw) if raw is not None else None
+
+    async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
+        try:
+            return await self._wait(task_id, timeout_s, queue)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def _wait(self, task_id: str, timeout_s: float, queue: str | None) -> TaskState:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pubsub = self._redis.pubsub()
+        # Subscribe before the first read: a result stored in between still wakes us. The
+        # channel is per task id; a wake-up for another queue's record costs one re-read.
+        try:
+            await pubsub.subscribe(done_channel(task_id))
+            while True:
+                state = await self.get(task_id, queue=queue)
+                if state is not None and state.status.terminal:
+                    return state
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise ResultTimeoutError(task_id, timeout_s, state)
+                await pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=min(left, _RECHECK_S)
+                )
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.unsubscribe()
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def close(self) -> None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+        if self._owns_client:
+            await self._redis.aclose()
+
+
+def open_redis_store(settings: Settings) -> RedisTaskStore:
+    """The default store for ``settings``, on its own connection pool (closed with it)."""
+    return RedisTaskStore(
+        open_client(settings),
+        ttl_s=settings.result_ttl_s,
+        lease_s=settings.guard_lease_s,
+        done_ttl_s=settings.done_ttl_s,
+        owns_client=True,
+    )
