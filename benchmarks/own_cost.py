@@ -128,7 +128,7 @@ def build_runtime(app: App) -> Runtime:
         settler=Settler(NoPublisher(), deadlines),  # type: ignore[arg-type]  # see NoPublisher
         deadlines=deadlines,
         metrics=app.metrics,
-        guard=None,
+        store=None,
         results=None,
         take_over=take_over,
     )

@@ -41,17 +41,10 @@ DONE = "done"
 
 
 def state_scripts() -> tuple[str, str]:
-    """weclaw_mq's claim script and finish script, by their public names where they have
-    them (``weclaw_mq.state.redis``), else by the private ones they had before."""
-    try:
-        from weclaw_mq.state.redis import (  # type: ignore[import-not-found,unused-ignore]
-            CLAIM_SCRIPT,
-            FINISH_SCRIPT,
-        )
-    except ImportError:
-        from weclaw_mq.guard import _CLAIM as CLAIM_SCRIPT
-        from weclaw_mq.results import _PUT as FINISH_SCRIPT
-    return str(CLAIM_SCRIPT), str(FINISH_SCRIPT)
+    """weclaw_mq's own claim and finish scripts (``weclaw_mq.state.redis``), byte for byte."""
+    from weclaw_mq.state.redis import CLAIM_SCRIPT, FINISH_SCRIPT
+
+    return CLAIM_SCRIPT, FINISH_SCRIPT
 
 
 def task_state(queue: str, task_id: str, status: str) -> str:
@@ -150,12 +143,12 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
             return
         if sleep_s:
             await asyncio.sleep(sleep_s)
-        # KEYS: record, latest, done marker; ARGV: status, record, ttl, only_if_new, channel,
-        # queue, done value, done ttl.
+        # KEYS: guard, record, latest; ARGV: done value, done ttl, status, record, ttl,
+        # channel, queue.
         succeeded = task_state(q, task_id, "succeeded")
         await finish(
-            keys=[state, latest, guard],
-            args=["succeeded", succeeded, TTL_MS, 0, done_channel(task_id), q, DONE, TTL_MS],
+            keys=[guard, state, latest],
+            args=[DONE, TTL_MS, "succeeded", succeeded, TTL_MS, done_channel(task_id), q],
         )
         await msg.ack()
 
