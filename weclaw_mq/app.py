@@ -15,14 +15,11 @@ from prometheus_client import CollectorRegistry
 
 from .connection import BrokerEndpoints
 from .errors import (
+    STORED_NOTHING,
     BatchPublishError,
-    BrokerUnavailableError,
     ConfigurationError,
-    MessageEncodingError,
     PayloadTooLargeError,
     PayloadValidationError,
-    PublishNackedError,
-    UnroutableError,
 )
 from .guard import IdempotencyGuard
 from .handler import HandlerFunc, HandlerSpec, InvalidPayload, UndecodableBody, build_spec
@@ -43,10 +40,6 @@ from .topology import declare
 from .tracing import current, new_trace_id
 
 log = logging.getLogger("weclaw_mq.producer")
-
-# Publish failures that certainly stored nothing (refused, never sent, or no broker to send
-# to); a ConfirmTimeoutError or ConnectionLostError may have stored the task.
-NOT_STORED = (PublishNackedError, UnroutableError, BrokerUnavailableError, MessageEncodingError)
 
 # How long publish waits, after the broker's confirm, for the task's "queued" record. Redis
 # usually answers in well under a millisecond, so status() right after publish sees the
@@ -200,7 +193,7 @@ class App:
         refused: list[str] = []
         try:
             await self._get_publisher().publish(queue, message)
-        except NOT_STORED:
+        except STORED_NOTHING:
             refused.append(message.message_id)
             raise
         finally:
@@ -258,7 +251,7 @@ class App:
                 *(publisher.publish(queue, m) for m in messages), return_exceptions=True
             )
             refused = [
-                ids[i] for i, outcome in enumerate(outcomes) if isinstance(outcome, NOT_STORED)
+                ids[i] for i, outcome in enumerate(outcomes) if isinstance(outcome, STORED_NOTHING)
             ]
         finally:
             if queued is not None:

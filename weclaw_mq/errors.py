@@ -9,10 +9,10 @@
     │                                (over 255 bytes, a header name over 128, a value type
     │                                with no AMQP encoding such as an object, set or bytes)
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
-    ├── BrokerUnavailableError       no broker answered (connect failed)
     ├── ResultTimeoutError           ``App.result`` saw no final state in time
     ├── StateUnavailableError        Redis (task states and results) did not answer
     └── PublishFailedError           publish did not end in a broker ack
+        ├── BrokerUnavailableError   no broker answered (connect failed): nothing was sent
         ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
         ├── UnroutableError          no queue bound for the routing key (mandatory return)
         ├── ConfirmTimeoutError      no confirm within ``confirm_timeout_s``: outcome unknown
@@ -20,10 +20,13 @@
         └── BatchPublishError        part of a ``publish_many`` batch failed: ``.failed`` says
                                      which (index -> error); the rest are confirmed
 
-A ``PublishFailedError`` means the caller does not hold a confirmed task; for
-``ConfirmTimeoutError`` and ``ConnectionLostError`` the message may still have reached the
-queue, so republishing with the same ``task_id`` is the safe response (the idempotency guard
-absorbs the duplicate).
+A ``PublishFailedError`` means the caller does not hold a confirmed task, for any reason:
+one ``except`` covers them all. ``BrokerUnavailableError`` is one too, and is also what a
+connect with no publish behind it raises (a worker, a DLQ command); its ``queue`` and
+``task_id`` are None then. For ``ConfirmTimeoutError`` and ``ConnectionLostError`` the
+message may still have reached the queue, so republishing with the same ``task_id`` is the
+safe response (the idempotency guard absorbs the duplicate); ``STORED_NOTHING`` lists the
+failures that certainly stored nothing.
 
 The control-flow signals ``Reject`` and ``Retry`` (raised by handlers) live in
 ``weclaw_mq.signals``: they are decisions, not faults.
@@ -75,15 +78,23 @@ class TopologyConflictError(WeclawMQError):
         self.argument = argument
 
 
-class BrokerUnavailableError(WeclawMQError):
-    pass
-
-
 class PublishFailedError(WeclawMQError):
-    def __init__(self, message: str, *, queue: str, task_id: str) -> None:
+    """Not confirmed by the broker. ``queue`` and ``task_id`` name the publish that failed;
+    None only for a ``BrokerUnavailableError`` raised by a connect with no publish behind it."""
+
+    def __init__(self, message: str, *, queue: str | None, task_id: str | None) -> None:
         super().__init__(message)
         self.queue = queue
         self.task_id = task_id
+
+
+class BrokerUnavailableError(PublishFailedError):
+    """No broker answered: nothing was sent."""
+
+    def __init__(
+        self, message: str, *, queue: str | None = None, task_id: str | None = None
+    ) -> None:
+        super().__init__(message, queue=queue, task_id=task_id)
 
 
 class PublishNackedError(PublishFailedError):
@@ -132,3 +143,14 @@ class BatchPublishError(PublishFailedError):
     @property
     def confirmed(self) -> list[str]:
         return [t for i, t in enumerate(self.task_ids) if i not in self.failed]
+
+
+# Publish failures that certainly stored nothing (refused, never sent, or no broker to send
+# to): the one place this is stated. ``ConfirmTimeoutError`` and ``ConnectionLostError`` are
+# not here: the task may be in its queue.
+STORED_NOTHING: tuple[type[WeclawMQError], ...] = (
+    BrokerUnavailableError,
+    PublishNackedError,
+    UnroutableError,
+    MessageEncodingError,
+)
