@@ -18,11 +18,13 @@ from .errors import (
     STORED_NOTHING,
     BatchPublishError,
     ConfigurationError,
+    InvalidPayload,
     PayloadTooLargeError,
     PayloadValidationError,
+    UndecodableBody,
 )
 from .guard import IdempotencyGuard
-from .handler import HandlerFunc, HandlerSpec, InvalidPayload, UndecodableBody, build_spec
+from .handler import HandlerFunc, HandlerSpec, build_spec
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .producer import Publisher

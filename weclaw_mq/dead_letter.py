@@ -25,6 +25,7 @@ from pamqp import encode
 from pamqp.commands import Basic
 
 from . import headers as h
+from .failures import stable_error_type
 from .message import CONTENT_TYPE
 from .undecodable import raw_properties, undecodable
 
@@ -36,6 +37,7 @@ _FAILURE_HEADERS = frozenset(
         h.RETURNS,
         h.DEAD_LETTER_REASON,
         h.ERROR_TYPE,
+        h.ERROR_CLASS,
         h.ERROR_MESSAGE,
         h.ERROR_TRACEBACK,
         h.ORIGINAL_QUEUE,
@@ -124,7 +126,7 @@ def read_dead_letter(task_id: object, headers: object, body: bytes) -> DeadLette
     return DeadLetter(
         task_id=_text(task_id) or "",
         reason=reason,
-        error_type=_text(hdrs.get(h.ERROR_TYPE)),
+        error_type=_error_type(hdrs.get(h.ERROR_TYPE)),
         error_message=_text(hdrs.get(h.ERROR_MESSAGE)),
         # Our attempt number: for a crash loop, the attempt whose deliveries kept dying.
         attempts=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
@@ -248,6 +250,13 @@ def _text(value: object) -> str | None:
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).decode("utf-8", errors="replace")
     return None
+
+
+def _error_type(value: object) -> str | None:
+    # Read through stable_error_type: a dead letter from before stable names says
+    # "builtins.RuntimeError" and is shown, exported and matched as "RuntimeError".
+    text = _text(value)
+    return stable_error_type(text) if text else text
 
 
 def _time(value: object) -> datetime | None:

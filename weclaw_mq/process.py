@@ -25,9 +25,18 @@ from . import tracing
 from .connection import cancelled_by_caller
 from .context import Context
 from .deadlines import Deadlines
+from .errors import (
+    HandlerAbandoned,
+    HandlerTimeout,
+    InvalidPayload,
+    ResultNotStored,
+    UndecodableBody,
+    UnserialisableResult,
+    WorkerCrashLoop,
+)
 from .failures import describe, safe_text
 from .guard import Claim, IdempotencyGuard
-from .handler import HandlerSpec, InvalidPayload, UndecodableBody
+from .handler import HandlerSpec
 from .message import Delivery, read_delivery
 from .metrics import Metrics, Outcome
 from .results import RecordWrite, RedisResultStore, ResultStore, TaskState, TaskStatus
@@ -42,26 +51,6 @@ if TYPE_CHECKING:
     from .app import App
 
 log = logging.getLogger("weclaw_mq.worker")
-
-
-class HandlerTimeout(Exception):
-    """The handler ran past its ``timeout_s`` and was cancelled."""
-
-
-class HandlerAbandoned(Exception):
-    """The handler ignored its cancellation: its attempt was ended without it (it may still run)."""
-
-
-class UnserialisableResult(Exception):
-    """The handler returned something that is not JSON: storing it can never succeed."""
-
-
-class WorkerCrashLoop(Exception):
-    """The task was returned unsettled more often than the handler's delivery limit."""
-
-
-class ResultNotStored(Exception):
-    """The result store did not answer within ``result_store_patience_s``."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from . import headers as h
 from .connection import cancelled_by_caller
 from .deadlines import Deadlines
 from .errors import WeclawMQError
-from .failures import describe, error_type, safe_text, traceback_text
+from .failures import describe, error_class, error_type, safe_text, traceback_text
 from .message import Delivery, build_message
 from .naming import dlq_name, retry_queue_name
 from .producer import Publisher
@@ -47,6 +47,7 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     # Safe text only: an error whose __str__ raises, or whose message UTF-8 cannot encode,
     # must not stop the headers from being built or encoded (the task would stay unsettled).
     out[h.ERROR_TYPE] = error_type(error)
+    out[h.ERROR_CLASS] = error_class(error)
     out[h.ERROR_MESSAGE] = safe_text(error)[: h.ERROR_MESSAGE_MAX_CHARS]
     # The end of a traceback says most: keep that part.
     out[h.ERROR_TRACEBACK] = traceback_text(error)[-h.TRACEBACK_MAX_CHARS :]
