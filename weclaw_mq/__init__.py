@@ -6,6 +6,7 @@ dead-letter what cannot succeed, and guard effects with Redis so a redelivery ne
 
 from .app import App
 from .context import Context
+from .control_flow import Reject, Retry
 from .errors import (
     BatchPublishError,
     BrokerUnavailableError,
@@ -27,7 +28,6 @@ from .errors import (
 from .results import ResultStore, TaskState, TaskStatus
 from .retry import RetryPolicy
 from .settings import Settings
-from .signals import Reject, Retry
 from .worker import Worker
 
 __all__ = [

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import traceback
 
+from .control_flow import Reject, Retry
 from .errors import WeclawMQError
-from .signals import Reject, Retry
 
 _OURS = (WeclawMQError, Reject, Retry)
 

@@ -24,6 +24,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from . import tracing
 from .connection import cancelled_by_caller
 from .context import Context
+from .control_flow import Retry
 from .deadlines import Deadlines
 from .errors import (
     HandlerAbandoned,
@@ -43,7 +44,6 @@ from .results import RecordWrite, RedisResultStore, ResultStore, TaskState, Task
 from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
 from .settings import Settings
 from .settle import Settler
-from .signals import Retry
 from .tracing import TraceContext
 from .undecodable import undecodable
 

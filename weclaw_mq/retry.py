@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from .control_flow import Reject
 from .errors import ConfigurationError
-from .signals import Reject
 
 
 class DeadLetterReason(StrEnum):

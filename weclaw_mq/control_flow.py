@@ -1,4 +1,7 @@
-"""Decisions a handler can raise: not faults, so they stand apart from ``WeclawMQError``."""
+"""The control-flow exceptions a handler raises to steer its task: ``Reject`` and ``Retry``.
+
+They are decisions, not faults, so they stand apart from ``WeclawMQError``.
+"""
 
 from __future__ import annotations
 
