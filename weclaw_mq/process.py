@@ -41,7 +41,7 @@ from .handler import HandlerSpec
 from .message import Delivery, read_delivery
 from .metrics import Metrics, Outcome
 from .results import RecordWrite, RedisResultStore, ResultStore, TaskState, TaskStatus
-from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
+from .retry import DeadLetterReason, GiveUp, RetryLater, decide
 from .settings import Settings
 from .settle import Settler
 from .tracing import TraceContext
@@ -210,7 +210,7 @@ async def _conclude(
             error=error,
         ):
             rt.metrics.settled(spec.queue, Outcome.RETRIED).inc()
-    elif isinstance(decision, DeadLetter):
+    elif isinstance(decision, GiveUp):
         await _dead_letter(message, delivery, spec, rt, decision.reason, error)
 
 

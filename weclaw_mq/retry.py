@@ -62,11 +62,13 @@ class RetryLater:
 
 
 @dataclass(frozen=True)
-class DeadLetter:
+class GiveUp:
+    """Move the task to its dead-letter queue with ``reason``."""
+
     reason: DeadLetterReason
 
 
-Decision = Ack | RetryLater | DeadLetter
+Decision = Ack | RetryLater | GiveUp
 
 
 def decide(attempt: int, error: BaseException | None, policy: RetryPolicy) -> Decision:
@@ -74,7 +76,7 @@ def decide(attempt: int, error: BaseException | None, policy: RetryPolicy) -> De
     if error is None:
         return Ack()
     if isinstance(error, Reject):
-        return DeadLetter(DeadLetterReason.REJECTED)
+        return GiveUp(DeadLetterReason.REJECTED)
     if attempt > policy.max_retries:
-        return DeadLetter(DeadLetterReason.RETRIES_EXHAUSTED)
+        return GiveUp(DeadLetterReason.RETRIES_EXHAUSTED)
     return RetryLater(policy.delay_ms(attempt))
