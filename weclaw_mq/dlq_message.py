@@ -1,4 +1,7 @@
-"""What a dead letter says, and the copy that goes back to work. Pure: no broker I/O.
+"""A message in ``Q.dlq``: what it says, and the copies made of it. Pure: no broker I/O.
+
+``weclaw_mq.dlq`` is the broker side (look, export, requeue, purge); this is what it reads
+and writes.
 
 For a handler queue ``Q`` the dead letters sit in ``Q.dlq``. Two kinds arrive there:
 
