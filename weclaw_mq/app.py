@@ -175,8 +175,8 @@ class App:
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
-        The trace id is, in order: ``trace_id``, the trace of the task being handled (or of
-        ``tracing.bind``), a new one.
+        The trace id is, in order: ``trace_id``, the trace of the task being handled, a new
+        one.
         """
         message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
         assert message.message_id is not None
