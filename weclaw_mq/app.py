@@ -99,13 +99,7 @@ class App:
             self._handlers[queue] = build_spec(
                 func,
                 queue=queue,
-                retry=retry
-                or RetryPolicy(
-                    max_retries=s.max_retries,
-                    delay_s=s.retry_delay_s,
-                    multiplier=s.retry_multiplier,
-                    max_delay_s=s.retry_max_delay_s,
-                ),
+                retry=retry or s.retry_policy(),
                 timeout_s=timeout_s if timeout_s is not None else s.handler_timeout_s,
                 delivery_limit=delivery_limit if delivery_limit is not None else s.delivery_limit,
                 max_length=max_length,

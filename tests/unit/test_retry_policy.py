@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from weclaw_mq import ConfigurationError, Reject, Retry, RetryPolicy, Settings
+from weclaw_mq import App, ConfigurationError, Reject, Retry, RetryPolicy, Settings
 from weclaw_mq.retry import Ack, DeadLetterReason, GiveUp, RetryLater, decide
 
 
@@ -26,6 +26,21 @@ def test_settings_defaults_match_the_default_policy() -> None:
         max_delay_s=fields["retry_max_delay_s"].default,
     )
     assert from_settings == RetryPolicy()
+
+
+def test_a_handler_without_its_own_policy_takes_the_settings_one() -> None:
+    settings = Settings(
+        max_retries=1, retry_delay_s=0.5, retry_multiplier=3.0, retry_max_delay_s=9.0
+    )
+    app = App("t", settings=settings)
+
+    @app.handler("policy-from-settings")
+    async def handle(task: dict[str, str]) -> None:
+        pass
+
+    expected = RetryPolicy(max_retries=1, delay_s=0.5, multiplier=3.0, max_delay_s=9.0)
+    assert settings.retry_policy() == expected
+    assert app.handlers["policy-from-settings"].retry == expected
 
 
 def test_delay_grows_by_the_multiplier() -> None:
