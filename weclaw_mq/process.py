@@ -24,7 +24,6 @@ from aio_pika.abc import AbstractIncomingMessage
 from . import tracing
 from .connection import cancelled_by_caller
 from .context import Context
-from .control_flow import Retry
 from .deadlines import Deadlines
 from .errors import (
     HandlerAbandoned,
@@ -110,9 +109,7 @@ async def _process(
         # Its properties did not decode (the worker reads them tolerantly, see Worker.run), so
         # no copy of it can be built: one reject has the broker move the original to Q.dlq,
         # where the DLQ tools show it as "undecodable_properties".
-        log.error("message properties could not be decoded; rejecting it to the dead-letter queue")
-        if await rt.settler.reject(message):
-            rt.metrics.settled(spec.queue, Outcome.DEAD_LETTERED).inc()
+        await rt.settler.reject(message, queue=spec.queue)
         return
     if delivery.returns > spec.delivery_limit:
         # The broker enforces the limit within one stint in Q; this catches a task that
@@ -194,22 +191,10 @@ async def _conclude(
     await _release(rt, spec, delivery, held)
     decision = decide(delivery.attempt, error, spec.retry)
     if isinstance(decision, RetryLater):
-        log.log(
-            logging.INFO if isinstance(error, Retry) else logging.WARNING,
-            "attempt %d failed (%s); retrying in %.3g s",
-            delivery.attempt,
-            describe(error),
-            decision.delay_ms / 1000,
-        )
         await _status(rt, delivery, spec, TaskStatus.RETRYING, error=describe(error))
-        if await rt.settler.retry(
-            message,
-            delivery,
-            queue=spec.queue,
-            delay_ms=decision.delay_ms,
-            error=error,
-        ):
-            rt.metrics.settled(spec.queue, Outcome.RETRIED).inc()
+        await rt.settler.retry(
+            message, delivery, queue=spec.queue, delay_ms=decision.delay_ms, error=error
+        )
     elif isinstance(decision, GiveUp):
         await _dead_letter(message, delivery, spec, rt, decision.reason, error)
 
@@ -230,19 +215,16 @@ async def _pass_guard(
         if rt.settings.guard_on_redis_down == "run_unguarded":
             log.warning("Redis unavailable (%s); running UNGUARDED as configured", e)
             return _Gate.UNGUARDED
-        log.warning("Redis unavailable (%s: %s); deferring the task", type(e).__name__, e)
-        await _defer(message, delivery, spec, rt)
+        log.warning("Redis unavailable (%s: %s)", type(e).__name__, e)
+        await _defer(message, delivery, spec, rt, "Redis unavailable, the guard cannot tell")
         return _Gate.SETTLED
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
-        log.info("duplicate of a finished task: acked without running the handler")
         if claim is not Claim.DONE:
             await _mark_done_quietly(guard, spec, delivery)
-        if await rt.settler.ack(message):
-            rt.metrics.settled(spec.queue, Outcome.DUPLICATE).inc()
+        await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
         return _Gate.SETTLED
     if claim is Claim.BUSY:
-        log.info("another worker is running this task; deferring this copy")
-        await _defer(message, delivery, spec, rt)
+        await _defer(message, delivery, spec, rt, "another worker is running this task")
         return _Gate.SETTLED
     return owner
 
@@ -416,11 +398,9 @@ async def _finish(
             marking = guard
             await _patiently(rt, lambda: marking.mark_done(spec.queue, delivery.task_id))
     except ResultNotStored as e:
-        log.error("%s; giving the task back to the broker", e)
-        await rt.settler.give_back(message)
+        await rt.settler.give_back(message, queue=spec.queue, why=str(e), level=logging.ERROR)
         return
-    if await rt.settler.ack(message):
-        rt.metrics.settled(spec.queue, Outcome.ACKED).inc()
+    await rt.settler.ack(message, queue=spec.queue)
 
 
 async def _patiently(rt: Runtime, write: Callable[[], Awaitable[object]]) -> None:
@@ -450,10 +430,11 @@ async def _release(rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: st
 
 
 async def _defer(
-    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime, why: str
 ) -> None:
-    if await rt.settler.defer(message, delivery, queue=spec.queue, delay_ms=spec.retry.delay_ms(1)):
-        rt.metrics.settled(spec.queue, Outcome.DEFERRED).inc()
+    await rt.settler.defer(
+        message, delivery, queue=spec.queue, delay_ms=spec.retry.delay_ms(1), why=why
+    )
 
 
 def _state(
@@ -502,9 +483,6 @@ async def _dead_letter(
     reason: DeadLetterReason,
     error: BaseException,
 ) -> None:
-    log.error(
-        "dead-lettering after attempt %d: %s (%s)", delivery.attempt, reason.value, describe(error)
-    )
     if await rt.settler.dead_letter(
         message, delivery, queue=spec.queue, reason=reason.value, error=error
     ):
@@ -518,4 +496,3 @@ async def _dead_letter(
             error=describe(error),
             reason=reason.value,
         )
-        rt.metrics.settled(spec.queue, Outcome.DEAD_LETTERED).inc()

@@ -32,7 +32,6 @@ from .deadlines import Deadlines
 from .errors import ConfigurationError
 from .failures import describe
 from .handler import HandlerSpec
-from .metrics import Outcome
 from .process import Runtime, process
 from .producer import Publisher
 from .settings import BROKER_CONSUMER_TIMEOUT_S
@@ -166,7 +165,7 @@ class Worker:
         runtime = Runtime(
             app=self.app,
             settings=self.settings,
-            settler=Settler(publisher, self._deadlines),
+            settler=Settler(publisher, self._deadlines, self.app.metrics),
             deadlines=self._deadlines,
             metrics=self.app.metrics,
             guard=self.app.guard,
@@ -255,7 +254,7 @@ class Worker:
             if self._stop.is_set():
                 # Arrived after we decided to stop: left unacked, the broker gives it to
                 # another worker when this connection closes.
-                self.app.metrics.settled(spec.queue, Outcome.REQUEUED).inc()
+                runtime.settler.leave(message, queue=spec.queue, why="the worker is stopping")
                 return
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and
@@ -358,20 +357,21 @@ async def _settled(
     except asyncio.CancelledError:
         # Stopping hard (the grace ran out): give the message back now, not only when the
         # connection closes.
-        await _give_back(message, spec, rt)
+        await _give_back(message, spec, rt, "the worker stopped before it ended")
         raise
     except BaseException as e:
         # A bug of ours must not kill the consumer: the message goes back to its queue (the
         # broker's delivery limit bounds how often one message can do this).
-        log.exception("unexpected error while processing (%s); giving the task back", describe(e))
-        await _give_back(message, spec, rt)
+        log.exception("unexpected error while processing (%s)", describe(e))
+        await _give_back(message, spec, rt, f"unexpected error ({describe(e)})")
 
 
-async def _give_back(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
+async def _give_back(
+    message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime, why: str
+) -> None:
     if message.processed:
         return  # settled before the error: nothing is held
-    if await rt.settler.give_back(message):
-        rt.metrics.settled(spec.queue, Outcome.REQUEUED).inc()
+    await rt.settler.give_back(message, queue=spec.queue, why=f"task {message.message_id}: {why}")
 
 
 async def _close(conn: AbstractConnection) -> None:
