@@ -125,7 +125,7 @@ def build_runtime(app: App) -> Runtime:
     return Runtime(
         app=app,
         settings=app.settings,
-        settler=Settler(NoPublisher(), deadlines),  # type: ignore[arg-type]  # see NoPublisher
+        settler=Settler(NoPublisher(), deadlines, app.metrics),  # type: ignore[arg-type]  # see NoPublisher
         deadlines=deadlines,
         metrics=app.metrics,
         store=None,

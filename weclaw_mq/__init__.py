@@ -6,6 +6,7 @@ dead-letter what cannot succeed, and guard effects with Redis so a redelivery ne
 
 from .app import App
 from .context import Context
+from .control_flow import Reject, Retry
 from .errors import (
     BatchPublishError,
     BrokerUnavailableError,
@@ -26,7 +27,6 @@ from .errors import (
 )
 from .retry import RetryPolicy
 from .settings import Settings
-from .signals import Reject, Retry
 from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
 from .worker import Worker
 

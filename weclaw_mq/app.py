@@ -15,16 +15,15 @@ from prometheus_client import CollectorRegistry
 
 from .connection import BrokerEndpoints
 from .errors import (
+    STORED_NOTHING,
     BatchPublishError,
-    BrokerUnavailableError,
     ConfigurationError,
-    MessageEncodingError,
+    InvalidPayload,
     PayloadTooLargeError,
     PayloadValidationError,
-    PublishNackedError,
-    UnroutableError,
+    UndecodableBody,
 )
-from .handler import HandlerFunc, HandlerSpec, InvalidPayload, UndecodableBody, build_spec
+from .handler import HandlerFunc, HandlerSpec, build_spec
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .producer import Publisher
@@ -35,10 +34,6 @@ from .topology import declare
 from .tracing import current, new_trace_id
 
 log = logging.getLogger("weclaw_mq.producer")
-
-# Publish failures that certainly stored nothing (refused, never sent, or no broker to send
-# to); a ConfirmTimeoutError or ConnectionLostError may have stored the task.
-NOT_STORED = (PublishNackedError, UnroutableError, BrokerUnavailableError, MessageEncodingError)
 
 # How long publish waits, after the broker's confirm, for the task's "queued" record. Redis
 # usually answers in well under a millisecond, so status() right after publish sees the
@@ -103,13 +98,7 @@ class App:
             self._handlers[queue] = build_spec(
                 func,
                 queue=queue,
-                retry=retry
-                or RetryPolicy(
-                    max_retries=s.max_retries,
-                    delay_s=s.retry_delay_s,
-                    multiplier=s.retry_multiplier,
-                    max_delay_s=s.retry_max_delay_s,
-                ),
+                retry=retry or s.retry_policy(),
                 timeout_s=timeout_s if timeout_s is not None else s.handler_timeout_s,
                 delivery_limit=delivery_limit if delivery_limit is not None else s.delivery_limit,
                 max_length=max_length,
@@ -179,8 +168,8 @@ class App:
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
-        The trace id is, in order: ``trace_id``, the trace of the task being handled (or of
-        ``tracing.bind``), a new one.
+        The trace id is, in order: ``trace_id``, the trace of the task being handled, a new
+        one.
         """
         message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
         assert message.message_id is not None
@@ -199,7 +188,7 @@ class App:
         refused: list[str] = []
         try:
             await self._get_publisher().publish(queue, message)
-        except NOT_STORED:
+        except STORED_NOTHING:
             refused.append(message.message_id)
             raise
         finally:
@@ -257,7 +246,7 @@ class App:
                 *(publisher.publish(queue, m) for m in messages), return_exceptions=True
             )
             refused = [
-                ids[i] for i, outcome in enumerate(outcomes) if isinstance(outcome, NOT_STORED)
+                ids[i] for i, outcome in enumerate(outcomes) if isinstance(outcome, STORED_NOTHING)
             ]
         finally:
             if queued is not None:

@@ -1,6 +1,6 @@
 """Operating a handler's dead-letter queue ``Q.dlq``: look, export, shovel back, purge.
 
-What a dead letter says is read by ``weclaw_mq.dead_letter``; this module holds the broker
+What a dead letter says is read by ``weclaw_mq.dlq_message``; this module holds the broker
 side. Every move is "publish with confirm, then ack the DLQ copy", like every other hop: a
 crash in between duplicates, never loses. That holds for looking too: a look rotates the DLQ
 (see ``_Pass``) rather than taking messages and handing them back.
@@ -21,7 +21,7 @@ from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
 from .app import App
-from .dead_letter import (
+from .dlq_message import (
     DeadLetter,
     export_record,
     kept_properties,
@@ -46,7 +46,7 @@ log = logging.getLogger("weclaw_mq.dlq")
 UNREADABLE_REASON = "unreadable"
 
 
-def _dead_letter(message: DeliveredMessage) -> DeadLetter:
+def _read(message: DeliveredMessage) -> DeadLetter:
     """What the message says; a message our reader trips over is shown as unreadable (with
     its raw headers and body) instead of stopping the look at the whole DLQ."""
     props = message.header.properties
@@ -245,7 +245,7 @@ async def inspect(app: App, queue: str, *, limit: int | None = 100) -> list[Dead
     async with _pass(app, queue, "inspect") as dlq:
         while (message := await dlq.next()) is not None:
             if limit is None or len(found) < limit:
-                found.append(_dead_letter(message))
+                found.append(_read(message))
             await dlq.keep(message)
     return found
 
@@ -256,7 +256,7 @@ async def find(app: App, queue: str, task_id: str) -> DeadLetter | None:
     async with _pass(app, queue, "show") as dlq:
         while (message := await dlq.next()) is not None:
             if found is None and message.header.properties.message_id == task_id:
-                found = _dead_letter(message)
+                found = _read(message)
             await dlq.keep(message)
     return found
 
@@ -270,7 +270,7 @@ async def export(app: App, queue: str, path: str | Path, *, limit: int | None = 
         with Path(path).open("w", encoding="utf-8") as out:  # noqa: ASYNC230
             while (message := await dlq.next()) is not None:
                 if limit is None or written < limit:
-                    out.write(json.dumps(export_record(_dead_letter(message))) + "\n")
+                    out.write(json.dumps(export_record(_read(message))) + "\n")
                     written += 1
                 await dlq.keep(message)
     return written

@@ -9,42 +9,67 @@
     │                                (over 255 bytes, a header name over 128, a value type
     │                                with no AMQP encoding such as an object, set or bytes)
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
-    ├── BrokerUnavailableError       no broker answered (connect failed)
     ├── ResultTimeoutError           ``App.result`` saw no final state in time
     ├── StateUnavailableError        Redis (task states and results) did not answer
-    └── PublishFailedError           publish did not end in a broker ack
-        ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
-        ├── UnroutableError          no queue bound for the routing key (mandatory return)
-        ├── ConfirmTimeoutError      no confirm within ``confirm_timeout_s``: outcome unknown
-        ├── ConnectionLostError      the connection or channel died before the confirm
-        └── BatchPublishError        part of a ``publish_many`` batch failed: ``.failed`` says
-                                     which (index -> error); the rest are confirmed
+    ├── PublishFailedError           publish did not end in a broker ack
+    │   ├── BrokerUnavailableError   no broker answered (connect failed): nothing was sent
+    │   ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
+    │   ├── UnroutableError          no queue bound for the routing key (mandatory return)
+    │   ├── ConfirmTimeoutError      no confirm within ``confirm_timeout_s``: outcome unknown
+    │   ├── ConnectionLostError      the connection or channel died before the confirm
+    │   └── BatchPublishError        part of a ``publish_many`` batch failed: ``.failed`` says
+    │                                which (index -> error); the rest are confirmed
+    └── WorkerError                  why the worker itself ended an attempt: never raised to
+        │                            your code, written into the retry/DLQ headers and the
+        │                            task's status record
+        ├── UndecodableBody          the body is not UTF-8 JSON
+        ├── InvalidPayload           the body fails the handler's model
+        ├── UnserialisableResult     the handler returned something that is not JSON
+        ├── HandlerTimeout           the handler ran past its ``timeout_s`` and was cancelled
+        ├── HandlerAbandoned         ... and ignored its cancellation for the grace period
+        ├── WorkerCrashLoop          returned unsettled more often than the delivery limit
+        └── ResultNotStored          the result store did not answer within its patience
 
-A ``PublishFailedError`` means the caller does not hold a confirmed task; for
-``ConfirmTimeoutError`` and ``ConnectionLostError`` the message may still have reached the
-queue, so republishing with the same ``task_id`` is the safe response (the idempotency guard
-absorbs the duplicate).
+A ``PublishFailedError`` means the caller does not hold a confirmed task, for any reason:
+one ``except`` covers them all. ``BrokerUnavailableError`` is one too, and is also what a
+connect with no publish behind it raises (a worker, a DLQ command); its ``queue`` and
+``task_id`` are None then. For ``ConfirmTimeoutError`` and ``ConnectionLostError`` the
+message may still have reached the queue, so republishing with the same ``task_id`` is the
+safe response (the idempotency guard absorbs the duplicate); ``STORED_NOTHING`` lists the
+failures that certainly stored nothing.
+
+Every class here has an ``error_type``: the stable name written into the
+``x-weclaw-error-type`` header when such an error fails a task (``weclaw_mq.<Name>``, part of
+the wire format: a rename or a moved module never changes it; ``tests/unit/test_error_types``
+pins the list). A handler's own exception is written as its class ``__name__``
+(``failures.error_type``).
 
 The control-flow signals ``Reject`` and ``Retry`` (raised by handlers) live in
-``weclaw_mq.signals``: they are decisions, not faults.
+``weclaw_mq.control_flow``: they are decisions, not faults.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class WeclawMQError(Exception):
     """Root of every error weclaw_mq raises."""
 
+    error_type: ClassVar[str] = "weclaw_mq.WeclawMQError"
+
 
 class ConfigurationError(WeclawMQError):
-    pass
+    error_type: ClassVar[str] = "weclaw_mq.ConfigurationError"
 
 
 class PayloadError(WeclawMQError):
-    pass
+    error_type: ClassVar[str] = "weclaw_mq.PayloadError"
 
 
 class PayloadTooLargeError(PayloadError):
+    error_type: ClassVar[str] = "weclaw_mq.PayloadTooLargeError"
+
     def __init__(self, queue: str, size: int, limit: int) -> None:
         super().__init__(
             f"payload for {queue!r} is {size} bytes, over the limit of {limit} bytes "
@@ -55,14 +80,18 @@ class PayloadTooLargeError(PayloadError):
 
 
 class PayloadValidationError(PayloadError):
-    pass
+    error_type: ClassVar[str] = "weclaw_mq.PayloadValidationError"
 
 
 class MessageEncodingError(PayloadError):
     """The task id, queue name or a header cannot be encoded as AMQP: nothing was sent."""
 
+    error_type: ClassVar[str] = "weclaw_mq.MessageEncodingError"
+
 
 class TopologyConflictError(WeclawMQError):
+    error_type: ClassVar[str] = "weclaw_mq.TopologyConflictError"
+
     def __init__(self, queue: str, argument: str | None, detail: str) -> None:
         arg = f"argument {argument!r}" if argument else "its arguments"
         super().__init__(
@@ -75,34 +104,48 @@ class TopologyConflictError(WeclawMQError):
         self.argument = argument
 
 
-class BrokerUnavailableError(WeclawMQError):
-    pass
-
-
 class PublishFailedError(WeclawMQError):
-    def __init__(self, message: str, *, queue: str, task_id: str) -> None:
+    """Not confirmed by the broker. ``queue`` and ``task_id`` name the publish that failed;
+    None only for a ``BrokerUnavailableError`` raised by a connect with no publish behind it."""
+
+    error_type: ClassVar[str] = "weclaw_mq.PublishFailedError"
+
+    def __init__(self, message: str, *, queue: str | None, task_id: str | None) -> None:
         super().__init__(message)
         self.queue = queue
         self.task_id = task_id
 
 
+class BrokerUnavailableError(PublishFailedError):
+    """No broker answered: nothing was sent."""
+
+    error_type: ClassVar[str] = "weclaw_mq.BrokerUnavailableError"
+
+    def __init__(
+        self, message: str, *, queue: str | None = None, task_id: str | None = None
+    ) -> None:
+        super().__init__(message, queue=queue, task_id=task_id)
+
+
 class PublishNackedError(PublishFailedError):
-    pass
+    error_type: ClassVar[str] = "weclaw_mq.PublishNackedError"
 
 
 class UnroutableError(PublishFailedError):
-    pass
+    error_type: ClassVar[str] = "weclaw_mq.UnroutableError"
 
 
 class ConfirmTimeoutError(PublishFailedError):
-    pass
+    error_type: ClassVar[str] = "weclaw_mq.ConfirmTimeoutError"
 
 
 class ConnectionLostError(PublishFailedError):
-    pass
+    error_type: ClassVar[str] = "weclaw_mq.ConnectionLostError"
 
 
 class ResultTimeoutError(WeclawMQError):
+    error_type: ClassVar[str] = "weclaw_mq.ResultTimeoutError"
+
     def __init__(self, task_id: str, timeout_s: float, last: object | None) -> None:
         status = getattr(getattr(last, "status", None), "value", None) or "unknown"
         super().__init__(
@@ -115,8 +158,12 @@ class ResultTimeoutError(WeclawMQError):
 class StateUnavailableError(WeclawMQError):
     """The task-state store (Redis by default) failed or did not answer: nothing was read."""
 
+    error_type: ClassVar[str] = "weclaw_mq.StateUnavailableError"
+
 
 class BatchPublishError(PublishFailedError):
+    error_type: ClassVar[str] = "weclaw_mq.BatchPublishError"
+
     def __init__(self, queue: str, task_ids: list[str], failed: dict[int, Exception]) -> None:
         first = min(failed)
         super().__init__(
@@ -132,3 +179,63 @@ class BatchPublishError(PublishFailedError):
     @property
     def confirmed(self) -> list[str]:
         return [t for i, t in enumerate(self.task_ids) if i not in self.failed]
+
+
+# Publish failures that certainly stored nothing (refused, never sent, or no broker to send
+# to): the one place this is stated. ``ConfirmTimeoutError`` and ``ConnectionLostError`` are
+# not here: the task may be in its queue.
+STORED_NOTHING: tuple[type[WeclawMQError], ...] = (
+    BrokerUnavailableError,
+    PublishNackedError,
+    UnroutableError,
+    MessageEncodingError,
+)
+
+
+class WorkerError(WeclawMQError):
+    """Why the worker itself ended an attempt. Never raised to your code: it is written into
+    the retry and DLQ headers (``error_type``) and the task's status record."""
+
+    error_type: ClassVar[str] = "weclaw_mq.WorkerError"
+
+
+class UndecodableBody(WorkerError):
+    """The body is not UTF-8 JSON: no retry can fix it."""
+
+    error_type: ClassVar[str] = "weclaw_mq.UndecodableBody"
+
+
+class InvalidPayload(WorkerError):
+    """The body is JSON but fails the handler's model: no retry can fix it."""
+
+    error_type: ClassVar[str] = "weclaw_mq.InvalidPayload"
+
+
+class UnserialisableResult(WorkerError):
+    """The handler returned something that is not JSON: storing it can never succeed."""
+
+    error_type: ClassVar[str] = "weclaw_mq.UnserialisableResult"
+
+
+class HandlerTimeout(WorkerError):
+    """The handler ran past its ``timeout_s`` and was cancelled."""
+
+    error_type: ClassVar[str] = "weclaw_mq.HandlerTimeout"
+
+
+class HandlerAbandoned(WorkerError):
+    """The handler ignored its cancellation: its attempt was ended without it (it may still run)."""
+
+    error_type: ClassVar[str] = "weclaw_mq.HandlerAbandoned"
+
+
+class WorkerCrashLoop(WorkerError):
+    """The task was returned unsettled more often than the handler's delivery limit."""
+
+    error_type: ClassVar[str] = "weclaw_mq.WorkerCrashLoop"
+
+
+class ResultNotStored(WorkerError):
+    """The result store did not answer within ``result_store_patience_s``."""
+
+    error_type: ClassVar[str] = "weclaw_mq.ResultNotStored"

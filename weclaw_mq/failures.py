@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import traceback
 
+from .control_flow import Reject, Retry
+from .errors import WeclawMQError
+
+_OURS = (WeclawMQError, Reject, Retry)
+
 
 def safe_text(value: object) -> str:
     """``str(value)``, or a stand-in when that raises; never a string UTF-8 cannot encode."""
@@ -25,10 +30,41 @@ def safe_text(value: object) -> str:
     return text
 
 
+# Our own errors' names start with this; nothing else written as an error type does.
+OUR_PREFIX = "weclaw_mq."
+
+
 def error_type(error: BaseException) -> str:
-    """The error's class as ``module.QualifiedName``."""
+    """The error's stable name, written into ``x-weclaw-error-type``: part of the wire format.
+
+    Our own exceptions (the ``WeclawMQError`` tree, ``Reject``, ``Retry``) carry it as
+    ``error_type`` (``weclaw_mq.HandlerTimeout``), so moving or renaming code never changes
+    what an operator's filter matches. Any other exception is written as its class
+    ``__name__`` (``RuntimeError``, ``RateLimitError``). Only our class's own ``error_type``
+    counts: a user's subclass of one of ours is named by its ``__name__``, and a user's class
+    that happens to have an ``error_type`` attribute is not mistaken for ours.
+    """
+    kind = type(error)
+    own = kind.__dict__.get("error_type") if issubclass(kind, _OURS) else None
+    return own if isinstance(own, str) else safe_text(kind.__name__)
+
+
+def error_class(error: BaseException) -> str:
+    """``module.QualifiedName`` of the error's class: for people, not for filters."""
     kind = type(error)
     return safe_text(f"{kind.__module__}.{kind.__qualname__}")
+
+
+def stable_error_type(written: str) -> str:
+    """The stable name for an ``x-weclaw-error-type`` value, whichever version wrote it.
+
+    Before stable names, the header held ``module.QualifiedName`` (``builtins.RuntimeError``,
+    ``weclaw_mq.process.HandlerTimeout``), and such messages may wait in a DLQ for weeks.
+    Ours keep our prefix and their class name (which equals the stable name); anything else
+    keeps its last dotted part, the class name. A stable name reads as itself.
+    """
+    last = written.rpartition(".")[2]
+    return OUR_PREFIX + last if written.startswith(OUR_PREFIX) else last
 
 
 def describe(error: BaseException) -> str:

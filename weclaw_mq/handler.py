@@ -10,21 +10,13 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .naming import validate_queue_name
 from .retry import RetryPolicy
 from .topology import QueueSpec
 
 HandlerFunc = Callable[..., Awaitable[Any]]
-
-
-class UndecodableBody(Exception):
-    """The body is not UTF-8 JSON: no retry can fix it."""
-
-
-class InvalidPayload(Exception):
-    """The body is JSON but fails the handler's model: no retry can fix it."""
 
 
 @dataclass(frozen=True)

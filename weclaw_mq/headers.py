@@ -16,7 +16,10 @@ RETURNS = f"{PREFIX}returns"
 # How often ops shovelled this task back from its DLQ (weclaw_mq.dlq.requeue).
 REQUEUED = f"{PREFIX}requeued"
 
+# The error's stable name (part of the wire format, see failures.error_type); the class's
+# module path beside it is for people only and changes when code moves.
 ERROR_TYPE = f"{PREFIX}error-type"
+ERROR_CLASS = f"{PREFIX}error-class"
 ERROR_MESSAGE = f"{PREFIX}error-message"
 ERROR_TRACEBACK = f"{PREFIX}error-traceback"
 FIRST_FAILURE_AT = f"{PREFIX}first-failure-at"

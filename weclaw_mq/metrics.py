@@ -12,12 +12,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class Outcome(StrEnum):
-    ACKED = "acked"
-    RETRIED = "retried"
-    DEAD_LETTERED = "dead_lettered"
+    """How a delivery ended: one per settled delivery (``settle.Settler._ended``)."""
+
+    ACKED = "acked"  # result stored, then acked
+    RETRIED = "retried"  # moved to a delay queue as the next attempt
+    DEAD_LETTERED = "dead_lettered"  # moved to Q.dlq, or rejected there (undecodable properties)
     DUPLICATE = "duplicate"  # a finished task seen again: acked unrun
     DEFERRED = "deferred"  # parked in a delay queue: its twin is running, or Redis is down
-    REQUEUED = "requeued"  # left unacked for redelivery (shutdown, lost connection)
+    # Given back to its queue (a failed move, a result not stored, a hard stop, an error of
+    # ours) or left unacked for the broker to return (arrived while stopping).
+    REQUEUED = "requeued"
 
 
 # LLM calls take 20-60 s: buckets reach past two minutes.

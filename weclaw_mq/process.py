@@ -25,14 +25,22 @@ from . import tracing
 from .connection import cancelled_by_caller
 from .context import Context
 from .deadlines import Deadlines
+from .errors import (
+    HandlerAbandoned,
+    HandlerTimeout,
+    InvalidPayload,
+    ResultNotStored,
+    UndecodableBody,
+    UnserialisableResult,
+    WorkerCrashLoop,
+)
 from .failures import describe, safe_text
-from .handler import HandlerSpec, InvalidPayload, UndecodableBody
+from .handler import HandlerSpec
 from .message import Delivery, read_delivery
 from .metrics import Metrics, Outcome
-from .retry import DeadLetter, DeadLetterReason, RetryLater, decide
+from .retry import DeadLetterReason, GiveUp, RetryLater, decide
 from .settings import Settings
 from .settle import Settler
-from .signals import Retry
 from .state import Claim, TaskState, TaskStatus, TaskStore, new_owner
 from .tracing import TraceContext
 from .undecodable import undecodable
@@ -41,26 +49,6 @@ if TYPE_CHECKING:
     from .app import App
 
 log = logging.getLogger("weclaw_mq.worker")
-
-
-class HandlerTimeout(Exception):
-    """The handler ran past its ``timeout_s`` and was cancelled."""
-
-
-class HandlerAbandoned(Exception):
-    """The handler ignored its cancellation: its attempt was ended without it (it may still run)."""
-
-
-class UnserialisableResult(Exception):
-    """The handler returned something that is not JSON: storing it can never succeed."""
-
-
-class WorkerCrashLoop(Exception):
-    """The task was returned unsettled more often than the handler's delivery limit."""
-
-
-class ResultNotStored(Exception):
-    """The result store did not answer within ``result_store_patience_s``."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +110,7 @@ async def _process(
         # Its properties did not decode (the worker reads them tolerantly, see Worker.run), so
         # no copy of it can be built: one reject has the broker move the original to Q.dlq,
         # where the DLQ tools show it as "undecodable_properties".
-        log.error("message properties could not be decoded; rejecting it to the dead-letter queue")
-        if await rt.settler.reject(message):
-            rt.metrics.settled(spec.queue, Outcome.DEAD_LETTERED).inc()
+        await rt.settler.reject(message, queue=spec.queue)
         return
     if delivery.returns > spec.delivery_limit:
         # The broker enforces the limit within one stint in Q; this catches a task that
@@ -203,23 +189,11 @@ async def _conclude(
     await _release(rt, spec, delivery, held)
     decision = decide(delivery.attempt, error, spec.retry)
     if isinstance(decision, RetryLater):
-        log.log(
-            logging.INFO if isinstance(error, Retry) else logging.WARNING,
-            "attempt %d failed (%s); retrying in %.3g s",
-            delivery.attempt,
-            describe(error),
-            decision.delay_ms / 1000,
-        )
         await _status(rt, delivery, spec, TaskStatus.RETRYING, error=describe(error))
-        if await rt.settler.retry(
-            message,
-            delivery,
-            queue=spec.queue,
-            delay_ms=decision.delay_ms,
-            error=error,
-        ):
-            rt.metrics.settled(spec.queue, Outcome.RETRIED).inc()
-    elif isinstance(decision, DeadLetter):
+        await rt.settler.retry(
+            message, delivery, queue=spec.queue, delay_ms=decision.delay_ms, error=error
+        )
+    elif isinstance(decision, GiveUp):
         await _dead_letter(message, delivery, spec, rt, decision.reason, error)
 
 
@@ -240,19 +214,16 @@ async def _pass_guard(
         if rt.settings.guard_on_redis_down == "run_unguarded":
             log.warning("Redis unavailable (%s); running UNGUARDED as configured", e)
             return _Gate.UNGUARDED
-        log.warning("Redis unavailable (%s: %s); deferring the task", type(e).__name__, e)
-        await _defer(message, delivery, spec, rt)
+        log.warning("Redis unavailable (%s: %s)", type(e).__name__, e)
+        await _defer(message, delivery, spec, rt, "Redis unavailable, the guard cannot tell")
         return _Gate.SETTLED
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
-        log.info("duplicate of a finished task: acked without running the handler")
         if claim is not Claim.DONE:
             await _mark_done_quietly(store, spec, delivery)
-        if await rt.settler.ack(message):
-            rt.metrics.settled(spec.queue, Outcome.DUPLICATE).inc()
+        await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
         return _Gate.SETTLED
     if claim is Claim.BUSY:
-        log.info("another worker is running this task; deferring this copy")
-        await _defer(message, delivery, spec, rt)
+        await _defer(message, delivery, spec, rt, "another worker is running this task")
         return _Gate.SETTLED
     return owner
 
@@ -421,11 +392,9 @@ async def _finish(
             final = state
             await _patiently(rt, lambda: records.record(final))
     except ResultNotStored as e:
-        log.error("%s; giving the task back to the broker", e)
-        await rt.settler.give_back(message)
+        await rt.settler.give_back(message, queue=spec.queue, why=str(e), level=logging.ERROR)
         return
-    if await rt.settler.ack(message):
-        rt.metrics.settled(spec.queue, Outcome.ACKED).inc()
+    await rt.settler.ack(message, queue=spec.queue)
 
 
 async def _patiently(rt: Runtime, write: Callable[[], Awaitable[object]]) -> None:
@@ -455,10 +424,11 @@ async def _release(rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: st
 
 
 async def _defer(
-    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime, why: str
 ) -> None:
-    if await rt.settler.defer(message, delivery, queue=spec.queue, delay_ms=spec.retry.delay_ms(1)):
-        rt.metrics.settled(spec.queue, Outcome.DEFERRED).inc()
+    await rt.settler.defer(
+        message, delivery, queue=spec.queue, delay_ms=spec.retry.delay_ms(1), why=why
+    )
 
 
 def _state(
@@ -507,9 +477,6 @@ async def _dead_letter(
     reason: DeadLetterReason,
     error: BaseException,
 ) -> None:
-    log.error(
-        "dead-lettering after attempt %d: %s (%s)", delivery.attempt, reason.value, describe(error)
-    )
     if await rt.settler.dead_letter(
         message, delivery, queue=spec.queue, reason=reason.value, error=error
     ):
@@ -523,4 +490,3 @@ async def _dead_letter(
             error=describe(error),
             reason=reason.value,
         )
-        rt.metrics.settled(spec.queue, Outcome.DEAD_LETTERED).inc()

@@ -118,15 +118,20 @@ class Publisher:
                 queue=queue,
                 task_id=task_id,
             ) from e
-        except BrokerUnavailableError:
+        except BrokerUnavailableError as e:
             # A refused connection fails fast, before our deadline: count it like a slow one.
             self._count(queue, "unavailable")
-            raise
+            if e.task_id is not None:
+                raise
+            # Raised by the connect, which knows no task: say which publish it failed.
+            raise BrokerUnavailableError(str(e), queue=queue, task_id=task_id) from e
         except TimeoutError as e:
             if not sent:
                 self._count(queue, "unavailable")
                 raise BrokerUnavailableError(
-                    f"no connection to RabbitMQ within {timeout_s} s; nothing was sent"
+                    f"no connection to RabbitMQ within {timeout_s} s; nothing was sent",
+                    queue=queue,
+                    task_id=task_id,
                 ) from e
             self._count(queue, "timeout")
             raise ConfirmTimeoutError(

@@ -9,6 +9,11 @@ import yarl
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .retry import RetryPolicy
+
+# The retry defaults are RetryPolicy's own, stated once in retry.py.
+_DEFAULT_RETRY = RetryPolicy()
+
 # RabbitMQ closes a channel whose delivery stays unacked past consumer_timeout (30 min by
 # default, settable per queue only from 3.12), requeueing everything on it.
 BROKER_CONSUMER_TIMEOUT_S = 30 * 60
@@ -30,11 +35,11 @@ class Settings(BaseSettings):
     redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
 
     concurrency: int = Field(default=1, ge=1, le=10_000)
-    # Defaults of the production config in our design notes: 5 s, 10 s, 20 s, then the DLQ.
-    max_retries: int = Field(default=3, ge=0, le=100)
-    retry_delay_s: float = Field(default=5.0, gt=0)
-    retry_multiplier: float = Field(default=2.0, ge=1.0)
-    retry_max_delay_s: float = Field(default=60.0, gt=0)
+    # The policy of a handler given no ``retry=``; defaults from RetryPolicy (retry.py).
+    max_retries: int = Field(default=_DEFAULT_RETRY.max_retries, ge=0, le=100)
+    retry_delay_s: float = Field(default=_DEFAULT_RETRY.delay_s, gt=0)
+    retry_multiplier: float = Field(default=_DEFAULT_RETRY.multiplier, ge=1.0)
+    retry_max_delay_s: float = Field(default=_DEFAULT_RETRY.max_delay_s, gt=0)
     # Crash loops (worker dies on a message every time) end in the DLQ after this many returns.
     delivery_limit: int = Field(default=10, ge=1)
 
@@ -84,6 +89,15 @@ class Settings(BaseSettings):
         url = value.get_secret_value()
         _check_url(url, ("redis", "rediss", "unix"), need_host=False)
         return value
+
+    def retry_policy(self) -> RetryPolicy:
+        """The retry policy of a handler registered without its own ``retry=``."""
+        return RetryPolicy(
+            max_retries=self.max_retries,
+            delay_s=self.retry_delay_s,
+            multiplier=self.retry_multiplier,
+            max_delay_s=self.retry_max_delay_s,
+        )
 
     def amqp_url_plain(self) -> str:
         return self.amqp_url.get_secret_value()

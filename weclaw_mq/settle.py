@@ -1,9 +1,15 @@
-"""The three ends of a delivery: ack, move to a delay queue, move to the dead-letter queue.
+"""The ends of a delivery: ack, move to a delay queue, move to the dead-letter queue, give
+back (or leave for the broker to return), reject.
 
 Every move is "publish with confirm, then ack the source": a crash between the two leaves a
 duplicate (absorbed by the idempotency guard), never a loss. If the move fails, the source is
 returned to its queue instead, so the broker keeps the task. The moves answer whether the
 copy reached its target.
+
+Every end passes through ``Settler._ended``, the one outcome event of a settled delivery: it
+counts ``weclaw_mq_messages_total{outcome}`` and writes the delivery's outcome log line, once.
+A settle frame that did not reach the broker is no outcome: the broker redelivers the message
+and its next delivery ends it.
 """
 
 from __future__ import annotations
@@ -17,14 +23,28 @@ from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
 from . import headers as h
 from .connection import cancelled_by_caller
+from .control_flow import Retry
 from .deadlines import Deadlines
 from .errors import WeclawMQError
-from .failures import describe, error_type, safe_text, traceback_text
+from .failures import describe, error_class, error_type, safe_text, traceback_text
 from .message import Delivery, build_message
+from .metrics import Metrics, Outcome
 from .naming import dlq_name, retry_queue_name
 from .producer import Publisher
 
 log = logging.getLogger(__name__)
+# Outcome lines go where the rest of the worker's lines go.
+outcome_log = logging.getLogger("weclaw_mq.worker")
+
+# The log level of each outcome's line, unless the end says otherwise.
+OUTCOME_LEVELS = {
+    Outcome.ACKED: logging.DEBUG,  # the common case: one line per task would drown the rest
+    Outcome.DUPLICATE: logging.INFO,
+    Outcome.DEFERRED: logging.INFO,
+    Outcome.RETRIED: logging.WARNING,
+    Outcome.DEAD_LETTERED: logging.ERROR,
+    Outcome.REQUEUED: logging.WARNING,
+}
 
 
 def _now_iso() -> str:
@@ -47,6 +67,7 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     # Safe text only: an error whose __str__ raises, or whose message UTF-8 cannot encode,
     # must not stop the headers from being built or encoded (the task would stay unsettled).
     out[h.ERROR_TYPE] = error_type(error)
+    out[h.ERROR_CLASS] = error_class(error)
     out[h.ERROR_MESSAGE] = safe_text(error)[: h.ERROR_MESSAGE_MAX_CHARS]
     # The end of a traceback says most: keep that part.
     out[h.ERROR_TRACEBACK] = traceback_text(error)[-h.TRACEBACK_MAX_CHARS :]
@@ -63,27 +84,71 @@ SETTLE_TIMEOUT_S = 5.0
 
 
 class Settler:
-    """Ends deliveries for one worker session: its publisher for moves, its deadlines."""
+    """Ends deliveries for one worker session: its publisher for moves, its deadlines, and the
+    metrics its outcomes are counted in. Each method ends one delivery of ``queue``."""
 
-    def __init__(self, publisher: Publisher, deadlines: Deadlines) -> None:
+    def __init__(self, publisher: Publisher, deadlines: Deadlines, metrics: Metrics) -> None:
         self.publisher = publisher
         self.deadlines = deadlines
+        self.metrics = metrics
 
-    async def ack(self, message: AbstractIncomingMessage) -> bool:
-        """Ack; False when the channel is gone (the broker redelivers: a duplicate, not a loss)."""
-        return await self._settle(message, requeue=None)
+    def _ended(self, queue: str, outcome: Outcome, text: str, *, level: int | None = None) -> None:
+        """The outcome event: called exactly once per settled delivery, by every end below."""
+        self.metrics.settled(queue, outcome).inc()
+        outcome_log.log(
+            OUTCOME_LEVELS[outcome] if level is None else level, "%s: %s", outcome, text
+        )
 
-    async def give_back(self, message: AbstractIncomingMessage) -> bool:
+    async def ack(
+        self, message: AbstractIncomingMessage, *, queue: str, outcome: Outcome = Outcome.ACKED
+    ) -> bool:
+        """Ack a task whose result is stored (``ACKED``), or a copy of a finished task
+        (``DUPLICATE``); False when the channel is gone (the broker redelivers: a duplicate,
+        not a loss)."""
+        if not await self._settle(message, requeue=None):
+            return False
+        self._ended(
+            queue,
+            outcome,
+            "acked without running the handler: a finished task seen again"
+            if outcome is Outcome.DUPLICATE
+            else "result stored, acked",
+        )
+        return True
+
+    async def give_back(
+        self, message: AbstractIncomingMessage, *, queue: str, why: str, level: int | None = None
+    ) -> bool:
         """Return the message to its queue now rather than when the channel closes."""
-        return await self._settle(message, requeue=True)
+        if not await self._settle(message, requeue=True):
+            return False
+        self._ended(queue, Outcome.REQUEUED, f"given back to its queue: {why}", level=level)
+        return True
 
-    async def reject(self, message: AbstractIncomingMessage) -> bool:
+    def leave(self, message: AbstractIncomingMessage, *, queue: str, why: str) -> None:
+        """Leave the message unacked: the broker returns it to its queue when the channel
+        closes (no frame is sent; used while stopping, when the channel soon closes)."""
+        self._ended(
+            queue,
+            Outcome.REQUEUED,
+            f"task {message.message_id} left for the broker to return: {why}",
+            level=logging.INFO,
+        )
+
+    async def reject(self, message: AbstractIncomingMessage, *, queue: str) -> bool:
         """Reject without requeue: the broker dead-letters the untouched original to ``Q.dlq``.
 
         Only for a message we cannot copy (its properties did not decode): every other move is
         "publish a copy with confirm, then ack", which keeps our failure headers.
         """
-        return await self._settle(message, requeue=False)
+        if not await self._settle(message, requeue=False):
+            return False
+        self._ended(
+            queue,
+            Outcome.DEAD_LETTERED,
+            "its properties could not be decoded: rejected to the dead-letter queue",
+        )
+        return True
 
     async def retry(
         self,
@@ -96,14 +161,36 @@ class Settler:
     ) -> bool:
         headers = failure_headers(delivery, queue, error)
         headers[h.ATTEMPT] = delivery.attempt + 1
-        return await self._move(message, delivery, retry_queue_name(queue, delay_ms), headers)
+        target = retry_queue_name(queue, delay_ms)
+        if not await self._move(message, delivery, target, headers, queue=queue):
+            return False
+        self._ended(
+            queue,
+            Outcome.RETRIED,
+            f"attempt {delivery.attempt} failed ({describe(error)}); retrying in "
+            f"{delay_ms / 1000:.3g} s",
+            # A handler asking for a retry (the model said "busy") is no failure to warn of.
+            level=logging.INFO if isinstance(error, Retry) else None,
+        )
+        return True
 
     async def defer(
-        self, message: AbstractIncomingMessage, delivery: Delivery, *, queue: str, delay_ms: int
+        self,
+        message: AbstractIncomingMessage,
+        delivery: Delivery,
+        *,
+        queue: str,
+        delay_ms: int,
+        why: str,
     ) -> bool:
         """Park the task in a delay queue without counting an attempt: it did not fail."""
         target = retry_queue_name(queue, delay_ms)
-        return await self._move(message, delivery, target, carried_headers(delivery))
+        if not await self._move(message, delivery, target, carried_headers(delivery), queue=queue):
+            return False
+        self._ended(
+            queue, Outcome.DEFERRED, f"parked in {target} for {delay_ms / 1000:.3g} s: {why}"
+        )
+        return True
 
     async def dead_letter(
         self,
@@ -117,7 +204,14 @@ class Settler:
         headers = failure_headers(delivery, queue, error)
         headers[h.ATTEMPT] = delivery.attempt
         headers[h.DEAD_LETTER_REASON] = reason
-        return await self._move(message, delivery, dlq_name(queue), headers)
+        if not await self._move(message, delivery, dlq_name(queue), headers, queue=queue):
+            return False
+        self._ended(
+            queue,
+            Outcome.DEAD_LETTERED,
+            f"dead-lettered after attempt {delivery.attempt}: {reason} ({describe(error)})",
+        )
+        return True
 
     async def _move(
         self,
@@ -125,6 +219,8 @@ class Settler:
         delivery: Delivery,
         target: str,
         headers: HeadersType,
+        *,
+        queue: str,
     ) -> bool:
         copy = build_message(
             delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
@@ -136,13 +232,15 @@ class Settler:
             # copy may not be there; the source goes back and the broker's delivery limit
             # bounds how often that can repeat.
             reason = str(e) if isinstance(e, WeclawMQError) else describe(e)
-            log.error(
-                "could not move the task to %s (%s); returning it to its queue", target, reason
+            await self.give_back(
+                message,
+                queue=queue,
+                why=f"could not move it to {target} ({reason})",
+                level=logging.ERROR,
             )
-            await self.give_back(message)
             return False
         # Moved, whatever the ack does: if it fails, the source comes back as a duplicate.
-        await self.ack(message)
+        await self._settle(message, requeue=None)
         return True
 
     async def _settle(self, message: AbstractIncomingMessage, *, requeue: bool | None) -> bool:

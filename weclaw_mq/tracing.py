@@ -6,10 +6,8 @@ task, so concurrent handlers never see each other's ids (``threading.local`` wou
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
-from collections.abc import Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
@@ -36,28 +34,13 @@ def current() -> TraceContext | None:
     return _current.get()
 
 
-def current_trace_id() -> str | None:
-    ctx = _current.get()
-    return ctx.trace_id if ctx else None
-
-
 def enter(ctx: TraceContext) -> Token[TraceContext | None]:
-    """Make ``ctx`` current; hand the token to ``leave``. (``bind`` is the friendlier form.)"""
+    """Make ``ctx`` current; hand the token to ``leave``."""
     return _current.set(ctx)
 
 
 def leave(token: Token[TraceContext | None]) -> None:
     _current.reset(token)
-
-
-@contextlib.contextmanager
-def bind(ctx: TraceContext) -> Iterator[TraceContext]:
-    """Make ``ctx`` current for the code inside, e.g. an API request or a handler call."""
-    token = _current.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _current.reset(token)
 
 
 def trace_from_headers(headers: dict[str, object]) -> tuple[str, str | None]:

@@ -32,7 +32,6 @@ from .deadlines import Deadlines
 from .errors import ConfigurationError
 from .failures import describe
 from .handler import HandlerSpec
-from .metrics import Outcome
 from .process import Runtime, process
 from .producer import Publisher
 from .settings import BROKER_CONSUMER_TIMEOUT_S
@@ -116,34 +115,43 @@ class Worker:
 
     async def _run(self) -> None:
         failures = 0
-        while not self._stop.is_set():
-            conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)
-            if conn is None:
-                break
-            if failures:
-                self.app.metrics.reconnects.labels("worker").inc()
-                log.info("reconnected to the broker")
-            try:
-                await self._session(conn)
-                failures = 0
-            except LINK_ERRORS as e:
-                failures += 1
-                log.warning("broker connection lost (%s: %s)", type(e).__name__, e)
-            except asyncio.CancelledError:
-                if cancelled_by_caller():
-                    raise
-                failures += 1
-                log.warning("broker connection lost (aiormq cancelled the session)")
-            finally:
+        conn: AbstractConnection | None = None
+        try:
+            while not self._stop.is_set():
+                conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)
+                if conn is None:
+                    break
+                if failures:
+                    self.app.metrics.reconnects.labels("worker").inc()
+                    log.info("reconnected to the broker")
+                try:
+                    await self._session(conn)
+                    break  # it returns only when stopping: the connection stays open to drain
+                except LINK_ERRORS as e:
+                    failures += 1
+                    log.warning("broker connection lost (%s: %s)", type(e).__name__, e)
+                except asyncio.CancelledError:
+                    if cancelled_by_caller():
+                        raise
+                    failures += 1
+                    log.warning("broker connection lost (aiormq cancelled the session)")
                 self.ready.clear()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(conn.close(), CLOSE_TIMEOUT_S)
-            if not self._stop.is_set() and failures:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(
-                        self._stop.wait(), backoff_s(failures, self.settings.reconnect_max_delay_s)
-                    )
-        await self._drain()
+                await _close(conn)
+                conn = None
+                if not self._stop.is_set():
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(
+                            self._stop.wait(),
+                            backoff_s(failures, self.settings.reconnect_max_delay_s),
+                        )
+            # The one drain of a stop: with the connection still open when there is one, so
+            # handlers finishing within the grace can still store and ack; after a lost
+            # connection, handlers of the old session still get to store their results.
+            await self._drain()
+        finally:
+            self.ready.clear()
+            if conn is not None:
+                await _close(conn)
 
     async def _session(self, conn: AbstractConnection) -> None:
         """Consume on one connection until it dies (raises) or ``stop`` is called (returns)."""
@@ -157,7 +165,7 @@ class Worker:
         runtime = Runtime(
             app=self.app,
             settings=self.settings,
-            settler=Settler(publisher, self._deadlines),
+            settler=Settler(publisher, self._deadlines, self.app.metrics),
             deadlines=self._deadlines,
             metrics=self.app.metrics,
             store=self.app.store,
@@ -206,12 +214,11 @@ class Worker:
             lost.cancel()
         if not self._stop.is_set():
             raise aiormq.exceptions.ConnectionClosed(320, "connection or channel closed")
-        # Stopping: take no new deliveries, then let the running handlers finish and ack
-        # while the connection is still open.
+        # Stopping: take no new deliveries; ``_run`` then lets the running handlers finish
+        # and ack while the connection is still open.
         for tag, (_, queue) in consumers.items():
             with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
                 await asyncio.wait_for(queue.cancel(tag), CLOSE_TIMEOUT_S)
-        await self._drain()
 
     async def _consume_again(
         self,
@@ -247,7 +254,7 @@ class Worker:
             if self._stop.is_set():
                 # Arrived after we decided to stop: left unacked, the broker gives it to
                 # another worker when this connection closes.
-                self.app.metrics.settled(spec.queue, Outcome.REQUEUED).inc()
+                runtime.settler.leave(message, queue=spec.queue, why="the worker is stopping")
                 return
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and
@@ -350,20 +357,26 @@ async def _settled(
     except asyncio.CancelledError:
         # Stopping hard (the grace ran out): give the message back now, not only when the
         # connection closes.
-        await _give_back(message, spec, rt)
+        await _give_back(message, spec, rt, "the worker stopped before it ended")
         raise
     except BaseException as e:
         # A bug of ours must not kill the consumer: the message goes back to its queue (the
         # broker's delivery limit bounds how often one message can do this).
-        log.exception("unexpected error while processing (%s); giving the task back", describe(e))
-        await _give_back(message, spec, rt)
+        log.exception("unexpected error while processing (%s)", describe(e))
+        await _give_back(message, spec, rt, f"unexpected error ({describe(e)})")
 
 
-async def _give_back(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
+async def _give_back(
+    message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime, why: str
+) -> None:
     if message.processed:
         return  # settled before the error: nothing is held
-    if await rt.settler.give_back(message):
-        rt.metrics.settled(spec.queue, Outcome.REQUEUED).inc()
+    await rt.settler.give_back(message, queue=spec.queue, why=f"task {message.message_id}: {why}")
+
+
+async def _close(conn: AbstractConnection) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(conn.close(), CLOSE_TIMEOUT_S)
 
 
 async def _first(*awaitables: object) -> None:

@@ -227,6 +227,9 @@ async def test_an_odd_message_is_listed_exported_and_requeued_with_the_others(
     assert strange.headers[h.X_DEATH] == 7
     assert listed["loop-3"].reason == "delivery_limit"
     assert listed["ours-1"].reason == "retries_exhausted"
+    # Written before stable error names ("builtins.RuntimeError"): read as the stable name.
+    assert listed["ours-1"].error_type == "RuntimeError"
+    assert listed["ours-1"].headers[h.ERROR_TYPE] == "builtins.RuntimeError"  # as it came
 
     path = tmp_path / "dead.jsonl"
     assert await dlq.export(app, queue, path) == 3

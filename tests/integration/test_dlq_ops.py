@@ -79,7 +79,7 @@ async def test_inspect_shows_each_dead_letter_with_its_reason_and_error_and_leav
     for d in letters:
         i = dead.task_ids.index(d.task_id)
         assert d.reason == "retries_exhausted"
-        assert d.error_type == "builtins.RuntimeError"
+        assert d.error_type == "RuntimeError"
         assert d.error_message == f"model down for doc-{i}"
         assert d.traceback is not None and f"RuntimeError: model down for doc-{i}" in d.traceback
         assert d.attempts == 2
@@ -166,7 +166,7 @@ async def test_export_writes_one_json_line_per_dead_letter_and_purge_empties_the
     for r in records:
         i = dead.task_ids.index(r["task_id"])
         assert r["reason"] == "retries_exhausted"
-        assert r["error_type"] == "builtins.RuntimeError"
+        assert r["error_type"] == "RuntimeError"
         assert r["attempts"] == 2
         assert r["body_encoding"] == "utf-8"
         assert json.loads(r["body"]) == {"text": f"doc-{i}"}
@@ -257,7 +257,7 @@ async def test_cli_lists_shows_requeues_and_purges_and_refuses_to_purge_without_
     header, *rows = listed.stdout.strip().splitlines()
     assert header.split() == ["TASK_ID", "REASON", "ERROR_TYPE", "ATTEMPTS", "LAST_FAILURE"]
     assert sorted(r.split()[0] for r in rows) == sorted(dead.task_ids)
-    assert all(r.split()[1:4] == ["retries_exhausted", "builtins.RuntimeError", "2"] for r in rows)
+    assert all(r.split()[1:4] == ["retries_exhausted", "RuntimeError", "2"] for r in rows)
 
     shown = await run_cli("dlq", "show", q, dead.task_ids[1], env=env)
     assert shown.code == 0, shown.stderr

@@ -21,6 +21,7 @@ from weclaw_mq import (
     BrokerUnavailableError,
     MessageEncodingError,
     PayloadError,
+    PublishFailedError,
     TaskStatus,
 )
 from weclaw_mq.message import build_message
@@ -163,9 +164,12 @@ async def test_a_refused_broker_connection_counts_as_an_unavailable_publish(
     url = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
     async with App("t", settings=settings_for(url, redis_url)) as app:
         started = time.monotonic()
-        with pytest.raises(BrokerUnavailableError):
-            await app.publish(qname, {"text": "hi"})
+        with pytest.raises(BrokerUnavailableError) as refused:
+            await app.publish(qname, {"text": "hi"}, task_id="refused-1")
         assert time.monotonic() - started < 5, "a refused connection should fail fast"
+        # One except for "not confirmed, for any reason", naming the publish that failed.
+        assert isinstance(refused.value, PublishFailedError)
+        assert (refused.value.queue, refused.value.task_id) == (qname, "refused-1")
         assert _published(app, qname, "unavailable") == 1
         with pytest.raises(BrokerUnavailableError):
             await app.publish(qname, {"text": "again"})

@@ -15,7 +15,7 @@ from weclaw_mq import (
     RetryPolicy,
     Settings,
 )
-from weclaw_mq.handler import InvalidPayload, UndecodableBody
+from weclaw_mq.errors import InvalidPayload, UndecodableBody
 from weclaw_mq.settings import redact_url
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from weclaw_mq import ConfigurationError, Reject, Retry, RetryPolicy, Settings
-from weclaw_mq.retry import Ack, DeadLetter, DeadLetterReason, RetryLater, decide
+from weclaw_mq import App, ConfigurationError, Reject, Retry, RetryPolicy, Settings
+from weclaw_mq.retry import Ack, DeadLetterReason, GiveUp, RetryLater, decide
 
 
 def test_default_policy_waits_5_10_20_seconds_then_gives_up() -> None:
@@ -26,6 +26,21 @@ def test_settings_defaults_match_the_default_policy() -> None:
         max_delay_s=fields["retry_max_delay_s"].default,
     )
     assert from_settings == RetryPolicy()
+
+
+def test_a_handler_without_its_own_policy_takes_the_settings_one() -> None:
+    settings = Settings(
+        max_retries=1, retry_delay_s=0.5, retry_multiplier=3.0, retry_max_delay_s=9.0
+    )
+    app = App("t", settings=settings)
+
+    @app.handler("policy-from-settings")
+    async def handle(task: dict[str, str]) -> None:
+        pass
+
+    expected = RetryPolicy(max_retries=1, delay_s=0.5, multiplier=3.0, max_delay_s=9.0)
+    assert settings.retry_policy() == expected
+    assert app.handlers["policy-from-settings"].retry == expected
 
 
 def test_delay_grows_by_the_multiplier() -> None:
@@ -68,9 +83,7 @@ def test_successful_attempt_is_acked() -> None:
 def test_reject_dead_letters_at_once_whatever_the_attempt() -> None:
     policy = RetryPolicy(max_retries=3)
     for attempt in (1, 2, 4):
-        assert decide(attempt, Reject("bad prompt"), policy) == DeadLetter(
-            DeadLetterReason.REJECTED
-        )
+        assert decide(attempt, Reject("bad prompt"), policy) == GiveUp(DeadLetterReason.REJECTED)
 
 
 def test_failed_attempts_within_the_budget_retry_with_the_policy_delay() -> None:
@@ -84,25 +97,23 @@ def test_failed_attempts_within_the_budget_retry_with_the_policy_delay() -> None
 def test_failure_after_max_retries_dead_letters_as_retries_exhausted() -> None:
     policy = RetryPolicy(max_retries=3)
     # attempt 4 is the 3rd retry: its failure is the end
-    assert decide(4, RuntimeError("still broken"), policy) == DeadLetter(
+    assert decide(4, RuntimeError("still broken"), policy) == GiveUp(
         DeadLetterReason.RETRIES_EXHAUSTED
     )
-    assert decide(9, RuntimeError("still broken"), policy) == DeadLetter(
+    assert decide(9, RuntimeError("still broken"), policy) == GiveUp(
         DeadLetterReason.RETRIES_EXHAUSTED
     )
 
 
 def test_zero_retries_dead_letters_the_first_failure() -> None:
     decision = decide(1, ValueError("nope"), RetryPolicy(max_retries=0))
-    assert decision == DeadLetter(DeadLetterReason.RETRIES_EXHAUSTED)
+    assert decision == GiveUp(DeadLetterReason.RETRIES_EXHAUSTED)
 
 
 def test_retry_signal_is_retried_like_a_failure() -> None:
     policy = RetryPolicy(max_retries=2, delay_s=0.05)
     assert decide(1, Retry("rate limited"), policy) == RetryLater(50)
-    assert decide(3, Retry("rate limited"), policy) == DeadLetter(
-        DeadLetterReason.RETRIES_EXHAUSTED
-    )
+    assert decide(3, Retry("rate limited"), policy) == GiveUp(DeadLetterReason.RETRIES_EXHAUSTED)
 
 
 def test_dead_letter_reasons_keep_their_wire_values() -> None:

@@ -11,7 +11,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from .. import dead_letter, dlq, queue_stats
+from .. import dlq, dlq_message, queue_stats
 from .. import headers as h
 from ..app import App
 from ..errors import ConfigurationError
@@ -99,7 +99,7 @@ def show(
     dead = _run(app_path, lambda app: dlq.find(app, queue, task_id))
     if dead is None:
         fail(f"no task {task_id} in {dlq_name(queue)}")
-    record = dead_letter.export_record(dead)
+    record = dlq_message.export_record(dead)
     headers = record.pop("headers")
     body = record.pop("body")
     record["dead_lettered_by"] = "broker" if dead.by_broker else "worker"

@@ -1,4 +1,7 @@
-"""What a dead letter says, and the copy that goes back to work. Pure: no broker I/O.
+"""A message in ``Q.dlq``: what it says, and the copies made of it. Pure: no broker I/O.
+
+``weclaw_mq.dlq`` is the broker side (look, export, requeue, purge); this is what it reads
+and writes.
 
 For a handler queue ``Q`` the dead letters sit in ``Q.dlq``. Two kinds arrive there:
 
@@ -25,6 +28,7 @@ from pamqp import encode
 from pamqp.commands import Basic
 
 from . import headers as h
+from .failures import stable_error_type
 from .message import CONTENT_TYPE
 from .undecodable import raw_properties, undecodable
 
@@ -36,6 +40,7 @@ _FAILURE_HEADERS = frozenset(
         h.RETURNS,
         h.DEAD_LETTER_REASON,
         h.ERROR_TYPE,
+        h.ERROR_CLASS,
         h.ERROR_MESSAGE,
         h.ERROR_TRACEBACK,
         h.ORIGINAL_QUEUE,
@@ -124,7 +129,7 @@ def read_dead_letter(task_id: object, headers: object, body: bytes) -> DeadLette
     return DeadLetter(
         task_id=_text(task_id) or "",
         reason=reason,
-        error_type=_text(hdrs.get(h.ERROR_TYPE)),
+        error_type=_error_type(hdrs.get(h.ERROR_TYPE)),
         error_message=_text(hdrs.get(h.ERROR_MESSAGE)),
         # Our attempt number: for a crash loop, the attempt whose deliveries kept dying.
         attempts=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
@@ -248,6 +253,13 @@ def _text(value: object) -> str | None:
     if isinstance(value, (bytes, bytearray)):
         return bytes(value).decode("utf-8", errors="replace")
     return None
+
+
+def _error_type(value: object) -> str | None:
+    # Read through stable_error_type: a dead letter from before stable names says
+    # "builtins.RuntimeError" and is shown, exported and matched as "RuntimeError".
+    text = _text(value)
+    return stable_error_type(text) if text else text
 
 
 def _time(value: object) -> datetime | None:
