@@ -38,10 +38,10 @@ from pydantic import BaseModel
 
 from weclaw_mq import App, Settings
 from weclaw_mq import headers as wh
-from weclaw_mq.deadlines import Deadlines
 from weclaw_mq.handler import HandlerSpec
-from weclaw_mq.process import Runtime, process
-from weclaw_mq.settle import Settler
+from weclaw_mq.worker.deadlines import Deadlines
+from weclaw_mq.worker.delivery import Runtime, process
+from weclaw_mq.worker.settle import Settler
 
 from .common import encode, make_payload
 

@@ -28,7 +28,7 @@ from .errors import (
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
-from .worker import Worker
+from .worker.consume import Worker
 
 # The name of the store protocol before it held the guard too (claims, leases, done markers).
 ResultStore = TaskStore

@@ -13,7 +13,6 @@ import aio_pika
 from aio_pika.abc import HeadersType
 from prometheus_client import CollectorRegistry
 
-from .connection import BrokerEndpoints
 from .errors import (
     STORED_NOTHING,
     BatchPublishError,
@@ -26,7 +25,8 @@ from .errors import (
 from .handler import HandlerFunc, HandlerSpec, build_spec
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
-from .producer import Publisher
+from .publishing.connection import BrokerEndpoints
+from .publishing.producer import Publisher
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import REDIS_FAILURES, TaskState, TaskStatus, TaskStore, open_store, state_unavailable

@@ -24,9 +24,9 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 
 from .broker_version import ServerVersion, dlq_plan
-from .connection import channel_server_version
 from .errors import TopologyConflictError
 from .naming import dlq_name, retry_queue_name
+from .publishing.connection import channel_server_version
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ..common import (
 )
 from .aio_hooks import track
 
-# weclaw_mq's process.py on a successful, guarded delivery: the claim script (SET NX PX and
+# weclaw_mq/worker/delivery.py on a successful, guarded delivery: the claim script (SET NX PX and
 # the "running" record), then the finish script (the result record and the done marker): two
 # EVALSHA round trips, here as there. Lease and TTLs are weclaw_mq's defaults.
 REDIS_ROUND_TRIPS = 2

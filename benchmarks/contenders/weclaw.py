@@ -26,7 +26,7 @@ from ..common import (
 )
 from .aio_hooks import track
 
-# process.py on a successful guarded delivery: the claim script (SET NX PX + the "running"
+# weclaw_mq/worker/delivery.py on a successful guarded delivery: the claim script (SET NX PX + the "running"
 # record), then the result script (record + done marker): two EVALSHA.
 REDIS_ROUND_TRIPS = 2
 

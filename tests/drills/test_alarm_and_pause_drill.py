@@ -28,7 +28,7 @@ from tests.drills import drill_app
 from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.drills.drill_app import CONSUMING, LOST, Outcomes
 from weclaw_mq import ConfirmTimeoutError, Settings
-from weclaw_mq.connection import CONNECT_TIMEOUT_S
+from weclaw_mq.publishing.connection import CONNECT_TIMEOUT_S
 
 CONFIRM_TIMEOUT_S = 2.0
 # Scheduling slack on a loaded 2-core machine, on top of the confirm timeout.

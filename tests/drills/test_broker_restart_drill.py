@@ -18,7 +18,7 @@ from tests.drills import drill_app
 from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.integration.processes import ready_count, ready_count_is
 from weclaw_mq import BrokerUnavailableError, Settings
-from weclaw_mq.connection import BrokerEndpoints
+from weclaw_mq.publishing.connection import BrokerEndpoints
 
 TASKS = 500
 CONCURRENCY = 20

@@ -15,8 +15,9 @@ from pydantic import BaseModel
 
 from tests.conftest import next_message, outcome_count, queue_depth, wait_until
 from tests.integration.processes import FIXTURE_APP, one_error_line, run_cli, settings_env
-from weclaw_mq import App, Context, RetryPolicy, TaskStatus, dlq, queue_stats
+from weclaw_mq import App, Context, RetryPolicy, TaskStatus
 from weclaw_mq import headers as h
+from weclaw_mq.admin import dlq, queue_stats
 from weclaw_mq.naming import dlq_name, retry_queue_name
 
 FAIL_ONCE_MORE = RetryPolicy(max_retries=1, delay_s=0.05)  # attempts 1 and 2, then the DLQ

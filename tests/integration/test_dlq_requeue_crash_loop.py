@@ -9,9 +9,10 @@ from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
 from tests.conftest import outcome_count, queue_depth, wait_until
-from weclaw_mq import App, TaskStatus, dlq
+from weclaw_mq import App, TaskStatus
 from weclaw_mq import headers as h
-from weclaw_mq.dlq_message import requeue_headers
+from weclaw_mq.admin import dlq
+from weclaw_mq.admin.dlq_message import requeue_headers
 from weclaw_mq.message import build_message
 from weclaw_mq.naming import dlq_name
 

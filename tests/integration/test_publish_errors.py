@@ -25,7 +25,7 @@ from weclaw_mq import (
     TaskStatus,
 )
 from weclaw_mq.message import build_message
-from weclaw_mq.producer import Publisher
+from weclaw_mq.publishing.producer import Publisher
 from weclaw_mq.topology import queue_declarations
 
 

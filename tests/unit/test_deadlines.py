@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from tests.conftest import wait_until
-from weclaw_mq.deadlines import TICK_S, Deadlines
+from weclaw_mq.worker.deadlines import TICK_S, Deadlines
 
 
 async def test_a_wait_past_its_deadline_raises_timeout_and_is_marked_expired() -> None:

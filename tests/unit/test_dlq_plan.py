@@ -6,8 +6,8 @@ import pytest
 from pamqp.commands import Basic
 
 from weclaw_mq import headers as h
+from weclaw_mq.admin.dlq_message import kept_properties, read_dead_letter, requeued_properties
 from weclaw_mq.broker_version import ServerVersion, dlq_plan, parse_server_version
-from weclaw_mq.dlq_message import kept_properties, read_dead_letter, requeued_properties
 from weclaw_mq.topology import QueueSpec, dlq_arguments, queue_declarations
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from weclaw_mq import errors
 from weclaw_mq import headers as h
+from weclaw_mq.admin.dlq_message import read_dead_letter
 from weclaw_mq.control_flow import Reject, Retry
-from weclaw_mq.dlq_message import read_dead_letter
 from weclaw_mq.errors import ConfigurationError, HandlerTimeout, WeclawMQError
 from weclaw_mq.failures import error_class, error_type, stable_error_type
 

@@ -11,8 +11,8 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from .. import dlq, dlq_message, queue_stats
 from .. import headers as h
+from ..admin import dlq, dlq_message, queue_stats
 from ..app import App
 from ..errors import ConfigurationError
 from ..naming import dlq_name

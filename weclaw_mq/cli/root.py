@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
+from ..admin.health import check_all
 from ..app import App
-from ..health import check_all
 from ..settings import Settings
 from ..tracing import configure_logging
 from .failures import fail

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from ..app import App
-from ..worker import Worker
+from ..worker.consume import Worker
 
 log = logging.getLogger("weclaw_mq.worker")
 

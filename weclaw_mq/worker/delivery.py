@@ -5,7 +5,7 @@ Nothing here acks before the handler returned and its result was stored; every p
 broker. Whatever the handler does (returns anything, raises anything, ignores its
 cancellation) ends the attempt as a success or a failure with a reason; only a cancel of the
 delivery's own task (the worker stopping hard) escapes, and the worker then gives the message
-back (``worker._settled``).
+back (``consume._settled``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ from typing import TYPE_CHECKING, Any
 import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 
-from . import tracing
-from .connection import cancelled_by_caller
-from .context import Context
-from .deadlines import Deadlines
-from .errors import (
+from .. import tracing
+from ..context import Context
+from ..errors import (
     HandlerAbandoned,
     HandlerTimeout,
     InvalidPayload,
@@ -34,19 +32,21 @@ from .errors import (
     UnserialisableResult,
     WorkerCrashLoop,
 )
-from .failures import describe, safe_text
-from .handler import HandlerSpec
-from .message import Delivery, read_delivery
-from .metrics import Metrics, Outcome
-from .retry import DeadLetterReason, GiveUp, RetryLater, decide
-from .settings import Settings
+from ..failures import describe, safe_text
+from ..handler import HandlerSpec
+from ..message import Delivery, read_delivery
+from ..metrics import Metrics, Outcome
+from ..publishing.connection import cancelled_by_caller
+from ..retry import DeadLetterReason, GiveUp, RetryLater, decide
+from ..settings import Settings
+from ..state import Claim, TaskState, TaskStatus, TaskStore, new_owner
+from ..tracing import TraceContext
+from ..undecodable import undecodable
+from .deadlines import Deadlines
 from .settle import Settler
-from .state import Claim, TaskState, TaskStatus, TaskStore, new_owner
-from .tracing import TraceContext
-from .undecodable import undecodable
 
 if TYPE_CHECKING:
-    from .app import App
+    from ..app import App
 
 log = logging.getLogger("weclaw_mq.worker")
 

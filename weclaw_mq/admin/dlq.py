@@ -20,15 +20,8 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
-from .app import App
-from .dlq_message import (
-    DeadLetter,
-    export_record,
-    kept_properties,
-    read_dead_letter,
-    requeued_properties,
-)
-from .errors import (
+from ..app import App
+from ..errors import (
     BrokerUnavailableError,
     ConfigurationError,
     ConfirmTimeoutError,
@@ -37,9 +30,16 @@ from .errors import (
     UnroutableError,
     WeclawMQError,
 )
-from .naming import dlq_name
-from .state import TaskState, TaskStatus, TaskStore
-from .undecodable import tolerant_properties, undecodable
+from ..naming import dlq_name
+from ..state import TaskState, TaskStatus, TaskStore
+from ..undecodable import tolerant_properties, undecodable
+from .dlq_message import (
+    DeadLetter,
+    export_record,
+    kept_properties,
+    read_dead_letter,
+    requeued_properties,
+)
 
 log = logging.getLogger("weclaw_mq.dlq")
 

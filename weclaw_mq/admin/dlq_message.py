@@ -27,10 +27,10 @@ from typing import Any
 from pamqp import encode
 from pamqp.commands import Basic
 
-from . import headers as h
-from .failures import stable_error_type
-from .message import CONTENT_TYPE
-from .undecodable import raw_properties, undecodable
+from .. import headers as h
+from ..failures import stable_error_type
+from ..message import CONTENT_TYPE
+from ..undecodable import raw_properties, undecodable
 
 # Our record of a failure: dropped from a requeued copy, so its next failure is told afresh.
 # The carried return count goes too: an operator requeues a crash-looping task after fixing

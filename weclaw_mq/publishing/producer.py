@@ -14,8 +14,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.message import Message
 
-from .connection import LINK_ERRORS, BrokerEndpoints, cancelled_by_caller, is_alive
-from .errors import (
+from ..errors import (
     BrokerUnavailableError,
     ConfirmTimeoutError,
     ConnectionLostError,
@@ -23,7 +22,8 @@ from .errors import (
     PublishNackedError,
     UnroutableError,
 )
-from .metrics import Metrics
+from ..metrics import Metrics
+from .connection import LINK_ERRORS, BrokerEndpoints, cancelled_by_caller, is_alive
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from .connection import BrokerEndpoints
-from .errors import BrokerUnavailableError
-from .settings import Settings, redact_url
+from ..errors import BrokerUnavailableError
+from ..publishing.connection import BrokerEndpoints
+from ..settings import Settings, redact_url
 
 PING_TIMEOUT_S = 5.0
 

@@ -26,18 +26,18 @@ from aio_pika.abc import (
     AbstractQueue,
 )
 
-from .app import App
-from .connection import LINK_ERRORS, backoff_s, cancelled_by_caller, when_lost
+from ..app import App
+from ..errors import ConfigurationError
+from ..failures import describe
+from ..handler import HandlerSpec
+from ..publishing.connection import LINK_ERRORS, backoff_s, cancelled_by_caller, when_lost
+from ..publishing.producer import Publisher
+from ..settings import BROKER_CONSUMER_TIMEOUT_S
+from ..topology import declare
+from ..undecodable import tolerant_properties
 from .deadlines import Deadlines
-from .errors import ConfigurationError
-from .failures import describe
-from .handler import HandlerSpec
-from .process import Runtime, process
-from .producer import Publisher
-from .settings import BROKER_CONSUMER_TIMEOUT_S
+from .delivery import Runtime, process
 from .settle import Settler
-from .topology import declare
-from .undecodable import tolerant_properties
 
 log = logging.getLogger("weclaw_mq.worker")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .app import App
+from ..app import App
+from ..naming import dlq_name, retry_queue_name
 from .dlq import connected, ready_count
-from .naming import dlq_name, retry_queue_name
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,16 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
-from . import headers as h
-from .connection import cancelled_by_caller
-from .control_flow import Retry
+from .. import headers as h
+from ..control_flow import Retry
+from ..errors import WeclawMQError
+from ..failures import describe, error_class, error_type, safe_text, traceback_text
+from ..message import Delivery, build_message
+from ..metrics import Metrics, Outcome
+from ..naming import dlq_name, retry_queue_name
+from ..publishing.connection import cancelled_by_caller
+from ..publishing.producer import Publisher
 from .deadlines import Deadlines
-from .errors import WeclawMQError
-from .failures import describe, error_class, error_type, safe_text, traceback_text
-from .message import Delivery, build_message
-from .metrics import Metrics, Outcome
-from .naming import dlq_name, retry_queue_name
-from .producer import Publisher
 
 log = logging.getLogger(__name__)
 # Outcome lines go where the rest of the worker's lines go.

@@ -17,9 +17,9 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
-from .broker_version import ServerVersion, parse_server_version
-from .errors import BrokerUnavailableError
-from .settings import Settings, redact_url
+from ..broker_version import ServerVersion, parse_server_version
+from ..errors import BrokerUnavailableError
+from ..settings import Settings, redact_url
 
 log = logging.getLogger("weclaw_mq.connection")
 

@@ -1,0 +1,1 @@
+"""The admin room: dead-letter triage, queue stats, health checks."""
