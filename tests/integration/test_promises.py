@@ -103,12 +103,12 @@ async def test_a_queued_write_after_running_or_succeeded_leaves_the_later_state(
 
     await start_worker(app, concurrency=2)
     task_id = await app.publish(qname, Job(n=1))
-    await wait_until(lambda: _has_status(app, task_id, TaskStatus.RUNNING), 10, "running")
-
-    await app.publish(qname, Job(n=2), task_id=task_id)
-    assert (await _status(app, task_id)).status is TaskStatus.RUNNING, "queued hid running"
-
-    release.set()
+    try:
+        await wait_until(lambda: _has_status(app, task_id, TaskStatus.RUNNING), 10, "running")
+        await app.publish(qname, Job(n=2), task_id=task_id)
+        assert (await _status(app, task_id)).status is TaskStatus.RUNNING, "queued hid running"
+    finally:
+        release.set()  # a failed check must not leave the handler waiting at the teardown
     done = await app.result(task_id, timeout_s=15)
     assert done.status is TaskStatus.SUCCEEDED and done.result == {"n": 1}
 
@@ -142,23 +142,26 @@ async def test_running_and_retrying_are_recorded_while_true(
 
     await start_worker(app)
     task_id = await app.publish(qname, Job())
+    try:
+        await wait_until(lambda: _has_status(app, task_id, TaskStatus.RUNNING), 10, "running")
+        assert (await _status(app, task_id)).attempt == 1
 
-    await wait_until(lambda: _has_status(app, task_id, TaskStatus.RUNNING), 10, "running")
-    assert (await _status(app, task_id)).attempt == 1
+        first_may_fail.set()
+        # Written before the copy goes to the delay queue, so it is there for the whole delay.
+        await wait_until(lambda: _has_status(app, task_id, TaskStatus.RETRYING), 10, "retrying")
+        retrying = await _status(app, task_id)
+        assert retrying.attempt == 1
+        assert retrying.error is not None and "the first attempt fails" in retrying.error
 
-    first_may_fail.set()
-    # Written before the copy goes to the delay queue, so it is there for the whole delay.
-    await wait_until(lambda: _has_status(app, task_id, TaskStatus.RETRYING), 10, "retrying")
-    retrying = await _status(app, task_id)
-    assert retrying.attempt == 1
-    assert retrying.error is not None and "the first attempt fails" in retrying.error
-
-    await wait_until(
-        lambda: _has_status(app, task_id, TaskStatus.RUNNING, attempt=2),
-        RETRY_DELAY_S + 10,
-        "the second attempt to run",
-    )
-    second_may_finish.set()
+        await wait_until(
+            lambda: _has_status(app, task_id, TaskStatus.RUNNING, attempt=2),
+            RETRY_DELAY_S + 10,
+            "the second attempt to run",
+        )
+    finally:
+        # A failed check must not leave a handler waiting at the teardown.
+        first_may_fail.set()
+        second_may_finish.set()
     done = await app.result(task_id, timeout_s=15)
     assert done.status is TaskStatus.SUCCEEDED and done.result == {"attempt": 2}
     await _assert_broker_end_state(app)
@@ -246,6 +249,7 @@ async def test_result_is_woken_by_the_notification_well_before_its_poll_interval
             latencies.append(time.monotonic() - stored_at[task_id])
             assert state.status is TaskStatus.SUCCEEDED
     finally:
+        release.set()  # a failed check must not leave the handler waiting at the teardown
         await client.aclose()
     assert max(latencies) < poll_s / 4, (
         f"result() returned {[f'{s:.3f}' for s in latencies]} s after the store: a poll "
