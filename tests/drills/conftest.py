@@ -53,6 +53,7 @@ from tests.integration.processes import (
     QueueCounts,
     WorkerProcess,
     end_state_problems,
+    fresh_ready_counts,
     parse_list_queues,
     queue_names,
     ready_count_is,
@@ -491,6 +492,7 @@ class DrillRun:
         self._report = report
         self._forget_tasks = forget
         self.end_state = "broker end state not checked"
+        self._expected_ready: dict[str, int] = {}
 
     def task_ids(self, count: int, prefix: str = "") -> list[str]:
         """New task ids, whose Redis records are deleted when the drill ends."""
@@ -567,7 +569,9 @@ class DrillRun:
         await self.wait_ran(expected, run_within_s)
         await self.wait_drained(node.url, drain_within_s)
         await self.check_end_state(node)
-        return await self.stop_worker()
+        stopped = await self.stop_worker()
+        await self.check_left_after_stop(node)
+        return stopped
 
     async def check_end_state(
         self, node: RabbitNode, expected_ready: dict[str, int] | None = None, within_s: float = 30
@@ -576,7 +580,8 @@ class DrillRun:
         app (the task queue, its delay queues, its DLQ) listed, with nothing unacked and
         nothing ready except ``expected_ready``. Read with rabbitmqctl on the node, not from
         our metrics; called while the worker still runs, so a delivery it holds unsettled
-        shows as unacked (after its exit the broker would turn it back into a ready one)."""
+        shows as unacked. Those counts are statistics up to 5 s old (the broker's
+        collect_statistics_interval): ``check_left_after_stop`` is the fresh reading."""
         names = queue_names(self.app)
         expected = expected_ready or {}
         problems: list[str] = []
@@ -590,8 +595,18 @@ class DrillRun:
             await wait_until(as_expected, within_s, "the broker to report the end state")
         except AssertionError:
             raise AssertionError(f"end state on the broker: {'; '.join(problems)}") from None
+        self._expected_ready = expected
         dlq = sum(expected.get(n, 0) for n in names if n.endswith(".dlq"))
         self.end_state = f"broker: {len(names)} queues, 0 unacked, {dlq} in the DLQ"
+
+    async def check_left_after_stop(self, node: RabbitNode) -> None:
+        """Once the worker is gone, every queue's ready count read afresh (passive declare)
+        is the expected one: a delivery it had left unacked would be ready again now."""
+        names = queue_names(self.app)
+        found = await fresh_ready_counts(node.url, names)
+        wanted = {n: self._expected_ready.get(n, 0) for n in names}
+        assert found == wanted, f"left in the queues after the worker stopped: {found}"
+        self.end_state += " (and 0 ready after the worker's exit)"
 
     def report(self, drill: str, *, published: int, confirmed: set[str], notes: str) -> DrillRow:
         """The drill's row in the table, counted from the effects against ``confirmed``."""

@@ -117,6 +117,7 @@ async def test_every_publish_during_connection_cuts_is_stored_or_raises(
         assert worker.popen.poll() is None, f"the worker died: {worker.describe()}"
         consumed = worker.log().count(CONSUMING)
         exit_code, stuck = await run.stop_worker()
+        await run.check_left_after_stop(node)
 
         row = run.report(
             f"close_all_connections x{CUTS} during publish",

@@ -29,6 +29,7 @@ from tests.integration.processes import (
     all_empty,
     broker_queue_counts,
     end_state_problems,
+    fresh_ready_counts,
     queue_names,
 )
 from weclaw_mq import App, TaskStatus
@@ -184,6 +185,10 @@ async def test_worker_killed_three_times_mid_stream_loses_no_task(
             raise AssertionError(f"end state on the broker: {'; '.join(problems)}") from None
         last.signal(signal.SIGTERM)
         assert await last.wait_exit(30) == 0, last.describe()
+        # The statistics above may be 5 s old; read afresh with the worker gone, a delivery
+        # it had left unacked would be ready again.
+        left = await fresh_ready_counts(broker_url, names)
+        assert left == dict.fromkeys(names, 0), f"left in the queues: {left}"
         elapsed_s = time.perf_counter() - started
 
         statuses = await _statuses(publisher, ids)
@@ -203,7 +208,8 @@ async def test_worker_killed_three_times_mid_stream_loses_no_task(
             seconds=elapsed_s,
             notes=f"duplicates per kill {per_kill} ({bounds.kill9_bound_text(KILLS)}); "
             f"seed {seed}; killed at completions {killed_at}; publish {publish_s:.1f} s; "
-            f"broker: {len(names)} queues, 0 unacked, 0 in the DLQ; every status succeeded",
+            f"broker: {len(names)} queues, 0 unacked, 0 in the DLQ (and 0 ready after the "
+            "worker's exit); every status succeeded",
         )
         assert set(runs) == set(ids), "a task never completed"
         assert recovered == TASKS, f"statuses: {dict(statuses)}"

@@ -319,7 +319,14 @@ def parse_list_queues(out: str, names: Sequence[str]) -> dict[str, QueueCounts]:
 async def broker_queue_counts(names: Sequence[str]) -> dict[str, QueueCounts]:
     """Ready and unacked counts of ``names`` on the machine's default broker, read with
     ``rabbitmqctl`` (root, as in CI): the broker's word, not our metrics. AMQP's passive
-    declare reports ready messages only, so "nothing unacked" needs the CLI."""
+    declare reports ready messages only, so "nothing unacked" needs the CLI.
+
+    These are the queue's statistics, which the broker refreshes every
+    ``collect_statistics_interval`` (5 s by default): a reading may be that old. A check that
+    needs a reading taken after some moment must prove it (see the marker in
+    test_promises.py); a check of the end state also reads the ready counts afresh with a
+    passive declare once the consumer is gone (``fresh_ready_counts``): its unacked messages
+    would be ready again by then."""
     proc = await asyncio.create_subprocess_exec(
         "rabbitmqctl",
         *LIST_QUEUES_ARGS,
@@ -350,3 +357,8 @@ def end_state_problems(
         if got.unacked or got.ready != want:
             problems.append(f"{name}: {got.ready} ready (expected {want}), {got.unacked} unacked")
     return problems
+
+
+async def fresh_ready_counts(broker_url: str, names: Sequence[str]) -> dict[str, int]:
+    """Ready counts read now, by a passive declare per queue (not the periodic statistics)."""
+    return {name: await ready_count(broker_url, name) for name in names}

@@ -12,7 +12,8 @@ from our own metrics.
 - the carried return count ends a crash loop that hops through the delay queue, with reason
   ``delivery_limit``;
 - a connection cut between "publish to the delay queue" and "ack" loses nothing, and the
-  task ends exactly once.
+  task ends exactly once;
+- no ack before the result is stored (the broker's unacked count says so).
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ from pydantic import BaseModel
 
 from tests.conftest import wait_until
 from tests.integration.processes import (
+    QueueCounts,
     WorkerFleet,
     WorkerProcess,
     broker_queue_counts,
     end_state_problems,
+    fresh_ready_counts,
     queue_names,
     take_one,
     worker_fleet,
 )
+from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, Reject, RetryPolicy, TaskState, TaskStatus
 from weclaw_mq import headers as h
 from weclaw_mq.naming import dlq_name, done_channel
@@ -64,11 +68,16 @@ async def _has_status(app: App, task_id: str, status: TaskStatus, attempt: int =
 
 
 async def _assert_broker_end_state(
-    app: App, expected_ready: dict[str, int] | None = None, within_s: float = 20
+    app: App, broker_url: str, expected_ready: dict[str, int] | None = None, within_s: float = 20
 ) -> None:
     """Until the broker reports every queue of ``app`` with nothing unacked and nothing ready
-    but ``expected_ready``; read with rabbitmqctl, not from our metrics."""
+    but ``expected_ready``; read with rabbitmqctl, not from our metrics, and the ready counts
+    afresh with a passive declare (rabbitmqctl's counts are statistics up to 5 s old)."""
     names = queue_names(app)
+    wanted = {n: (expected_ready or {}).get(n, 0) for n in names}
+    await wait_until(
+        lambda: fresh_ready_counts_are(broker_url, wanted), within_s, f"ready counts {wanted}"
+    )
     problems: list[str] = []
 
     async def as_expected() -> bool:
@@ -82,11 +91,15 @@ async def _assert_broker_end_state(
         raise AssertionError(f"end state on the broker: {'; '.join(problems)}") from None
 
 
+async def fresh_ready_counts_are(broker_url: str, wanted: dict[str, int]) -> bool:
+    return await fresh_ready_counts(broker_url, list(wanted)) == wanted
+
+
 # -- "queued" never overwrites a later state ---------------------------------------------------
 
 
 async def test_a_queued_write_after_running_or_succeeded_leaves_the_later_state(
-    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str, broker_url: str
 ) -> None:
     """The order forced: the same task id published again while its first copy runs, and
     again after it succeeded. Each second publish writes "queued" after the worker's record
@@ -117,7 +130,7 @@ async def test_a_queued_write_after_running_or_succeeded_leaves_the_later_state(
     assert after.status is TaskStatus.SUCCEEDED, "queued hid succeeded"
     assert after.result == {"n": 1}
     # Both extra copies were absorbed by the guard (acked unrun), as the broker confirms.
-    await _assert_broker_end_state(app)
+    await _assert_broker_end_state(app, broker_url)
     assert runs == [1], f"the handler ran for {runs}"
 
 
@@ -127,7 +140,7 @@ RETRY_DELAY_S = 1.0
 
 
 async def test_running_and_retrying_are_recorded_while_true(
-    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str, broker_url: str
 ) -> None:
     app = make_app(qname, **SHORT_TTLS)
     first_may_fail, second_may_finish = asyncio.Event(), asyncio.Event()
@@ -164,14 +177,14 @@ async def test_running_and_retrying_are_recorded_while_true(
         second_may_finish.set()
     done = await app.result(task_id, timeout_s=15)
     assert done.status is TaskStatus.SUCCEEDED and done.result == {"attempt": 2}
-    await _assert_broker_end_state(app)
+    await _assert_broker_end_state(app, broker_url)
 
 
 # -- succeeded is final -----------------------------------------------------------------------
 
 
 async def test_a_succeeded_record_refuses_a_later_status(
-    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str, broker_url: str
 ) -> None:
     """The handler is not guarded (``idempotent=False``), so the same task id published again
     after its success really runs again and fails: the worker then writes "running" and
@@ -192,7 +205,7 @@ async def test_a_succeeded_record_refuses_a_later_status(
 
     await app.publish(qname, Job(n=2), task_id=task_id)
     # The second run ended in the DLQ (its message is there): its writes were made by then.
-    await _assert_broker_end_state(app, {dlq_name(qname): 1})
+    await _assert_broker_end_state(app, broker_url, {dlq_name(qname): 1})
     assert calls == [1, 2]
     final = await _status(app, task_id)
     assert final.status is TaskStatus.SUCCEEDED, f"succeeded was overwritten: {final}"
@@ -308,7 +321,7 @@ async def test_the_carried_return_count_ends_a_crash_loop_that_hops_through_the_
     await wait_until(ended, 60, "the crash loop to end")
     state = await _status(fleet.app, task_id)
     assert state.reason == "delivery_limit", state
-    await _assert_broker_end_state(fleet.app, {dlq_name(fleet.queue): 1})
+    await _assert_broker_end_state(fleet.app, broker_url, {dlq_name(fleet.queue): 1})
     dead = await take_one(broker_url, dlq_name(fleet.queue))
     assert dead is not None and dead.message_id == task_id
     headers = dead.headers or {}
@@ -381,6 +394,7 @@ async def test_a_connection_cut_between_the_move_to_the_delay_queue_and_the_ack_
     make_app: Callable[..., App],
     start_worker: Callable[..., Any],
     qname: str,
+    broker_url: str,
     cut_before_move_ack: dict[str, Any],
 ) -> None:
     app = make_app(qname, reconnect_max_delay_s=0.5, **SHORT_TTLS)
@@ -407,6 +421,74 @@ async def test_a_connection_cut_between_the_move_to_the_delay_queue_and_the_ack_
     assert done.status is TaskStatus.SUCCEEDED
     # Both copies came back (the source, unacked, and the delay queue's): one ran, the other
     # was absorbed. Nothing is left, and nothing is unacked, says the broker.
-    await _assert_broker_end_state(app)
+    await _assert_broker_end_state(app, broker_url)
     assert successes == [task_id], f"the task succeeded {len(successes)} times"
     assert len(calls) >= 2
+
+
+# -- "no ack" before the result is stored, read from the broker ------------------------------
+
+
+class TestNoAckBeforeTheResultIsStored:
+    """Redis goes away between the handler's return and the result's store: the worker must
+    hold the delivery unacked until the result is stored. Whether it acked is read from the
+    broker's unacked count, not from the worker's metrics. This Redis is the test's own."""
+
+    @pytest.fixture
+    def redis_url(self, private_redis: PrivateRedis) -> str:
+        return private_redis.url
+
+    async def test_the_broker_holds_the_task_unacked_until_its_result_is_stored(
+        self,
+        make_app: Callable[..., App],
+        start_worker: Callable[..., Any],
+        qname: str,
+        broker_url: str,
+        private_redis: PrivateRedis,
+    ) -> None:
+        app = make_app(qname, result_store_patience_s=60, **SHORT_TTLS)
+        finish = asyncio.Event()
+        returned: list[str] = []
+
+        @app.handler(qname)
+        async def work(task: Job, ctx: Context) -> dict[str, int]:
+            await finish.wait()
+            returned.append(ctx.task_id)
+            return {"n": task.n}
+
+        # Concurrency 1, so prefetch 1: while the worker holds the task, the marker below
+        # waits in the queue, ready.
+        await start_worker(app, concurrency=1)
+        task_id = await app.publish(qname, Job(n=5))
+        try:
+            await wait_until(lambda: _has_status(app, task_id, TaskStatus.RUNNING), 10, "running")
+            await asyncio.to_thread(private_redis.stop)
+        finally:
+            finish.set()
+        await wait_until(lambda: returned == [task_id], 10, "the handler to return")
+        # rabbitmqctl's counts are statistics refreshed every few seconds: a reading that
+        # shows the marker (published after the handler returned) was taken after that.
+        marker = await app.publish(qname, Job(n=6))
+        seen: list[QueueCounts] = []
+
+        async def fresh_reading() -> bool:
+            seen.append((await broker_queue_counts([qname]))[qname])
+            return seen[-1].ready == 1
+
+        await wait_until(
+            fresh_reading,
+            30,
+            f"a reading that shows the marker ready (seen {seen[-3:]}; when it never comes, "
+            "the worker took the marker: it had let go of the task, i.e. acked it)",
+        )
+        assert seen[-1].unacked == 1, (
+            f"the broker reports {seen[-1]} after the handler returned, while its result "
+            "could not be stored: the task was acked without its result"
+        )
+        assert returned == [task_id], "the worker took the marker: it let go of the task"
+
+        await asyncio.to_thread(private_redis.start)
+        done = await app.result(task_id, timeout_s=60)
+        assert done.status is TaskStatus.SUCCEEDED and done.result == {"n": 5}
+        assert (await app.result(marker, timeout_s=30)).status is TaskStatus.SUCCEEDED
+        await _assert_broker_end_state(app, broker_url)
