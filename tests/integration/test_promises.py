@@ -24,6 +24,7 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,8 @@ async def test_result_is_woken_by_the_notification_well_before_its_poll_interval
         for n in range(3):
             release.clear()
             task_id = await app.publish(qname, Job(n=n))
-            await wait_until(lambda t=task_id: _has_status(app, t, TaskStatus.RUNNING), 10)
+            running = partial(_has_status, app, task_id, TaskStatus.RUNNING)
+            await wait_until(running, 10, "the task to run")
             waiter = asyncio.create_task(app.result(task_id, timeout_s=30))
 
             async def subscribed(t: str = task_id) -> bool:
@@ -325,7 +327,8 @@ async def test_the_carried_return_count_ends_a_crash_loop_that_hops_through_the_
     dead = await take_one(broker_url, dlq_name(fleet.queue))
     assert dead is not None and dead.message_id == task_id
     headers = dead.headers or {}
-    deaths = {(_text(d.get("queue")), _text(d.get("reason"))) for d in headers.get(h.X_DEATH) or []}
+    x_death: list[dict[str, Any]] = list(headers.get(h.X_DEATH) or [])  # type: ignore[arg-type]
+    deaths = {(_text(d.get("queue")), _text(d.get("reason"))) for d in x_death}
     # It hopped: the broker dead-lettered it out of a delay queue when its delay expired.
     assert any(q != fleet.queue and r == "expired" for q, r in deaths), headers
     # Ended by the worker on the return that passed the limit (our header), not the broker.
