@@ -471,7 +471,9 @@ def drill_settings(url: str, redis_url: str, **overrides: Any) -> Settings:
 class DrillRun:
     """One drill's queue, effects file, app (which declares and publishes, never consumes)
     and worker process, with the steps every drill takes: start the worker, wait until the
-    tasks ran and the queue drained, stop the worker, count the effects into the drill table."""
+    tasks ran and the queue drained, check the end state on the broker (nothing unacked,
+    nothing left in the queue, its delay queues or its DLQ), stop the worker, read the queues
+    afresh, count the effects into the drill table."""
 
     def __init__(
         self,
