@@ -3,7 +3,7 @@
     make bench-own-cost                      # or: .venv/bin/python -m benchmarks.own_cost
     .venv/bin/python -m benchmarks.own_cost --n 20000 --rounds 5
 
-It drives ``weclaw_mq.process.process()`` (one delivery, start to end: read the delivery,
+It drives ``weclaw_mq.worker.delivery.process()`` (one delivery, start to end: read the delivery,
 trace context, decode and validate the body, the handler under its deadline, the handler
 timing and outcome metrics, the ack through the Settler) with a stand-in for aio-pika's
 IncomingMessage whose ``ack`` only counts. Guard and results are off: their cost is two Redis

@@ -26,8 +26,8 @@ from ..common import (
 )
 from .aio_hooks import track
 
-# weclaw_mq/worker/delivery.py on a successful guarded delivery: the claim script (SET NX PX + the "running"
-# record), then the result script (record + done marker): two EVALSHA.
+# weclaw_mq/worker/delivery.py on a successful guarded delivery: the claim script (SET NX PX
+# + the "running" record), then the result script (record + done marker): two EVALSHA.
 REDIS_ROUND_TRIPS = 2
 
 

@@ -38,7 +38,7 @@ import subprocess
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import delete_queues, settings_for, wait_until
-from tests.drills import drill_app
-from tests.integration.processes import WorkerProcess, queue_names, ready_count_is
+from tests.drills import bounds, drill_app
+from tests.integration.processes import (
+    LIST_QUEUES_ARGS,
+    QueueCounts,
+    WorkerProcess,
+    end_state_problems,
+    fresh_ready_counts,
+    parse_list_queues,
+    queue_names,
+    ready_count_is,
+)
 from tests.private_servers import PrivateRedis, PrivateServers, has_env, running
 from weclaw_mq import Settings
 from weclaw_mq.naming import GUARD_KEY_PREFIX, queue_key_pattern, task_keys
@@ -298,6 +307,11 @@ class RabbitNode:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 10)
 
+    async def queue_counts(self, names: Sequence[str]) -> dict[str, QueueCounts]:
+        """Ready and unacked counts of ``names``, as this node reports them."""
+        out = await self.ctl(*LIST_QUEUES_ARGS, "--formatter", "json")
+        return parse_list_queues(out, names)
+
     async def is_app_running(self) -> bool:
         try:
             await self.diag("check_running", timeout_s=30)
@@ -457,7 +471,9 @@ def drill_settings(url: str, redis_url: str, **overrides: Any) -> Settings:
 class DrillRun:
     """One drill's queue, effects file, app (which declares and publishes, never consumes)
     and worker process, with the steps every drill takes: start the worker, wait until the
-    tasks ran and the queue drained, stop the worker, count the effects into the drill table."""
+    tasks ran and the queue drained, check the end state on the broker (nothing unacked,
+    nothing left in the queue, its delay queues or its DLQ), stop the worker, read the queues
+    afresh, count the effects into the drill table."""
 
     def __init__(
         self,
@@ -477,6 +493,8 @@ class DrillRun:
         self._work_dir = work_dir
         self._report = report
         self._forget_tasks = forget
+        self.end_state = "broker end state not checked"
+        self._expected_ready: dict[str, int] = {}
 
     def task_ids(self, count: int, prefix: str = "") -> list[str]:
         """New task ids, whose Redis records are deleted when the drill ends."""
@@ -542,16 +560,55 @@ class DrillRun:
 
     async def finish(
         self,
-        url: str,
+        node: RabbitNode,
         expected: int | Collection[str],
         *,
         run_within_s: float = 60.0,
         drain_within_s: float = 30.0,
     ) -> tuple[int, int]:
-        """Wait until ``expected`` ran and the queue drained, then stop the worker."""
+        """Wait until ``expected`` ran and the queue drained, check the end state on the
+        broker (``check_end_state``), then stop the worker."""
         await self.wait_ran(expected, run_within_s)
-        await self.wait_drained(url, drain_within_s)
-        return await self.stop_worker()
+        await self.wait_drained(node.url, drain_within_s)
+        await self.check_end_state(node)
+        stopped = await self.stop_worker()
+        await self.check_left_after_stop(node)
+        return stopped
+
+    async def check_end_state(
+        self, node: RabbitNode, expected_ready: dict[str, int] | None = None, within_s: float = 30
+    ) -> None:
+        """Until the broker itself reports the drill's end state, or fail: every queue of the
+        app (the task queue, its delay queues, its DLQ) listed, with nothing unacked and
+        nothing ready except ``expected_ready``. Read with rabbitmqctl on the node, not from
+        our metrics; called while the worker still runs, so a delivery it holds unsettled
+        shows as unacked. Those counts are statistics up to 5 s old (the broker's
+        collect_statistics_interval): ``check_left_after_stop`` is the fresh reading."""
+        names = queue_names(self.app)
+        expected = expected_ready or {}
+        problems: list[str] = []
+
+        async def as_expected() -> bool:
+            nonlocal problems
+            problems = end_state_problems(await node.queue_counts(names), names, expected)
+            return not problems
+
+        try:
+            await wait_until(as_expected, within_s, "the broker to report the end state")
+        except AssertionError:
+            raise AssertionError(f"end state on the broker: {'; '.join(problems)}") from None
+        self._expected_ready = expected
+        dlq = sum(expected.get(n, 0) for n in names if n.endswith(".dlq"))
+        self.end_state = f"broker: {len(names)} queues, 0 unacked, {dlq} in the DLQ"
+
+    async def check_left_after_stop(self, node: RabbitNode) -> None:
+        """Once the worker is gone, every queue's ready count read afresh (passive declare)
+        is the expected one: a delivery it had left unacked would be ready again now."""
+        names = queue_names(self.app)
+        found = await fresh_ready_counts(node.url, names)
+        wanted = {n: self._expected_ready.get(n, 0) for n in names}
+        assert found == wanted, f"left in the queues after the worker stopped: {found}"
+        self.end_state += " (and 0 ready after the worker's exit)"
 
     def report(self, drill: str, *, published: int, confirmed: set[str], notes: str) -> DrillRow:
         """The drill's row in the table, counted from the effects against ``confirmed``."""
@@ -561,7 +618,7 @@ class DrillRun:
             confirmed=confirmed,
             effects=self.ran(),
             seconds=time.perf_counter() - self.started,
-            notes=notes,
+            notes=f"{notes}; {self.end_state}",
         )
 
     def assert_clean(self, row: DrillRow, exit_code: int, stuck: int) -> None:
@@ -727,6 +784,9 @@ def pytest_terminal_summary(
         terminalreporter.write_sep("=", "fault drills: counts from the runs above")
         for line in report.table():
             terminalreporter.write_line(line)
+        terminalreporter.write_line("bounds asserted (tests/drills/bounds.py):")
+        for line in bounds.bound_texts():
+            terminalreporter.write_line(f"  {line}")
         path = os.environ.get(REPORT_JSON_ENV)
         if path:
             Path(path).write_text(json.dumps([r.__dict__ for r in report.rows], indent=2))

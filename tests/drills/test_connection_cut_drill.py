@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import delete_queues, wait_until
-from tests.drills import drill_app
+from tests.drills import bounds, drill_app
+from tests.drills.bounds import CUT_ERROR_TYPES
 from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.drills.drill_app import CONSUMING, LOST, Outcomes
 from tests.drills.tcp_proxy import TcpProxy
@@ -96,6 +97,13 @@ async def test_every_publish_during_connection_cuts_is_stored_or_raises(
 
         assert not outcomes.hung, f"{len(outcomes.hung)} publish(es) neither returned nor raised"
         assert not outcomes.foreign, f"raised outside WeclawMQError: {outcomes.foreign}"
+        # The README names the errors a publish during a cut raises: no others.
+        unnamed = {
+            t: type(e).__name__
+            for t, e in outcomes.failed.items()
+            if type(e).__name__ not in CUT_ERROR_TYPES
+        }
+        assert not unnamed, f"raised outside {CUT_ERROR_TYPES}: {outcomes.error_kinds()}"
         # The caller's answer to a failed publish: the same task again, same task id.
         retried = Outcomes()
         position = {t: n for n, t in enumerate(ids)}
@@ -105,9 +113,11 @@ async def test_every_publish_during_connection_cuts_is_stored_or_raises(
 
         await run.wait_ran(TASKS, 120)
         await run.wait_drained(node.url)
+        await run.check_end_state(node)
         assert worker.popen.poll() is None, f"the worker died: {worker.describe()}"
         consumed = worker.log().count(CONSUMING)
         exit_code, stuck = await run.stop_worker()
+        await run.check_left_after_stop(node)
 
         row = run.report(
             f"close_all_connections x{CUTS} during publish",
@@ -135,11 +145,9 @@ async def test_every_publish_during_connection_cuts_is_stored_or_raises(
 
 # -- 2. a blackholed connection ---------------------------------------------------------------
 
-HEARTBEAT_S = 2
-# aiormq declares the peer dead after (heartbeat + 1) * 3 s without a frame, checked every
-# heartbeat / 2 s (at least 1 s); 2 s of margin for a loaded 2-core machine.
-STUCK_AFTER_S = (HEARTBEAT_S + 1) * 3
-DETECT_BOUND_S = STUCK_AFTER_S + max(1, HEARTBEAT_S // 2) + 2
+HEARTBEAT_S = bounds.HEARTBEAT_S
+STUCK_AFTER_S = bounds.HEARTBEAT_STUCK_AFTER_S
+DETECT_BOUND_S = bounds.HEARTBEAT_DETECT_BOUND_S
 BLACKHOLE_CONFIRM_TIMEOUT_S = 3.0
 # During a blackhole a publish waits for its confirm, or for one connect attempt to time out.
 BLACKHOLE_PUBLISH_LIMIT_S = BLACKHOLE_CONFIRM_TIMEOUT_S + CONNECT_TIMEOUT_S + 2
@@ -221,13 +229,13 @@ async def test_blackholed_connection_is_detected_within_the_heartbeat_bound_and_
         reconnect_s = time.monotonic() - healed_at
         await drill_app.publish_jobs(app, queue, after)  # raises unless all are confirmed
         confirmed = set(before) | set(after) | on_silent_link.confirmed | on_dead_link.confirmed
-        exit_code, stuck = await run.finish(node.url, confirmed)
+        exit_code, stuck = await run.finish(node, confirmed)
 
         row = run.report(
             "blackhole (TCP proxy), heartbeat 2 s",
             published=BEFORE + AFTER + 2 * PROBES,
             confirmed=confirmed,
-            notes=f"worker noticed in {detect_s:.1f} s (bound {DETECT_BOUND_S} s), "
+            notes=f"worker noticed in {detect_s:.1f} s ({bounds.heartbeat_bound_text()}), "
             f"reconnected {reconnect_s:.1f} s after the heal; publishes on the silent link: "
             f"{on_silent_link.summary()}; after it died: {on_dead_link.summary()}",
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -288,3 +289,76 @@ async def take_one(broker_url: str, queue: str) -> aio_pika.abc.AbstractIncoming
         return await get_message(await conn.channel(), queue)
     finally:
         await conn.close()
+
+
+# -- the broker's own counts ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    """A queue's counts as the broker reports them (``rabbitmqctl list_queues``)."""
+
+    ready: int
+    unacked: int
+
+
+LIST_QUEUES_ARGS = ("list_queues", "-q", "name", "messages_ready", "messages_unacknowledged")
+
+
+def parse_list_queues(out: str, names: Sequence[str]) -> dict[str, QueueCounts]:
+    """``names`` -> their counts, from ``rabbitmqctl list_queues ... --formatter json``
+    output; a queue the broker does not list is missing from the answer."""
+    wanted = set(names)
+    return {
+        row["name"]: QueueCounts(int(row["messages_ready"]), int(row["messages_unacknowledged"]))
+        for row in json.loads(out or "[]")
+        if row["name"] in wanted
+    }
+
+
+async def broker_queue_counts(names: Sequence[str]) -> dict[str, QueueCounts]:
+    """Ready and unacked counts of ``names`` on the machine's default broker, read with
+    ``rabbitmqctl`` (root, as in CI): the broker's word, not our metrics. AMQP's passive
+    declare reports ready messages only, so "nothing unacked" needs the CLI.
+
+    These are the queue's statistics, which the broker refreshes every
+    ``collect_statistics_interval`` (5 s by default): a reading may be that old. A check that
+    needs a reading taken after some moment must prove it (see the marker in
+    test_promises.py); a check of the end state also reads the ready counts afresh with a
+    passive declare once the consumer is gone (``fresh_ready_counts``): its unacked messages
+    would be ready again by then."""
+    proc = await asyncio.create_subprocess_exec(
+        "rabbitmqctl",
+        *LIST_QUEUES_ARGS,
+        "--formatter",
+        "json",
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    if proc.returncode != 0:
+        raise AssertionError(f"rabbitmqctl list_queues exited {proc.returncode}: {err.decode()}")
+    return parse_list_queues(out.decode(), names)
+
+
+def end_state_problems(
+    counts: dict[str, QueueCounts], names: Sequence[str], expected_ready: dict[str, int]
+) -> list[str]:
+    """What differs from the expected end state: every queue listed, nothing unacked, and
+    ``expected_ready`` messages ready (0 for a queue not named there)."""
+    problems = []
+    for name in names:
+        got = counts.get(name)
+        if got is None:
+            problems.append(f"{name}: not listed by the broker")
+            continue
+        want = expected_ready.get(name, 0)
+        if got.unacked or got.ready != want:
+            problems.append(f"{name}: {got.ready} ready (expected {want}), {got.unacked} unacked")
+    return problems
+
+
+async def fresh_ready_counts(broker_url: str, names: Sequence[str]) -> dict[str, int]:
+    """Ready counts read now, by a passive declare per queue (not the periodic statistics)."""
+    return {name: await ready_count(broker_url, name) for name in names}
