@@ -80,7 +80,7 @@ class Runtime:
 
 
 class _Gate(Enum):
-    UNGUARDED = "unguarded"  # Redis down, and the user chose run_unguarded
+    UNGUARDED = "unguarded"  # the store is down, and the user chose run_unguarded
     SETTLED = "settled"  # duplicate or deferred: nothing more to do
 
 
@@ -212,10 +212,10 @@ async def _pass_guard(
         claim = await store.claim(spec.queue, delivery.task_id, owner, running=running)
     except Exception as e:  # the store unreachable or failing: the same answer either way
         if rt.settings.guard_on_redis_down == "run_unguarded":
-            log.warning("Redis unavailable (%s); running UNGUARDED as configured", e)
+            log.warning("task store unavailable (%s); running UNGUARDED as configured", e)
             return _Gate.UNGUARDED
-        log.warning("Redis unavailable (%s: %s)", type(e).__name__, e)
-        await _defer(message, delivery, spec, rt, "Redis unavailable, the guard cannot tell")
+        log.warning("task store unavailable (%s: %s)", type(e).__name__, e)
+        await _defer(message, delivery, spec, rt, "the task store is down, the guard cannot tell")
         return _Gate.SETTLED
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
         if claim is not Claim.DONE:
@@ -252,7 +252,7 @@ async def _mark_done_quietly(store: TaskStore, spec: HandlerSpec, delivery: Deli
 
 
 def _as_json(result: Any) -> Any:
-    """The result as plain JSON data, decided here once, before any Redis write.
+    """The result as plain JSON data, decided here once, before any store write.
 
     A round trip through JSON text: what comes back always encodes (no cycles, no ``bytes``
     that are not UTF-8, no lone surrogates), so a store that fails later is the store's fault,
@@ -398,7 +398,7 @@ async def _finish(
 
 
 async def _patiently(rt: Runtime, write: Callable[[], Awaitable[object]]) -> None:
-    """Retry a Redis write with backoff for up to ``result_store_patience_s``."""
+    """Retry a store write with backoff for up to ``result_store_patience_s``."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + rt.settings.result_store_patience_s
     delay = 0.1
