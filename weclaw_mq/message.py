@@ -68,14 +68,18 @@ def check_encodable(queue: str, message: aio_pika.Message) -> None:
 def _check_short_string(what: str, value: object) -> None:
     if not isinstance(value, str):
         raise MessageEncodingError(f"the {what} must be a str, not {type(value).__name__}")
+    _check_utf8_size(f"the {what}", value, SHORTSTR_MAX_BYTES)
+
+
+def _check_utf8_size(what: str, value: str, limit: int) -> None:
+    """``value`` encodes as UTF-8 in at most ``limit`` bytes (AMQP counts bytes, not chars)."""
     try:
         size = len(value.encode())
     except UnicodeError as e:
-        raise MessageEncodingError(f"the {what} {value[:40]!r} is not valid UTF-8 ({e})") from e
-    if size > SHORTSTR_MAX_BYTES:
+        raise MessageEncodingError(f"{what} {value[:40]!r} is not valid UTF-8 ({e})") from e
+    if size > limit:
         raise MessageEncodingError(
-            f"the {what} is {size} bytes long; AMQP carries at most {SHORTSTR_MAX_BYTES} "
-            f"(starts {value[:40]!r})"
+            f"{what} is {size} bytes long; AMQP carries at most {limit} (starts {value[:40]!r})"
         )
 
 
@@ -87,15 +91,7 @@ def _check_field_names(value: object, path: str) -> None:
                 raise MessageEncodingError(
                     f"{path}: field name {key!r} must be a str, not {type(key).__name__}"
                 )
-            try:
-                size = len(key.encode())
-            except UnicodeError as e:
-                raise MessageEncodingError(f"{path}: field name {key[:40]!r} is not UTF-8") from e
-            if size > HEADER_NAME_MAX_BYTES:
-                raise MessageEncodingError(
-                    f"{path}: field name {key[:40]!r}... is {size} bytes long; AMQP carries "
-                    f"at most {HEADER_NAME_MAX_BYTES}"
-                )
+            _check_utf8_size(f"{path}: field name", key, HEADER_NAME_MAX_BYTES)
             _check_field_names(item, f"{path}[{key!r}]")
     elif isinstance(value, list):
         for i, item in enumerate(value):
