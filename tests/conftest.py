@@ -10,6 +10,7 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -267,3 +268,25 @@ def outcome_count(app: App, queue: str, outcome: str) -> float:
         "weclaw_mq_messages_total", {"queue": queue, "outcome": str(outcome)}
     )
     return value or 0.0
+
+
+def close_connections(name: str, *, prefix: bool = False) -> int:
+    """Have the shared broker close the connections its clients named ``name`` (or whose name
+    starts with it); how many. Only ever a test's own connections: the names carry its queue."""
+    listing = subprocess.run(
+        ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    wanted = f'{{"connection_name","{name}' + ("" if prefix else '"}')
+    pids = [line.split("\t", 1)[0] for line in listing.splitlines() if wanted in line]
+    for pid in pids:
+        subprocess.run(
+            ["rabbitmqctl", "-q", "close_connection", pid, "closed by a weclaw_mq test"],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+    return len(pids)

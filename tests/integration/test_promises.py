@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import signal
-import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
@@ -32,7 +31,7 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from tests.conftest import wait_until
+from tests.conftest import close_connections, wait_until
 from tests.integration.processes import (
     QueueCounts,
     WorkerFleet,
@@ -348,30 +347,6 @@ def _text(value: Any) -> str:
 # -- a connection cut between "publish to the delay queue" and "ack" ---------------------------
 
 
-def _close_connections_starting(prefix: str) -> int:
-    """Have the broker close every connection whose client name starts with ``prefix``."""
-    listing = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    pids = [
-        line.split("\t", 1)[0]
-        for line in listing.splitlines()
-        if f'{{"connection_name","{prefix}' in line
-    ]
-    for pid in pids:
-        subprocess.run(
-            ["rabbitmqctl", "-q", "close_connection", pid, "cut by weclaw_mq test"],
-            capture_output=True,
-            check=True,
-            timeout=60,
-        )
-    return len(pids)
-
-
 @pytest.fixture
 def cut_before_move_ack(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """A hook on the worker's settlement: the first ack of the task named in ``cut["task"]``
@@ -387,7 +362,7 @@ def cut_before_move_ack(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, A
     async def ack_after_a_cut(self: Settler, message: Any, *, requeue: bool | None) -> bool:
         first_ack = requeue is None and message.message_id == cut["task"] and not cut["closed"]
         if cut["task"] is not None and first_ack:
-            cut["closed"] = await asyncio.to_thread(_close_connections_starting, cut["prefix"])
+            cut["closed"] = await asyncio.to_thread(close_connections, cut["prefix"], prefix=True)
             cut["ack_went_through"] = await settle(self, message, requeue=requeue)
             return bool(cut["ack_went_through"])
         return await settle(self, message, requeue=requeue)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import uuid
 from collections.abc import Callable
 
@@ -11,7 +10,7 @@ import aio_pika
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, get_message, queue_depth
+from tests.conftest import close_connections, delete_queues, get_message, queue_depth
 from weclaw_mq import (
     App,
     ConnectionLostError,
@@ -234,37 +233,13 @@ async def test_refused_publish_leaves_no_queued_status_behind(
     assert await app.status(nacked) is None, "nacked task reported as queued"
 
 
-def _close_connections_named(name: str) -> int:
-    """Have the broker close every connection whose client named it ``name``; how many."""
-    listing = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout
-    pids = [
-        line.split("\t", 1)[0]
-        for line in listing.splitlines()
-        if f'{{"connection_name","{name}"}}' in line
-    ]
-    for pid in pids:
-        subprocess.run(
-            ["rabbitmqctl", "-q", "close_connection", pid, "closed by weclaw_mq test"],
-            capture_output=True,
-            check=True,
-            timeout=30,
-        )
-    return len(pids)
-
-
 async def test_app_publishes_again_after_the_broker_closed_its_connection(
     make_app: Callable[..., App], qname: str, amqp: aio_pika.abc.AbstractChannel
 ) -> None:
     # Named after the queue: the connection to close is found by its name.
     app = await _app_with_prompt_handler(make_app, qname, name=qname)
     await app.publish(qname, Prompt(text="opens the producer connection"))
-    assert await asyncio.to_thread(_close_connections_named, f"{qname}-producer") == 1
+    assert await asyncio.to_thread(close_connections, f"{qname}-producer") == 1
 
     # The client may or may not have seen the close yet: one publish may fail with
     # ConnectionLostError (outcome unknown), the next must open a fresh connection and work.
