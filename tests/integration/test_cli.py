@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis.asyncio as aioredis
 import typer
 
 from tests.conftest import delete_queues, settings_for
@@ -21,7 +22,9 @@ from tests.integration.processes import (
     settings_env,
     take_one,
 )
+from weclaw_mq import App, TaskState, TaskStatus
 from weclaw_mq.cli import cli
+from weclaw_mq.naming import latest_key, state_key
 
 SECRET = "s3cret-pass"
 
@@ -147,3 +150,38 @@ async def test_help_of_every_command_exits_zero(command: list[str]) -> None:
     assert result.code == 0, result.stderr
     assert "Usage:" in result.stdout
     assert result.stderr == ""
+
+
+async def test_status_reads_the_record_of_the_queue_asked_for_or_the_latest(
+    broker_url: str, redis_url: str, qname: str
+) -> None:
+    settings = settings_for(broker_url, redis_url)
+    task_id = f"{qname}-shared-id"
+    async with App("test-cli-status", settings=settings) as app:
+        store = app.results
+        assert store is not None
+        await store.record(
+            TaskState(task_id=task_id, queue=f"{qname}-a", status=TaskStatus.SUCCEEDED)
+        )
+        await store.record(
+            TaskState(task_id=task_id, queue=f"{qname}-b", status=TaskStatus.RUNNING)
+        )
+    env = settings_env(settings)
+
+    latest = await run_cli("status", task_id, env=env)
+    first = await run_cli("status", task_id, "--queue", f"{qname}-a", env=env)
+    unknown = await run_cli("status", task_id, "--queue", f"{qname}-c", env=env)
+
+    assert latest.code == 0, latest.stderr
+    assert json.loads(latest.stdout)["queue"] == f"{qname}-b"
+    assert first.code == 0, first.stderr
+    assert json.loads(first.stdout)["status"] == "succeeded"
+    assert unknown.code == 1
+    assert "no status recorded" in one_error_line(unknown)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.delete(
+            state_key(f"{qname}-a", task_id), state_key(f"{qname}-b", task_id), latest_key(task_id)
+        )
+    finally:
+        await client.aclose()

@@ -122,6 +122,14 @@ def status(
         float,
         typer.Option("--wait", min=0, help="Wait up to this many seconds for a final state."),
     ] = 0.0,
+    queue: Annotated[
+        str | None,
+        typer.Option(
+            "--queue",
+            "-q",
+            help="The task's record in this queue (default: its most recently written one).",
+        ),
+    ] = None,
 ) -> None:
     """Print a task's status (and result) as JSON; exit 1 if the task is unknown."""
     configure_logging("WARNING")
@@ -129,9 +137,9 @@ def status(
     async def read() -> str | None:
         async with App("weclaw-mq-cli") as app:
             state = (
-                await app.result(task_id, timeout_s=wait_s)
+                await app.result(task_id, queue=queue, timeout_s=wait_s)
                 if wait_s > 0
-                else await app.status(task_id)
+                else await app.status(task_id, queue=queue)
             )
             return state.model_dump_json(indent=2) if state is not None else None
 
