@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from tests.conftest import outcome_count, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port, silent_server
+from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, StateUnavailableError, TaskState, TaskStatus
 from weclaw_mq import headers as h
 from weclaw_mq.metrics import Outcome
@@ -212,3 +213,35 @@ async def test_status_and_result_raise_state_unavailable_when_redis_never_answer
                 await asyncio.wait_for(app.status("some-task"), 10)
             with pytest.raises(StateUnavailableError):
                 await asyncio.wait_for(app.result("some-task", queue="q", timeout_s=5), 10)
+
+
+class TestResultWaitersAcrossARedisRestart:
+    """A result() waiter cut off by a Redis restart gives its pub/sub connection back to the
+    pool; before, each such waiter leaked one, until the pool was exhausted. The Redis is
+    this test's own (``private_redis``)."""
+
+    @pytest.fixture
+    def redis_url(self, private_redis: PrivateRedis) -> str:
+        return private_redis.url
+
+    async def test_a_waiter_cut_off_by_a_redis_restart_returns_its_connection(
+        self, make_app: Callable[..., App], private_redis: PrivateRedis, qname: str
+    ) -> None:
+        app = make_app()
+        store = app.results
+        assert isinstance(store, RedisTaskStore)
+        pool = store._redis.connection_pool
+        waiters = [
+            asyncio.create_task(app.result(f"{qname}-never-{n}", queue=qname, timeout_s=60))
+            for n in range(3)
+        ]
+        await wait_until(lambda: len(pool._in_use_connections) >= 3, 10, "3 subscriptions")
+
+        private_redis.stop()
+        for waiter in waiters:
+            with pytest.raises(StateUnavailableError):
+                await asyncio.wait_for(waiter, 30)
+        private_redis.start()
+
+        assert len(pool._in_use_connections) == 0, "a waiter kept its pub/sub connection"
+        assert await app.status(f"{qname}-never-0", queue=qname) is None  # the store works again

@@ -368,8 +368,10 @@ class RedisTaskStore:
                     ignore_subscribe_messages=True, timeout=min(left, _RECHECK_S)
                 )
         finally:
+            # aclose alone: it drops the subscription with the connection and is the one call
+            # that returns the connection to the pool. An unsubscribe first would fail on a
+            # Redis that just went away and skip it, leaking a connection per waiter.
             with contextlib.suppress(Exception):
-                await pubsub.unsubscribe()
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
