@@ -380,12 +380,14 @@ class App:
             if late:
                 log.warning("dropped %d queued-status write(s) Redis did not answer", len(late))
                 await asyncio.wait(late)
-        if self._publisher is not None:
-            publisher, self._publisher = self._publisher, None
-            await publisher.close()
-        if self._store is not None and self._owns_store:
-            store, self._store = self._store, None
-            await store.close()
+        try:
+            if self._publisher is not None:
+                publisher, self._publisher = self._publisher, None
+                await publisher.close()  # bounded, never raises
+        finally:
+            if self._store is not None and self._owns_store:
+                store, self._store = self._store, None
+                await store.close()
 
     async def __aenter__(self) -> App:
         return self

@@ -28,7 +28,7 @@ from tests.drills import bounds, drill_app
 from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.drills.drill_app import CONSUMING, LOST, Outcomes
 from weclaw_mq import ConfirmTimeoutError, Settings
-from weclaw_mq.publishing.connection import CONNECT_TIMEOUT_S
+from weclaw_mq.publishing.connection import CLOSE_TIMEOUT_S, CONNECT_TIMEOUT_S
 
 CONFIRM_TIMEOUT_S = bounds.ALARM_CONFIRM_TIMEOUT_S
 BEFORE = 100
@@ -168,3 +168,26 @@ async def test_worker_notices_a_paused_broker_within_the_heartbeat_bound_and_rec
     finally:
         node.resume()
         await run.clean_up(node)
+
+
+@pytest.mark.drill
+async def test_app_close_under_a_memory_alarm_returns_within_its_bound(
+    node: RabbitNode, drill_redis_url: str, new_drill_run: Callable[[str, Settings], DrillRun]
+) -> None:
+    """A blocked broker reads nothing, close-ok included: closing must not wait for the
+    alarm to clear (``weclaw-mq publish`` under an alarm would hang in its exit)."""
+    settings = drill_settings(node.url, drill_redis_url, confirm_timeout_s=CONFIRM_TIMEOUT_S)
+    run = new_drill_run("alarm-close", settings)
+    app, queue = run.app, run.queue
+    await app.declare()
+    try:
+        await node.set_memory_alarm(True)
+        with pytest.raises(ConfirmTimeoutError):
+            await app.publish(queue, drill_app.Job(n=0), task_id=run.task_ids(1)[0])
+        started = time.monotonic()
+        await app.close()
+        closed_in_s = time.monotonic() - started
+    finally:
+        await node.set_memory_alarm(False)
+    # One bounded close of the connection (its channel goes with it); 12 s before the bound.
+    assert closed_in_s < CLOSE_TIMEOUT_S + 1, f"App.close() took {closed_in_s:.1f} s"

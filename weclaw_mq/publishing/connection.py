@@ -24,6 +24,9 @@ from ..settings import Settings, redact_url
 log = logging.getLogger("weclaw_mq.connection")
 
 CONNECT_TIMEOUT_S = 10.0
+# Closing a channel or connection waits for the broker's close-ok; a blocked broker (memory
+# alarm) reads nothing until the alarm clears. Nothing we close waits longer than this.
+CLOSE_TIMEOUT_S = 5.0
 
 # What a dying connection or channel raises (OSError covers socket errors and timeouts).
 LINK_ERRORS = (

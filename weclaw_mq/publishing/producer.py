@@ -23,7 +23,13 @@ from ..errors import (
     UnroutableError,
 )
 from ..metrics import Metrics
-from .connection import LINK_ERRORS, BrokerEndpoints, cancelled_by_caller, is_alive
+from .connection import (
+    CLOSE_TIMEOUT_S,
+    LINK_ERRORS,
+    BrokerEndpoints,
+    cancelled_by_caller,
+    is_alive,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +64,19 @@ class Publisher:
         self._closing: set[asyncio.Future[None]] = set()
 
     async def connect(self) -> None:
-        """Open the channel now (``BrokerUnavailableError`` if no broker answers)."""
-        await self._ready_channel()
+        """Open the channel now, within ``confirm_timeout_s`` (``BrokerUnavailableError`` if
+        no broker answers or the link dies while opening: nothing was sent)."""
+        timeout_s = self._settings.confirm_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._ready_channel()
+        except BrokerUnavailableError:
+            raise
+        except (TimeoutError, *LINK_ERRORS) as e:
+            raise BrokerUnavailableError(
+                f"no channel to RabbitMQ within {timeout_s} s ({type(e).__name__}); "
+                "nothing was sent"
+            ) from e
 
     async def _ready_channel(self) -> AbstractChannel:
         channel = self._channel
@@ -195,20 +212,24 @@ class Publisher:
         self._metrics.publish_outcome(queue, outcome).inc()
 
     async def close(self) -> None:
+        """Close what we opened, each step bounded and never raising: a broker under a
+        memory alarm would otherwise hold ``App.close()`` until the alarm clears."""
         channel, self._channel = self._channel, None
-        if channel is not None and not channel.is_closed:
-            await channel.close()
-        if self._owns_connection and self._connection is not None:
-            conn, self._connection = self._connection, None
+        conn = self._connection if self._owns_connection else None
+        self._connection = None if self._owns_connection else self._connection
+        if conn is not None:
+            # Closing our connection closes its channels: one bounded wait, not two.
             if not conn.is_closed:
-                await conn.close()
+                await _close_quietly(conn)
+        elif channel is not None and not channel.is_closed:
+            await _close_quietly(channel)  # on a borrowed connection: only what is ours
 
 
 async def _close_quietly(link: AbstractChannel | AbstractConnection) -> None:
     try:
-        await link.close()
+        await asyncio.wait_for(link.close(), CLOSE_TIMEOUT_S)
     except Exception as e:  # closing a failing link may fail too; it is dropped either way
-        log.debug("closing a dropped channel or connection failed: %s", e)
+        log.debug("closing a channel or connection failed: %s: %s", type(e).__name__, e)
 
 
 def _retrieve(future: asyncio.Future[AbstractChannel]) -> None:
