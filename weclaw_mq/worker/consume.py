@@ -30,7 +30,13 @@ from ..app import App
 from ..errors import ConfigurationError
 from ..failures import describe
 from ..handler import HandlerSpec
-from ..publishing.connection import LINK_ERRORS, backoff_s, cancelled_by_caller, when_lost
+from ..publishing.connection import (
+    CLOSE_TIMEOUT_S,
+    LINK_ERRORS,
+    backoff_s,
+    cancelled_by_caller,
+    when_lost,
+)
 from ..publishing.producer import Publisher
 from ..settings import BROKER_CONSUMER_TIMEOUT_S
 from ..topology import declare
@@ -43,8 +49,6 @@ log = logging.getLogger("weclaw_mq.worker")
 
 # After the grace, cancelled handlers get this long to give their messages back.
 DRAIN_CANCEL_S = 5.0
-# Closing a connection waits for the broker's answer; a stop does not wait longer than this.
-CLOSE_TIMEOUT_S = 5.0
 
 
 class Worker:
@@ -252,9 +256,11 @@ class Worker:
     ) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
         async def on_message(message: AbstractIncomingMessage) -> None:
             if self._stop.is_set():
-                # Arrived after we decided to stop: left unacked, the broker gives it to
-                # another worker when this connection closes.
-                runtime.settler.leave(message, queue=spec.queue, why="the worker is stopping")
+                # Arrived after we decided to stop: given back now, so another worker can
+                # take it while this one drains (which may last the whole grace period).
+                await runtime.settler.give_back(
+                    message, queue=spec.queue, why="the worker is stopping", level=logging.INFO
+                )
                 return
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and

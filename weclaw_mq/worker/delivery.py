@@ -11,6 +11,7 @@ back (``consume._settled``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -49,6 +50,11 @@ if TYPE_CHECKING:
     from ..app import App
 
 log = logging.getLogger("weclaw_mq.worker")
+
+
+# How long a delivery that is being given back (a hard stop, a bug of ours) waits to release
+# its claim first.
+RELEASE_ON_EXIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,10 @@ async def _process(
         # the task is done or another worker holds it).
         if running is not None:
             running.cancel()
-        await _release(rt, spec, delivery, held)
+        # Bounded: the message is given back only after this, and a stop promises that
+        # within DRAIN_CANCEL_S even when the store hangs (the lease lapses by itself).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(_release(rt, spec, delivery, held), RELEASE_ON_EXIT_S)
         raise
 
 

@@ -125,16 +125,6 @@ class Settler:
         self._ended(queue, Outcome.REQUEUED, f"given back to its queue: {why}", level=level)
         return True
 
-    def leave(self, message: AbstractIncomingMessage, *, queue: str, why: str) -> None:
-        """Leave the message unacked: the broker returns it to its queue when the channel
-        closes (no frame is sent; used while stopping, when the channel soon closes)."""
-        self._ended(
-            queue,
-            Outcome.REQUEUED,
-            f"task {message.message_id} left for the broker to return: {why}",
-            level=logging.INFO,
-        )
-
     async def reject(self, message: AbstractIncomingMessage, *, queue: str) -> bool:
         """Reject without requeue: the broker dead-letters the untouched original to ``Q.dlq``.
 
