@@ -129,7 +129,10 @@ def private_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Privat
 def private_redis(private_servers: PrivateServers) -> Iterator[PrivateRedis]:
     """A redis-server of this test's own (unix socket), running; stop and start it at will."""
     if shutil.which("redis-server") is None:
-        pytest.skip("needs redis-server (Debian package redis-server) for a private Redis")
+        pytest.fail(
+            "needs redis-server for a private Redis: apt-get install redis-server (Debian)",
+            pytrace=False,
+        )
     redis = PrivateRedis(private_servers, private_servers.folder("redis"))
     redis.start()
     try:

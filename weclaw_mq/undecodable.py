@@ -10,7 +10,9 @@ While ``tolerant_properties()`` is active, a header pamqp cannot decode is read 
 properties holding only ``headers.UNDECODABLE_PROPERTIES`` (the raw property bytes, flags
 included) and ``headers.UNDECODABLE_ERROR``, and ``raw_properties`` turns those bytes back into
 exactly the header that came in. The switch is process-wide while any user holds it (pamqp
-has no per-connection hook), so it is held only around the DLQ tools' own connections.
+has no per-connection hook): the DLQ tools hold it around their own connections, and a worker
+for its whole run (``Worker.run``), so another aio-pika consumer in a worker's process gets such
+a message as the marker too, instead of a dead connection.
 """
 
 from __future__ import annotations
