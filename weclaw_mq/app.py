@@ -154,7 +154,7 @@ class App:
         )
         # Before anything is sent or recorded: aiormq would raise a bare TypeError/ValueError
         # mid-publish, or silently truncate a long header name.
-        check_encodable(queue, message)
+        check_encodable(queue, message.message_id, headers)
         return message
 
     async def publish(

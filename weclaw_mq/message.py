@@ -48,13 +48,21 @@ HEADER_NAME_MAX_BYTES = 128
 _MAX_DETAIL = 200
 
 
-def check_encodable(queue: str, message: aio_pika.Message) -> None:
-    """``MessageEncodingError`` unless AMQP can carry this message to ``queue`` unchanged."""
+def check_encodable(queue: str, task_id: object, extra: HeadersType | None) -> None:
+    """``MessageEncodingError`` unless AMQP can carry a message with this task id and the
+    caller's ``extra`` headers to ``queue`` unchanged.
+
+    Only the caller's headers are encoded as a trial: ours (trace id, attempt, traceparent)
+    always encode, and encoding every header table twice per publish would be paid on the
+    hot path for nothing.
+    """
     _check_short_string("queue name", queue)
-    _check_short_string("task id", message.message_id)
-    _check_field_names(message.headers, "headers")
+    _check_short_string("task id", task_id)
+    if not extra:
+        return
+    _check_field_names(extra, "headers")
     try:
-        pamqp.encode.field_table(message.headers)
+        pamqp.encode.field_table(extra)
     except (TypeError, ValueError, OverflowError, struct.error) as e:
         detail = str(e)
         if len(detail) > _MAX_DETAIL:
