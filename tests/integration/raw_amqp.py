@@ -87,3 +87,27 @@ async def publish_raw(
     finally:
         writer.close()
         await writer.wait_closed()
+
+
+# A message_id that is not UTF-8: RabbitMQ stores it, pamqp refuses to decode it, and aiormq
+# closes the whole connection over it. Four placeholder bytes, patched on the wire.
+_PLACEHOLDER_ID = "\x01\x01\x01\x01"
+BAD_ID_PATCH = b"\x04" + _PLACEHOLDER_ID.encode() + b"\x04\xff\xfe\xfd\xfc"
+
+
+async def publish_undecodable(
+    url: str, queue: str, body: bytes, *, headers: dict[str, str] | None = None
+) -> None:
+    """Publish a persistent JSON message to ``queue`` whose message_id is not UTF-8."""
+    await publish_raw(
+        url,
+        queue,
+        properties=commands.Basic.Properties(
+            message_id=_PLACEHOLDER_ID,
+            content_type="application/json",
+            delivery_mode=2,
+            headers=headers,
+        ),
+        body=body,
+        patch=BAD_ID_PATCH,
+    )

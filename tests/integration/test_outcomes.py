@@ -16,17 +16,15 @@ from typing import Any
 import aiormq
 import pytest
 from aio_pika.abc import AbstractChannel
-from pamqp.commands import Basic
 from pydantic import BaseModel
 
 from tests.conftest import outcome_count, queue_depth, wait_until
-from tests.integration.raw_amqp import publish_raw
+from tests.integration.raw_amqp import publish_undecodable
 from weclaw_mq import App, RetryPolicy, TaskStatus
 from weclaw_mq.metrics import Outcome
 from weclaw_mq.naming import dlq_name, retry_queue_name
 
 # A message_id whose bytes are not UTF-8 once patched in: its properties cannot be decoded.
-BAD_ID_PATCH = b"\x04\x01\x01\x01\x01" + b"\x04\xff\xfe\xfd\xfc"
 # Long enough that a deferred copy comes back after its twin finished (it then is a duplicate).
 DELAY = RetryPolicy(max_retries=1, delay_s=1.0)
 
@@ -115,13 +113,7 @@ async def test_every_settled_delivery_is_counted_once_as_the_broker_saw_it(
     assert (await app.result(unmovable, timeout_s=15)).status is TaskStatus.DEAD_LETTERED
 
     # dead-lettered by a reject: properties the client cannot decode.
-    await publish_raw(
-        broker_url,
-        qname,
-        properties=Basic.Properties(message_id="\x01\x01\x01\x01", delivery_mode=2),
-        body=b'{"kind": "ok"}',
-        patch=BAD_ID_PATCH,
-    )
+    await publish_undecodable(broker_url, qname, b'{"kind": "ok"}')
     await wait_until(lambda: count(Outcome.DEAD_LETTERED) == 3, 10, "the rejected message")
 
     # given back: running when the worker stops with no grace.

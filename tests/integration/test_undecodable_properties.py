@@ -19,14 +19,12 @@ from pamqp.commands import Basic
 from pydantic import BaseModel
 
 from tests.conftest import queue_depth, wait_until
-from tests.integration.raw_amqp import publish_raw
+from tests.integration.raw_amqp import publish_undecodable
 from weclaw_mq import App
 from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.naming import dlq_name
 from weclaw_mq.undecodable import tolerant_properties, undecodable
-
-BAD_ID_PATCH = b"\x04\x01\x01\x01\x01" + b"\x04\xff\xfe\xfd\xfc"
 
 
 class Prompt(BaseModel):
@@ -43,15 +41,7 @@ async def test_an_undecodable_message_rejected_once_lands_untouched_in_the_dlq(
         raise AssertionError("no worker runs in this test")
 
     await app.declare()
-    await publish_raw(
-        broker_url,
-        qname,
-        properties=Basic.Properties(
-            message_id="\x01\x01\x01\x01", content_type="application/json", delivery_mode=2
-        ),
-        body=b'{"text": "bad"}',
-        patch=BAD_ID_PATCH,
-    )
+    await publish_undecodable(broker_url, qname, b'{"text": "bad"}')
     await app.publish(qname, Prompt(text="innocent"), task_id="innocent-1")
 
     started = asyncio.get_running_loop().time()
@@ -101,15 +91,7 @@ async def test_a_worker_rejects_an_undecodable_message_at_once_and_keeps_serving
 
     await app.declare()
     await app.publish(qname, Prompt(text="before"))
-    await publish_raw(
-        broker_url,
-        qname,
-        properties=Basic.Properties(
-            message_id="\x01\x01\x01\x01", content_type="application/json", delivery_mode=2
-        ),
-        body=b'{"text": "bad"}',
-        patch=BAD_ID_PATCH,
-    )
+    await publish_undecodable(broker_url, qname, b'{"text": "bad"}')
     await app.publish(qname, Prompt(text="after"))
     worker = await start_worker(app, concurrency=4)
 
