@@ -12,7 +12,7 @@ import shutil
 import signal
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 import aio_pika
@@ -22,6 +22,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from tests.private_servers import PrivateRedis, PrivateServers
 from weclaw_mq import App, Settings, Worker
+from weclaw_mq.naming import GUARD_KEY_PREFIX, STATE_KEY_PREFIX, latest_key, queue_key_pattern
 from weclaw_mq.topology import queue_declarations
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -175,11 +176,33 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
 
     yield factory
     names: list[str] = []
+    queues: set[str] = set()
     for app in apps:
         await app.close()
         for spec in app.handlers.values():
             names.extend(n for n, _ in queue_declarations(spec.queue_spec()))
+            queues.add(spec.queue)
     await delete_queues(broker_url, sorted(set(names)))
+    await forget_task_keys(redis_url, queues)
+
+
+async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
+    """Delete the Redis keys (guard, record, latest pointer) of every task in ``queues``, so
+    a test leaves nothing behind; best effort when the test left its Redis stopped."""
+    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        for queue in queues:
+            keys: list[bytes] = []
+            for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX):
+                keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
+            task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
+            keys += [latest_key(t).encode() for t in task_ids]
+            if keys:
+                await client.delete(*keys)
+    except (aioredis.RedisError, OSError):
+        pass  # its Redis is gone (a test that stopped its private one): nothing to clean
+    finally:
+        await client.aclose()
 
 
 @pytest.fixture

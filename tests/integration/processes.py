@@ -23,6 +23,7 @@ import aio_pika
 
 from tests.conftest import (
     delete_queues,
+    forget_task_keys,
     get_message,
     queue_depth,
     settings_for,
@@ -262,6 +263,7 @@ async def worker_fleet(
         fleet.kill_all()
         await fleet.app.close()
         await delete_queues(broker_url, fleet.queue_names())
+        await forget_task_keys(redis_url, [queue])
 
 
 async def ready_count(broker_url: str, queue: str) -> int:

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 import typer
 
-from tests.conftest import delete_queues, settings_for
+from tests.conftest import delete_queues, forget_task_keys, settings_for
 from tests.integration.fixture_apps.worker_app import build_app
 from tests.integration.processes import (
     FIXTURE_APP,
@@ -53,6 +53,7 @@ async def fixture_queue(
     yield FixtureQueue(qname, env)
     app = build_app(qname, settings=settings, record_dir=tmp_path)
     await delete_queues(broker_url, queue_names(app))
+    await forget_task_keys(redis_url, [qname])
 
 
 async def test_publish_prints_the_task_id_of_a_message_now_in_the_queue(

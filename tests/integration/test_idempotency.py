@@ -24,7 +24,13 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, outcome_count, settings_for, wait_until
+from tests.conftest import (
+    delete_queues,
+    forget_task_keys,
+    outcome_count,
+    settings_for,
+    wait_until,
+)
 from tests.integration.fixture_apps import guard_app
 from tests.integration.processes import (
     WorkerProcess,
@@ -241,6 +247,7 @@ async def test_worker_killed_after_storing_the_result_but_before_the_ack_does_no
             worker.kill()
         await publisher.close()
         await delete_queues(broker_url, queue_names(publisher))
+        await forget_task_keys(redis_url, [qname])
         keys = guard_app.record_keys(record_key)
         if task_id:
             keys += task_keys(qname, task_id)

@@ -10,7 +10,13 @@ import aio_pika
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import close_connections, delete_queues, get_message, queue_depth
+from tests.conftest import (
+    close_connections,
+    delete_queues,
+    forget_task_keys,
+    get_message,
+    queue_depth,
+)
 from weclaw_mq import (
     App,
     ConnectionLostError,
@@ -254,7 +260,11 @@ async def test_app_publishes_again_after_the_broker_closed_its_connection(
 
 
 async def test_publish_reaches_a_queue_the_app_has_no_handler_for(
-    make_app: Callable[..., App], qname: str, broker_url: str, amqp: aio_pika.abc.AbstractChannel
+    make_app: Callable[..., App],
+    qname: str,
+    broker_url: str,
+    redis_url: str,
+    amqp: aio_pika.abc.AbstractChannel,
 ) -> None:
     app = make_app()
     await amqp.declare_queue(qname, durable=True, arguments={"x-queue-type": "quorum"})
@@ -266,6 +276,7 @@ async def test_publish_reaches_a_queue_the_app_has_no_handler_for(
         assert message.body == b'{"anything":[1,2,3]}'
     finally:
         await delete_queues(broker_url, [qname])
+        await forget_task_keys(redis_url, [qname])
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,14 @@ import redis.asyncio as aioredis
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel, field_validator
 
-from tests.conftest import delete_queues, next_message, outcome_count, settings_for, wait_until
+from tests.conftest import (
+    delete_queues,
+    forget_task_keys,
+    next_message,
+    outcome_count,
+    settings_for,
+    wait_until,
+)
 from tests.integration.processes import queue_names
 from weclaw_mq import App, Context, RetryPolicy
 from weclaw_mq import headers as h
@@ -314,3 +321,4 @@ async def test_an_error_escaping_processing_gives_the_message_back_at_once(
         await store.close()
         await client.aclose()
         await delete_queues(broker_url, queue_names(app))
+        await forget_task_keys(redis_url, [qname])

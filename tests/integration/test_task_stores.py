@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from tests.conftest import (
     delete_queues,
+    forget_task_keys,
     next_message,
     outcome_count,
     settings_for,
@@ -77,6 +78,7 @@ async def app_on(
         for spec in app.handlers.values():
             names.extend(n for n, _ in queue_declarations(spec.queue_spec()))
     await delete_queues(broker_url, sorted(set(names)))
+    await forget_task_keys(redis_url, {s.queue for app in apps for s in app.handlers.values()})
 
 
 async def test_a_published_task_is_run_and_its_result_read_back(
@@ -257,7 +259,7 @@ async def test_pipeline_stages_sharing_a_task_id_keep_a_record_and_a_claim_each(
 
 
 async def test_status_across_queues_follows_the_rules_of_the_records(
-    store: TaskStore, qname: str
+    store: TaskStore, qname: str, redis_url: str
 ) -> None:
     task_id, a, b = f"latest-{qname}", f"{qname}-a", f"{qname}-b"
 
@@ -283,6 +285,7 @@ async def test_status_across_queues_follows_the_rules_of_the_records(
     await store.forget_queued(b, task_id)
     assert await store.get(task_id, queue=b) is None
     assert await store.get(task_id) is None
+    await forget_task_keys(redis_url, [a, b])  # nothing there for the in-memory store
 
 
 async def test_with_results_off_the_guard_still_claims_and_marks_done(
