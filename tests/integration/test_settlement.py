@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -295,12 +295,29 @@ class _StoreWithABug:
         await self.inner.close()
 
 
+@pytest.fixture
+async def queues_of(broker_url: str, redis_url: str) -> AsyncIterator[list[App]]:
+    """Apps whose queues and task keys are deleted at teardown. Asked for before
+    ``start_worker``, so this runs after the worker stopped: a live worker whose queue is
+    deleted under it declares it again (a consumer cancel)."""
+    apps: list[App] = []
+    yield apps
+    for app in apps:
+        await delete_queues(broker_url, queue_names(app))
+        await forget_task_keys(redis_url, list(app.handlers))
+
+
 async def test_an_error_escaping_processing_gives_the_message_back_at_once(
-    broker_url: str, redis_url: str, start_worker: Callable[..., Any], qname: str
+    broker_url: str,
+    redis_url: str,
+    queues_of: list[App],
+    start_worker: Callable[..., Any],
+    qname: str,
 ) -> None:
     client = aioredis.Redis.from_url(redis_url)
     store = _StoreWithABug(RedisTaskStore(client, ttl_s=60, lease_s=30, done_ttl_s=60))
     app = App("test", settings=settings_for(broker_url, redis_url), store=store)
+    queues_of.append(app)
     seen: list[str] = []
 
     @app.handler(qname, retry=FAST)
@@ -320,5 +337,3 @@ async def test_an_error_escaping_processing_gives_the_message_back_at_once(
         await app.close()
         await store.close()
         await client.aclose()
-        await delete_queues(broker_url, queue_names(app))
-        await forget_task_keys(redis_url, [qname])
