@@ -19,6 +19,7 @@ queued/retrying record read as ``expired`` once the deadline (kept in the record
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -37,7 +38,12 @@ def now_ms() -> int:
 
 def check_ttl(ttl_s: float, what: str) -> float:
     """``ttl_s`` if it is a usable lifetime, else ``ConfigurationError``."""
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0:
+    if (
+        isinstance(ttl_s, bool)
+        or not isinstance(ttl_s, (int, float))
+        or not math.isfinite(ttl_s)
+        or ttl_s <= 0
+    ):
         raise ConfigurationError(f"{what} must be a number of seconds > 0, got {ttl_s!r}")
     if ttl_s * 1000 < 1:
         raise ConfigurationError(f"{what} must be at least 0.001 (1 ms), got {ttl_s!r}")
