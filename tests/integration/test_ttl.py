@@ -32,6 +32,15 @@ LONG_TTL_S = 3600.0
 SLOW_RETRY = RetryPolicy(max_retries=3, delay_s=5.0)
 
 
+async def _in_dlq(channel: AbstractChannel, queue: str, n: int = 1) -> None:
+    """Wait until ``Q.dlq`` holds ``n`` messages (a broker's expiry or a worker's move)."""
+
+    async def there() -> bool:
+        return await queue_depth(channel, dlq_name(queue)) == n
+
+    await wait_until(there, 10, what=f"{n} message(s) in {dlq_name(queue)}")
+
+
 async def _expired_in_dlq(app: App, queue: str, task_id: str) -> DeadLetter:
     """The task's dead letter, once ``Q.dlq`` holds it, with its status ``expired``."""
     dead = await dlq.find(app, queue, task_id)
@@ -63,9 +72,7 @@ async def test_a_task_nobody_consumes_expires_at_the_head_of_q_into_the_dlq(
     assert state.expires_at is not None
 
     # RabbitMQ itself dead-letters it: no worker runs.
-    await wait_until(
-        lambda: queue_depth(amqp, dlq_name(qname)), 10, what=f"the task in {dlq_name(qname)}"
-    )
+    await _in_dlq(amqp, qname)
     assert await queue_depth(amqp, qname) == 0
     dead = await _expired_in_dlq(app, qname, task_id)
     assert dead.by_broker and dead.original_queue == qname
@@ -132,9 +139,7 @@ async def test_a_task_that_expires_in_a_delay_queue_is_expired_by_the_worker_on_
     )
     await amqp.default_exchange.publish(message, routing_key=retry_queue_name(qname, 5000))
 
-    await wait_until(
-        lambda: queue_depth(amqp, dlq_name(qname)), 10, what=f"the task in {dlq_name(qname)}"
-    )
+    await _in_dlq(amqp, qname)
     dead = await _expired_in_dlq(app, qname, task_id)
     assert not dead.by_broker and dead.error_type == "weclaw_mq.TaskExpired"
     deaths = dead.headers[h.X_DEATH]
@@ -167,9 +172,7 @@ async def test_a_worker_that_receives_a_task_past_its_deadline_dead_letters_it_u
     late.expiration = None
     await amqp.default_exchange.publish(late, routing_key=qname)
 
-    await wait_until(
-        lambda: queue_depth(amqp, dlq_name(qname)), 10, what=f"the task in {dlq_name(qname)}"
-    )
+    await _in_dlq(amqp, qname)
     dead = await _expired_in_dlq(app, qname, late.message_id)
     assert dead.headers[h.DEAD_LETTER_REASON] == "expired"
     assert dead.headers[h.ERROR_TYPE] == "weclaw_mq.TaskExpired"
@@ -192,9 +195,7 @@ async def test_a_requeued_expired_task_gets_a_fresh_lifetime_and_runs(
 
     await app.declare()
     task_id = await app.publish(qname, {"n": 7})
-    await wait_until(
-        lambda: queue_depth(amqp, dlq_name(qname)), 10, what=f"the task in {dlq_name(qname)}"
-    )
+    await _in_dlq(amqp, qname)
     await _expired_in_dlq(app, qname, task_id)
     await start_worker(app)
 
@@ -245,10 +246,6 @@ async def test_publish_many_gives_every_task_the_lifetime_and_a_deadline_in_its_
     await app.declare()
     ids = await app.publish_many(qname, [{"n": 1}, {"n": 2}], ttl_s=SHORT_TTL_S)
 
-    await wait_until(lambda: _depth_is(amqp, dlq_name(qname), 2), 10, what="both tasks in the DLQ")
+    await _in_dlq(amqp, qname, 2)
     for task_id in ids:
         await _expired_in_dlq(app, qname, task_id)
-
-
-async def _depth_is(channel: AbstractChannel, queue: str, n: int) -> bool:
-    return await queue_depth(channel, queue) == n
