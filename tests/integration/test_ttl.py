@@ -5,6 +5,7 @@ silently dropped. A DLQ requeue gives it a fresh lifetime."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -249,3 +250,32 @@ async def test_publish_many_gives_every_task_the_lifetime_and_a_deadline_in_its_
     await _in_dlq(amqp, qname, 2)
     for task_id in ids:
         await _expired_in_dlq(app, qname, task_id)
+
+
+@pytest.mark.parametrize("idempotent", [True, False], ids=["claimed", "unclaimed"])
+async def test_a_task_a_worker_took_in_time_runs_past_its_deadline_and_never_reads_expired(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str, idempotent: bool
+) -> None:
+    app = make_app()
+    started = asyncio.Event()
+    go_on = asyncio.Event()
+
+    @app.handler(qname, idempotent=idempotent)
+    async def slow(task: dict[str, int]) -> str:
+        started.set()
+        await go_on.wait()
+        return "late but done"
+
+    await start_worker(app)
+    task_id = await app.publish(qname, {"n": 1}, ttl_s=SHORT_TTL_S)
+    await asyncio.wait_for(started.wait(), 10)
+    state = await app.status(task_id)
+    assert state is not None and state.expires_at is not None
+    deadline = state.expires_at.timestamp()
+    await wait_until(lambda: time.time() > deadline, 10, what="the task's deadline to pass")
+
+    running = await app.status(task_id)
+    assert running is not None and running.status is TaskStatus.RUNNING
+    go_on.set()
+    final = await app.result(task_id, timeout_s=10)
+    assert (final.status, final.result) == (TaskStatus.SUCCEEDED, "late but done")

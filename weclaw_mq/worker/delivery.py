@@ -235,6 +235,13 @@ async def _expired_on_arrival(
     Checked after the guard: a copy of a task that finished or runs elsewhere is acked or
     parked as usual, never dead-lettered beside its twin's result."""
     left = left_ms(delivery.headers, now_ms())
+    near = left is not None and 0 < left <= rt.settings.redis_timeout_s * 1000
+    if near and held is None and rt.results is not None:
+        # Unclaimed, the "running" record is written beside the handler, and could land past
+        # the deadline: status() would meanwhile read the queued record as expired for a task
+        # that runs. This close to the deadline, write it first, then decide.
+        await _status(rt, delivery, spec, TaskStatus.RUNNING)
+        left = left_ms(delivery.headers, now_ms())
     if left is None or left > 0:
         return False
     await _release(rt, spec, delivery, held)
