@@ -389,7 +389,7 @@ class App:
             state = await store.get(task_id, queue=queue)
         except REDIS_FAILURES as e:  # a custom store on redis-py, unwrapped
             raise state_unavailable(e) from e
-        # Past its deadline, a task nobody ran reads as expired (see weclaw_mq.lifetime).
+        # Past its deadline, a task nobody ran reads as expired (see state.expiry).
         return as_seen_at(state, datetime.now(UTC))
 
     async def result(

@@ -1,5 +1,5 @@
-"""A task's lifetime (TTL): its deadline on the wire, and what the deadline means for its
-status. Pure: no broker or Redis I/O.
+"""A task's lifetime (TTL) on the wire: its deadline, how it is read back and renewed.
+Pure: no broker or Redis I/O.
 
 A task published with a lifetime of ``ttl_s`` carries it twice:
 

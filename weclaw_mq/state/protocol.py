@@ -1,10 +1,11 @@
 """A task's state, and the one protocol the worker and ``App`` use to keep it.
 
 A task has one record per queue it went through, overwritten as it moves queued -> running ->
-(retrying ->)* succeeded | dead_lettered | expired. A succeeded record is final: a late or duplicate
-writer can never turn it back. Two pipeline stages that share a task id (``ctx.publish(...,
-task_id=ctx.task_id)``) therefore keep two records, and neither can hide the other. Reading
-without a queue answers the task's most recently written record (its "latest" pointer).
+(retrying ->)* succeeded | dead_lettered | expired. A succeeded record is final: a late or
+duplicate writer can never turn it back. Two pipeline stages that share a task id
+(``ctx.publish(..., task_id=ctx.task_id)``) therefore keep two records, and neither can hide
+the other. Reading without a queue answers the task's most recently written record (its
+"latest" pointer).
 
 Beside the records, the store keeps the idempotency guard's claim per (queue, task id):
 - held by one attempt (its ``owner`` token) under a lease, kept alive by ``holding`` while the
