@@ -382,6 +382,7 @@ class App:
 
         A task has one record per queue it went through (pipeline stages may share a task
         id). Without ``queue``, the most recently written record of the task id answers.
+        A queued or retrying record past the task's deadline answers ``expired``.
         ``StateUnavailableError`` when the store fails or does not answer.
         """
         store = self._require_results()
@@ -396,7 +397,7 @@ class App:
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
     ) -> TaskState:
         """Wait (without polling in a loop) until the task's record in ``queue`` (without a
-        queue: its most recently written record) is succeeded or dead_lettered.
+        queue: its most recently written record) is succeeded, dead_lettered or expired.
 
         For a pipeline whose stages share a task id, pass the last stage's queue: without
         it, an earlier stage's final record may answer before the next stage wrote its own.
