@@ -24,6 +24,7 @@ from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, PublishNackedError, TaskStatus
 from weclaw_mq.errors import OutboxFullError, OutboxUnusableError
 from weclaw_mq.outbox import Outbox, OutboxRow
+from weclaw_mq.outbox.store import OutboxFile
 from weclaw_mq.outbox.relay import Relay
 
 DEAD_URL = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
@@ -184,17 +185,16 @@ async def test_a_full_outbox_refuses_with_a_clear_error_and_a_batch_stores_all_o
     assert len(outbox_rows(Path(str(down.settings.outbox_path)))) == 5
 
 
-@pytest.mark.parametrize("problem", ["no-directory", "a-directory", "corrupt", "other-schema"])
-async def test_an_unusable_outbox_file_is_a_clear_error_at_start(
-    dead_app: Callable[..., App], tmp_path: Path, qname: str, problem: str
-) -> None:
+PROBLEMS = {
+    "no-directory": "no directory",
+    "a-directory": "is a directory",
+    "corrupt": "not a readable SQLite database",
+    "other-schema": "has outbox schema '99'",
+}
+
+
+def unusable_file(tmp_path: Path, problem: str) -> Path:
     path = tmp_path / "outbox.db"
-    expected = {
-        "no-directory": "no directory",
-        "a-directory": "is a directory",
-        "corrupt": "not a readable SQLite database",
-        "other-schema": "has outbox schema '99'",
-    }[problem]
     if problem == "no-directory":
         blocker = tmp_path / "file"
         blocker.write_text("")
@@ -204,16 +204,27 @@ async def test_an_unusable_outbox_file_is_a_clear_error_at_start(
     elif problem == "corrupt":
         path.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)
     else:
-        outbox = await Outbox.open(path, max_rows=10, max_bytes=10_000)
-        await outbox.close()
+        OutboxFile(path, max_rows=10, max_bytes=10_000).close()
         with sqlite3.connect(path) as conn:
             conn.execute("UPDATE weclaw_outbox_meta SET value='99' WHERE key='schema_version'")
-    app = dead_app(outbox_path=str(path))
+    return path
 
-    with pytest.raises(OutboxUnusableError, match=expected):
+
+@pytest.mark.parametrize("problem", list(PROBLEMS))
+async def test_an_unusable_outbox_file_is_a_clear_error_at_start(
+    dead_app: Callable[..., App], tmp_path: Path, problem: str, qname: str
+) -> None:
+    app = dead_app(outbox_path=str(unusable_file(tmp_path, problem)))
+
+    with pytest.raises(OutboxUnusableError, match=PROBLEMS[problem]):
         await app.start_outbox()
-    with pytest.raises(OutboxUnusableError, match=expected):
+    with pytest.raises(OutboxUnusableError, match=PROBLEMS[problem]):
         await app.publish(qname, {"n": 1})  # never silently sent on, or dropped
+
+
+@pytest.mark.parametrize("problem", ["corrupt", "no-directory"])
+def test_outbox_status_on_an_unusable_file_is_one_error_line(tmp_path: Path, problem: str) -> None:
+    path = unusable_file(tmp_path, problem)
 
     cli = subprocess.run(
         [sys.executable, "-m", "weclaw_mq.cli", "outbox", "status", "--path", str(path)],
@@ -221,8 +232,9 @@ async def test_an_unusable_outbox_file_is_a_clear_error_at_start(
         text=True,
         timeout=60,
     )
+
     assert cli.returncode == 1
-    assert cli.stderr.count("\n") == 1 and expected in cli.stderr
+    assert cli.stderr.count("\n") == 1 and PROBLEMS[problem] in cli.stderr
 
 
 async def test_the_users_transaction_decides_rolled_back_sends_nothing_committed_sends_once(
