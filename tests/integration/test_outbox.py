@@ -24,8 +24,8 @@ from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, PublishNackedError, TaskStatus
 from weclaw_mq.errors import OutboxFullError, OutboxUnusableError
 from weclaw_mq.outbox import Outbox, OutboxRow
-from weclaw_mq.outbox.store import OutboxFile
 from weclaw_mq.outbox.relay import Relay
+from weclaw_mq.outbox.store import OutboxFile
 
 DEAD_URL = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
 
