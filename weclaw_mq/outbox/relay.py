@@ -36,6 +36,9 @@ log = logging.getLogger("weclaw_mq.outbox")
 # How long the relay waits for the "queued" status writes of a window before moving on; the
 # status is best effort (the task is on the broker either way).
 STATUS_WAIT_S = 1.0
+# Windows out at once (see Relay.drain): two keep the pipe full without holding more rows
+# claimed than needed.
+WINDOWS_IN_FLIGHT = 2
 
 
 class Relay:
@@ -94,39 +97,72 @@ class Relay:
 
     async def drain(self) -> int:
         """Send every row that is not claimed by another relay; how many were confirmed.
-        Stops at the first window with a failure (the broker is in trouble: come back later)."""
-        total = 0
+
+        Up to ``WINDOWS_IN_FLIGHT`` windows are out at once: the next window's frames go out
+        while the broker still confirms the last, as ``publish_many`` keeps its pipe full.
+        Frames leave in claim order on one channel, so rows still reach the queue oldest
+        first. Stops claiming at the first window with a failure (the broker is in trouble:
+        come back later)."""
         window = self.settings.outbox_relay_window
-        while True:
-            rows = await self.outbox.claim(window, self.settings.outbox_claim_s)
-            if not rows:
-                return total
-            try:
-                channel = await self._ready_channel()
-                confirmed, failed = await self._send_window(channel, rows)
-            except BaseException:
-                # Back at once (none or some of them may be on the broker: sent again, the
-                # copies are absorbed by the guard), not after the claim's lease.
-                await self.outbox.release([(r.seq, "the relay's link failed") for r in rows], 0.0)
-                raise
-            await self.outbox.delete([r.seq for r in confirmed])
-            if failed:
-                await self.outbox.release(
-                    [(r.seq, why) for r, why in failed], self.settings.outbox_relay_interval_s
-                )
-            total += len(confirmed)
-            self.sent += len(confirmed)
-            for row in confirmed:
-                self.metrics.publish_outcome(row.queue, "relayed").inc()
-            await self._mark_queued(confirmed)
-            if failed:
-                log.warning(
-                    "outbox relay: %d of %d rows not confirmed (first: %s); kept for the next pass",
-                    len(failed),
-                    len(rows),
-                    failed[0][1],
-                )
-                return total
+        in_flight: set[asyncio.Task[tuple[int, bool]]] = set()
+        total = 0
+        failing = False
+        try:
+            while not failing:
+                rows = await self.outbox.claim(window, self.settings.outbox_claim_s)
+                if not rows:
+                    break
+                try:
+                    channel = await self._ready_channel()
+                except BaseException:
+                    await self.outbox.release([(r.seq, "broker unavailable") for r in rows], 0.0)
+                    raise
+                in_flight.add(asyncio.create_task(self._window(channel, rows)))
+                if len(in_flight) >= WINDOWS_IN_FLIGHT:
+                    done, in_flight = await asyncio.wait(
+                        in_flight, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    for task in done:
+                        sent, failed = task.result()
+                        total += sent
+                        failing = failing or failed
+            for window_out in asyncio.as_completed(in_flight):
+                sent, _ = await window_out
+                total += sent
+            in_flight = set()
+        finally:
+            if in_flight:  # an error or a cancel: let the windows out settle their rows
+                await asyncio.wait(in_flight)
+        return total
+
+    async def _window(
+        self, channel: AbstractChannel, rows: Sequence[OutboxRow]
+    ) -> tuple[int, bool]:
+        """Send ``rows``, await their confirms, delete the confirmed ones, give back the rest:
+        (confirmed, whether any failed)."""
+        try:
+            confirmed, failed = await self._send_window(channel, rows)
+        except BaseException:
+            # Back at once (none or some of them may be on the broker: sent again, the
+            # copies are absorbed by the guard), not after the claim's lease.
+            await self.outbox.release([(r.seq, "the relay's link failed") for r in rows], 0.0)
+            raise
+        await self.outbox.delete([r.seq for r in confirmed])
+        if failed:
+            await self.outbox.release(
+                [(r.seq, why) for r, why in failed], self.settings.outbox_relay_interval_s
+            )
+            log.warning(
+                "outbox relay: %d of %d rows not confirmed (first: %s); kept for the next pass",
+                len(failed),
+                len(rows),
+                failed[0][1],
+            )
+        self.sent += len(confirmed)
+        for row in confirmed:
+            self.metrics.publish_outcome(row.queue, "relayed").inc()
+        await self._mark_queued(confirmed)
+        return len(confirmed), bool(failed)
 
     async def _ready_channel(self) -> AbstractChannel:
         channel, conn = self._channel, self._connection
