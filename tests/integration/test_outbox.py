@@ -8,6 +8,8 @@ are in tests/drills/test_outbox_drill.py.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -19,10 +21,11 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import forget_task_keys, get_message, queue_depth, settings_for
+from tests.conftest import forget_task_keys, get_message, queue_depth, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, PublishNackedError, TaskStatus
 from weclaw_mq.errors import OutboxFullError, OutboxUnusableError
+from weclaw_mq.message import build_message
 from weclaw_mq.outbox import Outbox, OutboxRow
 from weclaw_mq.outbox.relay import Relay
 from weclaw_mq.outbox.store import OutboxFile
@@ -297,3 +300,61 @@ async def test_a_relay_with_the_broker_down_keeps_every_row(
 
     stats = await (await down.start_outbox()).stats()
     assert stats.rows == 50 and stats.claimed == 0  # given back at once, not left claimed
+
+
+async def test_the_apps_own_relay_sends_what_is_stored_and_reports_it_in_metrics(
+    down_and_up: Callable[..., tuple[App, App]], qname: str, amqp: AbstractChannel
+) -> None:
+    down, up = down_and_up()
+    await up.declare()
+    ids = await down.publish_many(qname, [{"n": i} for i in range(30)])
+    assert down.metrics.registry.get_sample_value(
+        "weclaw_mq_outbox_stored_total", {"queue": qname}
+    ) == len(ids)
+    relaying = with_handler(
+        App("relaying", settings=up.settings.model_copy(update={"outbox_relay_in_app": True})),
+        f"{qname}-other",  # its own handler: the queue under test is deleted by ``up``
+    )
+    try:
+        await relaying.start_outbox()  # the relay starts with it, and drains
+        await wait_until(lambda: outbox_rows(Path(str(up.settings.outbox_path))) == [], 10)
+        sample = relaying.metrics.registry.get_sample_value
+
+        await wait_until(lambda: sample("weclaw_mq_outbox_rows") == 0, 10, "the gauge")
+        assert sample("weclaw_mq_outbox_relayed_total", {"queue": qname}) == len(ids)
+        assert await queue_depth(amqp, qname) == len(ids)
+    finally:
+        await relaying.close()
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "weclaw_mq.cli", "outbox", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "WECLAW_MQ_RESULTS_ENABLED": "false", **env},
+    )
+
+
+def test_outbox_cli_status_and_relay_say_what_is_waiting_and_why(
+    tmp_path: Path, broker_url: str, qname: str
+) -> None:
+    path = tmp_path / "outbox.db"
+    file = OutboxFile(path, max_rows=100, max_bytes=10**6)
+    # A queue nobody declared: the relay must keep the row and say why, not drop it.
+    file.add([(qname, build_message(b'{"n": 1}', task_id="t-1", headers={}))])
+    file.close()
+
+    down = run_cli("relay", "--once", "--path", str(path), WECLAW_MQ_AMQP_URL=DEAD_URL)
+    up = run_cli("relay", "--once", "--path", str(path), WECLAW_MQ_AMQP_URL=broker_url)
+    status = run_cli("status", "--json", WECLAW_MQ_OUTBOX_PATH=str(path))
+    human = run_cli("status", WECLAW_MQ_OUTBOX_PATH=str(path))
+
+    assert down.returncode == 4 and down.stderr.count("\n") == 1, down.stderr
+    assert "cannot connect to RabbitMQ" in down.stderr and "guest:guest" not in down.stderr
+    assert up.returncode == 0 and "relayed 0 task(s)" in up.stdout, up.stderr
+    info = json.loads(status.stdout)
+    assert info["rows"] == 1 and info["failing"] == 1 and info["claimed"] == 0
+    assert f"unroutable: no queue named {qname!r}" in info["last_error"]
+    assert "rows: 1 (bound 100)" in human.stdout and "last send failed: 1 rows" in human.stdout

@@ -44,12 +44,9 @@ def _settings(path: str | None) -> Settings:
 
 
 async def _open(settings: Settings) -> Outbox:
+    # No bounds: they are the producers' (App) to set; a relay or a look leaves them.
     assert settings.outbox_path is not None
-    return await Outbox.open(
-        settings.outbox_path,
-        max_rows=settings.outbox_max_rows,
-        max_bytes=settings.outbox_max_bytes,
-    )
+    return await Outbox.open(settings.outbox_path)
 
 
 @outbox_cli.command()

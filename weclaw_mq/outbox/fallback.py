@@ -136,7 +136,7 @@ class LocalFallback:
             type(cause).__name__,
             cause,
         )
-        self._metrics.publish_outcome(queue, "stored_locally").inc(len(messages))
+        self._metrics.outbox_stored.labels(queue).inc(len(messages))
         store = self._results()
         if store is not None:
             # Unconditional: for an unknown outcome it replaces the "queued" record written

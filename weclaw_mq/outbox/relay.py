@@ -160,7 +160,7 @@ class Relay:
             )
         self.sent += len(confirmed)
         for row in confirmed:
-            self.metrics.publish_outcome(row.queue, "relayed").inc()
+            self.metrics.outbox_relayed.labels(row.queue).inc()
         await self._mark_queued(confirmed)
         return len(confirmed), bool(failed)
 

@@ -169,7 +169,11 @@ def _mapped(e: sqlite3.Error, conn: sqlite3.Connection) -> Exception:
 class OutboxFile:
     """The blocking operations on one outbox file, over one connection (one thread)."""
 
-    def __init__(self, path: Path, *, max_rows: int, max_bytes: int) -> None:
+    def __init__(
+        self, path: Path, *, max_rows: int | None = None, max_bytes: int | None = None
+    ) -> None:
+        """Open (create) the file. With ``max_rows``/``max_bytes`` (a producer), the bounds
+        of every writer of the file become these; without (a relay, a status), they stay."""
         self.path = path
         self.conn = _connect(path)
         try:
@@ -178,7 +182,7 @@ class OutboxFile:
             self.conn.close()
             raise
 
-    def _prepare(self, max_rows: int, max_bytes: int) -> None:
+    def _prepare(self, max_rows: int | None, max_bytes: int | None) -> None:
         conn = self.conn
         what = f"the outbox file {self.path}"
         try:
@@ -208,11 +212,11 @@ class OutboxFile:
                     f"{what} has outbox schema {meta.get('schema_version')!r}; this weclaw_mq "
                     f"knows {SCHEMA_VERSION}: drain it with the version that wrote it"
                 )
-            # The bounds of the last opener apply to every writer of the file.
-            conn.execute(
-                "UPDATE weclaw_outbox_totals SET max_rows = ?, max_bytes = ?",
-                (max_rows, max_bytes),
-            )
+            # The bounds of the last producer that opened it apply to every writer of the file.
+            if max_rows is not None:
+                conn.execute("UPDATE weclaw_outbox_totals SET max_rows = ?", (max_rows,))
+            if max_bytes is not None:
+                conn.execute("UPDATE weclaw_outbox_totals SET max_bytes = ?", (max_bytes,))
             conn.execute("COMMIT")
         except BaseException as e:
             if conn.in_transaction:
@@ -374,7 +378,9 @@ class Outbox:
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     @classmethod
-    async def open(cls, path: str | Path, *, max_rows: int, max_bytes: int) -> Outbox:
+    async def open(
+        cls, path: str | Path, *, max_rows: int | None = None, max_bytes: int | None = None
+    ) -> Outbox:
         """Open (create) the file; ``OutboxUnusableError`` saying why it cannot be used."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weclaw-outbox")
         try:
