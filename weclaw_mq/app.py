@@ -428,6 +428,11 @@ class App:
         add_message(conn, queue, message)
         return message.message_id or ""
 
+    async def stored_locally(self, task_id: str) -> bool:
+        """Whether the outbox holds ``task_id`` now, i.e. it is not on the broker yet (False
+        when no outbox is configured)."""
+        return self._local is not None and await self._local.holds(task_id)
+
     def _require_outbox(self) -> LocalFallback:
         if self._local is None:
             raise ConfigurationError("no outbox configured: set WECLAW_MQ_OUTBOX_PATH")

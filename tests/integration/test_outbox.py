@@ -358,3 +358,26 @@ def test_outbox_cli_status_and_relay_say_what_is_waiting_and_why(
     assert info["rows"] == 1 and info["failing"] == 1 and info["claimed"] == 0
     assert f"unroutable: no queue named {qname!r}" in info["last_error"]
     assert "rows: 1 (bound 100)" in human.stdout and "last send failed: 1 rows" in human.stdout
+
+
+async def test_the_example_api_answers_202_stored_locally_while_the_broker_is_down(
+    redis_url: str, tmp_path: Path, qname: str
+) -> None:
+    from tests.integration.test_examples import demo_client
+
+    mq = App(
+        "demo-api", settings=settings_for(DEAD_URL, redis_url, outbox_path=str(tmp_path / "o.db"))
+    )
+    try:
+        # The lifespan opens the outbox and starts its relay; the declare fails, is logged.
+        async with demo_client(mq, qname, lifespan=True) as client:
+            posted = await client.post("/tasks", json={"text": "hello"})
+            task_id = posted.json()["task_id"]
+            seen = await client.get(f"/tasks/{task_id}")
+    finally:
+        await mq.close()
+        await forget_task_keys(redis_url, [qname])
+
+    assert posted.status_code == 202, posted.text
+    assert posted.json() == {"task_id": task_id, "status": "stored_locally"}
+    assert seen.status_code == 200 and seen.json()["status"] == "stored_locally"

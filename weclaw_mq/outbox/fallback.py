@@ -172,6 +172,9 @@ class LocalFallback:
             return local
         return state if state is not None else await self._find(task_id, queue)
 
+    async def holds(self, task_id: str) -> bool:
+        return await (await self.open()).find(task_id) is not None
+
     async def _find(self, task_id: str, queue: str | None) -> TaskState | None:
         outbox = await self.open()
         found = await outbox.find(task_id)
