@@ -74,6 +74,7 @@ class LocalFallback:
         self.relay: Relay | None = None
         self._relay_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
+        self._stored_since_confirm = False
 
     async def open(self) -> Outbox:
         """The outbox, opened (and its relay started) on the first call."""
@@ -97,15 +98,24 @@ class LocalFallback:
     async def publish(self, queue: str, message: Message, send: Send) -> str:
         outbox = await self.open()
         try:
-            return await send(queue, message)
+            task_id = await send(queue, message)
         except TO_OUTBOX as e:
             await self._store(outbox, queue, [message], e)
             return message.message_id or ""
+        self._broker_answers()
+        return task_id
+
+    def _broker_answers(self) -> None:
+        """A publish was confirmed: if this process stored tasks during an outage, the relay
+        (which backs off while the broker is away) starts sending them now."""
+        if self._stored_since_confirm and self.relay is not None:
+            self._stored_since_confirm = False
+            self.relay.wake()
 
     async def publish_many(self, queue: str, messages: list[Message], send: SendMany) -> list[str]:
         outbox = await self.open()
         try:
-            return await send(queue, messages)
+            task_ids = await send(queue, messages)
         except BrokerUnavailableError as e:  # the connect before the batch: nothing was sent
             await self._store(outbox, queue, messages, e)
             return [m.message_id or "" for m in messages]
@@ -118,6 +128,8 @@ class LocalFallback:
                 # Only what the broker refused outright is the caller's to handle now.
                 raise BatchPublishError(queue, e.task_ids, refused) from e
             return e.task_ids
+        self._broker_answers()
+        return task_ids
 
     async def _store(
         self, outbox: Outbox, queue: str, messages: Sequence[Message], cause: Exception
@@ -137,6 +149,7 @@ class LocalFallback:
             cause,
         )
         self._metrics.outbox_stored.labels(queue).inc(len(messages))
+        self._stored_since_confirm = True
         store = self._results()
         if store is not None:
             # Unconditional: for an unknown outcome it replaces the "queued" record written

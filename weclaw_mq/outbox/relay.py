@@ -26,7 +26,13 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from ..errors import BrokerUnavailableError
 from ..metrics import Metrics
-from ..publishing.connection import LINK_ERRORS, BrokerEndpoints, cancelled_by_caller, is_alive
+from ..publishing.connection import (
+    LINK_ERRORS,
+    BrokerEndpoints,
+    backoff_s,
+    cancelled_by_caller,
+    is_alive,
+)
 from ..settings import Settings
 from ..state import TaskState, TaskStatus, TaskStore
 from .store import Outbox, OutboxRow
@@ -67,28 +73,41 @@ class Relay:
         self._wake.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Drain, then wait for more, until ``stop`` is set. Failures are logged and retried
-        after ``outbox_relay_interval_s``; nothing here ends the loop but ``stop``."""
+        """Drain, then wait for more, until ``stop`` is set. A failed pass is logged and
+        retried after ``outbox_relay_interval_s``, backing off (up to
+        ``reconnect_max_delay_s``) while the broker stays away; nothing but ``stop`` ends the
+        loop: a relay that died quietly would leave the outbox to grow."""
         interval = self.settings.outbox_relay_interval_s
+        failures = 0
         try:
             while not stop.is_set():
                 try:
                     await self.drain()
-                except (BrokerUnavailableError, *LINK_ERRORS, TimeoutError) as e:
-                    log.warning("outbox relay: broker not reachable (%s); trying again", e)
-                    await self._drop_link()
+                    failures = 0
                 except asyncio.CancelledError:
                     if cancelled_by_caller():
                         raise
+                    failures += 1  # aiormq's own cancel: the link died
+                    await self._drop_link()
+                except (BrokerUnavailableError, *LINK_ERRORS, TimeoutError) as e:
+                    failures += 1
+                    log.warning("outbox relay: broker not reachable (%s); trying again", e)
+                    await self._drop_link()
+                except Exception as e:  # the file (disk full, locked too long) or ours
+                    failures += 1
+                    log.error("outbox relay: pass failed (%s: %s)", type(e).__name__, e)
                     await self._drop_link()
                 await self._update_gauges()
                 self._wake.clear()
+                delay = interval
+                if failures:
+                    delay = max(interval, backoff_s(failures, self.settings.reconnect_max_delay_s))
                 waits = {
                     asyncio.ensure_future(stop.wait()),
                     asyncio.ensure_future(self._wake.wait()),
                 }
                 try:
-                    await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waits, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     for w in waits:
                         w.cancel()
