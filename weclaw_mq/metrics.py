@@ -54,6 +54,25 @@ class Metrics:
         self.reconnects = Counter(
             "weclaw_mq_reconnects", "Broker connections re-established.", ["role"], registry=r
         )
+        # The local outbox (weclaw_mq.outbox): tasks stored there instead of on the broker,
+        # tasks its relay got confirmed, and its size as the relay last read it.
+        self.outbox_stored = Counter(
+            "weclaw_mq_outbox_stored", "Tasks stored in the local outbox.", ["queue"], registry=r
+        )
+        self.outbox_relayed = Counter(
+            "weclaw_mq_outbox_relayed",
+            "Tasks the outbox relay sent and got confirmed.",
+            ["queue"],
+            registry=r,
+        )
+        self.outbox_rows = Gauge(
+            "weclaw_mq_outbox_rows", "Tasks in the local outbox, not yet on the broker.", registry=r
+        )
+        self.outbox_oldest_age = Gauge(
+            "weclaw_mq_outbox_oldest_age_seconds",
+            "Age of the oldest task in the local outbox (0 when empty).",
+            registry=r,
+        )
 
         # Label lookups take a lock and build a tuple: done once per (queue, outcome), not
         # once per message.

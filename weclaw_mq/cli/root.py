@@ -216,3 +216,7 @@ from .dlq import dlq_cli, stats  # noqa: E402  (kept beside its registration)
 
 cli.add_typer(dlq_cli, name="dlq")
 cli.command("stats")(stats)
+
+from .outbox import outbox_cli  # noqa: E402  (kept beside its registration)
+
+cli.add_typer(outbox_cli, name="outbox")
