@@ -25,6 +25,7 @@ from .errors import (
 from .handler import HandlerFunc, HandlerSpec, build_spec
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
+from .notification import notify_target
 from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy
@@ -85,8 +86,13 @@ class App:
         delivery_limit: int | None = None,
         max_length: int | None = None,
         idempotent: bool = True,
+        notify: bool | str = False,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
-        """Register an async handler for ``queue``; options left out come from settings."""
+        """Register an async handler for ``queue``; options left out come from settings.
+
+        ``notify=True`` publishes each task's final state to ``<queue>.results`` (a name: to
+        that queue) before the task is acked or dead-lettered (see ``notification``).
+        """
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -103,6 +109,7 @@ class App:
                 delivery_limit=delivery_limit if delivery_limit is not None else s.delivery_limit,
                 max_length=max_length,
                 idempotent=idempotent,
+                notify=notify_target(queue, notify, s),
             )
             return func
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .naming import validate_queue_name
+from .notification import NotifyTarget
 from .retry import RetryPolicy
 from .topology import QueueSpec
 
@@ -31,6 +32,8 @@ class HandlerSpec:
     delivery_limit: int
     max_length: int | None
     idempotent: bool
+    # Where the final state of each task is announced (``notify=``), or None.
+    notify: NotifyTarget | None = None
 
     @property
     def name(self) -> str:
@@ -43,6 +46,7 @@ class HandlerSpec:
             retry_delays_ms=tuple(dict.fromkeys((self.retry.delay_ms(1), *self.retry.delays_ms()))),
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
+            results=None if self.notify is None else self.notify.queue_spec(),
         )
 
     def parse(self, body: bytes) -> Any:
@@ -81,6 +85,7 @@ def build_spec(
     delivery_limit: int,
     max_length: int | None,
     idempotent: bool,
+    notify: NotifyTarget | None = None,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -123,4 +128,5 @@ def build_spec(
         delivery_limit=delivery_limit,
         max_length=max_length,
         idempotent=idempotent,
+        notify=notify,
     )

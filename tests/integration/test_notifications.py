@@ -1,0 +1,255 @@
+"""Result notifications (``notify=``) on the real broker and Redis: every final state reaches
+the results queue before its task is acked, a notification handler with the guard runs once
+per notification, and a failed notification keeps its task from being acked."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+import redis.asyncio as aioredis
+from aio_pika.abc import AbstractChannel
+from pydantic import BaseModel
+
+from tests.conftest import (
+    delete_queues,
+    forget_task_keys,
+    next_message,
+    outcome_count,
+    queue_depth,
+    settings_for,
+    wait_until,
+)
+from tests.integration.fixture_apps import guard_app
+from tests.integration.processes import WorkerProcess, all_empty, queue_names
+from weclaw_mq import App, Context, Reject, TaskNotification, TaskStatus
+from weclaw_mq.naming import results_queue_name, task_keys
+from weclaw_mq.notification import notification_id
+from weclaw_mq.topology import QueueSpec, work_queue_arguments
+
+SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 300, "done_ttl_s": 300}
+
+
+class Job(BaseModel):
+    n: int
+
+
+def notifications(app: App, queue: str, outcome: str) -> float:
+    value = app.metrics.registry.get_sample_value(
+        "weclaw_mq_notifications_total", {"queue": queue, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+class NotificationLog:
+    """What a guarded notification handler on the results queue received, in this process."""
+
+    def __init__(self) -> None:
+        self.runs: Counter[str] = Counter()  # handler runs per notification (message) id
+        self.by_task: dict[str, list[TaskNotification]] = defaultdict(list)
+        self.trace_ids: set[str] = set()
+        self.on_note: Callable[[TaskNotification], None] = lambda note: None
+
+    def register(self, app: App, results_queue: str) -> None:
+        @app.handler(results_queue)
+        async def notified(note: TaskNotification, ctx: Context) -> None:
+            self.runs[ctx.task_id] += 1
+            self.by_task[note.task_id].append(note)
+            self.trace_ids.add(ctx.trace_id)
+            self.on_note(note)
+
+
+async def test_each_of_500_final_states_reaches_a_guarded_notification_handler_once(
+    qname: str, make_app: Callable[..., App], start_worker: Callable[..., Any]
+) -> None:
+    app = make_app(retry_delay_s=0.2, **SHORT_TTLS)
+    results = results_queue_name(qname)
+    received = NotificationLog()
+
+    @app.handler(qname, notify=True)
+    async def work(task: Job) -> dict[str, int]:
+        if task.n % 50 == 0:
+            raise Reject("multiples of 50 are refused")
+        return {"double": 2 * task.n}
+
+    received.register(app, results)
+    await start_worker(app, concurrency=32)
+    ids = await app.publish_many(qname, [Job(n=n) for n in range(500)], trace_id="trace-500")
+
+    await wait_until(lambda: len(received.by_task) == 500, 60, "500 notifications")
+    await wait_until(
+        lambda: (
+            outcome_count(app, qname, "acked") + outcome_count(app, qname, "dead_lettered") == 500
+        ),
+        10,
+        "every task settled",
+    )
+    assert set(received.by_task) == set(ids)
+    assert all(len(notes) == 1 for notes in received.by_task.values())
+    assert set(received.runs.values()) == {1}
+    assert outcome_count(app, results, "duplicate") == 0
+    assert notifications(app, qname, "published") == 500
+    assert notifications(app, qname, "failed") == 0
+    # The notification handler ran under the task's own trace id.
+    assert received.trace_ids == {"trace-500"}
+    for n, task_id in enumerate(ids):
+        (note,) = received.by_task[task_id]
+        assert (note.queue, note.attempt, note.trace_id) == (qname, 1, "trace-500")
+        if n % 50 == 0:
+            assert note.status is TaskStatus.DEAD_LETTERED
+            assert (note.reason, note.error_type) == ("rejected", "weclaw_mq.Reject")
+            assert note.error == "Reject: multiples of 50 are refused"
+            assert note.result is None
+        else:
+            assert note.status is TaskStatus.SUCCEEDED
+            assert note.result == {"double": 2 * n}
+            assert note.error is None
+        assert received.runs[notification_id(task_id, note.status)] == 1
+    # The record a consumer reads back agrees with what it was told.
+    state = await app.status(ids[1], queue=qname)
+    assert state is not None and state.result == {"double": 2}
+
+
+async def test_a_notification_the_results_queue_refuses_keeps_its_task_unacked_until_it_is_out(
+    qname: str,
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    amqp: AbstractChannel,
+) -> None:
+    results = results_queue_name(qname)
+    # The results queue exists already, bounded by whoever declared it: the worker keeps it
+    # as it is (no conflict), and the broker refuses (nacks) publishes while it is full.
+    bounded = {**work_queue_arguments(QueueSpec(results, (), delivery_limit=10)), "x-max-length": 1}
+    await amqp.declare_queue(results, durable=True, arguments=bounded)  # type: ignore[arg-type]
+    app = make_app(retry_delay_s=0.2, **SHORT_TTLS)
+    runs: Counter[str] = Counter()
+
+    @app.handler(qname, notify=True)
+    async def work(task: Job, ctx: Context) -> dict[str, int]:
+        runs[ctx.task_id] += 1
+        return {"n": task.n}
+
+    await start_worker(app, concurrency=4)
+    await _fill_until_refused(amqp, results)
+    task_id = await app.publish(qname, Job(n=2))
+    # Refused, parked in the delay queue, back, refused again: never acked meanwhile.
+    await wait_until(lambda: notifications(app, qname, "failed") >= 3, 20, "three refusals")
+    assert outcome_count(app, qname, "acked") + outcome_count(app, qname, "duplicate") == 0
+    assert outcome_count(app, qname, "deferred") >= 2
+    assert notifications(app, qname, "published") == 0
+    state = await app.status(task_id, queue=qname)
+    assert state is not None and state.status is TaskStatus.SUCCEEDED  # stored before notifying
+
+    # Room in the results queue: the parked task's next return finds it done, publishes the
+    # notification, and only then is acked (as a copy of a finished task).
+    await (await amqp.get_queue(results, ensure=False)).purge()
+    await wait_until(lambda: outcome_count(app, qname, "duplicate") == 1, 20, "the task acked")
+    assert outcome_count(app, qname, "acked") == 0
+    announced = await next_message(amqp, results)
+    assert announced.message_id == notification_id(task_id, TaskStatus.SUCCEEDED)
+    note = TaskNotification.model_validate_json(announced.body)
+    assert (note.task_id, note.status, note.result) == (task_id, TaskStatus.SUCCEEDED, {"n": 2})
+    assert notifications(app, qname, "published") == 1
+    # The handler ran once: each return found the task done and only notified.
+    assert runs == Counter({task_id: 1})
+    assert await queue_depth(amqp, qname) == 0
+
+
+async def _fill_until_refused(channel: AbstractChannel, queue: str) -> None:
+    """Publish fillers (with confirms) until the broker nacks one. A quorum queue's length
+    limit is soft: the publish that crosses it is still accepted; the ones after are not."""
+    for n in range(20):
+        try:
+            await channel.default_exchange.publish(
+                aio_pika.Message(b"{}", message_id=f"filler-{n}"), routing_key=queue
+            )
+        except aio_pika.exceptions.DeliveryError:
+            return
+    raise AssertionError(f"{queue} never refused a publish")
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def test_a_worker_killed_between_storing_the_result_and_notifying_notifies_on_redelivery(
+    qname: str,
+    broker_url: str,
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    settings = settings_for(broker_url, redis_url, guard_lease_s=1.0, **SHORT_TTLS)
+    record_key = f"weclaw-test:{qname}"
+    publisher = guard_app.build_app(qname, settings=settings, record_key=record_key, notify=True)
+    consumer = make_app("notified", **SHORT_TTLS)
+    received = NotificationLog()
+    received.register(consumer, results_queue_name(qname))
+    workers: list[WorkerProcess] = []
+    task_id = ""
+
+    def spawn(name: str, **kwargs: Any) -> WorkerProcess:
+        worker = guard_app.spawn_worker(
+            queue=qname,
+            record_key=record_key,
+            settings=settings,
+            log_path=tmp_path / f"{name}.log",
+            notify=True,
+            **kwargs,
+        )
+        workers.append(worker)
+        return worker
+
+    try:
+        await publisher.declare()
+        await start_worker(consumer)
+        first = spawn("first", die_after_store=True)
+        await first.wait_consuming()
+        task_id = await publisher.publish(qname, guard_app.Job(n=7, die_after_store=True))
+        # Killed with the result and the done marker stored, before the notification.
+        assert await first.wait_exit(20) == -signal.SIGKILL, first.describe()
+        assert received.runs == Counter()
+
+        second = spawn("second")
+        await second.wait_consuming()
+        await wait_until(lambda: task_id in received.by_task, 20, "the notification")
+        await wait_until(
+            lambda: all_empty(broker_url, [qname, results_queue_name(qname)]), 10, "queues empty"
+        )
+        second.signal(signal.SIGTERM)
+        assert await second.wait_exit(20) == 0, second.describe()
+
+        (note,) = received.by_task[task_id]
+        assert note.status is TaskStatus.SUCCEEDED
+        assert note.result == {"n": 7, "pid": first.pid}  # the stored result, not a rerun's
+        assert [
+            guard_app.as_text(r)
+            for r in await redis_client.lrange(guard_app.runs_key(record_key), 0, -1)
+        ] == [task_id]
+    finally:
+        for worker in workers:
+            worker.kill()
+        await publisher.close()
+        # Not the results queues: the consumer's worker (stopped after this test) would
+        # declare them again; make_app deletes them once it has stopped.
+        results = results_queue_name(qname)
+        await delete_queues(
+            broker_url, [n for n in queue_names(publisher) if not n.startswith(results)]
+        )
+        await forget_task_keys(redis_url, [qname])
+        keys = guard_app.record_keys(record_key)
+        if task_id:
+            keys += task_keys(qname, task_id)
+        await redis_client.delete(*keys)
