@@ -4,6 +4,8 @@ per notification, and a failed notification keeps its task from being acked."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -27,8 +29,8 @@ from tests.conftest import (
 )
 from tests.integration.fixture_apps import guard_app
 from tests.integration.processes import WorkerProcess, all_empty, queue_names
-from weclaw_mq import App, Context, Reject, TaskNotification, TaskStatus
-from weclaw_mq.naming import results_queue_name, task_keys
+from weclaw_mq import App, Context, Reject, Settings, TaskNotification, TaskStatus
+from weclaw_mq.naming import results_queue_name
 from weclaw_mq.notification import notification_id
 from weclaw_mq.topology import QueueSpec, work_queue_arguments
 
@@ -173,6 +175,72 @@ async def _fill_until_refused(channel: AbstractChannel, queue: str) -> None:
     raise AssertionError(f"{queue} never refused a publish")
 
 
+class Fleet:
+    """Worker processes of the guard fixture app with ``notify=True`` on one queue, and the
+    in-process notification handler on its results queue (its worker started by the test)."""
+
+    def __init__(self, queue: str, settings: Settings, work_dir: Path, consumer: App) -> None:
+        self.queue = queue
+        self.settings = settings
+        self.work_dir = work_dir
+        self.record_key = f"weclaw-test:{queue}"
+        self.publisher = guard_app.build_app(
+            queue, settings=settings, record_key=self.record_key, notify=True
+        )
+        self.consumer = consumer
+        self.received = NotificationLog()
+        self.received.register(consumer, results_queue_name(queue))
+        self.workers: list[WorkerProcess] = []
+
+    def spawn(self, **kwargs: Any) -> WorkerProcess:
+        worker = guard_app.spawn_worker(
+            queue=self.queue,
+            record_key=self.record_key,
+            settings=self.settings,
+            log_path=self.work_dir / f"worker-{len(self.workers)}.log",
+            notify=True,
+            **kwargs,
+        )
+        self.workers.append(worker)
+        return worker
+
+    async def handler_runs(self, client: aioredis.Redis) -> list[str]:
+        """Task ids, one per completed run of the producing handler (recorded in Redis)."""
+        runs = await client.lrange(guard_app.runs_key(self.record_key), 0, -1)
+        return [guard_app.as_text(r) for r in runs]
+
+
+@pytest.fixture
+async def fleet(
+    qname: str,
+    broker_url: str,
+    redis_url: str,
+    make_app: Callable[..., App],
+    tmp_path: Path,
+) -> AsyncIterator[Fleet]:
+    # Short leases and delays: a killed worker's claims lapse, and its tasks come back, fast.
+    settings = settings_for(
+        broker_url, redis_url, guard_lease_s=1.0, retry_delay_s=0.2, **SHORT_TTLS
+    )
+    fleet = Fleet(qname, settings, tmp_path, make_app("notified", **SHORT_TTLS))
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await fleet.publisher.declare()
+        yield fleet
+    finally:
+        for worker in fleet.workers:
+            worker.kill()
+        await fleet.publisher.close()
+        # Not the results queues: the consumer's worker (stopped after this fixture) would
+        # declare them again; make_app deletes them once it has stopped.
+        results = results_queue_name(qname)
+        own = [n for n in queue_names(fleet.publisher) if not n.startswith(results)]
+        await delete_queues(broker_url, own)
+        await forget_task_keys(redis_url, [qname])
+        await client.delete(*guard_app.record_keys(fleet.record_key))
+        await client.aclose()
+
+
 @pytest.fixture
 async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(redis_url)
@@ -183,73 +251,88 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
 
 
 async def test_a_worker_killed_between_storing_the_result_and_notifying_notifies_on_redelivery(
-    qname: str,
-    broker_url: str,
-    redis_url: str,
-    redis_client: aioredis.Redis,
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    tmp_path: Path,
+    fleet: Fleet, broker_url: str, redis_client: aioredis.Redis, start_worker: Callable[..., Any]
 ) -> None:
-    settings = settings_for(broker_url, redis_url, guard_lease_s=1.0, **SHORT_TTLS)
-    record_key = f"weclaw-test:{qname}"
-    publisher = guard_app.build_app(qname, settings=settings, record_key=record_key, notify=True)
-    consumer = make_app("notified", **SHORT_TTLS)
-    received = NotificationLog()
-    received.register(consumer, results_queue_name(qname))
-    workers: list[WorkerProcess] = []
-    task_id = ""
+    received = fleet.received
+    await start_worker(fleet.consumer)
+    first = fleet.spawn(die_after_store=True)
+    await first.wait_consuming()
+    task_id = await fleet.publisher.publish(fleet.queue, guard_app.Job(n=7, die_after_store=True))
+    # Killed with the result and the done marker stored, before the notification.
+    assert await first.wait_exit(20) == -signal.SIGKILL, first.describe()
+    assert received.runs == Counter()
 
-    def spawn(name: str, **kwargs: Any) -> WorkerProcess:
-        worker = guard_app.spawn_worker(
-            queue=qname,
-            record_key=record_key,
-            settings=settings,
-            log_path=tmp_path / f"{name}.log",
-            notify=True,
-            **kwargs,
+    second = fleet.spawn()
+    await second.wait_consuming()
+    await wait_until(lambda: task_id in received.by_task, 20, "the notification")
+    queues = [fleet.queue, results_queue_name(fleet.queue)]
+    await wait_until(lambda: all_empty(broker_url, queues), 10, "queues empty")
+    second.signal(signal.SIGTERM)
+    assert await second.wait_exit(20) == 0, second.describe()
+
+    (note,) = received.by_task[task_id]
+    assert note.status is TaskStatus.SUCCEEDED
+    assert note.result == {"n": 7, "pid": first.pid}  # the stored result, not a rerun's
+    assert await fleet.handler_runs(redis_client) == [task_id]
+
+
+KILL_TASKS = 500
+KILL_CONCURRENCY = 8
+# Each kill lands as the notification handler receives the n-th notification: that task, and
+# others in flight, are between "notification confirmed" and "task acked" or just before.
+KILL_AT = (150, 300)
+
+
+async def test_kill_9_around_the_notify_point_loses_no_notification_and_duplicates_are_absorbed(
+    fleet: Fleet, broker_url: str, redis_client: aioredis.Redis, start_worker: Callable[..., Any]
+) -> None:
+    received = fleet.received
+    killed = asyncio.Event()
+    current: list[WorkerProcess] = []
+    seen = [0]
+
+    def kill_at_thresholds(note: TaskNotification) -> None:
+        seen[0] += 1
+        if seen[0] in KILL_AT:
+            os.kill(current[-1].pid, signal.SIGKILL)  # at once, in the handler: no lag
+            killed.set()
+
+    received.on_note = kill_at_thresholds
+    await start_worker(fleet.consumer, concurrency=16)
+    ids = await fleet.publisher.publish_many(
+        fleet.queue, [guard_app.Job(n=n) for n in range(KILL_TASKS)]
+    )
+    for _ in KILL_AT:
+        current.append(
+            fleet.spawn(concurrency=KILL_CONCURRENCY, sleep_min_s=0.002, sleep_max_s=0.01)
         )
-        workers.append(worker)
-        return worker
+        await current[-1].wait_consuming()
+        await asyncio.wait_for(killed.wait(), 30)
+        killed.clear()
+        assert await current[-1].wait_exit(10) == -signal.SIGKILL, current[-1].describe()
+    last = fleet.spawn(concurrency=KILL_CONCURRENCY)
+    await last.wait_consuming()
 
-    try:
-        await publisher.declare()
-        await start_worker(consumer)
-        first = spawn("first", die_after_store=True)
-        await first.wait_consuming()
-        task_id = await publisher.publish(qname, guard_app.Job(n=7, die_after_store=True))
-        # Killed with the result and the done marker stored, before the notification.
-        assert await first.wait_exit(20) == -signal.SIGKILL, first.describe()
-        assert received.runs == Counter()
+    await wait_until(lambda: len(received.by_task) == KILL_TASKS, 60, "every notification")
+    names = [n for n in queue_names(fleet.publisher)]
+    await wait_until(lambda: all_empty(broker_url, names), 20, "every queue drained")
+    last.signal(signal.SIGTERM)
+    assert await last.wait_exit(20) == 0, last.describe()
 
-        second = spawn("second")
-        await second.wait_consuming()
-        await wait_until(lambda: task_id in received.by_task, 20, "the notification")
-        await wait_until(
-            lambda: all_empty(broker_url, [qname, results_queue_name(qname)]), 10, "queues empty"
-        )
-        second.signal(signal.SIGTERM)
-        assert await second.wait_exit(20) == 0, second.describe()
-
-        (note,) = received.by_task[task_id]
-        assert note.status is TaskStatus.SUCCEEDED
-        assert note.result == {"n": 7, "pid": first.pid}  # the stored result, not a rerun's
-        assert [
-            guard_app.as_text(r)
-            for r in await redis_client.lrange(guard_app.runs_key(record_key), 0, -1)
-        ] == [task_id]
-    finally:
-        for worker in workers:
-            worker.kill()
-        await publisher.close()
-        # Not the results queues: the consumer's worker (stopped after this test) would
-        # declare them again; make_app deletes them once it has stopped.
-        results = results_queue_name(qname)
-        await delete_queues(
-            broker_url, [n for n in queue_names(publisher) if not n.startswith(results)]
-        )
-        await forget_task_keys(redis_url, [qname])
-        keys = guard_app.record_keys(record_key)
-        if task_id:
-            keys += task_keys(qname, task_id)
-        await redis_client.delete(*keys)
+    results = results_queue_name(fleet.queue)
+    duplicates = outcome_count(fleet.consumer, results, "duplicate")
+    handler_runs = Counter(await fleet.handler_runs(redis_client))
+    reruns = sum(c - 1 for c in handler_runs.values())
+    print(
+        f"\nkill -9 x{len(KILL_AT)} around the notify point: {KILL_TASKS} tasks, "
+        f"{KILL_TASKS} notifications handled once each; {duplicates:.0f} duplicate copies "
+        f"absorbed by the guard, {reruns} task reruns"
+    )
+    assert set(received.by_task) == set(ids)
+    # The guard ran the notification handler once per notification, whatever came twice.
+    assert set(received.runs.values()) == {1}
+    assert all(len(notes) == 1 for notes in received.by_task.values())
+    assert all(n.status is TaskStatus.SUCCEEDED for ns in received.by_task.values() for n in ns)
+    # A copy comes only from a task in flight at a kill: at most the prefetch per kill.
+    assert duplicates <= KILL_CONCURRENCY * len(KILL_AT)
+    assert set(handler_runs) == set(ids) and reruns <= KILL_CONCURRENCY * len(KILL_AT)
