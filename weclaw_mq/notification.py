@@ -41,13 +41,15 @@ class TaskNotification(BaseModel):
     """The final state of one task, as its results queue receives it (JSON body).
 
     ``status`` is ``succeeded`` (with ``result``) or ``dead_lettered`` (with ``reason``,
-    ``error`` and ``error_type``); a consumer should accept statuses it does not know yet, as
-    later versions may add some (an expired or cancelled task).
+    ``error`` and ``error_type``). Later versions may add final statuses (an expired or a
+    cancelled task): they read as plain strings, so handle what you do not know.
     """
 
     task_id: str
     queue: str  # the handler queue the task ran in
-    status: TaskStatus
+    # A status this version does not know (a later one may add expired or cancelled) reads as
+    # its plain string: an older consumer must not dead-letter a newer worker's notification.
+    status: TaskStatus | str = Field(union_mode="left_to_right")  # a known one: the enum
     result: Any = None  # the handler's return value (succeeded)
     error: str | None = None  # "ErrorName: message" of the last failure (dead_lettered)
     error_type: str | None = None  # its stable name, as in x-weclaw-error-type
@@ -75,11 +77,11 @@ def notification_id(task_id: str, status: TaskStatus | str, requeued: int = 0) -
     fixed parts come first, so the id parses whatever the task id holds; an id too long for
     AMQP becomes a UUID derived from it (the same every time).
     """
-    status = TaskStatus(status)
-    if status is TaskStatus.SUCCEEDED:
-        text = f"{status.value}:{task_id}"
+    value = status.value if isinstance(status, TaskStatus) else status
+    if value == TaskStatus.SUCCEEDED.value:
+        text = f"{value}:{task_id}"
     else:
-        text = f"{status.value}:{requeued}:{task_id}"
+        text = f"{value}:{requeued}:{task_id}"
     if len(text.encode("utf-8", "surrogatepass")) <= _MAX_ID_BYTES:
         return text
     return str(uuid.uuid5(_LONG_ID_NAMESPACE, text))

@@ -162,10 +162,38 @@ async def test_a_notification_the_results_queue_refuses_keeps_its_task_unacked_u
     assert await queue_depth(amqp, qname) == 0
 
 
+async def test_the_results_queue_declares_idempotently_and_keeps_its_consumers_own_arguments(
+    qname: str, make_app: Callable[..., App], amqp: AbstractChannel
+) -> None:
+    results = results_queue_name(qname)
+    # One app: the notification handler (own max_length) is registered after the announcing
+    # handler, and its own arguments still win.
+    app = make_app()
+
+    @app.handler(qname, notify=True)
+    async def work(task: Job) -> None: ...
+
+    @app.handler(results, max_length=5)
+    async def notified(note: TaskNotification) -> None: ...
+
+    assert results in await app.declare()
+    # Another process with only the announcing handler: declared again and again, no conflict.
+    announcer = make_app()
+
+    @announcer.handler(qname, notify=True)
+    async def work_too(task: Job) -> None: ...
+
+    for _ in range(2):
+        assert (await announcer.declare())[-2:] == [f"{results}.dlq", results]
+    # The queue still holds its max length: the second publish past it is refused.
+    await _fill_until_refused(amqp, results)
+    assert await queue_depth(amqp, results) <= 6
+
+
 async def _fill_until_refused(channel: AbstractChannel, queue: str) -> None:
     """Publish fillers (with confirms) until the broker nacks one. A quorum queue's length
     limit is soft: the publish that crosses it is still accepted; the ones after are not."""
-    for n in range(20):
+    for n in range(50):
         try:
             await channel.default_exchange.publish(
                 aio_pika.Message(b"{}", message_id=f"filler-{n}"), routing_key=queue

@@ -123,3 +123,17 @@ def test_a_notification_round_trips_as_json_and_names_itself() -> None:
     again = TaskNotification.model_validate_json(note.model_dump_json())
     assert again == note
     assert again.notification_id == "dead_lettered:1:t-1"
+
+
+def test_a_final_status_this_version_does_not_know_still_reads_and_has_an_id() -> None:
+    body = (
+        '{"task_id": "t-1", "queue": "q", "status": "expired", "attempt": 0, "requeued": 0,'
+        ' "trace_id": "tr", "finished_at": "2026-12-01T00:00:00Z"}'
+    )
+    note = TaskNotification.model_validate_json(body)
+    assert note.status == "expired"
+    assert note.notification_id == "expired:0:t-1"
+    assert (
+        TaskNotification.model_validate_json(body.replace("expired", "succeeded")).status
+        is TaskStatus.SUCCEEDED
+    )
