@@ -31,6 +31,7 @@ from .message import build_message, check_encodable, encode_payload, new_task_id
 from .metrics import Metrics
 from .outbox import Outbox, add_message
 from .outbox.fallback import LocalFallback
+from .notification import notify_target
 from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy
@@ -122,11 +123,16 @@ class App:
         max_length: int | None = None,
         idempotent: bool = True,
         ttl_s: float | None = None,
+        notify: bool | str = False,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
         ``ttl_s``: the lifetime of a task this App publishes to ``queue`` without its own
-        ``ttl_s`` (default ``settings.task_ttl_s``, 7 days)."""
+        ``ttl_s`` (default ``settings.task_ttl_s``, 7 days).
+
+        ``notify=True`` publishes each task's final state to ``<queue>.results`` (a name: to
+        that queue) before the task is acked or dead-lettered (see ``notification``).
+        """
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -144,6 +150,7 @@ class App:
                 max_length=max_length,
                 idempotent=idempotent,
                 ttl_s=ttl_s if ttl_s is not None else s.task_ttl_s,
+                notify=notify_target(queue, notify, s),
             )
             return func
 
