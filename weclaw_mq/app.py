@@ -33,6 +33,7 @@ from .retry import RetryPolicy
 from .settings import Settings
 from .state import REDIS_FAILURES, TaskState, TaskStatus, TaskStore, open_store, state_unavailable
 from .streaming import Inbox, StreamEvent, StreamStore, open_redis_streams
+from .streaming.events import check_event_id
 from .streaming.reading import task_events
 from .topology import declare
 from .tracing import current, new_trace_id
@@ -409,6 +410,8 @@ class App:
         ``asyncio.timeout``. ``StateUnavailableError`` when Redis fails.
         """
         tasks = self._require_results()
+        if after is not None:
+            check_event_id(after)  # here, not at the first event: the caller's mistake
         return task_events(
             self.streams, tasks, task_id, after, queue=queue, block_s=self._read_block_s()
         )

@@ -83,10 +83,19 @@ class MemoryStreamStore:
         if not old:
             return
         self._logs[key] = log[len(old) :]
-        lost = [e for _, e in old if e.kind != EXPIRED]
-        tasks = [pydantic_core.from_json(e.body)["task_id"] for e in lost if e.kind == FINAL]
+        tasks: list[str] = []
+        lost = 0
+        for _, entry in old:  # the rules of redis._EXPIRE_LUA
+            fields = pydantic_core.from_json(entry.body)
+            if entry.kind == EXPIRED:
+                tasks += fields["data"]["tasks"]
+                lost += fields["data"]["entries"]
+            else:
+                lost += 1
+                if entry.kind == FINAL:
+                    tasks.append(fields["task_id"])
         if lost:
-            self._append(key, expired_entry(tasks, len(lost)))
+            self._append(key, expired_entry(tasks, lost))
 
     async def deliver(self, session_id: str, entries: Sequence[Entry]) -> int:
         key = "inbox:" + session_id
@@ -100,8 +109,11 @@ class MemoryStreamStore:
             self._dropped[session_id] = self._dropped.get(session_id, 0) + over
         return over
 
-    async def read_inbox(self, session_id: str, after: str, timeout_s: float) -> list[StreamEvent]:
-        self._expire(session_id)
+    async def read_inbox(
+        self, session_id: str, after: str, timeout_s: float, *, expire: bool = True
+    ) -> list[StreamEvent]:
+        if expire:
+            self._expire(session_id)
         return await self._read("inbox:" + session_id, after, timeout_s)
 
     async def confirm(self, session_id: str, upto: str) -> None:

@@ -40,9 +40,12 @@ class StreamStore(Protocol):
         entries were dropped to stay within ``inbox_max_entries``."""
         ...
 
-    async def read_inbox(self, session_id: str, after: str, timeout_s: float) -> list[StreamEvent]:
-        """``read`` for the session's inbox; entries past ``inbox_ttl_s`` are removed first,
-        leaving one "expired" event that names the tasks whose final reply went unread."""
+    async def read_inbox(
+        self, session_id: str, after: str, timeout_s: float, *, expire: bool = True
+    ) -> list[StreamEvent]:
+        """``read`` for the session's inbox. With ``expire``, entries past ``inbox_ttl_s``
+        are removed first, leaving an "expired" event that names the tasks whose final reply
+        went unread (it folds in any earlier "expired" event that expired in its turn)."""
         ...
 
     async def confirm(self, session_id: str, upto: str) -> None:

@@ -101,11 +101,21 @@ class Inbox:
         while True:
             for event in await self._streams.read_inbox(self.session_id, last, self._block_s):
                 last = event.id
-                if event.kind == FINAL:
-                    if (event.task_id, event.attempt) in finals:
-                        continue
-                    finals.add((event.task_id, event.attempt))
-                yield event
+                if _first_time(event, finals):
+                    yield event
+
+    async def pending(self) -> list[StreamEvent]:
+        """Everything pending now (after ``after``), oldest first, without waiting."""
+        last, out = self._after, []
+        finals: set[tuple[str, int]] = set()
+        # Expired entries are removed once, before the first read: an "expired" record that
+        # expired in its turn mid-way would otherwise be listed twice.
+        expire = True
+        while batch := await self._streams.read_inbox(self.session_id, last, 0, expire=expire):
+            expire = False
+            last = batch[-1].id
+            out += [event for event in batch if _first_time(event, finals)]
+        return out
 
     async def confirm(self, event_id: str) -> None:
         """Remove every entry up to and including ``event_id``: the client has them."""
@@ -114,3 +124,15 @@ class Inbox:
     async def dropped(self) -> int:
         """How many entries this inbox dropped, oldest first, because it was full."""
         return await self._streams.dropped(self.session_id)
+
+
+def _first_time(event: StreamEvent, finals: set[tuple[str, int]]) -> bool:
+    """False for a final reply already yielded (same task and attempt): the copy a worker
+    wrote again after a crash between storing the result and acking the task."""
+    if event.kind != FINAL:
+        return True
+    key = (event.task_id, event.attempt)
+    if key in finals:
+        return False
+    finals.add(key)
+    return True

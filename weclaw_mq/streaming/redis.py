@@ -2,8 +2,9 @@
 
 Keys come from ``naming`` (``stream_key``, ``inbox_key``, ``inbox_trace_key``). A task's
 stream lives ``result_ttl_s`` after its last write, like its record. An inbox's entries live
-``inbox_ttl_s`` each (trimmed by id, which is the time Redis added them); the key itself goes
-``2 * inbox_ttl_s`` after its last write, so the "expired" record outlives what it reports.
+``inbox_ttl_s`` each (trimmed by id, which is the time Redis added them), replaced by an
+"expired" record; the key itself goes ``2 * inbox_ttl_s`` after its last write (a reply, or
+such a record), so a record outlives what it reports by one TTL.
 
 What survives a Redis restart is what Redis persisted: with ``appendonly yes`` every entry
 acknowledged before the restart (up to the last fsync, one second by default); with neither
@@ -35,8 +36,9 @@ end
 """
 
 # Entries older than the TTL go, and one "expired" record says how many and which tasks'
-# final replies were among them. Earlier "expired" records are not counted: they would
-# otherwise beget one another every TTL forever.
+# final replies were among them. An earlier "expired" record that expires in its turn is
+# folded into the new one, so the trace lasts until the client confirms it, or until the
+# whole key expires: 2 * TTL after its last write, so a record outlives what it reports.
 _EXPIRE_LUA = (
     _FIELDS_LUA
     + """
@@ -49,14 +51,21 @@ local function expire(inbox, ttl_ms)
   local tasks, lost = {}, 0
   for _, entry in ipairs(old) do
     local f = fields(entry[2])
-    if f['k'] ~= 'expired' then lost = lost + 1 end
-    if f['k'] == 'final' then table.insert(tasks, cjson.decode(f['e'])['task_id']) end
+    if f['k'] == 'expired' then
+      local data = cjson.decode(f['e'])['data']
+      for _, task in ipairs(data['tasks']) do table.insert(tasks, task) end
+      lost = lost + data['entries']
+    else
+      lost = lost + 1
+      if f['k'] == 'final' then table.insert(tasks, cjson.decode(f['e'])['task_id']) end
+    end
   end
   redis.call('XTRIM', inbox, 'MINID', cutoff .. '-0')
   if lost > 0 then
     local data = {tasks = tasks, entries = lost}
     local body = cjson.encode({kind = 'expired', task_id = '', data = data})
     redis.call('XADD', inbox, '*', 'k', 'expired', 'e', body)
+    redis.call('PEXPIRE', inbox, 2 * tonumber(ttl_ms))
   end
 end
 """
@@ -193,10 +202,13 @@ class RedisStreamStore:
             raise state_unavailable(e) from e
         return int(dropped)
 
-    async def read_inbox(self, session_id: str, after: str, timeout_s: float) -> list[StreamEvent]:
+    async def read_inbox(
+        self, session_id: str, after: str, timeout_s: float, *, expire: bool = True
+    ) -> list[StreamEvent]:
         key = inbox_key(session_id)
         try:
-            await self._expire(keys=[key], args=[self._inbox_ttl_ms])
+            if expire:
+                await self._expire(keys=[key], args=[self._inbox_ttl_ms])
             return await self._read(key, after, timeout_s)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
