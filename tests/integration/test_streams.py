@@ -243,3 +243,11 @@ async def test_a_chunk_over_the_bounds_raises_in_the_handler_and_is_not_written(
         "(WECLAW_MQ_STREAM_MAX_CHUNK_BYTES)",
         "StreamLimitError: a run may emit at most 2 chunks (WECLAW_MQ_STREAM_MAX_CHUNKS)",
     ]
+
+
+async def test_a_task_the_broker_expires_unrun_ends_its_stream_as_expired(make_app, qname):
+    app = streaming_app(make_app, qname)
+    await app.declare()  # no worker: the broker expires the task at the head of Q
+    task_id = await app.publish(qname, Words(words=["never"]), ttl_s=0.3)
+    events = await collect(app.stream(task_id))
+    assert [(e.kind, e.status, e.reason) for e in events] == [("final", "expired", "expired")]
