@@ -38,10 +38,10 @@ from .handler import HandlerFunc, HandlerSpec, build_spec
 from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
+from .naming import validate_session_id
 from .notification import notify_target
 from .outbox import Outbox, add_message
 from .outbox.fallback import LocalFallback
-from .naming import validate_session_id
 from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy

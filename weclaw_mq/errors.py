@@ -183,6 +183,8 @@ class OutboxUnusableError(OutboxError):
     """The outbox file cannot be opened, read or written (a path, permissions, corruption)."""
 
     error_type: ClassVar[str] = "weclaw_mq.OutboxUnusableError"
+
+
 class StreamLimitError(WeclawMQError):
     """Raised by ``ctx.emit`` in the handler: the chunk is over ``stream_max_chunk_bytes``
     or the run already emitted ``stream_max_chunks``. Nothing of that chunk is written."""
