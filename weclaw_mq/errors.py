@@ -11,6 +11,8 @@
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
     ├── ResultTimeoutError           ``App.result`` saw no final state in time
     ├── StateUnavailableError        Redis (task states and results) did not answer
+    ├── StreamLimitError             ``ctx.emit``: a chunk too large, or too many in one run
+    ├── StreamWriteError             ``ctx.emit``: the task's stream could not be written
     ├── PublishFailedError           publish did not end in a broker ack
     │   ├── BrokerUnavailableError   no broker answered (connect failed): nothing was sent
     │   ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
@@ -159,6 +161,20 @@ class StateUnavailableError(WeclawMQError):
     """The task-state store (Redis by default) failed or did not answer: nothing was read."""
 
     error_type: ClassVar[str] = "weclaw_mq.StateUnavailableError"
+
+
+class StreamLimitError(WeclawMQError):
+    """Raised by ``ctx.emit`` in the handler: the chunk is over ``stream_max_chunk_bytes``
+    or the run already emitted ``stream_max_chunks``. Nothing of that chunk is written."""
+
+    error_type: ClassVar[str] = "weclaw_mq.StreamLimitError"
+
+
+class StreamWriteError(WeclawMQError):
+    """Raised by ``ctx.emit`` in the handler (or at the run's end) when earlier chunks could
+    not be written: the attempt fails and its retry streams again under a new marker."""
+
+    error_type: ClassVar[str] = "weclaw_mq.StreamWriteError"
 
 
 class BatchPublishError(PublishFailedError):
