@@ -26,7 +26,7 @@ from producers.api import RETRY_AFTER_S, create_app
 from tests.conftest import queue_depth, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App
-from weclaw_mq.naming import dlq_name, task_keys
+from weclaw_mq.naming import dlq_name, stream_key, task_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEAD_BROKER_URL = "amqp://guest:guest@127.0.0.1:1/"
@@ -38,6 +38,7 @@ def fast_reliable_llm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in model answers at once and never fails, so results are deterministic."""
     monkeypatch.setenv("DEMO_LLM_FAILURE_RATE", "0")
     monkeypatch.setenv("DEMO_LLM_LATENCY_S", "0.01")
+    monkeypatch.setenv("DEMO_LLM_WORD_S", "0.002")
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ async def forget_tasks(redis_url: str) -> AsyncIterator[list[tuple[str, str]]]:
     client = aioredis.Redis.from_url(redis_url)
     try:
         for queue, task_id in tasks:
-            await client.delete(*task_keys(queue, task_id))
+            await client.delete(*task_keys(queue, task_id), stream_key(task_id))
     finally:
         await client.aclose()
 
@@ -219,6 +220,8 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
         "WECLAW_MQ_AMQP_URL": broker_url,
         "WECLAW_MQ_REDIS_URL": redis_url,
         "PYTHONUNBUFFERED": "1",
+        # Slow enough that the worker is killed mid-reply (8 of 53 words) even on a busy machine.
+        "DEMO_LLM_WORD_S": "0.03",
     }
     # Its own process group: on a timeout the script's worker child is killed with it.
     proc = await asyncio.create_subprocess_exec(
@@ -241,9 +244,19 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
     text = out.decode(errors="replace")
     rows = re.findall(r"^([0-9a-f-]{36})\s+(\S+)\s+(\d+)\s", text, flags=re.MULTILINE)
     forget_tasks.extend((qname, task_id) for task_id, _, _ in rows)
+    streamed = re.findall(r"^published task ([0-9a-f-]{36});", text, flags=re.MULTILINE)
+    forget_tasks.extend((qname, task_id) for task_id in streamed)
 
     assert proc.returncode == 0, text
-    assert "summary: 3 published, 3 succeeded, 0 dead-lettered" in text, text
+    # The streamed reply: its worker killed mid-reply, a second run, the text read complete.
+    assert re.search(r"^\$ kill -9 \d+ ", text, flags=re.MULTILINE), text
+    discarded = re.search(
+        r"^\[final\] succeeded after 2 run\(s\); (\d+) words discarded", text, re.M
+    )
+    assert discarded is not None and int(discarded[1]) >= 8, text
+    assert "check: the text read is the stored reply, 53 words, none twice: OK" in text, text
+    assert "summary: 3 published, 3 succeeded, 0 dead-lettered; " in text, text
+    assert "streamed reply through the crash: complete" in text, text
     assert [status for _, status, _ in rows] == ["succeeded"] * 3, text
     assert "worker exited with code 0" in text, text
     # Every task was acked: nothing waits in the queue or its DLQ.
