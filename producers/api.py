@@ -6,6 +6,9 @@ Run it (with a worker beside it, e.g. ``weclaw-mq worker consumers.demo:app``)::
     curl -s -XPOST localhost:8000/tasks -H 'content-type: application/json' \
         -d '{"text": "write a haiku about queues"}'
     curl -s localhost:8000/tasks/<task_id>
+    curl -sN localhost:8000/tasks/<task_id>/events    # the reply as it is written (SSE)
+
+and open http://localhost:8000/ for the chat page (see ``producers.live``).
 
 The API publishes through the demo's own ``App`` object (``consumers.demo.app``): that App
 holds the handler, so ``publish`` checks each payload against the handler's pydantic model
@@ -26,6 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from consumers.demo import Prompt
+from producers.live import add_live_routes
 from weclaw_mq import (
     App,
     BrokerUnavailableError,
@@ -106,10 +110,16 @@ def create_app(
         idempotency_key: Annotated[
             str | None, Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN)
         ] = None,
+        session_id: Annotated[
+            str | None, Header(alias="Session-Id", pattern=IDEMPOTENCY_KEY_PATTERN)
+        ] = None,
     ) -> Any:
-        """Publish the prompt; 202 means the broker confirmed it is stored."""
+        """Publish the prompt; 202 means the broker confirmed it is stored. With a
+        ``Session-Id`` header the reply also goes to that session's inbox."""
         try:
-            task_id = await mq_app.publish(target, prompt, task_id=idempotency_key)
+            task_id = await mq_app.publish(
+                target, prompt, task_id=idempotency_key, session_id=session_id
+            )
         # Plain numbers: Starlette renamed the 413 and 422 constants across versions.
         except PayloadTooLargeError as e:
             raise HTTPException(413, str(e)) from e
@@ -151,6 +161,7 @@ def create_app(
             attempt=state.attempt,
         )
 
+    add_live_routes(api, mq_app, _unavailable)
     return api
 
 

@@ -1,0 +1,117 @@
+"""The example API's event endpoints over a real HTTP connection (uvicorn, httpx): a task's
+stream and a session's inbox as Server-Sent Events, resumed with ``Last-Event-ID``."""
+
+from __future__ import annotations
+
+from consumers import demo
+from tests.integration.live_app import LiveApi, live_api, steady_llm  # noqa: F401
+from tests.integration.live_server import Frame, read_events
+
+
+def chunks_text(events: list[Frame], task_id: str) -> str:
+    """The text a client shows for ``task_id``: the chunks after its last attempt marker."""
+    text = ""
+    for e in events:
+        if e.data["task_id"] != task_id:
+            continue
+        if e.event == "attempt":
+            text = ""
+        elif e.event == "chunk":
+            text += e.data["data"]
+    return text
+
+
+def assert_ordered(events: list[Frame]) -> None:
+    keys = [tuple(int(p) for p in e.id.split("-")) for e in events]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys), [e.id for e in events]
+
+
+async def test_task_events_stream_the_chunks_then_the_final_event_and_end(
+    live_api: LiveApi,  # noqa: F811
+) -> None:
+    task_id = await live_api.post("stream me")
+    # Read from the moment it is accepted: the events come live, and the response ends
+    # by itself after the final event.
+    events = await read_events(live_api.client, f"/tasks/{task_id}/events")
+
+    kinds = [e.event for e in events]
+    assert kinds[0] == "attempt" and kinds[-1] == "final", kinds
+    assert set(kinds[1:-1]) == {"chunk"}, kinds
+    assert len(kinds) == 2 + len(demo.words_of(demo.reply_to("stream me")))
+    assert chunks_text(events, task_id) == demo.reply_to("stream me")
+    assert events[-1].data["status"] == "succeeded"
+    assert events[-1].data["result"]["reply"] == demo.reply_to("stream me")
+    assert_ordered(events)
+    assert all(e.data["id"] == e.id for e in events)
+
+
+async def test_task_events_resumed_after_any_event_id_give_exactly_the_rest(
+    live_api: LiveApi,  # noqa: F811
+) -> None:
+    task_id = await live_api.post("resume me")
+    await live_api.worker_app.result(task_id, timeout_s=20)
+    url = f"/tasks/{task_id}/events"
+    everything = await read_events(live_api.client, url)
+
+    # After the final's id the answer is empty and ends at once.
+    for i, seen in enumerate(everything):
+        rest = await read_events(live_api.client, url, headers={"Last-Event-ID": seen.id})
+        assert rest == everything[i + 1 :], f"resumed after event {i} ({seen.id})"
+    # A reloaded page passes the id it kept as a query parameter (EventSource sets no headers).
+    by_query = await read_events(live_api.client, url, params={"last_event_id": everything[2].id})
+    assert by_query == everything[3:]
+
+
+async def test_task_events_answer_404_for_an_unknown_task_and_422_for_a_bad_event_id(
+    live_api: LiveApi,  # noqa: F811
+) -> None:
+    task_id = await live_api.post("known")
+    unknown = await live_api.client.get(f"/tasks/nobody-published-{live_api.queue}/events")
+    bad_id = await live_api.client.get(
+        f"/tasks/{task_id}/events", headers={"Last-Event-ID": "yesterday"}
+    )
+    bad_session = await live_api.client.get("/sessions/no{braces}/events")
+
+    assert unknown.status_code == 404, unknown.text
+    assert bad_id.status_code == 422 and "yesterday" in bad_id.text, bad_id.text
+    assert bad_session.status_code == 422, bad_session.text
+
+
+async def test_a_session_keeps_replies_until_the_client_shows_it_has_them(
+    live_api: LiveApi,  # noqa: F811
+) -> None:
+    session = live_api.session("reader")
+    prompts = ["first question", "second question", "third question"]
+    tasks = [await live_api.post(p, session_id=session) for p in prompts]
+    for task_id in tasks:
+        await live_api.worker_app.result(task_id, timeout_s=20)
+    url = f"/sessions/{session}/events"
+
+    # Nobody was connected: everything waited, oldest first, every reply complete.
+    waiting = await read_events(live_api.client, url, until_finals=3)
+    assert_ordered(waiting)
+    assert [e.data["task_id"] for e in waiting if e.event == "final"] == tasks
+    for task_id, prompt in zip(tasks, prompts, strict=True):
+        assert chunks_text(waiting, task_id) == demo.reply_to(prompt)
+
+    # The connection drops after 5 events, with later frames already written to it (the
+    # server wrote all it had) but never read. Written is not received: nothing is gone.
+    dropped = await read_events(live_api.client, url, limit=5)
+    assert dropped == waiting[:5]
+
+    # Resuming after the last event the client has gives exactly the rest...
+    rest = await read_events(
+        live_api.client, url, headers={"Last-Event-ID": dropped[-1].id}, until_finals=3
+    )
+    assert rest == waiting[5:]
+    # ... and confirms what came before it; a confirm of the rest leaves nothing pending.
+    confirm = await live_api.client.post(
+        f"/sessions/{session}/confirm", json={"last_event_id": rest[-1].id}
+    )
+    assert confirm.status_code == 204, confirm.text
+
+    # A new reply is the first thing a new connection receives.
+    later = await live_api.post("fourth question", session_id=session)
+    fresh = await read_events(live_api.client, url, until_finals=1)
+    assert {e.data["task_id"] for e in fresh} == {later}, fresh
+    assert chunks_text(fresh, later) == demo.reply_to("fourth question")
