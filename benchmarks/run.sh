@@ -5,6 +5,8 @@
 #   benchmarks/run.sh --smoke    tiny counts, one repeat (under a minute once the venv exists)
 #   benchmarks/run.sh --help     every option (--scale, --repeats, --cases, ...)
 #
+# Then the feature benchmarks: benchmarks/stream_cost.py (make bench-stream).
+#
 # The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
 # That venv is created on first use and re-installed only when requirements.txt or
 # pyproject.toml is newer than its stamp.
@@ -28,4 +30,16 @@ if [[ ! -f "$stamp" || "$here/requirements.txt" -nt "$stamp" || "$root/pyproject
 fi
 
 cd "$root"
-exec "$venv/bin/python" -m benchmarks.bench "$@"
+status=0
+"$venv/bin/python" -m benchmarks.bench "$@" || status=$?
+# Feature benchmarks (each its own module and make target) run after the comparison, with
+# --smoke passed on; --help is the comparison's alone.
+if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then
+    exit "$status"
+fi
+feature_args=()
+if [[ " $* " == *" --smoke "* ]]; then
+    feature_args+=(--smoke)
+fi
+"$venv/bin/python" -m benchmarks.stream_cost "${feature_args[@]}" || status=$?
+exit "$status"

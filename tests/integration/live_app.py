@@ -15,27 +15,26 @@ from consumers import demo
 from producers.api import create_app
 from tests.integration.live_server import serving
 from weclaw_mq import App
-from weclaw_mq.naming import inbox_key, inbox_trace_key, stream_key
+from weclaw_mq.naming import inbox_key, inbox_trace_key
 
 
 @dataclass
 class LiveApi:
-    """The served API (``client`` has its base URL), the worker's App, and what to clean up."""
+    """The served API (``client`` has its base URL), the worker's App, and the sessions to
+    clean up (tasks are: make_app deletes their records and streams with their queue)."""
 
     base_url: str
     client: httpx.AsyncClient
     worker_app: App
     queue: str
-    tasks: list[str] = field(default_factory=list)
     sessions: list[str] = field(default_factory=list)
 
     async def post(self, text: str, *, session_id: str | None = None) -> str:
-        """POST /tasks; the task id (its stream is deleted at teardown)."""
+        """POST /tasks; the task id."""
         headers = {"Session-Id": session_id} if session_id is not None else {}
         response = await self.client.post("/tasks", json={"text": text}, headers=headers)
         assert response.status_code == 202, response.text
         task_id: str = response.json()["task_id"]
-        self.tasks.append(task_id)
         return task_id
 
     def session(self, name: str) -> str:
@@ -76,13 +75,12 @@ async def live_api(
                 yield live
     finally:
         if live is not None:
-            await forget_streams(redis_url, live.tasks, live.sessions)
+            await forget_sessions(redis_url, live.sessions)
 
 
-async def forget_streams(redis_url: str, tasks: list[str], sessions: list[str]) -> None:
-    """Delete the tasks' streams and the sessions' inboxes (task records go with make_app)."""
-    keys = [stream_key(t) for t in tasks]
-    keys += [k for s in sessions for k in (inbox_key(s), inbox_trace_key(s))]
+async def forget_sessions(redis_url: str, sessions: list[str]) -> None:
+    """Delete the sessions' inboxes and their traces."""
+    keys = [k for s in sessions for k in (inbox_key(s), inbox_trace_key(s))]
     if not keys:
         return
     client = aioredis.Redis.from_url(redis_url)
