@@ -24,6 +24,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,6 +319,7 @@ def print_table(task_ids: Sequence[str], outcomes: Sequence[TaskState | BaseExce
 
 
 async def main(count: int) -> int:
+    started = time.monotonic()
     say(f"demo: one streamed reply through a worker crash, then {count} task(s) on {QUEUE!r}")
     if await run_cli(["declare", APP_PATH]) != 0:
         say("demo: could not declare the queues; is RabbitMQ running? (see README, Prerequisites)")
@@ -364,6 +366,7 @@ async def main(count: int) -> int:
     )
     if dead:
         say(f"dead-lettered tasks wait in {QUEUE}.dlq with their reason in the headers")
+    say(f"demo took {time.monotonic() - started:.0f} s")
     return 0 if missing == 0 and worker_code == 0 and streamed_ok else 1
 
 
