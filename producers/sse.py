@@ -19,11 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import pydantic_core
 
 from weclaw_mq.streaming.events import FINAL, StreamEvent
+
+log = logging.getLogger("producers.sse")
 
 MEDIA_TYPE = "text/event-stream"
 # No proxy buffering (nginx reads X-Accel-Buffering), no cache: each frame goes out as written.
@@ -48,7 +51,7 @@ async def event_frames(
     *,
     end_on_final: bool = False,
     keepalive_s: float = KEEPALIVE_S,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The frames of ``events`` (after a ``retry:`` line), with a keep-alive comment
     whenever the source was quiet for ``keepalive_s``.
 
@@ -65,7 +68,11 @@ async def event_frames(
                 yield KEEPALIVE_FRAME
                 continue
             if event is None:
-                reader.result()  # the source failed: its error ends the response
+                await asyncio.wait({reader})  # it is closing its source
+                if (error := reader.exception()) is not None:
+                    # Ended cleanly, the response makes EventSource reconnect (after
+                    # RECONNECT_MS) with Last-Event-ID: a Redis blip costs a resume, no more.
+                    log.warning("event stream ended early: %s: %s", type(error).__name__, error)
                 return
             yield frame(event)
             if end_on_final and event.kind == FINAL:
