@@ -84,6 +84,23 @@ def words(turn: dict[str, Any]) -> int:
     return len(turn["reply"].split())
 
 
+class Streaming:
+    """A check for ``Page.wait_for``: true once the reply succeeded; until then every text
+    the page shows must be a beginning of ``reply`` (no word twice, none missing in
+    between). ``longest`` is the most words seen while it was still being written."""
+
+    def __init__(self, reply: str) -> None:
+        self.reply = reply
+        self.longest = 0
+
+    def __call__(self, turn: dict[str, Any]) -> bool:
+        if turn["status"] == "succeeded":
+            return True
+        assert self.reply.startswith(turn["reply"]), turn
+        self.longest = max(self.longest, words(turn))
+        return False
+
+
 async def test_the_page_streams_a_reply_through_a_reload_and_keeps_one_finished_while_closed(
     live_api: LiveApi,  # noqa: F811
     chromium: webdriver.Chrome,  # noqa: F811
@@ -106,8 +123,11 @@ async def test_the_page_streams_a_reply_through_a_reload_and_keeps_one_finished_
     restored = await page.wait_for(0, "the conversation after the reload", lambda t: True)
     assert restored["reply"].startswith(before["reply"]), (before, restored)
     await page.screenshot(tmp_path / "after-reload.png")
-    done = await page.wait_for(0, "the finished reply", lambda t: t["status"] == "succeeded")
+    streaming = Streaming(demo.reply_to(first))
+    done = await page.wait_for(0, "the finished reply", streaming)
     assert done["reply"] == demo.reply_to(first), done
+    # It went on streaming after the reload, not only filled in by the final event.
+    assert streaming.longest > words(restored), (streaming.longest, restored)
 
     # Closed mid-reply: the reply finishes meanwhile, and is there when the page comes back.
     await page.ask(second)
