@@ -132,20 +132,25 @@ def private_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Privat
         servers.close()
 
 
-@pytest.fixture
-def private_redis(private_servers: PrivateServers) -> Iterator[PrivateRedis]:
-    """A redis-server of this test's own (unix socket), running; stop and start it at will."""
+def running_private_redis(servers: PrivateServers, *, appendonly: bool) -> Iterator[PrivateRedis]:
+    """A private redis-server, running until the generator is closed (for fixtures)."""
     if shutil.which("redis-server") is None:
         pytest.fail(
             "needs redis-server for a private Redis: apt-get install redis-server (Debian)",
             pytrace=False,
         )
-    redis = PrivateRedis(private_servers, private_servers.folder("redis"))
+    redis = PrivateRedis(servers, servers.folder("redis"), appendonly=appendonly)
     redis.start()
     try:
         yield redis
     finally:
         redis.stop()
+
+
+@pytest.fixture
+def private_redis(private_servers: PrivateServers) -> Iterator[PrivateRedis]:
+    """A redis-server of this test's own (unix socket), running; stop and start it at will."""
+    yield from running_private_redis(private_servers, appendonly=False)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ FINAL: EventKind = "final"
 EXPIRED: EventKind = "expired"
 
 # A Redis Stream entry id: "<ms>-<seq>". The memory store makes ids of the same form.
-_EVENT_ID_RE = re.compile(r"^\d{1,20}-\d{1,20}$")
+_EVENT_ID_RE = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
 FIRST_ID = "0-0"
 
 
@@ -65,7 +65,7 @@ class Entry:
 
 
 def check_event_id(event_id: str) -> str:
-    if not isinstance(event_id, str) or not _EVENT_ID_RE.match(event_id):
+    if not isinstance(event_id, str) or not _EVENT_ID_RE.fullmatch(event_id):
         raise ConfigurationError(
             f"event id {event_id!r} is not a stream event id (like '1733011200000-0')"
         )

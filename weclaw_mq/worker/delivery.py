@@ -567,12 +567,16 @@ async def _status(
     reason: str | None = None,
 ) -> None:
     """Best effort: progress statuses help the caller, but never block the task's path."""
+    await _record_quietly(rt, _state(delivery, spec, status, error=error, reason=reason))
+
+
+async def _record_quietly(rt: Runtime, state: TaskState) -> None:
     if rt.results is None:
         return
     try:
-        await rt.results.record(_state(delivery, spec, status, error=error, reason=reason))
+        await rt.results.record(state)
     except Exception as e:
-        log.warning("could not record status %s (%s)", status.value, e)
+        log.warning("could not record status %s (%s)", state.status.value, e)
 
 
 async def _dead_letter(
@@ -588,24 +592,14 @@ async def _dead_letter(
     ):
         # Only once the DLQ holds it: "dead_lettered" is final for result() waiters, and a
         # failed move returns the task to its queue, where it may yet succeed.
-        await _status(
-            rt,
-            delivery,
-            spec,
-            TaskStatus.DEAD_LETTERED,
-            error=describe(error),
-            reason=reason.value,
+        final = _state(
+            delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
         )
+        await _record_quietly(rt, final)
         session_id = _session_of(delivery)
         if session_id is not None:
-            final = _state(
-                delivery,
-                spec,
-                TaskStatus.DEAD_LETTERED,
-                error=describe(error),
-                reason=reason.value,
-            )
+            # Best effort, after the move (the DLQ holds the task): its record still says so.
             try:
                 await _to_inbox(rt, session_id, final)
-            except Exception as e:  # the task is in the DLQ already: its status still says so
+            except Exception as e:
                 log.warning("could not write the dead-letter to the inbox (%s)", e)
