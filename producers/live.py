@@ -16,9 +16,10 @@ When an inbox entry is confirmed: only once the client has shown it received it,
 resuming after it (``Last-Event-ID``) or by ``POST .../confirm``; never merely because its
 frame was written. A written frame is not a received one: frames still in the socket
 buffers when the connection drops (a reload, a laptop lid closing) are lost to the client,
-and confirmed on write they would be gone from the inbox too. The test
-``test_a_session_resumed_after_a_dropped_connection_misses_no_event`` drops a reader whose
-buffers hold unread frames, and would fail with confirm-on-write.
+and confirmed on write they would be gone from the inbox too.
+``test_a_session_keeps_replies_until_the_client_shows_it_has_them`` (tests/integration/
+test_live_api.py) drops a reader whose buffers hold unread frames; with confirm-on-write
+its resumed reply misses the words of those frames (tried).
 """
 
 from __future__ import annotations
