@@ -3,9 +3,15 @@ stream and a session's inbox as Server-Sent Events, resumed with ``Last-Event-ID
 
 from __future__ import annotations
 
+import httpx
+
 from consumers import demo
+from producers.api import RETRY_AFTER_S, create_app
+from tests.conftest import settings_for
+from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_app import LiveApi, live_api, steady_llm  # noqa: F401
 from tests.integration.live_server import Frame, read_events
+from weclaw_mq import App
 
 
 def chunks_text(events: list[Frame], task_id: str) -> str:
@@ -71,10 +77,36 @@ async def test_task_events_answer_404_for_an_unknown_task_and_422_for_a_bad_even
         f"/tasks/{task_id}/events", headers={"Last-Event-ID": "yesterday"}
     )
     bad_session = await live_api.client.get("/sessions/no{braces}/events")
+    no_id = await live_api.client.post("/sessions/someone/confirm", json={"last_event_id": ""})
 
     assert unknown.status_code == 404, unknown.text
     assert bad_id.status_code == 422 and "yesterday" in bad_id.text, bad_id.text
     assert bad_session.status_code == 422, bad_session.text
+    assert no_id.status_code == 422, no_id.text
+
+
+async def test_event_endpoints_answer_503_with_retry_after_when_redis_does_not_answer(
+    broker_url: str, qname: str
+) -> None:
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    mq = App("demo-api", settings=settings_for(broker_url, url, redis_timeout_s=1))
+    demo.register(mq, queue=qname)
+    async with (
+        mq,
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=create_app(mq)), base_url="http://api"
+        ) as client,
+    ):
+        answers = [
+            await client.get(f"/tasks/some-task-{qname}/events"),
+            await client.get("/sessions/someone/events", headers={"Last-Event-ID": "1-0"}),
+            await client.post("/sessions/someone/confirm", json={"last_event_id": "1-0"}),
+        ]
+
+    for response in answers:
+        assert response.status_code == 503, response.text
+        assert response.headers["Retry-After"] == str(RETRY_AFTER_S)
+        assert "unavailable" in response.json()["detail"]["message"]
 
 
 async def test_a_session_keeps_replies_until_the_client_shows_it_has_them(
