@@ -98,10 +98,10 @@ class WorkerProcess:
     """A ``weclaw-mq worker`` child process and the task relaying its log lines to ours."""
 
     proc: asyncio.subprocess.Process
-    relay: asyncio.Task[None]
-    ready: asyncio.Event
     # While False the relay drops the log lines (a reply is being printed word by word).
-    echo: list[bool]
+    echo: bool
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    relay: asyncio.Task[None] | None = None
 
 
 async def start_worker(*, echo: bool = True) -> WorkerProcess:
@@ -119,20 +119,20 @@ async def start_worker(*, echo: bool = True) -> WorkerProcess:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
-    assert proc.stdout is not None
-    ready = asyncio.Event()
-    shown = [echo]
-    return WorkerProcess(proc, asyncio.create_task(_relay(proc.stdout, ready, shown)), ready, shown)
+    worker = WorkerProcess(proc, echo)
+    worker.relay = asyncio.create_task(_relay(worker))
+    return worker
 
 
-async def _relay(stream: asyncio.StreamReader, ready: asyncio.Event, echo: list[bool]) -> None:
+async def _relay(worker: WorkerProcess) -> None:
     # Prefixed so the worker's log lines (retries included) stand apart from ours.
-    async for raw in stream:
+    assert worker.proc.stdout is not None
+    async for raw in worker.proc.stdout:
         line = raw.decode(errors="replace").rstrip()
-        if echo[0]:
+        if worker.echo:
             say("  worker | " + line)
         if CONSUMING_MARK in line:
-            ready.set()
+            worker.ready.set()
 
 
 async def wait_until_consuming(worker: WorkerProcess) -> bool:
@@ -197,7 +197,8 @@ async def stop_worker(worker: WorkerProcess) -> int:
             say(f"worker still running {WORKER_STOP_TIMEOUT_S:.0f} s after SIGTERM; killing it")
             proc.kill()
             await proc.wait()
-    await worker.relay
+    if worker.relay is not None:
+        await worker.relay
     assert proc.returncode is not None
     return proc.returncode
 
@@ -234,7 +235,7 @@ async def crash_scene(workers: list[WorkerProcess]) -> bool:
     say(f"-- one reply, streamed; its worker is killed with SIGKILL after {KILL_AFTER_WORDS} words")
     task_id = await app.publish(QUEUE, Prompt(text=SCENE_PROMPT, user_id="viewer"))
     say(f"published task {task_id}; reading app.stream(task_id) (worker logs hidden meanwhile)")
-    workers[-1].echo[0] = False
+    workers[-1].echo = False
     reading = Reading()
     replacement: asyncio.Task[None] | None = None
     events = app.stream(task_id)
@@ -253,7 +254,7 @@ async def crash_scene(workers: list[WorkerProcess]) -> bool:
         if replacement is not None:
             await replacement
         for worker in workers:
-            worker.echo[0] = True
+            worker.echo = True
     return verdict(reading, SCENE_PROMPT)
 
 
