@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from consumers.demo import Prompt
-from producers.live import add_live_routes
+from producers.live import add_live_routes, recorded_state
 from weclaw_mq import (
     App,
     BrokerUnavailableError,
@@ -38,7 +38,6 @@ from weclaw_mq import (
     PayloadTooLargeError,
     PayloadValidationError,
     PublishFailedError,
-    StateUnavailableError,
 )
 
 log = logging.getLogger("producers.api")
@@ -145,13 +144,9 @@ def create_app(
     async def task_status(task_id: str, queue: str | None = None) -> Any:
         """The task's latest record, or with ``?queue=`` its record in that queue (a task id
         that several pipeline stages share has one record per stage)."""
-        try:
-            state = await mq_app.status(task_id, queue=queue)
-        except StateUnavailableError as e:
-            log.warning("GET /tasks/%s: %s", task_id, e)
-            return _unavailable("task statuses are unavailable right now")
-        if state is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no task {task_id!r} is known")
+        state = await recorded_state(mq_app, task_id, queue, _unavailable, what="task statuses")
+        if isinstance(state, JSONResponse):
+            return state
         return TaskView(
             task_id=state.task_id,
             queue=state.queue,

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Header, HTTPException, Query, status
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from weclaw_mq import App, StateUnavailableError
+from weclaw_mq import App, StateUnavailableError, TaskState
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.streaming import Inbox
 from weclaw_mq.streaming.events import check_event_id
@@ -65,6 +65,26 @@ def resume_point(header: str | None, query: str | None) -> str | None:
         raise HTTPException(422, str(e)) from e
 
 
+async def recorded_state(
+    mq: App,
+    task_id: str,
+    queue: str | None,
+    unavailable: Callable[[str], JSONResponse],
+    *,
+    what: str,
+) -> TaskState | JSONResponse:
+    """The task's record, or the API's 503 answer when the store is down (``what`` names the
+    resource in it); ``404`` (raised) for a task nobody published."""
+    try:
+        state = await mq.status(task_id, queue=queue)
+    except StateUnavailableError as e:
+        log.warning("reading the record of task %s: %s", task_id, e)
+        return unavailable(f"{what} are unavailable right now")
+    if state is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no task {task_id!r} is known")
+    return state
+
+
 def add_live_routes(api: FastAPI, mq: App, unavailable: Callable[[str], JSONResponse]) -> None:
     """Attach the page and the two SSE endpoints to ``api``, reading from ``mq``.
 
@@ -84,14 +104,10 @@ def add_live_routes(api: FastAPI, mq: App, unavailable: Callable[[str], JSONResp
     ) -> StreamingResponse | JSONResponse:
         """The task's events as Server-Sent Events, ending after its final event."""
         after = resume_point(last_event_id, last_event_id_query)
-        try:
-            # A typo answers 404 at once instead of a stream that waits for the task forever.
-            known = await mq.status(task_id, queue=queue)
-        except StateUnavailableError as e:
-            log.warning("GET /tasks/%s/events: %s", task_id, e)
-            return unavailable("task streams are unavailable right now")
-        if known is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no task {task_id!r} is known")
+        # A typo answers 404 at once instead of a stream that waits for the task forever.
+        known = await recorded_state(mq, task_id, queue, unavailable, what="task streams")
+        if isinstance(known, JSONResponse):
+            return known
         frames = event_frames(mq.stream(task_id, after, queue=queue), end_on_final=True)
         return StreamingResponse(frames, media_type=MEDIA_TYPE, headers=HEADERS)
 
