@@ -5,7 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import warnings
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
@@ -21,9 +30,11 @@ from .errors import (
     InvalidPayload,
     PayloadTooLargeError,
     PayloadValidationError,
+    ResultTimeoutError,
     UndecodableBody,
 )
 from .handler import HandlerFunc, HandlerSpec, build_spec
+from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .naming import validate_session_id
@@ -32,6 +43,7 @@ from .publishing.producer import Publisher
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import REDIS_FAILURES, TaskState, TaskStatus, TaskStore, open_store, state_unavailable
+from .state.expiry import as_seen_at, until_deadline_s
 from .streaming import Inbox, StreamEvent, StreamStore, open_redis_streams
 from .streaming.events import check_event_id
 from .streaming.reading import task_events
@@ -47,6 +59,23 @@ log = logging.getLogger("weclaw_mq.producer")
 QUEUED_RECORD_WAIT_S = 0.25
 # On close, how long pending "queued" writes may still take before they are dropped.
 QUEUED_RECORD_CLOSE_WAIT_S = 1.0
+# result() re-reads a waiting task this long after its deadline, to answer "expired".
+_DEADLINE_SLACK_S = 0.01
+
+
+def _queued(message: aio_pika.Message, queue: str) -> TaskState:
+    """The "queued" record of a task about to be published, with its deadline."""
+    assert message.message_id is not None
+    return TaskState(
+        task_id=message.message_id,
+        queue=queue,
+        status=TaskStatus.QUEUED,
+        expires_at=as_datetime(deadline_ms(message.headers)),
+    )
+
+
+def _state_of(last: object) -> TaskState | None:
+    return last if isinstance(last, TaskState) else None
 
 
 class App:
@@ -94,8 +123,12 @@ class App:
         delivery_limit: int | None = None,
         max_length: int | None = None,
         idempotent: bool = True,
+        ttl_s: float | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
-        """Register an async handler for ``queue``; options left out come from settings."""
+        """Register an async handler for ``queue``; options left out come from settings.
+
+        ``ttl_s``: the lifetime of a task this App publishes to ``queue`` without its own
+        ``ttl_s`` (default ``settings.task_ttl_s``, 7 days)."""
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -112,6 +145,7 @@ class App:
                 delivery_limit=delivery_limit if delivery_limit is not None else s.delivery_limit,
                 max_length=max_length,
                 idempotent=idempotent,
+                ttl_s=ttl_s if ttl_s is not None else s.task_ttl_s,
             )
             return func
 
@@ -135,9 +169,14 @@ class App:
         task_id: str | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        ttl_s: float | None = None,
         session_id: str | None = None,
     ) -> aio_pika.Message:
-        """Encode and check a task without sending it: size, and the handler's model if known."""
+        """Encode and check a task without sending it: size, and the handler's model if known.
+
+        Its lifetime is ``ttl_s``, else its handler's ``ttl_s`` (if registered in this App),
+        else ``settings.task_ttl_s``, counted from now (see ``weclaw_mq.lifetime``)."""
+        ttl_ms = self._ttl_ms(queue, ttl_s)
         if session_id is not None:
             headers = {**(headers or {}), h.SESSION_ID: validate_session_id(session_id)}
         body = encode_payload(payload)
@@ -154,20 +193,28 @@ class App:
                     f"payload for {queue!r} fails the handler's model: {e}"
                 ) from e
         ctx = current()
-        message = build_message(
-            body,
-            task_id=task_id or new_task_id(),
-            headers=publish_headers(
-                trace_id=trace_id or (ctx.trace_id if ctx else None) or new_trace_id(),
-                attempt=1,
-                traceparent=ctx.traceparent if ctx else None,
-                extra=headers,
-            ),
+        ours = publish_headers(
+            trace_id=trace_id or (ctx.trace_id if ctx else None) or new_trace_id(),
+            attempt=1,
+            traceparent=ctx.traceparent if ctx else None,
+            extra=headers,
         )
+        stamp(ours, ttl_ms, now_ms())
+        message = build_message(body, task_id=task_id or new_task_id(), headers=ours)
+        # The broker's copy of the deadline: it dead-letters the task from Q past it.
+        message.expiration = ttl_ms / 1000
         # Before anything is sent or recorded: aiormq would raise a bare TypeError/ValueError
         # mid-publish, or silently truncate a long header name.
         check_encodable(queue, message.message_id, headers)
         return message
+
+    def _ttl_ms(self, queue: str, ttl_s: float | None) -> int:
+        if ttl_s is not None:
+            ttl = check_ttl(ttl_s, "ttl_s")
+        else:
+            spec = self._handlers.get(queue)
+            ttl = spec.ttl_s if spec is not None else self.settings.task_ttl_s
+        return max(1, round(ttl * 1000))
 
     async def publish(
         self,
@@ -177,13 +224,16 @@ class App:
         task_id: str | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        ttl_s: float | None = None,
         session_id: str | None = None,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
         The trace id is, in order: ``trace_id``, the trace of the task being handled, a new
-        one. With ``session_id`` (a user or a conversation: letters, digits, ``_.:@-``), the
-        task's streamed chunks and final reply also go to that session's inbox.
+        one. ``ttl_s``: the task's lifetime (see ``prepare``); past it the task ends in
+        ``Q.dlq`` with reason ``expired`` and ``status()`` answers ``expired``. With
+        ``session_id`` (a user or a conversation: letters, digits, ``_.:@-``), the task's
+        streamed chunks and final reply also go to that session's inbox.
         """
         message = self.prepare(
             queue,
@@ -191,6 +241,7 @@ class App:
             task_id=task_id,
             trace_id=trace_id,
             headers=headers,
+            ttl_s=ttl_s,
             session_id=session_id,
         )
         assert message.message_id is not None
@@ -202,7 +253,7 @@ class App:
         # and only if the task has no record yet, so it can never hide a later status.
         queued = self._record_in_background(
             store.record(
-                TaskState(task_id=message.message_id, queue=queue, status=TaskStatus.QUEUED),
+                _queued(message, queue),
                 only_if_new=True,
             )
         )
@@ -224,6 +275,7 @@ class App:
         task_ids: Sequence[str] | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        ttl_s: float | None = None,
         session_id: str | None = None,
     ) -> list[str]:
         """Publish a batch over one channel with pipelined confirms; the task ids, in order.
@@ -243,6 +295,7 @@ class App:
                 task_id=task_ids[i] if task_ids is not None else None,
                 trace_id=trace_id,
                 headers=headers,
+                ttl_s=ttl_s,
                 session_id=session_id,
             )
             for i, payload in enumerate(items)
@@ -256,7 +309,7 @@ class App:
         queued = (
             self._record_in_background(
                 store.record_many(
-                    [TaskState(task_id=t, queue=queue, status=TaskStatus.QUEUED) for t in ids],
+                    [_queued(m, queue) for m in messages],
                     only_if_new=True,
                 )
             )
@@ -360,27 +413,49 @@ class App:
 
         A task has one record per queue it went through (pipeline stages may share a task
         id). Without ``queue``, the most recently written record of the task id answers.
+        A queued or retrying record past the task's deadline answers ``expired``.
         ``StateUnavailableError`` when the store fails or does not answer.
         """
         store = self._require_results()
         try:
-            return await store.get(task_id, queue=queue)
+            state = await store.get(task_id, queue=queue)
         except REDIS_FAILURES as e:  # a custom store on redis-py, unwrapped
             raise state_unavailable(e) from e
+        # Past its deadline, a task nobody ran reads as expired (see state.expiry).
+        return as_seen_at(state, datetime.now(UTC))
 
     async def result(
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
     ) -> TaskState:
         """Wait (without polling in a loop) until the task's record in ``queue`` (without a
-        queue: its most recently written record) is succeeded or dead_lettered.
+        queue: its most recently written record) is succeeded, dead_lettered or expired.
 
         For a pipeline whose stages share a task id, pass the last stage's queue: without
         it, an earlier stage's final record may answer before the next stage wrote its own.
         ``ResultTimeoutError`` after ``timeout_s``; ``StateUnavailableError`` when the store fails.
         """
         store = self._require_results()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
         try:
-            return await store.wait(task_id, timeout_s, queue=queue)
+            while True:
+                state = await self.status(task_id, queue=queue)
+                if state is not None and state.status.terminal:
+                    return state
+                # No worker may ever write again once the deadline passed (the broker
+                # expired the task): wake up then too, to answer "expired".
+                left = give_up - loop.time()
+                until = until_deadline_s(state, datetime.now(UTC))
+                if until is not None:
+                    left = min(left, until + _DEADLINE_SLACK_S)
+                try:
+                    return await store.wait(task_id, max(left, 0.0), queue=queue)
+                except ResultTimeoutError as e:
+                    if loop.time() >= give_up:
+                        final = as_seen_at(_state_of(e.last), datetime.now(UTC))
+                        if final is not None and final.status.terminal:
+                            return final
+                        raise ResultTimeoutError(task_id, timeout_s, e.last) from None
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -405,15 +480,25 @@ class App:
         ``after``: the id of the last event already seen (resume: exactly the events after
         it). Events are "attempt" (a run starts: drop the partial text so far), "chunk"
         (``data``) and "final" (``status``, ``result``, ``reason``), which comes for every
-        terminal status once the task's record in ``queue`` (without: its latest record)
-        holds one. A task that is not known yet is waited for; bound it with
+        terminal status as ``result()`` answers it for ``queue`` (without: the task's latest
+        record), ``expired`` included. A task that is not known yet is waited for; bound it with
         ``asyncio.timeout``. ``StateUnavailableError`` when Redis fails.
         """
-        tasks = self._require_results()
+        self._require_results()
         if after is not None:
             check_event_id(after)  # here, not at the first event: the caller's mistake
+
+        def final_state(timeout_s: float) -> Awaitable[TaskState]:
+            # The final state exactly as result() answers it (expired included).
+            return self.result(task_id, queue=queue, timeout_s=timeout_s)
+
         return task_events(
-            self.streams, tasks, task_id, after, queue=queue, block_s=self._read_block_s()
+            self.streams,
+            task_id,
+            after,
+            final_state=final_state,
+            queue=queue,
+            block_s=self._read_block_s(),
         )
 
     def inbox(self, session_id: str, *, after: str | None = None) -> Inbox:

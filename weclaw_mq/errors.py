@@ -251,6 +251,12 @@ class WorkerCrashLoop(WorkerError):
     error_type: ClassVar[str] = "weclaw_mq.WorkerCrashLoop"
 
 
+class TaskExpired(WorkerError):
+    """The task outlived its lifetime (``ttl_s``) before a worker could run it to the end."""
+
+    error_type: ClassVar[str] = "weclaw_mq.TaskExpired"
+
+
 class ResultNotStored(WorkerError):
     """The result store did not answer within ``result_store_patience_s``."""
 

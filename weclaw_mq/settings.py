@@ -9,6 +9,7 @@ import yarl
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .lifetime import DEFAULT_TTL_S
 from .retry import RetryPolicy
 
 # The retry defaults are RetryPolicy's own, stated once in retry.py.
@@ -42,6 +43,10 @@ class Settings(BaseSettings):
     retry_max_delay_s: float = Field(default=_DEFAULT_RETRY.max_delay_s, gt=0)
     # Crash loops (worker dies on a message every time) end in the DLQ after this many returns.
     delivery_limit: int = Field(default=10, ge=1)
+
+    # The lifetime (TTL) of a task published to a queue whose handler sets none: past it,
+    # the task ends in Q.dlq with reason "expired" (see weclaw_mq.lifetime).
+    task_ttl_s: float = Field(default=DEFAULT_TTL_S, gt=0)
 
     max_message_bytes: int = Field(default=1024 * 1024, ge=1)
     confirm_timeout_s: float = Field(default=10.0, gt=0)

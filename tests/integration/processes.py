@@ -201,6 +201,7 @@ class WorkerFleet:
         sleep_s: float = 0.0,
         crash_on: str | None = None,
         mode: str = "sleep",
+        extra_args: Sequence[str] = (),
     ) -> WorkerProcess:
         """Start ``weclaw-mq worker`` on the fixture app; its stderr goes to a log file."""
         app_env = {
@@ -217,6 +218,7 @@ class WorkerFleet:
             app_env=app_env,
             log_path=self.work_dir / f"worker-{len(self.workers)}.log",
             concurrency=concurrency,
+            extra_args=extra_args,
         )
         self.workers.append(worker)
         return worker

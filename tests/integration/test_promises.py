@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import aiormq
 import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
@@ -347,6 +348,13 @@ def _text(value: Any) -> str:
 # -- a connection cut between "publish to the delay queue" and "ack" ---------------------------
 
 
+def _channel_closed(message: Any) -> bool:
+    try:
+        return bool(message.channel.is_closed)
+    except aiormq.exceptions.ChannelInvalidStateError:  # aio-pika's word for "closed"
+        return True
+
+
 @pytest.fixture
 def cut_before_move_ack(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """A hook on the worker's settlement: the first ack of the task named in ``cut["task"]``
@@ -363,6 +371,10 @@ def cut_before_move_ack(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, A
         first_ack = requeue is None and message.message_id == cut["task"] and not cut["closed"]
         if cut["task"] is not None and first_ack:
             cut["closed"] = await asyncio.to_thread(close_connections, cut["prefix"], prefix=True)
+            # rabbitmqctl returns once the broker was told to close, not once the worker saw
+            # the close: an ack sent in between could still go through (seen on a loaded
+            # machine). The channel reports closed once the close reached the client.
+            await wait_until(lambda: _channel_closed(message), 10, "the worker saw the cut")
             cut["ack_went_through"] = await settle(self, message, requeue=requeue)
             return bool(cut["ack_went_through"])
         return await settle(self, message, requeue=requeue)

@@ -17,7 +17,7 @@ from tests.conftest import delete_queues, running_private_redis, settings_for
 from tests.integration.fixture_apps.worker_app import Job
 from tests.integration.processes import queue_names, worker_fleet
 from tests.private_servers import PrivateRedis
-from weclaw_mq import App, Context, MemoryTaskStore, Retry, RetryPolicy
+from weclaw_mq import App, Context, MemoryTaskStore, Retry
 from weclaw_mq.errors import StreamLimitError
 from weclaw_mq.streaming import MemoryStreamStore, StreamEvent
 
@@ -39,10 +39,8 @@ def texts(events: list[StreamEvent]) -> list[Any]:
     return [e.data for e in events if e.kind == "chunk"]
 
 
-def streaming_app(
-    make_app: Callable[..., App], qname: str, gate: asyncio.Event | None = None
-) -> App:
-    app = make_app(retry_delay_s=0.05)
+def add_speaker(app: App, qname: str, gate: asyncio.Event | None = None) -> None:
+    """A handler that emits each word; with ``gate``, it waits after the second word."""
 
     @app.handler(qname)
     async def speak(task: Words, ctx: Context) -> dict[str, str]:
@@ -54,7 +52,24 @@ def streaming_app(
             raise Retry("first attempt fails after streaming")
         return {"text": " ".join(task.words)}
 
+
+def streaming_app(
+    make_app: Callable[..., App], qname: str, gate: asyncio.Event | None = None
+) -> App:
+    app = make_app(retry_delay_s=0.05)
+    add_speaker(app, qname, gate)
     return app
+
+
+# The events of a task whose first run fails after emitting "a" and "b", less the final.
+RETRIED_RUNS = [
+    ("attempt", 1, None),
+    ("chunk", 1, "a"),
+    ("chunk", 1, "b"),
+    ("attempt", 2, None),
+    ("chunk", 2, "a"),
+    ("chunk", 2, "b"),
+]
 
 
 async def test_a_stream_read_live_late_and_resumed_from_every_id_gives_the_chunks_once(
@@ -87,14 +102,7 @@ async def test_a_retried_attempt_is_marked_and_its_final_comes(make_app, start_w
     await start_worker(app)
     task_id = await app.publish(qname, Words(words=["a", "b"], fail_first=True))
     events = await collect(app.stream(task_id))
-    assert [(e.kind, e.attempt, e.data) for e in events[:-1]] == [
-        ("attempt", 1, None),
-        ("chunk", 1, "a"),
-        ("chunk", 1, "b"),
-        ("attempt", 2, None),
-        ("chunk", 2, "a"),
-        ("chunk", 2, "b"),
-    ]
+    assert [(e.kind, e.attempt, e.data) for e in events[:-1]] == RETRIED_RUNS
     assert (events[-1].kind, events[-1].status, events[-1].attempt) == ("final", "succeeded", 2)
 
 
@@ -178,7 +186,7 @@ async def memory_app(broker_url: str, qname: str) -> AsyncIterator[tuple[App, li
     Requested before ``start_worker``, it is torn down after the worker stopped."""
     now = [1_000_000.0]
     streams = MemoryStreamStore(inbox_ttl_s=60, clock=lambda: now[0])
-    settings = settings_for(broker_url, "redis://unused:1/0")
+    settings = settings_for(broker_url, "redis://unused:1/0", retry_delay_s=0.05)
     app = App("memory", settings=settings, store=MemoryTaskStore(), streams=streams)
     yield app, now
     await app.close()
@@ -191,28 +199,12 @@ def without_ids(events: list[StreamEvent]) -> list[StreamEvent]:
 
 async def test_the_memory_stores_keep_the_same_rules(memory_app, start_worker, qname):
     app, now = memory_app
-
-    @app.handler(qname, retry=RetryPolicy(max_retries=1, delay_s=0.05))
-    async def speak(task: Words, ctx: Context) -> str:
-        for word in task.words:
-            await ctx.emit(word)
-        if task.fail_first and ctx.attempt == 1:
-            raise Retry("first attempt fails after streaming")
-        return " ".join(task.words)
-
+    add_speaker(app, qname)
     await start_worker(app)
-    task_id = await app.publish(qname, Words(words=["x", "y"], fail_first=True), session_id="s1")
+    task_id = await app.publish(qname, Words(words=["a", "b"], fail_first=True), session_id="s1")
     events = await collect(app.stream(task_id))
-    assert [(e.kind, e.attempt, e.data) for e in events] == [
-        ("attempt", 1, None),
-        ("chunk", 1, "x"),
-        ("chunk", 1, "y"),
-        ("attempt", 2, None),
-        ("chunk", 2, "x"),
-        ("chunk", 2, "y"),
-        ("final", 2, None),
-    ]
-    assert events[-1].result == "x y"
+    assert [(e.kind, e.attempt, e.data) for e in events[:-1]] == RETRIED_RUNS
+    assert (events[-1].kind, events[-1].attempt, events[-1].result) == ("final", 2, {"text": "a b"})
     for n, event in enumerate(events):
         assert await collect(app.stream(task_id, after=event.id)) == events[n + 1 :]
     inbox = app.inbox("s1")
@@ -251,3 +243,11 @@ async def test_a_chunk_over_the_bounds_raises_in_the_handler_and_is_not_written(
         "(WECLAW_MQ_STREAM_MAX_CHUNK_BYTES)",
         "StreamLimitError: a run may emit at most 2 chunks (WECLAW_MQ_STREAM_MAX_CHUNKS)",
     ]
+
+
+async def test_a_task_the_broker_expires_unrun_ends_its_stream_as_expired(make_app, qname):
+    app = streaming_app(make_app, qname)
+    await app.declare()  # no worker: the broker expires the task at the head of Q
+    task_id = await app.publish(qname, Words(words=["never"]), ttl_s=0.3)
+    events = await collect(app.stream(task_id))
+    assert [(e.kind, e.status, e.reason) for e in events] == [("final", "expired", "expired")]

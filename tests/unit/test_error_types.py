@@ -26,6 +26,7 @@ DOCUMENTED = [
     "weclaw_mq.HandlerTimeout",
     "weclaw_mq.HandlerAbandoned",
     "weclaw_mq.WorkerCrashLoop",
+    "weclaw_mq.TaskExpired",
     "weclaw_mq.ResultNotStored",
     "weclaw_mq.WorkerError",
     "weclaw_mq.WeclawMQError",

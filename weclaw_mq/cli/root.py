@@ -13,9 +13,10 @@ from ..admin.health import check_all
 from ..app import App
 from ..settings import Settings
 from ..tracing import configure_logging
-from .failures import fail
+from .failures import ExitCode, fail
 from .loading import load_app
 from .run_worker import run_worker
+from .supervisor import Supervisor, SupervisorError, child_command, parse_processes
 
 cli = typer.Typer(
     name="weclaw-mq",
@@ -49,6 +50,35 @@ LogLevel = Annotated[
 ]
 
 
+def _processes(value: str) -> int:
+    try:
+        return parse_processes(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _supervise(
+    app_path: str,
+    processes: int,
+    concurrency: int | None,
+    queues: list[str] | None,
+    metrics_port: int | None,
+    log_level: str,
+) -> None:
+    # Each child reads the same settings; a port from them would be taken by all, so the
+    # supervisor hands out port + i itself.
+    port = metrics_port if metrics_port is not None else Settings().metrics_port
+    command = child_command(
+        app_path, concurrency=concurrency, queues=queues, metrics_port=port, log_level=log_level
+    )
+    try:
+        code = Supervisor(command, processes).run()
+    except SupervisorError as e:
+        fail(str(e), ExitCode(e.exit_code))
+    if code:
+        raise typer.Exit(code)
+
+
 @cli.command()
 def worker(
     app_path: AppPath,
@@ -67,12 +97,30 @@ def worker(
     ] = None,
     metrics_port: Annotated[
         int | None,
-        typer.Option("--metrics-port", min=0, max=65535, help="Serve Prometheus /metrics here."),
+        typer.Option(
+            "--metrics-port",
+            min=0,
+            max=65535,
+            help="Serve Prometheus /metrics here (process i of --processes on this port + i).",
+        ),
     ] = None,
+    processes: Annotated[
+        int,
+        typer.Option(
+            "--processes",
+            "-p",
+            parser=_processes,
+            metavar="N|auto",
+            help="Worker processes under one supervisor ('auto': one per core). Default 1.",
+        ),
+    ] = 1,
     log_level: LogLevel = "INFO",
 ) -> None:
     """Run a worker: declare queues, consume, ack only after success; SIGTERM stops cleanly."""
     configure_logging(log_level)
+    if processes > 1:
+        _supervise(app_path, processes, concurrency, queue, metrics_port, log_level)
+        return
     app = load_app(app_path)
     asyncio.run(
         run_worker(app, concurrency=concurrency, queues=queue or None, metrics_port=metrics_port)

@@ -1,51 +1,55 @@
 """Reading a task's stream (``App.stream``) and a session's inbox (``App.inbox``).
 
 A task's stream ends with a final event. Nothing in the worker has to write it: the reader
-waits on the task's record in the ``TaskStore`` (woken, not polling) and, once that record is
-terminal, appends the final to the stream itself (``StreamStore.end``: once, however many
-readers race). So every terminal status ends the stream, whoever wrote it (succeeded,
-dead-lettered, and any status added later whose ``terminal`` is true), and the final's id
-sorts after every chunk: the worker drains a run's chunks before it stores the result.
+waits for the task's final state as ``App.result`` answers it (woken, not polling) and then
+appends the final to the stream itself (``StreamStore.end``: once, however many readers
+race). So every terminal status ends the stream, whoever wrote it or however it is derived
+(succeeded, dead-lettered, expired by the broker with no worker involved, and any status
+added later whose ``terminal`` is true), and the final's id sorts after every chunk: the
+worker drains a run's chunks before it stores the result.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ..errors import ResultTimeoutError
-from ..state import TaskStore
+from ..state import TaskState
 from .events import FINAL, FIRST_ID, StreamEvent, check_event_id, final_entry, id_key
 from .protocol import StreamStore
 
-# How long one store.wait lasts before the reader waits again (it holds a subscription).
+# How long one wait for the final state lasts before the reader waits again.
 _WAIT_ROUND_S = 3600.0
 
 
-async def _end_when_final(
-    streams: StreamStore, tasks: TaskStore, task_id: str, queue: str | None
-) -> str:
-    """The id of the task's final event, once its record is terminal."""
+# Waits for the task's final state (``App.result`` with a timeout); raises
+# ResultTimeoutError when there is none yet.
+FinalState = Callable[[float], Awaitable[TaskState]]
+
+
+async def _end_when_final(streams: StreamStore, task_id: str, final_state: FinalState) -> str:
+    """The id of the task's final event, once it has a final state."""
     while True:
         with contextlib.suppress(ResultTimeoutError):
-            state = await tasks.wait(task_id, _WAIT_ROUND_S, queue=queue)
+            state = await final_state(_WAIT_ROUND_S)
             return await streams.end(task_id, final_entry(state))
 
 
 async def task_events(
     streams: StreamStore,
-    tasks: TaskStore,
     task_id: str,
     after: str | None,
     *,
+    final_state: FinalState,
     queue: str | None,
     block_s: float,
 ) -> AsyncIterator[StreamEvent]:
     """Every event after ``after`` (from the start without it), live, up to the final."""
     last = check_event_id(after) if after is not None else FIRST_ID
     loop = asyncio.get_running_loop()
-    ender = loop.create_task(_end_when_final(streams, tasks, task_id, queue))
+    ender = loop.create_task(_end_when_final(streams, task_id, final_state))
     read: asyncio.Task[list[StreamEvent]] | None = None
     try:
         while True:

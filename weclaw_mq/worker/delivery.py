@@ -31,12 +31,14 @@ from ..errors import (
     HandlerTimeout,
     InvalidPayload,
     ResultNotStored,
+    TaskExpired,
     UndecodableBody,
     UnserialisableResult,
     WorkerCrashLoop,
 )
 from ..failures import describe, safe_text
 from ..handler import HandlerSpec
+from ..lifetime import as_datetime, deadline_ms, left_ms, now_ms
 from ..message import Delivery, read_delivery
 from ..metrics import Metrics, Outcome
 from ..naming import validate_session_id
@@ -150,6 +152,8 @@ async def _process(
         if gate is _Gate.SETTLED:
             return
         held = gate if isinstance(gate, str) else None
+    if await _expired_on_arrival(message, delivery, spec, rt, held):
+        return
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it.
@@ -205,13 +209,55 @@ async def _conclude(
 
     await _release(rt, spec, delivery, held)
     decision = decide(delivery.attempt, error, spec.retry)
-    if isinstance(decision, RetryLater):
+    left = left_ms(delivery.headers, now_ms())
+    if isinstance(decision, RetryLater) and left is not None and left <= decision.delay_ms:
+        # It would come back from the delay queue past its deadline (or RabbitMQ would
+        # expire it there, and its copy back in Q would carry no expiration): it ends now.
+        expired = TaskExpired(
+            f"attempt {delivery.attempt} failed ({describe(error)}) and the task's lifetime "
+            f"ends in {max(left, 0) / 1000:.3g} s, before its retry in "
+            f"{decision.delay_ms / 1000:.3g} s"
+        )
+        expired.__cause__ = error
+        await _dead_letter(message, delivery, spec, rt, DeadLetterReason.EXPIRED, expired)
+    elif isinstance(decision, RetryLater):
         await _status(rt, delivery, spec, TaskStatus.RETRYING, error=describe(error))
         await rt.settler.retry(
             message, delivery, queue=spec.queue, delay_ms=decision.delay_ms, error=error
         )
     elif isinstance(decision, GiveUp):
         await _dead_letter(message, delivery, spec, rt, decision.reason, error)
+
+
+async def _expired_on_arrival(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+) -> bool:
+    """Dead-letter a task that arrived past its deadline (RabbitMQ expires only what reaches
+    the head of Q with its expiration still set; a task back from a delay queue has none).
+
+    Checked after the guard: a copy of a task that finished or runs elsewhere is acked or
+    parked as usual, never dead-lettered beside its twin's result."""
+    left = left_ms(delivery.headers, now_ms())
+    near = left is not None and 0 < left <= rt.settings.redis_timeout_s * 1000
+    if near and held is None and rt.results is not None:
+        # Unclaimed, the "running" record is written beside the handler, and could land past
+        # the deadline: status() would meanwhile read the queued record as expired for a task
+        # that runs. This close to the deadline, write it first, then decide.
+        await _status(rt, delivery, spec, TaskStatus.RUNNING)
+        left = left_ms(delivery.headers, now_ms())
+    if left is None or left > 0:
+        return False
+    await _release(rt, spec, delivery, held)
+    late = TaskExpired(
+        f"the task arrived {-left / 1000:.3g} s past the end of its lifetime "
+        f"(x-weclaw-ttl-ms {delivery.headers.get(h.TTL_MS)})"
+    )
+    await _dead_letter(message, delivery, spec, rt, DeadLetterReason.EXPIRED, late)
+    return True
 
 
 async def _pass_guard(
@@ -554,6 +600,7 @@ def _state(
         result=result,
         error=error,
         reason=reason,
+        expires_at=as_datetime(deadline_ms(delivery.headers)),
     )
 
 
@@ -592,9 +639,10 @@ async def _dead_letter(
     ):
         # Only once the DLQ holds it: "dead_lettered" is final for result() waiters, and a
         # failed move returns the task to its queue, where it may yet succeed.
-        final = _state(
-            delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
+        status = (
+            TaskStatus.EXPIRED if reason is DeadLetterReason.EXPIRED else TaskStatus.DEAD_LETTERED
         )
+        final = _state(delivery, spec, status, error=describe(error), reason=reason.value)
         await _record_quietly(rt, final)
         session_id = _session_of(delivery)
         if session_id is not None:

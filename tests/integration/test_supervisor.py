@@ -1,0 +1,172 @@
+"""``weclaw-mq worker --processes N``: real worker processes under the supervisor.
+
+The supervisor forwards SIGTERM to every child (each drains), restarts a child that was killed
+(its messages went back to the queue: nothing is lost), and gives up with the child's own
+error when a child cannot start or keeps dying.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_until
+from tests.integration.fixture_apps.worker_app import Job
+from tests.integration.processes import (
+    CONSUMING_MARK,
+    WorkerFleet,
+    WorkerProcess,
+    all_empty,
+    run_cli,
+    worker_fleet,
+)
+from weclaw_mq import TaskStatus
+from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, parse_processes
+
+
+async def _start_supervised(fleet: WorkerFleet, processes: int, **kwargs: object) -> WorkerProcess:
+    supervisor = fleet.start(extra_args=["--processes", str(processes)], **kwargs)  # type: ignore[arg-type]
+    await wait_until(
+        lambda: (
+            supervisor.log().count(CONSUMING_MARK) >= processes
+            or supervisor.popen.poll() is not None
+        ),
+        30,
+        f"{processes} worker processes consuming",
+    )
+    assert supervisor.popen.poll() is None, supervisor.describe()
+    return supervisor
+
+
+async def test_sigterm_drains_every_child_and_the_supervisor_exits_0(
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+) -> None:
+    async with worker_fleet(
+        queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
+    ) as fleet:
+        supervisor = await _start_supervised(fleet, 2, concurrency=2, sleep_s=1.5)
+        ids = [await fleet.app.publish(qname, Job(text=f"t{i}")) for i in range(4)]
+        await wait_until(lambda: len(fleet.events("started")) == 4, 20, "4 tasks started")
+        # Two processes share the work: prefetch 2 each, so neither can hold all 4.
+        assert len({e.pid for e in fleet.events("started")}) == 2, fleet.events()
+
+        supervisor.signal(signal.SIGTERM)
+        assert await supervisor.wait_exit(30) == 0, supervisor.describe()
+
+        # Every task that was in flight finished and was acked before its process ended.
+        assert fleet.task_ids("finished") == set(ids)
+        for task_id in ids:
+            state = await fleet.app.status(task_id)
+            assert state is not None and state.status is TaskStatus.SUCCEEDED, state
+        assert await all_empty(broker_url, [qname]), "a message was left on the queue"
+
+
+async def test_a_killed_child_is_started_again_and_nothing_is_lost(
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+) -> None:
+    # The killed child's claims lapse after the lease; then its tasks run elsewhere.
+    async with worker_fleet(
+        queue=qname,
+        work_dir=tmp_path,
+        broker_url=broker_url,
+        redis_url=redis_url,
+        guard_lease_s=2.0,
+    ) as fleet:
+        supervisor = await _start_supervised(fleet, 2, concurrency=2, sleep_s=0.5)
+        ids = [await fleet.app.publish(qname, Job(text=f"t{i}")) for i in range(12)]
+        await wait_until(lambda: len(fleet.events("started")) >= 2, 20, "tasks started")
+        victim = fleet.events("started")[0].pid
+        os.kill(victim, signal.SIGKILL)  # a child of the supervisor this test started
+        await wait_until(
+            lambda: supervisor.log().count(CONSUMING_MARK) >= 3, 30, "the killed child restarted"
+        )
+        await wait_until(lambda: fleet.task_ids("finished") >= set(ids), 60, "every task finished")
+        for task_id in ids:
+            state = await fleet.app.status(task_id)
+            assert state is not None and state.status is TaskStatus.SUCCEEDED, state
+        pids = {e.pid for e in fleet.events("started")}
+        assert len(pids) >= 3, "no task ran in the restarted child"
+        assert "worker process" in supervisor.log() and "died" in supervisor.log()
+
+        supervisor.signal(signal.SIGTERM)
+        assert await supervisor.wait_exit(30) == 0, supervisor.describe()
+        assert await all_empty(broker_url, [qname])
+
+
+async def test_a_child_that_cannot_start_ends_the_supervisor_with_its_error() -> None:
+    result = await run_cli("worker", "no_such_module_here:app", "--processes", "2")
+    assert result.code == 3, result
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("weclaw-mq: error: worker process "), result.stderr
+    assert "no_such_module_here" in last, last
+
+
+def test_a_child_that_keeps_dying_ends_the_supervisor_non_zero() -> None:
+    """A real child process that dies each time it starts: restarted with backoff, then the
+    supervisor gives up with its error (the backoff shortened so the test takes a second)."""
+    script = (
+        "import sys; print('weclaw-mq: error: the model API key is wrong', file=sys.stderr); "
+        "sys.exit(1)"
+    )
+    out = io.StringIO()
+    supervisor = Supervisor(
+        lambda i: [sys.executable, "-c", script], 1, stderr=out, first_backoff_s=0.01
+    )
+    with pytest.raises(SupervisorError) as raised:
+        supervisor.run()
+    assert raised.value.exit_code == 1
+    assert "died 6 times" in str(raised.value)
+    assert str(raised.value).endswith("the model API key is wrong")
+    assert out.getvalue().count("the model API key is wrong") == 6
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1", 1), ("4", 4), (" 2 ", 2)])
+def test_processes_counts(text: str, expected: int) -> None:
+    assert parse_processes(text) == expected
+
+
+def test_processes_auto_is_the_usable_cores() -> None:
+    assert parse_processes("auto") >= 1
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", ""])
+def test_processes_refuses_nonsense(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_processes(text)
+
+
+def _children_of(pid: int) -> set[int]:
+    found: set[int] = set()
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        found.update(int(p) for p in children.read_text().split())
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+async def test_children_stop_when_the_supervisor_is_killed(
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+) -> None:
+    async with worker_fleet(
+        queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
+    ) as fleet:
+        supervisor = await _start_supervised(fleet, 2)
+        children = _children_of(supervisor.pid)
+        assert len(children) == 2, children
+        supervisor.kill()  # SIGKILL: no chance to forward anything
+        # The kernel's parent-death signal (SIGTERM) makes each child drain and exit.
+        await wait_until(
+            lambda: not any(_alive(pid) for pid in children), 30, "orphaned workers to exit"
+        )
