@@ -50,9 +50,9 @@ LogLevel = Annotated[
 ]
 
 
-def _processes(value: str) -> int:
-    try:
-        return parse_processes(value)
+def _processes(value: str | int) -> int:
+    try:  # typer hands the default (an int) to the parser too
+        return parse_processes(str(value))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
