@@ -2,7 +2,7 @@
 
 Run it (with a worker beside it, e.g. ``weclaw-mq worker consumers.demo:app``)::
 
-    .venv/bin/uvicorn --factory producers.api:create_app --port 8000
+    .venv/bin/uvicorn --factory producers.api:create_app --port 8000 --timeout-graceful-shutdown 2
     curl -s -XPOST localhost:8000/tasks -H 'content-type: application/json' \
         -d '{"text": "write a haiku about queues"}'
     curl -s localhost:8000/tasks/<task_id>

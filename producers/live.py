@@ -3,7 +3,8 @@
 - ``GET /tasks/{task_id}/events``: the task's stream (``App.stream``): every "attempt"
   marker and "chunk", then the "final" event, after which the response ends.
 - ``GET /sessions/{session_id}/events``: the session's inbox (``App.inbox``): what is
-  pending for the session, oldest first, then new events live; it never ends by itself.
+  pending for the session, oldest first, then new events live; it never ends by itself
+  (so run uvicorn with ``--timeout-graceful-shutdown``: its stop waits for open responses).
 - ``POST /sessions/{session_id}/confirm`` with ``{"last_event_id": ...}``: the client has
   everything up to that id; those entries leave the inbox.
 - ``GET /``: the chat page (``static/index.html``).
