@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from tests.conftest import delete_queues, running_private_redis, settings_for
@@ -19,7 +20,10 @@ from tests.integration.processes import queue_names, worker_fleet
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, MemoryTaskStore, Retry
 from weclaw_mq.errors import StreamLimitError
+from weclaw_mq.naming import stream_key
+from weclaw_mq.state import TaskState, TaskStatus
 from weclaw_mq.streaming import MemoryStreamStore, StreamEvent
+from weclaw_mq.streaming.events import final_entry, id_key
 
 
 class Words(BaseModel):
@@ -251,3 +255,28 @@ async def test_a_task_the_broker_expires_unrun_ends_its_stream_as_expired(make_a
     task_id = await app.publish(qname, Words(words=["never"]), ttl_s=0.3)
     events = await collect(app.stream(task_id))
     assert [(e.kind, e.status, e.reason) for e in events] == [("final", "expired", "expired")]
+
+
+async def test_readers_racing_to_end_a_stream_write_one_final_and_a_new_run_gets_its_own(
+    make_app, qname, redis_url
+):
+    app = make_app()
+    streams = app.streams
+    state = TaskState(task_id=f"race-{qname}", queue=qname, status=TaskStatus.DEAD_LETTERED)
+    try:
+        ids = await asyncio.gather(
+            *(streams.end(state.task_id, final_entry(state)) for _ in range(5))
+        )
+        assert len(set(ids)) == 1
+        # Run again (an ops requeue) and ended otherwise: a new final.
+        again = state.model_copy(update={"status": TaskStatus.SUCCEEDED, "result": 1})
+        assert id_key(await streams.end(state.task_id, final_entry(again))) > id_key(ids[0])
+        events = await streams.read(state.task_id, "0-0", 0)
+        assert [(e.kind, e.status) for e in events] == [
+            ("final", "dead_lettered"),
+            ("final", "succeeded"),
+        ]
+    finally:
+        client = aioredis.Redis.from_url(redis_url)
+        await client.delete(stream_key(state.task_id))
+        await client.aclose()

@@ -60,8 +60,6 @@ class Entry:
 
     kind: EventKind
     body: bytes
-    # Only on a final: the queue whose record it ends (a reader given queue= stops on it).
-    queue: str = ""
 
 
 def check_event_id(event_id: str) -> str:
@@ -122,7 +120,7 @@ def final_entry(state: TaskState) -> Entry:
             "error": state.error,
         }
     )
-    return Entry(FINAL, body, queue=state.queue)
+    return Entry(FINAL, body)
 
 
 def expired_entry(tasks: list[str], entries: int) -> Entry:

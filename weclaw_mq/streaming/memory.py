@@ -55,7 +55,7 @@ class MemoryStreamStore:
     async def end(self, task_id: str, final: Entry) -> str:
         key = "task:" + task_id
         log = self._logs.get(key)
-        if not (log and log[-1][1].kind == FINAL and log[-1][1].queue == final.queue):
+        if not (log and log[-1][1] == final):
             self._append(key, final)
         return self._logs[key][-1][0]
 

@@ -26,8 +26,9 @@ class StreamStore(Protocol):
         ...
 
     async def end(self, task_id: str, final: Entry) -> str:
-        """Append ``final`` to the task's stream unless its last entry already is a final
-        of the same queue (so any number of readers may end it); the id of that final."""
+        """Append ``final`` to the task's stream unless its last entry already is that same
+        final (so any number of readers may end it, each deriving the same event from the
+        same state); the id of the final the stream ends with."""
         ...
 
     async def read(self, task_id: str, after: str, timeout_s: float) -> list[StreamEvent]:

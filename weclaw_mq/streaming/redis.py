@@ -26,7 +26,7 @@ from .events import Entry, StreamEvent, decode, next_id
 # Reads at most this many entries per round trip; a reader behind by more reads again.
 READ_BATCH = 500
 
-# Lua helpers shared by the inbox scripts. Entry fields are k (kind), e (JSON), q (queue).
+# Lua helpers shared by the scripts. Entry fields are k (kind) and e (JSON).
 _FIELDS_LUA = """
 local function fields(flat)
   local out = {}
@@ -108,15 +108,17 @@ _END = (
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1]
 if last then
   local f = fields(last[2])
-  if f['k'] == 'final' and f['q'] == ARGV[2] then return last[1] end
+  if f['k'] == 'final' and f['e'] == ARGV[1] then return last[1] end
 end
-local id = redis.call('XADD', KEYS[1], '*', 'k', 'final', 'e', ARGV[1], 'q', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local id = redis.call('XADD', KEYS[1], '*', 'k', 'final', 'e', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return id
 """
 )
-"""Append a final unless the stream already ends with one of the same queue; either way
-return the id of the final it ends with. KEYS: stream. ARGV: JSON, queue, ttl_ms."""
+"""Append a final unless the stream already ends with the same one (readers racing to end
+it derive the same JSON from the same state; a task run again after its final, by an ops
+requeue, ends with a new one); either way return the id of the final it ends with.
+KEYS: stream. ARGV: JSON, ttl_ms."""
 
 
 class RedisStreamStore:
@@ -169,9 +171,7 @@ class RedisStreamStore:
 
     async def end(self, task_id: str, final: Entry) -> str:
         try:
-            final_id = await self._end(
-                keys=[stream_key(task_id)], args=[final.body, final.queue, self._ttl_ms]
-            )
+            final_id = await self._end(keys=[stream_key(task_id)], args=[final.body, self._ttl_ms])
             return final_id.decode() if isinstance(final_id, bytes) else str(final_id)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
