@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from consumers.demo import QUEUE, Prompt, app, reply_to
-from weclaw_mq import TaskState, TaskStatus
+from weclaw_mq import StreamEvent, TaskState, TaskStatus
 from weclaw_mq.errors import ResultTimeoutError
-from weclaw_mq.streaming.events import StreamEvent
 
 APP_PATH = "consumers.demo:app"
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -34,9 +34,7 @@ from fastapi import FastAPI, Header, HTTPException, Query, status
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from weclaw_mq import App, StateUnavailableError, TaskState
-from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.streaming import Inbox
+from weclaw_mq import App, ConfigurationError, Inbox, StateUnavailableError, TaskState
 from weclaw_mq.streaming.events import check_event_id
 
 from .sse import HEADERS, MEDIA_TYPE, event_frames

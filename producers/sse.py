@@ -24,7 +24,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import pydantic_core
 
-from weclaw_mq.streaming.events import FINAL, StreamEvent
+from weclaw_mq import StreamEvent
+from weclaw_mq.streaming.events import FINAL
 
 log = logging.getLogger("producers.sse")
 
