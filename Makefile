@@ -17,6 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
+	bench-stream \
 	compose-check clean \
 	distclean services-up services-down services-status
 
@@ -35,6 +36,7 @@ help:
 	@echo "make bench-own-cost weclaw_mq's own CPU per delivery, in isolation (no broker, no Redis)"
 	@echo "make bench-outbox   the local outbox: publish with the broker down, the relay's drain rate"
 	@echo "make bench-notify   what notify=True costs a worker (tasks/s, CPU per task; real broker)"
+	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -121,6 +123,10 @@ bench-own-cost: install
 # shared broker and Redis. NOTIFY_ARGS="--n 2000 --rounds 3 --concurrency 10" are the defaults.
 bench-notify: install
 	$(BIN)/python -m benchmarks.notify_cost $(NOTIFY_ARGS)
+# Streamed partial output: ctx.emit of 200 chunks (<= 5 ms in the handler) and emit -> reader
+# (<= 10 ms, median and p95), on the broker and Redis; 'make bench' runs it too.
+bench-stream: install
+	$(BIN)/python -m benchmarks.stream_cost $(STREAM_BENCH_ARGS)
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \
