@@ -13,6 +13,7 @@ import aio_pika
 from aio_pika.abc import HeadersType
 from prometheus_client import CollectorRegistry
 
+from . import headers as h
 from .errors import (
     STORED_NOTHING,
     BatchPublishError,
@@ -25,6 +26,14 @@ from .errors import (
 from .handler import HandlerFunc, HandlerSpec, build_spec
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
+from .naming import lane_queue_name
+from .priority import (
+    QUORUM,
+    Priority,
+    parse_priority,
+    plan_priorities,
+    priority_from_header,
+)
 from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy
@@ -85,8 +94,14 @@ class App:
         delivery_limit: int | None = None,
         max_length: int | None = None,
         idempotent: bool = True,
+        priority: Priority | str = Priority.NORMAL,
+        queue_type: str = QUORUM,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
-        """Register an async handler for ``queue``; options left out come from settings."""
+        """Register an async handler for ``queue``; options left out come from settings.
+
+        ``priority`` is the default of tasks published to ``queue`` without one;
+        ``queue_type="classic"`` declares Q as a classic queue with native priorities
+        (not replicated: see the README's "Priorities")."""
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -103,6 +118,8 @@ class App:
                 delivery_limit=delivery_limit if delivery_limit is not None else s.delivery_limit,
                 max_length=max_length,
                 idempotent=idempotent,
+                priority=priority,
+                queue_type=queue_type,
             )
             return func
 
@@ -126,8 +143,12 @@ class App:
         task_id: str | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        priority: Priority | str | None = None,
     ) -> aio_pika.Message:
-        """Encode and check a task without sending it: size, and the handler's model if known."""
+        """Encode and check a task without sending it: size, and the handler's model if known.
+
+        A priority above NORMAL (``priority``, else the handler's default) is written in the
+        ``x-weclaw-priority`` header; ``publish`` then routes the message by it."""
         body = encode_payload(payload)
         limit = self.settings.max_message_bytes
         if len(body) > limit:
@@ -155,7 +176,31 @@ class App:
         # Before anything is sent or recorded: aiormq would raise a bare TypeError/ValueError
         # mid-publish, or silently truncate a long header name.
         check_encodable(queue, message.message_id, headers)
+        level = self._priority_of(queue, priority)
+        if level is not Priority.NORMAL:  # no header is NORMAL: nothing to carry
+            message.headers[h.PRIORITY] = level.value
         return message
+
+    def _priority_of(self, queue: str, priority: Priority | str | None) -> Priority:
+        if priority is not None:
+            return parse_priority(priority)
+        spec = self._handlers.get(queue)
+        return spec.priority if spec is not None else Priority.NORMAL
+
+    async def _route(self, queue: str, message: aio_pika.Message) -> str:
+        """Where ``message`` goes: its lane queue, or Q with the AMQP priority property on a
+        broker (or classic queue) with native priorities. NORMAL always goes to Q as it is."""
+        level = priority_from_header(message.headers.get(h.PRIORITY))
+        if level is Priority.NORMAL:
+            return queue
+        spec = self._handlers.get(queue)
+        # A queue without a handler here is taken to be a default (quorum) handler queue.
+        queue_type = spec.queue_type if spec is not None else QUORUM
+        plan = plan_priorities(await self._get_publisher().server_version(), queue_type)
+        if plan.mode == "lanes":
+            return lane_queue_name(queue, level.value)
+        message.priority = plan.amqp_priority[level]
+        return queue
 
     async def publish(
         self,
@@ -165,17 +210,22 @@ class App:
         task_id: str | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        priority: Priority | str | None = None,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
         The trace id is, in order: ``trace_id``, the trace of the task being handled, a new
-        one.
+        one. ``priority`` (default: the handler's, else NORMAL) is ``Priority.HIGH`` or
+        ``"high"`` and so on; see the README's "Priorities".
         """
-        message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
+        message = self.prepare(
+            queue, payload, task_id=task_id, trace_id=trace_id, headers=headers, priority=priority
+        )
         assert message.message_id is not None
+        target = await self._route(queue, message)
         store = self.results
         if store is None:
-            await self._get_publisher().publish(queue, message)
+            await self._get_publisher().publish(target, message)
             return message.message_id
         # The "queued" record is written beside the confirm, not after it (no added latency),
         # and only if the task has no record yet, so it can never hide a later status.
@@ -187,7 +237,7 @@ class App:
         )
         refused: list[str] = []
         try:
-            await self._get_publisher().publish(queue, message)
+            await self._get_publisher().publish(target, message)
         except STORED_NOTHING:
             refused.append(message.message_id)
             raise
@@ -203,6 +253,7 @@ class App:
         task_ids: Sequence[str] | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        priority: Priority | str | None = None,
     ) -> list[str]:
         """Publish a batch over one channel with pipelined confirms; the task ids, in order.
 
@@ -221,6 +272,7 @@ class App:
                 task_id=task_ids[i] if task_ids is not None else None,
                 trace_id=trace_id,
                 headers=headers,
+                priority=priority,
             )
             for i, payload in enumerate(items)
         ]
@@ -229,6 +281,7 @@ class App:
             return ids
         publisher = self._get_publisher()
         await publisher.connect()
+        targets = [await self._route(queue, m) for m in messages]
         store = self.results
         queued = (
             self._record_in_background(
@@ -243,7 +296,8 @@ class App:
         refused: list[str] = []
         try:
             outcomes = await asyncio.gather(
-                *(publisher.publish(queue, m) for m in messages), return_exceptions=True
+                *(publisher.publish(t, m) for t, m in zip(targets, messages, strict=True)),
+                return_exceptions=True,
             )
             refused = [
                 ids[i] for i, outcome in enumerate(outcomes) if isinstance(outcome, STORED_NOTHING)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .naming import validate_queue_name
+from .priority import QUORUM, Priority, check_queue_type, parse_priority
 from .retry import RetryPolicy
 from .topology import QueueSpec
 
@@ -31,6 +32,9 @@ class HandlerSpec:
     delivery_limit: int
     max_length: int | None
     idempotent: bool
+    # The priority of a task published to this queue without one.
+    priority: Priority = Priority.NORMAL
+    queue_type: str = QUORUM
 
     @property
     def name(self) -> str:
@@ -43,6 +47,7 @@ class HandlerSpec:
             retry_delays_ms=tuple(dict.fromkeys((self.retry.delay_ms(1), *self.retry.delays_ms()))),
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
+            queue_type=self.queue_type,
         )
 
     def parse(self, body: bytes) -> Any:
@@ -81,6 +86,8 @@ def build_spec(
     delivery_limit: int,
     max_length: int | None,
     idempotent: bool,
+    priority: Priority | str = Priority.NORMAL,
+    queue_type: str = QUORUM,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -123,4 +130,6 @@ def build_spec(
         delivery_limit=delivery_limit,
         max_length=max_length,
         idempotent=idempotent,
+        priority=parse_priority(priority),
+        queue_type=check_queue_type(queue_type),
     )

@@ -13,6 +13,9 @@ ORIGINAL_QUEUE = f"{PREFIX}original-queue"
 # summed across hops: each hop starts the broker's x-delivery-count afresh, and a task that
 # kills every worker would otherwise loop forever through the guard's delay queue.
 RETURNS = f"{PREFIX}returns"
+# The task's priority ("high", "urgent"; absent: normal), kept on every hop: retries, deferrals
+# and DLQ re-drives send the task back to its lane by it (weclaw_mq.priority).
+PRIORITY = f"{PREFIX}priority"
 # How often ops shovelled this task back from its DLQ (weclaw_mq.dlq.requeue).
 REQUEUED = f"{PREFIX}requeued"
 
