@@ -13,6 +13,7 @@ from .errors import (
     ConfigurationError,
     ConfirmTimeoutError,
     ConnectionLostError,
+    InvalidPriorityError,
     MessageEncodingError,
     PayloadError,
     PayloadTooLargeError,
@@ -25,6 +26,7 @@ from .errors import (
     UnroutableError,
     WeclawMQError,
 )
+from .priority import Priority
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
@@ -41,11 +43,13 @@ __all__ = [
     "ConfirmTimeoutError",
     "ConnectionLostError",
     "Context",
+    "InvalidPriorityError",
     "MemoryTaskStore",
     "MessageEncodingError",
     "PayloadError",
     "PayloadTooLargeError",
     "PayloadValidationError",
+    "Priority",
     "PublishFailedError",
     "PublishNackedError",
     "Reject",

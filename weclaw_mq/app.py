@@ -26,13 +26,12 @@ from .errors import (
 from .handler import HandlerFunc, HandlerSpec, build_spec
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
-from .naming import lane_queue_name
 from .priority import (
     QUORUM,
     Priority,
     parse_priority,
-    plan_priorities,
     priority_from_header,
+    route,
 )
 from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
@@ -188,19 +187,23 @@ class App:
         return spec.priority if spec is not None else Priority.NORMAL
 
     async def _route(self, queue: str, message: aio_pika.Message) -> str:
-        """Where ``message`` goes: its lane queue, or Q with the AMQP priority property on a
-        broker (or classic queue) with native priorities. NORMAL always goes to Q as it is."""
+        """Where ``message`` goes (its lane, or Q with the AMQP priority property where the
+        broker, or a classic queue, has native priorities); the version is asked only for a
+        priority above NORMAL."""
         level = priority_from_header(message.headers.get(h.PRIORITY))
         if level is Priority.NORMAL:
             return queue
+        version = await self._get_publisher().server_version()
+        target, amqp_priority = route(queue, level, version, self.queue_type_of(queue))
+        if amqp_priority is not None:
+            message.priority = amqp_priority
+        return target
+
+    def queue_type_of(self, queue: str) -> str:
+        """The type of ``queue`` as its handler here declares it; a queue without a handler
+        in this app is taken to be a default (quorum) handler queue."""
         spec = self._handlers.get(queue)
-        # A queue without a handler here is taken to be a default (quorum) handler queue.
-        queue_type = spec.queue_type if spec is not None else QUORUM
-        plan = plan_priorities(await self._get_publisher().server_version(), queue_type)
-        if plan.mode == "lanes":
-            return lane_queue_name(queue, level.value)
-        message.priority = plan.amqp_priority[level]
-        return queue
+        return spec.queue_type if spec is not None else QUORUM
 
     async def publish(
         self,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from .broker_version import ServerVersion
 from .errors import InvalidPriorityError
+from .naming import lane_queue_name
 
 # The version each rule starts at.
 NATIVE_QUORUM_PRIORITY_FROM = (4, 3)
@@ -141,3 +142,18 @@ def plan_priorities(version: ServerVersion | None, queue_type: str = QUORUM) -> 
     else:
         why = f"quorum queue on {version or 'an unknown version'}: no priorities, a lane per level"
     return PriorityPlan(mode="lanes", amqp_priority={}, queue_arguments={}, why=why)
+
+
+def route(
+    queue: str, level: Priority, version: ServerVersion | None, queue_type: str = QUORUM
+) -> tuple[str, int | None]:
+    """Where a task of ``level`` for handler queue ``queue`` is published, and the AMQP
+    priority property it carries (None: none). NORMAL is Q without the property on every
+    plan (what a producer that predates priorities sends); used by publish and DLQ re-drives.
+    """
+    if level is Priority.NORMAL:
+        return queue, None
+    plan = plan_priorities(version, queue_type)
+    if plan.mode == "lanes":
+        return lane_queue_name(queue, level.value), None
+    return queue, plan.amqp_priority[level]

@@ -18,7 +18,7 @@ from tests.integration.processes import FIXTURE_APP, one_error_line, run_cli, se
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
 from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq, queue_stats
-from weclaw_mq.naming import dlq_name, retry_queue_name
+from weclaw_mq.naming import dlq_name, lane_queue_name, retry_queue_name
 
 FAIL_ONCE_MORE = RetryPolicy(max_retries=1, delay_s=0.05)  # attempts 1 and 2, then the DLQ
 
@@ -190,10 +190,16 @@ async def test_stats_counts_the_queue_its_delay_queues_and_its_dlq_and_reports_m
 
     assert got.work.exists and got.work.messages == 0
     assert got.work.consumers == 1  # the running worker
-    assert [(c.name, c.exists) for c in got.retries] == [
+    # Q's delay queues first, then those of its priority lanes (3.x: lanes).
+    assert [(c.name, c.exists) for c in got.retries[:2]] == [
         (retry_queue_name(dead.queue, 50), True),
         (retry_queue_name(dead.queue, 86_400_000), False),
     ]
+    assert [(c.name, c.role, c.exists) for c in got.lanes] == [
+        (lane_queue_name(dead.queue, "high"), "lane", True),
+        (lane_queue_name(dead.queue, "urgent"), "lane", True),
+    ]
+    assert retry_queue_name(lane_queue_name(dead.queue, "high"), 50) in [c.name for c in got.all]
     assert got.retries[1].messages is None
     assert got.dlq.exists and got.dlq.messages == 3 and got.dlq.consumers == 0
     assert queue_stats.handler_retry_delays_ms(dead.app, dead.queue) == (50,)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from weclaw_mq import ConfigurationError
-from weclaw_mq.naming import delay_label, dlq_name, retry_queue_name, validate_queue_name
 from weclaw_mq.broker_version import ServerVersion
+from weclaw_mq.naming import delay_label, dlq_name, retry_queue_name, validate_queue_name
 from weclaw_mq.topology import (
     QueueSpec,
     dlq_arguments,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,9 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
+from .. import headers as h
 from ..app import App
+from ..broker_version import parse_server_version
 from ..errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -31,6 +33,7 @@ from ..errors import (
     WeclawMQError,
 )
 from ..naming import dlq_name
+from ..priority import priority_from_header, route
 from ..state import TaskState, TaskStatus, TaskStore
 from ..undecodable import tolerant_properties, undecodable
 from .dlq_message import (
@@ -352,7 +355,7 @@ async def requeue(
                 if wanted is not None and task_id not in wanted:
                     await dlq.keep(message)
                     continue
-                await _move_back(message, dlq, statuses, queue)
+                await _move_back(message, dlq, statuses, queue, app.queue_type_of(queue))
                 moved += 1
             if wanted is not None:
                 await dlq.keep_the_rest()  # the pass ends with the others in their order
@@ -371,14 +374,19 @@ async def requeue(
 
 
 async def _move_back(
-    message: DeliveredMessage, dlq: _Pass, statuses: _QueuedStatus, queue: str
+    message: DeliveredMessage, dlq: _Pass, statuses: _QueuedStatus, queue: str, queue_type: str
 ) -> None:
+    properties = message.header.properties
+    # Back to the lane its priority header names (the AMQP priority property, on a native
+    # plan, is kept by requeued_properties).
+    headers = properties.headers if isinstance(properties.headers, Mapping) else {}
+    version = parse_server_version(dlq.channel.connection.server_properties.get("version"))
+    target, _ = route(queue, priority_from_header(headers.get(h.PRIORITY)), version, queue_type)
     # "queued" is written BEFORE the copy exists: a worker's running/succeeded/dead_lettered
     # record then always lands after it, and a waiter never sees a stale final state.
-    properties = message.header.properties
     before = await statuses.mark(properties.message_id or "")
     try:
-        await dlq.publish(queue, message.body, requeued_properties(properties))
+        await dlq.publish(target, message.body, requeued_properties(properties))
     except WeclawMQError:
         await statuses.restore(before)
         raise  # the DLQ copy stays unacked and returns to the DLQ
