@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
@@ -40,16 +40,27 @@ log = logging.getLogger("weclaw_mq.worker")
 
 # A spare whose basic.consume is still on its way: the lane has its look-ahead coming.
 _OPENING = "<opening>"
+# After a lane's spare was opened (from its consume-ok) or re-armed (from the ack that frees
+# it), how long lower lanes wait for that lane's next task: a queue with messages delivers one
+# within a round trip, an empty one never does, and we cannot tell them apart sooner. A slot
+# stays free that long only when a higher lane turns out to be empty: at the end of its burst.
+LOOKAHEAD_GRACE_S = 0.02
 
 
 def pick(
-    lanes: Sequence[str], waiting: Sequence[str], skipped: dict[str, int], limit: int
+    lanes: Sequence[str],
+    waiting: Sequence[str],
+    skipped: dict[str, int],
+    limit: int,
+    pending: Collection[str] = (),
 ) -> str | None:
     """The lane whose waiting task starts next, updating ``skipped`` (pure: unit-tested).
 
     ``lanes`` is highest first; ``waiting`` the lanes with a task waiting. The highest
     waiting lane wins, unless a lower one was passed over ``limit`` times in a row: then the
     highest such starved lane wins. Each lower waiting lane passed over counts one skip.
+    None (wait) when a lane above the winner is ``pending``: its spare consumer was just
+    opened and its next task may be on the way (a starved lane does not wait).
     """
     candidates = [lane for lane in lanes if lane in waiting]
     if not candidates:
@@ -57,6 +68,8 @@ def pick(
     starved = [lane for lane in candidates if skipped.get(lane, 0) >= limit]
     choice = starved[0] if starved else candidates[0]
     rank = lanes.index(choice)
+    if not starved and any(lanes.index(lane) < rank for lane in pending):
+        return None
     for lane in candidates:
         if lanes.index(lane) > rank:
             skipped[lane] = skipped.get(lane, 0) + 1
@@ -95,6 +108,10 @@ class LaneScheduler:
         self._skipped: dict[str, int] = dict.fromkeys(self.lanes, 0)
         self._stopping = False
         self._background: set[asyncio.Task[None]] = set()
+        # Lanes whose new spare may have a task on its way (see ``pick``'s pending), each
+        # with the mark of its latest expectation (an older timer must not end a newer one).
+        self._pending: dict[str, int] = {}
+        self._marks = 0
 
     # -- what the worker calls ------------------------------------------------------------
     def owns(self, consumer_tag: str | None) -> bool:
@@ -124,12 +141,14 @@ class LaneScheduler:
             self._begin(chosen)
             if chosen == lane and reusable:
                 self._spare[lane] = tag  # its ack re-arms it: the lane's next task comes to it
+                self._expect(lane)
                 return
             self._renew_spare(chosen)
         if reusable and self._spare[lane] is None:
             self._spare[lane] = tag
-            return
-        await self._cancel(tag)
+        else:
+            await self._cancel(tag)
+        self._fill()  # a slot left free while a higher lane's next task was on its way
 
     async def broker_cancelled(self, tag: str) -> None:
         """The broker cancelled one of our consumers (its queue was deleted, a leader moved):
@@ -167,17 +186,39 @@ class LaneScheduler:
             why = "the worker is stopping" if self._stopping else "its lane already has one"
             await self._give_back(message, why)
             return
+        self._pending.pop(lane, None)
         self._waiting[lane] = message
-        while len(self._running) < self.concurrency:
+        self._fill()
+
+    def _fill(self) -> None:
+        """Start waiting tasks in free slots (no ended consumer to take over: each started
+        lane gets a new spare)."""
+        while len(self._running) < self.concurrency and not self._stopping:
             chosen = self._pick()
             if chosen is None:
                 return
             self._begin(chosen)
-            self._renew_spare(chosen)  # a free slot, no ended consumer to take over
+            self._renew_spare(chosen)
 
     def _pick(self) -> str | None:
         waiting = [lane for lane, m in self._waiting.items() if m is not None]
-        return pick(self.lanes, waiting, self._skipped, self.starvation_limit)
+        return pick(self.lanes, waiting, self._skipped, self.starvation_limit, self._pending)
+
+    def _expect(self, lane: str, *, timed: bool = True) -> None:
+        """Lower lanes wait for ``lane``'s next task (timed: for LOOKAHEAD_GRACE_S from now;
+        else until ``_expect`` is called again with timed=True)."""
+        if lane == self.lanes[-1]:
+            return  # nothing below it waits
+        self._marks += 1
+        self._pending[lane] = self._marks
+        if timed:
+            loop = asyncio.get_running_loop()
+            loop.call_later(LOOKAHEAD_GRACE_S, self._grace_over, lane, self._marks)
+
+    def _grace_over(self, lane: str, mark: int) -> None:
+        if self._pending.get(lane) == mark:
+            del self._pending[lane]
+            self._fill()
 
     def _begin(self, lane: str) -> None:
         message = self._waiting[lane]
@@ -195,14 +236,21 @@ class LaneScheduler:
             self._spawn(self.release(message, reusable=False))
 
     def _renew_spare(self, lane: str) -> None:
+        """After a task of ``lane`` started: a new spare, whose task (if the lane has more)
+        lower lanes wait for, up to LOOKAHEAD_GRACE_S after its consume-ok."""
         self._spare[lane] = _OPENING
+        self._expect(lane, timed=False)
         self._spawn(self._open_spare(lane))
 
     async def _open_spare(self, lane: str) -> None:
         if self._stopping:
             return
         self._spare[lane] = _OPENING
-        tag = await self._queues[lane].consume(functools.partial(self._on_message, lane))
+        try:
+            tag = await self._queues[lane].consume(functools.partial(self._on_message, lane))
+        finally:
+            if lane in self._pending:
+                self._expect(lane)
         self._lane_of[tag] = lane
         self._spare[lane] = tag
 
