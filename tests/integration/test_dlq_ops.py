@@ -189,7 +189,7 @@ async def test_stats_counts_the_queue_its_delay_queues_and_its_dlq_and_reports_m
     got = await queue_stats.stats(dead.app, dead.queue, retry_delays_ms=(50, 86_400_000))
 
     assert got.work.exists and got.work.messages == 0
-    assert got.work.consumers == 1  # the running worker
+    assert got.work.consumers is not None and got.work.consumers >= 1  # the running worker
     # Q's delay queues first, then those of its priority lanes (3.x: lanes).
     assert [(c.name, c.exists) for c in got.retries[:2]] == [
         (retry_queue_name(dead.queue, 50), True),
@@ -305,11 +305,20 @@ async def test_cli_stats_prints_the_queue_the_apps_delay_queues_and_the_dlq(
 
     assert result.code == 0, result.stderr
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.strip().splitlines()[1:]}
+    # The running worker consumes Q and each lane (prefetch-1 consumers: at least one each).
+    consumers = {name: int(row.pop()) for name, row in rows.items()}
+    high, urgent = lane_queue_name(q, "high"), lane_queue_name(q, "urgent")
     assert rows == {
-        q: ["work", "0", "1"],
-        retry_queue_name(q, 50): ["retry", "0", "0"],
-        dlq_name(q): ["dlq", "3", "0"],
+        q: ["work", "0"],
+        high: ["lane", "0"],
+        urgent: ["lane", "0"],
+        retry_queue_name(q, 50): ["retry", "0"],
+        retry_queue_name(high, 50): ["retry", "0"],
+        retry_queue_name(urgent, 50): ["retry", "0"],
+        dlq_name(q): ["dlq", "3"],
     }
+    assert consumers[q] >= 1 and consumers[high] >= 1 and consumers[urgent] >= 1
+    assert consumers[dlq_name(q)] == 0
 
     unknown = await run_cli("stats", "t-no-such-queue-for-stats", "--app", FIXTURE_APP, env=env)
     assert "has no handler" in one_error_line(unknown)

@@ -447,7 +447,7 @@ async def _give_back(
 async def _release(schedulers: list[LaneScheduler], message: AbstractIncomingMessage) -> None:
     """Before a settle: the lane scheduler whose consumer delivered ``message`` frees its slot."""
     for scheduler in schedulers:
-        if scheduler.owns(message.consumer_tag):
+        if scheduler.owns(message):
             await scheduler.release(message)
             return
 
