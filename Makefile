@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 DEMO_TASKS ?= 10
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools test lint format demo drill bench bench-own-cost compose-check clean \
+.PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-priority compose-check clean \
 	distclean services-up services-down services-status
 
 help:
@@ -28,6 +28,7 @@ help:
 	@echo "make drill          every fault drill (private RabbitMQ nodes, 3-node cluster) and its table"
 	@echo "make bench          benchmark vs raw aio-pika, FastStream, Dramatiq (own venv; BENCH_ARGS=--smoke)"
 	@echo "make bench-own-cost weclaw_mq's own CPU per delivery, in isolation (no broker, no Redis)"
+	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -103,6 +104,11 @@ bench:
 # the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.
 bench-own-cost: install
 	$(BIN)/python -m benchmarks.own_cost $(OWN_COST_ARGS)
+
+# URGENT behind 1000 NORMAL tasks, and lanes against one queue at concurrency 10 and 100 (the
+# README's "Priorities"); also run by 'make bench' (benchmarks/run.sh). PRIORITY_ARGS=--smoke.
+bench-priority: install
+	$(BIN)/python -m benchmarks.priority $(PRIORITY_ARGS)
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

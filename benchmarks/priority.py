@@ -83,6 +83,7 @@ async def urgent_run(
     app = App("bench-priority", settings=_settings(amqp_url))
     queue = f"bench-priority-{uuid.uuid4().hex[:10]}"
     done = 0
+    busy = asyncio.Event()  # every slot taken and the look-ahead filled
     marker: asyncio.Future[tuple[int, float]] = asyncio.get_running_loop().create_future()
 
     @app.handler(queue, idempotent=False)
@@ -92,6 +93,8 @@ async def urgent_run(
             marker.set_result((done, time.perf_counter()))
         await asyncio.sleep(work_s)
         done += 1
+        if done >= 2 * concurrency:
+            busy.set()
 
     try:
         await app.declare()
@@ -99,8 +102,7 @@ async def urgent_run(
         worker = Worker(app, concurrency=concurrency)
         running = asyncio.create_task(worker.run())
         try:
-            while done < 2 * concurrency:  # busy: every slot taken, the look-ahead filled
-                await asyncio.sleep(0.005)
+            await asyncio.wait_for(busy.wait(), 60)
             before, published_at = done, time.perf_counter()
             await app.publish(queue, {"marker": True}, priority=level)
             timeout = backlog * work_s / concurrency * 3 + 10
@@ -178,7 +180,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             one_rates.append(one)
             lane_rates.append(lane)
             ratios.append(lane / one)
-        out["throughput"][str(conc)] = {"lanes": lane_rates, "one_queue": one_rates, "ratio": ratios}
+        out["throughput"][str(conc)] = {
+            "lanes": lane_rates,
+            "one_queue": one_rates,
+            "ratio": ratios,
+        }
     return out
 
 

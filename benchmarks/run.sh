@@ -28,4 +28,10 @@ if [[ ! -f "$stamp" || "$here/requirements.txt" -nt "$stamp" || "$root/pyproject
 fi
 
 cd "$root"
-exec "$venv/bin/python" -m benchmarks.bench "$@"
+"$venv/bin/python" -m benchmarks.bench "$@"
+# The priority benchmark (benchmarks/priority.py, also 'make bench-priority'): tiny with --smoke.
+case " $* " in *" --help "* | *" -h "*) exit 0 ;; esac
+if [[ " $* " == *" --smoke "* ]]; then
+    exec "$venv/bin/python" -m benchmarks.priority --smoke
+fi
+exec "$venv/bin/python" -m benchmarks.priority

@@ -2,6 +2,8 @@
 
 ``--concurrency N`` sets prefetch = N per handler queue and so at most N handlers in flight
 per queue: a worker never holds a message it is not processing (prefetch=1, generalised).
+A handler with priority lanes (``priority.plan_priorities``) is consumed by ``lanes``
+instead: at most N in flight, and at most N + one message per lane held.
 
 Every bound of a stop is here: in-flight handlers get ``shutdown_grace_s``, then are cancelled
 and get ``DRAIN_CANCEL_S`` to give their messages back; a handler that ignores even that is
