@@ -15,6 +15,9 @@ what the lanes cost in throughput against one queue.
    per lane) and once through one queue with one prefetch-C consumer (the plan of a broker
    with native priorities, on the same quorum queue). Rounds alternate the two; the ratio
    is paired per round, median over the rounds (target: lanes at least 0.95 of one queue).
+   For reference, each round also measures the broker's share of that cost with plain
+   aio-pika (ack on arrival, no framework): C + 3 prefetch-1 consumers against one
+   prefetch-C consumer on the same kind of queue.
 
 On a shared 2-core machine the numbers are noisy: read the ratios.
 """
@@ -150,6 +153,47 @@ async def throughput_run(amqp_url: str, *, concurrency: int, n: int, lanes: bool
         await _delete(amqp_url, app)
 
 
+async def raw_run(amqp_url: str, *, consumers: int, prefetch: int, n: int) -> float:
+    """Messages per second that plain aio-pika consumers ack from a prefilled quorum queue."""
+    conn = await aio_pika.connect(amqp_url)
+    name = f"bench-priority-raw-{uuid.uuid4().hex[:10]}"
+    try:
+        channel = await conn.channel()
+        queue = await channel.declare_queue(
+            name, durable=True, arguments={"x-queue-type": "quorum"}
+        )
+        publisher = await conn.channel(publisher_confirms=True)
+        for start in range(0, n, 1000):
+            await asyncio.gather(
+                *(
+                    publisher.default_exchange.publish(aio_pika.Message(b"{}"), routing_key=name)
+                    for _ in range(start, min(n, start + 1000))
+                )
+            )
+        consuming = await conn.channel()
+        await consuming.set_qos(prefetch_count=prefetch)
+        target = await consuming.get_queue(name, ensure=False)
+        done = 0
+        all_done = asyncio.Event()
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            nonlocal done
+            await message.ack()
+            done += 1
+            if done == n:
+                all_done.set()
+
+        began = time.perf_counter()
+        for _ in range(consumers):
+            await target.consume(on_message)
+        await asyncio.wait_for(all_done.wait(), 300)
+        elapsed = time.perf_counter() - began
+        await queue.delete(if_unused=False, if_empty=False)
+        return n / elapsed
+    finally:
+        await conn.close()
+
+
 def _fmt(values: list[float], unit: str = "") -> str:
     return f"{statistics.median(values):.3g}{unit} (min {min(values):.3g}, max {max(values):.3g})"
 
@@ -173,17 +217,21 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["normal_latency_s"] = normal_latency
     out["throughput"] = {}
     for conc in args.throughput_concurrency:
-        ratios, lane_rates, one_rates = [], [], []
+        ratios, lane_rates, one_rates, raw_ratios = [], [], [], []
         for _ in range(args.rounds):
             one = await throughput_run(url, concurrency=conc, n=args.n, lanes=False)
             lane = await throughput_run(url, concurrency=conc, n=args.n, lanes=True)
             one_rates.append(one)
             lane_rates.append(lane)
             ratios.append(lane / one)
+            raw_one = await raw_run(url, consumers=1, prefetch=conc, n=args.n)
+            raw_many = await raw_run(url, consumers=conc + 3, prefetch=1, n=args.n)
+            raw_ratios.append(raw_many / raw_one)
         out["throughput"][str(conc)] = {
             "lanes": lane_rates,
             "one_queue": one_rates,
             "ratio": ratios,
+            "raw_ratio": raw_ratios,
         }
     return out
 
@@ -205,7 +253,10 @@ def report(out: dict[str, Any]) -> str:
         lines.append(
             f"  throughput at concurrency {conc}: lanes {_fmt(row['lanes'], '/s')}, one queue "
             f"{_fmt(row['one_queue'], '/s')}; lanes / one queue {_fmt(row['ratio'])} "
-            f"(target >= {THROUGHPUT_TARGET}: {'met' if ratio >= THROUGHPUT_TARGET else 'MISSED'})"
+            f"(target >= {THROUGHPUT_TARGET}: {'met' if ratio >= THROUGHPUT_TARGET else 'MISSED'});"
+            " "
+            f"the broker's share, plain aio-pika {int(conc) + 3} prefetch-1 consumers / one "
+            f"prefetch-{conc} consumer: {_fmt(row['raw_ratio'])}"
         )
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
 from tests.conftest import queue_depth, wait_until
+from tests.private_servers import PrivateRedis
 from weclaw_mq import (
     App,
     Context,
@@ -293,3 +294,44 @@ async def test_an_upgrade_from_the_topology_without_lanes_only_adds_queues(
     await app.publish(qname, Job(n=2), priority="high")
     await wait_until(lambda: len(seen) == 2, 10, "a HIGH task through the new lane")
     assert seen[1] == "high"
+
+
+class TestDeferral:
+    """A task deferred (its guard cannot be claimed: Redis is down, the default ``defer``
+    policy) waits in its own lane's delay queue. Redis is the test's own."""
+
+    @pytest.fixture
+    def redis_url(self, private_redis: PrivateRedis) -> str:
+        return private_redis.url
+
+    async def test_a_deferred_task_waits_in_its_lanes_delay_queue_and_keeps_its_priority(
+        self,
+        make_app: Callable[..., App],
+        start_worker: Callable[..., Any],
+        qname: str,
+        amqp: AbstractChannel,
+        private_redis: PrivateRedis,
+    ) -> None:
+        app = make_app(result_store_patience_s=30)
+        seen: list[Any] = []
+
+        @app.handler(qname, retry=RetryPolicy(max_retries=1, delay_s=1.0, multiplier=1))
+        async def work(task: Job, ctx: Context) -> None:
+            seen.append(ctx.headers.get(h.PRIORITY))
+
+        await start_worker(app, concurrency=1)
+        await asyncio.to_thread(private_redis.stop)
+        task_id = await app.publish(qname, Job(n=1), priority="urgent")
+
+        lane = lane_queue_name(qname, "urgent")
+        await wait_until(
+            lambda: _equals(queue_depth(amqp, retry_queue_name(lane, 1000)), 1),
+            5,
+            "the deferred copy in the URGENT lane's delay queue",
+        )
+        assert await queue_depth(amqp, retry_queue_name(qname, 1000)) == 0
+        assert seen == []
+
+        await asyncio.to_thread(private_redis.start)
+        assert (await app.result(task_id, timeout_s=15)).status is TaskStatus.SUCCEEDED
+        assert seen == ["urgent"]
