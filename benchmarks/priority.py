@@ -188,6 +188,7 @@ async def raw_run(amqp_url: str, *, consumers: int, prefetch: int, n: int) -> fl
             await target.consume(on_message)
         await asyncio.wait_for(all_done.wait(), 300)
         elapsed = time.perf_counter() - began
+        await consuming.close()  # its consumers first: a deleted queue cancels them noisily
         await queue.delete(if_unused=False, if_empty=False)
         return n / elapsed
     finally:
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-ms", type=float, default=20.0)
     p.add_argument("--runs", type=int, default=5, help="URGENT runs (median)")
     p.add_argument("--n", type=int, default=4000, help="tasks per throughput run")
-    p.add_argument("--rounds", type=int, default=3, help="throughput rounds (paired ratios)")
+    p.add_argument("--rounds", type=int, default=5, help="throughput rounds (paired ratios)")
     p.add_argument("--throughput-concurrency", type=int, nargs="+", default=[10, 100])
     p.add_argument("--smoke", action="store_true", help="tiny counts: the script still runs")
     args = p.parse_args(argv)

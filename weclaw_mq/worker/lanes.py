@@ -250,6 +250,8 @@ class LaneScheduler:
         self._spawn(self._open(lane))
 
     def _serve_unserved(self) -> None:
+        if self._stopping:
+            return
         for lane in [lane for lane in self.lanes if lane in self._unserved]:
             if self._lookahead(lane) == 0:
                 self._renew(lane)
@@ -330,9 +332,11 @@ class LaneScheduler:
             if lane in self._pending:
                 self._expect(lane, timed=True)
             self._serve_unserved()
-        if tag in self._cancelled or self._stopping:
+        if tag in self._cancelled:
             return
-        self._lane_of[tag] = lane
+        self._lane_of[tag] = lane  # also when stopping: stop() cancels every one it knows
+        if self._stopping:
+            return
         if not any(m.consumer_tag == tag for m in self._waiting[lane]) and not any(
             t == tag for t, _ in self._running.values()
         ):
