@@ -17,6 +17,7 @@ from . import headers as h
 from .errors import (
     STORED_NOTHING,
     BatchPublishError,
+    BrokerUnavailableError,
     ConfigurationError,
     InvalidPayload,
     PayloadTooLargeError,
@@ -193,7 +194,10 @@ class App:
         level = priority_from_header(message.headers.get(h.PRIORITY))
         if level is Priority.NORMAL:
             return queue
-        version = await self._get_publisher().server_version()
+        try:
+            version = await self._get_publisher().server_version()
+        except BrokerUnavailableError as e:  # raised by the connect, which knows no task
+            raise BrokerUnavailableError(str(e), queue=queue, task_id=message.message_id) from e
         target, amqp_priority = route(queue, level, version, self.queue_type_of(queue))
         if amqp_priority is not None:
             message.priority = amqp_priority
