@@ -135,6 +135,20 @@ async def _equals(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
 
 
+async def _parked_in_its_lanes_delay_queue(
+    amqp: AbstractChannel, qname: str, level: str, delay_ms: int
+) -> None:
+    """The task's copy waits in its lane's delay queue (which dead-letters back to that
+    lane), not in Q's."""
+    lane = lane_queue_name(qname, level)
+    await wait_until(
+        lambda: _equals(queue_depth(amqp, retry_queue_name(lane, delay_ms)), 1),
+        5,
+        f"the copy in {level} lane's delay queue",
+    )
+    assert await queue_depth(amqp, retry_queue_name(qname, delay_ms)) == 0
+
+
 async def test_normal_is_not_starved_one_lower_task_after_k_higher_ones(
     make_app: Callable[..., App],
     start_worker: Callable[..., Any],
@@ -177,13 +191,7 @@ async def test_a_retried_task_waits_in_its_lanes_delay_queue_and_keeps_its_prior
     await start_worker(app, concurrency=1)
     task_id = await app.publish(qname, Job(n=1), priority="high")
 
-    lane = lane_queue_name(qname, "high")
-    await wait_until(
-        lambda: _equals(queue_depth(amqp, retry_queue_name(lane, 1000)), 1),
-        5,
-        "the retry copy in the HIGH lane's delay queue",
-    )
-    assert await queue_depth(amqp, retry_queue_name(qname, 1000)) == 0
+    await _parked_in_its_lanes_delay_queue(amqp, qname, "high", 1000)
 
     state = await app.result(task_id, timeout_s=10)
     assert state.status is TaskStatus.SUCCEEDED
@@ -323,13 +331,7 @@ class TestDeferral:
         await asyncio.to_thread(private_redis.stop)
         task_id = await app.publish(qname, Job(n=1), priority="urgent")
 
-        lane = lane_queue_name(qname, "urgent")
-        await wait_until(
-            lambda: _equals(queue_depth(amqp, retry_queue_name(lane, 1000)), 1),
-            5,
-            "the deferred copy in the URGENT lane's delay queue",
-        )
-        assert await queue_depth(amqp, retry_queue_name(qname, 1000)) == 0
+        await _parked_in_its_lanes_delay_queue(amqp, qname, "urgent", 1000)
         assert seen == []
 
         await asyncio.to_thread(private_redis.start)
