@@ -17,8 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream \
-	compose-check clean \
+	bench-stream bench-priority compose-check clean \
 	distclean services-up services-down services-status
 
 help:
@@ -37,6 +36,7 @@ help:
 	@echo "make bench-outbox   the local outbox: publish with the broker down, the relay's drain rate"
 	@echo "make bench-notify   what notify=True costs a worker (tasks/s, CPU per task; real broker)"
 	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
+	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -127,6 +127,10 @@ bench-notify: install
 # (<= 10 ms, median and p95), on the broker and Redis; 'make bench' runs it too.
 bench-stream: install
 	$(BIN)/python -m benchmarks.stream_cost $(STREAM_BENCH_ARGS)
+# URGENT behind 1000 NORMAL tasks, and lanes against one queue at concurrency 10 and 100 (the
+# README's "Priorities"); also run by 'make bench' (benchmarks/run.sh). PRIORITY_ARGS=--smoke.
+bench-priority: install
+	$(BIN)/python -m benchmarks.priority $(PRIORITY_ARGS)
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

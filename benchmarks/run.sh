@@ -47,4 +47,6 @@ fi
 "$venv/bin/python" -m benchmarks.stream_cost "${feature_args[@]}" || status=$?
 # What result notifications cost a worker (also alone: make bench-notify).
 "$venv/bin/python" -m benchmarks.notify_cost "${notify_args[@]}" || status=$?
+# URGENT behind a NORMAL backlog, and what lanes cost (also alone: make bench-priority).
+"$venv/bin/python" -m benchmarks.priority "${feature_args[@]}" || status=$?
 exit "$status"

@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
 
     concurrency: int = Field(default=1, ge=1, le=10_000)
+    # Priority lanes (README "Priorities"): a lane with a task waiting is passed over by at
+    # most this many starts from higher lanes in a row; then its task starts next.
+    priority_starvation_limit: int = Field(default=8, ge=1, le=10_000)
     # The policy of a handler given no ``retry=``; defaults from RetryPolicy (retry.py).
     max_retries: int = Field(default=_DEFAULT_RETRY.max_retries, ge=0, le=100)
     retry_delay_s: float = Field(default=_DEFAULT_RETRY.delay_s, gt=0)
