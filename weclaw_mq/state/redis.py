@@ -18,19 +18,22 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..errors import ResultTimeoutError, StateUnavailableError
 from ..naming import done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
 from .protocol import Claim, TaskState
+from .redis_clients import StateClient, is_cluster, open_client
 
 log = logging.getLogger("weclaw_mq.state")
 
 # The guard key's value: "done", or "running:<owner>" while an attempt holds it.
 DONE = "done"
 _RUNNING = "running:"
+
+# (The ``type: ignore[arg-type]`` on scripts called in a pipeline: redis-py's AsyncScript
+# annotation omits the cluster pipeline, which it runs like any client.)
 
 # Redis failing or not answering, as redis-py raises it (its errors, and socket errors that
 # escape it): the store turns each into StateUnavailableError.
@@ -158,19 +161,6 @@ return 0
 _RECHECK_S = 2.0
 
 
-def open_client(settings: Settings) -> aioredis.Redis:
-    # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us per
-    # command (measured). The worker sizes its concurrency to fit this pool.
-    pool = aioredis.ConnectionPool.from_url(
-        settings.redis_url_plain(),
-        max_connections=settings.redis_max_connections,
-        socket_connect_timeout=settings.redis_timeout_s,
-        socket_timeout=settings.redis_timeout_s,
-        health_check_interval=30,
-    )
-    return aioredis.Redis(connection_pool=pool)
-
-
 class RedisTaskStore:
     """``TaskStore`` on Redis; its failures surface as ``StateUnavailableError``.
 
@@ -179,7 +169,7 @@ class RedisTaskStore:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: StateClient,
         *,
         ttl_s: float,
         lease_s: float,
@@ -188,6 +178,7 @@ class RedisTaskStore:
     ) -> None:
         self._redis = client
         self._owns_client = owns_client
+        self._cluster = is_cluster(client)
         self._ttl_ms = int(ttl_s * 1000)
         self.lease_s = lease_s
         self._lease_ms = int(lease_s * 1000)
@@ -242,7 +233,11 @@ class RedisTaskStore:
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for key, value in held:
-                        await self._extend(keys=[key], args=[value, self._lease_ms], client=pipe)
+                        await self._extend(
+                            keys=[key],
+                            args=[value, self._lease_ms],
+                            client=pipe,  # type: ignore[arg-type]
+                        )
                     renewed = await pipe.execute()
             except Exception as e:  # a Redis blip must not kill the handlers
                 log.warning("could not renew %d lease(s) (%s: %s)", len(held), type(e).__name__, e)
@@ -309,8 +304,9 @@ class RedisTaskStore:
             raise state_unavailable(e) from e
 
     async def _record_many(self, states: Sequence[TaskState], only_if_new: bool) -> None:
-        if only_if_new and not any(st.status.terminal for st in states):
-            # The publish_many case: one script call for the whole batch, not one per task.
+        if only_if_new and not any(st.status.terminal for st in states) and not self._cluster:
+            # The publish_many case: one script call for the whole batch, not one per task
+            # (not on a cluster: the tasks' keys are in different slots).
             keys: list[str] = []
             args: list[Any] = [self._ttl_ms]
             for st in states:
@@ -323,7 +319,7 @@ class RedisTaskStore:
                 await self._record(
                     keys=self._record_keys(state),
                     args=self._record_args(state, only_if_new),
-                    client=pipe,
+                    client=pipe,  # type: ignore[arg-type]
                 )
             await pipe.execute()
 
