@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, RedisCluster
 from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
 
@@ -114,6 +114,25 @@ class _Cluster(RedisCluster):
         if transaction or shard_hint:
             return super().pipeline(transaction, shard_hint)
         return _ScriptTextPipeline(self)  # type: ignore[abstract]  # (not abstract at run time)
+
+    def pubsub(
+        self,
+        node: ClusterNode | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        **kwargs: Any,
+    ) -> ClusterPubSub:
+        return _ClusterPubSub(self, node=node, host=host, port=port, **kwargs)
+
+
+class _ClusterPubSub(ClusterPubSub):
+    """redis-py's cluster pub/sub picks the channel's node from the client's slot map, which a
+    client fills at its first command: a ``result()`` before any other command raised
+    KeyError. It fills it first (a no-op once filled)."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        await self.cluster.initialize()
+        return await super().execute_command(*args, **kwargs)
 
 
 class _ScriptTextPipeline(ClusterPipeline):

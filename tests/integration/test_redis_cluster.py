@@ -1,0 +1,146 @@
+"""The Redis store on a Redis Cluster of the session's own (three primaries), beyond the core
+cases ``test_task_stores.py`` runs on it: what differs on a cluster is that a task's keys
+live on one node of several, so a pipeline spans nodes and a waiter may subscribe on a node
+other than the one whose script publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import settings_for
+from tests.private_servers import PrivateRedisCluster
+from weclaw_mq.admin.health import check_redis
+from weclaw_mq.naming import done_channel, guard_key
+from weclaw_mq.state import Claim, TaskState, TaskStatus, open_store
+from weclaw_mq.state.redis import RedisTaskStore
+
+QUEUE = "cluster-q"
+LEASE_S = 0.6
+
+
+def _store(url: str, **overrides: float) -> RedisTaskStore:
+    settings = settings_for("amqp://unused", url, result_ttl_s=120, done_ttl_s=120, **overrides)
+    store = open_store(settings)
+    assert isinstance(store, RedisTaskStore)
+    return store
+
+
+@pytest.fixture
+async def store(redis_cluster: PrivateRedisCluster) -> AsyncIterator[RedisTaskStore]:
+    store = _store(redis_cluster.url, guard_lease_s=LEASE_S)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def _ids_on_every_node(cluster: PrivateRedisCluster, per_node: int) -> list[str]:
+    """Task ids whose keys fall on each primary ``per_node`` times (slots as redis-cli made
+    them: three even ranges, read back from the cluster itself)."""
+    client = cluster.nodes[0].client()
+    try:
+        ranges = [(int(r[0]), int(r[1])) for r in client.execute_command("CLUSTER", "SLOTS")]
+        chosen: dict[int, list[str]] = {n: [] for n in range(len(ranges))}
+        while any(len(v) < per_node for v in chosen.values()):
+            task_id = str(uuid.uuid4())
+            slot = int(client.cluster("keyslot", guard_key(QUEUE, task_id)))
+            node = next(n for n, (lo, hi) in enumerate(ranges) if lo <= slot <= hi)
+            if len(chosen[node]) < per_node:
+                chosen[node].append(task_id)
+    finally:
+        client.close()
+    return [t for ids in chosen.values() for t in ids]
+
+
+async def test_a_result_wakes_its_waiter_and_subscribers_on_every_node(
+    redis_cluster: PrivateRedisCluster, store: RedisTaskStore
+) -> None:
+    task_id = str(uuid.uuid4())
+    # Classic pub/sub on a cluster: a PUBLISH on the node that runs the finish script reaches
+    # subscribers on every node (the store's waiter subscribes on the slot's own node).
+    listeners = [
+        aioredis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5)
+        for node in redis_cluster.nodes
+    ]
+    subs = [client.pubsub() for client in listeners]
+    try:
+        for sub in subs:
+            await sub.subscribe(done_channel(task_id))
+            assert (await sub.get_message(timeout=5))["type"] == "subscribe"
+        waiter = asyncio.create_task(store.wait(task_id, 10))
+        # The waiter subscribed and read "no record yet" once: it now waits for a message.
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        finished = time.perf_counter()
+        await store.finish(
+            QUEUE, task_id, TaskState(task_id=task_id, queue=QUEUE, status=TaskStatus.SUCCEEDED)
+        )
+        state = await asyncio.wait_for(waiter, 10)
+        woken_s = time.perf_counter() - finished
+        assert state.status is TaskStatus.SUCCEEDED
+        # Well under the 2 s re-read a waiter does without a message: the message woke it.
+        assert woken_s < 1.0, f"waiter woke {woken_s:.2f} s after the finish"
+        for node, sub in zip(redis_cluster.nodes, subs, strict=True):
+            message = await sub.get_message(ignore_subscribe_messages=True, timeout=5)
+            assert message is not None, f"no wake-up reached the subscriber on {node.address}"
+            assert message["data"] == QUEUE.encode()
+    finally:
+        for sub, client in zip(subs, listeners, strict=True):
+            await sub.aclose()  # type: ignore[no-untyped-call]
+            await client.aclose()
+
+
+async def test_leases_held_on_every_node_are_renewed_by_the_pipelined_renewal(
+    redis_cluster: PrivateRedisCluster, store: RedisTaskStore
+) -> None:
+    # The renewal is one pipeline of a script call per held lease, across the nodes; redis-py
+    # refuses EVALSHA in a cluster pipeline, so without the client's EVAL of the script's
+    # text every renewal failed and the leases lapsed.
+    ids = _ids_on_every_node(redis_cluster, per_node=4)
+    for task_id in ids:
+        assert await store.claim(QUEUE, task_id, "first") is Claim.ACQUIRED
+    with contextlib.ExitStack() as stack:
+        for task_id in ids:
+            stack.enter_context(store.holding(QUEUE, task_id, "first"))
+        # Three lease periods: a lease that was not renewed has lapsed by then.
+        await asyncio.sleep(3 * LEASE_S)
+        answers = [await store.claim(QUEUE, task_id, "second") for task_id in ids]
+    assert answers == [Claim.BUSY] * len(ids)
+
+
+async def test_records_of_new_tasks_on_every_node_are_written_and_never_overwrite(
+    redis_cluster: PrivateRedisCluster, store: RedisTaskStore
+) -> None:
+    # publish_many's path: one call for the batch, whose tasks hash to different nodes.
+    ids = _ids_on_every_node(redis_cluster, per_node=3)
+    running = TaskState(task_id=ids[0], queue=QUEUE, status=TaskStatus.RUNNING)
+    assert await store.record(running)
+    queued = [TaskState(task_id=t, queue=QUEUE, status=TaskStatus.QUEUED) for t in ids]
+    await store.record_many(queued, only_if_new=True)
+    found = [await store.get(t) for t in ids]
+    statuses = [s.status if s is not None else None for s in found]
+    assert statuses == [TaskStatus.RUNNING] + [TaskStatus.QUEUED] * (len(ids) - 1)
+
+
+async def test_the_health_check_reaches_the_cluster_and_never_shows_a_password(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    ok = await check_redis(settings_for("amqp://unused", redis_cluster.url))
+    assert ok.ok, ok.detail
+    assert ok.detail == redis_cluster.url
+    secret = "s3cret-pw"
+    # Port 1: nothing listens there.
+    down = await check_redis(
+        settings_for("amqp://unused", f"redis+cluster://:{secret}@127.0.0.1:1")
+    )
+    assert not down.ok
+    assert secret not in down.detail, down.detail
+    assert "redis+cluster://:***@127.0.0.1:1" in down.detail, down.detail
