@@ -50,7 +50,9 @@ LogLevel = Annotated[
 ]
 
 
-def _processes(value: str) -> int:
+def _processes(value: str | int) -> int:
+    if isinstance(value, int):  # the default: typer >= 0.29 passes it through the parser too
+        return value
     try:
         return parse_processes(value)
     except ValueError as e:
