@@ -21,6 +21,7 @@ from weclaw_mq.admin.health import check_redis
 from weclaw_mq.naming import done_channel, guard_key
 from weclaw_mq.state import Claim, TaskState, TaskStatus, open_store
 from weclaw_mq.state.redis import RedisTaskStore
+from weclaw_mq.state.redis_clients import open_client
 
 QUEUE = "cluster-q"
 LEASE_S = 0.6
@@ -114,6 +115,29 @@ async def test_leases_held_on_every_node_are_renewed_by_the_pipelined_renewal(
         await asyncio.sleep(3 * LEASE_S)
         answers = [await store.claim(QUEUE, task_id, "second") for task_id in ids]
     assert answers == [Claim.BUSY] * len(ids)
+
+
+async def test_scripts_queued_on_a_cluster_pipeline_run_on_their_nodes_awaited_or_not(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    # AsyncScript awaits what a pipeline's evalsha returns (which re-initialised, i.e.
+    # emptied, redis-py's cluster pipeline); an auto-pipeliner queues it without awaiting.
+    client = open_client(settings_for("amqp://unused", redis_cluster.url))
+    script = client.register_script("return redis.call('SET', KEYS[1], ARGV[1], 'PX', 60000)")
+    keys = [f"weclaw-test:pipeline:{{{t}}}" for t in _ids_on_every_node(redis_cluster, 2)]
+    try:
+        async with client.pipeline(transaction=False) as pipe:
+            for n, key in enumerate(keys):
+                if n % 2:
+                    await script(keys=[key], args=[str(n)], client=pipe)  # type: ignore[arg-type]
+                else:
+                    pipe.evalsha(script.sha, 1, key, str(n))
+            answers = await pipe.execute()
+        assert answers == [b"OK"] * len(keys)
+        assert [await client.get(k) for k in keys] == [str(n).encode() for n in range(len(keys))]
+    finally:
+        await client.delete(*keys)
+        await client.aclose()
 
 
 async def test_records_of_new_tasks_on_every_node_are_written_and_never_overwrite(

@@ -24,7 +24,8 @@ from ..errors import ResultTimeoutError, StateUnavailableError
 from ..naming import done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
 from .protocol import Claim, TaskState
-from .redis_clients import StateClient, is_cluster, open_client
+from .redis_clients import StateClient, is_cluster
+from .redis_clients import open_client as open_client  # its former home: still importable here
 
 log = logging.getLogger("weclaw_mq.state")
 

@@ -10,6 +10,7 @@ the node that serves the channel's slot, the node whose script publishes.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
@@ -140,10 +141,22 @@ class _ScriptTextPipeline(ClusterPipeline):
         super().__init__(client)
         self._script_texts = client.script_texts
 
-    # A coroutine: AsyncScript awaits what evalsha returns, and awaiting a cluster pipeline
-    # itself re-initialises it, dropping every command queued so far.
-    async def evalsha(self, sha: Any, numkeys: Any, *keys_and_args: Any) -> Any:
+    def evalsha(self, sha: Any, numkeys: Any, *keys_and_args: Any) -> Any:
         text = self._script_texts.get(sha)
         if text is None:  # not one of ours: redis-py's own refusal
             return super().evalsha(sha, numkeys, *keys_and_args)
-        return self.execute_command("EVAL", text, numkeys, *keys_and_args)
+        self.execute_command("EVAL", text, numkeys, *keys_and_args)
+        return _Queued(self)
+
+
+class _Queued:
+    """What a pipeline's ``evalsha`` returns: the call is queued already, whether or not this
+    is awaited. AsyncScript awaits it; awaiting the cluster pipeline itself would
+    re-initialise it, dropping every command queued so far."""
+
+    def __init__(self, pipe: ClusterPipeline) -> None:
+        self._pipe = pipe
+
+    def __await__(self) -> Generator[Any, None, ClusterPipeline]:
+        yield from ()
+        return self._pipe
