@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import warnings
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
@@ -20,16 +22,22 @@ from .errors import (
     InvalidPayload,
     PayloadTooLargeError,
     PayloadValidationError,
+    ResultTimeoutError,
     UndecodableBody,
 )
 from .handler import HandlerFunc, HandlerSpec, build_spec
+from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
+from .notification import notify_target
+from .outbox import Outbox, add_message
+from .outbox.fallback import LocalFallback
 from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import REDIS_FAILURES, TaskState, TaskStatus, TaskStore, open_store, state_unavailable
+from .state.expiry import as_seen_at, until_deadline_s
 from .topology import declare
 from .tracing import current, new_trace_id
 
@@ -42,6 +50,23 @@ log = logging.getLogger("weclaw_mq.producer")
 QUEUED_RECORD_WAIT_S = 0.25
 # On close, how long pending "queued" writes may still take before they are dropped.
 QUEUED_RECORD_CLOSE_WAIT_S = 1.0
+# result() re-reads a waiting task this long after its deadline, to answer "expired".
+_DEADLINE_SLACK_S = 0.01
+
+
+def _queued(message: aio_pika.Message, queue: str) -> TaskState:
+    """The "queued" record of a task about to be published, with its deadline."""
+    assert message.message_id is not None
+    return TaskState(
+        task_id=message.message_id,
+        queue=queue,
+        status=TaskStatus.QUEUED,
+        expires_at=as_datetime(deadline_ms(message.headers)),
+    )
+
+
+def _state_of(last: object) -> TaskState | None:
+    return last if isinstance(last, TaskState) else None
 
 
 class App:
@@ -74,6 +99,18 @@ class App:
         # Queued-record writes that outlived their publish: held here so they are not
         # garbage-collected mid-write, and awaited (briefly) on close.
         self._record_writes: set[asyncio.Task[Any]] = set()
+        # The local outbox and its relay, when WECLAW_MQ_OUTBOX_PATH names a file.
+        self._local = (
+            LocalFallback(
+                self.settings,
+                self.metrics,
+                results=lambda: self.results,
+                background=self._record_in_background,
+                name=name,
+            )
+            if self.settings.outbox_path
+            else None
+        )
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -85,8 +122,17 @@ class App:
         delivery_limit: int | None = None,
         max_length: int | None = None,
         idempotent: bool = True,
+        ttl_s: float | None = None,
+        notify: bool | str = False,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
-        """Register an async handler for ``queue``; options left out come from settings."""
+        """Register an async handler for ``queue``; options left out come from settings.
+
+        ``ttl_s``: the lifetime of a task this App publishes to ``queue`` without its own
+        ``ttl_s`` (default ``settings.task_ttl_s``, 7 days).
+
+        ``notify=True`` publishes each task's final state to ``<queue>.results`` (a name: to
+        that queue) before the task is acked or dead-lettered (see ``notification``).
+        """
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -103,6 +149,8 @@ class App:
                 delivery_limit=delivery_limit if delivery_limit is not None else s.delivery_limit,
                 max_length=max_length,
                 idempotent=idempotent,
+                ttl_s=ttl_s if ttl_s is not None else s.task_ttl_s,
+                notify=notify_target(queue, notify, s),
             )
             return func
 
@@ -126,8 +174,13 @@ class App:
         task_id: str | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        ttl_s: float | None = None,
     ) -> aio_pika.Message:
-        """Encode and check a task without sending it: size, and the handler's model if known."""
+        """Encode and check a task without sending it: size, and the handler's model if known.
+
+        Its lifetime is ``ttl_s``, else its handler's ``ttl_s`` (if registered in this App),
+        else ``settings.task_ttl_s``, counted from now (see ``weclaw_mq.lifetime``)."""
+        ttl_ms = self._ttl_ms(queue, ttl_s)
         body = encode_payload(payload)
         limit = self.settings.max_message_bytes
         if len(body) > limit:
@@ -142,20 +195,28 @@ class App:
                     f"payload for {queue!r} fails the handler's model: {e}"
                 ) from e
         ctx = current()
-        message = build_message(
-            body,
-            task_id=task_id or new_task_id(),
-            headers=publish_headers(
-                trace_id=trace_id or (ctx.trace_id if ctx else None) or new_trace_id(),
-                attempt=1,
-                traceparent=ctx.traceparent if ctx else None,
-                extra=headers,
-            ),
+        ours = publish_headers(
+            trace_id=trace_id or (ctx.trace_id if ctx else None) or new_trace_id(),
+            attempt=1,
+            traceparent=ctx.traceparent if ctx else None,
+            extra=headers,
         )
+        stamp(ours, ttl_ms, now_ms())
+        message = build_message(body, task_id=task_id or new_task_id(), headers=ours)
+        # The broker's copy of the deadline: it dead-letters the task from Q past it.
+        message.expiration = ttl_ms / 1000
         # Before anything is sent or recorded: aiormq would raise a bare TypeError/ValueError
         # mid-publish, or silently truncate a long header name.
         check_encodable(queue, message.message_id, headers)
         return message
+
+    def _ttl_ms(self, queue: str, ttl_s: float | None) -> int:
+        if ttl_s is not None:
+            ttl = check_ttl(ttl_s, "ttl_s")
+        else:
+            spec = self._handlers.get(queue)
+            ttl = spec.ttl_s if spec is not None else self.settings.task_ttl_s
+        return max(1, round(ttl * 1000))
 
     async def publish(
         self,
@@ -165,13 +226,23 @@ class App:
         task_id: str | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        ttl_s: float | None = None,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
         The trace id is, in order: ``trace_id``, the trace of the task being handled, a new
-        one.
+        one. ``ttl_s``: the task's lifetime (see ``prepare``); past it the task ends in
+        ``Q.dlq`` with reason ``expired`` and ``status()`` answers ``expired``.
         """
-        message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
+        message = self.prepare(
+            queue, payload, task_id=task_id, trace_id=trace_id, headers=headers, ttl_s=ttl_s
+        )
+        if self._local is not None:
+            return await self._local.publish(queue, message, self._send)
+        return await self._send(queue, message)
+
+    async def _send(self, queue: str, message: aio_pika.Message) -> str:
+        """Publish a prepared message, with its "queued" record; the broker's word or an error."""
         assert message.message_id is not None
         store = self.results
         if store is None:
@@ -181,7 +252,7 @@ class App:
         # and only if the task has no record yet, so it can never hide a later status.
         queued = self._record_in_background(
             store.record(
-                TaskState(task_id=message.message_id, queue=queue, status=TaskStatus.QUEUED),
+                _queued(message, queue),
                 only_if_new=True,
             )
         )
@@ -203,6 +274,7 @@ class App:
         task_ids: Sequence[str] | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
+        ttl_s: float | None = None,
     ) -> list[str]:
         """Publish a batch over one channel with pipelined confirms; the task ids, in order.
 
@@ -221,9 +293,15 @@ class App:
                 task_id=task_ids[i] if task_ids is not None else None,
                 trace_id=trace_id,
                 headers=headers,
+                ttl_s=ttl_s,
             )
             for i, payload in enumerate(items)
         ]
+        if self._local is not None and messages:
+            return await self._local.publish_many(queue, messages, self._send_many)
+        return await self._send_many(queue, messages)
+
+    async def _send_many(self, queue: str, messages: list[aio_pika.Message]) -> list[str]:
         ids = [m.message_id or "" for m in messages]
         if not messages:
             return ids
@@ -233,7 +311,7 @@ class App:
         queued = (
             self._record_in_background(
                 store.record_many(
-                    [TaskState(task_id=t, queue=queue, status=TaskStatus.QUEUED) for t in ids],
+                    [_queued(m, queue) for m in messages],
                     only_if_new=True,
                 )
             )
@@ -337,27 +415,56 @@ class App:
 
         A task has one record per queue it went through (pipeline stages may share a task
         id). Without ``queue``, the most recently written record of the task id answers.
+        A queued or retrying record past the task's deadline answers ``expired``.
         ``StateUnavailableError`` when the store fails or does not answer.
         """
+        if self._local is not None:
+            return await self._local.status(
+                task_id, queue, lambda: self._stored_status(task_id, queue)
+            )
+        return await self._stored_status(task_id, queue)
+
+    async def _stored_status(self, task_id: str, queue: str | None) -> TaskState | None:
         store = self._require_results()
         try:
-            return await store.get(task_id, queue=queue)
+            state = await store.get(task_id, queue=queue)
         except REDIS_FAILURES as e:  # a custom store on redis-py, unwrapped
             raise state_unavailable(e) from e
+        # Past its deadline, a task nobody ran reads as expired (see state.expiry).
+        return as_seen_at(state, datetime.now(UTC))
 
     async def result(
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
     ) -> TaskState:
         """Wait (without polling in a loop) until the task's record in ``queue`` (without a
-        queue: its most recently written record) is succeeded or dead_lettered.
+        queue: its most recently written record) is succeeded, dead_lettered or expired.
 
         For a pipeline whose stages share a task id, pass the last stage's queue: without
         it, an earlier stage's final record may answer before the next stage wrote its own.
         ``ResultTimeoutError`` after ``timeout_s``; ``StateUnavailableError`` when the store fails.
         """
         store = self._require_results()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
         try:
-            return await store.wait(task_id, timeout_s, queue=queue)
+            while True:
+                state = await self.status(task_id, queue=queue)
+                if state is not None and state.status.terminal:
+                    return state
+                # No worker may ever write again once the deadline passed (the broker
+                # expired the task): wake up then too, to answer "expired".
+                left = give_up - loop.time()
+                until = until_deadline_s(state, datetime.now(UTC))
+                if until is not None:
+                    left = min(left, until + _DEADLINE_SLACK_S)
+                try:
+                    return await store.wait(task_id, max(left, 0.0), queue=queue)
+                except ResultTimeoutError as e:
+                    if loop.time() >= give_up:
+                        final = as_seen_at(_state_of(e.last), datetime.now(UTC))
+                        if final is not None and final.status.terminal:
+                            return final
+                        raise ResultTimeoutError(task_id, timeout_s, e.last) from None
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -371,7 +478,43 @@ class App:
         finally:
             await conn.close()
 
+    # -- the local outbox (weclaw_mq.outbox) ----------------------------------------------
+    async def start_outbox(self) -> Outbox:
+        """Open the outbox file and start its relay now (otherwise: at the first publish).
+        ``OutboxUnusableError`` if the file is corrupt or cannot be written;
+        ``ConfigurationError`` if no outbox is configured."""
+        return await self._require_outbox().open()
+
+    def add_to_outbox(
+        self,
+        conn: sqlite3.Connection,
+        queue: str,
+        payload: Any,
+        *,
+        task_id: str | None = None,
+        trace_id: str | None = None,
+        headers: HeadersType | None = None,
+    ) -> str:
+        """Add a task to the outbox inside the caller's own SQLite transaction on ``conn``
+        (a connection to the outbox file): it is sent by the relay once the caller commits,
+        and never if the caller rolls back. Checked like ``publish``; returns the task id."""
+        message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
+        add_message(conn, queue, message)
+        return message.message_id or ""
+
+    async def stored_locally(self, task_id: str) -> bool:
+        """Whether the outbox holds ``task_id`` now, i.e. it is not on the broker yet (False
+        when no outbox is configured)."""
+        return self._local is not None and await self._local.holds(task_id)
+
+    def _require_outbox(self) -> LocalFallback:
+        if self._local is None:
+            raise ConfigurationError("no outbox configured: set WECLAW_MQ_OUTBOX_PATH")
+        return self._local
+
     async def close(self) -> None:
+        if self._local is not None:
+            await self._local.close()  # the relay first: its status writes use the store
         if self._record_writes:
             # Before the store closes: a healthy Redis finishes them in milliseconds.
             _, late = await asyncio.wait(self._record_writes, timeout=QUEUED_RECORD_CLOSE_WAIT_S)

@@ -12,7 +12,9 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
+from .lifetime import DEFAULT_TTL_S, check_ttl
 from .naming import validate_queue_name
+from .notification import NotifyTarget
 from .retry import RetryPolicy
 from .topology import QueueSpec
 
@@ -31,6 +33,10 @@ class HandlerSpec:
     delivery_limit: int
     max_length: int | None
     idempotent: bool
+    # The lifetime of a task published without its own ttl_s (weclaw_mq.lifetime).
+    ttl_s: float = DEFAULT_TTL_S
+    # Where the final state of each task is announced (``notify=``), or None.
+    notify: NotifyTarget | None = None
 
     @property
     def name(self) -> str:
@@ -43,6 +49,7 @@ class HandlerSpec:
             retry_delays_ms=tuple(dict.fromkeys((self.retry.delay_ms(1), *self.retry.delays_ms()))),
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
+            results=None if self.notify is None else self.notify.queue_spec(),
         )
 
     def parse(self, body: bytes) -> Any:
@@ -81,6 +88,8 @@ def build_spec(
     delivery_limit: int,
     max_length: int | None,
     idempotent: bool,
+    ttl_s: float = DEFAULT_TTL_S,
+    notify: NotifyTarget | None = None,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -101,6 +110,7 @@ def build_spec(
         raise ConfigurationError(f"delivery_limit for {queue!r} must be >= 1")
     if max_length is not None and max_length < 1:
         raise ConfigurationError(f"max_length for {queue!r} must be >= 1")
+    check_ttl(ttl_s, f"ttl_s for {queue!r}")
     try:
         hints = typing.get_type_hints(func)
     except Exception as e:  # an unresolvable forward reference
@@ -123,4 +133,6 @@ def build_spec(
         delivery_limit=delivery_limit,
         max_length=max_length,
         idempotent=idempotent,
+        ttl_s=float(ttl_s),
+        notify=notify,
     )

@@ -13,6 +13,10 @@ ORIGINAL_QUEUE = f"{PREFIX}original-queue"
 # summed across hops: each hop starts the broker's x-delivery-count afresh, and a task that
 # kills every worker would otherwise loop forever through the guard's delay queue.
 RETURNS = f"{PREFIX}returns"
+# The task's lifetime (see weclaw_mq.lifetime): its deadline (epoch ms), and the lifetime it
+# was given (ms), from which a DLQ requeue gives it a fresh deadline.
+EXPIRES_AT = f"{PREFIX}expires-at"
+TTL_MS = f"{PREFIX}ttl-ms"
 # How often ops shovelled this task back from its DLQ (weclaw_mq.dlq.requeue).
 REQUEUED = f"{PREFIX}requeued"
 

@@ -17,6 +17,8 @@ class DeadLetterReason(StrEnum):
     INVALID_RESULT = "invalid_result"
     # The broker's own name for it: a task whose worker died on it too often.
     DELIVERY_LIMIT = "delivery_limit"
+    # RabbitMQ's name too: the task outlived its lifetime (weclaw_mq.lifetime).
+    EXPIRED = "expired"
 
 
 @dataclass(frozen=True)

@@ -105,11 +105,24 @@ def test_a_requeued_copy_is_persistent_without_expiry_or_user_and_restarts_at_at
         message_id="m",
     )
 
-    copy = requeued_properties(read)
+    copy = requeued_properties(read, at_ms=0)
 
     assert copy.headers == {h.ATTEMPT: 1, h.REQUEUED: 1}
     assert (copy.delivery_mode, copy.expiration, copy.user_id) == (2, None, None)
     assert (copy.message_id, copy.content_type) == ("m", "application/json")
+
+
+def test_a_requeued_expired_task_gets_a_fresh_lifetime_of_its_first_length() -> None:
+    read = Basic.Properties(
+        headers={h.ATTEMPT: 1, h.TTL_MS: 250, h.EXPIRES_AT: 1_000, h.DEAD_LETTER_REASON: "expired"},
+        message_id="m",
+    )
+
+    copy = requeued_properties(read, at_ms=50_000)
+
+    assert copy.headers is not None
+    assert (copy.headers[h.EXPIRES_AT], copy.headers[h.TTL_MS]) == (50_250, 250)
+    assert copy.expiration == "250"
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ DOCUMENTED = [
     "weclaw_mq.HandlerTimeout",
     "weclaw_mq.HandlerAbandoned",
     "weclaw_mq.WorkerCrashLoop",
+    "weclaw_mq.TaskExpired",
     "weclaw_mq.ResultNotStored",
     "weclaw_mq.WorkerError",
     "weclaw_mq.WeclawMQError",
@@ -44,6 +45,9 @@ DOCUMENTED = [
     "weclaw_mq.ConfirmTimeoutError",
     "weclaw_mq.ConnectionLostError",
     "weclaw_mq.BatchPublishError",
+    "weclaw_mq.OutboxError",
+    "weclaw_mq.OutboxFullError",
+    "weclaw_mq.OutboxUnusableError",
 ]
 
 

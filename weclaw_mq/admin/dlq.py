@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import aiormq
@@ -30,6 +31,7 @@ from ..errors import (
     UnroutableError,
     WeclawMQError,
 )
+from ..lifetime import as_datetime, deadline_ms, now_ms
 from ..naming import dlq_name
 from ..state import TaskState, TaskStatus, TaskStore
 from ..undecodable import tolerant_properties, undecodable
@@ -287,14 +289,19 @@ class _QueuedStatus:
         self._store = store
         self._queue = queue
 
-    async def mark(self, task_id: str) -> TaskState | None:
+    async def mark(self, task_id: str, expires_at: datetime | None) -> TaskState | None:
         """Record "queued"; returns the record it replaced, to restore if the move fails."""
         if self._store is None or not task_id:
             return None
         try:
             before = await self._store.get(task_id, queue=self._queue)
             await self._store.record(
-                TaskState(task_id=task_id, queue=self._queue, status=TaskStatus.QUEUED)
+                TaskState(
+                    task_id=task_id,
+                    queue=self._queue,
+                    status=TaskStatus.QUEUED,
+                    expires_at=expires_at,
+                )
             )
         except Exception as e:  # Redis down or failing: the same answer either way
             self._give_up(e)
@@ -375,10 +382,12 @@ async def _move_back(
 ) -> None:
     # "queued" is written BEFORE the copy exists: a worker's running/succeeded/dead_lettered
     # record then always lands after it, and a waiter never sees a stale final state.
-    properties = message.header.properties
-    before = await statuses.mark(properties.message_id or "")
+    copy = requeued_properties(message.header.properties, at_ms=now_ms())
+    before = await statuses.mark(
+        copy.message_id or "", as_datetime(deadline_ms(copy.headers or {}))
+    )
     try:
-        await dlq.publish(queue, message.body, requeued_properties(properties))
+        await dlq.publish(queue, message.body, copy)
     except WeclawMQError:
         await statuses.restore(before)
         raise  # the DLQ copy stays unacked and returns to the DLQ

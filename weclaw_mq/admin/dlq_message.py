@@ -29,6 +29,7 @@ from pamqp.commands import Basic
 
 from .. import headers as h
 from ..failures import stable_error_type
+from ..lifetime import renewed
 from ..message import CONTENT_TYPE
 from ..undecodable import raw_properties, undecodable
 
@@ -207,17 +208,22 @@ def kept_properties(properties: Basic.Properties) -> Basic.Properties:
     return _with(properties, headers=headers)
 
 
-def requeued_properties(properties: Basic.Properties) -> Basic.Properties:
-    """Same body, task id, trace id and properties as the dead letter; new headers."""
+def requeued_properties(properties: Basic.Properties, *, at_ms: int) -> Basic.Properties:
+    """Same body, task id, trace id and properties as the dead letter; new headers.
+
+    A task published with a lifetime gets a fresh one of the same length from ``at_ms``
+    (header and ``expiration``): its old deadline has passed or soon will, and the copy
+    would only expire again."""
     headers = properties.headers if isinstance(properties.headers, Mapping) else {}
+    fresh, ttl_ms = renewed(requeue_headers(headers), at_ms)
     return _with(
         properties,
-        headers=requeue_headers(headers),
+        headers=fresh,
         content_type=properties.content_type or CONTENT_TYPE,
         delivery_mode=2,  # persistent
-        # Left out on purpose: expiration (the copy would only expire again) and user_id
-        # (the broker refuses a user_id that is not this connection's user).
-        expiration=None,
+        # The old expiration is never copied (the broker strips it on dead-lettering anyway).
+        expiration=str(ttl_ms) if ttl_ms is not None else None,
+        # The broker refuses a user_id that is not this connection's user.
         user_id=None,
     )
 

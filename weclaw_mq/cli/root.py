@@ -51,10 +51,8 @@ LogLevel = Annotated[
 
 
 def _processes(value: str | int) -> int:
-    if isinstance(value, int):  # the default: typer >= 0.29 passes it through the parser too
-        return value
-    try:
-        return parse_processes(value)
+    try:  # typer hands the default (an int) to the parser too
+        return parse_processes(str(value))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
@@ -218,3 +216,7 @@ from .dlq import dlq_cli, stats  # noqa: E402  (kept beside its registration)
 
 cli.add_typer(dlq_cli, name="dlq")
 cli.command("stats")(stats)
+
+from .outbox import outbox_cli  # noqa: E402  (kept beside its registration)
+
+cli.add_typer(outbox_cli, name="outbox")

@@ -18,8 +18,10 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from ..errors import ResultTimeoutError
+from .expiry import record_ttl_s
 from .protocol import Claim, TaskState, TaskStatus
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this
@@ -110,7 +112,7 @@ class MemoryTaskStore:
             or TaskState.model_validate_json(current.value).status is TaskStatus.SUCCEEDED
         ):
             return False
-        expires_at = self._clock() + self._ttl_s
+        expires_at = self._clock() + record_ttl_s(state, self._ttl_s, datetime.now(UTC))
         # Stored as JSON, as Redis does: a reader never shares an object with the writer.
         self._records[key] = _Entry(state.model_dump_json(), expires_at)
         self._latest[state.task_id] = _Entry(state.queue, expires_at)

@@ -1,10 +1,11 @@
 """A task's state, and the one protocol the worker and ``App`` use to keep it.
 
 A task has one record per queue it went through, overwritten as it moves queued -> running ->
-(retrying ->)* succeeded | dead_lettered. A succeeded record is final: a late or duplicate
-writer can never turn it back. Two pipeline stages that share a task id (``ctx.publish(...,
-task_id=ctx.task_id)``) therefore keep two records, and neither can hide the other. Reading
-without a queue answers the task's most recently written record (its "latest" pointer).
+(retrying ->)* succeeded | dead_lettered | expired. A succeeded record is final: a late or
+duplicate writer can never turn it back. Two pipeline stages that share a task id
+(``ctx.publish(..., task_id=ctx.task_id)``) therefore keep two records, and neither can hide
+the other. Reading without a queue answers the task's most recently written record (its
+"latest" pointer).
 
 Beside the records, the store keeps the idempotency guard's claim per (queue, task id):
 - held by one attempt (its ``owner`` token) under a lease, kept alive by ``holding`` while the
@@ -30,15 +31,20 @@ from pydantic import BaseModel, Field
 
 
 class TaskStatus(StrEnum):
+    # In the local outbox (``WECLAW_MQ_OUTBOX_PATH``), not yet on the broker: the relay
+    # sends it once the broker answers (weclaw_mq.outbox).
+    STORED_LOCALLY = "stored_locally"
     QUEUED = "queued"
     RUNNING = "running"
     RETRYING = "retrying"
     SUCCEEDED = "succeeded"
     DEAD_LETTERED = "dead_lettered"
+    # Outlived its lifetime (TTL) before a worker ran it; in Q.dlq with reason "expired".
+    EXPIRED = "expired"
 
     @property
     def terminal(self) -> bool:
-        return self in (TaskStatus.SUCCEEDED, TaskStatus.DEAD_LETTERED)
+        return self in (TaskStatus.SUCCEEDED, TaskStatus.DEAD_LETTERED, TaskStatus.EXPIRED)
 
 
 class TaskState(BaseModel):
@@ -49,6 +55,8 @@ class TaskState(BaseModel):
     result: Any = None
     error: str | None = None
     reason: str | None = None
+    # The task's deadline (see weclaw_mq.lifetime), or None: it lives until a worker runs it.
+    expires_at: datetime | None = None
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -23,6 +24,7 @@ from redis.exceptions import RedisError
 from ..errors import ResultTimeoutError, StateUnavailableError
 from ..naming import done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
+from .expiry import record_ttl_s
 from .protocol import Claim, TaskState
 from .redis_clients import StateClient, is_cluster
 from .redis_clients import open_client as open_client  # its former home: still importable here
@@ -104,7 +106,8 @@ _RECORD = (
     RECORD_WRITE_LUA
     + """
 local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1')
-if written == 1 and (ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered') then
+if written == 1 and (ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered'
+                     or ARGV[1] == 'expired') then
   redis.call('PUBLISH', ARGV[5], ARGV[6])
 end
 return written
@@ -279,11 +282,14 @@ class RedisTaskStore:
     def _record_keys(state: TaskState) -> list[str]:
         return [state_key(state.queue, state.task_id), latest_key(state.task_id)]
 
+    def _record_ttl_ms(self, state: TaskState) -> int:
+        return int(record_ttl_s(state, self._ttl_ms / 1000, datetime.now(UTC)) * 1000)
+
     def _record_args(self, state: TaskState, only_if_new: bool) -> list[Any]:
         return [
             state.status.value,
             state.model_dump_json(),
-            self._ttl_ms,
+            self._record_ttl_ms(state),
             int(only_if_new),
             done_channel(state.task_id),
             state.queue,
@@ -309,7 +315,8 @@ class RedisTaskStore:
             # The publish_many case: one script call for the whole batch, not one per task
             # (not on a cluster: the tasks' keys are in different slots).
             keys: list[str] = []
-            args: list[Any] = [self._ttl_ms]
+            # One TTL for the batch: the longest any of its records needs.
+            args: list[Any] = [max(self._record_ttl_ms(st) for st in states)]
             for st in states:
                 keys += self._record_keys(st)
                 args += [st.status.value, st.model_dump_json()]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 
+from .. import headers as h
 from .. import tracing
 from ..context import Context
 from ..errors import (
@@ -29,12 +30,14 @@ from ..errors import (
     HandlerTimeout,
     InvalidPayload,
     ResultNotStored,
+    TaskExpired,
     UndecodableBody,
     UnserialisableResult,
     WorkerCrashLoop,
 )
-from ..failures import describe, safe_text
+from ..failures import describe, error_type, safe_text
 from ..handler import HandlerSpec
+from ..lifetime import as_datetime, deadline_ms, left_ms, now_ms
 from ..message import Delivery, read_delivery
 from ..metrics import Metrics, Outcome
 from ..publishing.connection import cancelled_by_caller
@@ -43,6 +46,7 @@ from ..settings import Settings
 from ..state import Claim, TaskState, TaskStatus, TaskStore, new_owner
 from ..tracing import TraceContext
 from ..undecodable import undecodable
+from . import notify
 from .deadlines import Deadlines
 from .settle import Settler
 
@@ -142,6 +146,8 @@ async def _process(
         if gate is _Gate.SETTLED:
             return
         held = gate if isinstance(gate, str) else None
+    if await _expired_on_arrival(message, delivery, spec, rt, held):
+        return
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it.
@@ -197,13 +203,55 @@ async def _conclude(
 
     await _release(rt, spec, delivery, held)
     decision = decide(delivery.attempt, error, spec.retry)
-    if isinstance(decision, RetryLater):
+    left = left_ms(delivery.headers, now_ms())
+    if isinstance(decision, RetryLater) and left is not None and left <= decision.delay_ms:
+        # It would come back from the delay queue past its deadline (or RabbitMQ would
+        # expire it there, and its copy back in Q would carry no expiration): it ends now.
+        expired = TaskExpired(
+            f"attempt {delivery.attempt} failed ({describe(error)}) and the task's lifetime "
+            f"ends in {max(left, 0) / 1000:.3g} s, before its retry in "
+            f"{decision.delay_ms / 1000:.3g} s"
+        )
+        expired.__cause__ = error
+        await _dead_letter(message, delivery, spec, rt, DeadLetterReason.EXPIRED, expired)
+    elif isinstance(decision, RetryLater):
         await _status(rt, delivery, spec, TaskStatus.RETRYING, error=describe(error))
         await rt.settler.retry(
             message, delivery, queue=spec.queue, delay_ms=decision.delay_ms, error=error
         )
     elif isinstance(decision, GiveUp):
         await _dead_letter(message, delivery, spec, rt, decision.reason, error)
+
+
+async def _expired_on_arrival(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+) -> bool:
+    """Dead-letter a task that arrived past its deadline (RabbitMQ expires only what reaches
+    the head of Q with its expiration still set; a task back from a delay queue has none).
+
+    Checked after the guard: a copy of a task that finished or runs elsewhere is acked or
+    parked as usual, never dead-lettered beside its twin's result."""
+    left = left_ms(delivery.headers, now_ms())
+    near = left is not None and 0 < left <= rt.settings.redis_timeout_s * 1000
+    if near and held is None and rt.results is not None:
+        # Unclaimed, the "running" record is written beside the handler, and could land past
+        # the deadline: status() would meanwhile read the queued record as expired for a task
+        # that runs. This close to the deadline, write it first, then decide.
+        await _status(rt, delivery, spec, TaskStatus.RUNNING)
+        left = left_ms(delivery.headers, now_ms())
+    if left is None or left > 0:
+        return False
+    await _release(rt, spec, delivery, held)
+    late = TaskExpired(
+        f"the task arrived {-left / 1000:.3g} s past the end of its lifetime "
+        f"(x-weclaw-ttl-ms {delivery.headers.get(h.TTL_MS)})"
+    )
+    await _dead_letter(message, delivery, spec, rt, DeadLetterReason.EXPIRED, late)
+    return True
 
 
 async def _pass_guard(
@@ -229,7 +277,8 @@ async def _pass_guard(
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
         if claim is not Claim.DONE:
             await _mark_done_quietly(store, spec, delivery)
-        await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
+        if await notify.announce_again(message, delivery, spec, rt):
+            await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
         return _Gate.SETTLED
     if claim is Claim.BUSY:
         await _defer(message, delivery, spec, rt, "another worker is running this task")
@@ -387,7 +436,8 @@ async def _finish(
     result: Any,
     owner: str | None,
 ) -> None:
-    """Store first, then ack: a crash in between redelivers a task the guard knows is done."""
+    """Store first, then notify (``notify=``), then ack: a crash in between redelivers a task
+    the guard knows is done."""
     records = rt.results
     state = (
         _state(delivery, spec, TaskStatus.SUCCEEDED, result=result) if records is not None else None
@@ -402,6 +452,8 @@ async def _finish(
             await _patiently(rt, lambda: records.record(final))
     except ResultNotStored as e:
         await rt.settler.give_back(message, queue=spec.queue, why=str(e), level=logging.ERROR)
+        return
+    if state is not None and not await notify.announce(message, delivery, spec, rt, state):
         return
     await rt.settler.ack(message, queue=spec.queue)
 
@@ -457,6 +509,7 @@ def _state(
         result=result,
         error=error,
         reason=reason,
+        expires_at=as_datetime(deadline_ms(delivery.headers)),
     )
 
 
@@ -486,6 +539,11 @@ async def _dead_letter(
     reason: DeadLetterReason,
     error: BaseException,
 ) -> None:
+    final = _state(
+        delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
+    )
+    if not await notify.announce(message, delivery, spec, rt, final, error_type=error_type(error)):
+        return
     if await rt.settler.dead_letter(
         message, delivery, queue=spec.queue, reason=reason.value, error=error
     ):
@@ -495,7 +553,7 @@ async def _dead_letter(
             rt,
             delivery,
             spec,
-            TaskStatus.DEAD_LETTERED,
+            TaskStatus.EXPIRED if reason is DeadLetterReason.EXPIRED else TaskStatus.DEAD_LETTERED,
             error=describe(error),
             reason=reason.value,
         )
