@@ -22,6 +22,8 @@ from weclaw_mq.naming import done_channel, guard_key
 from weclaw_mq.state import Claim, TaskState, TaskStatus, open_store
 from weclaw_mq.state.redis import RedisTaskStore
 from weclaw_mq.state.redis_clients import open_client
+from weclaw_mq.streaming.events import attempt_entry, chunk_entry, encode_data, final_entry
+from weclaw_mq.streaming.redis import open_redis_streams
 
 QUEUE = "cluster-q"
 LEASE_S = 0.6
@@ -168,3 +170,24 @@ async def test_the_health_check_reaches_the_cluster_and_never_shows_a_password(
     assert not down.ok
     assert secret not in down.detail, down.detail
     assert "redis+cluster://:***@127.0.0.1:1" in down.detail, down.detail
+
+
+async def test_the_stream_store_writes_a_task_stream_and_a_session_inbox_on_two_nodes(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    # One write puts a task's events in its stream and in its session's inbox, one pipeline
+    # over the two keys' nodes (their hash tags differ: {task id}, {session id}).
+    on_node = _ids_on_every_node(redis_cluster, per_node=1)
+    task_id, session_id = on_node[0], on_node[-1]
+    streams = open_redis_streams(settings_for("amqp://unused", redis_cluster.url))
+    try:
+        entries = [attempt_entry(task_id, 1), chunk_entry(task_id, 1, encode_data("hi"))]
+        await streams.write(task_id, entries, session_id=session_id)
+        final = TaskState(task_id=task_id, queue=QUEUE, status=TaskStatus.SUCCEEDED, result=1)
+        await streams.end(task_id, final_entry(final))
+        kinds = [e.kind for e in await streams.read(task_id, "0-0", 0)]
+        assert kinds == ["attempt", "chunk", "final"]
+        inbox = await streams.read_inbox(session_id, "0-0", 0)
+        assert [(e.kind, e.task_id) for e in inbox] == [("attempt", task_id), ("chunk", task_id)]
+    finally:
+        await streams.close()
