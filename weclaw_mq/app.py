@@ -132,6 +132,7 @@ class App:
                 results=lambda: self.results,
                 background=self._record_in_background,
                 name=name,
+                queue_type_of=self.queue_type_of,
             )
             if self.settings.outbox_path
             else None
