@@ -25,6 +25,7 @@ from .errors import (
     UnroutableError,
     WeclawMQError,
 )
+from .limits import Limit
 from .notification import TaskNotification
 from .retry import RetryPolicy
 from .settings import Settings
@@ -42,6 +43,7 @@ __all__ = [
     "ConfirmTimeoutError",
     "ConnectionLostError",
     "Context",
+    "Limit",
     "MemoryTaskStore",
     "MessageEncodingError",
     "PayloadError",

@@ -27,6 +27,7 @@ from .errors import (
 )
 from .handler import HandlerFunc, HandlerSpec, build_spec
 from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
+from .limits import Limit, as_limits
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .notification import notify_target
@@ -124,6 +125,7 @@ class App:
         idempotent: bool = True,
         ttl_s: float | None = None,
         notify: bool | str = False,
+        limit: Limit | Sequence[Limit] | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
@@ -132,7 +134,11 @@ class App:
 
         ``notify=True`` publishes each task's final state to ``<queue>.results`` (a name: to
         that queue) before the task is acked or dead-lettered (see ``notification``).
+
+        ``limit=Limit(key=..., concurrency=..., rate=..., per_s=...)`` (or a list of them):
+        tasks over a limit are deferred without spending an attempt (see ``limits``).
         """
+        limits = as_limits(limit)
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -151,6 +157,7 @@ class App:
                 idempotent=idempotent,
                 ttl_s=ttl_s if ttl_s is not None else s.task_ttl_s,
                 notify=notify_target(queue, notify, s),
+                limits=limits,
             )
             return func
 

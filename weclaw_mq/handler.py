@@ -13,6 +13,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .lifetime import DEFAULT_TTL_S, check_ttl
+from .limits import DEFER_LADDER_MS, Limit
 from .naming import validate_queue_name
 from .notification import NotifyTarget
 from .retry import RetryPolicy
@@ -37,6 +38,8 @@ class HandlerSpec:
     ttl_s: float = DEFAULT_TTL_S
     # Where the final state of each task is announced (``notify=``), or None.
     notify: NotifyTarget | None = None
+    # Per-key concurrency and rate limits (``limit=``; weclaw_mq.limits).
+    limits: tuple[Limit, ...] = ()
 
     @property
     def name(self) -> str:
@@ -46,7 +49,16 @@ class HandlerSpec:
         return QueueSpec(
             name=self.queue,
             # The first delay always exists: the guard parks duplicates there (max_retries=0 too).
-            retry_delays_ms=tuple(dict.fromkeys((self.retry.delay_ms(1), *self.retry.delays_ms()))),
+            # A limited handler defers held-back tasks to the ladder's delay queues too.
+            retry_delays_ms=tuple(
+                dict.fromkeys(
+                    (
+                        self.retry.delay_ms(1),
+                        *self.retry.delays_ms(),
+                        *(DEFER_LADDER_MS if self.limits else ()),
+                    )
+                )
+            ),
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
             results=None if self.notify is None else self.notify.queue_spec(),
@@ -90,6 +102,7 @@ def build_spec(
     idempotent: bool,
     ttl_s: float = DEFAULT_TTL_S,
     notify: NotifyTarget | None = None,
+    limits: tuple[Limit, ...] = (),
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -135,4 +148,5 @@ def build_spec(
         idempotent=idempotent,
         ttl_s=float(ttl_s),
         notify=notify,
+        limits=limits,
     )
