@@ -17,6 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
+	bench-limits \
 	compose-check clean \
 	distclean services-up services-down services-status
 
@@ -35,6 +36,7 @@ help:
 	@echo "make bench-own-cost weclaw_mq's own CPU per delivery, in isolation (no broker, no Redis)"
 	@echo "make bench-outbox   the local outbox: publish with the broker down, the relay's drain rate"
 	@echo "make bench-notify   what notify=True costs a worker (tasks/s, CPU per task; real broker)"
+	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -121,6 +123,12 @@ bench-own-cost: install
 # shared broker and Redis. NOTIFY_ARGS="--n 2000 --rounds 3 --concurrency 10" are the defaults.
 bench-notify: install
 	$(BIN)/python -m benchmarks.notify_cost $(NOTIFY_ARGS)
+
+# A per-key limit's cost: the guarded handler alone, with a concurrency limit and with a rate
+# limit that never defer (target: >= 0.90x the throughput of guard alone). ~60-80 s.
+# LIMITS_ARGS="--n 2000 --rounds 3 --concurrency 10 100" are the defaults.
+bench-limits: install
+	$(BIN)/python -m benchmarks.limits_cost $(LIMITS_ARGS)
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

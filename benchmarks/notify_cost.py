@@ -61,7 +61,12 @@ def _acked(app: App, queue: str) -> float:
 
 async def _run(variant: str, n: int, concurrency: int) -> Run:
     queue = f"bench-notify-{variant}-{uuid.uuid4().hex[:8]}"
-    app = _app(queue, notify=variant == "notify")
+    return await measure(_app(queue, notify=variant == "notify"), queue, n, concurrency)
+
+
+async def measure(app: App, queue: str, n: int, concurrency: int) -> Run:
+    """Publish ``n`` tasks to ``app``'s handler on ``queue``, then time an in-process worker
+    of ``concurrency`` until all are acked; the queues and keys are deleted afterwards."""
     try:
         await app.declare()
         for start in range(0, n, 500):
@@ -105,7 +110,8 @@ async def _clean(app: App, queue: str) -> None:
         await client.aclose()
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
+    """The median and (min-max) of ``values``."""
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
@@ -121,7 +127,7 @@ async def main(n: int, rounds: int, concurrency: int) -> None:
     for variant in VARIANTS:
         rate = [x.tasks_per_s for x in runs[variant]]
         cpu = [x.cpu_us_per_task for x in runs[variant]]
-        print(f"| {variant} | {_spread(rate, ',.0f')} | {_spread(cpu, '.0f')} |")
+        print(f"| {variant} | {spread(rate, ',.0f')} | {spread(cpu, '.0f')} |")
     rate_ratio = [
         a.tasks_per_s / b.tasks_per_s for a, b in zip(runs["notify"], runs["off"], strict=True)
     ]
@@ -129,8 +135,8 @@ async def main(n: int, rounds: int, concurrency: int) -> None:
         a.cpu_us_per_task / b.cpu_us_per_task
         for a, b in zip(runs["notify"], runs["off"], strict=True)
     ]
-    print(f"notify / off, paired per round: tasks/s {_spread(rate_ratio, '.2f')}x, ", end="")
-    print(f"CPU per task {_spread(cpu_ratio, '.2f')}x")
+    print(f"notify / off, paired per round: tasks/s {spread(rate_ratio, '.2f')}x, ", end="")
+    print(f"CPU per task {spread(cpu_ratio, '.2f')}x")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #   benchmarks/run.sh --smoke    tiny counts, one repeat (under a minute once the venv exists)
 #   benchmarks/run.sh --help     every option (--scale, --repeats, --cases, ...)
 #
-# Then benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke).
+# Then benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke)
+# and benchmarks/limits_cost.py (a per-key limit against none; about 80 s, tiny with --smoke).
 #
 # The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
 # That venv is created on first use and re-installed only when requirements.txt or
@@ -31,12 +32,15 @@ fi
 
 cd "$root"
 notify_args=()
+limits_args=()
 for arg in "$@"; do
     case "$arg" in
         -h | --help) exec "$venv/bin/python" -m benchmarks.bench "$@" ;;
-        --smoke) notify_args=(--n 100 --rounds 1) ;;
+        --smoke) notify_args=(--n 100 --rounds 1); limits_args=(--n 100 --rounds 1 --concurrency 10) ;;
     esac
 done
 "$venv/bin/python" -m benchmarks.bench "$@"
 # What result notifications cost a worker (also alone: make bench-notify).
-exec "$venv/bin/python" -m benchmarks.notify_cost "${notify_args[@]}"
+"$venv/bin/python" -m benchmarks.notify_cost "${notify_args[@]}"
+# What a per-key limit costs the guarded consume path (also alone: make bench-limits).
+exec "$venv/bin/python" -m benchmarks.limits_cost "${limits_args[@]}"

@@ -23,7 +23,7 @@ from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_u
 from tests.integration.fixture_apps import limit_app
 from tests.integration.fixture_apps.worker_app import read_events
 from tests.integration.processes import queue_names, spawn_cli_worker
-from weclaw_mq import App, Context, Limit
+from weclaw_mq import App, Context, Limit, TaskStatus
 from weclaw_mq.naming import LIMIT_KEY_PREFIX, limit_keys
 
 # INCR a running count and keep its maximum, in one step: the handlers' own witness.
@@ -171,6 +171,27 @@ async def test_rate_limit_keeps_starts_per_second_within_it(
         assert _deferrals(app, qname, "rate") > 0
     finally:
         await _forget_limit_keys(redis_client, qname)
+
+
+async def test_a_key_function_that_fails_on_a_task_dead_letters_it_unrun(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+) -> None:
+    app = make_app()
+    ran: list[int] = []
+
+    @app.handler(qname, limit=Limit(key=lambda job: {"n": 1}[job.user], concurrency=1))
+    async def work(job: Job) -> None:
+        ran.append(job.n)
+
+    await start_worker(app)
+    task_id = await app.publish(qname, Job(user="nobody"))
+    state = await app.result(task_id, timeout_s=10)
+    assert state.status is TaskStatus.DEAD_LETTERED
+    assert state.reason == "invalid_payload"
+    assert state.error is not None and "key function raised KeyError" in state.error
+    assert ran == []
 
 
 async def test_a_killed_worker_frees_its_slot_after_the_lease(

@@ -12,7 +12,7 @@ Per limit and key, two sorted sets (names from ``naming.limit_keys``):
 Both use Redis's clock (``TIME`` inside the script), never the workers' clocks.
 
 An admission is one script call per limit (several limits: one pipelined round trip); a
-release is a ``ZREM`` sent after the handler ended, batched with other releases.
+release is a ``ZREM`` sent just after the handler ended, batched with other releases.
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ return 0
 FIRST_HOLD_ESTIMATE_MS = 1000.0
 # The weight of the newest hold time in the running estimate.
 HOLD_EWMA_WEIGHT = 0.2
+# Releases wait this long to go out together: one pipelined round trip for all the slots
+# freed meanwhile costs a fraction of a command each (redis-py spends ~80 us of CPU per
+# command; measured: ~35 us each in a pipeline of 5). A slot is held this much longer.
+RELEASE_BATCH_S = 0.005
 # How long close() waits for the last releases (past it, they lapse with their leases).
 CLOSE_FLUSH_S = 1.0
 
@@ -253,6 +257,7 @@ class Limiter:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_releases())
 
     async def _flush_releases(self) -> None:
+        await asyncio.sleep(RELEASE_BATCH_S)
         while self._releases:
             batch, self._releases = self._releases, []
             try:
