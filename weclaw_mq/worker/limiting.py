@@ -14,8 +14,9 @@ Both use Redis's clock (``TIME`` inside the script), never the workers' clocks.
 An admission is one script call per limit; the admissions asked for in one turn of the event
 loop (deliveries whose claims were answered together, a list of limits) go out as one
 pipeline. A release is a ``ZREM`` sent within 5 ms of the handler's end, with the other
-releases and admissions of that moment. Each separate command costs a worker ~80-100 us of CPU in redis-py plus a send and
-a wake-up, more than the script itself: batching is what keeps a limit cheap under load.
+releases and admissions of that moment. Each separate command costs a worker ~80-100 us of
+CPU in redis-py plus a send and a wake-up, more than the script itself: batching is what
+keeps a limit cheap under load.
 """
 
 from __future__ import annotations
