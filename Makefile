@@ -124,9 +124,10 @@ bench-own-cost: install
 bench-notify: install
 	$(BIN)/python -m benchmarks.notify_cost $(NOTIFY_ARGS)
 
-# A per-key limit's cost: the guarded handler alone, with a concurrency limit and with a rate
-# limit that never defer (target: >= 0.90x the throughput of guard alone). ~60-80 s.
-# LIMITS_ARGS="--n 2000 --rounds 3 --concurrency 10 100" are the defaults.
+# A per-key limit's cost: the guarded handler alone and with a concurrency limit that never
+# defers (target: >= 0.90x the throughput of guard alone). ~60 s quiet, 2 min loaded.
+# LIMITS_ARGS="--n 2000 --rounds 3 --concurrency 10 100 --variants guard concurrency" are the
+# defaults; add "rate" to --variants for a rate limit too.
 bench-limits: install
 	$(BIN)/python -m benchmarks.limits_cost $(LIMITS_ARGS)
 

@@ -2,10 +2,12 @@
 
     make bench-limits                        # or: .venv/bin/python -m benchmarks.limits_cost
     .venv/bin/python -m benchmarks.limits_cost --n 2000 --rounds 3 --concurrency 10 100
+    .venv/bin/python -m benchmarks.limits_cost --variants guard concurrency rate
 
 At each concurrency, each round runs the variants in an order rotated every round: the same
 guarded handler (a no-op returning a small dict; guard and results on) without a limit
-("guard"), with ``Limit(key=user, concurrency=2)`` and with ``Limit(key=user, rate=1000)``.
+("guard"), with ``Limit(key=user, concurrency=2)`` ("concurrency", the costlier kind: an
+admission and a release) and, asked for, with ``Limit(key=user, rate=1000)`` ("rate").
 Every task has its own user, so no limit ever defers: what is measured is the price of the
 admission (one script call) and, for concurrency, the slot's release (a batched ZREM). Timing
 as in ``notify_cost.measure``: ``--n`` tasks published first, then a worker consumes them all;
@@ -54,18 +56,18 @@ async def _run(variant: str, n: int, concurrency: int) -> Run:
     return await measure(_app(queue, variant), queue, n, concurrency, from_ready=True)
 
 
-async def main(n: int, rounds: int, concurrencies: list[int]) -> bool:
+async def main(n: int, rounds: int, concurrencies: list[int], variants: list[str]) -> bool:
     print(f"limit cost: {n} tasks x {rounds} rounds, guard + results, every task its own key")
     print("| concurrency | variant | tasks/s | CPU us/task | limited / guard (paired) |")
     print("|---|---|---|---|---|")
     met = True
     for concurrency in concurrencies:
-        runs: dict[str, list[Run]] = {v: [] for v in VARIANTS}
+        runs: dict[str, list[Run]] = {v: [] for v in variants}
         for r in range(rounds):
-            order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for variant in order:
                 runs[variant].append(await _run(variant, n, concurrency))
-        for variant in VARIANTS:
+        for variant in variants:
             rate = [x.tasks_per_s for x in runs[variant]]
             cpu = [x.cpu_us_per_task for x in runs[variant]]
             ratio = [
@@ -89,5 +91,8 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=2000, help="tasks per run")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (each runs every variant)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[10, 100])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["guard", "concurrency"])
     args = parser.parse_args()
-    asyncio.run(main(args.n, args.rounds, args.concurrency))
+    if "guard" not in args.variants:
+        parser.error("--variants needs guard: the ratios are against it")
+    asyncio.run(main(args.n, args.rounds, args.concurrency, list(dict.fromkeys(args.variants))))

@@ -6,7 +6,7 @@
 #   benchmarks/run.sh --help     every option (--scale, --repeats, --cases, ...)
 #
 # Then benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke)
-# and benchmarks/limits_cost.py (a per-key limit against none; about 80 s, tiny with --smoke).
+# and benchmarks/limits_cost.py (a per-key limit against none; about 60 s, tiny with --smoke).
 #
 # The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
 # That venv is created on first use and re-installed only when requirements.txt or
