@@ -173,6 +173,37 @@ async def test_rate_limit_keeps_starts_per_second_within_it(
         await _forget_limit_keys(redis_client, qname)
 
 
+async def test_a_start_refused_by_one_limit_of_a_list_takes_back_what_the_others_admitted(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    redis_client: aioredis.Redis,
+    qname: str,
+) -> None:
+    app = make_app()
+    release = asyncio.Event()
+    started: list[int] = []
+
+    @app.handler(qname, limit=[Limit(concurrency=10), Limit(key=lambda j: j.user, concurrency=1)])
+    async def work(job: Job) -> None:
+        started.append(job.n)
+        await release.wait()
+
+    await start_worker(app, concurrency=3)
+    everyone, _ = limit_keys(qname, 0, None)
+    try:
+        await app.publish_many(qname, [Job(user="a", n=i) for i in range(3)])
+        await wait_until(lambda: _deferrals(app, qname, "concurrency") >= 2, 10, "2 deferrals")
+        # The global limit admitted the refused starts first; each was taken back, so it
+        # holds only the one running task.
+        assert len(started) == 1
+        assert int(await redis_client.zcard(everyone)) == 1
+        release.set()
+        await wait_until(lambda: len(started) == 3, 15, "every task")
+    finally:
+        release.set()
+        await _forget_limit_keys(redis_client, qname)
+
+
 async def test_a_key_function_that_fails_on_a_task_dead_letters_it_unrun(
     make_app: Callable[..., App],
     start_worker: Callable[..., Any],
