@@ -19,11 +19,19 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
+from tests.conftest import (
+    delete_queues,
+    forget_task_keys,
+    outcome_count,
+    settings_for,
+    wait_until,
+)
 from tests.integration.fixture_apps import limit_app
 from tests.integration.fixture_apps.worker_app import read_events
 from tests.integration.processes import queue_names, spawn_cli_worker
-from weclaw_mq import App, Context, Limit, TaskStatus
+from tests.private_servers import PrivateRedis
+from weclaw_mq import App, Context, Limit, RetryPolicy, TaskStatus
+from weclaw_mq.metrics import Outcome
 from weclaw_mq.naming import LIMIT_KEY_PREFIX, limit_keys
 
 # INCR a running count and keep its maximum, in one step: the handlers' own witness.
@@ -223,6 +231,38 @@ async def test_a_key_function_that_fails_on_a_task_dead_letters_it_unrun(
     assert state.reason == "invalid_payload"
     assert state.error is not None and "key function raised KeyError" in state.error
     assert ran == []
+
+
+class TestRedisDown:
+    @pytest.fixture
+    def redis_url(self, private_redis: PrivateRedis) -> str:
+        """This test's apps count their limits in a Redis of its own, which it stops."""
+        return private_redis.url
+
+    async def test_a_limited_task_waits_in_a_delay_queue_until_redis_answers(
+        self,
+        make_app: Callable[..., App],
+        start_worker: Callable[..., Any],
+        private_redis: PrivateRedis,
+        qname: str,
+    ) -> None:
+        # No guard and no results: the limit is the only thing that needs Redis.
+        app = make_app(results_enabled=False)
+        ran: list[int] = []
+
+        @app.handler(
+            qname, idempotent=False, retry=RetryPolicy(delay_s=0.2), limit=Limit(concurrency=1)
+        )
+        async def work(job: Job) -> None:
+            ran.append(job.n)
+
+        await start_worker(app)
+        await asyncio.to_thread(private_redis.stop)
+        await app.publish(qname, Job(user="a", n=1))
+        await wait_until(lambda: outcome_count(app, qname, Outcome.DEFERRED) >= 2, 10, "deferrals")
+        assert ran == [], "a limited task ran while Redis could not count it"
+        await asyncio.to_thread(private_redis.start)
+        await wait_until(lambda: ran == [1], 15, "the task to run once Redis answers")
 
 
 async def test_a_killed_worker_frees_its_slot_after_the_lease(
