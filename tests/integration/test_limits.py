@@ -26,9 +26,8 @@ from tests.conftest import (
     settings_for,
     wait_until,
 )
-from tests.integration.fixture_apps import limit_app
-from tests.integration.fixture_apps.worker_app import read_events
-from tests.integration.processes import queue_names, spawn_cli_worker
+from tests.integration.fixture_apps.worker_app import build_app, read_events
+from tests.integration.processes import FIXTURE_APP, queue_names, spawn_cli_worker
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, Limit, RetryPolicy, TaskStatus
 from weclaw_mq.metrics import Outcome
@@ -277,15 +276,17 @@ async def test_a_killed_worker_frees_its_slot_after_the_lease(
     settings = settings_for(broker_url, redis_url, guard_lease_s=lease_s)
     record_dir = tmp_path / "records"
     record_dir.mkdir()
-    app = limit_app.build_app(qname, settings=settings, record_dir=record_dir)
+    # One task at a time in the whole handler, across every worker.
+    app = build_app(qname, settings=settings, record_dir=record_dir, limit=Limit(concurrency=1))
     slots, _ = limit_keys(qname, 0, None)
     worker = spawn_cli_worker(
-        "tests.integration.fixture_apps.limit_app:app",
+        FIXTURE_APP,
         settings=settings,
         app_env={
             "TEST_QUEUE": qname,
             "TEST_RECORD_DIR": str(record_dir),
             "TEST_HANDLER_SLEEP_S": "60",
+            "TEST_LIMIT_CONCURRENCY": "1",
         },
         log_path=tmp_path / "worker.log",
     )
