@@ -203,11 +203,13 @@ class Limiter:
             answers = await self._ask(holder, calls)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
-        admitted = []
+        admitted = [
+            call for call, (verdict, _) in zip(calls, answers, strict=True) if verdict == b"ok"
+        ]
         for call, (verdict, wait_ms) in zip(calls, answers, strict=True):
             if verdict == b"ok":
-                admitted.append(call)
                 continue
+            # Every limit was asked at once: take back what the others admitted, before or after.
             await self._undo(holder, admitted)
             kind = LimitKind(verdict.decode())
             if kind is LimitKind.CONCURRENCY:
