@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority compose-check clean \
+	bench-stream bench-priority bench-limits compose-check clean \
 	distclean services-up services-down services-status
 
 help:
@@ -37,6 +37,7 @@ help:
 	@echo "make bench-notify   what notify=True costs a worker (tasks/s, CPU per task; real broker)"
 	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
+	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -131,6 +132,13 @@ bench-stream: install
 # README's "Priorities"); also run by 'make bench' (benchmarks/run.sh). PRIORITY_ARGS=--smoke.
 bench-priority: install
 	$(BIN)/python -m benchmarks.priority $(PRIORITY_ARGS)
+
+# A per-key limit's cost: the guarded handler alone and with a concurrency limit that never
+# defers (target: >= 0.90x the throughput of guard alone). ~60 s quiet, 2 min loaded.
+# LIMITS_ARGS="--n 2000 --rounds 3 --concurrency 10 100 --variants guard concurrency" are the
+# defaults; add "rate" to --variants for a rate limit too.
+bench-limits: install
+	$(BIN)/python -m benchmarks.limits_cost $(LIMITS_ARGS)
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

@@ -28,6 +28,7 @@ from .errors import (
     UnroutableError,
     WeclawMQError,
 )
+from .limits import Limit
 from .notification import TaskNotification
 from .priority import Priority
 from .retry import RetryPolicy
@@ -49,6 +50,7 @@ __all__ = [
     "Context",
     "Inbox",
     "InvalidPriorityError",
+    "Limit",
     "MemoryStreamStore",
     "MemoryTaskStore",
     "MessageEncodingError",

@@ -37,6 +37,7 @@ from .errors import (
 )
 from .handler import HandlerFunc, HandlerSpec, build_spec
 from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
+from .limits import Limit, as_limits
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .naming import validate_session_id
@@ -152,6 +153,7 @@ class App:
         notify: bool | str = False,
         priority: Priority | str = Priority.NORMAL,
         queue_type: str = QUORUM,
+        limit: Limit | Sequence[Limit] | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
@@ -163,7 +165,12 @@ class App:
 
         ``priority`` is the default of tasks published to ``queue`` without one;
         ``queue_type="classic"`` declares Q as a classic queue with native priorities
-        (not replicated: see the README's "Priorities")."""
+        (not replicated: see the README's "Priorities").
+
+        ``limit=Limit(key=..., concurrency=..., rate=..., per_s=...)`` (or a list of them):
+        tasks over a limit are deferred without spending an attempt (see ``limits``).
+        """
+        limits = as_limits(limit)
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -184,6 +191,7 @@ class App:
                 notify=notify_target(queue, notify, s),
                 priority=priority,
                 queue_type=queue_type,
+                limits=limits,
             )
             return func
 

@@ -29,6 +29,7 @@ DONE_CHANNEL_PREFIX = f"{REDIS_PREFIX}:done"
 STREAM_KEY_PREFIX = f"{REDIS_PREFIX}:stream"
 INBOX_KEY_PREFIX = f"{REDIS_PREFIX}:inbox"
 INBOX_TRACE_KEY_PREFIX = f"{REDIS_PREFIX}:inbox-trace"
+LIMIT_KEY_PREFIX = f"{REDIS_PREFIX}:limit"
 
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
@@ -177,3 +178,23 @@ def queue_key_pattern(prefix: str, queue: str) -> str:
 def task_keys(queue: str, task_id: str) -> list[str]:
     """Every key that (queue, task id) may own: for cleanup by tests and operator scripts."""
     return [guard_key(queue, task_id), state_key(queue, task_id), latest_key(task_id)]
+
+
+# -- Redis keys of a handler's limits (weclaw_mq.limits) -----------------------------------
+#
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:slots    running holders (sorted by lease end)
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:starts   recent starts (sorted by start time)
+#
+# <i> is the limit's position in the handler's ``limit=`` list; a global limit (no key
+# function) has the tag {*}. '%', '{' and '}' in a key are %-escaped, so the tag is never
+# empty and is always the whole key: both keys of one limit and key hash to one cluster slot.
+
+
+def limit_keys(queue: str, index: int, key: str | None) -> tuple[str, str]:
+    """The (slots, starts) keys of limit ``index`` of ``queue`` for ``key`` (None: global)."""
+    if key is None:
+        tag = "*"
+    else:
+        tag = "k=" + key.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    base = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:{index}:{{{tag}}}"
+    return f"{base}:slots", f"{base}:starts"

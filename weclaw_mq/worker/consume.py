@@ -50,6 +50,7 @@ from ..undecodable import tolerant_properties
 from .deadlines import Deadlines
 from .delivery import Runtime, process
 from .lanes import LaneScheduler
+from .limiting import Limiter
 from .settle import Settler
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -84,6 +85,8 @@ class Worker:
         # longer in flight, and a stop does not wait for them.
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._deadlines = Deadlines()
+        # One per run, across reconnects: the slots it holds outlive a broker session.
+        self._limiter: Limiter | None = None
         for spec in self.specs:
             app.metrics.count_in_flight(spec.queue, self._in_flight[spec.queue].__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
@@ -127,6 +130,8 @@ class Worker:
     async def _run(self) -> None:
         failures = 0
         conn: AbstractConnection | None = None
+        if any(s.limits for s in self.specs):
+            self._limiter = Limiter.open(self.settings)
         try:
             while not self._stop.is_set():
                 conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)
@@ -163,6 +168,9 @@ class Worker:
             self.ready.clear()
             if conn is not None:
                 await _close(conn)
+            if self._limiter is not None:
+                limiter, self._limiter = self._limiter, None
+                await limiter.close()
 
     async def _session(self, conn: AbstractConnection) -> None:
         """Consume on one connection until it dies (raises) or ``stop`` is called (returns)."""
@@ -196,6 +204,7 @@ class Worker:
             store=self.app.store,
             results=self.app.results,
             take_over=self._take_over,
+            limiter=self._limiter,
         )
         # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel

@@ -52,6 +52,7 @@ from ..tracing import TraceContext
 from ..undecodable import undecodable
 from . import notify
 from .deadlines import Deadlines
+from .limiting import NO_TICKET, Held, Limiter, Ticket
 from .settle import Settler
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ class Runtime:
         ],
         None,
     ]
+    # Counts the handlers' limits in Redis; None when no handler has one.
+    limiter: Limiter | None = None
 
 
 class _Gate(Enum):
@@ -155,6 +158,12 @@ async def _process(
         held = gate if isinstance(gate, str) else None
     if await _expired_on_arrival(message, delivery, spec, rt, held):
         return
+    ticket = NO_TICKET
+    if spec.limits and rt.limiter is not None:
+        admitted = await _within_limits(message, delivery, spec, rt, rt.limiter, task, held)
+        if admitted is None:
+            return
+        ticket = admitted
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it.
@@ -166,11 +175,12 @@ async def _process(
     # If the handler ignores its cancellation, another task ends the attempt without it.
     on_stuck = _ending_without(message, delivery, spec, rt, held)
     try:
-        if held is None or rt.store is None:
-            outcome = await _call(spec, task, delivery, rt, on_stuck)
-        else:
-            with rt.store.holding(spec.queue, delivery.task_id, held):
+        with ticket:  # the limits' slots are freed as the handler ends, however it ends
+            if held is None or rt.store is None:
                 outcome = await _call(spec, task, delivery, rt, on_stuck)
+            else:
+                with rt.store.holding(spec.queue, delivery.task_id, held):
+                    outcome = await _call(spec, task, delivery, rt, on_stuck)
         if running is not None:
             await running
         if outcome is not None:  # None: abandoned, and the task that took over settled it
@@ -292,6 +302,52 @@ async def _pass_guard(
         await _defer(message, delivery, spec, rt, "another worker is running this task")
         return _Gate.SETTLED
     return owner
+
+
+async def _within_limits(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    limiter: Limiter,
+    task: Any,
+    held: str | None,
+) -> Ticket | None:
+    """The ticket of a start within the handler's limits, or None when the delivery was
+    settled: deferred (over a limit, or Redis down), or dead-lettered (a key function
+    failed). A deferral spends no attempt and frees the claim for the copy that returns."""
+    try:
+        answer = await limiter.admit(spec.queue, spec.limits, task)
+    except InvalidPayload as e:
+        await _release(rt, spec, delivery, held)
+        await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, e)
+        return None
+    except Exception as e:  # Redis unreachable or failing: as for the guard
+        if rt.settings.guard_on_redis_down == "run_unguarded":
+            log.warning("limits unavailable (%s); running UNLIMITED as configured", e)
+            return NO_TICKET
+        log.warning("limits unavailable (%s: %s)", type(e).__name__, e)
+        await _release(rt, spec, delivery, held)
+        await _defer(message, delivery, spec, rt, "Redis is down, the limits cannot tell")
+        return None
+    if not isinstance(answer, Held):
+        return answer
+    rt.metrics.limit_deferred(spec.queue, answer.kind).inc()
+    if held is not None:
+        # The claim wrote "running": it waits in a delay queue now.
+        await asyncio.gather(
+            _release(rt, spec, delivery, held), _status(rt, delivery, spec, TaskStatus.QUEUED)
+        )
+    await rt.settler.defer(
+        message,
+        delivery,
+        queue=spec.queue,
+        delay_ms=answer.delay_ms,
+        why=f"over its {answer.kind} limit",
+        # Routine under load (one line per deferral would drown the log): the metric counts.
+        level=logging.DEBUG,
+    )
+    return None
 
 
 async def _finished_before(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> bool:

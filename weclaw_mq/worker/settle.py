@@ -189,13 +189,17 @@ class Settler:
         queue: str,
         delay_ms: int,
         why: str,
+        level: int | None = None,
     ) -> bool:
         """Park the task in a delay queue without counting an attempt: it did not fail."""
         target = _delay_queue(message, queue, delay_ms)
         if not await self._move(message, delivery, target, carried_headers(delivery), queue=queue):
             return False
         self._ended(
-            queue, Outcome.DEFERRED, f"parked in {target} for {delay_ms / 1000:.3g} s: {why}"
+            queue,
+            Outcome.DEFERRED,
+            f"parked in {target} for {delay_ms / 1000:.3g} s: {why}",
+            level=level,
         )
         return True
 
