@@ -22,7 +22,13 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from tests.private_servers import PrivateRedis, PrivateServers
 from weclaw_mq import App, Settings, Worker
-from weclaw_mq.naming import GUARD_KEY_PREFIX, STATE_KEY_PREFIX, latest_key, queue_key_pattern
+from weclaw_mq.naming import (
+    GUARD_KEY_PREFIX,
+    STATE_KEY_PREFIX,
+    cancel_key,
+    latest_key,
+    queue_key_pattern,
+)
 from weclaw_mq.topology import queue_declarations
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -187,8 +193,9 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
 
 
 async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
-    """Delete the Redis keys (guard, record, latest pointer) of every task in ``queues``, so
-    a test leaves nothing behind; best effort when the test left its Redis stopped."""
+    """Delete the Redis keys (guard, record, latest pointer, cancel marker) of every task in
+    ``queues``, so a test leaves nothing behind; best effort when the test left its Redis
+    stopped."""
     client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
     try:
         for queue in queues:
@@ -196,7 +203,7 @@ async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
             for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX):
                 keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
             task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
-            keys += [latest_key(t).encode() for t in task_ids]
+            keys += [key(t).encode() for t in task_ids for key in (latest_key, cancel_key)]
             if keys:
                 await client.delete(*keys)
     except (aioredis.RedisError, OSError):

@@ -28,7 +28,7 @@ from .errors import (
 from .notification import TaskNotification
 from .retry import RetryPolicy
 from .settings import Settings
-from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
+from .state import Cancellation, CancelOutcome, MemoryTaskStore, TaskState, TaskStatus, TaskStore
 from .worker.consume import Worker
 
 # The name of the store protocol before it held the guard too (claims, leases, done markers).
@@ -38,6 +38,8 @@ __all__ = [
     "App",
     "BatchPublishError",
     "BrokerUnavailableError",
+    "CancelOutcome",
+    "Cancellation",
     "ConfigurationError",
     "ConfirmTimeoutError",
     "ConnectionLostError",

@@ -22,6 +22,10 @@ GUARD_KEY_PREFIX = f"{REDIS_PREFIX}:guard"
 STATE_KEY_PREFIX = f"{REDIS_PREFIX}:state"
 LATEST_KEY_PREFIX = f"{REDIS_PREFIX}:latest"
 DONE_CHANNEL_PREFIX = f"{REDIS_PREFIX}:done"
+CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
+# One channel for every cancel request (weclaw_mq.state.cancel): each worker holds one
+# subscription, not one per task it runs, and a PUBLISH reaches every node of a cluster.
+CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
 
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
@@ -74,6 +78,8 @@ def results_queue_name(queue: str) -> str:
 #     weclaw_mq:state:<len(Q)>:Q:{T}     the task's record in Q (hash: status, state)
 #     weclaw_mq:latest:{T}               the name of T's most recently written record
 #     weclaw_mq:done:{T}                 pub/sub channel: some record of T became final
+#     weclaw_mq:cancel:{T}               the cancel marker: a set of queues (or "*") whose
+#                                        deliveries of T are acked unrun
 #
 # Unambiguous whatever the characters: Q is read by its byte length, T runs from the brace
 # after Q to the last character, so ("a:b", "c") and ("a", "b:c") never share a key. The
@@ -102,6 +108,11 @@ def latest_key(task_id: str) -> str:
 def done_channel(task_id: str) -> str:
     """Pub/sub channel that wakes ``result()`` waiters when a record of the task is final."""
     return f"{DONE_CHANNEL_PREFIX}:{{{task_id}}}"
+
+
+def cancel_key(task_id: str) -> str:
+    """The set of queues (``*``: all) in which task ``task_id`` was cancelled."""
+    return f"{CANCEL_KEY_PREFIX}:{{{task_id}}}"
 
 
 def queue_key_pattern(prefix: str, queue: str) -> str:

@@ -41,6 +41,7 @@ from ..publishing.producer import Publisher
 from ..settings import BROKER_CONSUMER_TIMEOUT_S
 from ..topology import declare
 from ..undecodable import tolerant_properties
+from .cancel import Cancels
 from .deadlines import Deadlines
 from .delivery import Runtime, process
 from .settle import Settler
@@ -77,6 +78,7 @@ class Worker:
         # longer in flight, and a stop does not wait for them.
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._deadlines = Deadlines()
+        self.cancels = Cancels()  # cancel requests for the deliveries in flight (worker.cancel)
         for spec in self.specs:
             app.metrics.count_in_flight(spec.queue, self._in_flight[spec.queue].__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
@@ -114,8 +116,17 @@ class Worker:
         # connection and returns every message in flight with it, again and again until the
         # delivery limit dead-letters them all (measured: 42 s, three innocent tasks lost to
         # the DLQ); read tolerantly, it arrives as a marker that ``process`` rejects at once.
-        with tolerant_properties():
-            await self._run()
+        store = self.app.store
+        # One subscription to cancel requests for the whole worker, whatever its sessions.
+        listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
+        try:
+            with tolerant_properties():
+                await self._run()
+        finally:
+            if listener is not None:
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
 
     async def _run(self) -> None:
         failures = 0
@@ -175,6 +186,7 @@ class Worker:
             store=self.app.store,
             results=self.app.results,
             take_over=self._take_over,
+            cancels=self.cancels,
         )
         # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel

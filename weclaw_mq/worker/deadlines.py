@@ -61,6 +61,13 @@ class Deadline:
         self._owner._add(task, self)
         return self
 
+    def end_now(self) -> None:
+        """Bring the deadline forward to now (a cancel request, ``worker.cancel``): the next
+        tick cancels the body, and ``on_stuck`` follows ``grace_s`` later if it ignores that.
+        No effect once the body ended."""
+        if self._task is not None and not self.expired:
+            self.at = min(self.at, self._task.get_loop().time())
+
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: object
     ) -> None:
