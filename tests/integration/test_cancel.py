@@ -236,3 +236,39 @@ async def test_the_cancel_command_cancels_says_when_there_was_nothing_to_cancel_
     down = await run_cli("cancel", task_id, env=dead_redis)
     assert down.code == 5
     assert "Redis did not answer" in one_error_line(down)
+
+
+async def test_a_handler_that_ignores_its_cancel_is_left_behind_and_the_task_acked_as_cancelled(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app(handler_cancel_grace_s=0.3)
+    started = asyncio.Event()
+    release = asyncio.Event()  # set at the end: the stubborn handler may then return
+    completed: list[bool] = []
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=3, delay_s=0.2))
+    async def stubborn(task: dict[str, int]) -> str:
+        started.set()
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue  # ignores being told to stop
+        completed.append(True)
+        return "too late"
+
+    worker = await start_worker(app, concurrency=1)
+    try:
+        task_id = await app.publish(qname, {"n": 1})
+        await asyncio.wait_for(started.wait(), 10)
+        await app.cancel(task_id)
+        await _acked_as_cancelled(app, qname)
+        assert worker.abandoned == 1 and worker.in_flight == 0
+        assert outcome_count(app, qname, Outcome.RETRIED) == 0
+    finally:
+        release.set()
+    await wait_until(lambda: worker.abandoned == 0, 5, "the abandoned handler to end")
+    # Its late return changed nothing.
+    assert completed == [True]
+    state = await app.status(task_id)
+    assert state is not None and state.status is TaskStatus.CANCELLED and state.result is None
