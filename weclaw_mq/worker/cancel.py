@@ -3,9 +3,9 @@ what a request does to each (``state.cancel`` tells the whole story of a cancel)
 
 A delivery is watched from before its claim to its end, so a request is never missed in
 between: one that arrives before the handler starts keeps it from starting; one that arrives
-while it runs moves the handler's deadline to now, so the deadline ticker cancels it within
-one tick (``deadlines.TICK_S``) and, if the handler ignores that, ends the attempt without it
-after the grace, as for a timeout. The delivery then acks the message as ``cancelled``.
+while it runs expires the handler's deadline now: the handler is cancelled at once and, if
+it ignores that, the deadline ticker ends the attempt without it after the grace, as for a
+timeout. The delivery then acks the message as ``cancelled``.
 
 The worker holds one subscription (``TaskStore.watch_cancels``), not one per task; after each
 (re)subscription it asks the store about every delivery it is processing, so a request sent

@@ -62,11 +62,15 @@ class Deadline:
         return self
 
     def end_now(self) -> None:
-        """Bring the deadline forward to now (a cancel request, ``worker.cancel``): the next
-        tick cancels the body, and ``on_stuck`` follows ``grace_s`` later if it ignores that.
-        No effect once the body ended."""
-        if self._task is not None and not self.expired:
-            self.at = min(self.at, self._task.get_loop().time())
+        """Expire now (a cancel request, ``worker.cancel``): the body is cancelled at once,
+        not at the next tick, and ``on_stuck`` follows ``grace_s`` later if it ignores that.
+        No effect once the body ended or the deadline expired."""
+        task = self._task
+        if task is None or self.expired or self._owner._due.get(task) is not self:
+            return
+        self.at = task.get_loop().time()
+        self.expired = True
+        task.cancel()
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: object

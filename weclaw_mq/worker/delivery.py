@@ -291,6 +291,9 @@ async def _pass_guard(
         log.warning("task store unavailable (%s: %s)", type(e).__name__, e)
         await _defer(message, delivery, spec, rt, "the task store is down, the guard cannot tell")
         return _Gate.SETTLED
+    if claim is Claim.CANCELLED:
+        await _end_cancelled(message, delivery, spec, rt, None)
+        return _Gate.SETTLED
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
         if claim is not Claim.DONE:
             await _mark_done_quietly(store, spec, delivery)
@@ -299,9 +302,6 @@ async def _pass_guard(
         return _Gate.SETTLED
     if claim is Claim.BUSY:
         await _defer(message, delivery, spec, rt, "another worker is running this task")
-        return _Gate.SETTLED
-    if claim is Claim.CANCELLED:
-        await _end_cancelled(message, delivery, spec, rt, None)
         return _Gate.SETTLED
     return owner
 
