@@ -100,11 +100,12 @@ class _Gate(Enum):
 async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
     delivery = read_delivery(message)
     token = tracing.enter(_trace(delivery, spec))
+    # Watched from before the claim: a cancel request is never missed in between.
+    watch = rt.cancels.watch(spec.queue, delivery.task_id)
     try:
-        # Watched from before the claim: a cancel request is never missed in between.
-        with rt.cancels.watching(spec.queue, delivery.task_id) as watch:
-            await _process(message, delivery, spec, rt, watch)
+        await _process(message, delivery, spec, rt, watch)
     finally:
+        rt.cancels.unwatch(watch)
         tracing.leave(token)
 
 
@@ -157,7 +158,11 @@ async def _process(
         held = gate if isinstance(gate, str) else None
     if await _expired_on_arrival(message, delivery, spec, rt, held):
         return
-    if await _cancelled_before_start(message, delivery, spec, rt, held, watch):
+    # Only a request, or the marker of a delivery that claims nothing, can cancel it here:
+    # the common path pays no call.
+    if (
+        watch.requested or (rt.store is not None and not spec.idempotent)
+    ) and await _cancelled_before_start(message, delivery, spec, rt, held, watch):
         return
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
