@@ -445,7 +445,8 @@ class App:
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
     ) -> TaskState:
         """Wait (without polling in a loop) until the task's record in ``queue`` (without a
-        queue: its most recently written record) is succeeded, dead_lettered or expired.
+        queue: its most recently written record) is succeeded, dead_lettered, expired or
+        cancelled.
 
         For a pipeline whose stages share a task id, pass the last stage's queue: without
         it, an earlier stage's final record may answer before the next stage wrote its own.
