@@ -33,7 +33,7 @@ from .notification import TaskNotification
 from .priority import Priority
 from .retry import RetryPolicy
 from .settings import Settings
-from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
+from .state import Cancellation, CancelOutcome, MemoryTaskStore, TaskState, TaskStatus, TaskStore
 from .streaming import Inbox, MemoryStreamStore, StreamEvent, StreamStore
 from .worker.consume import Worker
 
@@ -44,6 +44,8 @@ __all__ = [
     "App",
     "BatchPublishError",
     "BrokerUnavailableError",
+    "CancelOutcome",
+    "Cancellation",
     "ConfigurationError",
     "ConfirmTimeoutError",
     "ConnectionLostError",

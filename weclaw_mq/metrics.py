@@ -19,6 +19,7 @@ class Outcome(StrEnum):
     DEAD_LETTERED = "dead_lettered"  # moved to Q.dlq, or rejected there (undecodable properties)
     DUPLICATE = "duplicate"  # a finished task seen again: acked unrun
     DEFERRED = "deferred"  # parked in a delay queue: its twin is running, or Redis is down
+    CANCELLED = "cancelled"  # cancelled (App.cancel): acked unrun, or its handler cut short
     # Given back to its queue (a failed move, a result not stored, a hard stop, an error of
     # ours) or left unacked for the broker to return (arrived while stopping).
     REQUEUED = "requeued"

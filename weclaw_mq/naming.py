@@ -30,6 +30,10 @@ STREAM_KEY_PREFIX = f"{REDIS_PREFIX}:stream"
 INBOX_KEY_PREFIX = f"{REDIS_PREFIX}:inbox"
 INBOX_TRACE_KEY_PREFIX = f"{REDIS_PREFIX}:inbox-trace"
 LIMIT_KEY_PREFIX = f"{REDIS_PREFIX}:limit"
+CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
+# One channel for every cancel request (weclaw_mq.state.cancel): each worker holds one
+# subscription, not one per task it runs, and a PUBLISH reaches every node of a cluster.
+CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
 
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
@@ -107,6 +111,8 @@ def handler_queue_of(name: str) -> str:
 #     weclaw_mq:state:<len(Q)>:Q:{T}     the task's record in Q (hash: status, state)
 #     weclaw_mq:latest:{T}               the name of T's most recently written record
 #     weclaw_mq:done:{T}                 pub/sub channel: some record of T became final
+#     weclaw_mq:cancel:{T}               the cancel marker: a set of queues (or "*") whose
+#                                        deliveries of T are acked unrun
 #
 # Unambiguous whatever the characters: Q is read by its byte length, T runs from the brace
 # after Q to the last character, so ("a:b", "c") and ("a", "b:c") never share a key. The
@@ -168,6 +174,11 @@ def inbox_key(session_id: str) -> str:
 
 def inbox_trace_key(session_id: str) -> str:
     return f"{INBOX_TRACE_KEY_PREFIX}:{{{session_id}}}"
+
+
+def cancel_key(task_id: str) -> str:
+    """The set of queues (``*``: all) in which task ``task_id`` was cancelled."""
+    return f"{CANCEL_KEY_PREFIX}:{{{task_id}}}"
 
 
 def queue_key_pattern(prefix: str, queue: str) -> str:

@@ -220,3 +220,7 @@ cli.command("stats")(stats)
 from .outbox import outbox_cli  # noqa: E402  (kept beside its registration)
 
 cli.add_typer(outbox_cli, name="outbox")
+
+from .cancel import cancel  # noqa: E402  (kept beside its registration)
+
+cli.command("cancel")(cancel)
