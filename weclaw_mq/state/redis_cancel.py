@@ -11,8 +11,6 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from ..errors import StateUnavailableError
 from ..naming import CANCEL_CHANNEL, cancel_key, done_channel, latest_key, state_key
 from .cancel import (
@@ -28,6 +26,7 @@ from .cancel import (
     scope_of,
 )
 from .protocol import TaskState
+from .redis_clients import StateClient
 
 # The record a cancel decides on, in one round trip. KEYS: latest[, record]. Returns
 # {record key, state JSON}, '' for what does not exist. The key the pointer names is not in
@@ -72,7 +71,7 @@ class RedisCancels:
     """``record_write_lua``: the store's shared record-write rule, which the cancel script
     uses to write the cancelled record (passed in: that rule lives with the store)."""
 
-    def __init__(self, client: aioredis.Redis, *, ttl_ms: int, record_write_lua: str) -> None:
+    def __init__(self, client: StateClient, *, ttl_ms: int, record_write_lua: str) -> None:
         self._redis = client
         self._ttl_ms = ttl_ms
         self._read = client.register_script(_READ)

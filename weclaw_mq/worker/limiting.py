@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from ..errors import InvalidPayload
@@ -40,6 +39,7 @@ from ..naming import limit_keys
 from ..settings import Settings
 from ..state import REDIS_FAILURES, new_owner, state_unavailable
 from ..state.redis import open_client
+from ..state.redis_clients import StateClient
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -162,9 +162,7 @@ def _key_of(limit: Limit, task: Any) -> tuple[bool, str | None]:
 class Limiter:
     """One worker's view of its handlers' limits: admissions, held slots, their renewal."""
 
-    def __init__(
-        self, client: aioredis.Redis, *, lease_s: float, owns_client: bool = False
-    ) -> None:
+    def __init__(self, client: StateClient, *, lease_s: float, owns_client: bool = False) -> None:
         self._redis = client
         self._owns_client = owns_client
         self.lease_s = lease_s
@@ -346,7 +344,11 @@ class Limiter:
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for key, holder in held:
-                        await self._renew(keys=[key], args=[holder, self._lease_ms], client=pipe)
+                        await self._renew(
+                            keys=[key],
+                            args=[holder, self._lease_ms],
+                            client=pipe,  # type: ignore[arg-type]  # (a cluster pipeline too)
+                        )
                     renewed = await pipe.execute()
             except Exception as e:  # a Redis blip must not kill the handlers
                 log.warning("could not renew %d limit slot(s) (%s)", len(held), describe(e))
