@@ -50,9 +50,10 @@ LogLevel = Annotated[
 ]
 
 
-def _processes(value: str) -> int:
+def _processes(value: str | int) -> int:
+    # typer passes the default (the int 1) through the parser too, not only typed text.
     try:
-        return parse_processes(value)
+        return parse_processes(str(value))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
