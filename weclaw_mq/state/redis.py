@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from ..errors import ResultTimeoutError, StateUnavailableError
 from ..naming import done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
+from .pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
 from .protocol import Claim, TaskState
 
 log = logging.getLogger("weclaw_mq.state")
@@ -175,6 +176,7 @@ class RedisTaskStore:
     """``TaskStore`` on Redis; its failures surface as ``StateUnavailableError``.
 
     ``owns_client``: ``close`` closes the client too (``open_store`` passes True).
+    ``max_batch``: the most commands one auto-pipeline sends together (``state.pipelining``).
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class RedisTaskStore:
         lease_s: float,
         done_ttl_s: float,
         owns_client: bool = False,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
         self._redis = client
         self._owns_client = owns_client
@@ -192,14 +195,18 @@ class RedisTaskStore:
         self.lease_s = lease_s
         self._lease_ms = int(lease_s * 1000)
         self._done_ttl_ms = int(done_ttl_s * 1000)
-        self._claim = client.register_script(CLAIM_SCRIPT)
-        self._finish = client.register_script(FINISH_SCRIPT)
-        self._record = client.register_script(_RECORD)
+        # The hot path's commands (claims, finishes, records, reads) go through one
+        # auto-pipeline: those issued in the same loop iteration share a round trip.
+        self._pipe = AutoPipeline(client, max_batch=max_batch)
+        self._claim = Script.of(CLAIM_SCRIPT)
+        self._finish = Script.of(FINISH_SCRIPT)
+        self._record = Script.of(_RECORD)
+        self._forget_queued = Script.of(_FORGET_QUEUED)
+        self._get_latest = Script.of(_GET_LATEST)
+        self._release = Script.of(_RELEASE)
+        # Batches of their own (one script call, or one pipeline per lease period).
         self._record_new_many = client.register_script(_RECORD_NEW_MANY)
-        self._forget_queued = client.register_script(_FORGET_QUEUED)
-        self._get_latest = client.register_script(_GET_LATEST)
         self._extend = client.register_script(_EXTEND)
-        self._release = client.register_script(_RELEASE)
         self._held: dict[str, str] = {}  # guard key -> its value, while its handler runs
         self._renewer: asyncio.Task[None] | None = None
 
@@ -213,7 +220,7 @@ class RedisTaskStore:
             keys += self._record_keys(running)
             args += [running.status.value, running.model_dump_json(), self._ttl_ms]
         try:
-            answer = await self._claim(keys=keys, args=args)
+            answer = await self._pipe.script(self._claim, keys, args)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
         return Claim(answer.decode() if isinstance(answer, bytes) else answer)
@@ -257,7 +264,7 @@ class RedisTaskStore:
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
         try:
-            await self._release(keys=[guard_key(queue, task_id)], args=[_RUNNING + owner])
+            await self._pipe.script(self._release, [guard_key(queue, task_id)], [_RUNNING + owner])
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -274,7 +281,7 @@ class RedisTaskStore:
                 result.queue,
             ]
         try:
-            await self._finish(keys=keys, args=args)
+            await self._pipe.script(self._finish, keys, args)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -296,7 +303,7 @@ class RedisTaskStore:
     async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
         keys, args = self._record_keys(state), self._record_args(state, only_if_new)
         try:
-            return bool(await self._record(keys=keys, args=args))
+            return bool(await self._pipe.script(self._record, keys, args))
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -318,27 +325,30 @@ class RedisTaskStore:
                 args += [st.status.value, st.model_dump_json()]
             await self._record_new_many(keys=keys, args=args)
             return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for state in states:
-                await self._record(
-                    keys=self._record_keys(state),
-                    args=self._record_args(state, only_if_new),
-                    client=pipe,
+        # Queued together in this loop iteration: one pipeline (up to the batch bound).
+        await asyncio.gather(
+            *(
+                self._pipe.script(
+                    self._record, self._record_keys(st), self._record_args(st, only_if_new)
                 )
-            await pipe.execute()
+                for st in states
+            )
+        )
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
         try:
-            await self._forget_queued(keys=[state_key(queue, task_id), latest_key(task_id)])
+            await self._pipe.script(
+                self._forget_queued, [state_key(queue, task_id), latest_key(task_id)], []
+            )
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
         try:
             if queue is None:
-                raw = await self._get_latest(keys=[latest_key(task_id)])
+                raw = await self._pipe.script(self._get_latest, [latest_key(task_id)], [])
             else:
-                raw = await self._redis.hget(state_key(queue, task_id), "state")
+                raw = await self._pipe.hget(state_key(queue, task_id), "state")
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
         return TaskState.model_validate_json(raw) if raw is not None else None
@@ -380,6 +390,7 @@ class RedisTaskStore:
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
+        await self._pipe.close()
         if self._owns_client:
             await self._redis.aclose()
 

@@ -1,0 +1,149 @@
+"""Automatic pipelining: the store's commands issued in one event-loop iteration, sent as one.
+
+redis-py spends most of a command's cost in Python (packing, the pool, the parser's awaits),
+not in Redis; with the guard on, a worker at high concurrency saturates its event loop there.
+Deliveries that run in the same loop iteration (a burst of deliveries, finishes that end
+together) each issue their command here; the first one schedules a flush for the next loop
+iteration (``loop.call_soon``, not a timer), which sends everything queued by then as one
+non-transactional pipeline: one write, one connection from the pool, one read loop.
+
+What stays as it was without it:
+- each command is one script (or one read), atomic on its own; the pipeline adds no
+  transaction and no ordering between tasks beyond the order of issue;
+- a command's failure fails only its caller: the pipeline runs with ``raise_on_error=False``
+  and every caller gets its own answer or its own error. Only a failed round trip (the
+  connection) fails every command of that batch, as it would have failed each of them;
+- a lone command is sent on the next loop iteration, directly (no pipeline object), so an
+  idle worker's task waits for nothing;
+- at most ``max_batch`` commands per pipeline: a bigger burst goes out as several pipelines,
+  each on its own connection, so one huge write never delays the first answers.
+
+It works with any client that has ``.pipeline()`` and the commands used, including a
+cluster client: its pipeline routes each command to its slot's node, and a task's keys share
+one hash tag, so every script still runs on one node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+# Enough for a worker at concurrency 100 to send a burst in one or two pipelines, small enough
+# that the first caller of a batch waits for at most this many answers.
+DEFAULT_MAX_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Script:
+    """A Lua script known by its SHA1: sent as EVALSHA, loaded once when Redis lacks it."""
+
+    sha: str
+    text: str
+
+    @classmethod
+    def of(cls, text: str) -> Script:
+        return cls(hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest(), text)
+
+
+@dataclass
+class _Call:
+    command: str  # a client method: "evalsha", "hget", ...
+    args: tuple[Any, ...]
+    script: Script | None
+    future: asyncio.Future[Any]
+
+
+class AutoPipeline:
+    """Sends the commands queued in one loop iteration as one pipeline (see the module)."""
+
+    def __init__(self, client: Any, *, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, not {max_batch}")
+        self._client = client
+        self.max_batch = max_batch
+        self._queued: list[_Call] = []
+        self._flush_scheduled = False
+        self._sending: set[asyncio.Task[None]] = set()
+
+    # Plain functions returning the caller's future: no coroutine per command on the hot path.
+    def script(self, script: Script, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
+        """EVALSHA of ``script`` with ``keys`` and ``args``, in the next pipeline."""
+        return self._queue("evalsha", (script.sha, len(keys), *keys, *args), script)
+
+    def hget(self, key: str, field: str) -> asyncio.Future[Any]:
+        return self._queue("hget", (key, field), None)
+
+    def _queue(
+        self, command: str, args: tuple[Any, ...], script: Script | None
+    ) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        call = _Call(command, args, script, loop.create_future())
+        self._queued.append(call)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush, loop)
+        return call.future
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._flush_scheduled = False
+        # A caller cancelled before its batch left is dropped: it no longer waits for it.
+        calls = [c for c in self._queued if not c.future.done()]
+        self._queued = []
+        for first in range(0, len(calls), self.max_batch):
+            task = loop.create_task(self._send(calls[first : first + self.max_batch]))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, calls: list[_Call]) -> None:
+        try:
+            answers = await self._execute(calls)
+            missing = [i for i, a in enumerate(answers) if isinstance(a, NoScriptError)]
+            if missing:
+                # Redis lost its script cache (a restart, SCRIPT FLUSH, a new node): load
+                # each script once and send those calls again. Their first try ran nothing.
+                for text in {s.text for i in missing if (s := calls[i].script)}:
+                    await self._client.script_load(text)
+                again = await self._execute([calls[i] for i in missing])
+                for i, answer in zip(missing, again, strict=True):
+                    answers[i] = answer
+        except BaseException as e:  # the round trip itself failed: every caller in it
+            for call in calls:
+                if not call.future.done():
+                    call.future.set_exception(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        for call, answer in zip(calls, answers, strict=True):
+            if call.future.done():
+                continue
+            if isinstance(answer, Exception):
+                call.future.set_exception(answer)
+            else:
+                call.future.set_result(answer)
+
+    async def _execute(self, calls: list[_Call]) -> list[Any]:
+        """Each call's answer, or its error as a value (never raised for one command)."""
+        if len(calls) == 1:
+            # Alone: the plain command, without building a pipeline (today's cost).
+            call = calls[0]
+            try:
+                return [await getattr(self._client, call.command)(*call.args)]
+            except NoScriptError as e:
+                return [e]
+        async with self._client.pipeline(transaction=False) as pipe:
+            for call in calls:
+                getattr(pipe, call.command)(*call.args)
+            answers: list[Any] = await pipe.execute(raise_on_error=False)
+            return answers
+
+    async def close(self) -> None:
+        """Wait for the pipelines in flight (their callers get their answers)."""
+        while self._sending or self._queued:
+            if self._sending:
+                await asyncio.gather(*self._sending, return_exceptions=True)
+            else:
+                await asyncio.sleep(0)  # the scheduled flush sends what is queued
