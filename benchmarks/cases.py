@@ -338,11 +338,20 @@ class Bench:
                     baseline=baseline,
                 )
 
+            self._spec(
+                case_id,
+                f"Redis commands per round trip, c={concurrency}",
+                WECLAW_GUARD,
+                "redis_batch",
+                "commands",
+                decimals=1,
+            )
+
             async def run(
                 c: Contender, r: int, n: int = count, k: int = concurrency
             ) -> dict[str, float]:
                 done = await self._consume(f"consume-c{k}", c, r, count=n, concurrency=k)
-                return {"rate": done["rate"], "cpu_us": done["cpu_us"]}
+                return {"rate": done["rate"], "cpu_us": done["cpu_us"], **batching(done)}
 
             await self._case(case_id, contenders, run)
 
@@ -492,6 +501,13 @@ class Bench:
         for name in CASES:
             if name in self.cases:
                 await steps[name]()
+
+
+def batching(done: dict[str, Any]) -> dict[str, float]:
+    """The guarded worker's Redis commands per round trip (its auto-pipeline), if it has one."""
+    if "redis_per_round_trip" not in done:
+        return {}
+    return {"redis_batch": done["redis_per_round_trip"]}
 
 
 def log(text: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, SecretStr
 
 from weclaw_mq import App, Settings, Worker
+from weclaw_mq.state.pipelining import AutoPipeline
 
 from ..common import (
     ChildConfig,
@@ -80,11 +81,20 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
     result = tracker.result()
     if e2e:
         result.update(latency_summary(latencies_ms))
+    result.update(redis_batching(app))
     emit("done", **result)
     await expect(reader, "stop")
     worker.stop()
     await running
     await app.close()
+
+
+def redis_batching(app: App) -> dict[str, float]:
+    """Commands per Redis round trip of the store's auto-pipeline (state.pipelining)."""
+    pipe = getattr(app._store, "_pipe", None)
+    if not isinstance(pipe, AutoPipeline) or not pipe.round_trips:
+        return {}
+    return {"redis_per_round_trip": pipe.sent_commands / pipe.round_trips}
 
 
 async def publish(cfg: ChildConfig) -> None:

@@ -105,9 +105,25 @@ async def test_a_failing_command_fails_only_its_caller(client: CountingRedis, ke
 async def test_a_burst_is_split_at_the_batch_bound(client: CountingRedis, key: str) -> None:
     pipe = AutoPipeline(client, max_batch=4)
     answers = await asyncio.gather(*(pipe.script(APPEND, [key], [str(i)]) for i in range(10)))
-    assert sorted(answers) == list(range(1, 11))
-    assert sorted(await client.lrange(key, 0, -1)) == sorted(str(i).encode() for i in range(10))
+    assert answers == list(range(1, 11))  # one after the other: still in the order of issue
+    assert await client.lrange(key, 0, -1) == [str(i).encode() for i in range(10)]
     assert client.pipelines == [4, 4, 2]
+
+
+async def test_commands_issued_during_a_round_trip_leave_together_after_it(
+    client: CountingRedis, key: str
+) -> None:
+    pipe = AutoPipeline(client)  # one round trip in flight at a time
+    first = pipe.script(APPEND, [key], ["first"])
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert client.alone == ["EVALSHA"]  # out, not answered yet
+    later = [pipe.script(APPEND, [key], [str(i)]) for i in range(5)]
+    await asyncio.sleep(0)
+    assert client.pipelines == []  # they wait for the first round trip
+    assert await first == 1
+    assert await asyncio.gather(*later) == [2, 3, 4, 5, 6]
+    assert client.pipelines == [5]
 
 
 async def test_a_lone_command_is_sent_on_the_next_loop_iteration(
