@@ -29,7 +29,14 @@ from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy
 from .settings import Settings
-from .state import REDIS_FAILURES, TaskState, TaskStatus, TaskStore, open_store, state_unavailable
+from .state import (
+    TaskState,
+    TaskStatus,
+    TaskStore,
+    is_state_failure,
+    open_store,
+    state_unavailable,
+)
 from .topology import declare
 from .tracing import current, new_trace_id
 
@@ -342,8 +349,10 @@ class App:
         store = self._require_results()
         try:
             return await store.get(task_id, queue=queue)
-        except REDIS_FAILURES as e:  # a custom store on redis-py, unwrapped
-            raise state_unavailable(e) from e
+        except Exception as e:  # a custom store on redis-py, unwrapped
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
 
     async def result(
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
@@ -358,8 +367,10 @@ class App:
         store = self._require_results()
         try:
             return await store.wait(task_id, timeout_s, queue=queue)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
+        except Exception as e:
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:

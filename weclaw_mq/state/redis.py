@@ -21,9 +21,10 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from ..errors import ResultTimeoutError, StateUnavailableError
+from ..errors import ResultTimeoutError
 from ..naming import done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
+from . import state_unavailable
 from .pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
 from .protocol import Claim, TaskState
 
@@ -34,15 +35,9 @@ DONE = "done"
 _RUNNING = "running:"
 
 # Redis failing or not answering, as redis-py raises it (its errors, and socket errors that
-# escape it): the store turns each into StateUnavailableError.
+# escape it): the store turns each into StateUnavailableError (``state.is_state_failure``
+# answers the same without importing redis-py).
 REDIS_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
-
-
-def state_unavailable(e: BaseException) -> StateUnavailableError:
-    return StateUnavailableError(
-        f"Redis did not answer for task states ({type(e).__name__}: {e}); "
-        "check WECLAW_MQ_REDIS_URL and that Redis is up"
-    )
 
 
 # The one rule for writing a task's record, shared by every script that writes one: a
