@@ -46,7 +46,17 @@ RAW_REDIS = Contender(
     "raw-redis", "raw aio-pika + Redis by hand", "raw_aiopika", guard=True, short="raw+Redis"
 )
 WECLAW = Contender("weclaw", "weclaw_mq (guard off)", "weclaw")
-WECLAW_GUARD = Contender("weclaw-guard", "weclaw_mq (guard + results)", "weclaw", guard=True)
+WECLAW_GUARD = Contender(
+    "weclaw-guard", "weclaw_mq (guard + results)", "weclaw", guard=True, short="1 process"
+)
+# ``weclaw-mq worker --processes 2``: the supervisor and its two children (guard + results).
+WECLAW_GUARD_PROCESSES = Contender(
+    "weclaw-guard-p2",
+    "weclaw_mq --processes 2 (guard + results)",
+    "weclaw_processes",
+    guard=True,
+    processes=2,
+)
 FASTSTREAM = Contender("faststream", "FastStream", "faststream_bench")
 DRAMATIQ = Contender(
     "dramatiq", "Dramatiq (1 process, threads = c)", "dramatiq_bench", dramatiq=True
@@ -123,8 +133,11 @@ SMOKE = Counts(
     e2e=20,
     e2e_interval_s=0.005,
 )
-CASES = ("consume", "io", "publish", "rss", "e2e")
-OURS_AND_BASELINES = frozenset({"raw", "raw-redis", "weclaw", "weclaw-guard", "weclaw-results"})
+CASES = ("consume", "processes", "io", "publish", "rss", "e2e")
+OURS_AND_BASELINES = frozenset(
+    {"raw", "raw-redis", "weclaw", "weclaw-guard", "weclaw-guard-p2", "weclaw-results"}
+)
+PROCESSES_CONCURRENCY = 100  # per process, as in the guarded c=100 consume case
 
 
 @dataclass
@@ -355,6 +368,40 @@ class Bench:
 
             await self._case(case_id, contenders, run)
 
+    async def processes_case(self) -> None:
+        """Two worker processes under the supervisor against one, both guarded."""
+        k = PROCESSES_CONCURRENCY
+        count = 2 * self.counts.consume.get(k, max(self.counts.consume.values()))
+        case_id = "processes"
+        label = f"consume no-op, guard + results, c={k} per process"
+        contenders = [WECLAW_GUARD, WECLAW_GUARD_PROCESSES]
+        for c in contenders:
+            two = c is WECLAW_GUARD_PROCESSES
+            self._spec(
+                case_id,
+                label,
+                c,
+                "rate",
+                "msg/s",
+                baseline=WECLAW_GUARD if two else None,
+                target=Target("ratio_min", 1.6) if two else None,
+            )
+        for c in contenders:
+            self._spec(
+                case_id,
+                f"consumer CPU per message, guard + results, c={k} per process",
+                c,
+                "cpu_us",
+                "us CPU/msg",
+                baseline=WECLAW_GUARD if c is WECLAW_GUARD_PROCESSES else None,
+            )
+
+        async def run(c: Contender, r: int) -> dict[str, float]:
+            done = await self._consume(case_id, c, r, count=count, concurrency=k)
+            return {"rate": done["rate"], "cpu_us": done["cpu_us"]}
+
+        await self._case(case_id, contenders, run)
+
     async def io_cases(self) -> None:
         contenders = [RAW, WECLAW, WECLAW_GUARD]
         for concurrency in self.counts.io_concurrency:
@@ -493,6 +540,7 @@ class Bench:
     async def run_all(self) -> None:
         steps = {
             "consume": self.consume_cases,
+            "processes": self.processes_case,
             "io": self.io_cases,
             "publish": self.publish_cases,
             "rss": self.rss_case,
