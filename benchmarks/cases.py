@@ -336,10 +336,23 @@ class Bench:
                 baseline = RAW_REDIS if c is WECLAW_GUARD else (None if c is RAW else RAW)
                 target = None
                 if c is WECLAW and concurrency in (10, 100):
-                    target = Target("ratio_min", 0.9)
+                    target = Target("ratio_min", 0.9, every=True)
                 if c is WECLAW_GUARD:
-                    target = Target("ratio_min", 0.9)
+                    # With its Redis calls auto-pipelined, the guard is to beat the same two
+                    # scripts called by hand (issue 17), not only to match them.
+                    target = Target("ratio_min", 1.5 if concurrency == 100 else 0.9)
                 self._spec(case_id, label, c, "rate", "msg/s", baseline=baseline, target=target)
+                if c is WECLAW_GUARD and concurrency == 100:
+                    # ... and to keep most of the guard-off baseline's throughput.
+                    self._spec(
+                        case_id,
+                        label,
+                        c,
+                        "rate",
+                        "msg/s",
+                        baseline=RAW,
+                        target=Target("ratio_min", 0.6),
+                    )
             for c in contenders:
                 baseline = RAW_REDIS if c is WECLAW_GUARD else (None if c is RAW else RAW)
                 self._spec(
@@ -502,8 +515,10 @@ class Bench:
         peers = [] if self.skip_peers else [FASTSTREAM, DRAMATIQ]
         contenders = [RAW, WECLAW, WECLAW_GUARD, *peers]
         label = f"idle worker RSS (c=10, after {self.counts.rss} messages)"
+        # Guard off: no redis-py loaded; guard + results (and the per-message metrics): the
+        # store and redis-py on top.
+        targets = {WECLAW.key: Target("max", 40), WECLAW_GUARD.key: Target("max", 45)}
         for c in contenders:
-            weclaw = c in (WECLAW, WECLAW_GUARD)
             self._spec(
                 "rss",
                 label,
@@ -511,7 +526,7 @@ class Bench:
                 "rss_mib",
                 "MiB",
                 baseline=None if c is RAW else RAW,
-                target=Target("max", 40) if weclaw else None,
+                target=targets.get(c.key),
                 decimals=1,
             )
 
