@@ -16,7 +16,7 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools test lint format demo drill bench bench-own-cost compose-check clean \
+.PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-rss compose-check clean \
 	distclean services-up services-down services-status
 
 help:
@@ -32,6 +32,7 @@ help:
 	@echo "make drill          every fault drill (private RabbitMQ nodes, 3-node cluster) and its table"
 	@echo "make bench          benchmark vs raw aio-pika, FastStream, Dramatiq (own venv; BENCH_ARGS=--smoke)"
 	@echo "make bench-own-cost weclaw_mq's own CPU per delivery, in isolation (no broker, no Redis)"
+	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -105,6 +106,9 @@ bench:
 
 # The README's "own work per delivery": process() against a bare handler call (needs only
 # the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.
+bench-rss: install
+	$(BIN)/python -m benchmarks.rss_layers
+
 bench-own-cost: install
 	$(BIN)/python -m benchmarks.own_cost $(OWN_COST_ARGS)
 

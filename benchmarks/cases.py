@@ -140,6 +140,9 @@ OURS_AND_BASELINES = frozenset(
 PROCESSES_CONCURRENCY = 100  # per process, as in the guarded c=100 consume case
 
 
+Runner = Callable[["Contender", int], Awaitable[dict[str, float]]]
+
+
 @dataclass
 class Bench:
     infra: Infra
@@ -150,6 +153,8 @@ class Bench:
     skip_peers: bool
     only: frozenset[str] = frozenset()  # contender keys to run; empty: all
     results: Results = field(default_factory=Results)
+    # case id -> (its contenders by key, one measurement): costs.explain_misses runs it again
+    runners: dict[str, tuple[dict[str, Contender], Runner]] = field(default_factory=dict)
 
     # -- one run of one contender ---------------------------------------------------------
     def _cfg(self, mode: str, queue: str, contender: Contender, **kw: Any) -> ChildConfig:
@@ -273,6 +278,7 @@ class Bench:
         run: Callable[[Contender, int], Awaitable[dict[str, float]]],
     ) -> None:
         """Every repeat runs every contender, in an order rotated by one each repeat."""
+        self.runners[case_id] = ({c.key: c for c in contenders}, run)
         if self.only:
             contenders = [c for c in contenders if c.key in self.only]
         if not contenders:

@@ -17,6 +17,7 @@ from weclaw_mq import App, Settings, Worker
 from ..common import (
     ChildConfig,
     Tracker,
+    WindowProfile,
     emit,
     expect,
     latency_summary,
@@ -57,6 +58,7 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
     track(tracker)
     latencies_ms: list[float] = []
     sleep_s = cfg.sleep_s
+    profile = WindowProfile()
     app = build_app(cfg)
 
     @app.handler(cfg.queue, idempotent=cfg.guard)
@@ -72,11 +74,13 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
         await app.store.get("warm-up")  # connect now, not inside the timed window
     emit("ready", redis_round_trips=REDIS_ROUND_TRIPS if cfg.guard else 0)
     await expect(reader, "go")
+    profile.start()
     running = asyncio.create_task(worker.run())
     if e2e:  # the publisher starts only once the worker consumes
         await worker.ready.wait()
         emit("consuming")
     await done.wait()
+    profile.stop()
     result = tracker.result()
     if e2e:
         result.update(latency_summary(latencies_ms))
@@ -119,6 +123,8 @@ async def publish(cfg: ChildConfig) -> None:
     emit("ready")
     await expect(reader, "go")
     latencies_ms: list[float] = []
+    profile = WindowProfile()
+    profile.start()
     started = now_ns()
     if cfg.mode == "publish":
         for seq in range(cfg.count):
@@ -134,6 +140,7 @@ async def publish(cfg: ChildConfig) -> None:
             )
             latencies_ms.append((now_ns() - t0) / 1e6)
     elapsed_s = (now_ns() - started) / 1e9
+    profile.stop()
     emit(
         "done",
         count=cfg.count,
