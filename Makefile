@@ -16,7 +16,7 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-rss compose-check clean \
+.PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-rss bench-redis-client compose-check clean \
 	distclean services-up services-down services-status
 
 help:
@@ -33,6 +33,7 @@ help:
 	@echo "make bench          benchmark vs raw aio-pika, FastStream, Dramatiq (own venv; BENCH_ARGS=--smoke)"
 	@echo "make bench-own-cost weclaw_mq's own CPU per delivery, in isolation (no broker, no Redis)"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
+	@echo "make bench-redis-client  the store's Redis calls alone vs auto-pipelined (and hiredis if installed)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -103,9 +104,15 @@ drill: install
 # The peers live in benchmarks/.venv, built by run.sh on first use, never in .venv.
 bench:
 	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
+	$(MAKE) --no-print-directory bench-redis-client
 
 # The README's "own work per delivery": process() against a bare handler call (needs only
 # the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.
+# The store's Redis path in isolation (~20 s): CPU per command alone vs auto-pipelined, with
+# redis-py's parser and hiredis when installed (.venv/bin/pip install hiredis to compare).
+bench-redis-client: install
+	$(BIN)/python -m benchmarks.redis_client $(REDIS_CLIENT_BENCH_ARGS)
+
 bench-rss: install
 	$(BIN)/python -m benchmarks.rss_layers
 

@@ -200,3 +200,21 @@ async def test_one_tasks_failing_claim_in_a_batch_fails_only_that_task(
     finally:
         await forget_task_keys(client, queue, ids)
         await store.close()
+
+
+async def test_close_lets_go_of_a_round_trip_that_never_ends(client: CountingRedis) -> None:
+    # A server that accepts and never answers: the batch would wait for the socket timeout.
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    silent = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+    pipe = AutoPipeline(silent)
+    waiting = pipe.script(APPEND, ["k"], ["x"])
+    queued_after = None
+    try:
+        await asyncio.sleep(0.05)  # sent, no answer
+        queued_after = pipe.script(APPEND, ["k"], ["y"])  # waits for the round trip
+        await asyncio.wait_for(pipe.close(), 2)
+        assert waiting.cancelled() and queued_after.cancelled()
+    finally:
+        server.close()
+        await silent.aclose()

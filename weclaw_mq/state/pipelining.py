@@ -137,12 +137,14 @@ class AutoPipeline:
                 again = await self._execute([calls[i] for i in missing])
                 for i, answer in zip(missing, again, strict=True):
                     answers[i] = answer
-        except BaseException as e:  # the round trip itself failed: every caller in it
+        except asyncio.CancelledError:  # closed: its callers are let go, as if cancelled
+            for call in calls:
+                call.future.cancel()
+            raise
+        except Exception as e:  # the round trip itself failed: every caller in it
             for call in calls:
                 if not call.future.done():
                     call.future.set_exception(e)
-            if isinstance(e, asyncio.CancelledError):
-                raise
             return
         for call, answer in zip(calls, answers, strict=True):
             if call.future.done():
@@ -170,9 +172,15 @@ class AutoPipeline:
             return answers
 
     async def close(self) -> None:
-        """Wait for the pipelines in flight (their callers get their answers)."""
-        while self._sending or self._queued:
-            if self._sending:
-                await asyncio.gather(*self._sending, return_exceptions=True)
-            else:
-                await asyncio.sleep(0)  # the scheduled flush sends what is queued
+        """Stop: what is queued or in flight is dropped and its callers are cancelled.
+
+        The owner closes once its users stopped (a worker drains its handlers first); a
+        Redis that does not answer must not hold a close for its socket timeout.
+        """
+        for call in self._queued:
+            call.future.cancel()
+        self._queued = []
+        sending = list(self._sending)
+        for task in sending:
+            task.cancel()
+        await asyncio.gather(*sending, return_exceptions=True)
