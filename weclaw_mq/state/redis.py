@@ -1,10 +1,11 @@
 """The default ``TaskStore``: a task's records and its idempotency claim in Redis.
 
 Keys come from ``naming`` (guard key, record hash, latest pointer, done channel; all hash-tagged
-on the task id). Every step of the hot path is one script, so one round trip: the claim
-(``CLAIM_SCRIPT``, with the "running" record) and the finish (``FINISH_SCRIPT``: done marker
-and result). Leases are renewed by one task per store for every held claim, in one pipelined
-round trip per period, instead of a task and a timer per message.
+on the task id). Every step of the hot path is one script: the claim (``CLAIM_SCRIPT``, with the
+"running" record) and the finish (``FINISH_SCRIPT``: done marker and result). The scripts of
+concurrent tasks share round trips (``pipelining.AutoPipeline``). Leases are renewed by one
+task per store for every held claim, together once per period, instead of a task and a timer
+per message.
 
 For results to survive a Redis restart, Redis must persist them (``appendonly yes``); a Redis
 that keeps nothing on disk forgets every result (and every done marker) when it restarts.
@@ -199,9 +200,9 @@ class RedisTaskStore:
         self._forget_queued = Script.of(_FORGET_QUEUED)
         self._get_latest = Script.of(_GET_LATEST)
         self._release = Script.of(_RELEASE)
-        # Batches of their own (one script call, or one pipeline per lease period).
+        self._extend = Script.of(_EXTEND)
+        # One script call for a whole batch of new records (publish_many).
         self._record_new_many = client.register_script(_RECORD_NEW_MANY)
-        self._extend = client.register_script(_EXTEND)
         self._held: dict[str, str] = {}  # guard key -> its value, while its handler runs
         self._renewer: asyncio.Task[None] | None = None
 
@@ -242,10 +243,11 @@ class RedisTaskStore:
                 return
             held = list(self._held.items())
             try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for key, value in held:
-                        await self._extend(keys=[key], args=[value, self._lease_ms], client=pipe)
-                    renewed = await pipe.execute()
+                # Issued together: one pipeline (or several of at most max_batch), and no
+                # SCRIPT EXISTS round trip first, as redis-py's own pipeline of scripts makes.
+                renewed = await asyncio.gather(
+                    *(self._pipe.script(self._extend, [k], [v, self._lease_ms]) for k, v in held)
+                )
             except Exception as e:  # a Redis blip must not kill the handlers
                 log.warning("could not renew %d lease(s) (%s: %s)", len(held), type(e).__name__, e)
                 continue
