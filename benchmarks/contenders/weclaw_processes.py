@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aio_pika import message as aio_message
-
 from ..common import ChildConfig, emit, expect, now_ns, stdin_lines
+from .aio_hooks import track
 
 SLOTS_ENV = "WECLAW_BENCH_SLOTS"
 CONFIG_ENV = "WECLAW_BENCH_CONFIG"
@@ -85,22 +84,6 @@ class Slot:
         )
 
 
-def _track(slot: Slot) -> None:
-    cls = aio_message.IncomingMessage
-    init, ack = cls.__init__, cls.ack
-
-    def counted_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        slot.delivered()
-
-    async def counted_ack(self: Any, *args: Any, **kwargs: Any) -> None:
-        await ack(self, *args, **kwargs)
-        slot.acked_one()
-
-    cls.__init__ = counted_init  # type: ignore[method-assign]
-    cls.ack = counted_ack  # type: ignore[method-assign]
-
-
 @functools.cache
 def _child_app() -> Any:
     """The app a worker child loads: the one-process contender's, with the slot hooks."""
@@ -108,7 +91,7 @@ def _child_app() -> Any:
 
     cfg = ChildConfig(**json.loads(os.environ[CONFIG_ENV]))
     slot = Slot(Path(os.environ[SLOTS_ENV]))
-    _track(slot)
+    track(slot)
     app = build_app(cfg)
 
     @app.handler(cfg.queue, idempotent=cfg.guard)
