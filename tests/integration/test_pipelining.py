@@ -218,3 +218,33 @@ async def test_close_lets_go_of_a_round_trip_that_never_ends(client: CountingRed
     finally:
         server.close()
         await silent.aclose()
+
+
+def test_a_pipeline_left_behind_by_a_closed_loop_serves_the_next_one(redis_url: str) -> None:
+    # A store reused across asyncio.run calls: the first loop ends with a command queued
+    # (its flush never ran) and one in flight; the next loop's commands still go out.
+    key = f"weclaw-test:pipelining:{uuid.uuid4().hex}"
+    state: dict[str, Any] = {}
+
+    async def leave_work_behind() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        pipe = AutoPipeline(client)
+        state["pipe"] = pipe
+        pipe.script(APPEND, [key], ["in flight"])
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # sent, not answered
+        pipe.script(APPEND, [key], ["queued"])
+
+    async def use_it_again() -> list[Any]:
+        client = aioredis.Redis.from_url(redis_url)
+        state["pipe"]._client = client  # the old loop's connections are gone with it
+        try:
+            answer = await asyncio.wait_for(state["pipe"].script(APPEND, [key], ["next"]), 5)
+            return [answer, await client.lrange(key, 0, -1)]
+        finally:
+            await client.delete(key)
+            await client.aclose()
+
+    asyncio.run(leave_work_behind())
+    answer, stored = asyncio.run(use_it_again())
+    assert b"next" in stored and answer == len(stored)

@@ -82,7 +82,7 @@ class AutoPipeline:
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
         self._queued: list[_Call] = []
-        self._flush_scheduled = False
+        self._flush_loop: asyncio.AbstractEventLoop | None = None  # where a flush is due
         self._sending: set[asyncio.Task[None]] = set()
         # What was sent, for the benchmark and for tuning: commands / round trips.
         self.sent_commands = 0
@@ -102,15 +102,19 @@ class AutoPipeline:
         loop = asyncio.get_running_loop()
         call = _Call(command, args, script, loop.create_future())
         self._queued.append(call)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
+        # Scheduled on this loop, not merely "scheduled": a flush left pending on a loop that
+        # was closed since (a store reused across asyncio.run calls) would never run.
+        if self._flush_loop is not loop:
+            self._flush_loop = loop
             loop.call_soon(self._flush, loop)
         return call.future
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._flush_scheduled = False
-        # A caller cancelled before its batch left is dropped: it no longer waits for it.
-        calls = [c for c in self._queued if not c.future.done()]
+        self._flush_loop = None
+        # A caller cancelled before its batch left is dropped: it no longer waits for it;
+        # so is one of another loop (closed), and a round trip that loop left unfinished.
+        calls = [c for c in self._queued if not c.future.done() and c.future.get_loop() is loop]
+        self._sending = {t for t in self._sending if t.get_loop() is loop}
         while calls and len(self._sending) < self.max_in_flight:
             batch, calls = calls[: self.max_batch], calls[self.max_batch :]
             task = loop.create_task(self._send(batch))
@@ -121,9 +125,10 @@ class AutoPipeline:
 
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._sending.discard(task)
-        if self._queued and not self._flush_scheduled:
-            self._flush_scheduled = True
-            task.get_loop().call_soon(self._flush, task.get_loop())
+        loop = task.get_loop()
+        if self._queued and self._flush_loop is not loop and not loop.is_closed():
+            self._flush_loop = loop
+            loop.call_soon(self._flush, loop)
 
     async def _send(self, calls: list[_Call]) -> None:
         try:
