@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits compose-check clean \
+	bench-stream bench-priority bench-limits bench-rss bench-redis-client compose-check clean \
 	distclean services-up services-down services-status
 
 help:
@@ -38,6 +38,8 @@ help:
 	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
+	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
+	@echo "make bench-redis-client  the store's Redis calls alone vs auto-pipelined (and hiredis if installed)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -109,6 +111,7 @@ drill: install
 bench:
 	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
 	$(MAKE) --no-print-directory bench-outbox
+	$(MAKE) --no-print-directory bench-redis-client
 
 # The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
@@ -117,6 +120,14 @@ bench-outbox: install
 
 # The README's "own work per delivery": process() against a bare handler call (needs only
 # the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.
+# The store's Redis path in isolation (~20 s): CPU per command alone vs auto-pipelined, with
+# redis-py's parser and hiredis when installed (.venv/bin/pip install hiredis to compare).
+bench-redis-client: install
+	$(BIN)/python -m benchmarks.redis_client $(REDIS_CLIENT_BENCH_ARGS)
+
+bench-rss: install
+	$(BIN)/python -m benchmarks.rss_layers
+
 bench-own-cost: install
 	$(BIN)/python -m benchmarks.own_cost $(OWN_COST_ARGS)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .cases import CASES, FULL, OURS_AND_BASELINES, SMOKE, Bench, log, notes
+from .costs import explain_misses
 from .infra import ROOT, Children, Infra, machine_info, package_versions
 from .report import render
 
@@ -140,6 +141,20 @@ async def amain(args: argparse.Namespace) -> int:
     header["machine"]["loadavg_end"] = list(os.getloadavg())
     rows = bench.results.rows()
     text = render(header, rows, notes(counts, args.skip_peers))
+    if not args.profile:
+        log("profiling the missed targets once more (cProfile)")
+        await infra.open()
+        try:
+            explained = await explain_misses(bench, rows, args.out / "miss-profiles")
+        finally:
+            children.kill_all()
+            await infra.close()
+        if explained:
+            text += (
+                "\nWhere the cost goes (missed targets, and guard off at c=10):\n\n```\n"
+                + explained
+                + "\n```\n"
+            )
     if args.profile:
         text += "\nPROFILED RUN: timings include pyinstrument's overhead.\n"
     print(text)

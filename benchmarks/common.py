@@ -5,8 +5,10 @@ contender's RSS."""
 from __future__ import annotations
 
 import asyncio
+import cProfile
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +17,9 @@ from typing import Any
 
 BODY_BYTES = 1024
 PROTOCOL_PREFIX = "BENCH "
+# Set by the orchestrator to a file path: the contender runs its measured window (go -> done)
+# under cProfile and writes the stats there (costs.py reads them for a missed target).
+PROFILE_ENV = "WECLAW_BENCH_PROFILE"
 # Every timestamp is CLOCK_MONOTONIC: one clock for the whole machine, so a publisher's
 # stamp and a consumer's stamp in another process can be subtracted.
 CLOCK = time.CLOCK_MONOTONIC
@@ -133,3 +138,22 @@ def latency_summary(latencies_ms: Sequence[float]) -> dict[str, float]:
         "p99_ms": percentile(latencies_ms, 99),
         "n": float(len(latencies_ms)),
     }
+
+
+class WindowProfile:
+    """cProfile over the measured window only, when ``PROFILE_ENV`` asks for it."""
+
+    def __init__(self) -> None:
+        self._path = os.environ.get(PROFILE_ENV)
+        self._profile: cProfile.Profile | None = None
+
+    def start(self) -> None:
+        if self._path:
+            self._profile = cProfile.Profile()
+            self._profile.enable()
+
+    def stop(self) -> None:
+        if self._profile is not None and self._path:
+            self._profile.disable()
+            self._profile.dump_stats(self._path)
+            self._profile = None

@@ -31,7 +31,7 @@ from weclaw_mq import App, Settings
 from weclaw_mq import headers as wh
 from weclaw_mq.topology import QueueSpec, declare, queue_declarations, work_queue_arguments
 
-from .common import PROTOCOL_PREFIX, ChildConfig, encode, make_payload
+from .common import PROFILE_ENV, PROTOCOL_PREFIX, ChildConfig, encode, make_payload
 
 ROOT = Path(__file__).resolve().parent.parent
 FILL_CHUNK = 1000
@@ -257,13 +257,20 @@ class Children:
     def __init__(self, profile_dir: Path | None) -> None:
         self.live: dict[int, Child] = {}
         self.profile_dir = profile_dir
+        # Set by costs.explain_misses: the next weclaw runs go under cProfile, into this folder.
+        self.cprofile_dir: Path | None = None
         # Processes a contender started itself (Dramatiq's worker processes), as it reported
         # them: the contender stops them; the JSON lists them so a test can check it did.
         self.worker_pids: list[int] = []
 
     async def start(self, module: str, cfg: ChildConfig, label: str) -> Child:
         args = ["-m", f"benchmarks.contenders.{module}", cfg.to_arg()]
-        if self.profile_dir is not None and module == "weclaw":
+        env = None
+        if self.cprofile_dir is not None and module == "weclaw":
+            # The contender profiles its measured window only (go -> done), not its start.
+            self.cprofile_dir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, PROFILE_ENV: str(self.cprofile_dir / f"{label}.prof")}
+        elif self.profile_dir is not None and module == "weclaw":
             self.profile_dir.mkdir(parents=True, exist_ok=True)
             out = self.profile_dir / f"{label}.txt"
             args = ["-m", "pyinstrument", "-r", "text", "-o", str(out), *args]
@@ -275,6 +282,7 @@ class Children:
             stdout=asyncio.subprocess.PIPE,
             stderr=stderr,
             cwd=ROOT,
+            env=env,
         )
         child = Child(proc, stderr)
         self.live[child.pid] = child

@@ -21,11 +21,14 @@ class Target:
 
     kind: Literal["ratio_min", "min", "max"]
     value: float
+    every: bool = False  # met only when it held in every repeat, not only on the median
 
     def text(self, baseline_label: str | None) -> str:
         if self.kind == "ratio_min":
-            return f">= {self.value:g}x {baseline_label}"
-        return f"{'>=' if self.kind == 'min' else '<='} {self.value:g}"
+            text = f">= {self.value:g}x {baseline_label}"
+        else:
+            text = f"{'>=' if self.kind == 'min' else '<='} {self.value:g}"
+        return f"{text} in every repeat" if self.every else text
 
     def met(self, median: float, ratio: float | None) -> bool | None:
         """On the medians: the row's median value, or its median paired ratio."""
@@ -137,8 +140,10 @@ class Results:
                 row["result"] = "miss (no data)"
             else:
                 met = s.target.met(v.median, row["ratio"])
-                row["result"] = "n/a" if met is None else ("pass" if met else "MISS")
                 held = s.target.held(values, ratios)
+                if met is not None and s.target.every:
+                    met = bool(held) and all(held.values())
+                row["result"] = "n/a" if met is None else ("pass" if met else "MISS")
                 row["held_in"] = sum(held.values())
                 row["held_of"] = len(held)
         return row

@@ -56,16 +56,16 @@ from .publishing.producer import Publisher
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import (
-    REDIS_FAILURES,
     Cancellation,
     TaskState,
     TaskStatus,
     TaskStore,
+    is_state_failure,
     open_store,
     state_unavailable,
 )
 from .state.expiry import as_seen_at, until_deadline_s
-from .streaming import Inbox, StreamEvent, StreamStore, open_redis_streams
+from .streaming import Inbox, StreamEvent, StreamStore
 from .streaming.events import check_event_id
 from .streaming.reading import task_events
 from .topology import declare
@@ -536,8 +536,10 @@ class App:
         store = self._require_results()
         try:
             state = await store.get(task_id, queue=queue)
-        except REDIS_FAILURES as e:  # a custom store on redis-py, unwrapped
-            raise state_unavailable(e) from e
+        except Exception as e:  # a custom store on redis-py, unwrapped
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
         # Past its deadline, a task nobody ran reads as expired (see state.expiry).
         return as_seen_at(state, datetime.now(UTC))
 
@@ -574,14 +576,18 @@ class App:
                         if final is not None and final.status.terminal:
                             return final
                         raise ResultTimeoutError(task_id, timeout_s, e.last) from None
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
+        except Exception as e:
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
 
     # -- streams and inboxes ------------------------------------------------------------
     @property
     def streams(self) -> StreamStore:
         """The stream store (task streams, session inboxes), opened on first use."""
         if self._streams is None:
+            from .streaming.redis import open_redis_streams  # loads redis-py: only when used
+
             self._streams = open_redis_streams(self.settings)
         return self._streams
 

@@ -6,14 +6,20 @@ and "last ack" the same two events for all three, at the same cost: one extra ca
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from aio_pika import message as aio_message
 
-from ..common import Tracker
+
+class Counter(Protocol):
+    """What the hooks call: ``common.Tracker``, or a process's slot (``weclaw_processes``)."""
+
+    def delivered(self) -> None: ...
+
+    def acked_one(self) -> None: ...
 
 
-def track(tracker: Tracker) -> None:
+def track(tracker: Counter) -> None:
     cls = aio_message.IncomingMessage
     init = cls.__init__
     ack = cls.ack

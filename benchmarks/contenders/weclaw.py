@@ -17,6 +17,7 @@ from weclaw_mq import App, Settings, Worker
 from ..common import (
     ChildConfig,
     Tracker,
+    WindowProfile,
     emit,
     expect,
     latency_summary,
@@ -57,6 +58,7 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
     track(tracker)
     latencies_ms: list[float] = []
     sleep_s = cfg.sleep_s
+    profile = WindowProfile()
     app = build_app(cfg)
 
     @app.handler(cfg.queue, idempotent=cfg.guard)
@@ -72,19 +74,31 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
         await app.store.get("warm-up")  # connect now, not inside the timed window
     emit("ready", redis_round_trips=REDIS_ROUND_TRIPS if cfg.guard else 0)
     await expect(reader, "go")
+    profile.start()
     running = asyncio.create_task(worker.run())
     if e2e:  # the publisher starts only once the worker consumes
         await worker.ready.wait()
         emit("consuming")
     await done.wait()
+    profile.stop()
     result = tracker.result()
     if e2e:
         result.update(latency_summary(latencies_ms))
+    result.update(redis_batching(app))
     emit("done", **result)
     await expect(reader, "stop")
     worker.stop()
     await running
     await app.close()
+
+
+def redis_batching(app: App) -> dict[str, float]:
+    """Commands per Redis round trip of the store's auto-pipeline (state.pipelining)."""
+    # Read off the store, not imported: importing it would load redis-py into a guard-off run.
+    pipe: Any = getattr(app._store, "_pipe", None)
+    if not getattr(pipe, "round_trips", 0):
+        return {}
+    return {"redis_per_round_trip": pipe.sent_commands / pipe.round_trips}
 
 
 async def publish(cfg: ChildConfig) -> None:
@@ -109,6 +123,8 @@ async def publish(cfg: ChildConfig) -> None:
     emit("ready")
     await expect(reader, "go")
     latencies_ms: list[float] = []
+    profile = WindowProfile()
+    profile.start()
     started = now_ns()
     if cfg.mode == "publish":
         for seq in range(cfg.count):
@@ -124,6 +140,7 @@ async def publish(cfg: ChildConfig) -> None:
             )
             latencies_ms.append((now_ns() - t0) / 1e6)
     elapsed_s = (now_ns() - started) / 1e9
+    profile.stop()
     emit(
         "done",
         count=cfg.count,

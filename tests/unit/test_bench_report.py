@@ -104,3 +104,14 @@ def test_a_failed_repeat_leaves_its_round_out_of_the_ratios() -> None:
     assert row["repeats"] == [0, 2]
     assert row["ratios"] == [pytest.approx(0.9), pytest.approx(0.7)]
     assert row["held_of"] == 2
+
+
+def test_an_every_repeat_target_misses_when_one_repeat_missed_it_even_if_the_median_holds() -> None:
+    base = {r: 100.0 for r in range(5)}
+    ours = {0: 95.0, 1: 85.0, 2: 91.0, 3: 92.0, 4: 93.0}
+    target = Target("ratio_min", 0.9, every=True)
+    row = _results(ours, base, target)
+    assert row["ratio"] == pytest.approx(0.92)
+    assert row["result"] == "MISS"
+    assert row["target"] == ">= 0.9x base in every repeat"
+    assert _results({**ours, 1: 90.0}, base, target)["result"] == "pass"

@@ -2,25 +2,61 @@
 
 The worker and ``App`` talk to ``TaskStore`` only; ``open_store`` picks the implementation
 from settings (Redis, the only one a multi-process deployment can share).
+
+The Redis implementation (and with it redis-py, about 6 MiB of a process) is imported on
+first use only: a worker with the guard and results off never loads it.
 """
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING, Any
+
+from ..errors import StateUnavailableError
 from ..settings import Settings
 from .cancel import Cancellation, CancelOutcome
 from .memory import MemoryTaskStore
 from .protocol import Claim, TaskState, TaskStatus, TaskStore, new_owner
-from .redis import REDIS_FAILURES, RedisTaskStore, open_redis_store, state_unavailable
+
+if TYPE_CHECKING:
+    from .redis import REDIS_FAILURES, RedisTaskStore
 
 
 def open_store(settings: Settings) -> TaskStore:
     """The store an ``App`` uses unless it is given one: Redis at ``settings.redis_url``."""
+    from .redis import open_redis_store
+
     return open_redis_store(settings)
+
+
+def state_unavailable(e: BaseException) -> StateUnavailableError:
+    return StateUnavailableError(
+        f"Redis did not answer for task states ({type(e).__name__}: {e}); "
+        "check WECLAW_MQ_REDIS_URL and that Redis is up"
+    )
+
+
+def is_state_failure(e: BaseException) -> bool:
+    """Redis failing or not answering, as redis-py raises it (``REDIS_FAILURES``), checked
+    without importing redis-py: a redis-py error exists only once redis-py was loaded."""
+    if isinstance(e, (OSError, TimeoutError)):
+        return True
+    exceptions = sys.modules.get("redis.exceptions")
+    return exceptions is not None and isinstance(e, exceptions.RedisError)
 
 
 def _memory_store_is_a_task_store(store: MemoryTaskStore) -> TaskStore:
     """Typed as ``TaskStore``: mypy checks that the in-memory store keeps the protocol."""
     return store
+
+
+def __getattr__(name: str) -> Any:
+    # The Redis names, loaded (with redis-py) when first asked for.
+    if name in ("REDIS_FAILURES", "RedisTaskStore"):
+        from . import redis
+
+        return getattr(redis, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
@@ -33,6 +69,7 @@ __all__ = [
     "TaskState",
     "TaskStatus",
     "TaskStore",
+    "is_state_failure",
     "new_owner",
     "open_store",
     "state_unavailable",

@@ -1,10 +1,11 @@
 """The default ``TaskStore``: a task's records and its idempotency claim in Redis.
 
 Keys come from ``naming`` (guard key, record hash, latest pointer, done channel; all hash-tagged
-on the task id). Every step of the hot path is one script, so one round trip: the claim
-(``CLAIM_SCRIPT``, with the "running" record) and the finish (``FINISH_SCRIPT``: done marker
-and result). Leases are renewed by one task per store for every held claim, in one pipelined
-round trip per period, instead of a task and a timer per message.
+on the task id). Every step of the hot path is one script: the claim (``CLAIM_SCRIPT``, with the
+"running" record) and the finish (``FINISH_SCRIPT``: done marker and result). The scripts of
+concurrent tasks share round trips (``pipelining.AutoPipeline``). Leases are renewed by one
+task per store for every held claim, together once per period, instead of a task and a timer
+per message.
 
 For results to survive a Redis restart, Redis must persist them (``appendonly yes``); a Redis
 that keeps nothing on disk forgets every result (and every done marker) when it restarts.
@@ -21,11 +22,13 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from ..errors import ResultTimeoutError, StateUnavailableError
+from ..errors import ResultTimeoutError
 from ..naming import cancel_key, done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
+from . import state_unavailable
 from .cancel import Cancellation
 from .expiry import record_ttl_s
+from .pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
 from .protocol import Claim, TaskState
 from .redis_cancel import RedisCancels
 from .redis_clients import StateClient, is_cluster
@@ -41,15 +44,9 @@ _RUNNING = "running:"
 # annotation omits the cluster pipeline, which it runs like any client.)
 
 # Redis failing or not answering, as redis-py raises it (its errors, and socket errors that
-# escape it): the store turns each into StateUnavailableError.
+# escape it): the store turns each into StateUnavailableError (``state.is_state_failure``
+# answers the same without importing redis-py).
 REDIS_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
-
-
-def state_unavailable(e: BaseException) -> StateUnavailableError:
-    return StateUnavailableError(
-        f"Redis did not answer for task states ({type(e).__name__}: {e}); "
-        "check WECLAW_MQ_REDIS_URL and that Redis is up"
-    )
 
 
 # The one rule for writing a task's record, shared by every script that writes one: a
@@ -177,6 +174,7 @@ class RedisTaskStore:
     """``TaskStore`` on Redis; its failures surface as ``StateUnavailableError``.
 
     ``owns_client``: ``close`` closes the client too (``open_store`` passes True).
+    ``max_batch``: the most commands one auto-pipeline sends together (``state.pipelining``).
     """
 
     def __init__(
@@ -187,6 +185,7 @@ class RedisTaskStore:
         lease_s: float,
         done_ttl_s: float,
         owns_client: bool = False,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
         self._redis = client
         self._owns_client = owns_client
@@ -195,14 +194,18 @@ class RedisTaskStore:
         self.lease_s = lease_s
         self._lease_ms = int(lease_s * 1000)
         self._done_ttl_ms = int(done_ttl_s * 1000)
-        self._claim = client.register_script(CLAIM_SCRIPT)
-        self._finish = client.register_script(FINISH_SCRIPT)
-        self._record = client.register_script(_RECORD)
+        # The hot path's commands (claims, finishes, records, reads) go through one
+        # auto-pipeline: those issued in the same loop iteration share a round trip.
+        self._pipe = AutoPipeline(client, max_batch=max_batch)
+        self._claim = Script.of(CLAIM_SCRIPT)
+        self._finish = Script.of(FINISH_SCRIPT)
+        self._record = Script.of(_RECORD)
+        self._forget_queued = Script.of(_FORGET_QUEUED)
+        self._get_latest = Script.of(_GET_LATEST)
+        self._release = Script.of(_RELEASE)
+        self._extend = Script.of(_EXTEND)
+        # One script call for a whole batch of new records (publish_many).
         self._record_new_many = client.register_script(_RECORD_NEW_MANY)
-        self._forget_queued = client.register_script(_FORGET_QUEUED)
-        self._get_latest = client.register_script(_GET_LATEST)
-        self._extend = client.register_script(_EXTEND)
-        self._release = client.register_script(_RELEASE)
         self._cancels = RedisCancels(client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA)
         self._held: dict[str, str] = {}  # guard key -> its value, while its handler runs
         self._renewer: asyncio.Task[None] | None = None
@@ -217,7 +220,7 @@ class RedisTaskStore:
             keys += self._record_keys(running)
             args += [running.status.value, running.model_dump_json(), self._ttl_ms]
         try:
-            answer = await self._claim(keys=keys, args=args)
+            answer = await self._pipe.script(self._claim, keys, args)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
         return Claim(answer.decode() if isinstance(answer, bytes) else answer)
@@ -244,14 +247,11 @@ class RedisTaskStore:
                 return
             held = list(self._held.items())
             try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for key, value in held:
-                        await self._extend(
-                            keys=[key],
-                            args=[value, self._lease_ms],
-                            client=pipe,  # type: ignore[arg-type]
-                        )
-                    renewed = await pipe.execute()
+                # Issued together: one pipeline (or several of at most max_batch), and no
+                # SCRIPT EXISTS round trip first, as redis-py's own pipeline of scripts makes.
+                renewed = await asyncio.gather(
+                    *(self._pipe.script(self._extend, [k], [v, self._lease_ms]) for k, v in held)
+                )
             except Exception as e:  # a Redis blip must not kill the handlers
                 log.warning("could not renew %d lease(s) (%s: %s)", len(held), type(e).__name__, e)
                 continue
@@ -265,7 +265,7 @@ class RedisTaskStore:
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
         try:
-            await self._release(keys=[guard_key(queue, task_id)], args=[_RUNNING + owner])
+            await self._pipe.script(self._release, [guard_key(queue, task_id)], [_RUNNING + owner])
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -282,7 +282,7 @@ class RedisTaskStore:
                 result.queue,
             ]
         try:
-            await self._finish(keys=keys, args=args)
+            await self._pipe.script(self._finish, keys, args)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -307,7 +307,7 @@ class RedisTaskStore:
     async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
         keys, args = self._record_keys(state), self._record_args(state, only_if_new)
         try:
-            return bool(await self._record(keys=keys, args=args))
+            return bool(await self._pipe.script(self._record, keys, args))
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -331,27 +331,30 @@ class RedisTaskStore:
                 args += [st.status.value, st.model_dump_json()]
             await self._record_new_many(keys=keys, args=args)
             return
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for state in states:
-                await self._record(
-                    keys=self._record_keys(state),
-                    args=self._record_args(state, only_if_new),
-                    client=pipe,  # type: ignore[arg-type]
+        # Queued together in this loop iteration: one pipeline (up to the batch bound).
+        await asyncio.gather(
+            *(
+                self._pipe.script(
+                    self._record, self._record_keys(st), self._record_args(st, only_if_new)
                 )
-            await pipe.execute()
+                for st in states
+            )
+        )
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
         try:
-            await self._forget_queued(keys=[state_key(queue, task_id), latest_key(task_id)])
+            await self._pipe.script(
+                self._forget_queued, [state_key(queue, task_id), latest_key(task_id)], []
+            )
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
         try:
             if queue is None:
-                raw = await self._get_latest(keys=[latest_key(task_id)])
+                raw = await self._pipe.script(self._get_latest, [latest_key(task_id)], [])
             else:
-                raw = await self._redis.hget(state_key(queue, task_id), "state")
+                raw = await self._pipe.hget(state_key(queue, task_id), "state")
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
         return TaskState.model_validate_json(raw) if raw is not None else None
@@ -426,6 +429,7 @@ class RedisTaskStore:
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
+        await self._pipe.close()
         if self._owns_client:
             await self._redis.aclose()
 

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .events import EventKind, StreamEvent
 from .memory import MemoryStreamStore
 from .protocol import StreamStore
 from .reading import Inbox
-from .redis import RedisStreamStore, open_redis_streams
+
+if TYPE_CHECKING:
+    from .redis import RedisStreamStore, open_redis_streams
 
 
 def _memory_store_is_a_stream_store(store: MemoryStreamStore) -> StreamStore:
@@ -17,6 +21,16 @@ def _memory_store_is_a_stream_store(store: MemoryStreamStore) -> StreamStore:
 
 def _redis_store_is_a_stream_store(store: RedisStreamStore) -> StreamStore:
     return store
+
+
+def __getattr__(name: str) -> Any:
+    # The Redis store (and redis-py with it) is loaded when first asked for, as in ``state``:
+    # a worker with results off never loads it.
+    if name in ("RedisStreamStore", "open_redis_streams"):
+        from . import redis
+
+        return getattr(redis, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

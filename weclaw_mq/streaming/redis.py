@@ -18,7 +18,8 @@ from typing import Any
 
 from ..naming import inbox_key, inbox_trace_key, stream_key
 from ..settings import Settings
-from ..state.redis import REDIS_FAILURES, open_client, state_unavailable
+from ..state import state_unavailable
+from ..state.redis import REDIS_FAILURES, open_client
 from ..state.redis_clients import StateClient
 from .events import Entry, StreamEvent, decode, next_id
 

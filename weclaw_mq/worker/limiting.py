@@ -28,18 +28,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
-
-from redis.exceptions import NoScriptError
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidPayload
 from ..failures import describe
 from ..limits import Limit, LimitKind, deferral_ms
 from ..naming import limit_keys
 from ..settings import Settings
-from ..state import REDIS_FAILURES, new_owner, state_unavailable
-from ..state.redis import open_client
-from ..state.redis_clients import StateClient
+from ..state import is_state_failure, new_owner, state_unavailable
+
+if TYPE_CHECKING:  # redis-py is loaded only when a handler has a limit (a lighter worker)
+    from ..state.redis_clients import StateClient
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -182,6 +181,8 @@ class Limiter:
 
     @classmethod
     def open(cls, settings: Settings) -> Limiter:
+        from ..state.redis_clients import open_client
+
         return cls(open_client(settings), lease_s=settings.guard_lease_s, owns_client=True)
 
     async def admit(self, queue: str, limits: Sequence[Limit], task: Any) -> Ticket | Held:
@@ -199,8 +200,10 @@ class Limiter:
             return NO_TICKET
         try:
             answers = await self._ask(holder, calls)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
+        except Exception as e:
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
         admitted = [
             call for call, (verdict, _) in zip(calls, answers, strict=True) if verdict == b"ok"
         ]
@@ -275,6 +278,8 @@ class Limiter:
         releases: list[tuple[str, str]],
     ) -> list[Any]:
         """The releases' answers, then the admissions'."""
+        from redis.exceptions import NoScriptError  # loaded with the client already
+
         # EVALSHA by hand: a Script in a pipeline asks SCRIPT EXISTS first, every time.
         for attempt in range(2):
             try:

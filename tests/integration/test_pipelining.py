@@ -1,0 +1,250 @@
+"""The auto-pipeline (weclaw_mq.state.pipelining) against the real Redis.
+
+The client is redis-py's own, subclassed only to count what it sends: how many pipelines,
+their sizes, and the commands sent alone. Redis answers every command for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from weclaw_mq.errors import StateUnavailableError
+from weclaw_mq.naming import guard_key, latest_key, state_key
+from weclaw_mq.state import Claim, RedisTaskStore, TaskState, TaskStatus, new_owner
+from weclaw_mq.state.pipelining import AutoPipeline, Script
+
+# Appends ARGV[1] to the list KEYS[1] and answers the list's length: the order of arrival.
+APPEND = Script.of("return redis.call('RPUSH', KEYS[1], ARGV[1])")
+FAIL = Script.of("return redis.error_reply('this one fails')")
+
+
+class CountingRedis(aioredis.Redis):
+    """redis-py's client, recording the size of each pipeline and each command sent alone."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pipelines: list[int] = []
+        self.alone: list[str] = []
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        async def counted(raise_on_error: bool = True) -> list[Any]:
+            self.pipelines.append(len(pipe.command_stack))
+            return await execute(raise_on_error=raise_on_error)
+
+        pipe.execute = counted  # type: ignore[method-assign]
+        return pipe
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.alone.append(str(args[0]))
+        return super().execute_command(*args, **options)
+
+
+async def forget_task_keys(client: aioredis.Redis, queue: str, task_ids: list[str]) -> None:
+    keys = [guard_key(queue, t) for t in task_ids] + [state_key(queue, t) for t in task_ids]
+    await client.delete(*keys, *(latest_key(t) for t in task_ids))
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[CountingRedis]:
+    client = CountingRedis.from_url(redis_url, socket_timeout=5)
+    assert isinstance(client, CountingRedis)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def key(client: CountingRedis) -> AsyncIterator[str]:
+    name = f"weclaw-test:pipelining:{uuid.uuid4().hex}"
+    yield name
+    await client.delete(name)
+
+
+async def test_commands_of_one_loop_iteration_go_out_as_one_pipeline_in_order(
+    client: CountingRedis, key: str
+) -> None:
+    pipe = AutoPipeline(client)
+    answers = await asyncio.gather(*(pipe.script(APPEND, [key], [str(i)]) for i in range(20)))
+    assert answers == list(range(1, 21)), answers  # each its own answer: its position on arrival
+    assert await client.lrange(key, 0, -1) == [str(i).encode() for i in range(20)]
+    assert client.pipelines == [20]
+
+
+async def test_a_failing_command_fails_only_its_caller(client: CountingRedis, key: str) -> None:
+    await client.set(key, "a string, not a hash")
+    other = f"{key}:list"
+    pipe = AutoPipeline(client)
+    try:
+        answers = await asyncio.gather(
+            pipe.script(APPEND, [other], ["first"]),
+            pipe.script(FAIL, [other], []),
+            pipe.hget(key, "field"),  # WRONGTYPE
+            pipe.script(APPEND, [other], ["last"]),
+            return_exceptions=True,
+        )
+    finally:
+        await client.delete(other)
+    assert answers[0] == 1 and answers[3] == 2, answers
+    assert isinstance(answers[1], ResponseError) and "this one fails" in str(answers[1])
+    assert isinstance(answers[2], ResponseError) and "WRONGTYPE" in str(answers[2])
+    assert client.pipelines == [4]
+
+
+async def test_a_burst_is_split_at_the_batch_bound(client: CountingRedis, key: str) -> None:
+    pipe = AutoPipeline(client, max_batch=4)
+    answers = await asyncio.gather(*(pipe.script(APPEND, [key], [str(i)]) for i in range(10)))
+    assert answers == list(range(1, 11))  # one after the other: still in the order of issue
+    assert await client.lrange(key, 0, -1) == [str(i).encode() for i in range(10)]
+    assert client.pipelines == [4, 4, 2]
+
+
+async def test_commands_issued_during_a_round_trip_leave_together_after_it(
+    client: CountingRedis, key: str
+) -> None:
+    pipe = AutoPipeline(client)  # one round trip in flight at a time
+    first = pipe.script(APPEND, [key], ["first"])
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert client.alone == ["EVALSHA"]  # out, not answered yet
+    later = [pipe.script(APPEND, [key], [str(i)]) for i in range(5)]
+    await asyncio.sleep(0)
+    assert client.pipelines == []  # they wait for the first round trip
+    assert await first == 1
+    assert await asyncio.gather(*later) == [2, 3, 4, 5, 6]
+    assert client.pipelines == [5]
+
+
+async def test_a_lone_command_is_sent_on_the_next_loop_iteration(
+    client: CountingRedis, key: str
+) -> None:
+    pipe = AutoPipeline(client)
+    answer = pipe.script(APPEND, [key], ["alone"])
+    assert client.alone == []  # queued, not sent yet
+    await asyncio.sleep(0)  # one loop iteration: the flush sends it, without a timer
+    await asyncio.sleep(0)  # (its send task's first step)
+    assert client.alone == ["EVALSHA"]
+    assert await answer == 1
+    assert client.pipelines == []  # alone: the plain command, no pipeline built
+
+
+async def test_a_script_redis_does_not_know_is_loaded_and_run(
+    client: CountingRedis, key: str
+) -> None:
+    # Text of this test run only: no Redis has it cached yet, alone or in a pipeline.
+    fresh = Script.of(f"-- {uuid.uuid4().hex}\nreturn redis.call('RPUSH', KEYS[1], ARGV[1])")
+    fresher = Script.of(f"-- {uuid.uuid4().hex}\nreturn redis.call('RPUSH', KEYS[1], ARGV[1])")
+    pipe = AutoPipeline(client)
+    assert await pipe.script(fresh, [key], ["a"]) == 1
+    answers = await asyncio.gather(*(pipe.script(fresher, [key], [x]) for x in "bc"))
+    assert answers == [2, 3]
+    assert await client.lrange(key, 0, -1) == [b"a", b"b", b"c"]
+
+
+async def test_a_caller_cancelled_before_the_flush_sends_nothing(
+    client: CountingRedis, key: str
+) -> None:
+    pipe = AutoPipeline(client)
+    dropped = pipe.script(APPEND, [key], ["dropped"])
+    kept = pipe.script(APPEND, [key], ["kept"])
+    dropped.cancel()
+    assert await kept == 1
+    assert await client.lrange(key, 0, -1) == [b"kept"]
+
+
+async def test_a_failed_round_trip_fails_every_caller_of_its_batch() -> None:
+    # A port nobody listens on: the connection itself fails.
+    dead = aioredis.Redis(
+        host="127.0.0.1", port=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
+    pipe = AutoPipeline(dead)
+    answers = await asyncio.gather(
+        *(pipe.script(APPEND, ["k"], [str(i)]) for i in range(3)), return_exceptions=True
+    )
+    assert all(isinstance(a, RedisConnectionError) for a in answers), answers
+    await dead.aclose()
+
+
+async def test_one_tasks_failing_claim_in_a_batch_fails_only_that_task(
+    client: CountingRedis, key: str
+) -> None:
+    # Through the store: three claims issued together; the middle task's record key holds
+    # a string, so its claim script fails in Redis. The other two are claimed.
+    store = RedisTaskStore(client, ttl_s=60, lease_s=5, done_ttl_s=60)
+    queue = key.replace(":", "-")
+    ids = [f"{uuid.uuid4().hex}-{i}" for i in range(3)]
+    await client.set(state_key(queue, ids[1]), "not a hash")
+
+    def running(task_id: str) -> TaskState:
+        return TaskState(task_id=task_id, queue=queue, status=TaskStatus.RUNNING)
+
+    try:
+        answers = await asyncio.gather(
+            *(store.claim(queue, t, new_owner(), running=running(t)) for t in ids),
+            return_exceptions=True,
+        )
+        assert answers[0] is Claim.ACQUIRED and answers[2] is Claim.ACQUIRED, answers
+        assert isinstance(answers[1], StateUnavailableError), answers
+        assert client.pipelines == [3]
+    finally:
+        await forget_task_keys(client, queue, ids)
+        await store.close()
+
+
+async def test_close_lets_go_of_a_round_trip_that_never_ends(client: CountingRedis) -> None:
+    # A server that accepts and never answers: the batch would wait for the socket timeout.
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    silent = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+    pipe = AutoPipeline(silent)
+    waiting = pipe.script(APPEND, ["k"], ["x"])
+    queued_after = None
+    try:
+        await asyncio.sleep(0.05)  # sent, no answer
+        queued_after = pipe.script(APPEND, ["k"], ["y"])  # waits for the round trip
+        await asyncio.wait_for(pipe.close(), 2)
+        assert waiting.cancelled() and queued_after.cancelled()
+    finally:
+        server.close()
+        await silent.aclose()
+
+
+def test_a_pipeline_left_behind_by_a_closed_loop_serves_the_next_one(redis_url: str) -> None:
+    # A store reused across asyncio.run calls: the first loop ends with a command queued
+    # (its flush never ran) and one in flight; the next loop's commands still go out.
+    key = f"weclaw-test:pipelining:{uuid.uuid4().hex}"
+    state: dict[str, Any] = {}
+
+    async def leave_work_behind() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        pipe = AutoPipeline(client)
+        state["pipe"] = pipe
+        pipe.script(APPEND, [key], ["in flight"])
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # sent, not answered
+        pipe.script(APPEND, [key], ["queued"])
+
+    async def use_it_again() -> list[Any]:
+        client = aioredis.Redis.from_url(redis_url)
+        state["pipe"]._client = client  # the old loop's connections are gone with it
+        try:
+            answer = await asyncio.wait_for(state["pipe"].script(APPEND, [key], ["next"]), 5)
+            return [answer, await client.lrange(key, 0, -1)]
+        finally:
+            await client.delete(key)
+            await client.aclose()
+
+    asyncio.run(leave_work_behind())
+    answer, stored = asyncio.run(use_it_again())
+    assert b"next" in stored and answer == len(stored)

@@ -1,0 +1,50 @@
+"""A worker imports what its configuration uses (issue 17): no redis-py with the guard and
+results off, no CLI or admin modules on the worker's path. Checked in a fresh interpreter,
+since this test process has imported everything already."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+PROBE = """
+import json, sys
+from weclaw_mq import App, Settings, Worker
+
+app = App("light", settings=Settings(results_enabled={results}, _env_file=None))
+
+@app.handler("light-q", idempotent={results})
+async def handle(task: dict) -> None:
+    return None
+
+Worker(app, concurrency=10)
+if {results}:
+    app.store
+names = {{m.split(".")[0] for m in sys.modules}} | {{m for m in sys.modules if "weclaw_mq." in m}}
+print(json.dumps(sorted(names)))
+"""
+
+
+def loaded(results: bool) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(results=results)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return set(json.loads(out.stdout))
+
+
+def test_a_worker_without_guard_and_results_never_imports_redis_nor_the_cli() -> None:
+    modules = loaded(results=False)
+    assert "weclaw_mq.worker.consume" in modules  # the probe did build a worker
+    assert "redis" not in modules
+    assert not {m for m in modules if m.startswith(("weclaw_mq.cli", "weclaw_mq.admin"))}
+    assert not {"typer", "click", "fastapi"} & modules
+
+
+def test_a_store_loads_redis_when_the_configuration_asks_for_it() -> None:
+    modules = loaded(results=True)
+    assert {"redis", "weclaw_mq.state.redis", "weclaw_mq.state.pipelining"} <= modules
