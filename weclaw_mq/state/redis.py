@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from ..errors import ResultTimeoutError, StateUnavailableError
 from ..naming import done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
+from ..tls import describe_refusal
 from .expiry import record_ttl_s
 from .protocol import Claim, TaskState
 from .redis_clients import StateClient, is_cluster
@@ -44,6 +45,9 @@ REDIS_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutE
 
 
 def state_unavailable(e: BaseException) -> StateUnavailableError:
+    refused = describe_refusal(e, "redis")
+    if refused is not None:  # not an outage: waiting will not help, the settings must change
+        return StateUnavailableError(f"cannot connect to Redis for task states: {refused}")
     return StateUnavailableError(
         f"Redis did not answer for task states ({type(e).__name__}: {e}); "
         "check WECLAW_MQ_REDIS_URL and that Redis is up"
