@@ -268,7 +268,15 @@ async def test_the_right_ca_runs_a_task_end_to_end_over_tls(
 async def test_a_wrong_ca_is_refused_with_one_line_naming_it(
     certs: Certs, tls_rabbit_port: int, tls_redis_port: int
 ) -> None:
-    settings = tls_settings(certs, tls_rabbit_port, tls_redis_port, ca="wrong-ca.pem")
+    settings = tls_settings(
+        certs,
+        tls_rabbit_port,
+        tls_redis_port,
+        ca="wrong-ca.pem",
+        # The clients' own "don't verify" URL options are not read: the settings decide.
+        amqp_url=f"amqps://guest:guest@localhost:{tls_rabbit_port}/?no_verify_ssl=1",
+        redis_url=f"rediss://localhost:{tls_redis_port}/0?ssl_cert_reqs=none",
+    )
     with pytest.raises(BrokerUnavailableError) as broker:
         await BrokerEndpoints(settings).connect(name="tls-wrong-ca")
     app = App("tls-wrong-ca", settings=settings)
