@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
 import yarl
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .lifetime import DEFAULT_TTL_S
 from .redis_urls import RedisTopology, is_multi_node, parse_topology
 from .retry import RetryPolicy
+from .tls import Service, TlsOptions, setting_name
 
 # The retry defaults are RetryPolicy's own, stated once in retry.py.
 _DEFAULT_RETRY = RetryPolicy()
@@ -40,6 +42,17 @@ class Settings(BaseSettings):
     # One Redis, or a Redis Cluster (redis+cluster://) or Sentinel set (redis+sentinel://):
     # the forms are listed in redis_urls.py.
     redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
+
+    # TLS (amqps://, rediss://): what each setting means is in tls.py. Hostname verification
+    # is on unless turned off here (and then logged as a warning).
+    amqp_tls_ca_file: str | None = None
+    amqp_tls_cert_file: str | None = None
+    amqp_tls_key_file: str | None = None
+    amqp_tls_verify_hostname: bool = True
+    redis_tls_ca_file: str | None = None
+    redis_tls_cert_file: str | None = None
+    redis_tls_key_file: str | None = None
+    redis_tls_verify_hostname: bool = True
 
     concurrency: int = Field(default=1, ge=1, le=10_000)
     # Priority lanes (README "Priorities"): a lane with a task waiting is passed over by at
@@ -129,6 +142,57 @@ class Settings(BaseSettings):
         else:
             _check_url(url, ("redis", "rediss", "unix", *_MULTI_NODE), need_host=False)
         return value
+
+    @model_validator(mode="after")
+    def _tls_settings_fit(self) -> Self:
+        # A CA file beside a plain amqp:// URL would be silently unused: the operator meant
+        # TLS and would get none. Refused instead, like a file that is not there.
+        services: tuple[Service, ...] = ("amqp", "redis")
+        for service in services:
+            options = self.tls(service)
+            if options.configured and not self.uses_tls(service):
+                url = "amqps://" if service == "amqp" else "rediss://"
+                raise ValueError(
+                    f"WECLAW_MQ_{service.upper()}_TLS_* is set but "
+                    f"WECLAW_MQ_{service.upper()}_URL is not a {url} URL"
+                )
+            if options.key_file and not options.cert_file:
+                raise ValueError(
+                    f"{setting_name(service, 'key_file')} is set without "
+                    f"{setting_name(service, 'cert_file')}"
+                )
+            for what, path in (
+                ("ca_file", options.ca_file),
+                ("cert_file", options.cert_file),
+                ("key_file", options.key_file),
+            ):
+                if path and not Path(path).is_file():
+                    raise ValueError(f"{setting_name(service, what)}={path}: no such file")
+        return self
+
+    def tls(self, service: Service) -> TlsOptions:
+        """The TLS settings for RabbitMQ (``amqp``) or Redis (``redis``)."""
+        if service == "amqp":
+            return TlsOptions(
+                service,
+                self.amqp_tls_ca_file,
+                self.amqp_tls_cert_file,
+                self.amqp_tls_key_file,
+                self.amqp_tls_verify_hostname,
+            )
+        return TlsOptions(
+            service,
+            self.redis_tls_ca_file,
+            self.redis_tls_cert_file,
+            self.redis_tls_key_file,
+            self.redis_tls_verify_hostname,
+        )
+
+    def uses_tls(self, service: Service) -> bool:
+        """Whether the service's URL (any node of an AMQP list) asks for TLS."""
+        if service == "amqp":
+            return any(u.lower().startswith("amqps://") for u in self.amqp_urls())
+        return self.redis_url_plain().lower().startswith("rediss")
 
     def retry_policy(self) -> RetryPolicy:
         """The retry policy of a handler registered without its own ``retry=``."""

@@ -29,6 +29,11 @@
 #                         AMQP + 20000 (default 5680, the table below); or 'auto': free ports
 #                         picked when a node first starts
 #   WECLAW_CLUSTER_START_TIMEOUT_S (default 120), RABBITMQ_BIN (default /usr/lib/rabbitmq/bin)
+#   WECLAW_CLUSTER_TLS_DIR, WECLAW_CLUSTER_TLS_PORT
+#                         both set: each node started also listens for AMQP over TLS on
+#                         127.0.0.1:PORT, with DIR/ca.pem, DIR/server.pem, DIR/server.key, and
+#                         requires a client certificate signed by that CA (the TLS tests;
+#                         one node per base folder then, as the port is fixed)
 #
 # | node | name (no ID)        | AMQP | distribution |
 # |------|---------------------|------|--------------|
@@ -164,6 +169,17 @@ prepare_node() {
 		log.file.level = info
 		log.console = false
 	EOF
+	if [ -n "${WECLAW_CLUSTER_TLS_DIR:-}" ]; then
+		local tls=$WECLAW_CLUSTER_TLS_DIR
+		cat >>"$dir/rabbitmq.conf" <<-EOF
+			listeners.ssl.1 = 127.0.0.1:${WECLAW_CLUSTER_TLS_PORT:?WECLAW_CLUSTER_TLS_DIR needs WECLAW_CLUSTER_TLS_PORT}
+			ssl_options.cacertfile = $tls/ca.pem
+			ssl_options.certfile = $tls/server.pem
+			ssl_options.keyfile = $tls/server.key
+			ssl_options.verify = verify_peer
+			ssl_options.fail_if_no_peer_cert = true
+		EOF
+	fi
 	# An env file of our own, so Debian's (NODENAME=rabbit@localhost) is never read.
 	echo "# weclaw-mq drill node $n" >"$dir/rabbitmq-env.conf"
 }

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..errors import BrokerUnavailableError
 from ..publishing.connection import BrokerEndpoints
 from ..settings import Settings
+from ..tls import describe_refusal
 
 PING_TIMEOUT_S = 5.0
 
@@ -38,7 +39,8 @@ async def check_redis(settings: Settings) -> PartHealth:
     try:
         await asyncio.wait_for(client.ping(), PING_TIMEOUT_S)
     except Exception as e:  # any failure to answer means the same thing here
-        return PartHealth("redis", False, f"cannot reach Redis at {shown}: {type(e).__name__}: {e}")
+        why = describe_refusal(e, "redis") or f"{type(e).__name__}: {e}"
+        return PartHealth("redis", False, f"cannot reach Redis at {shown}: {why}")
     finally:
         await client.aclose()
     return PartHealth("redis", True, shown)

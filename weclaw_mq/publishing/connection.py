@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 
 import aio_pika
 import aiormq
@@ -20,6 +21,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from ..broker_version import ServerVersion, parse_server_version
 from ..errors import BrokerUnavailableError
 from ..settings import Settings, redact_url
+from ..tls import client_context, describe_refusal
 
 log = logging.getLogger("weclaw_mq.connection")
 
@@ -46,6 +48,16 @@ class BrokerEndpoints:
         self.urls = settings.amqp_urls()
         self._preferred = 0
         self._connected: dict[int, int] = {}  # id(connection) -> index of its URL
+        self._ssl_context: ssl.SSLContext | None = None
+
+    def _tls(self, url: str) -> ssl.SSLContext | None:
+        """The SSLContext for an amqps:// URL: made once from the TLS settings (tls.py), so
+        its files are read, and a verification turned off is warned about, once."""
+        if not url.lower().startswith("amqps://"):
+            return None
+        if self._ssl_context is None:
+            self._ssl_context = client_context(self.settings.tls("amqp"))
+        return self._ssl_context
 
     def _order(self) -> list[int]:
         n = len(self.urls)
@@ -68,9 +80,11 @@ class BrokerEndpoints:
                     timeout=timeout_s,
                     heartbeat=self.settings.heartbeat_s,
                     client_properties={"connection_name": name},
+                    ssl_context=self._tls(url),
                 )
             except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as e:
-                problems.append(f"{redact_url(url)}: {type(e).__name__}: {e}")
+                why = describe_refusal(e, "amqp")
+                problems.append(f"{redact_url(url)}: {why or f'{type(e).__name__}: {e}'}")
                 continue
             except asyncio.CancelledError:
                 if cancelled_by_caller():

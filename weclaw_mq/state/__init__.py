@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StateUnavailableError
 from ..settings import Settings
+from ..tls import describe_refusal
 from .cancel import Cancellation, CancelOutcome
 from .memory import MemoryTaskStore
 from .protocol import Claim, TaskState, TaskStatus, TaskStore, new_owner
@@ -30,6 +31,9 @@ def open_store(settings: Settings) -> TaskStore:
 
 
 def state_unavailable(e: BaseException) -> StateUnavailableError:
+    refused = describe_refusal(e, "redis")
+    if refused is not None:  # not an outage: waiting will not help, the settings must change
+        return StateUnavailableError(f"cannot connect to Redis for task states: {refused}")
     return StateUnavailableError(
         f"Redis did not answer for task states ({type(e).__name__}: {e}); "
         "check WECLAW_MQ_REDIS_URL and that Redis is up"

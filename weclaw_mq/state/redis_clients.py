@@ -10,15 +10,18 @@ the node that serves the channel's slot, the node whose script publishes.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import ssl
+from collections.abc import Generator, Mapping
 from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, RedisCluster
+from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
 
 from ..settings import Settings
+from ..tls import TlsOptions, client_context
 
 StateClient: TypeAlias = aioredis.Redis | RedisCluster
 """What the store talks to: ``RedisCluster`` routes each command to its slot's node."""
@@ -38,13 +41,15 @@ def open_client(settings: Settings) -> StateClient:
     if topology is None:
         # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us per
         # command (measured). The worker sizes its concurrency to fit this pool.
-        pool = aioredis.ConnectionPool.from_url(
-            settings.redis_url_plain(), max_connections=settings.redis_max_connections, **common
-        )
+        options: dict[str, Any] = {**common, **parse_url(settings.redis_url_plain())}
+        if options.get("connection_class") is SSLConnection:  # rediss://
+            options["connection_class"] = _TlsConnection
+            options["weclaw_ssl_context"] = client_context(settings.tls("redis"))
+        pool = aioredis.ConnectionPool(max_connections=settings.redis_max_connections, **options)
         return aioredis.Redis(connection_pool=pool)
     auth: dict[str, Any] = {"username": topology.username, "password": topology.password}
     if topology.tls:
-        auth["ssl"] = True
+        auth.update(_ssl_arguments(settings.tls("redis")))
     if topology.kind == "cluster":
         return _Cluster(
             startup_nodes=[ClusterNode(host, port) for host, port in topology.nodes],
@@ -58,7 +63,10 @@ def open_client(settings: Settings) -> StateClient:
     # primary's password (a protected Sentinel set is not supported yet).
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         topology.nodes,
-        sentinel_kwargs={**common, **({"ssl": True} if topology.tls else {})},
+        sentinel_kwargs={
+            **common,
+            **(_ssl_arguments(settings.tls("redis")) if topology.tls else {}),
+        },
     )
     primary: _SentinelPrimary = sentinel.master_for(
         topology.service_name,
@@ -70,6 +78,33 @@ def open_client(settings: Settings) -> StateClient:
     )
     primary.weclaw_sentinels = sentinel
     return primary
+
+
+class _TlsConnection(SSLConnection):
+    """A rediss:// connection that speaks TLS with the SSLContext tls.py made from the
+    settings (the one AMQP uses too), instead of one redis-py builds per connection."""
+
+    def __init__(self, *, weclaw_ssl_context: ssl.SSLContext, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._weclaw_ssl_context = weclaw_ssl_context
+
+    def _connection_arguments(self) -> Mapping[str, Any]:
+        return {**super()._connection_arguments(), "ssl": self._weclaw_ssl_context}
+
+
+def _ssl_arguments(options: TlsOptions) -> dict[str, Any]:
+    """The same TLS settings as redis-py's own arguments, for Cluster and Sentinel clients,
+    which make their connections' class themselves (a cluster one cannot be replaced). Unlike
+    client_context, redis-py trusts the system's CAs beside a named CA file."""
+    if not options.verify_hostname:
+        client_context(options)  # the warning, and the files checked, in the one place
+    return {
+        "ssl": True,
+        "ssl_ca_certs": options.ca_file,
+        "ssl_certfile": options.cert_file,
+        "ssl_keyfile": options.key_file,
+        "ssl_check_hostname": options.verify_hostname,
+    }
 
 
 def is_cluster(client: StateClient) -> bool:
