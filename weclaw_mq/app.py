@@ -24,6 +24,7 @@ from aio_pika.abc import HeadersType
 from prometheus_client import CollectorRegistry
 
 from . import headers as h
+from .breaker import Breaker
 from .errors import (
     STORED_NOTHING,
     BatchPublishError,
@@ -151,6 +152,7 @@ class App:
         notify: bool | str = False,
         priority: Priority | str = Priority.NORMAL,
         queue_type: str = QUORUM,
+        breaker: Breaker | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
@@ -162,7 +164,10 @@ class App:
 
         ``priority`` is the default of tasks published to ``queue`` without one;
         ``queue_type="classic"`` declares Q as a classic queue with native priorities
-        (not replicated: see the README's "Priorities")."""
+        (not replicated: see the README's "Priorities").
+
+        ``breaker=Breaker(...)`` pauses the queue in a worker after repeated failures
+        (``UpstreamDown`` by default) and probes it after a cool-down (see ``breaker``)."""
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -183,6 +188,7 @@ class App:
                 notify=notify_target(queue, notify, s),
                 priority=priority,
                 queue_type=queue_type,
+                breaker=breaker,
             )
             return func
 

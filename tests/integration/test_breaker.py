@@ -1,0 +1,102 @@
+"""The circuit breaker on the real broker: an upstream that is down for a few seconds pauses the
+queue (its consumers cancelled, every lane's), a probe after each cool-down, and the queue
+closes and consumes again once the upstream answers; no task reaches the DLQ because of the
+outage, and the attempts it cost stay within ``Breaker.attempts_bound``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from aio_pika.abc import AbstractChannel
+from pydantic import BaseModel
+
+from tests.conftest import outcome_count, queue_depth, wait_until
+from weclaw_mq import App, Breaker, RetryPolicy, UpstreamDown
+from weclaw_mq.naming import dlq_name, lane_queue_name
+
+OUTAGE_S = 6.0
+TASKS = 10
+CONCURRENCY = 2
+BREAKER = Breaker(failures=3, window_s=10.0, cooldown_s=1.5)
+
+
+class Job(BaseModel):
+    n: int
+
+
+async def consumer_count(channel: AbstractChannel, queue: str) -> int:
+    declared = await channel.declare_queue(queue, passive=True)
+    count = declared.declaration_result.consumer_count
+    assert count is not None
+    return count
+
+
+def breaker_sample(app: App, name: str, labels: dict[str, str]) -> float:
+    return app.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+# quorum: this broker (3.10) runs priority lanes (worker.lanes); classic: one consumer.
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    amqp: AbstractChannel,
+    qname: str,
+    queue_type: str,
+) -> None:
+    app = make_app()
+    loop = asyncio.get_running_loop()
+    recovered_at: list[float] = []  # when the upstream answers again (first call + OUTAGE_S)
+    failed: list[int] = []
+    done: set[int] = set()
+
+    # Three attempts at 0.3 s apart: without the breaker, each task would spend them all
+    # within a second of the outage and land in the DLQ.
+    @app.handler(
+        qname,
+        retry=RetryPolicy(max_retries=2, delay_s=0.3, multiplier=1.0),
+        breaker=BREAKER,
+        queue_type=queue_type,
+    )
+    async def call_model(task: Job) -> int:
+        if not recovered_at:
+            recovered_at.append(loop.time() + OUTAGE_S)
+        await asyncio.sleep(0.05)
+        if loop.time() < recovered_at[0]:
+            failed.append(task.n)
+            raise UpstreamDown("503 from the model API")
+        done.add(task.n)
+        return task.n
+
+    await app.declare()
+    await app.publish_many(qname, [Job(n=i) for i in range(TASKS)])
+    await start_worker(app, concurrency=CONCURRENCY)
+    queues = [qname]
+    if queue_type == "quorum":
+        queues += [lane_queue_name(qname, "high"), lane_queue_name(qname, "urgent")]
+
+    async def paused() -> bool:
+        return all([await consumer_count(amqp, q) == 0 for q in queues])
+
+    await wait_until(paused, 5, what="every consumer of the queue cancelled by the breaker")
+    state = {"queue": qname, "state": "open"}
+    assert breaker_sample(app, "weclaw_mq_breaker_state", state) == 1
+    assert loop.time() < recovered_at[0], "the pause must come during the outage"
+
+    await wait_until(lambda: len(done) == TASKS, OUTAGE_S + 10, what="every task done")
+
+    async def consuming() -> bool:
+        return all([await consumer_count(amqp, q) >= 1 for q in queues])
+
+    await wait_until(consuming, 5, what="the consumers back after the breaker closed")
+    assert breaker_sample(app, "weclaw_mq_breaker_state", {"queue": qname, "state": "closed"}) == 1
+    # Opened once, then reopened by at least one failed probe (the outage outlasts a cool-down).
+    assert breaker_sample(app, "weclaw_mq_breaker_opened_total", {"queue": qname}) >= 2
+    assert outcome_count(app, qname, "dead_lettered") == 0
+    assert await queue_depth(amqp, dlq_name(qname)) == 0
+    bound = BREAKER.attempts_bound(CONCURRENCY, OUTAGE_S)
+    print(f"failed attempts during the outage: {len(failed)} (bound {bound})")
+    assert BREAKER.failures <= len(failed) <= bound, (len(failed), bound)
