@@ -13,7 +13,7 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import outcome_count, queue_depth, wait_until
+from tests.conftest import close_connections, outcome_count, queue_depth, wait_until
 from weclaw_mq import App, Breaker, RetryPolicy, UpstreamDown
 from weclaw_mq.naming import dlq_name, lane_queue_name
 
@@ -100,3 +100,58 @@ async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters
     bound = BREAKER.attempts_bound(CONCURRENCY, OUTAGE_S)
     print(f"failed attempts during the outage: {len(failed)} (bound {bound})")
     assert BREAKER.failures <= len(failed) <= bound, (len(failed), bound)
+
+
+async def test_an_open_breaker_outlives_a_reconnect_and_a_stop_leaves_every_task_queued(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    amqp: AbstractChannel,
+    qname: str,
+) -> None:
+    app = make_app(qname)
+    calls: list[int] = []
+
+    @app.handler(
+        qname,
+        retry=RetryPolicy(max_retries=5, delay_s=0.2, multiplier=1.0),
+        breaker=Breaker(failures=2, window_s=10.0, cooldown_s=60.0),
+        queue_type="classic",  # one consumer: the reconnect consumes it again
+    )
+    async def call_model(task: Job) -> None:
+        calls.append(task.n)
+        raise UpstreamDown("the model API is down")
+
+    await app.declare()
+    await app.publish_many(qname, [Job(n=i) for i in range(TASKS)])
+    worker = await start_worker(app, concurrency=CONCURRENCY)
+
+    async def paused() -> bool:
+        return await consumer_count(amqp, qname) == 0
+
+    await wait_until(paused, 5, what="the queue paused by the breaker")
+    spent = len(calls)
+    assert spent <= Breaker(failures=2).attempts_bound(CONCURRENCY, 0.0)
+
+    # The connection dies: the new session starts consuming, and the open breaker pauses it.
+    assert await asyncio.to_thread(close_connections, f"{qname}-worker", prefix=True) == 1
+    reconnects = {"role": "worker"}
+    await wait_until(
+        lambda: (
+            breaker_sample(app, "weclaw_mq_reconnects_total", reconnects) >= 1
+            and worker.ready.is_set()
+        ),
+        10,
+        what="the worker reconnected",
+    )
+    await wait_until(paused, 5, what="the queue paused again after the reconnect")
+    assert breaker_sample(app, "weclaw_mq_breaker_state", {"queue": qname, "state": "open"}) == 1
+    assert len(calls) == spent, "no handler may run while the breaker is open"
+
+    worker.stop()
+
+    async def all_queued() -> bool:
+        return worker.in_flight == 0 and await queue_depth(amqp, qname) == TASKS
+
+    # Each task is in Q: never run, or back from its delay queue (retried once at most).
+    await wait_until(all_queued, 5, what="every task back in its queue")
+    assert await queue_depth(amqp, dlq_name(qname)) == 0
