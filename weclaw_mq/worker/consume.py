@@ -221,7 +221,8 @@ class Worker:
             tag = await queue.consume(self._dispatcher(spec, runtime))
             consumers[tag] = (spec, queue)
             if spec.queue in self._circuits:
-                single_consumer = _SingleConsumer(spec, queue, consumers, self, runtime)
+                on_message = self._dispatcher(spec, runtime)
+                single_consumer = _SingleConsumer(spec, queue, on_message, consumers, self._stop)
                 watches.append(self._watch(spec, runtime, single_consumer))
         for spec in laned:
             scheduler = self._lane_scheduler(conn, lane_channel, spec, runtime, version)
@@ -444,15 +445,15 @@ class _SingleConsumer:
         self,
         spec: HandlerSpec,
         queue: AbstractQueue,
+        on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
         consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
-        worker: Worker,
-        runtime: Runtime,
+        stopping: asyncio.Event,
     ) -> None:
         self.spec = spec
         self.queue = queue
+        self.on_message = on_message
         self.consumers = consumers
-        self.worker = worker
-        self.runtime = runtime
+        self.stopping = stopping
 
     async def pause(self) -> None:
         for tag, (spec, queue) in list(self.consumers.items()):
@@ -461,9 +462,9 @@ class _SingleConsumer:
                 await queue.cancel(tag)
 
     async def resume(self) -> None:
-        if self.worker._stop.is_set():
+        if self.stopping.is_set():
             return  # the stop cancels consumers: none is added behind it
-        tag = await self.queue.consume(self.worker._dispatcher(self.spec, self.runtime))
+        tag = await self.queue.consume(self.on_message)
         self.consumers[tag] = (self.spec, self.queue)
 
     async def fetch(self) -> AbstractIncomingMessage | None:
