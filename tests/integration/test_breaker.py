@@ -14,7 +14,7 @@ from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
 from tests.conftest import close_connections, outcome_count, queue_depth, wait_until
-from weclaw_mq import App, Breaker, RetryPolicy, UpstreamDown
+from weclaw_mq import App, Breaker, Context, RetryPolicy, UpstreamDown
 from weclaw_mq.naming import dlq_name, lane_queue_name
 
 OUTAGE_S = 6.0
@@ -51,7 +51,7 @@ async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters
     loop = asyncio.get_running_loop()
     recovered_at: list[float] = []  # when the upstream answers again (first call + OUTAGE_S)
     failed: list[int] = []
-    done: set[int] = set()
+    done: dict[int, int] = {}  # task -> the attempt it succeeded at
 
     # Three attempts at 0.3 s apart: without the breaker, each task would spend them all
     # within a second of the outage and land in the DLQ.
@@ -61,14 +61,14 @@ async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters
         breaker=BREAKER,
         queue_type=queue_type,
     )
-    async def call_model(task: Job) -> int:
+    async def call_model(task: Job, ctx: Context) -> int:
         if not recovered_at:
             recovered_at.append(loop.time() + OUTAGE_S)
         await asyncio.sleep(0.05)
         if loop.time() < recovered_at[0]:
             failed.append(task.n)
             raise UpstreamDown("503 from the model API")
-        done.add(task.n)
+        done[task.n] = ctx.attempt
         return task.n
 
     await app.declare()
@@ -100,6 +100,9 @@ async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters
     bound = BREAKER.attempts_bound(CONCURRENCY, OUTAGE_S)
     print(f"failed attempts during the outage: {len(failed)} (bound {bound})")
     assert BREAKER.failures <= len(failed) <= bound, (len(failed), bound)
+    # Tasks parked or given back while the breaker was open spent no attempt: each succeeded
+    # at the attempt after its failures (a parked one would show a higher number).
+    assert done == {n: 1 + failed.count(n) for n in range(TASKS)}
 
 
 async def test_an_open_breaker_outlives_a_reconnect_and_a_stop_leaves_every_task_queued(
