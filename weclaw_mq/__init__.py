@@ -5,6 +5,7 @@ dead-letter what cannot succeed, and guard effects with Redis so a redelivery ne
 """
 
 from .app import App
+from .breaker import Breaker, UpstreamDown
 from .context import Context
 from .control_flow import Reject, Retry
 from .errors import (
@@ -43,6 +44,7 @@ ResultStore = TaskStore
 __all__ = [
     "App",
     "BatchPublishError",
+    "Breaker",
     "BrokerUnavailableError",
     "CancelOutcome",
     "Cancellation",
@@ -79,6 +81,7 @@ __all__ = [
     "TaskStore",
     "TopologyConflictError",
     "UnroutableError",
+    "UpstreamDown",
     "WeclawMQError",
     "Worker",
 ]

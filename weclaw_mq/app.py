@@ -24,6 +24,7 @@ from aio_pika.abc import HeadersType
 from prometheus_client import CollectorRegistry
 
 from . import headers as h
+from .breaker import Breaker
 from .errors import (
     STORED_NOTHING,
     BatchPublishError,
@@ -162,6 +163,7 @@ class App:
         priority: Priority | str = Priority.NORMAL,
         queue_type: str = QUORUM,
         limit: Limit | Sequence[Limit] | None = None,
+        breaker: Breaker | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
@@ -177,6 +179,9 @@ class App:
 
         ``limit=Limit(key=..., concurrency=..., rate=..., per_s=...)`` (or a list of them):
         tasks over a limit are deferred without spending an attempt (see ``limits``).
+
+        ``breaker=Breaker(...)`` pauses the queue in a worker after repeated failures
+        (``UpstreamDown`` by default) and probes it after a cool-down (see ``breaker``).
         """
         limits = as_limits(limit)
 
@@ -200,6 +205,7 @@ class App:
                 priority=priority,
                 queue_type=queue_type,
                 limits=limits,
+                breaker=breaker,
             )
             return func
 

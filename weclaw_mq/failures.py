@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import traceback
 
+from .breaker import UpstreamDown
 from .control_flow import Reject, Retry
 from .errors import WeclawMQError
 
-_OURS = (WeclawMQError, Reject, Retry)
+_OURS = (WeclawMQError, Reject, Retry, UpstreamDown)
 
 
 def safe_text(value: object) -> str:
@@ -37,9 +38,9 @@ OUR_PREFIX = "weclaw_mq."
 def error_type(error: BaseException) -> str:
     """The error's stable name, written into ``x-weclaw-error-type``: part of the wire format.
 
-    Our own exceptions (the ``WeclawMQError`` tree, ``Reject``, ``Retry``) carry it as
-    ``error_type`` (``weclaw_mq.HandlerTimeout``), so moving or renaming code never changes
-    what an operator's filter matches. Any other exception is written as its class
+    Our own exceptions (the ``WeclawMQError`` tree, ``Reject``, ``Retry``, ``UpstreamDown``)
+    carry it as ``error_type`` (``weclaw_mq.HandlerTimeout``), so moving or renaming code never
+    changes what an operator's filter matches. Any other exception is written as its class
     ``__name__`` (``RuntimeError``, ``RateLimitError``). Only our class's own ``error_type``
     counts: a user's subclass of one of ours is named by its ``__name__``, and a user's class
     that happens to have an ``error_type`` attribute is not mistaken for ours.

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from .breaker import Breaker
 from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .lifetime import DEFAULT_TTL_S, check_ttl
@@ -44,6 +45,8 @@ class HandlerSpec:
     queue_type: str = QUORUM
     # Per-key concurrency and rate limits (``limit=``; weclaw_mq.limits).
     limits: tuple[Limit, ...] = ()
+    # Pauses the queue in a worker after repeated upstream failures (weclaw_mq.breaker).
+    breaker: Breaker | None = None
 
     @property
     def name(self) -> str:
@@ -110,6 +113,7 @@ def build_spec(
     priority: Priority | str = Priority.NORMAL,
     queue_type: str = QUORUM,
     limits: tuple[Limit, ...] = (),
+    breaker: Breaker | None = None,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -131,6 +135,8 @@ def build_spec(
     if max_length is not None and max_length < 1:
         raise ConfigurationError(f"max_length for {queue!r} must be >= 1")
     check_ttl(ttl_s, f"ttl_s for {queue!r}")
+    if breaker is not None and not isinstance(breaker, Breaker):
+        raise ConfigurationError(f"breaker for {queue!r} must be a Breaker, got {breaker!r}")
     try:
         hints = typing.get_type_hints(func)
     except Exception as e:  # an unresolvable forward reference
@@ -158,4 +164,5 @@ def build_spec(
         priority=parse_priority(priority),
         queue_type=check_queue_type(queue_type),
         limits=limits,
+        breaker=breaker,
     )

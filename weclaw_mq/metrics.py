@@ -10,6 +10,8 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .breaker import CircuitState
+
 
 class Outcome(StrEnum):
     """How a delivery ended: one per settled delivery (``settle.Settler._ended``)."""
@@ -95,6 +97,19 @@ class Metrics:
             ["queue", "outcome"],
             registry=r,
         )
+        # Circuit breakers (weclaw_mq.breaker), per handler queue in this worker.
+        self.breaker_state = Gauge(
+            "weclaw_mq_breaker_state",
+            "Circuit breaker of a handler queue: 1 for its current state, 0 for the others.",
+            ["queue", "state"],
+            registry=r,
+        )
+        self.breaker_opened = Counter(
+            "weclaw_mq_breaker_opened",
+            "Times a handler queue's circuit breaker opened (failed probes included).",
+            ["queue"],
+            registry=r,
+        )
 
         # Label lookups take a lock and build a tuple: done once per (queue, outcome), not
         # once per message.
@@ -127,6 +142,13 @@ class Metrics:
         if child is None:
             child = self._timing[queue] = self.handler_seconds.labels(queue)
         return child
+
+    def circuit_state(self, queue: str, state: CircuitState) -> None:
+        for each in CircuitState:
+            self.breaker_state.labels(queue, each.value).set(1 if each is state else 0)
+
+    def circuit_opened(self, queue: str) -> Counter:
+        return self.breaker_opened.labels(queue)
 
     def count_in_flight(self, queue: str, running: Callable[[], int]) -> None:
         """The in-flight gauge reads ``running()`` when scraped: no cost per message."""

@@ -12,6 +12,7 @@ import pytest
 from weclaw_mq import errors
 from weclaw_mq import headers as h
 from weclaw_mq.admin.dlq_message import read_dead_letter
+from weclaw_mq.breaker import UpstreamDown
 from weclaw_mq.control_flow import Reject, Retry
 from weclaw_mq.errors import ConfigurationError, HandlerTimeout, WeclawMQError
 from weclaw_mq.failures import error_class, error_type, stable_error_type
@@ -20,6 +21,7 @@ from weclaw_mq.failures import error_class, error_type, stable_error_type
 DOCUMENTED = [
     "weclaw_mq.Reject",
     "weclaw_mq.Retry",
+    "weclaw_mq.UpstreamDown",
     "weclaw_mq.UndecodableBody",
     "weclaw_mq.InvalidPayload",
     "weclaw_mq.UnserialisableResult",
@@ -58,7 +60,7 @@ def _ours() -> list[type[BaseException]]:
     tree = [
         v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, WeclawMQError)
     ]
-    return [Reject, Retry, *tree]
+    return [Reject, Retry, UpstreamDown, *tree]
 
 
 def test_every_exception_of_ours_has_its_own_documented_error_type() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from weclaw_mq.breaker import CircuitState
 from weclaw_mq.metrics import Metrics
 from weclaw_mq.settings import Settings
 
@@ -74,6 +75,8 @@ def weclaw_metric_names() -> set[str]:
     metrics.handler_seconds.labels("q").observe(1.0)
     metrics.in_flight.labels("q").set(0)
     metrics.reconnects.labels("worker").inc()
+    metrics.circuit_state("q", CircuitState.CLOSED)
+    metrics.circuit_opened("q").inc()
     return {s.name for m in metrics.registry.collect() for s in m.samples}
 
 
@@ -113,6 +116,7 @@ READY = "rabbitmq_queue_messages_ready"
 CONSUMERS = "rabbitmq_queue_consumers"
 SETTLED = "weclaw_mq_messages_total"
 OUTBOX_AGE = "weclaw_mq_outbox_oldest_age_seconds"
+BREAKER = "weclaw_mq_breaker_state"
 
 # (alert, input series, [(time, labels of every alert firing then)]): each alert both quiet
 # and firing, and each time beside a look-alike that must stay quiet.
@@ -175,6 +179,21 @@ RULE_CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str,
             _series(SETTLED, "0+10x40", queue="busy", outcome="acked"),
         ],
         [("35m", [{"severity": "critical", "queue": "jobs"}])],
+    ),
+    (
+        "WeclawMQCircuitOpen",
+        [
+            # Down: open and half_open take turns (a failed probe per cool-down).
+            _series(BREAKER, "1 0 1 0 1 0 1 0 1 0 1 0 1 0 1", queue="jobs", state="open"),
+            _series(BREAKER, "0 1 0 1 0 1 0 1 0 1 0 1 0 1 0", queue="jobs", state="half_open"),
+            # A short outage: open for 3 minutes, closed again.
+            _series(BREAKER, "1 1 1 0 0 0 0 0 0 0 0 0 0 0 0", queue="blip", state="open"),
+            _series(BREAKER, "0 0 0 1 1 1 1 1 1 1 1 1 1 1 1", queue="blip", state="closed"),
+        ],
+        [
+            ("5m", []),
+            ("12m", [{"severity": "warning", "queue": "jobs"}]),
+        ],
     ),
     (
         "WeclawMQOutboxNotDraining",

@@ -48,6 +48,7 @@ from ..settings import BROKER_CONSUMER_TIMEOUT_S
 from ..topology import declare
 from ..undecodable import tolerant_properties
 from .cancel import Cancels
+from .circuit import Pausable, QueueCircuit
 from .deadlines import Deadlines
 from .delivery import Runtime, process
 from .lanes import LaneScheduler
@@ -89,6 +90,12 @@ class Worker:
         # One per run, across reconnects: the slots it holds outlive a broker session.
         self._limiter: Limiter | None = None
         self.cancels = Cancels()  # cancel requests for the deliveries in flight (worker.cancel)
+        # Per worker, not per session: a reconnect keeps each breaker's state.
+        self._circuits = {
+            s.queue: QueueCircuit(s.queue, s.breaker, app.metrics)
+            for s in self.specs
+            if s.breaker is not None
+        }
         for spec in self.specs:
             app.metrics.count_in_flight(spec.queue, self._in_flight[spec.queue].__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
@@ -217,6 +224,7 @@ class Worker:
             take_over=self._take_over,
             limiter=self._limiter,
             cancels=self.cancels,
+            circuits=self._circuits,
         )
         # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel
@@ -228,14 +236,21 @@ class Worker:
                 lambda frame: cancelled.put_nowait(frame.consumer_tag or "")
             )
         consumers: dict[str, tuple[HandlerSpec, AbstractQueue]] = {}
+        watches: list[Coroutine[Any, Any, None]] = []
         for spec in single:
             queue = await channel.get_queue(spec.queue, ensure=False)
             tag = await queue.consume(self._dispatcher(spec, runtime))
             consumers[tag] = (spec, queue)
+            if spec.queue in self._circuits:
+                on_message = self._dispatcher(spec, runtime)
+                single_consumer = _SingleConsumer(spec, queue, on_message, consumers, self._stop)
+                watches.append(self._watch(spec, runtime, single_consumer))
         for spec in laned:
             scheduler = self._lane_scheduler(conn, lane_channel, spec, runtime, version)
             schedulers.append(scheduler)
             await scheduler.start()
+            if spec.queue in self._circuits:
+                watches.append(self._watch(spec, runtime, scheduler))
         log.info(
             "consuming %s with concurrency %d",
             ", ".join(s.queue for s in self.specs),
@@ -245,7 +260,8 @@ class Worker:
 
         stop = asyncio.ensure_future(self._stop.wait())
         lost = asyncio.ensure_future(
-            _first(when_lost(conn), channel.closed(), lane_channel.closed())
+            # A breaker's watch returns only when it could not change the consumers.
+            _first(when_lost(conn), channel.closed(), lane_channel.closed(), *watches)
         )
         try:
             while not (stop.done() or lost.done()):
@@ -273,7 +289,7 @@ class Worker:
             raise aiormq.exceptions.ConnectionClosed(320, "connection or channel closed")
         # Stopping: take no new deliveries; ``_run`` then lets the running handlers finish
         # and ack while the connection is still open.
-        for tag, (_, queue) in consumers.items():
+        for tag, (_, queue) in list(consumers.items()):
             with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
                 await asyncio.wait_for(queue.cancel(tag), CLOSE_TIMEOUT_S)
         for scheduler in schedulers:
@@ -290,11 +306,6 @@ class Worker:
         async def give_back(message: AbstractIncomingMessage, why: str) -> None:
             await runtime.settler.give_back(message, queue=spec.queue, why=why, level=logging.INFO)
 
-        def start(message: AbstractIncomingMessage) -> asyncio.Task[None]:
-            return self._track(
-                spec.queue, _settled(message, spec, runtime, process(message, spec, runtime))
-            )
-
         async def redeclare() -> None:
             declaring = await conn.channel()
             await declare(declaring, [spec.queue_spec()])
@@ -305,7 +316,7 @@ class Worker:
             spec.queue_spec().lane_queues(version),
             concurrency=self.concurrency,
             starvation_limit=self.settings.priority_starvation_limit,
-            start=start,
+            start=functools.partial(self._start, spec, runtime),
             give_back=give_back,
             redeclare=redeclare,
         )
@@ -351,11 +362,23 @@ class Worker:
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and
             # store its result even if its ack can no longer be sent.
-            self._track(
-                spec.queue, _settled(message, spec, runtime, process(message, spec, runtime))
-            )
+            self._start(spec, runtime, message)
 
         return on_message
+
+    def _start(
+        self, spec: HandlerSpec, runtime: Runtime, message: AbstractIncomingMessage
+    ) -> asyncio.Task[None]:
+        """Process ``message`` in a task of ours, counted in flight, settled on every path."""
+        return self._track(
+            spec.queue, _settled(message, spec, runtime, process(message, spec, runtime))
+        )
+
+    def _watch(
+        self, spec: HandlerSpec, runtime: Runtime, consumers: Pausable
+    ) -> Coroutine[Any, Any, None]:
+        start = functools.partial(self._start, spec, runtime)
+        return self._circuits[spec.queue].watch(consumers, start)
 
     def _track(self, queue: str, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)
@@ -433,6 +456,40 @@ class Worker:
                     spec.timeout_s,
                     int(spec.timeout_s * 1000 * 2),
                 )
+
+
+class _SingleConsumer:
+    """The consumer of a handler queue without lanes (in ``consumers``, the session's
+    tag -> (spec, queue) map), as its circuit breaker pauses and resumes it."""
+
+    def __init__(
+        self,
+        spec: HandlerSpec,
+        queue: AbstractQueue,
+        on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
+        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
+        stopping: asyncio.Event,
+    ) -> None:
+        self.spec = spec
+        self.queue = queue
+        self.on_message = on_message
+        self.consumers = consumers
+        self.stopping = stopping
+
+    async def pause(self) -> None:
+        for tag, (spec, queue) in list(self.consumers.items()):
+            if spec is self.spec:
+                del self.consumers[tag]
+                await queue.cancel(tag)
+
+    async def resume(self) -> None:
+        if self.stopping.is_set():
+            return  # the stop cancels consumers: none is added behind it
+        tag = await self.queue.consume(self.on_message)
+        self.consumers[tag] = (self.spec, self.queue)
+
+    async def fetch(self) -> AbstractIncomingMessage | None:
+        return await self.queue.get(no_ack=False, fail=False)
 
 
 async def _settled(

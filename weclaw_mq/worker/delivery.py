@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -52,6 +52,7 @@ from ..tracing import TraceContext
 from ..undecodable import undecodable
 from . import notify
 from .cancel import Cancels, Watch
+from .circuit import QueueCircuit
 from .deadlines import Deadlines
 from .limiting import NO_TICKET, Held, Limiter, Ticket
 from .settle import Settler
@@ -100,6 +101,8 @@ class Runtime:
     limiter: Limiter | None = None
     # The deliveries being processed, for cancel requests (worker.cancel).
     cancels: Cancels = field(default_factory=Cancels)
+    # The circuit breaker of each handler queue that has one (``worker.circuit``).
+    circuits: Mapping[str, QueueCircuit] = field(default_factory=dict)
 
 
 class _Gate(Enum):
@@ -151,6 +154,12 @@ async def _process(
         )
         await _dead_letter(message, delivery, spec, rt, DeadLetterReason.DELIVERY_LIMIT, crash)
         return
+    circuit = rt.circuits.get(spec.queue)
+    if circuit is not None and not circuit.admits(message):
+        # Delivered as the breaker opened (or waiting for a lane slot): parked, no attempt.
+        why = f"the circuit breaker of {spec.queue!r} is {circuit.state}"
+        await _defer(message, delivery, spec, rt, why)
+        return
     try:
         task = spec.parse(delivery.body)
     except UndecodableBody as e:
@@ -197,6 +206,8 @@ async def _process(
             else:
                 with rt.store.holding(spec.queue, delivery.task_id, held):
                     outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
+        if outcome is not None and circuit is not None:
+            circuit.outcome(message, outcome[1])
         if running is not None:
             await running
         if outcome is None:  # abandoned, and the task that took over settled it

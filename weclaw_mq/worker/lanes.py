@@ -112,6 +112,9 @@ class LaneScheduler:
         self._running: dict[int, tuple[str, str]] = {}
         self._skipped: dict[str, int] = dict.fromkeys(self.lanes, 0)
         self._stopping = False
+        # Paused by the circuit breaker: no consumer is opened; waiting tasks still start
+        # (and are deferred by the breaker, ``delivery``).
+        self._paused = False
         self._background: set[asyncio.Task[None]] = set()
         # Lanes whose next task may be on its way (see ``pick``'s pending), each with the
         # mark of its latest expectation (an older timer must not end a newer one).
@@ -179,6 +182,31 @@ class LaneScheduler:
         await self._open(lane)
         log.info("consuming %s again", lane)
 
+    async def pause(self) -> None:
+        """Take no new messages until ``resume``: cancel every consumer (the breaker opened)."""
+        self._paused = True
+        for tag, lane in list(self._lane_of.items()):
+            self._lane_of.pop(tag, None)
+            self._idle[lane].discard(tag)
+            self._cancelled.add(tag)
+            await self._cancel(tag, lane)
+
+    async def resume(self) -> None:
+        """Consume again: one consumer for each lane without a look-ahead, as at start."""
+        self._paused = False
+        for lane in self.lanes:
+            if self._lookahead(lane) == 0 and self.consumers < self.cap and not self._stopping:
+                self._opening[lane] += 1
+                await self._open(lane)
+
+    async def fetch(self) -> AbstractIncomingMessage | None:
+        """One task by basic.get, highest lane first (the breaker's probe), or None."""
+        for lane in self.lanes:
+            message = await self._queues[lane].get(no_ack=False, fail=False)
+            if message is not None:
+                return message
+        return None
+
     async def stop(self) -> None:
         """Take no new messages: cancel every consumer, give back the waiting ones."""
         self._stopping = True
@@ -226,6 +254,8 @@ class LaneScheduler:
             # Every path through the delivery settles it (and so calls release); this frees
             # the slot if none did (a lost connection: no ack will re-arm the consumer).
             task.add_done_callback(functools.partial(self._ended, message))
+            if self._paused:
+                continue  # no consumer is renewed or added while paused
             if not self._waiting[chosen]:
                 if self._lookahead(chosen) == 0:
                     self._renew(chosen)
@@ -250,7 +280,7 @@ class LaneScheduler:
         self._spawn(self._open(lane))
 
     def _serve_unserved(self) -> None:
-        if self._stopping:
+        if self._stopping or self._paused:
             return
         for lane in [lane for lane in self.lanes if lane in self._unserved]:
             if self._lookahead(lane) == 0:
@@ -324,7 +354,7 @@ class LaneScheduler:
 
     async def _open(self, lane: str) -> None:
         try:
-            if self._stopping:
+            if self._stopping or self._paused:
                 return
             tag = await self._queues[lane].consume(functools.partial(self._on_message, lane))
         finally:
@@ -336,6 +366,9 @@ class LaneScheduler:
             return
         self._lane_of[tag] = lane  # also when stopping: stop() cancels every one it knows
         if self._stopping:
+            return
+        if self._paused:
+            self._drop(tag)  # opened as the breaker paused us
             return
         if not any(m.consumer_tag == tag for m in self._waiting[lane]) and not any(
             t == tag for t, _ in self._running.values()
