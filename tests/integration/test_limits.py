@@ -124,8 +124,13 @@ async def test_per_key_concurrency_holds_one_key_and_lets_the_others_flow(
         assert int(await redis_client.get(f"{counters}:max:u0") or 0) == 1
         # 25 rounds of 0.1 s at best: the limit did hold the hot key back...
         assert hot_s >= 2.5, hot_s
-        # ...and the others, queued behind all 50, were not held up by it.
-        assert others_s <= control_s + 1.0, (others_s, control_s)
+        # ...and the others, queued behind all 50, were not held up by it: they were all done
+        # while the hot key, two at a time, still had a fifth of its tasks to run (a count,
+        # not a time: it holds on a loaded machine too). The control's time is printed.
+        others_end = t0 + others_s
+        hot_done = sum(1 for k, t in done.items() if k.startswith("hot/") and t <= others_end)
+        print(f"others {others_s:.2f} s (alone {control_s:.2f} s), hot key {hot_s:.2f} s")
+        assert hot_done <= 40, (hot_done, others_s, control_s)
         # Deferred, never failed: every run was its task's first attempt.
         assert attempts == [1] * 150
         assert _deferrals(app, qname, "concurrency") > 0
