@@ -28,7 +28,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.integration.fixture_apps import guard_app
-from tests.integration.processes import WorkerProcess, all_empty, queue_names
+from tests.integration.processes import CONSUMING_MARK, WorkerProcess, all_empty, queue_names
 from weclaw_mq import App, Context, Reject, Settings, TaskNotification, TaskStatus
 from weclaw_mq.naming import results_queue_name
 from weclaw_mq.notification import notification_id
@@ -334,7 +334,9 @@ async def test_kill_9_around_the_notify_point_loses_no_notification_and_duplicat
         current.append(
             fleet.spawn(concurrency=KILL_CONCURRENCY, sleep_min_s=0.002, sleep_max_s=0.01)
         )
-        await current[-1].wait_consuming()
+        # Not wait_consuming(): on a loaded machine the kill can come before the log line
+        # is read, and a worker killed by the test has not "exited before consuming".
+        await current[-1].wait_for_log(CONSUMING_MARK, 20, "the worker to consume")
         await asyncio.wait_for(killed.wait(), 30)
         killed.clear()
         assert await current[-1].wait_exit(10) == -signal.SIGKILL, current[-1].describe()
