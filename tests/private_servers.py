@@ -70,7 +70,7 @@ def is_ours(pid: int, marker: str, root: Path) -> bool:
     return str(root).encode() in cmdline and running(pid)
 
 
-def _children(pid: int) -> set[int]:
+def children_of(pid: int) -> set[int]:
     found: set[int] = set()
     for children in Path(f"/proc/{pid}/task").glob("*/children"):
         with contextlib.suppress(OSError, ValueError):
@@ -85,7 +85,7 @@ def pids_under(folder: Path) -> set[int]:
     for file in folder.rglob("*.pid"):
         with contextlib.suppress(OSError, ValueError):
             pids.add(int(file.read_text().strip().strip('"')))
-    return pids | {c for p in pids for c in _children(p)}
+    return pids | {c for p in pids for c in children_of(p)}
 
 
 def stop_processes(

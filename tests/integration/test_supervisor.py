@@ -25,6 +25,7 @@ from tests.integration.processes import (
     run_cli,
     worker_fleet,
 )
+from tests.private_servers import children_of, running
 from weclaw_mq import TaskStatus
 from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, parse_processes
 
@@ -140,21 +141,6 @@ def test_processes_refuses_nonsense(text: str) -> None:
         parse_processes(text)
 
 
-def _children_of(pid: int) -> set[int]:
-    found: set[int] = set()
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        found.update(int(p) for p in children.read_text().split())
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 async def test_children_stop_when_the_supervisor_is_killed(
     broker_url: str, redis_url: str, qname: str, tmp_path: Path
 ) -> None:
@@ -162,10 +148,10 @@ async def test_children_stop_when_the_supervisor_is_killed(
         queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
     ) as fleet:
         supervisor = await _start_supervised(fleet, 2)
-        children = _children_of(supervisor.pid)
+        children = children_of(supervisor.pid)
         assert len(children) == 2, children
         supervisor.kill()  # SIGKILL: no chance to forward anything
         # The kernel's parent-death signal (SIGTERM) makes each child drain and exit.
         await wait_until(
-            lambda: not any(_alive(pid) for pid in children), 30, "orphaned workers to exit"
+            lambda: not any(running(pid) for pid in children), 30, "orphaned workers to exit"
         )
