@@ -6,7 +6,7 @@ dead-letter what cannot succeed, and guard effects with Redis so a redelivery ne
 
 from .app import App
 from .context import Context
-from .control_flow import Reject, Retry
+from .control_flow import Reject, Retry, retry_after_s
 from .errors import (
     BatchPublishError,
     BrokerUnavailableError,
@@ -48,8 +48,8 @@ __all__ = [
     "ConnectionLostError",
     "Context",
     "Inbox",
-    "MemoryStreamStore",
     "InvalidPriorityError",
+    "MemoryStreamStore",
     "MemoryTaskStore",
     "MessageEncodingError",
     "PayloadError",
@@ -77,4 +77,5 @@ __all__ = [
     "UnroutableError",
     "WeclawMQError",
     "Worker",
+    "retry_after_s",
 ]

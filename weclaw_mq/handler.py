@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from .delays import delay_queue_set
 from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .lifetime import DEFAULT_TTL_S, check_ttl
@@ -49,8 +50,9 @@ class HandlerSpec:
     def queue_spec(self) -> QueueSpec:
         return QueueSpec(
             name=self.queue,
-            # The first delay always exists: the guard parks duplicates there (max_retries=0 too).
-            retry_delays_ms=tuple(dict.fromkeys((self.retry.delay_ms(1), *self.retry.delays_ms()))),
+            # The policy's delays (the first always: the guard parks duplicates there) and the
+            # step queues that serve any other delay (weclaw_mq.delays).
+            retry_delays_ms=delay_queue_set(self.retry),
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
             results=None if self.notify is None else self.notify.queue_spec(),

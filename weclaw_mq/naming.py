@@ -73,6 +73,8 @@ def retry_queue_name(queue: str, delay_ms: int) -> str:
 def results_queue_name(queue: str) -> str:
     """The default results queue of ``queue`` (``notify=True``)."""
     return f"{queue}{RESULTS_SUFFIX}"
+
+
 def lane_queue_name(queue: str, level: str) -> str:
     """The queue of priority ``level`` ("normal", "high", "urgent") of handler queue Q:
     NORMAL is Q itself, so producers and queues from before priorities keep working."""
