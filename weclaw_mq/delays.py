@@ -44,9 +44,11 @@ def delay_queue_set(policy: RetryPolicy) -> tuple[int, ...]:
 
 def next_hop_ms(remaining_ms: int, queues_ms: tuple[int, ...]) -> int:
     """The delay queue a task with ``remaining_ms`` still to wait goes to: the longest not
-    longer than that, else (less than the shortest is left, or nothing) the shortest."""
-    fitting = [q for q in queues_ms if q <= remaining_ms]
-    return max(fitting) if fitting else min(queues_ms)
+    longer than that; under 1 s left, the shortest not shorter (one last hop, < 1 s late,
+    rather than many through a policy's sub-second queue)."""
+    if remaining_ms < MIN_STEP_MS:
+        return min(q for q in queues_ms if q >= remaining_ms)
+    return max(q for q in queues_ms if q <= remaining_ms)
 
 
 def hops_ms(delay_ms: int, queues_ms: tuple[int, ...]) -> list[int]:
