@@ -16,9 +16,9 @@ URGENT levels get lanes ``Q.lane.high`` / ``Q.lane.urgent``, each declared like 
 to the one Q.dlq) with delay queues of its own (``Q.lane.high.retry.<delay>``, dead-lettering
 back to that lane): a retried task comes back to its lane, and the number of queues stays
 fixed (levels x (1 + delays) + 1), whatever delays ``Retry(after_s=)`` and
-``publish(delay_s=)`` ask for (``weclaw_mq.delays``). A ``queue_type="classic"`` handler queue is classic with
-``x-max-priority`` (classic queues refuse ``x-delivery-limit`` and the at-least-once
-dead-letter strategy, so it has neither); its delay queues and DLQ stay quorum.
+``publish(delay_s=)`` ask for (``weclaw_mq.delays``). A ``queue_type="classic"`` handler
+queue is classic with ``x-max-priority`` (classic queues refuse ``x-delivery-limit`` and the
+at-least-once dead-letter strategy, so it has neither); its delay queues and DLQ stay quorum.
 
 What differs by broker version is decided in ``broker_version.dlq_plan``.
 
