@@ -192,12 +192,13 @@ def settings_for(broker_url: str, redis_url: str, **overrides: Any) -> Settings:
 
 
 async def delete_queues(broker_url: str, names: list[str]) -> None:
+    # One channel for all: deleting a queue that is not there is no error, and each handler
+    # has a few dozen queues (lanes x delay queues), so a channel per queue added up.
     conn = await aio_pika.connect(broker_url)
     try:
+        channel = await conn.channel()
         for name in names:
-            channel = await conn.channel()
             await channel.queue_delete(name)
-            await channel.close()
     finally:
         await conn.close()
 

@@ -7,7 +7,7 @@ dead-letter what cannot succeed, and guard effects with Redis so a redelivery ne
 from .app import App
 from .breaker import Breaker, UpstreamDown
 from .context import Context
-from .control_flow import Reject, Retry
+from .control_flow import Reject, Retry, retry_after_s
 from .errors import (
     BatchPublishError,
     BrokerUnavailableError,
@@ -84,4 +84,5 @@ __all__ = [
     "UpstreamDown",
     "WeclawMQError",
     "Worker",
+    "retry_after_s",
 ]

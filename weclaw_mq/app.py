@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from . import headers as h
 from .breaker import Breaker
+from .delays import STEP_DELAYS_MS, check_delay, next_hop_ms, not_before_ms
 from .errors import (
     STORED_NOTHING,
     BatchPublishError,
@@ -41,7 +42,7 @@ from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .limits import Limit, as_limits
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
-from .naming import validate_session_id
+from .naming import retry_queue_name, validate_session_id
 from .notification import notify_target
 from .outbox import Outbox, add_message
 from .outbox.fallback import LocalFallback
@@ -232,14 +233,23 @@ class App:
         ttl_s: float | None = None,
         session_id: str | None = None,
         priority: Priority | str | None = None,
+        delay_s: float | None = None,
     ) -> aio_pika.Message:
         """Encode and check a task without sending it: size, and the handler's model if known.
 
         Its lifetime is ``ttl_s``, else its handler's ``ttl_s`` (if registered in this App),
         else ``settings.task_ttl_s``, counted from now (see ``weclaw_mq.lifetime``).
         A priority above NORMAL (``priority``, else the handler's default) is written in the
-        ``x-weclaw-priority`` header; ``publish`` then routes the message by it."""
+        ``x-weclaw-priority`` header; ``publish`` then routes the message by it. A
+        ``delay_s`` is written as the task's not-before time (``x-weclaw-not-before``), by
+        which ``publish`` parks it in a delay queue (``weclaw_mq.delays``)."""
         ttl_ms = self._ttl_ms(queue, ttl_s)
+        delay_ms = 0 if delay_s is None else check_delay(delay_s, "delay_s")
+        if delay_ms >= ttl_ms:
+            raise ConfigurationError(
+                f"delay_s={delay_s!r} is not shorter than the task's lifetime of "
+                f"{ttl_ms / 1000:.3g} s: it would expire before it could run"
+            )
         if session_id is not None:
             headers = {**(headers or {}), h.SESSION_ID: validate_session_id(session_id)}
         body = encode_payload(payload)
@@ -262,7 +272,10 @@ class App:
             traceparent=ctx.traceparent if ctx else None,
             extra=headers,
         )
-        stamp(ours, ttl_ms, now_ms())
+        at_ms = now_ms()
+        stamp(ours, ttl_ms, at_ms)
+        if delay_ms > 0:
+            ours[h.NOT_BEFORE] = at_ms + delay_ms
         message = build_message(body, task_id=task_id or new_task_id(), headers=ours)
         # The broker's copy of the deadline: it dead-letters the task from Q past it.
         message.expiration = ttl_ms / 1000
@@ -289,9 +302,21 @@ class App:
         return spec.priority if spec is not None else Priority.NORMAL
 
     async def _route(self, queue: str, message: aio_pika.Message) -> str:
-        """Where ``message`` goes (its lane, or Q with the AMQP priority property where the
-        broker, or a classic queue, has native priorities); the version is asked only for a
-        priority above NORMAL."""
+        """Where ``message`` goes: its lane (``_lane``), or, before its not-before time, one of
+        that lane's step delay queues, which dead-letters it to the lane (``delays``). They
+        are declared with the handler's queues; where they are not (no worker of this version
+        declared them yet), the publish is refused as unroutable and nothing is sent."""
+        lane = await self._lane(queue, message)
+        due = not_before_ms(message.headers)
+        left = None if due is None else due - now_ms()
+        if left is None or left <= 0:  # no delay, or a delay that passed in the outbox
+            return lane
+        return retry_queue_name(lane, next_hop_ms(left, STEP_DELAYS_MS))
+
+    async def _lane(self, queue: str, message: aio_pika.Message) -> str:
+        """The lane of ``message`` (or Q with the AMQP priority property where the broker,
+        or a classic queue, has native priorities); the version is asked only for a priority
+        above NORMAL."""
         level = priority_from_header(message.headers.get(h.PRIORITY))
         if level is Priority.NORMAL:
             return queue
@@ -321,6 +346,7 @@ class App:
         ttl_s: float | None = None,
         session_id: str | None = None,
         priority: Priority | str | None = None,
+        delay_s: float | None = None,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
@@ -330,7 +356,9 @@ class App:
         ``session_id`` (a user or a conversation: letters, digits, ``_.:@-``), the task's
         streamed chunks and final reply also go to that session's inbox. ``priority``
         (default: the handler's, else NORMAL) is ``Priority.HIGH`` or ``"high"`` and so on;
-        see the README's "Priorities".
+        see the README's "Priorities". ``delay_s``: the task is delivered no earlier than
+        that many seconds from now (at most ~1 s later; its status meanwhile is ``queued``);
+        see the README's "Delays".
         """
         message = self.prepare(
             queue,
@@ -341,6 +369,7 @@ class App:
             ttl_s=ttl_s,
             session_id=session_id,
             priority=priority,
+            delay_s=delay_s,
         )
         if self._local is not None:
             return await self._local.publish(queue, message, self._send)
@@ -385,6 +414,7 @@ class App:
         ttl_s: float | None = None,
         session_id: str | None = None,
         priority: Priority | str | None = None,
+        delay_s: float | None = None,
     ) -> list[str]:
         """Publish a batch over one channel with pipelined confirms; the task ids, in order.
 
@@ -406,6 +436,7 @@ class App:
                 ttl_s=ttl_s,
                 session_id=session_id,
                 priority=priority,
+                delay_s=delay_s,
             )
             for i, payload in enumerate(items)
         ]

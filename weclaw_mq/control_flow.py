@@ -5,7 +5,15 @@ They are decisions, not faults, so they stand apart from ``WeclawMQError``.
 
 from __future__ import annotations
 
+import logging
+import math
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import ClassVar
+
+from .delays import check_delay
+
+log = logging.getLogger(__name__)
 
 
 class Reject(Exception):
@@ -19,15 +27,50 @@ class Reject(Exception):
 
 
 class Retry(Exception):
-    """Retry this task after the policy's next delay (e.g. the model's API said "busy").
+    """Retry this task after the policy's next delay, or after ``after_s`` seconds (e.g. the
+    model's API said "busy, come back in 20 s": see ``retry_after_s``).
 
-    It counts as an attempt, like a failure, so a task cannot ask for retries forever; it is
-    logged at INFO rather than as an error. The delay comes from the policy only: each delay
-    has its own delay queue, declared up front, so a handler cannot pick an arbitrary one.
+    It counts as one attempt, like a failure, so a task cannot ask for retries forever; it is
+    logged at INFO rather than as an error. An ``after_s`` delay is served by the lane's
+    bounded set of delay queues (``weclaw_mq.delays``): never earlier, at most ~1 s later.
     """
 
     error_type: ClassVar[str] = "weclaw_mq.Retry"  # stable, as in ``errors``
 
-    def __init__(self, reason: str = "retry requested by handler") -> None:
+    def __init__(
+        self, reason: str = "retry requested by handler", *, after_s: float | None = None
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
+        # Checked here, in the handler's frame: a bad value fails loudly where it was written.
+        self.after_ms = None if after_s is None else check_delay(after_s, "Retry(after_s=)")
+
+
+def retry_after_s(
+    value: str | None, *, default: float | None = None, now: datetime | None = None
+) -> float | None:
+    """Seconds to wait from an HTTP ``Retry-After`` header value (RFC 9110: a number of
+    seconds, or an HTTP date; a date in the past is 0). ``default`` when the header is absent
+    or unreadable (logged at WARNING): ``Retry(after_s=None)`` then falls back to the retry
+    policy's own delay.
+
+    ``raise Retry("rate limited", after_s=retry_after_s(response.headers.get("Retry-After")))``
+    """
+    if value is None:
+        return default
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            log.warning("unreadable Retry-After %r; using the fallback %r", value[:100], default)
+            return default
+        if when.tzinfo is None:  # an HTTP date is GMT; parsedate says "-0000" for none given
+            when = when.replace(tzinfo=UTC)
+        return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+    if not math.isfinite(seconds) or seconds < 0:
+        log.warning("unreadable Retry-After %r; using the fallback %r", value[:100], default)
+        return default
+    return seconds

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from .breaker import Breaker
+from .delays import delay_queue_set
 from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .lifetime import DEFAULT_TTL_S, check_ttl
@@ -55,15 +56,12 @@ class HandlerSpec:
     def queue_spec(self) -> QueueSpec:
         return QueueSpec(
             name=self.queue,
-            # The first delay always exists: the guard parks duplicates there (max_retries=0 too).
-            # A limited handler defers held-back tasks to the ladder's delay queues too.
+            # The policy's delays (the first always: the guard parks duplicates there), the
+            # step queues that serve any other delay (weclaw_mq.delays), and for a limited
+            # handler the ladder its held-back tasks are deferred to (weclaw_mq.limits).
             retry_delays_ms=tuple(
                 dict.fromkeys(
-                    (
-                        self.retry.delay_ms(1),
-                        *self.retry.delays_ms(),
-                        *(DEFER_LADDER_MS if self.limits else ()),
-                    )
+                    (*delay_queue_set(self.retry), *(DEFER_LADDER_MS if self.limits else ()))
                 )
             ),
             delivery_limit=self.delivery_limit,

@@ -22,6 +22,9 @@ TTL_MS = f"{PREFIX}ttl-ms"
 # The task's priority ("high", "urgent"; absent: normal), kept on every hop: retries, deferrals
 # and DLQ re-drives send the task back to its lane by it (weclaw_mq.priority).
 PRIORITY = f"{PREFIX}priority"
+# The earliest time (epoch ms) the task may run: set by ``publish(delay_s=)`` and
+# ``Retry(after_s=)``; a worker that receives it earlier parks it again (weclaw_mq.delays).
+NOT_BEFORE = f"{PREFIX}not-before"
 # How often ops shovelled this task back from its DLQ (weclaw_mq.dlq.requeue).
 REQUEUED = f"{PREFIX}requeued"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .control_flow import Reject
+from .control_flow import Reject, Retry
 from .errors import ConfigurationError
 
 
@@ -65,6 +65,7 @@ class Ack:
 
 @dataclass(frozen=True)
 class RetryLater:
+    # The whole delay: the policy's, or the one the handler asked for (``Retry(after_s=)``).
     delay_ms: int
 
 
@@ -86,4 +87,6 @@ def decide(attempt: int, error: BaseException | None, policy: RetryPolicy) -> De
         return GiveUp(DeadLetterReason.REJECTED)
     if attempt > policy.max_retries:
         return GiveUp(DeadLetterReason.RETRIES_EXHAUSTED)
+    if isinstance(error, Retry) and error.after_ms is not None:
+        return RetryLater(error.after_ms)
     return RetryLater(policy.delay_ms(attempt))

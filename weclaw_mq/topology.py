@@ -6,7 +6,8 @@ For a handler queue ``Q`` (names from ``naming``):
 |-----------------|--------|----------------------------------------------------------------|
 | Q               | quorum | dead-letter to Q.dlq (at-least-once, reject-publish), delivery |
 |                 |        | limit, optional max length                                     |
-| Q.retry.<delay> | quorum | x-message-ttl = delay, dead-letter back to Q (at-least-once)   |
+| Q.retry.<delay> | quorum | x-message-ttl = delay, dead-letter back to Q (at-least-once);  |
+|                 |        | one per policy delay and per step of ``delays.STEP_DELAYS_MS`` |
 | Q.dlq           | quorum | nothing expires or overflows there; from RabbitMQ 4.0 on, the  |
 |                 |        | default delivery limit turned off (x-delivery-limit -1)        |
 
@@ -14,9 +15,10 @@ Priorities (``priority.plan_priorities``): where the broker has none usable, the
 URGENT levels get lanes ``Q.lane.high`` / ``Q.lane.urgent``, each declared like Q (dead-letter
 to the one Q.dlq) with delay queues of its own (``Q.lane.high.retry.<delay>``, dead-lettering
 back to that lane): a retried task comes back to its lane, and the number of queues stays
-fixed (levels x (1 + delays) + 1). A ``queue_type="classic"`` handler queue is classic with
-``x-max-priority`` (classic queues refuse ``x-delivery-limit`` and the at-least-once
-dead-letter strategy, so it has neither); its delay queues and DLQ stay quorum.
+fixed (levels x (1 + delays) + 1), whatever delays ``Retry(after_s=)`` and
+``publish(delay_s=)`` ask for (``weclaw_mq.delays``). A ``queue_type="classic"`` handler
+queue is classic with ``x-max-priority`` (classic queues refuse ``x-delivery-limit`` and the
+at-least-once dead-letter strategy, so it has neither); its delay queues and DLQ stay quorum.
 
 What differs by broker version is decided in ``broker_version.dlq_plan``.
 

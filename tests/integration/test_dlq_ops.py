@@ -18,6 +18,7 @@ from tests.integration.processes import FIXTURE_APP, one_error_line, run_cli, se
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
 from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq, queue_stats
+from weclaw_mq.delays import STEP_DELAYS_MS
 from weclaw_mq.naming import dlq_name, lane_queue_name, retry_queue_name
 
 FAIL_ONCE_MORE = RetryPolicy(max_retries=1, delay_s=0.05)  # attempts 1 and 2, then the DLQ
@@ -202,7 +203,8 @@ async def test_stats_counts_the_queue_its_delay_queues_and_its_dlq_and_reports_m
     assert retry_queue_name(lane_queue_name(dead.queue, "high"), 50) in [c.name for c in got.all]
     assert got.retries[1].messages is None
     assert got.dlq.exists and got.dlq.messages == 3 and got.dlq.consumers == 0
-    assert queue_stats.handler_retry_delays_ms(dead.app, dead.queue) == (50,)
+    # The policy's delay, then the step queues that serve any other delay (weclaw_mq.delays).
+    assert queue_stats.handler_retry_delays_ms(dead.app, dead.queue) == (50, *STEP_DELAYS_MS)
 
 
 async def test_message_dead_lettered_by_the_broker_at_its_delivery_limit_is_listed_and_requeued(
@@ -312,9 +314,11 @@ async def test_cli_stats_prints_the_queue_the_apps_delay_queues_and_the_dlq(
         q: ["work", "0"],
         high: ["lane", "0"],
         urgent: ["lane", "0"],
-        retry_queue_name(q, 50): ["retry", "0"],
-        retry_queue_name(high, 50): ["retry", "0"],
-        retry_queue_name(urgent, 50): ["retry", "0"],
+        **{
+            retry_queue_name(lane, delay): ["retry", "0"]
+            for lane in (q, high, urgent)
+            for delay in (50, *STEP_DELAYS_MS)
+        },
         dlq_name(q): ["dlq", "3"],
     }
     assert consumers[q] >= 1 and consumers[high] >= 1 and consumers[urgent] >= 1

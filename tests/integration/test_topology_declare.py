@@ -13,6 +13,8 @@ from aio_pika.abc import AbstractChannel
 
 from tests.conftest import get_message, queue_depth
 from weclaw_mq import App, RetryPolicy, TopologyConflictError
+from weclaw_mq.delays import STEP_DELAYS_MS
+from weclaw_mq.naming import delay_label
 
 
 def _list_queues() -> dict[str, dict[str, Any]]:
@@ -38,6 +40,11 @@ def _list_queues() -> dict[str, dict[str, Any]]:
 async def _queues_named(prefix: str) -> dict[str, dict[str, Any]]:
     everything = await asyncio.to_thread(_list_queues)
     return {n: q for n, q in everything.items() if n == prefix or n.startswith(f"{prefix}.")}
+
+
+def _steps(*lanes: str) -> list[str]:
+    """The step delay queues every lane has beside its policy's (weclaw_mq.delays)."""
+    return [f"{lane}.retry.{delay_label(d)}" for lane in lanes for d in STEP_DELAYS_MS]
 
 
 def _register(app: App, queue: str, **options: Any) -> None:
@@ -71,6 +78,7 @@ async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_de
             f"{qname}.retry.400ms",
             *lanes,
             *(f"{lane}.retry.{d}ms" for lane in lanes for d in (200, 400)),
+            *_steps(qname, *lanes),
         ]
     )
     queues = await _queues_named(qname)
@@ -95,6 +103,15 @@ async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_de
             "x-overflow": "reject-publish",
             "x-message-ttl": delay_ms,
         }
+    # A lane's step queue dead-letters back to that lane, like its policy delay queues.
+    assert queues[f"{lanes[0]}.retry.1s"]["arguments"] == {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": lanes[0],
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+        "x-message-ttl": 1_000,
+    }
     assert queues[f"{qname}.dlq"]["arguments"] == {"x-queue-type": "quorum"}
 
 
@@ -121,6 +138,7 @@ async def test_capped_delays_share_one_retry_queue(
             f"{qname}.retry.200ms",
             *lanes,
             *(f"{lane}.retry.{d}ms" for lane in lanes for d in (100, 200)),
+            *_steps(qname, *lanes),
         ]
     )
     assert queues[qname]["arguments"]["x-max-length"] == 50
@@ -149,6 +167,7 @@ async def test_declare_covers_every_handler_of_the_app(
                 for level in ("high", "urgent")
                 for suffix in ("", ".retry.50ms")
             ),
+            *_steps(q, f"{q}.lane.high", f"{q}.lane.urgent"),
         )
     }
     assert set(names) <= set(await asyncio.to_thread(_list_queues))

@@ -15,6 +15,7 @@ from weclaw_mq import (
     RetryPolicy,
     Settings,
 )
+from weclaw_mq.delays import STEP_DELAYS_MS
 from weclaw_mq.errors import InvalidPayload, UndecodableBody
 from weclaw_mq.settings import redact_url
 
@@ -42,7 +43,8 @@ def test_handler_is_registered_with_its_options() -> None:
     assert spec.takes_context is True
     assert spec.retry is policy
     assert (spec.timeout_s, spec.delivery_limit, spec.max_length) == (2.5, 4, 9)
-    assert spec.queue_spec().retry_delays_ms == (100,)
+    # Its policy's delay, then the step queues that serve any other delay.
+    assert spec.queue_spec().retry_delays_ms == (100, *STEP_DELAYS_MS)
 
 
 def test_options_left_out_come_from_settings() -> None:
@@ -75,7 +77,7 @@ def test_handler_without_retries_still_gets_the_first_delay_queue() -> None:
     async def summarise(task: Prompt) -> None:
         return None
 
-    assert app.handlers["summarise"].queue_spec().retry_delays_ms == (50,)
+    assert app.handlers["summarise"].queue_spec().retry_delays_ms == (50, *STEP_DELAYS_MS)
 
 
 def test_decorator_returns_the_function_unchanged() -> None:

@@ -25,6 +25,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from .. import headers as h
 from .. import tracing
 from ..context import Context
+from ..delays import delay_queue_set, next_hop_ms, not_before_ms
 from ..errors import (
     ConfigurationError,
     HandlerAbandoned,
@@ -154,6 +155,8 @@ async def _process(
         )
         await _dead_letter(message, delivery, spec, rt, DeadLetterReason.DELIVERY_LIMIT, crash)
         return
+    if await _parked_until_due(message, delivery, spec, rt):
+        return
     circuit = rt.circuits.get(spec.queue)
     if circuit is not None and not circuit.admits(message):
         # Delivered as the breaker opened (or waiting for a lane slot): parked, no attempt.
@@ -267,10 +270,32 @@ async def _conclude(
     elif isinstance(decision, RetryLater):
         await _status(rt, delivery, spec, TaskStatus.RETRYING, error=describe(error))
         await rt.settler.retry(
-            message, delivery, queue=spec.queue, delay_ms=decision.delay_ms, error=error
+            message,
+            delivery,
+            queue=spec.queue,
+            delay_ms=decision.delay_ms,
+            error=error,
+            queues_ms=delay_queue_set(spec.retry),
         )
     elif isinstance(decision, GiveUp):
         await _dead_letter(message, delivery, spec, rt, decision.reason, error)
+
+
+async def _parked_until_due(
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+) -> bool:
+    """Park a task that came back from a delay queue before its not-before time in the next
+    one (weclaw_mq.delays): no claim, no record, no attempt; it did not run. Its status stays
+    what it was (``queued`` for a delayed publish, ``retrying`` for a retry)."""
+    due = not_before_ms(delivery.headers)
+    left = None if due is None else due - now_ms()
+    if left is None or left <= 0:
+        return False
+    hop_ms = next_hop_ms(left, delay_queue_set(spec.retry))
+    await rt.settler.defer(
+        message, delivery, queue=spec.queue, delay_ms=hop_ms, why=f"due in {left / 1000:.3g} s"
+    )
+    return True
 
 
 async def _expired_on_arrival(

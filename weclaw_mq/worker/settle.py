@@ -24,8 +24,10 @@ from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
 from .. import headers as h
 from ..control_flow import Retry
+from ..delays import next_hop_ms, schedule
 from ..errors import WeclawMQError
 from ..failures import describe, error_class, error_type, safe_text, traceback_text
+from ..lifetime import now_ms
 from ..message import Delivery, build_message
 from ..metrics import Metrics, Outcome
 from ..naming import dlq_name, retry_queue_name, source_lane
@@ -167,10 +169,15 @@ class Settler:
         queue: str,
         delay_ms: int,
         error: BaseException,
+        queues_ms: tuple[int, ...] | None = None,
     ) -> bool:
+        """Park the task for ``delay_ms`` as its next attempt. With ``queues_ms`` (its lane's
+        delay queues), a delay without a queue of its own hops through them (``delays``)."""
         headers = failure_headers(delivery, queue, error)
         headers[h.ATTEMPT] = delivery.attempt + 1
-        target = _delay_queue(message, queue, delay_ms)
+        hop_ms = delay_ms if queues_ms is None else next_hop_ms(delay_ms, queues_ms)
+        schedule(headers, delay_ms, hop_ms, now_ms())
+        target = _delay_queue(message, queue, hop_ms)
         if not await self._move(message, delivery, target, headers, queue=queue):
             return False
         self._ended(

@@ -1,0 +1,183 @@
+"""Delays asked for at run time, on the real broker and Redis: a 429 with ``Retry-After`` from a
+real HTTP server, ``publish(delay_s=)``, their lifetime, and a producer-only App without the
+delay queues (weclaw_mq.delays)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from aio_pika.abc import AbstractChannel
+from pydantic import BaseModel
+
+from tests.conftest import next_message, outcome_count, queue_depth, wait_until
+from weclaw_mq import App, Context, Retry, RetryPolicy, TaskStatus, UnroutableError, retry_after_s
+from weclaw_mq import headers as h
+from weclaw_mq.naming import dlq_name, lane_queue_name, retry_queue_name
+
+
+class Prompt(BaseModel):
+    text: str
+
+
+class ModelAPI:
+    """A real HTTP server standing in for a rate-limited model API: the first request for
+    "busy" answers 429 with ``Retry-After: 3``, every other request 200."""
+
+    def __init__(self) -> None:
+        self.limited = False
+        self.server: asyncio.Server | None = None
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request = await reader.readuntil(b"\r\n\r\n")
+        if b"/busy" in request.split(b"\r\n")[0] and not self.limited:
+            self.limited = True
+            status, extra = "429 Too Many Requests", "Retry-After: 3\r\n"
+        else:
+            status, extra = "200 OK", ""
+        writer.write(f"HTTP/1.1 {status}\r\n{extra}Content-Length: 0\r\n\r\n".encode())
+        await writer.drain()
+        writer.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        host, port = self.server.sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+
+@pytest.fixture
+async def model_api() -> AsyncIterator[ModelAPI]:
+    api = ModelAPI()
+    api.server = await asyncio.start_server(api.serve, "127.0.0.1", 0)
+    try:
+        yield api
+    finally:
+        api.server.close()
+        await api.server.wait_closed()
+
+
+async def test_a_429_with_retry_after_3_retries_at_3_to_4_s_with_one_attempt_while_others_flow(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    model_api: ModelAPI,
+) -> None:
+    app = make_app(concurrency=1)  # one slot: the waiting retry must not hold it
+    runs: list[tuple[str, int, float]] = []  # (text, attempt, monotonic start)
+    statuses: list[TaskStatus | None] = []
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=2, delay_s=30))  # policy far from 3 s
+    async def call_model(task: Prompt, ctx: Context) -> None:
+        runs.append((task.text, ctx.attempt, time.monotonic()))
+        async with httpx.AsyncClient() as client:
+            reply = await client.get(f"{model_api.url}/{task.text}")
+        if reply.status_code == 429:
+            raise Retry("rate limited", after_s=retry_after_s(reply.headers.get("Retry-After")))
+
+    await start_worker(app)
+    busy = await app.publish(qname, Prompt(text="busy"))
+    await wait_until(lambda: outcome_count(app, qname, "retried") == 1, 10, "the 429 retry")
+    failed_at = runs[0][2]
+    state = await app.status(busy)
+    statuses.append(state.status if state else None)
+    others = await app.publish_many(qname, [Prompt(text=f"other-{i}") for i in range(5)])
+    await wait_until(lambda: outcome_count(app, qname, "acked") == 6, 15, "all six to finish")
+
+    retried = [(attempt, at) for text, attempt, at in runs if text == "busy"]
+    assert [attempt for attempt, _ in retried] == [1, 2]  # one attempt spent, not more
+    waited = retried[1][1] - failed_at
+    assert 3.0 <= waited <= 4.0, f"retried {waited:.3f} s after the 429 with Retry-After: 3"
+    # The others ran while it waited, through the one slot.
+    other_starts = [at for text, _, at in runs if text.startswith("other-")]
+    assert len(other_starts) == len(others) and max(other_starts) < retried[1][1]
+    assert statuses == [TaskStatus.RETRYING]
+    final = await app.status(busy)
+    assert final is not None and final.status is TaskStatus.SUCCEEDED
+    # It hopped through the 1 s step queue (3 x 1 s), never through the policy's 30 s one.
+    assert outcome_count(app, qname, "deferred") == 2
+    assert outcome_count(app, qname, "dead_lettered") == 0
+
+
+async def test_delayed_publish_is_delivered_no_earlier_than_asked_on_its_lane(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    amqp: AbstractChannel,
+) -> None:
+    app = make_app(concurrency=4)
+    started: dict[str, float] = {}
+    follow_up = f"{qname}-follow"
+
+    @app.handler(qname)
+    async def handle(task: Prompt, ctx: Context) -> None:
+        started[task.text] = time.time()
+        if task.text == "parent":  # a follow-up delayed from inside a handler
+            await ctx.publish(follow_up, Prompt(text="child"), delay_s=1.2)
+
+    @app.handler(follow_up)
+    async def child(task: Prompt) -> None:
+        started[task.text] = time.time()
+
+    await start_worker(app)
+    at = time.time()
+    late = await app.publish(qname, Prompt(text="late"), delay_s=2.5)
+    state = await app.status(late)
+    assert state is not None and state.status is TaskStatus.QUEUED  # queued while it waits
+    await app.publish_many(
+        qname, [Prompt(text="high-0"), Prompt(text="high-1")], delay_s=1.5, priority="high"
+    )
+    # Parked in its lane's step queue, not in the lane (a priority survives the delay).
+    high = lane_queue_name(qname, "high")
+    assert await queue_depth(amqp, retry_queue_name(high, 1_000)) == 2
+    await app.publish(qname, Prompt(text="parent"))
+    await wait_until(lambda: len(started) == 5, 15, "all five tasks to run")
+
+    assert started["late"] - at >= 2.5
+    assert started["high-0"] - at >= 1.5 and started["high-1"] - at >= 1.5
+    assert started["child"] - started["parent"] >= 1.2
+    # At most 1 s late (the README's bound), with room for a busy shared machine.
+    assert started["late"] - at < 2.5 + 1.0 + 0.5
+    assert started["child"] - started["parent"] < 1.2 + 1.0 + 0.5
+
+
+async def test_a_retry_after_past_the_tasks_lifetime_expires_it_at_once(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    amqp: AbstractChannel,
+) -> None:
+    app = make_app()
+    runs: list[int] = []
+
+    @app.handler(qname, ttl_s=5)
+    async def call_model(task: Prompt, ctx: Context) -> None:
+        runs.append(ctx.attempt)
+        raise Retry("rate limited", after_s=60)
+
+    await start_worker(app)
+    task_id = await app.publish(qname, Prompt(text="x"))
+    dead = await next_message(amqp, dlq_name(qname))
+
+    assert dead.message_id == task_id and runs == [1]
+    assert (dead.headers or {})[h.DEAD_LETTER_REASON] == "expired"
+    state = await app.status(task_id)
+    assert state is not None and state.status is TaskStatus.EXPIRED
+
+
+async def test_a_delayed_publish_without_its_delay_queues_is_refused_and_nothing_is_sent(
+    make_app: Callable[..., App], qname: str, amqp: AbstractChannel
+) -> None:
+    # A producer-only App: Q exists (declared by an older worker, say), its step queues not.
+    await amqp.declare_queue(qname, durable=True, arguments={"x-queue-type": "quorum"})
+    try:
+        app = make_app()
+        with pytest.raises(UnroutableError, match=r"retry\.1s.*declare"):
+            await app.publish(qname, Prompt(text="x"), delay_s=1)
+        assert await queue_depth(amqp, qname) == 0
+    finally:
+        await amqp.queue_delete(qname)
