@@ -216,3 +216,7 @@ from .dlq import dlq_cli, stats  # noqa: E402  (kept beside its registration)
 
 cli.add_typer(dlq_cli, name="dlq")
 cli.command("stats")(stats)
+
+from .permissions import permissions  # noqa: E402
+
+cli.command("permissions")(permissions)
