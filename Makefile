@@ -16,7 +16,8 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools test lint format demo drill bench bench-own-cost compose-check clean \
+.PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
+	compose-check clean \
 	distclean services-up services-down services-status
 
 help:
@@ -32,6 +33,8 @@ help:
 	@echo "make drill          every fault drill (private RabbitMQ nodes, 3-node cluster) and its table"
 	@echo "make bench          benchmark vs raw aio-pika, FastStream, Dramatiq (own venv; BENCH_ARGS=--smoke)"
 	@echo "make bench-own-cost weclaw_mq's own CPU per delivery, in isolation (no broker, no Redis)"
+	@echo "make bench-outbox   the local outbox: publish with the broker down, the relay's drain rate"
+	@echo "make bench-notify   what notify=True costs a worker (tasks/s, CPU per task; real broker)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -102,11 +105,22 @@ drill: install
 # The peers live in benchmarks/.venv, built by run.sh on first use, never in .venv.
 bench:
 	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
+	$(MAKE) --no-print-directory bench-outbox
+
+# The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
+# publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
+bench-outbox: install
+	$(BIN)/python -m benchmarks.outbox $(OUTBOX_BENCH_ARGS)
 
 # The README's "own work per delivery": process() against a bare handler call (needs only
 # the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.
 bench-own-cost: install
 	$(BIN)/python -m benchmarks.own_cost $(OWN_COST_ARGS)
+
+# Result notifications' cost: the same guarded handler with and without notify=True, on the
+# shared broker and Redis. NOTIFY_ARGS="--n 2000 --rounds 3 --concurrency 10" are the defaults.
+bench-notify: install
+	$(BIN)/python -m benchmarks.notify_cost $(NOTIFY_ARGS)
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

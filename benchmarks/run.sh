@@ -5,6 +5,8 @@
 #   benchmarks/run.sh --smoke    tiny counts, one repeat (under a minute once the venv exists)
 #   benchmarks/run.sh --help     every option (--scale, --repeats, --cases, ...)
 #
+# Then benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke).
+#
 # The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
 # That venv is created on first use and re-installed only when requirements.txt or
 # pyproject.toml is newer than its stamp.
@@ -28,4 +30,13 @@ if [[ ! -f "$stamp" || "$here/requirements.txt" -nt "$stamp" || "$root/pyproject
 fi
 
 cd "$root"
-exec "$venv/bin/python" -m benchmarks.bench "$@"
+notify_args=()
+for arg in "$@"; do
+    case "$arg" in
+        -h | --help) exec "$venv/bin/python" -m benchmarks.bench "$@" ;;
+        --smoke) notify_args=(--n 100 --rounds 1) ;;
+    esac
+done
+"$venv/bin/python" -m benchmarks.bench "$@"
+# What result notifications cost a worker (also alone: make bench-notify).
+exec "$venv/bin/python" -m benchmarks.notify_cost "${notify_args[@]}"

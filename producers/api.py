@@ -7,6 +7,10 @@ Run it (with a worker beside it, e.g. ``weclaw-mq worker consumers.demo:app``)::
         -d '{"text": "write a haiku about queues"}'
     curl -s localhost:8000/tasks/<task_id>
 
+With ``WECLAW_MQ_OUTBOX_PATH`` set, a POST while the broker is down still answers 202, with
+``"status": "stored_locally"``: the task waits in that SQLite file and the App's relay sends
+it once the broker is back (weclaw_mq.outbox). Without it, the answer is the 503 below.
+
 The API publishes through the demo's own ``App`` object (``consumers.demo.app``): that App
 holds the handler, so ``publish`` checks each payload against the handler's pydantic model
 before anything is sent, and a payload the worker would dead-letter is refused here with a
@@ -35,6 +39,7 @@ from weclaw_mq import (
     PayloadValidationError,
     PublishFailedError,
     StateUnavailableError,
+    TaskStatus,
 )
 
 log = logging.getLogger("producers.api")
@@ -47,6 +52,8 @@ IDEMPOTENCY_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$"
 
 class Accepted(BaseModel):
     task_id: str
+    # "stored_locally" when the task went to the outbox (the broker is down); else absent.
+    status: str | None = None
 
 
 class TaskView(BaseModel):
@@ -93,6 +100,10 @@ def create_app(
                 await mq_app.declare()
             except BrokerUnavailableError as e:
                 log.warning("could not declare queues at startup: %s", e)
+        if mq_app.settings.outbox_path:
+            # Opened now: a corrupt or unwritable outbox stops the API at start, and its
+            # relay sends what an earlier run left there.
+            await mq_app.start_outbox()
         try:
             yield
         finally:
@@ -100,7 +111,12 @@ def create_app(
 
     api = FastAPI(title="weclaw_mq example producer", lifespan=lifespan)
 
-    @api.post("/tasks", status_code=status.HTTP_202_ACCEPTED, response_model=Accepted)
+    @api.post(
+        "/tasks",
+        status_code=status.HTTP_202_ACCEPTED,
+        response_model=Accepted,
+        response_model_exclude_none=True,
+    )
     async def submit(
         prompt: Prompt,
         idempotency_key: Annotated[
@@ -129,6 +145,8 @@ def create_app(
         except PublishFailedError as e:
             log.warning("POST /tasks refused: %s", e)
             return _unavailable("the task queue refused the task; nothing was accepted")
+        if await mq_app.stored_locally(task_id):
+            return Accepted(task_id=task_id, status=TaskStatus.STORED_LOCALLY.value)
         return Accepted(task_id=task_id)
 
     @api.get("/tasks/{task_id}", response_model=TaskView)

@@ -25,6 +25,7 @@ from .errors import (
     UnroutableError,
     WeclawMQError,
 )
+from .notification import TaskNotification
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
@@ -55,6 +56,7 @@ __all__ = [
     "RetryPolicy",
     "Settings",
     "StateUnavailableError",
+    "TaskNotification",
     "TaskState",
     "TaskStatus",
     "TaskStore",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import warnings
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
@@ -28,6 +29,9 @@ from .handler import HandlerFunc, HandlerSpec, build_spec
 from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
+from .notification import notify_target
+from .outbox import Outbox, add_message
+from .outbox.fallback import LocalFallback
 from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy
@@ -95,6 +99,18 @@ class App:
         # Queued-record writes that outlived their publish: held here so they are not
         # garbage-collected mid-write, and awaited (briefly) on close.
         self._record_writes: set[asyncio.Task[Any]] = set()
+        # The local outbox and its relay, when WECLAW_MQ_OUTBOX_PATH names a file.
+        self._local = (
+            LocalFallback(
+                self.settings,
+                self.metrics,
+                results=lambda: self.results,
+                background=self._record_in_background,
+                name=name,
+            )
+            if self.settings.outbox_path
+            else None
+        )
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -107,11 +123,16 @@ class App:
         max_length: int | None = None,
         idempotent: bool = True,
         ttl_s: float | None = None,
+        notify: bool | str = False,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
         ``ttl_s``: the lifetime of a task this App publishes to ``queue`` without its own
-        ``ttl_s`` (default ``settings.task_ttl_s``, 7 days)."""
+        ``ttl_s`` (default ``settings.task_ttl_s``, 7 days).
+
+        ``notify=True`` publishes each task's final state to ``<queue>.results`` (a name: to
+        that queue) before the task is acked or dead-lettered (see ``notification``).
+        """
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -129,6 +150,7 @@ class App:
                 max_length=max_length,
                 idempotent=idempotent,
                 ttl_s=ttl_s if ttl_s is not None else s.task_ttl_s,
+                notify=notify_target(queue, notify, s),
             )
             return func
 
@@ -215,6 +237,12 @@ class App:
         message = self.prepare(
             queue, payload, task_id=task_id, trace_id=trace_id, headers=headers, ttl_s=ttl_s
         )
+        if self._local is not None:
+            return await self._local.publish(queue, message, self._send)
+        return await self._send(queue, message)
+
+    async def _send(self, queue: str, message: aio_pika.Message) -> str:
+        """Publish a prepared message, with its "queued" record; the broker's word or an error."""
         assert message.message_id is not None
         store = self.results
         if store is None:
@@ -269,6 +297,11 @@ class App:
             )
             for i, payload in enumerate(items)
         ]
+        if self._local is not None and messages:
+            return await self._local.publish_many(queue, messages, self._send_many)
+        return await self._send_many(queue, messages)
+
+    async def _send_many(self, queue: str, messages: list[aio_pika.Message]) -> list[str]:
         ids = [m.message_id or "" for m in messages]
         if not messages:
             return ids
@@ -385,6 +418,13 @@ class App:
         A queued or retrying record past the task's deadline answers ``expired``.
         ``StateUnavailableError`` when the store fails or does not answer.
         """
+        if self._local is not None:
+            return await self._local.status(
+                task_id, queue, lambda: self._stored_status(task_id, queue)
+            )
+        return await self._stored_status(task_id, queue)
+
+    async def _stored_status(self, task_id: str, queue: str | None) -> TaskState | None:
         store = self._require_results()
         try:
             state = await store.get(task_id, queue=queue)
@@ -438,7 +478,43 @@ class App:
         finally:
             await conn.close()
 
+    # -- the local outbox (weclaw_mq.outbox) ----------------------------------------------
+    async def start_outbox(self) -> Outbox:
+        """Open the outbox file and start its relay now (otherwise: at the first publish).
+        ``OutboxUnusableError`` if the file is corrupt or cannot be written;
+        ``ConfigurationError`` if no outbox is configured."""
+        return await self._require_outbox().open()
+
+    def add_to_outbox(
+        self,
+        conn: sqlite3.Connection,
+        queue: str,
+        payload: Any,
+        *,
+        task_id: str | None = None,
+        trace_id: str | None = None,
+        headers: HeadersType | None = None,
+    ) -> str:
+        """Add a task to the outbox inside the caller's own SQLite transaction on ``conn``
+        (a connection to the outbox file): it is sent by the relay once the caller commits,
+        and never if the caller rolls back. Checked like ``publish``; returns the task id."""
+        message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
+        add_message(conn, queue, message)
+        return message.message_id or ""
+
+    async def stored_locally(self, task_id: str) -> bool:
+        """Whether the outbox holds ``task_id`` now, i.e. it is not on the broker yet (False
+        when no outbox is configured)."""
+        return self._local is not None and await self._local.holds(task_id)
+
+    def _require_outbox(self) -> LocalFallback:
+        if self._local is None:
+            raise ConfigurationError("no outbox configured: set WECLAW_MQ_OUTBOX_PATH")
+        return self._local
+
     async def close(self) -> None:
+        if self._local is not None:
+            await self._local.close()  # the relay first: its status writes use the store
         if self._record_writes:
             # Before the store closes: a healthy Redis finishes them in milliseconds.
             _, late = await asyncio.wait(self._record_writes, timeout=QUEUED_RECORD_CLOSE_WAIT_S)

@@ -11,6 +11,10 @@
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
     ├── ResultTimeoutError           ``App.result`` saw no final state in time
     ├── StateUnavailableError        Redis (task states and results) did not answer
+    ├── OutboxError                  the local outbox (``WECLAW_MQ_OUTBOX_PATH``) cannot take a task
+    │   ├── OutboxFullError          at its row or byte bound: nothing was stored
+    │   └── OutboxUnusableError      the file cannot be opened or written, is corrupt, or has
+    │                                a schema this version does not know
     ├── PublishFailedError           publish did not end in a broker ack
     │   ├── BrokerUnavailableError   no broker answered (connect failed): nothing was sent
     │   ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
@@ -159,6 +163,24 @@ class StateUnavailableError(WeclawMQError):
     """The task-state store (Redis by default) failed or did not answer: nothing was read."""
 
     error_type: ClassVar[str] = "weclaw_mq.StateUnavailableError"
+
+
+class OutboxError(WeclawMQError):
+    """The local outbox could not take the task: it is neither on the broker nor stored."""
+
+    error_type: ClassVar[str] = "weclaw_mq.OutboxError"
+
+
+class OutboxFullError(OutboxError):
+    """The outbox holds ``outbox_max_rows`` rows or ``outbox_max_bytes`` bytes already."""
+
+    error_type: ClassVar[str] = "weclaw_mq.OutboxFullError"
+
+
+class OutboxUnusableError(OutboxError):
+    """The outbox file cannot be opened, read or written (a path, permissions, corruption)."""
+
+    error_type: ClassVar[str] = "weclaw_mq.OutboxUnusableError"
 
 
 class BatchPublishError(PublishFailedError):

@@ -14,6 +14,7 @@ from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .lifetime import DEFAULT_TTL_S, check_ttl
 from .naming import validate_queue_name
+from .notification import NotifyTarget
 from .retry import RetryPolicy
 from .topology import QueueSpec
 
@@ -34,6 +35,8 @@ class HandlerSpec:
     idempotent: bool
     # The lifetime of a task published without its own ttl_s (weclaw_mq.lifetime).
     ttl_s: float = DEFAULT_TTL_S
+    # Where the final state of each task is announced (``notify=``), or None.
+    notify: NotifyTarget | None = None
 
     @property
     def name(self) -> str:
@@ -46,6 +49,7 @@ class HandlerSpec:
             retry_delays_ms=tuple(dict.fromkeys((self.retry.delay_ms(1), *self.retry.delays_ms()))),
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
+            results=None if self.notify is None else self.notify.queue_spec(),
         )
 
     def parse(self, body: bytes) -> Any:
@@ -85,6 +89,7 @@ def build_spec(
     max_length: int | None,
     idempotent: bool,
     ttl_s: float = DEFAULT_TTL_S,
+    notify: NotifyTarget | None = None,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -129,4 +134,5 @@ def build_spec(
         max_length=max_length,
         idempotent=idempotent,
         ttl_s=float(ttl_s),
+        notify=notify,
     )

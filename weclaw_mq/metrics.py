@@ -24,6 +24,13 @@ class Outcome(StrEnum):
     REQUEUED = "requeued"
 
 
+class NotifyOutcome(StrEnum):
+    """How publishing one result notification ended (``worker/notify.py``)."""
+
+    PUBLISHED = "published"  # confirmed by the broker, before the task's ack
+    FAILED = "failed"  # nacked, unroutable, timed out or lost: the task was not acked
+
+
 # LLM calls take 20-60 s: buckets reach past two minutes.
 HANDLER_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 300)
 
@@ -54,6 +61,31 @@ class Metrics:
         self.reconnects = Counter(
             "weclaw_mq_reconnects", "Broker connections re-established.", ["role"], registry=r
         )
+        # The local outbox (weclaw_mq.outbox): tasks stored there instead of on the broker,
+        # tasks its relay got confirmed, and its size as the relay last read it.
+        self.outbox_stored = Counter(
+            "weclaw_mq_outbox_stored", "Tasks stored in the local outbox.", ["queue"], registry=r
+        )
+        self.outbox_relayed = Counter(
+            "weclaw_mq_outbox_relayed",
+            "Tasks the outbox relay sent and got confirmed.",
+            ["queue"],
+            registry=r,
+        )
+        self.outbox_rows = Gauge(
+            "weclaw_mq_outbox_rows", "Tasks in the local outbox, not yet on the broker.", registry=r
+        )
+        self.outbox_oldest_age = Gauge(
+            "weclaw_mq_outbox_oldest_age_seconds",
+            "Age of the oldest task in the local outbox (0 when empty).",
+            registry=r,
+        )
+        self.notifications = Counter(
+            "weclaw_mq_notifications",
+            "Result notifications, by the handler queue and outcome.",
+            ["queue", "outcome"],
+            registry=r,
+        )
 
         # Label lookups take a lock and build a tuple: done once per (queue, outcome), not
         # once per message.
@@ -72,6 +104,11 @@ class Metrics:
         if child is None:
             child = self._published[queue, outcome] = self.published.labels(queue, outcome)
         return child
+
+    def notified(self, queue: str, outcome: NotifyOutcome) -> Counter:
+        # Once per finished task of a notify handler: labels looked up each time are cheap
+        # next to the confirmed publish they count.
+        return self.notifications.labels(queue, outcome.value)
 
     def handler_timing(self, queue: str) -> Histogram:
         child = self._timing.get(queue)

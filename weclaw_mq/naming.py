@@ -12,6 +12,9 @@ from .errors import ConfigurationError
 
 DLQ_SUFFIX = ".dlq"
 RETRY_INFIX = ".retry."
+# Where a handler with ``notify=True`` announces its tasks' final states (a work queue for the
+# notification service, so not a reserved suffix: a handler consumes ``Q.results``).
+RESULTS_SUFFIX = ".results"
 
 # Redis key prefixes (the guard and the result store build keys only through these).
 REDIS_PREFIX = "weclaw_mq"
@@ -56,6 +59,11 @@ def delay_label(delay_ms: int) -> str:
 
 def retry_queue_name(queue: str, delay_ms: int) -> str:
     return f"{queue}{RETRY_INFIX}{delay_label(delay_ms)}"
+
+
+def results_queue_name(queue: str) -> str:
+    """The default results queue of ``queue`` (``notify=True``)."""
+    return f"{queue}{RESULTS_SUFFIX}"
 
 
 # -- Redis keys of one task --------------------------------------------------------------

@@ -78,6 +78,21 @@ class Settings(BaseSettings):
     # back to the broker (which would run it again).
     result_store_patience_s: float = Field(default=60.0, ge=0)
 
+    # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
+    # the broker unreachable, or whose outcome is unknown, are stored there and relayed.
+    outbox_path: str | None = None
+    outbox_max_rows: int = Field(default=100_000, ge=1)
+    outbox_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+    # How often an idle relay looks for rows, and waits after a failed pass.
+    outbox_relay_interval_s: float = Field(default=1.0, gt=0)
+    # Rows one relay pass publishes before awaiting their confirms.
+    outbox_relay_window: int = Field(default=500, ge=1, le=10_000)
+    # A relay's claim on rows it is sending; a relay killed mid-pass leaves its rows to
+    # others once this lapses (well past confirm_timeout_s).
+    outbox_claim_s: float = Field(default=60.0, gt=0)
+    # Start the relay inside the producer process (App); off: run 'weclaw-mq outbox relay'.
+    outbox_relay_in_app: bool = True
+
     @field_validator("amqp_url")
     @classmethod
     def _amqp_urls_parse(cls, value: SecretStr) -> SecretStr:

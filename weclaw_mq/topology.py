@@ -11,6 +11,12 @@ For a handler queue ``Q`` (names from ``naming``):
 |                 |        | default delivery limit turned off (x-delivery-limit -1)        |
 
 What differs by broker version is decided in ``broker_version.dlq_plan``.
+
+A handler with ``notify=`` also declares its results queue ``R`` (``Q.results`` or the name it
+gave) and ``R.dlq``, with exactly the arguments of a handler queue with default options: its
+consumer (the notification service) is a handler on ``R`` and declares the same queue. ``R``
+may already exist with other arguments (its handler's own options, or ops's): it is then kept
+as it is, never a conflict.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class QueueSpec:
     # delivery limit, so the limit is only ever set together with the DLQ routing below.
     delivery_limit: int
     max_length: int | None = None
+    # The handler's results queue (notify=), declared with default handler-queue arguments.
+    results: QueueSpec | None = None
 
 
 def _quorum_dead_lettering(target: str) -> dict[str, object]:
@@ -80,12 +88,32 @@ def dlq_arguments(version: ServerVersion | None = None) -> dict[str, object]:
 def queue_declarations(
     spec: QueueSpec, version: ServerVersion | None = None
 ) -> list[tuple[str, dict[str, object]]]:
-    """Every (name, arguments) of one handler; the DLQ first, as the dead-letter target."""
+    """Every (name, arguments) of one handler; the DLQ first, as the dead-letter target; the
+    results queue (if any) last."""
+    return _own_declarations(spec, version) + results_queue_declarations(spec, version)
+
+
+def _own_declarations(
+    spec: QueueSpec, version: ServerVersion | None
+) -> list[tuple[str, dict[str, object]]]:
     decls: list[tuple[str, dict[str, object]]] = [(dlq_name(spec.name), dlq_arguments(version))]
     decls.append((spec.name, work_queue_arguments(spec)))
     for delay_ms in spec.retry_delays_ms:
         decls.append((retry_queue_name(spec.name, delay_ms), retry_queue_arguments(spec, delay_ms)))
     return decls
+
+
+def results_queue_declarations(
+    spec: QueueSpec, version: ServerVersion | None = None
+) -> list[tuple[str, dict[str, object]]]:
+    """The results queue of a handler with ``notify=`` and its DLQ; none without."""
+    if spec.results is None:
+        return []
+    results = spec.results
+    return [
+        (dlq_name(results.name), dlq_arguments(version)),
+        (results.name, work_queue_arguments(results)),
+    ]
 
 
 _INEQUIVALENT_ARG = re.compile(r"inequivalent arg '([^']+)'")
@@ -103,9 +131,10 @@ async def declare(
     The broker's version is read from ``channel`` unless ``server_version`` says it.
     """
     version = server_version or await channel_server_version(channel)
+    specs = list(specs)
     declared: list[str] = []
     for spec in specs:
-        for name, args in queue_declarations(spec, version):
+        for name, args in _own_declarations(spec, version):
             try:
                 await channel.declare_queue(name, durable=True, arguments=args)  # type: ignore[arg-type]
             except aiormq.exceptions.ChannelAccessRefused:
@@ -119,6 +148,13 @@ async def declare(
                 else:
                     raise TopologyConflictError(name, argument, text) from e
             declared.append(name)
+    # Results queues last: one that is also a handler queue here was declared above with that
+    # handler's own options, which win over the defaults.
+    for spec in specs:
+        for name, args in results_queue_declarations(spec, version):
+            if name not in declared:
+                await _declare_or_keep(channel, name, args)
+                declared.append(name)
     return declared
 
 
@@ -136,6 +172,20 @@ async def _check_exists(channel: AbstractChannel, name: str) -> None:
             "permission): run 'weclaw-mq declare MODULE:APP' as an operator first"
         ) from e
     log.debug("using %s as declared by an operator (no configure permission)", name)
+
+
+async def _declare_or_keep(channel: AbstractChannel, name: str, args: dict[str, object]) -> None:
+    """Declare a results queue, or keep the one that exists with other arguments: they were
+    chosen by its consumer's handler options or by ops (a max length, say), and a declare
+    never changes a queue's arguments anyway."""
+    try:
+        await channel.declare_queue(name, durable=True, arguments=args)  # type: ignore[arg-type]
+    except aiormq.exceptions.ChannelAccessRefused:
+        await _check_exists(channel, name)
+    except aiormq.exceptions.ChannelPreconditionFailed as e:
+        await channel.reopen()
+        await channel.declare_queue(name, passive=True)
+        log.info("results queue %s exists with other arguments; kept as it is (%s)", name, e)
 
 
 async def _declare_older_dlq(

@@ -45,6 +45,9 @@ DOCUMENTED = [
     "weclaw_mq.ConfirmTimeoutError",
     "weclaw_mq.ConnectionLostError",
     "weclaw_mq.BatchPublishError",
+    "weclaw_mq.OutboxError",
+    "weclaw_mq.OutboxFullError",
+    "weclaw_mq.OutboxUnusableError",
 ]
 
 

@@ -112,6 +112,7 @@ def _fires(at: str, alert: str, *expected: dict[str, str]) -> dict[str, Any]:
 READY = "rabbitmq_queue_messages_ready"
 CONSUMERS = "rabbitmq_queue_consumers"
 SETTLED = "weclaw_mq_messages_total"
+OUTBOX_AGE = "weclaw_mq_outbox_oldest_age_seconds"
 
 # (alert, input series, [(time, labels of every alert firing then)]): each alert both quiet
 # and firing, and each time beside a look-alike that must stay quiet.
@@ -174,6 +175,18 @@ RULE_CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str,
             _series(SETTLED, "0+10x40", queue="busy", outcome="acked"),
         ],
         [("35m", [{"severity": "critical", "queue": "jobs"}])],
+    ),
+    (
+        "WeclawMQOutboxNotDraining",
+        [
+            _series(OUTBOX_AGE, "0+60x20", instance="p1"),
+            _series(OUTBOX_AGE, "0x20", instance="p2"),
+            _series(OUTBOX_AGE, "0 120 240 0 120 240 0 120 240 0 120 240", instance="p3"),
+        ],
+        [
+            ("5m", []),
+            ("9m", [{"severity": "warning", "instance": "p1"}]),
+        ],
     ),
     (
         "WeclawMQPublishUnroutable",

@@ -50,9 +50,9 @@ LogLevel = Annotated[
 ]
 
 
-def _processes(value: str) -> int:
-    try:
-        return parse_processes(value)
+def _processes(value: str | int) -> int:
+    try:  # typer hands the default (an int) to the parser too
+        return parse_processes(str(value))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
 
@@ -216,6 +216,10 @@ from .dlq import dlq_cli, stats  # noqa: E402  (kept beside its registration)
 
 cli.add_typer(dlq_cli, name="dlq")
 cli.command("stats")(stats)
+
+from .outbox import outbox_cli  # noqa: E402  (kept beside its registration)
+
+cli.add_typer(outbox_cli, name="outbox")
 
 from .permissions import permissions  # noqa: E402
 

@@ -31,6 +31,9 @@ from pydantic import BaseModel, Field
 
 
 class TaskStatus(StrEnum):
+    # In the local outbox (``WECLAW_MQ_OUTBOX_PATH``), not yet on the broker: the relay
+    # sends it once the broker answers (weclaw_mq.outbox).
+    STORED_LOCALLY = "stored_locally"
     QUEUED = "queued"
     RUNNING = "running"
     RETRYING = "retrying"

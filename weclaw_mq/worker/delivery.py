@@ -35,7 +35,7 @@ from ..errors import (
     UnserialisableResult,
     WorkerCrashLoop,
 )
-from ..failures import describe, safe_text
+from ..failures import describe, error_type, safe_text
 from ..handler import HandlerSpec
 from ..lifetime import as_datetime, deadline_ms, left_ms, now_ms
 from ..message import Delivery, read_delivery
@@ -46,6 +46,7 @@ from ..settings import Settings
 from ..state import Claim, TaskState, TaskStatus, TaskStore, new_owner
 from ..tracing import TraceContext
 from ..undecodable import undecodable
+from . import notify
 from .deadlines import Deadlines
 from .settle import Settler
 
@@ -284,7 +285,8 @@ async def _pass_guard(
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
         if claim is not Claim.DONE:
             await _mark_done_quietly(store, spec, delivery)
-        await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
+        if await notify.announce_again(message, delivery, spec, rt):
+            await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
         return _Gate.SETTLED
     if claim is Claim.BUSY:
         await _defer(message, delivery, spec, rt, "another worker is running this task")
@@ -442,7 +444,8 @@ async def _finish(
     result: Any,
     owner: str | None,
 ) -> None:
-    """Store first, then ack: a crash in between redelivers a task the guard knows is done."""
+    """Store first, then notify (``notify=``), then ack: a crash in between redelivers a task
+    the guard knows is done."""
     records = rt.results
     state = (
         _state(delivery, spec, TaskStatus.SUCCEEDED, result=result) if records is not None else None
@@ -457,6 +460,8 @@ async def _finish(
             await _patiently(rt, lambda: records.record(final))
     except ResultNotStored as e:
         await rt.settler.give_back(message, queue=spec.queue, why=str(e), level=logging.ERROR)
+        return
+    if state is not None and not await notify.announce(message, delivery, spec, rt, state):
         return
     await rt.settler.ack(message, queue=spec.queue)
 
@@ -542,6 +547,11 @@ async def _dead_letter(
     reason: DeadLetterReason,
     error: BaseException,
 ) -> None:
+    final = _state(
+        delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
+    )
+    if not await notify.announce(message, delivery, spec, rt, final, error_type=error_type(error)):
+        return
     if await rt.settler.dead_letter(
         message, delivery, queue=spec.queue, reason=reason.value, error=error
     ):

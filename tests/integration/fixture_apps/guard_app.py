@@ -14,6 +14,8 @@ Environment:
                                 SIGKILLs the process right after the succeeded record was
                                 written, i.e. before the guard's done marker and the ack. Only
                                 once per record key, so the redelivered copy can proceed.
+    GUARD_APP_NOTIFY            "1": the handler publishes result notifications to
+                                ``<queue>.results`` (``notify=True``)
 The ``WECLAW_MQ_*`` settings apply as in any app.
 """
 
@@ -113,6 +115,7 @@ def build_app(
     sleep_min_s: float = 0.0,
     sleep_max_s: float | None = None,
     die_after_store: bool = False,
+    notify: bool = False,
 ) -> App:
     recorder = _client(settings)
     store: DieAfterStoreResults | None = None
@@ -121,7 +124,7 @@ def build_app(
     app = App("guard-fixture", settings=settings, store=store)
     longest = sleep_min_s if sleep_max_s is None else sleep_max_s
 
-    @app.handler(queue)
+    @app.handler(queue, notify=notify)
     async def work(task: Job, ctx: Context) -> dict[str, int]:
         await asyncio.sleep(random.uniform(sleep_min_s, longest))
         if store is not None and task.die_after_store:
@@ -142,6 +145,7 @@ def _app_from_env() -> App:
         sleep_min_s=shortest,
         sleep_max_s=float(os.environ.get("GUARD_APP_SLEEP_MAX_S", str(shortest))),
         die_after_store=os.environ.get("GUARD_APP_DIE_AFTER_STORE") == "1",
+        notify=os.environ.get("GUARD_APP_NOTIFY") == "1",
     )
 
 
@@ -156,6 +160,7 @@ def spawn_worker(
     sleep_max_s: float | None = None,
     die_after_store: bool = False,
     metrics_port: int | None = None,
+    notify: bool = False,
 ) -> WorkerProcess:
     """Start ``weclaw-mq worker`` on this app in a new process; its output goes to ``log_path``.
 
@@ -170,6 +175,7 @@ def spawn_worker(
         "GUARD_APP_SLEEP_MIN_S": str(sleep_min_s),
         "GUARD_APP_SLEEP_MAX_S": str(sleep_min_s if sleep_max_s is None else sleep_max_s),
         "GUARD_APP_DIE_AFTER_STORE": "1" if die_after_store else "0",
+        "GUARD_APP_NOTIFY": "1" if notify else "0",
     }
     extra = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
     return spawn_cli_worker(

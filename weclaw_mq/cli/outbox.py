@@ -1,0 +1,123 @@
+"""``weclaw-mq outbox status`` and ``weclaw-mq outbox relay``: the local outbox from outside
+the producer (see weclaw_mq.outbox)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from typing import Annotated
+
+import typer
+
+from ..errors import ConfigurationError
+from ..metrics import Metrics
+from ..outbox import Outbox
+from ..outbox.relay import Relay
+from ..settings import Settings
+from ..state import open_store
+from ..tracing import configure_logging
+
+log = logging.getLogger("weclaw_mq.outbox")
+
+outbox_cli = typer.Typer(
+    name="outbox",
+    help="The local outbox (WECLAW_MQ_OUTBOX_PATH): its state, and a standalone relay.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+PathOption = Annotated[
+    str | None,
+    typer.Option("--path", help="The outbox file (default: WECLAW_MQ_OUTBOX_PATH)."),
+]
+
+
+def _settings(path: str | None) -> Settings:
+    settings = Settings()
+    path = path or settings.outbox_path
+    if not path:
+        raise ConfigurationError("no outbox file: pass --path or set WECLAW_MQ_OUTBOX_PATH")
+    return settings.model_copy(update={"outbox_path": path})
+
+
+async def _open(settings: Settings) -> Outbox:
+    # No bounds: they are the producers' (App) to set; a relay or a look leaves them.
+    assert settings.outbox_path is not None
+    return await Outbox.open(settings.outbox_path)
+
+
+@outbox_cli.command()
+def status(
+    path: PathOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """Rows waiting, the oldest one's age, the file's size, rows whose last send failed."""
+    configure_logging("WARNING")
+    settings = _settings(path)
+
+    async def read() -> dict[str, object]:
+        outbox = await _open(settings)
+        try:
+            stats = await outbox.stats()
+        finally:
+            await outbox.close()
+        return {"path": str(outbox.path), **{k: getattr(stats, k) for k in stats.__slots__}}
+
+    info = asyncio.run(read())
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    age = info["oldest_age_s"]
+    typer.echo(f"outbox: {info['path']}")
+    typer.echo(f"rows: {info['rows']} (bound {info['max_rows']})")
+    typer.echo(f"bytes: {info['bytes']} (bound {info['max_bytes']}); file {info['file_bytes']}")
+    typer.echo(f"oldest: {'-' if age is None else f'{age:.1f} s'}")
+    typer.echo(f"being sent now: {info['claimed']}")
+    if info["failing"]:
+        typer.echo(f"last send failed: {info['failing']} rows (e.g. {info['last_error']})")
+
+
+@outbox_cli.command()
+def relay(
+    path: PathOption = None,
+    once: Annotated[
+        bool, typer.Option("--once", help="Drain what is there now, then exit.")
+    ] = False,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option("--metrics-port", min=0, max=65535, help="Serve Prometheus /metrics here."),
+    ] = None,
+    log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
+) -> None:
+    """Send the outbox's rows to the broker (oldest first, each deleted after its confirm);
+    runs until SIGTERM or Ctrl-C. Several relays may share a file: rows are claimed."""
+    configure_logging(log_level.upper())
+    settings = _settings(path)
+    metrics = Metrics()
+    if metrics_port is not None:
+        metrics.serve(metrics_port)
+
+    async def run() -> int:
+        outbox = await _open(settings)
+        store = open_store(settings) if settings.results_enabled else None
+        relay = Relay(outbox, settings, metrics, store=store)
+        try:
+            if once:
+                return await relay.drain()
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            await relay.run(stop)
+            return relay.sent
+        finally:
+            await relay.close()
+            if store is not None:
+                await store.close()
+            await outbox.close()
+
+    sent = asyncio.run(run())
+    typer.echo(f"relayed {sent} task(s)")

@@ -1,0 +1,142 @@
+"""Result notifications, the worker's side: announce a task's final state before settling it.
+
+For a handler with ``notify=``, the order is "store the result, publish the notification with
+a confirm, ack" (a dead letter: "publish the notification, move the task to Q.dlq"). A crash
+anywhere in between leaves the task's message unacked, so the broker delivers it again:
+
+- killed before the notification's confirm: the copy finds the task done (the guard) and
+  publishes the notification then, from the stored record;
+- killed after it: the copy publishes it again, with the same message id: a duplicate, which
+  the notification handler's guard acks unrun.
+
+So no notification is lost, and a crash adds at most one copy of it per task it interrupts.
+
+A notification that cannot be published (the broker nacks it, its queue is missing or full,
+the connection is lost) must not let the task be acked. The task is parked in its first delay
+queue instead (``Settler.defer``: a copy with confirm, then the ack; no attempt used), comes
+back, and tries again: a results queue that refuses keeps its tasks cycling through the delay
+queue, never in a hot loop of redeliveries that would end them in the DLQ as a crash loop.
+A succeeded task is not run again (the guard finds it done); a task on its way to the DLQ is
+(its claim was released when it failed), and ends the same way unless it now succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from .. import headers as h
+from ..errors import WeclawMQError
+from ..failures import describe
+from ..handler import HandlerSpec
+from ..message import Delivery, build_message, publish_headers
+from ..metrics import NotifyOutcome
+from ..notification import TaskNotification
+from ..state import TaskState
+
+if TYPE_CHECKING:
+    from .delivery import Runtime
+
+log = logging.getLogger("weclaw_mq.worker")
+
+
+async def announce(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    final: TaskState,
+    *,
+    error_type: str | None = None,
+) -> bool:
+    """Publish ``final`` (the task's end) to the handler's results queue with a confirm.
+
+    True when the delivery may be settled now (confirmed, or the handler does not notify);
+    False when the publish failed and the delivery was parked for another try (settled here).
+    """
+    target = spec.notify
+    if target is None:
+        return True
+    note = TaskNotification(
+        task_id=final.task_id,
+        queue=final.queue,
+        status=final.status,
+        result=final.result,
+        error=final.error,
+        error_type=error_type,
+        reason=final.reason,
+        attempt=final.attempt,
+        requeued=requeued(delivery),
+        trace_id=delivery.trace_id,
+        finished_at=final.updated_at,
+    )
+    out = build_message(
+        note.model_dump_json().encode(),
+        task_id=note.notification_id,
+        # The notification service's handler logs under the task's own trace id.
+        headers=publish_headers(
+            trace_id=delivery.trace_id, attempt=1, traceparent=delivery.traceparent
+        ),
+    )
+    try:
+        await rt.settler.publisher.publish(target.queue, out)
+    except Exception as e:  # any failure: the notification may not be there
+        rt.metrics.notified(spec.queue, NotifyOutcome.FAILED).inc()
+        why = str(e) if isinstance(e, WeclawMQError) else describe(e)
+        log.error(
+            "could not publish the %s notification to %s (%s); the task is not acked",
+            final.status.value,
+            target.queue,
+            why,
+        )
+        await rt.settler.defer(
+            message,
+            delivery,
+            queue=spec.queue,
+            delay_ms=spec.retry.delay_ms(1),
+            why=f"its notification is not published yet ({why})",
+        )
+        return False
+    rt.metrics.notified(spec.queue, NotifyOutcome.PUBLISHED).inc()
+    return True
+
+
+async def announce_again(
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+) -> bool:
+    """A copy of a task that finished before: publish its notification again, from the stored
+    record, before the copy is acked. The copy may be the one whose worker died between
+    storing the result and the notification's confirm; which copy it is cannot be told, so
+    every copy sends it (the notification handler's guard absorbs the repeats).
+
+    True when the copy may be acked now; False when it was parked for another try.
+    """
+    if spec.notify is None or rt.results is None:
+        return True
+    try:
+        final = await rt.results.get(delivery.task_id, queue=spec.queue)
+    except Exception as e:  # unknown: not acked until the notification is known to be out
+        rt.metrics.notified(spec.queue, NotifyOutcome.FAILED).inc()
+        log.error("could not read the stored result to notify again (%s)", describe(e))
+        await rt.settler.defer(
+            message,
+            delivery,
+            queue=spec.queue,
+            delay_ms=spec.retry.delay_ms(1),
+            why="its stored result could not be read to publish its notification",
+        )
+        return False
+    if final is None or not final.status.terminal:
+        # Its record expired (RESULT_TTL_S) before this copy came: the notification was sent
+        # when the task finished, and what it said is gone.
+        log.warning("a finished task's record is gone: its notification is not sent again")
+        return True
+    return await announce(message, delivery, spec, rt, final)
+
+
+def requeued(delivery: Delivery) -> int:
+    """How often ops requeued the task from its DLQ (part of a notification's identity)."""
+    count = delivery.headers.get(h.REQUEUED)
+    return count if isinstance(count, int) and count > 0 else 0
