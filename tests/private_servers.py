@@ -181,11 +181,15 @@ class PrivateRedis:
     """A redis-server of one test's own on a unix socket in ``folder``: stopped and started
     at will (the socket path, and so the URL, stay the same), never the shared 6379."""
 
-    def __init__(self, servers: PrivateServers, folder: Path) -> None:
+    def __init__(
+        self, servers: PrivateServers, folder: Path, *, password: str | None = None
+    ) -> None:
         self.servers = servers
         self.folder = folder
         self.socket = folder / "redis.sock"
-        self.url = f"unix://{self.socket}?db=0"
+        self.password = password  # requirepass, when set (and in the URL)
+        auth = f":{password}@" if password else ""
+        self.url = f"unix://{auth}{self.socket}?db=0"
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -198,6 +202,8 @@ class PrivateRedis:
         args = ["redis-server", "--port", "0", "--unixsocket", str(self.socket)]
         args += ["--unixsocketperm", "700", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.folder)]
+        if self.password:
+            args += ["--requirepass", self.password]
         with (self.folder / "redis.log").open("ab") as log:
             self._proc = subprocess.Popen(
                 args,
@@ -234,7 +240,9 @@ class PrivateRedis:
     def answers(self) -> bool:
         import redis  # only here: the reaper script must run on the standard library alone
 
-        client = redis.Redis(unix_socket_path=str(self.socket), socket_connect_timeout=1)
+        client = redis.Redis(
+            unix_socket_path=str(self.socket), password=self.password, socket_connect_timeout=1
+        )
         try:
             return bool(client.ping())
         except redis.RedisError:
