@@ -28,13 +28,13 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import aio_pika
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from weclaw_mq import App, Context, Reject, RetryPolicy, Settings
 from weclaw_mq.naming import task_keys
-from weclaw_mq.topology import queue_declarations
+
+from .infra import delete_app_queues
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -105,15 +105,7 @@ def free_port() -> int:
 
 async def cleanup(app: App, queue: str, tasks: int) -> None:
     """Delete the soak's queues and every Redis key its tasks may own."""
-    conn = await aio_pika.connect(AMQP_URL)
-    try:
-        for spec in app.handlers.values():
-            for name, _ in queue_declarations(spec.queue_spec()):
-                channel = await conn.channel()
-                await channel.queue_delete(name)
-                await channel.close()
-    finally:
-        await conn.close()
+    await delete_app_queues(AMQP_URL, app)
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         for start in range(0, tasks, 1000):
