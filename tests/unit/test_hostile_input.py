@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from tests.hostile import bodies, fuzz_settings, nested, properties
 from weclaw_mq import headers as h
 from weclaw_mq.errors import InvalidPayload, UndecodableBody
-from weclaw_mq.handler import build_spec
+from weclaw_mq.handler import HandlerSpec, build_spec
 from weclaw_mq.header_values import TRACE_ID_MAX_CHARS
 from weclaw_mq.message import read_delivery
 from weclaw_mq.retry import RetryPolicy
@@ -39,15 +39,19 @@ async def _handler(task: Prompt) -> None:
     return None
 
 
-SPEC = build_spec(
-    _handler,
-    queue="fuzz",
-    retry=RetryPolicy(),
-    timeout_s=1,
-    delivery_limit=10,
-    max_length=None,
-    idempotent=True,
-)
+def spec_of(func: Any) -> HandlerSpec:
+    return build_spec(
+        func,
+        queue="fuzz",
+        retry=RetryPolicy(),
+        timeout_s=1,
+        delivery_limit=10,
+        max_length=None,
+        idempotent=True,
+    )
+
+
+SPEC = spec_of(_handler)
 
 
 def delivered(props: Basic.Properties, body: bytes) -> aio_pika.IncomingMessage:
@@ -106,15 +110,7 @@ def test_json_nested_past_about_200_levels_is_undecodable(depth: int) -> None:
     # pydantic-core's parser stops at about 200 levels (an array at 202, an object at 201),
     # without Python recursion: the bound SECURITY.md states. An upgrade that moves it fails
     # here.
-    spec = build_spec(
-        _any,
-        queue="fuzz",
-        retry=RetryPolicy(),
-        timeout_s=1,
-        delivery_limit=1,
-        max_length=None,
-        idempotent=False,
-    )
+    spec = spec_of(_any)
     spec.parse(b"[" * 200 + b"]" * 200)
     with pytest.raises(UndecodableBody, match="recursion limit"):
         spec.parse(b"[" * depth + b"]" * depth)
