@@ -1,12 +1,15 @@
 """No password in the open: a full run with a distinctive password in both URLs (a RabbitMQ
 user and a private Redis with requirepass, made for this test) prints it nowhere: not in the
 worker's log (its Redis stopped under it included), the CLI's output and errors, ``health``,
-``stats``, the ``/metrics`` page, or the example API's answers and log lines."""
+``stats``, the ``/metrics`` page, the demo script's output (``make demo``), or the example
+API's answers and log lines."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -15,10 +18,11 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from consumers import demo
 from tests.conftest import settings_for, wait_until
 from tests.integration.broker_users import broker_user
 from tests.integration.dead_endpoints import closed_port
-from tests.integration.processes import run_cli, settings_env, spawn_cli_worker
+from tests.integration.processes import REPO_ROOT, run_cli, settings_env, spawn_cli_worker
 from tests.integration.test_examples import demo_client
 from tests.private_servers import PrivateRedis, PrivateServers
 from weclaw_mq import App
@@ -46,6 +50,8 @@ async def test_a_full_run_never_shows_the_password(
     async def work(task: dict[str, str]) -> None:
         return None
 
+    demo_queue = f"{qname}-demo"
+    demo.register(operator, queue=demo_queue)  # what 'make demo' runs, on a queue of its own
     caplog.set_level(logging.DEBUG)
     worker = None
     try:
@@ -59,6 +65,24 @@ async def test_a_full_run_never_shows_the_password(
             async def cli(*args: str, **extra: str) -> None:
                 done = await run_cli(*args, env={**env, **extra})
                 seen.extend([" ".join(args), done.stdout, done.stderr])
+
+            async def demo_run() -> None:
+                # The demo script starts its own worker process and prints both outputs.
+                fast = {"DEMO_QUEUE": demo_queue, "DEMO_LLM_FAILURE_RATE": "0"}
+                fast["DEMO_LLM_LATENCY_S"] = "0.01"
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "consumers.demo_run",
+                    "2",
+                    cwd=REPO_ROOT,
+                    env={**os.environ, **env, **fast, "PYTHONUNBUFFERED": "1"},
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                )
+                out, _ = await asyncio.wait_for(proc.communicate(), 90)
+                seen.append(out.decode(errors="replace"))
+                assert "2 succeeded" in seen[-1], seen[-1]
 
             worker = spawn_cli_worker(
                 APP_PATH,
@@ -74,6 +98,7 @@ async def test_a_full_run_never_shows_the_password(
             # At once, to keep the test short. Wrong passwords and dead servers too: the
             # errors name the URL, never its password.
             await asyncio.gather(
+                demo_run(),
                 cli("publish", qname, "--data", '{"text": "hi"}', "--task-id", "t-1"),
                 cli("status", "t-1", "--wait", "20"),
                 cli("health"),
