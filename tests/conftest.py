@@ -22,7 +22,13 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from tests.private_servers import PrivateRedis, PrivateServers
 from weclaw_mq import App, Settings, Worker
-from weclaw_mq.naming import GUARD_KEY_PREFIX, STATE_KEY_PREFIX, latest_key, queue_key_pattern
+from weclaw_mq.naming import (
+    GUARD_KEY_PREFIX,
+    STATE_KEY_PREFIX,
+    latest_key,
+    queue_key_pattern,
+    stream_key,
+)
 from weclaw_mq.topology import queue_declarations
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -126,20 +132,25 @@ def private_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Privat
         servers.close()
 
 
-@pytest.fixture
-def private_redis(private_servers: PrivateServers) -> Iterator[PrivateRedis]:
-    """A redis-server of this test's own (unix socket), running; stop and start it at will."""
+def running_private_redis(servers: PrivateServers, *, appendonly: bool) -> Iterator[PrivateRedis]:
+    """A private redis-server, running until the generator is closed (for fixtures)."""
     if shutil.which("redis-server") is None:
         pytest.fail(
             "needs redis-server for a private Redis: apt-get install redis-server (Debian)",
             pytrace=False,
         )
-    redis = PrivateRedis(private_servers, private_servers.folder("redis"))
+    redis = PrivateRedis(servers, servers.folder("redis"), appendonly=appendonly)
     redis.start()
     try:
         yield redis
     finally:
         redis.stop()
+
+
+@pytest.fixture
+def private_redis(private_servers: PrivateServers) -> Iterator[PrivateRedis]:
+    """A redis-server of this test's own (unix socket), running; stop and start it at will."""
+    yield from running_private_redis(private_servers, appendonly=False)
 
 
 @pytest.fixture
@@ -187,7 +198,7 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
 
 
 async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
-    """Delete the Redis keys (guard, record, latest pointer) of every task in ``queues``, so
+    """Delete the Redis keys (guard, record, latest pointer, stream) of every task in ``queues``, so
     a test leaves nothing behind; best effort when the test left its Redis stopped."""
     client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
     try:
@@ -197,6 +208,7 @@ async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
                 keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
             task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
             keys += [latest_key(t).encode() for t in task_ids]
+            keys += [stream_key(t).encode() for t in task_ids]
             if keys:
                 await client.delete(*keys)
     except (aioredis.RedisError, OSError):

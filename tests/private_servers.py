@@ -179,13 +179,24 @@ class PrivateServers:
 
 class PrivateRedis:
     """A redis-server of one test's own on a unix socket in ``folder``: stopped and started
-    at will (the socket path, and so the URL, stay the same), never the shared 6379."""
+    at will (the socket path, and so the URL, stay the same), never the shared 6379.
+
+    ``appendonly``: it keeps an append-only file in ``folder`` (fsync every second, and on a
+    clean stop), so what it acknowledged survives its restart; without, it keeps nothing.
+    ``password``: it requires it (``requirepass``), and its URL carries it.
+    """
 
     def __init__(
-        self, servers: PrivateServers, folder: Path, *, password: str | None = None
+        self,
+        servers: PrivateServers,
+        folder: Path,
+        *,
+        appendonly: bool = False,
+        password: str | None = None,
     ) -> None:
         self.servers = servers
         self.folder = folder
+        self.appendonly = appendonly
         self.socket = folder / "redis.sock"
         self.password = password  # requirepass, when set (and in the URL)
         auth = f":{password}@" if password else ""
@@ -200,7 +211,8 @@ class PrivateRedis:
         """Start it and wait until it answers PING; returns the seconds that took."""
         started = time.perf_counter()
         args = ["redis-server", "--port", "0", "--unixsocket", str(self.socket)]
-        args += ["--unixsocketperm", "700", "--save", "", "--appendonly", "no"]
+        args += ["--unixsocketperm", "700", "--save", ""]
+        args += ["--appendonly", "yes" if self.appendonly else "no"]
         args += ["--dir", str(self.folder)]
         if self.password:
             args += ["--requirepass", self.password]

@@ -21,6 +21,8 @@ from .errors import (
     PublishNackedError,
     ResultTimeoutError,
     StateUnavailableError,
+    StreamLimitError,
+    StreamWriteError,
     TopologyConflictError,
     UnroutableError,
     WeclawMQError,
@@ -29,6 +31,7 @@ from .notification import TaskNotification
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
+from .streaming import Inbox, MemoryStreamStore, StreamEvent, StreamStore
 from .worker.consume import Worker
 
 # The name of the store protocol before it held the guard too (claims, leases, done markers).
@@ -42,6 +45,8 @@ __all__ = [
     "ConfirmTimeoutError",
     "ConnectionLostError",
     "Context",
+    "Inbox",
+    "MemoryStreamStore",
     "MemoryTaskStore",
     "MessageEncodingError",
     "PayloadError",
@@ -56,6 +61,10 @@ __all__ = [
     "RetryPolicy",
     "Settings",
     "StateUnavailableError",
+    "StreamEvent",
+    "StreamLimitError",
+    "StreamStore",
+    "StreamWriteError",
     "TaskNotification",
     "TaskState",
     "TaskStatus",

@@ -6,7 +6,15 @@ import asyncio
 import logging
 import sqlite3
 import warnings
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
@@ -15,6 +23,7 @@ import aio_pika
 from aio_pika.abc import HeadersType
 from prometheus_client import CollectorRegistry
 
+from . import headers as h
 from .errors import (
     STORED_NOTHING,
     BatchPublishError,
@@ -29,6 +38,7 @@ from .handler import HandlerFunc, HandlerSpec, build_spec
 from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
+from .naming import validate_session_id
 from .notification import notify_target
 from .outbox import Outbox, add_message
 from .outbox.fallback import LocalFallback
@@ -38,6 +48,9 @@ from .retry import RetryPolicy
 from .settings import Settings
 from .state import REDIS_FAILURES, TaskState, TaskStatus, TaskStore, open_store, state_unavailable
 from .state.expiry import as_seen_at, until_deadline_s
+from .streaming import Inbox, StreamEvent, StreamStore, open_redis_streams
+from .streaming.events import check_event_id
+from .streaming.reading import task_events
 from .topology import declare
 from .tracing import current, new_trace_id
 
@@ -78,9 +91,11 @@ class App:
         registry: CollectorRegistry | None = None,
         store: TaskStore | None = None,
         result_store: TaskStore | None = None,
+        streams: StreamStore | None = None,
     ) -> None:
         """``store`` replaces the default Redis ``TaskStore`` (claims and records; the caller
-        closes it). ``result_store`` is its former name."""
+        closes it). ``result_store`` is its former name. ``streams`` replaces the default
+        Redis ``StreamStore`` (task streams and session inboxes; the caller closes it)."""
         if result_store is not None:
             if store is not None:
                 raise ConfigurationError("pass the task store once, as store=")
@@ -96,6 +111,8 @@ class App:
         self._publisher: Publisher | None = None
         self._store = store
         self._owns_store = store is None  # ours to close, not the user's
+        self._streams = streams
+        self._owns_streams = streams is None
         # Queued-record writes that outlived their publish: held here so they are not
         # garbage-collected mid-write, and awaited (briefly) on close.
         self._record_writes: set[asyncio.Task[Any]] = set()
@@ -175,12 +192,15 @@ class App:
         trace_id: str | None = None,
         headers: HeadersType | None = None,
         ttl_s: float | None = None,
+        session_id: str | None = None,
     ) -> aio_pika.Message:
         """Encode and check a task without sending it: size, and the handler's model if known.
 
         Its lifetime is ``ttl_s``, else its handler's ``ttl_s`` (if registered in this App),
         else ``settings.task_ttl_s``, counted from now (see ``weclaw_mq.lifetime``)."""
         ttl_ms = self._ttl_ms(queue, ttl_s)
+        if session_id is not None:
+            headers = {**(headers or {}), h.SESSION_ID: validate_session_id(session_id)}
         body = encode_payload(payload)
         limit = self.settings.max_message_bytes
         if len(body) > limit:
@@ -227,15 +247,24 @@ class App:
         trace_id: str | None = None,
         headers: HeadersType | None = None,
         ttl_s: float | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
         The trace id is, in order: ``trace_id``, the trace of the task being handled, a new
         one. ``ttl_s``: the task's lifetime (see ``prepare``); past it the task ends in
-        ``Q.dlq`` with reason ``expired`` and ``status()`` answers ``expired``.
+        ``Q.dlq`` with reason ``expired`` and ``status()`` answers ``expired``. With
+        ``session_id`` (a user or a conversation: letters, digits, ``_.:@-``), the task's
+        streamed chunks and final reply also go to that session's inbox.
         """
         message = self.prepare(
-            queue, payload, task_id=task_id, trace_id=trace_id, headers=headers, ttl_s=ttl_s
+            queue,
+            payload,
+            task_id=task_id,
+            trace_id=trace_id,
+            headers=headers,
+            ttl_s=ttl_s,
+            session_id=session_id,
         )
         if self._local is not None:
             return await self._local.publish(queue, message, self._send)
@@ -275,6 +304,7 @@ class App:
         trace_id: str | None = None,
         headers: HeadersType | None = None,
         ttl_s: float | None = None,
+        session_id: str | None = None,
     ) -> list[str]:
         """Publish a batch over one channel with pipelined confirms; the task ids, in order.
 
@@ -294,6 +324,7 @@ class App:
                 trace_id=trace_id,
                 headers=headers,
                 ttl_s=ttl_s,
+                session_id=session_id,
             )
             for i, payload in enumerate(items)
         ]
@@ -468,6 +499,59 @@ class App:
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
+    # -- streams and inboxes ------------------------------------------------------------
+    @property
+    def streams(self) -> StreamStore:
+        """The stream store (task streams, session inboxes), opened on first use."""
+        if self._streams is None:
+            self._streams = open_redis_streams(self.settings)
+        return self._streams
+
+    def _read_block_s(self) -> float:
+        # A blocking read returns within the socket timeout, or redis-py takes it for a
+        # dead connection.
+        return self.settings.redis_timeout_s / 2
+
+    def stream(
+        self, task_id: str, after: str | None = None, *, queue: str | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """The task's events, oldest first, then live, ending with its final event.
+
+        ``after``: the id of the last event already seen (resume: exactly the events after
+        it). Events are "attempt" (a run starts: drop the partial text so far), "chunk"
+        (``data``) and "final" (``status``, ``result``, ``reason``), which comes for every
+        terminal status as ``result()`` answers it for ``queue`` (without: the task's latest
+        record), ``expired`` included. A task that is not known yet is waited for; bound it with
+        ``asyncio.timeout``. ``StateUnavailableError`` when Redis fails.
+        """
+        self._require_results()
+        if after is not None:
+            check_event_id(after)  # here, not at the first event: the caller's mistake
+
+        def final_state(timeout_s: float) -> Awaitable[TaskState]:
+            # The final state exactly as result() answers it (expired included).
+            return self.result(task_id, queue=queue, timeout_s=timeout_s)
+
+        return task_events(
+            self.streams,
+            task_id,
+            after,
+            final_state=final_state,
+            queue=queue,
+            block_s=self._read_block_s(),
+        )
+
+    def inbox(self, session_id: str, *, after: str | None = None) -> Inbox:
+        """The session's inbox: ``async for`` its pending events (oldest first, then live;
+        from after ``after`` when given), ``await inbox.confirm(event_id)`` to remove what
+        the client received (up to and including that id)."""
+        return Inbox(
+            self.streams,
+            validate_session_id(session_id),
+            after=after,
+            block_s=self._read_block_s(),
+        )
+
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:
         """Declare every queue of every handler; returns their names."""
@@ -528,9 +612,14 @@ class App:
                 publisher, self._publisher = self._publisher, None
                 await publisher.close()  # bounded, never raises
         finally:
-            if self._store is not None and self._owns_store:
-                store, self._store = self._store, None
-                await store.close()
+            try:
+                if self._streams is not None and self._owns_streams:
+                    streams, self._streams = self._streams, None
+                    await streams.close()
+            finally:
+                if self._store is not None and self._owns_store:
+                    store, self._store = self._store, None
+                    await store.close()
 
     async def __aenter__(self) -> App:
         return self

@@ -15,6 +15,8 @@
     │   ├── OutboxFullError          at its row or byte bound: nothing was stored
     │   └── OutboxUnusableError      the file cannot be opened or written, is corrupt, or has
     │                                a schema this version does not know
+    ├── StreamLimitError             ``ctx.emit``: a chunk too large, or too many in one run
+    ├── StreamWriteError             ``ctx.emit``: the task's stream could not be written
     ├── PublishFailedError           publish did not end in a broker ack
     │   ├── BrokerUnavailableError   no broker answered (connect failed): nothing was sent
     │   ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
@@ -181,6 +183,20 @@ class OutboxUnusableError(OutboxError):
     """The outbox file cannot be opened, read or written (a path, permissions, corruption)."""
 
     error_type: ClassVar[str] = "weclaw_mq.OutboxUnusableError"
+
+
+class StreamLimitError(WeclawMQError):
+    """Raised by ``ctx.emit`` in the handler: the chunk is over ``stream_max_chunk_bytes``
+    or the run already emitted ``stream_max_chunks``. Nothing of that chunk is written."""
+
+    error_type: ClassVar[str] = "weclaw_mq.StreamLimitError"
+
+
+class StreamWriteError(WeclawMQError):
+    """Raised by ``ctx.emit`` in the handler (or at the run's end) when earlier chunks could
+    not be written: the attempt fails and its retry streams again under a new marker."""
+
+    error_type: ClassVar[str] = "weclaw_mq.StreamWriteError"
 
 
 class BatchPublishError(PublishFailedError):

@@ -6,6 +6,8 @@ PREFIX = "x-weclaw-"
 
 TRACE_ID = f"{PREFIX}trace-id"
 TRACEPARENT = "traceparent"  # W3C trace context, passed through where present
+# The session (a user or a conversation) whose inbox receives the task's events.
+SESSION_ID = f"{PREFIX}session-id"
 # Our own count: never derived from x-death (3.13+ stops counting republished messages there).
 ATTEMPT = f"{PREFIX}attempt"
 ORIGINAL_QUEUE = f"{PREFIX}original-queue"

@@ -22,6 +22,9 @@ GUARD_KEY_PREFIX = f"{REDIS_PREFIX}:guard"
 STATE_KEY_PREFIX = f"{REDIS_PREFIX}:state"
 LATEST_KEY_PREFIX = f"{REDIS_PREFIX}:latest"
 DONE_CHANNEL_PREFIX = f"{REDIS_PREFIX}:done"
+STREAM_KEY_PREFIX = f"{REDIS_PREFIX}:stream"
+INBOX_KEY_PREFIX = f"{REDIS_PREFIX}:inbox"
+INBOX_TRACE_KEY_PREFIX = f"{REDIS_PREFIX}:inbox-trace"
 
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
@@ -102,6 +105,39 @@ def latest_key(task_id: str) -> str:
 def done_channel(task_id: str) -> str:
     """Pub/sub channel that wakes ``result()`` waiters when a record of the task is final."""
     return f"{DONE_CHANNEL_PREFIX}:{{{task_id}}}"
+
+
+def stream_key(task_id: str) -> str:
+    """The task's event stream (a Redis Stream): attempt markers, chunks, the final event.
+    Per task id, not per queue: ``app.stream`` is read by task id, like ``status``."""
+    return f"{STREAM_KEY_PREFIX}:{{{task_id}}}"
+
+
+# -- Redis keys of one session (a user or a conversation) ---------------------------------
+#
+#     weclaw_mq:inbox:{S}          the session's pending events (a Redis Stream)
+#     weclaw_mq:inbox-trace:{S}    what the inbox lost: entries dropped when it was full
+#
+# Hash-tagged on the session id S like a task's keys on T: one script touches both.
+_SESSION_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,200}")
+
+
+def validate_session_id(session_id: object) -> str:
+    """A session id names Redis keys and travels in an AMQP header: 1 to 200 of letters,
+    digits and ``_.:@-`` (no braces, which would break the key's hash tag)."""
+    if not isinstance(session_id, str) or not _SESSION_ID_RE.fullmatch(session_id):
+        raise ConfigurationError(
+            f"session id {session_id!r} must be 1 to 200 of letters, digits and '_.:@-'"
+        )
+    return session_id
+
+
+def inbox_key(session_id: str) -> str:
+    return f"{INBOX_KEY_PREFIX}:{{{session_id}}}"
+
+
+def inbox_trace_key(session_id: str) -> str:
+    return f"{INBOX_TRACE_KEY_PREFIX}:{{{session_id}}}"
 
 
 def queue_key_pattern(prefix: str, queue: str) -> str:

@@ -92,6 +92,14 @@ class Settings(BaseSettings):
     outbox_claim_s: float = Field(default=60.0, gt=0)
     # Start the relay inside the producer process (App); off: run 'weclaw-mq outbox relay'.
     outbox_relay_in_app: bool = True
+    # Streamed partial output (ctx.emit): a chunk's JSON size, and chunks per attempt; over
+    # either, emit raises StreamLimitError in the handler. Streams live for result_ttl_s.
+    stream_max_chunk_bytes: int = Field(default=64 * 1024, ge=1)
+    stream_max_chunks: int = Field(default=10_000, ge=1)
+    # Per-session inbox: pending (unconfirmed) entries expire after inbox_ttl_s, leaving an
+    # "expired" record; past inbox_max_entries the oldest are dropped (and counted).
+    inbox_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    inbox_max_entries: int = Field(default=10_000, ge=1)
 
     @field_validator("amqp_url")
     @classmethod

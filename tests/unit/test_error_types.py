@@ -38,6 +38,8 @@ DOCUMENTED = [
     "weclaw_mq.TopologyConflictError",
     "weclaw_mq.ResultTimeoutError",
     "weclaw_mq.StateUnavailableError",
+    "weclaw_mq.StreamLimitError",
+    "weclaw_mq.StreamWriteError",
     "weclaw_mq.PublishFailedError",
     "weclaw_mq.BrokerUnavailableError",
     "weclaw_mq.PublishNackedError",

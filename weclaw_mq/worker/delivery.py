@@ -26,6 +26,7 @@ from .. import headers as h
 from .. import tracing
 from ..context import Context
 from ..errors import (
+    ConfigurationError,
     HandlerAbandoned,
     HandlerTimeout,
     InvalidPayload,
@@ -40,10 +41,13 @@ from ..handler import HandlerSpec
 from ..lifetime import as_datetime, deadline_ms, left_ms, now_ms
 from ..message import Delivery, read_delivery
 from ..metrics import Metrics, Outcome
+from ..naming import validate_session_id
 from ..publishing.connection import cancelled_by_caller
 from ..retry import DeadLetterReason, GiveUp, RetryLater, decide
 from ..settings import Settings
 from ..state import Claim, TaskState, TaskStatus, TaskStore, new_owner
+from ..streaming.emitter import Emitter
+from ..streaming.events import final_entry
 from ..tracing import TraceContext
 from ..undecodable import undecodable
 from . import notify
@@ -59,6 +63,9 @@ log = logging.getLogger("weclaw_mq.worker")
 # How long a delivery that is being given back (a hard stop, a bug of ours) waits to release
 # its claim first.
 RELEASE_ON_EXIT_S = 1.0
+# How long a failed run's last chunks may take to reach its stream before the failure is
+# handled (retry or dead-letter); past it they are dropped.
+DRAIN_ON_FAILURE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -285,6 +292,7 @@ async def _pass_guard(
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
         if claim is not Claim.DONE:
             await _mark_done_quietly(store, spec, delivery)
+        await _redeliver_to_inbox(delivery, spec, rt)
         if await notify.announce_again(message, delivery, spec, rt):
             await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
         return _Gate.SETTLED
@@ -308,6 +316,33 @@ async def _finished_before(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -
         log.warning("could not read the stored result (%s)", e)
         return False
     return state is not None and state.status is TaskStatus.SUCCEEDED
+
+
+async def _redeliver_to_inbox(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> None:
+    """A copy of a finished task with a session: its worker may have died between storing
+    the result and writing the inbox, so the stored final goes to the inbox again (readers
+    drop the duplicate). Costs a read only for such copies."""
+    session_id = _session_of(delivery)
+    if session_id is None or rt.results is None:
+        return
+    try:
+        state = await rt.results.get(delivery.task_id, queue=spec.queue)
+        if state is not None and state.status.terminal:
+            await rt.app.streams.deliver(session_id, [final_entry(state)])
+    except Exception as e:  # the first copy most likely wrote it
+        log.warning("could not write the final reply to the inbox again (%s)", e)
+
+
+def _session_of(delivery: Delivery) -> str | None:
+    """The task's session id, if it has a valid one (a foreign publisher may send junk)."""
+    value = delivery.headers.get(h.SESSION_ID)
+    if value is None:
+        return None
+    try:
+        return validate_session_id(value)
+    except ConfigurationError as e:
+        log.warning("ignoring the task's session id: %s", e)
+        return None
 
 
 async def _mark_done_quietly(store: TaskStore, spec: HandlerSpec, delivery: Delivery) -> None:
@@ -348,7 +383,18 @@ async def _call(
     cancel of this task from outside (the worker stopping hard) passes through.
     """
     args: tuple[Any, ...] = (task,)
+    emitter: Emitter | None = None
     if spec.takes_context:
+        session_id = _session_of(delivery)
+        app = rt.app
+        emitter = Emitter(
+            lambda: app.streams,
+            task_id=delivery.task_id,
+            attempt=delivery.attempt,
+            session_id=session_id,
+            max_chunk_bytes=rt.settings.stream_max_chunk_bytes,
+            max_chunks=rt.settings.stream_max_chunks,
+        )
         ctx = Context(
             task_id=delivery.task_id,
             trace_id=delivery.trace_id,
@@ -357,10 +403,14 @@ async def _call(
             redelivered=delivery.redelivered,
             headers=delivery.headers,
             app=rt.app,
+            session_id=session_id,
+            emitter=emitter,
         )
         args = (task, ctx)
     timing = rt.metrics.handler_timing(spec.queue)
     started = time.perf_counter()
+    if emitter is not None:
+        on_stuck = _silencing(emitter, on_stuck)
     deadline = rt.deadlines.within(
         spec.timeout_s, on_stuck=on_stuck, grace_s=rt.settings.handler_cancel_grace_s
     )
@@ -369,6 +419,10 @@ async def _call(
     try:
         with deadline:
             result = await spec.func(*args)
+            if emitter is not None:
+                # Every chunk written before the result is stored: a stream's final event
+                # must sort after its last chunk.
+                await emitter.drain()
     except asyncio.CancelledError as e:
         if cancelled_by_caller():
             raise
@@ -379,6 +433,12 @@ async def _call(
         error = e
     finally:
         timing.observe(time.perf_counter() - started)
+    if emitter is not None:
+        if error is not None and not deadline.abandoned:
+            # A failed run's partial text still reaches readers, ahead of the next attempt's
+            # marker or the dead-letter's final event.
+            await emitter.wind_down(DRAIN_ON_FAILURE_S)
+        emitter.close()
     if deadline.abandoned:
         log.warning(
             "a handler abandoned for ignoring its cancellation ended after all (%s); "
@@ -392,6 +452,19 @@ async def _call(
         timeout.__cause__ = error if not isinstance(error, TimeoutError) else None
         return None, timeout
     return result, error
+
+
+def _silencing(
+    emitter: Emitter, on_stuck: Callable[[asyncio.Task[Any]], None]
+) -> Callable[[asyncio.Task[Any]], None]:
+    """An abandoned handler may go on emitting: its chunks must not land after the retry's
+    attempt marker, so its stream is closed as the attempt is ended without it."""
+
+    def stuck(task: asyncio.Task[Any]) -> None:
+        emitter.close()
+        on_stuck(task)
+
+    return stuck
 
 
 def _ending_without(
@@ -447,8 +520,11 @@ async def _finish(
     """Store first, then notify (``notify=``), then ack: a crash in between redelivers a task
     the guard knows is done."""
     records = rt.results
+    session_id = _session_of(delivery)
     state = (
-        _state(delivery, spec, TaskStatus.SUCCEEDED, result=result) if records is not None else None
+        _state(delivery, spec, TaskStatus.SUCCEEDED, result=result)
+        if records is not None or session_id is not None
+        else None
     )
     try:
         if owner is not None and rt.store is not None:
@@ -461,9 +537,29 @@ async def _finish(
     except ResultNotStored as e:
         await rt.settler.give_back(message, queue=spec.queue, why=str(e), level=logging.ERROR)
         return
+    if session_id is not None and state is not None:
+        # After the result is stored, before the ack: a crash in between redelivers the
+        # task, and the guard's "done" path writes the stored final to the inbox again.
+        try:
+            await _to_inbox(rt, session_id, state)
+        except Exception as e:
+            why = f"could not write the final reply to the inbox of {session_id!r}: {e}"
+            await rt.settler.give_back(message, queue=spec.queue, why=why, level=logging.ERROR)
+            return
     if state is not None and not await notify.announce(message, delivery, spec, rt, state):
         return
     await rt.settler.ack(message, queue=spec.queue)
+
+
+async def _to_inbox(rt: Runtime, session_id: str, state: TaskState) -> None:
+    dropped = await rt.app.streams.deliver(session_id, [final_entry(state)])
+    if dropped:
+        log.warning(
+            "the inbox of session %r is full: dropped its %d oldest entries (inbox_max_entries=%d)",
+            session_id,
+            dropped,
+            rt.settings.inbox_max_entries,
+        )
 
 
 async def _patiently(rt: Runtime, write: Callable[[], Awaitable[object]]) -> None:
@@ -531,12 +627,16 @@ async def _status(
     reason: str | None = None,
 ) -> None:
     """Best effort: progress statuses help the caller, but never block the task's path."""
+    await _record_quietly(rt, _state(delivery, spec, status, error=error, reason=reason))
+
+
+async def _record_quietly(rt: Runtime, state: TaskState) -> None:
     if rt.results is None:
         return
     try:
-        await rt.results.record(_state(delivery, spec, status, error=error, reason=reason))
+        await rt.results.record(state)
     except Exception as e:
-        log.warning("could not record status %s (%s)", status.value, e)
+        log.warning("could not record status %s (%s)", state.status.value, e)
 
 
 async def _dead_letter(
@@ -557,11 +657,15 @@ async def _dead_letter(
     ):
         # Only once the DLQ holds it: "dead_lettered" is final for result() waiters, and a
         # failed move returns the task to its queue, where it may yet succeed.
-        await _status(
-            rt,
-            delivery,
-            spec,
-            TaskStatus.EXPIRED if reason is DeadLetterReason.EXPIRED else TaskStatus.DEAD_LETTERED,
-            error=describe(error),
-            reason=reason.value,
+        status = (
+            TaskStatus.EXPIRED if reason is DeadLetterReason.EXPIRED else TaskStatus.DEAD_LETTERED
         )
+        final = _state(delivery, spec, status, error=describe(error), reason=reason.value)
+        await _record_quietly(rt, final)
+        session_id = _session_of(delivery)
+        if session_id is not None:
+            # Best effort, after the move (the DLQ holds the task): its record still says so.
+            try:
+                await _to_inbox(rt, session_id, final)
+            except Exception as e:
+                log.warning("could not write the dead-letter to the inbox (%s)", e)

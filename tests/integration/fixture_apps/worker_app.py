@@ -12,7 +12,8 @@ Environment:
     TEST_CRASH_ON         a ``text`` value on which the handler SIGKILLs its own process
     TEST_HANDLER_MODE     how the handler spends TEST_HANDLER_SLEEP_S: "sleep" (default),
                           "ignore_cancel" (sleeps, swallowing every cancellation), "block"
-                          (blocks the event loop in a synchronous sleep)
+                          (blocks the event loop in a synchronous sleep), "stream"
+                          (emits each word of the text, sleeping that long after each)
 The ``WECLAW_MQ_*`` settings apply as in any app.
 """
 
@@ -84,7 +85,12 @@ def build_app(
         record(record_dir, "started", ctx)
         if crash_on is not None and task.text == crash_on:
             os.kill(os.getpid(), signal.SIGKILL)
-        if mode == "block":
+        if mode == "stream":
+            # A stand-in model: one word of the text per chunk, TEST_HANDLER_SLEEP_S apart.
+            for word in task.text.split():
+                await ctx.emit(word)
+                await asyncio.sleep(sleep_s)
+        elif mode == "block":
             time.sleep(sleep_s)  # noqa: ASYNC251 - on purpose: a call the loop cannot interrupt
         elif mode == "ignore_cancel":
             until = time.monotonic() + sleep_s

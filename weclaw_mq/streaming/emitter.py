@@ -1,0 +1,115 @@
+"""``ctx.emit``: one handler run's partial output, written to its stream in the background.
+
+``emit`` checks the chunk and queues it; one writer task per run sends everything queued in
+one round trip, then whatever came meanwhile, and so on: the handler never waits for Redis
+(the benchmark bounds its cost), and a reader sees a chunk one round trip after its emit.
+The first chunk of a run is preceded by an "attempt" marker, so a reader drops the partial
+text of an earlier run that failed or whose worker died.
+
+A write that fails is not retried (a retry after a timeout could write a chunk twice): the
+next ``emit`` raises, and so does the run's end (``drain``), which fails the attempt; the
+retried attempt streams afresh under its own marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import StreamLimitError, StreamWriteError
+from .events import Entry, attempt_entry, chunk_entry, encode_data
+from .protocol import StreamStore
+
+
+class Emitter:
+    def __init__(
+        self,
+        streams: Callable[[], StreamStore],
+        *,
+        task_id: str,
+        attempt: int,
+        session_id: str | None,
+        max_chunk_bytes: int,
+        max_chunks: int,
+    ) -> None:
+        # A factory: a handler that never emits never opens the stream store.
+        self._streams = streams
+        self._task_id = task_id
+        self._attempt = attempt
+        self._session_id = session_id
+        self._max_chunk_bytes = max_chunk_bytes
+        self._max_chunks = max_chunks
+        self._count = 0
+        self._queued: list[Entry] = []
+        self._writer: asyncio.Task[None] | None = None
+        self._failed: BaseException | None = None
+        self._closed = False
+
+    async def emit(self, chunk: Any) -> None:
+        if self._closed:
+            raise StreamWriteError("ctx.emit after the handler's run ended: nothing is written")
+        self._raise_if_failed()
+        data = encode_data(chunk)
+        if len(data) > self._max_chunk_bytes:
+            raise StreamLimitError(
+                f"a chunk of {len(data)} bytes (as JSON) is over the limit of "
+                f"{self._max_chunk_bytes} (WECLAW_MQ_STREAM_MAX_CHUNK_BYTES)"
+            )
+        if self._count >= self._max_chunks:
+            raise StreamLimitError(
+                f"a run may emit at most {self._max_chunks} chunks (WECLAW_MQ_STREAM_MAX_CHUNKS)"
+            )
+        if self._count == 0:
+            self._queued.append(attempt_entry(self._task_id, self._attempt))
+        self._count += 1
+        self._queued.append(chunk_entry(self._task_id, self._attempt, data))
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    async def _write(self) -> None:
+        try:
+            streams = self._streams()
+            while self._queued:
+                batch, self._queued = self._queued, []
+                await streams.write(self._task_id, batch, session_id=self._session_id)
+        except Exception as e:  # kept for the handler's next emit and for drain
+            self._failed = e
+        finally:
+            self._writer = None
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise StreamWriteError(
+                f"the task's stream could not be written ({type(self._failed).__name__}: "
+                f"{self._failed})"
+            ) from self._failed
+
+    async def drain(self) -> None:
+        """Wait until every emitted chunk is written (before the result is stored: the
+        stream's final event must come after its last chunk); raise if a write failed."""
+        self._closed = True
+        writer = self._writer
+        if writer is not None:
+            await asyncio.shield(writer)
+        self._raise_if_failed()
+
+    async def wind_down(self, timeout_s: float) -> None:
+        """The run failed: write what it emitted if that takes at most ``timeout_s`` (a
+        failed write is only logged by its absence: the attempt failed anyway)."""
+        self._closed = True
+        writer = self._writer
+        if writer is not None:
+            await asyncio.wait({writer}, timeout=timeout_s)
+
+    def close(self) -> None:
+        """The run ended without ``drain`` (it failed): stop writing what is still queued."""
+        self._closed = True
+        self._queued = []
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.cancel()
+
+    @property
+    def emitted(self) -> int:
+        return self._count

@@ -1,0 +1,142 @@
+"""Reading a task's stream (``App.stream``) and a session's inbox (``App.inbox``).
+
+A task's stream ends with a final event. Nothing in the worker has to write it: the reader
+waits for the task's final state as ``App.result`` answers it (woken, not polling) and then
+appends the final to the stream itself (``StreamStore.end``: once, however many readers
+race). So every terminal status ends the stream, whoever wrote it or however it is derived
+(succeeded, dead-lettered, expired by the broker with no worker involved, and any status
+added later whose ``terminal`` is true), and the final's id sorts after every chunk: the
+worker drains a run's chunks before it stores the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from ..errors import ResultTimeoutError
+from ..state import TaskState
+from .events import FINAL, FIRST_ID, StreamEvent, check_event_id, final_entry, id_key
+from .protocol import StreamStore
+
+# How long one wait for the final state lasts before the reader waits again.
+_WAIT_ROUND_S = 3600.0
+
+
+# Waits for the task's final state (``App.result`` with a timeout); raises
+# ResultTimeoutError when there is none yet.
+FinalState = Callable[[float], Awaitable[TaskState]]
+
+
+async def _end_when_final(streams: StreamStore, task_id: str, final_state: FinalState) -> str:
+    """The id of the task's final event, once it has a final state."""
+    while True:
+        with contextlib.suppress(ResultTimeoutError):
+            state = await final_state(_WAIT_ROUND_S)
+            return await streams.end(task_id, final_entry(state))
+
+
+async def task_events(
+    streams: StreamStore,
+    task_id: str,
+    after: str | None,
+    *,
+    final_state: FinalState,
+    queue: str | None,
+    block_s: float,
+) -> AsyncIterator[StreamEvent]:
+    """Every event after ``after`` (from the start without it), live, up to the final."""
+    last = check_event_id(after) if after is not None else FIRST_ID
+    loop = asyncio.get_running_loop()
+    ender = loop.create_task(_end_when_final(streams, task_id, final_state))
+    read: asyncio.Task[list[StreamEvent]] | None = None
+    try:
+        while True:
+            read = loop.create_task(streams.read(task_id, last, block_s))
+            if not ender.done():
+                await asyncio.wait({read, ender}, return_when=asyncio.FIRST_COMPLETED)
+            # ender.result() raises the store's error, if it failed. A final at or before
+            # ``last`` (a reader resuming after it) means nothing more is coming.
+            if ender.done() and not read.done() and id_key(ender.result()) <= id_key(last):
+                return
+            events = await read
+            for i, event in enumerate(events):
+                last = event.id
+                yield event
+                # A final followed by more (an ops requeue from the DLQ ran the task again)
+                # does not end the stream.
+                if (
+                    event.kind == FINAL
+                    and (queue is None or event.queue == queue)
+                    and i == len(events) - 1
+                ):
+                    return
+    finally:
+        for task in (ender, read):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
+class Inbox:
+    """A session's pending events: ``async for`` yields them oldest first, then live ones
+    (it never ends by itself); ``confirm`` removes what the client has received.
+
+    A final reply written twice (a worker crashed between writing it and acking the task)
+    is yielded once per iteration.
+    """
+
+    def __init__(
+        self, streams: StreamStore, session_id: str, *, after: str | None, block_s: float
+    ) -> None:
+        self.session_id = session_id
+        self._streams = streams
+        self._after = check_event_id(after) if after is not None else FIRST_ID
+        self._block_s = block_s
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[StreamEvent]:
+        last = self._after
+        finals: set[tuple[str, int]] = set()
+        while True:
+            for event in await self._streams.read_inbox(self.session_id, last, self._block_s):
+                last = event.id
+                if _first_time(event, finals):
+                    yield event
+
+    async def pending(self) -> list[StreamEvent]:
+        """Everything pending now (after ``after``), oldest first, without waiting."""
+        last, out = self._after, []
+        finals: set[tuple[str, int]] = set()
+        # Expired entries are removed once, before the first read: an "expired" record that
+        # expired in its turn mid-way would otherwise be listed twice.
+        expire = True
+        while batch := await self._streams.read_inbox(self.session_id, last, 0, expire=expire):
+            expire = False
+            last = batch[-1].id
+            out += [event for event in batch if _first_time(event, finals)]
+        return out
+
+    async def confirm(self, event_id: str) -> None:
+        """Remove every entry up to and including ``event_id``: the client has them."""
+        await self._streams.confirm(self.session_id, check_event_id(event_id))
+
+    async def dropped(self) -> int:
+        """How many entries this inbox dropped, oldest first, because it was full."""
+        return await self._streams.dropped(self.session_id)
+
+
+def _first_time(event: StreamEvent, finals: set[tuple[str, int]]) -> bool:
+    """False for a final reply already yielded (same task and attempt): the copy a worker
+    wrote again after a crash between storing the result and acking the task."""
+    if event.kind != FINAL:
+        return True
+    key = (event.task_id, event.attempt)
+    if key in finals:
+        return False
+    finals.add(key)
+    return True
