@@ -72,6 +72,7 @@ OUR_HEADERS = [
     h.FIRST_FAILURE_AT,
     h.ORIGINAL_QUEUE,
     h.DEAD_LETTER_REASON,
+    h.SESSION_ID,
 ]
 header_tables = st.dictionaries(
     st.one_of(st.sampled_from(OUR_HEADERS), st.text(min_size=1, max_size=20)),

@@ -19,6 +19,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from . import headers as h
+from .errors import ConfigurationError
+from .naming import validate_session_id
 from .tracing import new_trace_id
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -81,6 +83,14 @@ def _trace_id(value: object) -> bool:
     return printable_text(value, TRACE_ID_MAX_CHARS) and " " not in str(value)
 
 
+def _session_id(value: object) -> bool:
+    try:
+        validate_session_id(value)
+    except ConfigurationError:
+        return False
+    return True
+
+
 def _traceparent(value: object) -> bool:
     return isinstance(value, str) and _TRACEPARENT.fullmatch(value) is not None
 
@@ -97,6 +107,7 @@ _VALID: dict[str, Callable[[object], bool]] = {
     h.TRACE_ID: _trace_id,
     h.TRACEPARENT: _traceparent,
     h.X_DELIVERY_COUNT: _count(0),
+    h.SESSION_ID: _session_id,
 }
 
 
