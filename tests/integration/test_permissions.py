@@ -94,12 +94,6 @@ async def test_the_printed_lines_grant_what_each_role_needs(
 ) -> None:
     env = {"TEST_QUEUE": qname, "TEST_RECORD_DIR": str(tmp_path)}
     app_path = "tests.integration.fixture_apps.worker_app:app"
-    operator = make_app("fixture")
-
-    @operator.handler(qname)
-    async def work(task: dict[str, Any]) -> None:
-        return None
-
     with broker_user(broker_url) as (user, url):
         every, operator_only = await asyncio.gather(
             run_cli("permissions", app_path, "--user", user, env=env),
@@ -111,8 +105,14 @@ async def test_the_printed_lines_grant_what_each_role_needs(
         for line in lines:
             assert line.startswith(f"rabbitmqctl set_permissions -p / {user} "), line
         assert operator_only.stdout.strip() in lines
-        # The operator's line lets 'weclaw-mq declare' create every queue, and read them.
+        # The operator's line lets it declare every queue of the app (what 'weclaw-mq declare'
+        # runs: App.declare), and read them.
         apply_line(operator_only.stdout.strip(), user)
-        declared = await run_cli("declare", app_path, env={**env, "WECLAW_MQ_AMQP_URL": url})
-        assert declared.code == 0, declared.stderr
+        operator = make_app("fixture", amqp_url=url)  # the same handler as the app_path's
+
+        @operator.handler(qname)
+        async def work(task: dict[str, Any]) -> None:
+            return None
+
+        assert qname in await operator.declare()
         assert await refused(url, qname) is False
