@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	compose-check clean \
+	bench-stream bench-priority compose-check clean \
 	distclean services-up services-down services-status soak fuzz
 
 help:
@@ -37,6 +37,8 @@ help:
 	@echo "make soak           50,000 tasks through one worker: its RSS stays within 10 % after warm-up"
 	@echo "make fuzz           the hostile-input tests with many more, random examples (FUZZ_EXAMPLES=20)"
 	@echo "make bench-notify   what notify=True costs a worker (tasks/s, CPU per task; real broker)"
+	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
+	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -123,6 +125,14 @@ bench-own-cost: install
 # shared broker and Redis. NOTIFY_ARGS="--n 2000 --rounds 3 --concurrency 10" are the defaults.
 bench-notify: install
 	$(BIN)/python -m benchmarks.notify_cost $(NOTIFY_ARGS)
+# Streamed partial output: ctx.emit of 200 chunks (<= 5 ms in the handler) and emit -> reader
+# (<= 10 ms, median and p95), on the broker and Redis; 'make bench' runs it too.
+bench-stream: install
+	$(BIN)/python -m benchmarks.stream_cost $(STREAM_BENCH_ARGS)
+# URGENT behind 1000 NORMAL tasks, and lanes against one queue at concurrency 10 and 100 (the
+# README's "Priorities"); also run by 'make bench' (benchmarks/run.sh). PRIORITY_ARGS=--smoke.
+bench-priority: install
+	$(BIN)/python -m benchmarks.priority $(PRIORITY_ARGS)
 
 # Not in 'make test' (minutes): a worker's memory over 50,000 tasks, guard and results on, some
 # retried, some dead-lettered (benchmarks/soak.py). SOAK_ARGS="--tasks 50000 --warmup 10000".

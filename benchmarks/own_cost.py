@@ -67,11 +67,23 @@ class Acks:
 class StandInMessage:
     """What ``process()`` reads from an aio-pika IncomingMessage, and an ack that counts."""
 
-    __slots__ = ("_acks", "body", "headers", "message_id", "processed", "redelivered", "timestamp")
+    __slots__ = (
+        "_acks",
+        "body",
+        "headers",
+        "message_id",
+        "priority",
+        "processed",
+        "redelivered",
+        "routing_key",
+        "timestamp",
+    )
 
     def __init__(self, body: bytes, task_id: str, headers: dict[str, Any], acks: Acks) -> None:
         self.body = body
         self.message_id = task_id
+        self.routing_key = "own-cost"  # a move's delay queue is that of the lane it came from
+        self.priority: int | None = None
         self.headers = headers
         self.redelivered = False
         self.timestamp = datetime.now(UTC)

@@ -5,7 +5,8 @@
 #   benchmarks/run.sh --smoke    tiny counts, one repeat (under a minute once the venv exists)
 #   benchmarks/run.sh --help     every option (--scale, --repeats, --cases, ...)
 #
-# Then benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke).
+# Then the feature benchmarks: benchmarks/stream_cost.py (make bench-stream) and
+# benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke).
 #
 # The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
 # That venv is created on first use and re-installed only when requirements.txt or
@@ -30,13 +31,22 @@ if [[ ! -f "$stamp" || "$here/requirements.txt" -nt "$stamp" || "$root/pyproject
 fi
 
 cd "$root"
+status=0
+"$venv/bin/python" -m benchmarks.bench "$@" || status=$?
+# Feature benchmarks (each its own module and make target) run after the comparison, with
+# --smoke passed on; --help is the comparison's alone.
+if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then
+    exit "$status"
+fi
+feature_args=()
 notify_args=()
-for arg in "$@"; do
-    case "$arg" in
-        -h | --help) exec "$venv/bin/python" -m benchmarks.bench "$@" ;;
-        --smoke) notify_args=(--n 100 --rounds 1) ;;
-    esac
-done
-"$venv/bin/python" -m benchmarks.bench "$@"
+if [[ " $* " == *" --smoke "* ]]; then
+    feature_args+=(--smoke)
+    notify_args=(--n 100 --rounds 1)
+fi
+"$venv/bin/python" -m benchmarks.stream_cost "${feature_args[@]}" || status=$?
 # What result notifications cost a worker (also alone: make bench-notify).
-exec "$venv/bin/python" -m benchmarks.notify_cost "${notify_args[@]}"
+"$venv/bin/python" -m benchmarks.notify_cost "${notify_args[@]}" || status=$?
+# URGENT behind a NORMAL backlog, and what lanes cost (also alone: make bench-priority).
+"$venv/bin/python" -m benchmarks.priority "${feature_args[@]}" || status=$?
+exit "$status"

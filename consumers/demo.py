@@ -1,13 +1,19 @@
 """The demo worker: an AI-reply handler on queue ``ai-tasks`` that calls a stand-in LLM.
 
+The stand-in model streams its reply word by word with ``ctx.emit``, as a real model's
+tokens would be: any process can read them live with ``app.stream(task_id)``, and a task
+published with a session id also lands in that session's inbox (``app.inbox``).
+
 Run it with ``weclaw-mq worker consumers.demo:app --concurrency 4``; ``make demo`` does that
 for you and publishes a few prompts (see ``consumers.demo_run``).
 
 Environment (read on every call, so a test can change it without re-importing):
 
 - ``DEMO_QUEUE`` (read at import): the queue name, default ``ai-tasks``.
-- ``DEMO_LLM_LATENCY_S``: how long one stand-in model call takes, default 0.2.
-- ``DEMO_LLM_FAILURE_RATE``: the chance that a call raises, default 0.2, so retries show.
+- ``DEMO_LLM_LATENCY_S``: how long the stand-in model thinks before its first word, default 0.2.
+- ``DEMO_LLM_WORD_S``: how long it takes per word after that, default 0.04.
+- ``DEMO_LLM_FAILURE_RATE``: the chance that a call fails half-way through its reply,
+  default 0.2, so retries show (and the stream shows a new attempt replacing the failed one).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -50,22 +58,41 @@ def _env_float(name: str, default: float) -> float:
 
 def reply_to(prompt: str) -> str:
     """What the stand-in model answers (deterministic, so tests can compare)."""
-    return f"(stand-in reply) {prompt}"
+    return (
+        f'(stand-in reply) You asked "{prompt}". A real model would answer here one token '
+        "at a time; this stand-in streams its words the same way, so you can watch them "
+        "arrive, and see a crashed attempt replaced by the next one."
+    )
 
 
-async def stand_in_llm(prompt: str) -> str:
-    """Takes ``DEMO_LLM_LATENCY_S`` and fails with probability ``DEMO_LLM_FAILURE_RATE``."""
+def words_of(reply: str) -> list[str]:
+    """The pieces the stand-in model streams: each word with the space after it, so the
+    pieces joined are exactly the reply."""
+    return re.findall(r"\S+\s*", reply)
+
+
+async def stand_in_llm(prompt: str, emit: Callable[[str], Awaitable[None]]) -> str:
+    """Streams the reply's words through ``emit``; takes ``DEMO_LLM_LATENCY_S`` plus
+    ``DEMO_LLM_WORD_S`` per word, and fails half-way with probability
+    ``DEMO_LLM_FAILURE_RATE``."""
     latency_s = _env_float("DEMO_LLM_LATENCY_S", 0.2)
+    word_s = _env_float("DEMO_LLM_WORD_S", 0.04)
     failure_rate = _env_float("DEMO_LLM_FAILURE_RATE", 0.2)
+    reply = reply_to(prompt)
+    words = words_of(reply)
+    fail_at = len(words) // 2 if random.random() < failure_rate else None
     await asyncio.sleep(latency_s)
-    if random.random() < failure_rate:
-        raise StandInLLMError("stand-in model overloaded (simulated)")
-    return reply_to(prompt)
+    for i, word in enumerate(words):
+        if i == fail_at:
+            raise StandInLLMError("stand-in model overloaded (simulated)")
+        await emit(word)
+        await asyncio.sleep(word_s)
+    return reply
 
 
 async def answer(task: Prompt, ctx: Context) -> dict[str, Any]:
     ctx.logger.info("calling %s for user %s", MODEL_NAME, task.user_id or "-")
-    reply = await stand_in_llm(task.text)
+    reply = await stand_in_llm(task.text, ctx.emit)
     # The return value is what the result store keeps for this task id.
     return {"reply": reply, "model": MODEL_NAME, "attempt": ctx.attempt}
 

@@ -2,10 +2,13 @@
 
 Run it (with a worker beside it, e.g. ``weclaw-mq worker consumers.demo:app``)::
 
-    .venv/bin/uvicorn --factory producers.api:create_app --port 8000
+    .venv/bin/uvicorn --factory producers.api:create_app --port 8000 --timeout-graceful-shutdown 2
     curl -s -XPOST localhost:8000/tasks -H 'content-type: application/json' \
         -d '{"text": "write a haiku about queues"}'
     curl -s localhost:8000/tasks/<task_id>
+    curl -sN localhost:8000/tasks/<task_id>/events    # the reply as it is written (SSE)
+
+and open http://localhost:8000/ for the chat page (see ``producers.live``).
 
 With ``WECLAW_MQ_OUTBOX_PATH`` set, a POST while the broker is down still answers 202, with
 ``"status": "stored_locally"``: the task waits in that SQLite file and the App's relay sends
@@ -30,6 +33,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from consumers.demo import Prompt
+from producers.live import add_live_routes, recorded_state
 from weclaw_mq import (
     App,
     BrokerUnavailableError,
@@ -38,7 +42,6 @@ from weclaw_mq import (
     PayloadTooLargeError,
     PayloadValidationError,
     PublishFailedError,
-    StateUnavailableError,
     TaskStatus,
 )
 
@@ -122,10 +125,16 @@ def create_app(
         idempotency_key: Annotated[
             str | None, Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN)
         ] = None,
+        session_id: Annotated[
+            str | None, Header(alias="Session-Id", pattern=IDEMPOTENCY_KEY_PATTERN)
+        ] = None,
     ) -> Any:
-        """Publish the prompt; 202 means the broker confirmed it is stored."""
+        """Publish the prompt; 202 means the broker confirmed it is stored. With a
+        ``Session-Id`` header the reply also goes to that session's inbox."""
         try:
-            task_id = await mq_app.publish(target, prompt, task_id=idempotency_key)
+            task_id = await mq_app.publish(
+                target, prompt, task_id=idempotency_key, session_id=session_id
+            )
         # Plain numbers: Starlette renamed the 413 and 422 constants across versions.
         except PayloadTooLargeError as e:
             raise HTTPException(413, str(e)) from e
@@ -153,13 +162,9 @@ def create_app(
     async def task_status(task_id: str, queue: str | None = None) -> Any:
         """The task's latest record, or with ``?queue=`` its record in that queue (a task id
         that several pipeline stages share has one record per stage)."""
-        try:
-            state = await mq_app.status(task_id, queue=queue)
-        except StateUnavailableError as e:
-            log.warning("GET /tasks/%s: %s", task_id, e)
-            return _unavailable("task statuses are unavailable right now")
-        if state is None:
-            raise HTTPException(status.HTTP_404_NOT_FOUND, f"no task {task_id!r} is known")
+        state = await recorded_state(mq_app, task_id, queue, _unavailable, what="task statuses")
+        if isinstance(state, JSONResponse):
+            return state
         return TaskView(
             task_id=state.task_id,
             queue=state.queue,
@@ -169,6 +174,7 @@ def create_app(
             attempt=state.attempt,
         )
 
+    add_live_routes(api, mq_app, _unavailable)
     return api
 
 

@@ -20,7 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from tests.private_servers import PrivateRedis, PrivateServers
+from tests.private_servers import PrivateRedis, PrivateRedisCluster, PrivateServers
 from weclaw_mq import App, Settings, Worker
 from weclaw_mq.naming import (
     GUARD_KEY_PREFIX,
@@ -145,6 +145,32 @@ def running_private_redis(servers: PrivateServers, *, appendonly: bool) -> Itera
         yield redis
     finally:
         redis.stop()
+
+
+def require_redis_binaries(*names: str) -> None:
+    """FAIL (never skip) saying how to get them, when redis-server or redis-cli is missing."""
+    missing = [n for n in names if shutil.which(n) is None]
+    if missing:
+        pytest.fail(
+            f"needs {' and '.join(missing)} for private Redis servers: "
+            "apt-get install redis-server (Debian; it brings redis-cli)",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(private_servers: PrivateServers) -> Iterator[PrivateRedisCluster]:
+    """A 3-primary Redis Cluster of this session's own (free ports), stopped at its end."""
+    require_redis_binaries("redis-server", "redis-cli")
+    cluster = PrivateRedisCluster(private_servers, private_servers.folder("redis-cluster"))
+    try:
+        try:
+            cluster.start()
+        except RuntimeError as e:
+            pytest.fail(f"the private Redis Cluster: {e}", pytrace=False)
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture

@@ -24,11 +24,13 @@ import atexit
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 RUN_ENV = "WECLAW_TEST_RUN"
 # SIGTERM first (a RabbitMQ node stops in about 3 s, redis at once), SIGKILL after this.
@@ -261,6 +263,261 @@ class PrivateRedis:
             return False
         finally:
             client.close()
+
+
+def free_port(*, bus_offset: int = 0) -> int:
+    """A TCP port free on 127.0.0.1 just now (and ``port + bus_offset`` too, the cluster bus
+    of a Redis Cluster node); the server that takes it may still lose a race for it."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if not bus_offset:
+            return port
+        if port + bus_offset < 65536:
+            with socket.socket() as bus, contextlib.suppress(OSError):
+                bus.bind(("127.0.0.1", port + bus_offset))
+                return port
+
+
+class TcpRedis:
+    """A redis-server (or Sentinel) of one test's own on 127.0.0.1 at a free port, its config,
+    data and log in ``folder``. Started with ``set-proc-title no`` so its command line keeps
+    the run's folder and its environment the run marker: the safety nets know it as ours."""
+
+    def __init__(
+        self, servers: PrivateServers, folder: Path, config: list[str], *, sentinel: bool = False
+    ) -> None:
+        self.servers = servers
+        self.folder = folder
+        self.port = free_port(bus_offset=10000 if "cluster-enabled yes" in config else 0)
+        self.sentinel = sentinel
+        self.config = [
+            f"port {self.port}",
+            "bind 127.0.0.1",
+            "protected-mode no",
+            "set-proc-title no",
+            f'dir "{folder}"',
+            f'logfile "{folder / "redis.log"}"',
+            *config,
+        ]
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def start(self) -> None:
+        conf = self.folder / "redis.conf"
+        conf.write_text("\n".join(self.config) + "\n")
+        args = ["redis-server", str(conf)] + (["--sentinel"] if self.sentinel else [])
+        self._proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=self.servers.env(),
+            cwd=self.folder,
+        )
+        (self.folder / "redis.pid").write_text(str(self._proc.pid))
+
+    def wait_answering(self, timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.answers():
+            if self._proc is None or self._proc.poll() is not None:
+                raise RuntimeError(f"private redis-server exited; see {self.folder}/redis.log")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"private redis-server did not answer; see {self.folder}")
+            time.sleep(0.02)
+
+    def kill9(self) -> None:
+        """SIGKILL, by pid (our own child), and reap it."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+            self._proc = None
+            (self.folder / "redis.pid").unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self.servers.stop([self._proc.pid])
+            self._proc.wait(timeout=10)
+            self._proc = None
+            (self.folder / "redis.pid").unlink(missing_ok=True)
+
+    def client(self) -> Any:
+        import redis  # only here: the reaper script must run on the standard library alone
+
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=5, decode_responses=True
+        )
+
+    def answers(self) -> bool:
+        import redis
+
+        client = self.client()
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+
+def _subfolder(folder: Path, name: str) -> Path:
+    path = folder / name
+    path.mkdir(parents=True)
+    return path
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``check`` (a blocking probe of our servers) until true, or raise saying ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.05)
+
+
+class PrivateRedisCluster:
+    """A Redis Cluster of ``primaries`` nodes, no replicas, made with ``redis-cli --cluster
+    create``; every node in its own folder under ``folder``."""
+
+    def __init__(self, servers: PrivateServers, folder: Path, primaries: int = 3) -> None:
+        self.nodes = [
+            TcpRedis(
+                servers,
+                _subfolder(folder, f"node{n}"),
+                ["cluster-enabled yes", "cluster-node-timeout 2000", 'save ""', "appendonly no"],
+            )
+            for n in range(primaries)
+        ]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(n.address for n in self.nodes)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        for node in self.nodes:
+            node.start()
+        for node in self.nodes:
+            node.wait_answering()
+        create = ["redis-cli", "--cluster", "create", *(n.address for n in self.nodes)]
+        done = subprocess.run(
+            [*create, "--cluster-yes"], capture_output=True, text=True, timeout=timeout_s
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")
+
+        def every_node_serves_every_slot() -> bool:
+            for node in self.nodes:
+                client = node.client()
+                try:
+                    info = client.cluster("info")
+                finally:
+                    client.close()
+                if info.get("cluster_state") != "ok" or int(info["cluster_known_nodes"]) != len(
+                    self.nodes
+                ):
+                    return False
+            return True
+
+        wait_for(every_node_serves_every_slot, timeout_s, "the private Redis Cluster to form")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+class PrivateSentinelSet:
+    """A primary, a replica of it and ``sentinels`` Sentinels watching it under ``SERVICE``
+    (quorum: a majority), failing over a primary that stopped answering for ``down_after_ms``."""
+
+    SERVICE = "weclaw"
+
+    def __init__(
+        self, servers: PrivateServers, folder: Path, sentinels: int = 3, down_after_ms: int = 1000
+    ) -> None:
+        data = ['save ""', "appendonly no"]
+        self.primary = TcpRedis(servers, _subfolder(folder, "primary"), data)
+        self.replica = TcpRedis(
+            servers,
+            _subfolder(folder, "replica"),
+            [*data, f"replicaof 127.0.0.1 {self.primary.port}"],
+        )
+        self.down_after_ms = down_after_ms
+        watch = [
+            f"sentinel monitor {self.SERVICE} 127.0.0.1 {self.primary.port} {sentinels // 2 + 1}",
+            f"sentinel down-after-milliseconds {self.SERVICE} {down_after_ms}",
+            f"sentinel failover-timeout {self.SERVICE} 10000",
+            f"sentinel parallel-syncs {self.SERVICE} 1",
+        ]
+        self.sentinels = [
+            TcpRedis(servers, _subfolder(folder, f"sentinel{n}"), watch, sentinel=True)
+            for n in range(sentinels)
+        ]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(s.address for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.SERVICE}"
+
+    def primary_port(self, sentinel: TcpRedis) -> int | None:
+        """The primary's port as ``sentinel`` names it now (None if it cannot say)."""
+        import redis
+
+        client = sentinel.client()
+        try:
+            answer = client.execute_command("SENTINEL", "get-master-addr-by-name", self.SERVICE)
+        except redis.RedisError:
+            return None
+        finally:
+            client.close()
+        return int(answer[1]) if answer else None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        for server in (self.primary, self.replica):
+            server.start()
+            server.wait_answering()
+
+        def replica_in_sync() -> bool:
+            client = self.replica.client()
+            try:
+                return bool(client.info("replication").get("master_link_status") == "up")
+            finally:
+                client.close()
+
+        wait_for(replica_in_sync, timeout_s, "the replica to sync with the primary")
+        for sentinel in self.sentinels:
+            sentinel.start()
+        for sentinel in self.sentinels:
+            sentinel.wait_answering()
+
+        def ready_to_fail_over() -> bool:
+            # A failover needs each Sentinel to know the replica and its peers (they meet
+            # through hello messages every 2 s).
+            for sentinel in self.sentinels:
+                client = sentinel.client()
+                try:
+                    fields = client.sentinel_master(self.SERVICE)
+                finally:
+                    client.close()
+                if (
+                    int(fields["num-slaves"]) < 1
+                    or int(fields["num-other-sentinels"]) < len(self.sentinels) - 1
+                ):
+                    return False
+            return True
+
+        wait_for(ready_to_fail_over, timeout_s, "the Sentinels to know the replica and each other")
+
+    def stop(self) -> None:
+        for server in (*self.sentinels, self.replica, self.primary):
+            server.stop()
 
 
 def _reaper_main(folder: Path, marker: str) -> None:

@@ -13,6 +13,7 @@ from .errors import (
     ConfigurationError,
     ConfirmTimeoutError,
     ConnectionLostError,
+    InvalidPriorityError,
     MessageEncodingError,
     PayloadError,
     PayloadTooLargeError,
@@ -28,6 +29,7 @@ from .errors import (
     WeclawMQError,
 )
 from .notification import TaskNotification
+from .priority import Priority
 from .retry import RetryPolicy
 from .settings import Settings
 from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
@@ -46,12 +48,14 @@ __all__ = [
     "ConnectionLostError",
     "Context",
     "Inbox",
+    "InvalidPriorityError",
     "MemoryStreamStore",
     "MemoryTaskStore",
     "MessageEncodingError",
     "PayloadError",
     "PayloadTooLargeError",
     "PayloadValidationError",
+    "Priority",
     "PublishFailedError",
     "PublishNackedError",
     "Reject",

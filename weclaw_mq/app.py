@@ -27,6 +27,7 @@ from . import headers as h
 from .errors import (
     STORED_NOTHING,
     BatchPublishError,
+    BrokerUnavailableError,
     ConfigurationError,
     InvalidPayload,
     PayloadTooLargeError,
@@ -42,6 +43,13 @@ from .naming import validate_session_id
 from .notification import notify_target
 from .outbox import Outbox, add_message
 from .outbox.fallback import LocalFallback
+from .priority import (
+    QUORUM,
+    Priority,
+    parse_priority,
+    priority_from_header,
+    route,
+)
 from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy
@@ -141,6 +149,8 @@ class App:
         idempotent: bool = True,
         ttl_s: float | None = None,
         notify: bool | str = False,
+        priority: Priority | str = Priority.NORMAL,
+        queue_type: str = QUORUM,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
@@ -149,7 +159,10 @@ class App:
 
         ``notify=True`` publishes each task's final state to ``<queue>.results`` (a name: to
         that queue) before the task is acked or dead-lettered (see ``notification``).
-        """
+
+        ``priority`` is the default of tasks published to ``queue`` without one;
+        ``queue_type="classic"`` declares Q as a classic queue with native priorities
+        (not replicated: see the README's "Priorities")."""
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -168,6 +181,8 @@ class App:
                 idempotent=idempotent,
                 ttl_s=ttl_s if ttl_s is not None else s.task_ttl_s,
                 notify=notify_target(queue, notify, s),
+                priority=priority,
+                queue_type=queue_type,
             )
             return func
 
@@ -193,11 +208,14 @@ class App:
         headers: HeadersType | None = None,
         ttl_s: float | None = None,
         session_id: str | None = None,
+        priority: Priority | str | None = None,
     ) -> aio_pika.Message:
         """Encode and check a task without sending it: size, and the handler's model if known.
 
         Its lifetime is ``ttl_s``, else its handler's ``ttl_s`` (if registered in this App),
-        else ``settings.task_ttl_s``, counted from now (see ``weclaw_mq.lifetime``)."""
+        else ``settings.task_ttl_s``, counted from now (see ``weclaw_mq.lifetime``).
+        A priority above NORMAL (``priority``, else the handler's default) is written in the
+        ``x-weclaw-priority`` header; ``publish`` then routes the message by it."""
         ttl_ms = self._ttl_ms(queue, ttl_s)
         if session_id is not None:
             headers = {**(headers or {}), h.SESSION_ID: validate_session_id(session_id)}
@@ -228,6 +246,9 @@ class App:
         # Before anything is sent or recorded: aiormq would raise a bare TypeError/ValueError
         # mid-publish, or silently truncate a long header name.
         check_encodable(queue, message.message_id, headers)
+        level = self._priority_of(queue, priority)
+        if level is not Priority.NORMAL:  # no header is NORMAL: nothing to carry
+            message.headers[h.PRIORITY] = level.value
         return message
 
     def _ttl_ms(self, queue: str, ttl_s: float | None) -> int:
@@ -237,6 +258,34 @@ class App:
             spec = self._handlers.get(queue)
             ttl = spec.ttl_s if spec is not None else self.settings.task_ttl_s
         return max(1, round(ttl * 1000))
+
+    def _priority_of(self, queue: str, priority: Priority | str | None) -> Priority:
+        if priority is not None:
+            return parse_priority(priority)
+        spec = self._handlers.get(queue)
+        return spec.priority if spec is not None else Priority.NORMAL
+
+    async def _route(self, queue: str, message: aio_pika.Message) -> str:
+        """Where ``message`` goes (its lane, or Q with the AMQP priority property where the
+        broker, or a classic queue, has native priorities); the version is asked only for a
+        priority above NORMAL."""
+        level = priority_from_header(message.headers.get(h.PRIORITY))
+        if level is Priority.NORMAL:
+            return queue
+        try:
+            version = await self._get_publisher().server_version()
+        except BrokerUnavailableError as e:  # raised by the connect, which knows no task
+            raise BrokerUnavailableError(str(e), queue=queue, task_id=message.message_id) from e
+        target, amqp_priority = route(queue, level, version, self.queue_type_of(queue))
+        if amqp_priority is not None:
+            message.priority = amqp_priority
+        return target
+
+    def queue_type_of(self, queue: str) -> str:
+        """The type of ``queue`` as its handler here declares it; a queue without a handler
+        in this app is taken to be a default (quorum) handler queue."""
+        spec = self._handlers.get(queue)
+        return spec.queue_type if spec is not None else QUORUM
 
     async def publish(
         self,
@@ -248,6 +297,7 @@ class App:
         headers: HeadersType | None = None,
         ttl_s: float | None = None,
         session_id: str | None = None,
+        priority: Priority | str | None = None,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
@@ -255,7 +305,9 @@ class App:
         one. ``ttl_s``: the task's lifetime (see ``prepare``); past it the task ends in
         ``Q.dlq`` with reason ``expired`` and ``status()`` answers ``expired``. With
         ``session_id`` (a user or a conversation: letters, digits, ``_.:@-``), the task's
-        streamed chunks and final reply also go to that session's inbox.
+        streamed chunks and final reply also go to that session's inbox. ``priority``
+        (default: the handler's, else NORMAL) is ``Priority.HIGH`` or ``"high"`` and so on;
+        see the README's "Priorities".
         """
         message = self.prepare(
             queue,
@@ -265,17 +317,21 @@ class App:
             headers=headers,
             ttl_s=ttl_s,
             session_id=session_id,
+            priority=priority,
         )
         if self._local is not None:
             return await self._local.publish(queue, message, self._send)
         return await self._send(queue, message)
 
     async def _send(self, queue: str, message: aio_pika.Message) -> str:
-        """Publish a prepared message, with its "queued" record; the broker's word or an error."""
+        """Publish a prepared message, with its "queued" record; the broker's word or an error.
+
+        ``queue`` is the handler queue; the message goes to its priority's lane (``_route``)."""
         assert message.message_id is not None
+        target = await self._route(queue, message)
         store = self.results
         if store is None:
-            await self._get_publisher().publish(queue, message)
+            await self._get_publisher().publish(target, message)
             return message.message_id
         # The "queued" record is written beside the confirm, not after it (no added latency),
         # and only if the task has no record yet, so it can never hide a later status.
@@ -287,7 +343,7 @@ class App:
         )
         refused: list[str] = []
         try:
-            await self._get_publisher().publish(queue, message)
+            await self._get_publisher().publish(target, message)
         except STORED_NOTHING:
             refused.append(message.message_id)
             raise
@@ -305,6 +361,7 @@ class App:
         headers: HeadersType | None = None,
         ttl_s: float | None = None,
         session_id: str | None = None,
+        priority: Priority | str | None = None,
     ) -> list[str]:
         """Publish a batch over one channel with pipelined confirms; the task ids, in order.
 
@@ -325,6 +382,7 @@ class App:
                 headers=headers,
                 ttl_s=ttl_s,
                 session_id=session_id,
+                priority=priority,
             )
             for i, payload in enumerate(items)
         ]
@@ -338,6 +396,7 @@ class App:
             return ids
         publisher = self._get_publisher()
         await publisher.connect()
+        targets = [await self._route(queue, m) for m in messages]
         store = self.results
         queued = (
             self._record_in_background(
@@ -352,7 +411,8 @@ class App:
         refused: list[str] = []
         try:
             outcomes = await asyncio.gather(
-                *(publisher.publish(queue, m) for m in messages), return_exceptions=True
+                *(publisher.publish(t, m) for t, m in zip(targets, messages, strict=True)),
+                return_exceptions=True,
             )
             refused = [
                 ids[i] for i, outcome in enumerate(outcomes) if isinstance(outcome, STORED_NOTHING)

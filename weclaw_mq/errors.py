@@ -2,6 +2,8 @@
 
     WeclawMQError
     ├── ConfigurationError           a handler, queue name or option that cannot work
+    │   └── InvalidPriorityError     a priority or queue type weclaw_mq does not know (a
+    │                                ValueError too)
     ├── PayloadError                 refused before anything was sent
     │   ├── PayloadTooLargeError     body over ``max_message_bytes``
     │   ├── PayloadValidationError   body fails the handler's pydantic model
@@ -67,6 +69,12 @@ class WeclawMQError(Exception):
 
 class ConfigurationError(WeclawMQError):
     error_type: ClassVar[str] = "weclaw_mq.ConfigurationError"
+
+
+class InvalidPriorityError(ConfigurationError, ValueError):
+    """Not one of Priority.NORMAL/HIGH/URGENT or "normal"/"high"/"urgent"."""
+
+    error_type: ClassVar[str] = "weclaw_mq.InvalidPriorityError"
 
 
 class PayloadError(WeclawMQError):

@@ -15,6 +15,7 @@ from .failures import describe
 from .lifetime import DEFAULT_TTL_S, check_ttl
 from .naming import validate_queue_name
 from .notification import NotifyTarget
+from .priority import QUORUM, Priority, check_queue_type, parse_priority
 from .retry import RetryPolicy
 from .topology import QueueSpec
 
@@ -37,6 +38,9 @@ class HandlerSpec:
     ttl_s: float = DEFAULT_TTL_S
     # Where the final state of each task is announced (``notify=``), or None.
     notify: NotifyTarget | None = None
+    # The priority of a task published to this queue without one.
+    priority: Priority = Priority.NORMAL
+    queue_type: str = QUORUM
 
     @property
     def name(self) -> str:
@@ -50,6 +54,7 @@ class HandlerSpec:
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
             results=None if self.notify is None else self.notify.queue_spec(),
+            queue_type=self.queue_type,
         )
 
     def parse(self, body: bytes) -> Any:
@@ -90,6 +95,8 @@ def build_spec(
     idempotent: bool,
     ttl_s: float = DEFAULT_TTL_S,
     notify: NotifyTarget | None = None,
+    priority: Priority | str = Priority.NORMAL,
+    queue_type: str = QUORUM,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -135,4 +142,6 @@ def build_spec(
         idempotent=idempotent,
         ttl_s=float(ttl_s),
         notify=notify,
+        priority=parse_priority(priority),
+        queue_type=check_queue_type(queue_type),
     )

@@ -19,6 +19,9 @@ RETURNS = f"{PREFIX}returns"
 # was given (ms), from which a DLQ requeue gives it a fresh deadline.
 EXPIRES_AT = f"{PREFIX}expires-at"
 TTL_MS = f"{PREFIX}ttl-ms"
+# The task's priority ("high", "urgent"; absent: normal), kept on every hop: retries, deferrals
+# and DLQ re-drives send the task back to its lane by it (weclaw_mq.priority).
+PRIORITY = f"{PREFIX}priority"
 # How often ops shovelled this task back from its DLQ (weclaw_mq.dlq.requeue).
 REQUEUED = f"{PREFIX}requeued"
 

@@ -15,6 +15,10 @@ RETRY_INFIX = ".retry."
 # Where a handler with ``notify=True`` announces its tasks' final states (a work queue for the
 # notification service, so not a reserved suffix: a handler consumes ``Q.results``).
 RESULTS_SUFFIX = ".results"
+# Lane queues of the higher priorities: ``Q.lane.high``, ``Q.lane.urgent`` (the NORMAL lane is
+# Q itself). No handler queue may hold ".lane.", ".retry." or end in ".dlq", and a lane name
+# ends in ".lane.<level>": so no derived name of one handler equals a name of another.
+LANE_INFIX = ".lane."
 
 # Redis key prefixes (the guard and the result store build keys only through these).
 REDIS_PREFIX = "weclaw_mq"
@@ -41,10 +45,10 @@ def validate_queue_name(name: str) -> str:
             f"queue name {name!r} may hold only letters, digits and '_.:-', "
             "and must start with a letter or digit"
         )
-    if name.endswith(DLQ_SUFFIX) or RETRY_INFIX in name:
+    if name.endswith(DLQ_SUFFIX) or RETRY_INFIX in name or LANE_INFIX in name:
         raise ConfigurationError(
             f"queue name {name!r} looks like one of weclaw_mq's own derived queues "
-            f"('{DLQ_SUFFIX}' / '{RETRY_INFIX}'); pick another name"
+            f"('{DLQ_SUFFIX}' / '{RETRY_INFIX}' / '{LANE_INFIX}'); pick another name"
         )
     return name
 
@@ -61,12 +65,37 @@ def delay_label(delay_ms: int) -> str:
 
 
 def retry_queue_name(queue: str, delay_ms: int) -> str:
+    """The delay queue of ``queue`` (a handler queue or one of its lanes): it dead-letters
+    back to ``queue``, so a retried task returns to the lane it came from."""
     return f"{queue}{RETRY_INFIX}{delay_label(delay_ms)}"
 
 
 def results_queue_name(queue: str) -> str:
     """The default results queue of ``queue`` (``notify=True``)."""
     return f"{queue}{RESULTS_SUFFIX}"
+
+
+def lane_queue_name(queue: str, level: str) -> str:
+    """The queue of priority ``level`` ("normal", "high", "urgent") of handler queue Q:
+    NORMAL is Q itself, so producers and queues from before priorities keep working."""
+    return queue if level == "normal" else f"{queue}{LANE_INFIX}{level}"
+
+
+def source_lane(routing_key: str | None, queue: str) -> str:
+    """The lane of handler queue ``queue`` a delivery came from: its routing key when that
+    names one of Q's lanes (a lane is published to, and dead-lettered back to, by its own
+    name through the default exchange), else Q."""
+    if routing_key and routing_key.startswith(f"{queue}{LANE_INFIX}"):
+        level = routing_key[len(queue) + len(LANE_INFIX) :]
+        if level in ("high", "urgent"):
+            return routing_key
+    return queue
+
+
+def handler_queue_of(name: str) -> str:
+    """The handler queue Q a lane queue belongs to (Q itself for Q)."""
+    head, sep, _ = name.partition(LANE_INFIX)
+    return head if sep else name
 
 
 # -- Redis keys of one task --------------------------------------------------------------

@@ -8,9 +8,10 @@ get, purge). What each of our roles does (checked on RabbitMQ 3.10 by
 - operator (``weclaw-mq declare``, the DLQ tools): declares every queue of the app (a queue
   with a dead-letter target also needs read on it), reads the DLQs, publishes copies back
   (requeue, the DLQ's rotation);
-- worker: reads its work queues only; publishes retries, parked duplicates and dead letters;
-  needs no configure when the topology exists (``topology.declare`` then checks each queue
-  with a passive declare, which RabbitMQ allows without any permission);
+- worker: reads its work queues (and their priority lanes) only; publishes retries, parked
+  duplicates and dead letters; needs no configure when the topology exists
+  (``topology.declare`` then checks each queue with a passive declare, which RabbitMQ allows
+  without any permission);
 - producer: publishes only.
 
 Every publish of ours goes through the default exchange, and RabbitMQ checks a publish
@@ -59,7 +60,9 @@ def any_of(names: Iterable[str]) -> str:
 
 def grant(role: Role, specs: Iterable[HandlerSpec]) -> Grant:
     specs = list(specs)
-    work = [s.queue for s in specs]
+    # Q and its priority lanes: the lanes of an unknown version, which are every lane any
+    # version may have (a worker consumes each lane its broker gets).
+    work = [lane for s in specs for lane in s.queue_spec().lane_queues(None)]
     publish = any_of([DEFAULT_EXCHANGE_RESOURCE])
     if role is Role.PRODUCER:
         return Grant(configure=NOTHING, write=publish, read=NOTHING)

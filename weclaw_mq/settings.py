@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .lifetime import DEFAULT_TTL_S
+from .redis_urls import RedisTopology, is_multi_node, parse_topology
 from .retry import RetryPolicy
 
 # The retry defaults are RetryPolicy's own, stated once in retry.py.
@@ -18,6 +19,9 @@ _DEFAULT_RETRY = RetryPolicy()
 # RabbitMQ closes a channel whose delivery stays unacked past consumer_timeout (30 min by
 # default, settable per queue only from 3.12), requeueing everything on it.
 BROKER_CONSUMER_TIMEOUT_S = 30 * 60
+
+# Named in the error for a URL of no known scheme (redis_urls.py parses these).
+_MULTI_NODE = ("redis+cluster", "redis+sentinel")
 
 
 class Settings(BaseSettings):
@@ -33,9 +37,14 @@ class Settings(BaseSettings):
     # One URL, or a cluster's nodes separated by commas: clients connect to the first that
     # answers and move to another node when theirs dies.
     amqp_url: SecretStr = SecretStr("amqp://guest:guest@localhost:5672/")
+    # One Redis, or a Redis Cluster (redis+cluster://) or Sentinel set (redis+sentinel://):
+    # the forms are listed in redis_urls.py.
     redis_url: SecretStr = SecretStr("redis://localhost:6379/0")
 
     concurrency: int = Field(default=1, ge=1, le=10_000)
+    # Priority lanes (README "Priorities"): a lane with a task waiting is passed over by at
+    # most this many starts from higher lanes in a row; then its task starts next.
+    priority_starvation_limit: int = Field(default=8, ge=1, le=10_000)
     # The policy of a handler given no ``retry=``; defaults from RetryPolicy (retry.py).
     max_retries: int = Field(default=_DEFAULT_RETRY.max_retries, ge=0, le=100)
     retry_delay_s: float = Field(default=_DEFAULT_RETRY.delay_s, gt=0)
@@ -115,7 +124,10 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_url_parses(cls, value: SecretStr) -> SecretStr:
         url = value.get_secret_value()
-        _check_url(url, ("redis", "rediss", "unix"), need_host=False)
+        if is_multi_node(url):
+            parse_topology(url, redact_url(url))
+        else:
+            _check_url(url, ("redis", "rediss", "unix", *_MULTI_NODE), need_host=False)
         return value
 
     def retry_policy(self) -> RetryPolicy:
@@ -139,6 +151,14 @@ class Settings(BaseSettings):
 
     def redis_url_plain(self) -> str:
         return self.redis_url.get_secret_value()
+
+    def redis_url_redacted(self) -> str:
+        return redact_url(self.redis_url_plain())
+
+    def redis_topology(self) -> RedisTopology | None:
+        """The Redis Cluster or Sentinel set the URL names; None for one Redis."""
+        url = self.redis_url_plain()
+        return parse_topology(url, redact_url(url)) if is_multi_node(url) else None
 
 
 def _check_url(url: str, schemes: tuple[str, ...], *, need_host: bool) -> None:

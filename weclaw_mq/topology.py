@@ -10,6 +10,14 @@ For a handler queue ``Q`` (names from ``naming``):
 | Q.dlq           | quorum | nothing expires or overflows there; from RabbitMQ 4.0 on, the  |
 |                 |        | default delivery limit turned off (x-delivery-limit -1)        |
 
+Priorities (``priority.plan_priorities``): where the broker has none usable, the HIGH and
+URGENT levels get lanes ``Q.lane.high`` / ``Q.lane.urgent``, each declared like Q (dead-letter
+to the one Q.dlq) with delay queues of its own (``Q.lane.high.retry.<delay>``, dead-lettering
+back to that lane): a retried task comes back to its lane, and the number of queues stays
+fixed (levels x (1 + delays) + 1). A ``queue_type="classic"`` handler queue is classic with
+``x-max-priority`` (classic queues refuse ``x-delivery-limit`` and the at-least-once
+dead-letter strategy, so it has neither); its delay queues and DLQ stay quorum.
+
 What differs by broker version is decided in ``broker_version.dlq_plan``.
 
 A handler with ``notify=`` also declares its results queue ``R`` (``Q.results`` or the name it
@@ -31,7 +39,8 @@ from aio_pika.abc import AbstractChannel
 
 from .broker_version import ServerVersion, dlq_plan
 from .errors import ConfigurationError, TopologyConflictError
-from .naming import dlq_name, retry_queue_name
+from .naming import dlq_name, lane_queue_name, retry_queue_name
+from .priority import CLASSIC, QUORUM, plan_priorities
 from .publishing.connection import channel_server_version
 
 log = logging.getLogger(__name__)
@@ -51,6 +60,12 @@ class QueueSpec:
     max_length: int | None = None
     # The handler's results queue (notify=), declared with default handler-queue arguments.
     results: QueueSpec | None = None
+    queue_type: str = QUORUM
+
+    def lane_queues(self, version: ServerVersion | None) -> list[str]:
+        """Q and its lane queues on ``version``, highest priority first."""
+        plan = plan_priorities(version, self.queue_type)
+        return [lane_queue_name(self.name, level.value) for level in plan.lanes]
 
 
 def _quorum_dead_lettering(target: str) -> dict[str, object]:
@@ -66,17 +81,28 @@ def _quorum_dead_lettering(target: str) -> dict[str, object]:
 
 
 def work_queue_arguments(spec: QueueSpec) -> dict[str, object]:
-    args = _quorum_dead_lettering(dlq_name(spec.name))
-    args["x-delivery-limit"] = spec.delivery_limit
+    if spec.queue_type == CLASSIC:
+        args: dict[str, object] = {
+            "x-queue-type": CLASSIC,
+            "x-dead-letter-exchange": DEFAULT_EXCHANGE,
+            "x-dead-letter-routing-key": dlq_name(spec.name),
+            "x-overflow": "reject-publish",
+            **plan_priorities(None, CLASSIC).queue_arguments,
+        }
+    else:
+        args = _quorum_dead_lettering(dlq_name(spec.name))
+        args["x-delivery-limit"] = spec.delivery_limit
     if spec.max_length is not None:
         args["x-max-length"] = spec.max_length
     return args
 
 
-def retry_queue_arguments(spec: QueueSpec, delay_ms: int) -> dict[str, object]:
+def retry_queue_arguments(
+    spec: QueueSpec, delay_ms: int, lane: str | None = None
+) -> dict[str, object]:
     # One queue per delay: RabbitMQ expires messages only at the head of a queue, so mixed
     # per-message delays in one queue would hold short delays behind long ones.
-    args = _quorum_dead_lettering(spec.name)
+    args = _quorum_dead_lettering(lane or spec.name)
     args["x-message-ttl"] = delay_ms
     return args
 
@@ -97,9 +123,13 @@ def _own_declarations(
     spec: QueueSpec, version: ServerVersion | None
 ) -> list[tuple[str, dict[str, object]]]:
     decls: list[tuple[str, dict[str, object]]] = [(dlq_name(spec.name), dlq_arguments(version))]
-    decls.append((spec.name, work_queue_arguments(spec)))
-    for delay_ms in spec.retry_delays_ms:
-        decls.append((retry_queue_name(spec.name, delay_ms), retry_queue_arguments(spec, delay_ms)))
+    # Q first (the NORMAL lane), then the higher lanes: each with its own delay queues.
+    for lane in reversed(spec.lane_queues(version)):
+        decls.append((lane, work_queue_arguments(spec)))
+        for delay_ms in spec.retry_delays_ms:
+            decls.append(
+                (retry_queue_name(lane, delay_ms), retry_queue_arguments(spec, delay_ms, lane))
+            )
     return decls
 
 

@@ -31,6 +31,20 @@ ALARM_PUBLISH_BOUND_S = ALARM_CONFIRM_TIMEOUT_S + ALARM_SLACK_S
 # README names them).
 CUT_ERROR_TYPES = ("ConnectionLostError",)
 
+# Redis Sentinel failover (kill -9 of the primary): the Sentinels declare the primary down
+# after down-after-milliseconds without an answer, agree (quorum 2 of 3), elect a leader and
+# promote the replica; redis-py asks them again at its next connection. Measured 2-5 s on a
+# loaded 2-core machine; 15 s is the asserted bound (a Sentinel may wait up to
+# failover-timeout before it retries a failed election, so a bad draw costs seconds).
+SENTINEL_DOWN_AFTER_MS = 1000
+SENTINEL_FAILOVER_BOUND_S = 15.0
+# Redis replicates asynchronously: a write the primary acknowledged in the last instant before
+# its death may not have reached the replica. The guard's writes in that instant are at most
+# those of the deliveries in flight, one worker's concurrency: a lost done marker lets that
+# task run again if its message comes back, a lost result leaves its status at an earlier one.
+SENTINEL_DRILL_CONCURRENCY = 8
+SENTINEL_LOST_WRITES_BOUND = SENTINEL_DRILL_CONCURRENCY
+
 # make drill: how many times in a row the cluster failover drill runs.
 CLUSTER_DRILL_RUNS_DEFAULT = 5
 
@@ -53,6 +67,20 @@ def kill9_bound_text(kills: int) -> str:
     return f"bound {KILL9_DUPLICATES_PER_KILL} per kill (in flight at the kill), x{kills} kills"
 
 
+def sentinel_failover_bound_text() -> str:
+    return (
+        f"bound {SENTINEL_FAILOVER_BOUND_S:g} s; down after {SENTINEL_DOWN_AFTER_MS} ms, "
+        "quorum 2 of 3 Sentinels"
+    )
+
+
+def sentinel_lost_writes_bound_text() -> str:
+    return (
+        f"bound {SENTINEL_LOST_WRITES_BOUND} each: the writes in flight at the kill "
+        f"(concurrency {SENTINEL_DRILL_CONCURRENCY}) may miss the replica"
+    )
+
+
 def bound_texts() -> list[str]:
     """One line per asserted bound, printed under the drill table."""
     return [
@@ -61,4 +89,7 @@ def bound_texts() -> list[str]:
         f"memory alarm: every publish raised ConfirmTimeoutError within the {alarm_bound_text()}",
         f"connection cuts: a publish returned (and is in the queue) or raised one of "
         f"{', '.join(CUT_ERROR_TYPES)}",
+        f"Redis primary kill -9 (Sentinel): writes accepted again within the "
+        f"{sentinel_failover_bound_text()}; results missing and duplicates "
+        f"{sentinel_lost_writes_bound_text()}",
     ]

@@ -18,7 +18,7 @@ from tests.integration.processes import FIXTURE_APP, one_error_line, run_cli, se
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
 from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq, queue_stats
-from weclaw_mq.naming import dlq_name, retry_queue_name
+from weclaw_mq.naming import dlq_name, lane_queue_name, retry_queue_name
 
 FAIL_ONCE_MORE = RetryPolicy(max_retries=1, delay_s=0.05)  # attempts 1 and 2, then the DLQ
 
@@ -189,11 +189,17 @@ async def test_stats_counts_the_queue_its_delay_queues_and_its_dlq_and_reports_m
     got = await queue_stats.stats(dead.app, dead.queue, retry_delays_ms=(50, 86_400_000))
 
     assert got.work.exists and got.work.messages == 0
-    assert got.work.consumers == 1  # the running worker
-    assert [(c.name, c.exists) for c in got.retries] == [
+    assert got.work.consumers is not None and got.work.consumers >= 1  # the running worker
+    # Q's delay queues first, then those of its priority lanes (3.x: lanes).
+    assert [(c.name, c.exists) for c in got.retries[:2]] == [
         (retry_queue_name(dead.queue, 50), True),
         (retry_queue_name(dead.queue, 86_400_000), False),
     ]
+    assert [(c.name, c.role, c.exists) for c in got.lanes] == [
+        (lane_queue_name(dead.queue, "high"), "lane", True),
+        (lane_queue_name(dead.queue, "urgent"), "lane", True),
+    ]
+    assert retry_queue_name(lane_queue_name(dead.queue, "high"), 50) in [c.name for c in got.all]
     assert got.retries[1].messages is None
     assert got.dlq.exists and got.dlq.messages == 3 and got.dlq.consumers == 0
     assert queue_stats.handler_retry_delays_ms(dead.app, dead.queue) == (50,)
@@ -299,11 +305,20 @@ async def test_cli_stats_prints_the_queue_the_apps_delay_queues_and_the_dlq(
 
     assert result.code == 0, result.stderr
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.strip().splitlines()[1:]}
+    # The running worker consumes Q and each lane (prefetch-1 consumers: at least one each).
+    consumers = {name: int(row.pop()) for name, row in rows.items()}
+    high, urgent = lane_queue_name(q, "high"), lane_queue_name(q, "urgent")
     assert rows == {
-        q: ["work", "0", "1"],
-        retry_queue_name(q, 50): ["retry", "0", "0"],
-        dlq_name(q): ["dlq", "3", "0"],
+        q: ["work", "0"],
+        high: ["lane", "0"],
+        urgent: ["lane", "0"],
+        retry_queue_name(q, 50): ["retry", "0"],
+        retry_queue_name(high, 50): ["retry", "0"],
+        retry_queue_name(urgent, 50): ["retry", "0"],
+        dlq_name(q): ["dlq", "3"],
     }
+    assert consumers[q] >= 1 and consumers[high] >= 1 and consumers[urgent] >= 1
+    assert consumers[dlq_name(q)] == 0
 
     unknown = await run_cli("stats", "t-no-such-queue-for-stats", "--app", FIXTURE_APP, env=env)
     assert "has no handler" in one_error_line(unknown)

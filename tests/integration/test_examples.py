@@ -38,6 +38,7 @@ def fast_reliable_llm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stand-in model answers at once and never fails, so results are deterministic."""
     monkeypatch.setenv("DEMO_LLM_FAILURE_RATE", "0")
     monkeypatch.setenv("DEMO_LLM_LATENCY_S", "0.01")
+    monkeypatch.setenv("DEMO_LLM_WORD_S", "0.002")
 
 
 @pytest.fixture
@@ -219,6 +220,8 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
         "WECLAW_MQ_AMQP_URL": broker_url,
         "WECLAW_MQ_REDIS_URL": redis_url,
         "PYTHONUNBUFFERED": "1",
+        # Slow enough that the worker is killed mid-reply (8 of 53 words) even on a busy machine.
+        "DEMO_LLM_WORD_S": "0.03",
     }
     # Its own process group: on a timeout the script's worker child is killed with it.
     proc = await asyncio.create_subprocess_exec(
@@ -243,7 +246,15 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
     forget_tasks.extend((qname, task_id) for task_id, _, _ in rows)
 
     assert proc.returncode == 0, text
-    assert "summary: 3 published, 3 succeeded, 0 dead-lettered" in text, text
+    # The streamed reply: its worker killed mid-reply, a second run, the text read complete.
+    assert re.search(r"^\$ kill -9 \d+ ", text, flags=re.MULTILINE), text
+    discarded = re.search(
+        r"^\[final\] succeeded after 2 run\(s\); (\d+) words discarded", text, re.M
+    )
+    assert discarded is not None and int(discarded[1]) >= 8, text
+    assert "check: the text read is the stored reply, 53 words, none twice: OK" in text, text
+    assert "summary: 3 published, 3 succeeded, 0 dead-lettered; " in text, text
+    assert "streamed reply through the crash: complete" in text, text
     assert [status for _, status, _ in rows] == ["succeeded"] * 3, text
     assert "worker exited with code 0" in text, text
     # Every task was acked: nothing waits in the queue or its DLQ.

@@ -449,8 +449,8 @@ class TestNoAckBeforeTheResultIsStored:
             returned.append(ctx.task_id)
             return {"n": task.n}
 
-        # Concurrency 1, so prefetch 1: while the worker holds the task, the marker below
-        # waits in the queue, ready.
+        # Concurrency 1: while the worker runs the task it holds one more message of Q (the
+        # NORMAL lane's look-ahead, see "Priorities"); the second marker below waits ready.
         await start_worker(app, concurrency=1)
         task_id = await app.publish(qname, Job(n=5))
         try:
@@ -461,7 +461,8 @@ class TestNoAckBeforeTheResultIsStored:
         await wait_until(lambda: returned == [task_id], 10, "the handler to return")
         # rabbitmqctl's counts are statistics refreshed every few seconds: a reading that
         # shows the marker (published after the handler returned) was taken after that.
-        marker = await app.publish(qname, Job(n=6))
+        await app.publish(qname, Job(n=6))  # taken as the look-ahead, not started
+        marker = await app.publish(qname, Job(n=7))
         seen: list[QueueCounts] = []
 
         async def fresh_reading() -> bool:
@@ -474,7 +475,7 @@ class TestNoAckBeforeTheResultIsStored:
             "a reading that shows the marker ready (when it never comes, the worker took "
             "the marker: it had let go of the task, i.e. acked it)",
         )
-        assert seen[-1].unacked == 1, (
+        assert seen[-1].unacked == 2, (
             f"the broker reports {seen[-1]} after the handler returned, while its result "
             "could not be stored: the task was acked without its result"
         )

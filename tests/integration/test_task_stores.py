@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from tests.conftest import (
     delete_queues,
@@ -39,13 +39,17 @@ class Job(BaseModel):
     n: int = 0
 
 
-@pytest.fixture(params=["redis", "memory"])
+@pytest.fixture(params=["redis", "redis-cluster", "memory"])
 async def store(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[TaskStore]:
-    """Each case runs once per implementation."""
+    """Each case runs once per implementation, and the Redis store once more on a Redis
+    Cluster of the session's own (three primaries: a test's tasks land on all of them)."""
     settings = settings_for("amqp://unused", redis_url, **SHORT_TTLS)
     chosen: TaskStore
     if request.param == "redis":
         chosen = open_store(settings)
+    elif request.param == "redis-cluster":
+        cluster_url = request.getfixturevalue("redis_cluster").url
+        chosen = open_store(settings.model_copy(update={"redis_url": SecretStr(cluster_url)}))
     else:
         chosen = MemoryTaskStore(
             ttl_s=settings.result_ttl_s,

@@ -60,8 +60,18 @@ async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_de
 
     names = await app.declare()
 
+    # Q, its delay queues and DLQ, and (3.x: no quorum priorities) a lane per higher level
+    # with delay queues of its own.
+    lanes = [f"{qname}.lane.high", f"{qname}.lane.urgent"]
     assert sorted(names) == sorted(
-        [qname, f"{qname}.dlq", f"{qname}.retry.200ms", f"{qname}.retry.400ms"]
+        [
+            qname,
+            f"{qname}.dlq",
+            f"{qname}.retry.200ms",
+            f"{qname}.retry.400ms",
+            *lanes,
+            *(f"{lane}.retry.{d}ms" for lane in lanes for d in (200, 400)),
+        ]
     )
     queues = await _queues_named(qname)
     assert set(queues) == set(names)
@@ -102,8 +112,16 @@ async def test_capped_delays_share_one_retry_queue(
     await app.declare()
 
     queues = await _queues_named(qname)
+    lanes = [f"{qname}.lane.high", f"{qname}.lane.urgent"]
     assert sorted(queues) == sorted(
-        [qname, f"{qname}.dlq", f"{qname}.retry.100ms", f"{qname}.retry.200ms"]
+        [
+            qname,
+            f"{qname}.dlq",
+            f"{qname}.retry.100ms",
+            f"{qname}.retry.200ms",
+            *lanes,
+            *(f"{lane}.retry.{d}ms" for lane in lanes for d in (100, 200)),
+        ]
     )
     assert queues[qname]["arguments"]["x-max-length"] == 50
 
@@ -120,12 +138,18 @@ async def test_declare_covers_every_handler_of_the_app(
     names = await app.declare()
 
     assert set(names) == {
-        qname,
-        f"{qname}.dlq",
-        f"{qname}.retry.50ms",
-        other,
-        f"{other}.dlq",
-        f"{other}.retry.50ms",
+        name
+        for q in (qname, other)
+        for name in (
+            q,
+            f"{q}.dlq",
+            f"{q}.retry.50ms",
+            *(
+                f"{q}.lane.{level}{suffix}"
+                for level in ("high", "urgent")
+                for suffix in ("", ".retry.50ms")
+            ),
+        )
     }
     assert set(names) <= set(await asyncio.to_thread(_list_queues))
 

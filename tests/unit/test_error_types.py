@@ -31,6 +31,7 @@ DOCUMENTED = [
     "weclaw_mq.WorkerError",
     "weclaw_mq.WeclawMQError",
     "weclaw_mq.ConfigurationError",
+    "weclaw_mq.InvalidPriorityError",
     "weclaw_mq.PayloadError",
     "weclaw_mq.PayloadTooLargeError",
     "weclaw_mq.PayloadValidationError",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weclaw_mq import ConfigurationError
+from weclaw_mq.broker_version import ServerVersion
 from weclaw_mq.naming import delay_label, dlq_name, retry_queue_name, validate_queue_name
 from weclaw_mq.topology import (
     QueueSpec,
@@ -118,7 +119,8 @@ def test_dlq_holds_messages_forever() -> None:
 
 def test_declarations_list_the_dlq_first_then_the_work_queue_then_each_delay() -> None:
     spec = _spec(retry_delays_ms=(100, 200, 5_000))
-    decls = queue_declarations(spec)
+    # 4.3 has native priorities: no lanes, today's topology exactly.
+    decls = queue_declarations(spec, ServerVersion(4, 3, 0))
     assert [name for name, _ in decls] == [
         "work.dlq",
         "work",
@@ -127,13 +129,46 @@ def test_declarations_list_the_dlq_first_then_the_work_queue_then_each_delay() -
         "work.retry.5s",
     ]
     by_name = dict(decls)
-    assert by_name["work.dlq"] == dlq_arguments()
+    assert by_name["work.dlq"] == dlq_arguments(ServerVersion(4, 3, 0))
     assert by_name["work"] == work_queue_arguments(spec)
     assert by_name["work.retry.5s"] == retry_queue_arguments(spec, 5_000)
 
 
 def test_declarations_without_retries_are_just_the_dlq_and_the_work_queue() -> None:
-    assert [n for n, _ in queue_declarations(_spec(retry_delays_ms=()))] == ["work.dlq", "work"]
+    assert [n for n, _ in queue_declarations(_spec(retry_delays_ms=()), ServerVersion(4, 3))] == [
+        "work.dlq",
+        "work",
+    ]
+
+
+def test_on_a_lane_plan_each_lane_is_declared_like_q_with_delay_queues_back_to_itself() -> None:
+    spec = _spec(retry_delays_ms=(100,))
+    decls = dict(queue_declarations(spec, ServerVersion(3, 10, 8)))
+    assert list(decls) == [
+        "work.dlq",
+        "work",
+        "work.retry.100ms",
+        "work.lane.high",
+        "work.lane.high.retry.100ms",
+        "work.lane.urgent",
+        "work.lane.urgent.retry.100ms",
+    ]
+    # Q is unchanged (no upgrade conflict); every lane dead-letters to the one Q.dlq.
+    assert decls["work"] == work_queue_arguments(spec)
+    assert decls["work.lane.urgent"] == decls["work"]
+    assert decls["work.lane.high.retry.100ms"]["x-dead-letter-routing-key"] == "work.lane.high"
+    assert decls["work.retry.100ms"] == retry_queue_arguments(spec, 100)
+
+
+def test_a_classic_handler_queue_has_native_priorities_and_no_quorum_only_arguments() -> None:
+    spec = _spec(retry_delays_ms=(100,), queue_type="classic")
+    decls = dict(queue_declarations(spec, ServerVersion(3, 10, 8)))
+    assert list(decls) == ["work.dlq", "work", "work.retry.100ms"]
+    assert decls["work"]["x-queue-type"] == "classic"
+    assert decls["work"]["x-max-priority"] == 2
+    assert "x-delivery-limit" not in decls["work"]
+    assert "x-dead-letter-strategy" not in decls["work"]
+    assert decls["work"]["x-dead-letter-routing-key"] == "work.dlq"
 
 
 def test_declaration_arguments_are_fresh_dicts_each_call() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +21,9 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
+from .. import headers as h
 from ..app import App
+from ..broker_version import parse_server_version
 from ..errors import (
     BrokerUnavailableError,
     ConfigurationError,
@@ -33,6 +35,7 @@ from ..errors import (
 )
 from ..lifetime import as_datetime, deadline_ms, now_ms
 from ..naming import dlq_name
+from ..priority import priority_from_header, route
 from ..state import TaskState, TaskStatus, TaskStore
 from ..undecodable import tolerant_properties, undecodable
 from .dlq_message import (
@@ -359,7 +362,7 @@ async def requeue(
                 if wanted is not None and task_id not in wanted:
                     await dlq.keep(message)
                     continue
-                await _move_back(message, dlq, statuses, queue)
+                await _move_back(message, dlq, statuses, queue, app.queue_type_of(queue))
                 moved += 1
             if wanted is not None:
                 await dlq.keep_the_rest()  # the pass ends with the others in their order
@@ -378,16 +381,22 @@ async def requeue(
 
 
 async def _move_back(
-    message: DeliveredMessage, dlq: _Pass, statuses: _QueuedStatus, queue: str
+    message: DeliveredMessage, dlq: _Pass, statuses: _QueuedStatus, queue: str, queue_type: str
 ) -> None:
+    properties = message.header.properties
+    # Back to the lane its priority header names (the AMQP priority property, on a native
+    # plan, is kept by requeued_properties).
+    headers = properties.headers if isinstance(properties.headers, Mapping) else {}
+    version = parse_server_version(dlq.channel.connection.server_properties.get("version"))
+    target, _ = route(queue, priority_from_header(headers.get(h.PRIORITY)), version, queue_type)
     # "queued" is written BEFORE the copy exists: a worker's running/succeeded/dead_lettered
     # record then always lands after it, and a waiter never sees a stale final state.
-    copy = requeued_properties(message.header.properties, at_ms=now_ms())
+    copy = requeued_properties(properties, at_ms=now_ms())
     before = await statuses.mark(
         copy.message_id or "", as_datetime(deadline_ms(copy.headers or {}))
     )
     try:
-        await dlq.publish(queue, message.body, copy)
+        await dlq.publish(target, message.body, copy)
     except WeclawMQError:
         await statuses.restore(before)
         raise  # the DLQ copy stays unacked and returns to the DLQ

@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from ..errors import BrokerUnavailableError
 from ..publishing.connection import BrokerEndpoints
-from ..settings import Settings, redact_url
+from ..settings import Settings
 
 PING_TIMEOUT_S = 5.0
 
@@ -31,17 +29,19 @@ async def check_broker(settings: Settings) -> PartHealth:
 
 
 async def check_redis(settings: Settings) -> PartHealth:
-    url = settings.redis_url_plain()
-    client = aioredis.Redis.from_url(url, socket_connect_timeout=PING_TIMEOUT_S)
+    # Imported here: a health check of the broker alone needs no Redis client.
+    from ..state.redis_clients import open_client
+
+    shown = settings.redis_url_redacted()
+    # The store's own client (one Redis, a cluster or a Sentinel's primary), with short waits.
+    client = open_client(settings.model_copy(update={"redis_timeout_s": PING_TIMEOUT_S}))
     try:
         await asyncio.wait_for(client.ping(), PING_TIMEOUT_S)
     except Exception as e:  # any failure to answer means the same thing here
-        return PartHealth(
-            "redis", False, f"cannot reach Redis at {redact_url(url)}: {type(e).__name__}: {e}"
-        )
+        return PartHealth("redis", False, f"cannot reach Redis at {shown}: {type(e).__name__}: {e}")
     finally:
         await client.aclose()
-    return PartHealth("redis", True, redact_url(url))
+    return PartHealth("redis", True, shown)
 
 
 async def check_all(settings: Settings) -> list[PartHealth]:

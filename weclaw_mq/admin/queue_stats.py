@@ -1,4 +1,5 @@
-"""Queue depths: ready messages and consumers of a handler queue, its delay queues and DLQ."""
+"""Queue depths: ready messages and consumers of a handler queue, its priority lanes, their
+delay queues and the DLQ."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ from dataclasses import dataclass
 
 from ..app import App
 from ..naming import dlq_name, retry_queue_name
+from ..priority import Priority, route
+from ..publishing.connection import server_version
 from .dlq import connected, ready_count
 
 
 @dataclass(frozen=True)
 class QueueCount:
     name: str
-    role: str  # "work", "retry" or "dlq"
+    role: str  # "work", "lane", "retry" or "dlq"
     exists: bool
     messages: int | None  # ready only: messages a consumer holds unacked are not counted
     consumers: int | None
@@ -25,10 +28,13 @@ class QueueStats:
     work: QueueCount
     retries: tuple[QueueCount, ...]
     dlq: QueueCount
+    # The HIGH and URGENT lanes (none where the broker has native priorities); their delay
+    # queues are in ``retries``, after Q's.
+    lanes: tuple[QueueCount, ...] = ()
 
     @property
     def all(self) -> tuple[QueueCount, ...]:
-        return (self.work, *self.retries, self.dlq)
+        return (self.work, *self.lanes, *self.retries, self.dlq)
 
 
 async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) -> QueueStats:
@@ -42,12 +48,21 @@ async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) ->
                 return QueueCount(name, role, exists=False, messages=None, consumers=None)
             return QueueCount(name, role, exists=True, messages=counts[0], consumers=counts[1])
 
+        version = server_version(conn)
+        lane_names = [
+            route(queue, level, version, app.queue_type_of(queue))[0]
+            for level in (Priority.HIGH, Priority.URGENT)
+        ]
+        lane_names = [name for name in lane_names if name != queue]
         work = await count(queue, "work")
+        lanes = [await count(name, "lane") for name in lane_names]
         retries = [
-            await count(retry_queue_name(queue, d), "retry") for d in dict.fromkeys(retry_delays_ms)
+            await count(retry_queue_name(lane, d), "retry")
+            for lane in (queue, *lane_names)
+            for d in dict.fromkeys(retry_delays_ms)
         ]
         dlq = await count(dlq_name(queue), "dlq")
-    return QueueStats(queue, work, tuple(retries), dlq)
+    return QueueStats(queue, work, tuple(retries), dlq, tuple(lanes))
 
 
 def handler_retry_delays_ms(app: App, queue: str) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aio_pika.message import Message
 
+from ..broker_version import ServerVersion
 from ..errors import (
     BrokerUnavailableError,
     ConfirmTimeoutError,
@@ -29,6 +30,7 @@ from .connection import (
     BrokerEndpoints,
     cancelled_by_caller,
     is_alive,
+    server_version,
 )
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,12 @@ class Publisher:
                 f"no channel to RabbitMQ within {timeout_s} s ({type(e).__name__}); "
                 "nothing was sent"
             ) from e
+
+    async def server_version(self) -> ServerVersion | None:
+        """The version the broker announced (connecting first, like ``connect``): where a
+        priority goes depends on it (``priority.plan_priorities``)."""
+        await self.connect()
+        return server_version(self._connection) if self._connection is not None else None
 
     async def _ready_channel(self) -> AbstractChannel:
         channel = self._channel

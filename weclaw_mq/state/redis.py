@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from ..errors import ResultTimeoutError, StateUnavailableError
@@ -27,12 +26,17 @@ from ..naming import done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
 from .expiry import record_ttl_s
 from .protocol import Claim, TaskState
+from .redis_clients import StateClient, is_cluster
+from .redis_clients import open_client as open_client  # its former home: still importable here
 
 log = logging.getLogger("weclaw_mq.state")
 
 # The guard key's value: "done", or "running:<owner>" while an attempt holds it.
 DONE = "done"
 _RUNNING = "running:"
+
+# (The ``type: ignore[arg-type]`` on scripts called in a pipeline: redis-py's AsyncScript
+# annotation omits the cluster pipeline, which it runs like any client.)
 
 # Redis failing or not answering, as redis-py raises it (its errors, and socket errors that
 # escape it): the store turns each into StateUnavailableError.
@@ -161,19 +165,6 @@ return 0
 _RECHECK_S = 2.0
 
 
-def open_client(settings: Settings) -> aioredis.Redis:
-    # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us per
-    # command (measured). The worker sizes its concurrency to fit this pool.
-    pool = aioredis.ConnectionPool.from_url(
-        settings.redis_url_plain(),
-        max_connections=settings.redis_max_connections,
-        socket_connect_timeout=settings.redis_timeout_s,
-        socket_timeout=settings.redis_timeout_s,
-        health_check_interval=30,
-    )
-    return aioredis.Redis(connection_pool=pool)
-
-
 class RedisTaskStore:
     """``TaskStore`` on Redis; its failures surface as ``StateUnavailableError``.
 
@@ -182,7 +173,7 @@ class RedisTaskStore:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: StateClient,
         *,
         ttl_s: float,
         lease_s: float,
@@ -191,6 +182,7 @@ class RedisTaskStore:
     ) -> None:
         self._redis = client
         self._owns_client = owns_client
+        self._cluster = is_cluster(client)
         self._ttl_ms = int(ttl_s * 1000)
         self.lease_s = lease_s
         self._lease_ms = int(lease_s * 1000)
@@ -245,7 +237,11 @@ class RedisTaskStore:
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for key, value in held:
-                        await self._extend(keys=[key], args=[value, self._lease_ms], client=pipe)
+                        await self._extend(
+                            keys=[key],
+                            args=[value, self._lease_ms],
+                            client=pipe,  # type: ignore[arg-type]
+                        )
                     renewed = await pipe.execute()
             except Exception as e:  # a Redis blip must not kill the handlers
                 log.warning("could not renew %d lease(s) (%s: %s)", len(held), type(e).__name__, e)
@@ -315,8 +311,9 @@ class RedisTaskStore:
             raise state_unavailable(e) from e
 
     async def _record_many(self, states: Sequence[TaskState], only_if_new: bool) -> None:
-        if only_if_new and not any(st.status.terminal for st in states):
-            # The publish_many case: one script call for the whole batch, not one per task.
+        if only_if_new and not any(st.status.terminal for st in states) and not self._cluster:
+            # The publish_many case: one script call for the whole batch, not one per task
+            # (not on a cluster: the tasks' keys are in different slots).
             keys: list[str] = []
             # One TTL for the batch: the longest any of its records needs.
             args: list[Any] = [max(self._record_ttl_ms(st) for st in states)]
@@ -330,7 +327,7 @@ class RedisTaskStore:
                 await self._record(
                     keys=self._record_keys(state),
                     args=self._record_args(state, only_if_new),
-                    client=pipe,
+                    client=pipe,  # type: ignore[arg-type]
                 )
             await pipe.execute()
 

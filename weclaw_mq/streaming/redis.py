@@ -16,11 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from ..naming import inbox_key, inbox_trace_key, stream_key
 from ..settings import Settings
 from ..state.redis import REDIS_FAILURES, open_client, state_unavailable
+from ..state.redis_clients import StateClient
 from .events import Entry, StreamEvent, decode, next_id
 
 # Reads at most this many entries per round trip; a reader behind by more reads again.
@@ -126,7 +125,7 @@ class RedisStreamStore:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: StateClient,
         *,
         ttl_s: float,
         inbox_ttl_s: float,
@@ -163,7 +162,7 @@ class RedisStreamStore:
                     await self._deliver(
                         keys=[inbox_key(session_id), inbox_trace_key(session_id)],
                         args=self._deliver_args(entries),
-                        client=pipe,
+                        client=pipe,  # type: ignore[arg-type]  # (a cluster pipeline too)
                     )
                 await pipe.execute()
         except REDIS_FAILURES as e:

@@ -2,6 +2,8 @@
 
 ``--concurrency N`` sets prefetch = N per handler queue and so at most N handlers in flight
 per queue: a worker never holds a message it is not processing (prefetch=1, generalised).
+A handler with priority lanes (``priority.plan_priorities``) is consumed by ``lanes``
+instead: at most N in flight, and at most N + one message per lane held.
 
 Every bound of a stop is here: in-flight handlers get ``shutdown_grace_s``, then are cancelled
 and get ``DRAIN_CANCEL_S`` to give their messages back; a handler that ignores even that is
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -27,14 +30,17 @@ from aio_pika.abc import (
 )
 
 from ..app import App
+from ..broker_version import ServerVersion
 from ..errors import ConfigurationError
 from ..failures import describe
 from ..handler import HandlerSpec
+from ..priority import plan_priorities
 from ..publishing.connection import (
     CLOSE_TIMEOUT_S,
     LINK_ERRORS,
     backoff_s,
     cancelled_by_caller,
+    server_version,
     when_lost,
 )
 from ..publishing.producer import Publisher
@@ -43,6 +49,7 @@ from ..topology import declare
 from ..undecodable import tolerant_properties
 from .deadlines import Deadlines
 from .delivery import Runtime, process
+from .lanes import LaneScheduler
 from .settle import Settler
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -163,13 +170,27 @@ class Worker:
         await declare(declare_channel, [s.queue_spec() for s in self.specs])
         await declare_channel.close()
 
+        version = server_version(conn)
+        laned = [s for s in self.specs if plan_priorities(version, s.queue_type).mode == "lanes"]
+        single = [s for s in self.specs if s not in laned]
         channel = await conn.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.concurrency)
+        # Lane consumers hold one message each (worker.lanes): their own channel, prefetch 1.
+        lane_channel = channel
+        if laned:
+            lane_channel = await conn.channel(publisher_confirms=False)
+            await lane_channel.set_qos(prefetch_count=1)
+        schedulers: list[LaneScheduler] = []
         publisher = Publisher(self.app.broker, self.app.metrics, name=self._name, connection=conn)
         runtime = Runtime(
             app=self.app,
             settings=self.settings,
-            settler=Settler(publisher, self._deadlines, self.app.metrics),
+            settler=Settler(
+                publisher,
+                self._deadlines,
+                self.app.metrics,
+                before_settle=functools.partial(_release, schedulers) if laned else None,
+            ),
             deadlines=self._deadlines,
             metrics=self.app.metrics,
             store=self.app.store,
@@ -180,15 +201,20 @@ class Worker:
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel
         # stays open and nothing else would tell us that no more deliveries come.
         cancelled: asyncio.Queue[str] = asyncio.Queue()
-        underlay = await channel.get_underlay_channel()
-        underlay.on_consumer_cancel_callbacks.add(
-            lambda frame: cancelled.put_nowait(frame.consumer_tag or "")
-        )
+        for ch in {channel, lane_channel}:
+            underlay = await ch.get_underlay_channel()
+            underlay.on_consumer_cancel_callbacks.add(
+                lambda frame: cancelled.put_nowait(frame.consumer_tag or "")
+            )
         consumers: dict[str, tuple[HandlerSpec, AbstractQueue]] = {}
-        for spec in self.specs:
+        for spec in single:
             queue = await channel.get_queue(spec.queue, ensure=False)
             tag = await queue.consume(self._dispatcher(spec, runtime))
             consumers[tag] = (spec, queue)
+        for spec in laned:
+            scheduler = self._lane_scheduler(conn, lane_channel, spec, runtime, version)
+            schedulers.append(scheduler)
+            await scheduler.start()
         log.info(
             "consuming %s with concurrency %d",
             ", ".join(s.queue for s in self.specs),
@@ -197,7 +223,9 @@ class Worker:
         self.ready.set()
 
         stop = asyncio.ensure_future(self._stop.wait())
-        lost = asyncio.ensure_future(_first(when_lost(conn), channel.closed()))
+        lost = asyncio.ensure_future(
+            _first(when_lost(conn), channel.closed(), lane_channel.closed())
+        )
         try:
             while not (stop.done() or lost.done()):
                 next_cancel = asyncio.ensure_future(cancelled.get())
@@ -209,10 +237,14 @@ class Worker:
                     next_cancel.cancel()
                 if next_cancel.done() and not next_cancel.cancelled():
                     tag = next_cancel.result()
-                    if tag in consumers and not (stop.done() or lost.done()):
+                    if stop.done() or lost.done():
+                        continue
+                    if tag in consumers:
                         spec, _ = consumers.pop(tag)
                         queue, tag = await self._consume_again(conn, channel, spec, runtime)
                         consumers[tag] = (spec, queue)
+                    for scheduler in schedulers:
+                        await scheduler.broker_cancelled(tag)
         finally:
             stop.cancel()
             lost.cancel()
@@ -223,6 +255,39 @@ class Worker:
         for tag, (_, queue) in consumers.items():
             with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
                 await asyncio.wait_for(queue.cancel(tag), CLOSE_TIMEOUT_S)
+        for scheduler in schedulers:
+            await scheduler.stop()
+
+    def _lane_scheduler(
+        self,
+        conn: AbstractConnection,
+        channel: AbstractChannel,
+        spec: HandlerSpec,
+        runtime: Runtime,
+        version: ServerVersion | None,
+    ) -> LaneScheduler:
+        async def give_back(message: AbstractIncomingMessage, why: str) -> None:
+            await runtime.settler.give_back(message, queue=spec.queue, why=why, level=logging.INFO)
+
+        def start(message: AbstractIncomingMessage) -> asyncio.Task[None]:
+            return self._track(
+                spec.queue, _settled(message, spec, runtime, process(message, spec, runtime))
+            )
+
+        async def redeclare() -> None:
+            declaring = await conn.channel()
+            await declare(declaring, [spec.queue_spec()])
+            await declaring.close()
+
+        return LaneScheduler(
+            channel,
+            spec.queue_spec().lane_queues(version),
+            concurrency=self.concurrency,
+            starvation_limit=self.settings.priority_starvation_limit,
+            start=start,
+            give_back=give_back,
+            redeclare=redeclare,
+        )
 
     async def _consume_again(
         self,
@@ -271,11 +336,12 @@ class Worker:
 
         return on_message
 
-    def _track(self, queue: str, work: Coroutine[Any, Any, None]) -> None:
+    def _track(self, queue: str, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)
         in_flight = self._in_flight[queue]
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)
+        return task
 
     def _take_over(
         self,
@@ -378,6 +444,14 @@ async def _give_back(
     if message.processed:
         return  # settled before the error: nothing is held
     await rt.settler.give_back(message, queue=spec.queue, why=f"task {message.message_id}: {why}")
+
+
+async def _release(schedulers: list[LaneScheduler], message: AbstractIncomingMessage) -> None:
+    """Before a settle: the lane scheduler whose consumer delivered ``message`` frees its slot."""
+    for scheduler in schedulers:
+        if scheduler.owns(message):
+            await scheduler.release(message)
+            return
 
 
 async def _close(conn: AbstractConnection) -> None:

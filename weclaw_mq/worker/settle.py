@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..errors import WeclawMQError
 from ..failures import describe, error_class, error_type, safe_text, traceback_text
 from ..message import Delivery, build_message
 from ..metrics import Metrics, Outcome
-from ..naming import dlq_name, retry_queue_name
+from ..naming import dlq_name, retry_queue_name, source_lane
 from ..publishing.connection import cancelled_by_caller
 from ..publishing.producer import Publisher
 from .deadlines import Deadlines
@@ -78,6 +79,12 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     return out
 
 
+def _delay_queue(message: AbstractIncomingMessage, queue: str, delay_ms: int) -> str:
+    """The delay queue of the lane the message came from: it dead-letters back to that lane,
+    so a retried or deferred task keeps its priority."""
+    return retry_queue_name(source_lane(message.routing_key, queue), delay_ms)
+
+
 # An ack or nack is one frame handed to the connection's writer. After the writer died,
 # aiormq's basic_ack waits forever; past this the connection is taken for dead.
 SETTLE_TIMEOUT_S = 5.0
@@ -87,10 +94,20 @@ class Settler:
     """Ends deliveries for one worker session: its publisher for moves, its deadlines, and the
     metrics its outcomes are counted in. Each method ends one delivery of ``queue``."""
 
-    def __init__(self, publisher: Publisher, deadlines: Deadlines, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        publisher: Publisher,
+        deadlines: Deadlines,
+        metrics: Metrics,
+        *,
+        before_settle: Callable[[AbstractIncomingMessage], Awaitable[None]] | None = None,
+    ) -> None:
         self.publisher = publisher
         self.deadlines = deadlines
         self.metrics = metrics
+        # Called once the outcome is decided, before the ack/nack frame: priority lanes hand
+        # the slot on and may cancel the message's consumer first (worker.lanes).
+        self.before_settle = before_settle
 
     def _ended(self, queue: str, outcome: Outcome, text: str, *, level: int | None = None) -> None:
         """The outcome event: called exactly once per settled delivery, by every end below."""
@@ -151,7 +168,7 @@ class Settler:
     ) -> bool:
         headers = failure_headers(delivery, queue, error)
         headers[h.ATTEMPT] = delivery.attempt + 1
-        target = retry_queue_name(queue, delay_ms)
+        target = _delay_queue(message, queue, delay_ms)
         if not await self._move(message, delivery, target, headers, queue=queue):
             return False
         self._ended(
@@ -174,7 +191,7 @@ class Settler:
         why: str,
     ) -> bool:
         """Park the task in a delay queue without counting an attempt: it did not fail."""
-        target = retry_queue_name(queue, delay_ms)
+        target = _delay_queue(message, queue, delay_ms)
         if not await self._move(message, delivery, target, carried_headers(delivery), queue=queue):
             return False
         self._ended(
@@ -215,6 +232,9 @@ class Settler:
         copy = build_message(
             delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
         )
+        # A native priority travels in the property (the header x-weclaw-priority is in
+        # ``headers``): the copy is served at the same level when it comes back.
+        copy.priority = message.priority
         try:
             await self.publisher.publish(target, copy)
         except Exception as e:
@@ -235,6 +255,11 @@ class Settler:
 
     async def _settle(self, message: AbstractIncomingMessage, *, requeue: bool | None) -> bool:
         what = "ack" if requeue is None else ("nack" if requeue else "reject")
+        if self.before_settle is not None:
+            try:
+                await self.before_settle(message)
+            except Exception as e:  # the settle below matters more than the hand-over
+                log.warning("releasing the lane slot failed (%s)", describe(e))
         try:
             with self.deadlines.within(SETTLE_TIMEOUT_S):
                 if requeue is None:

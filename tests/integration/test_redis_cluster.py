@@ -1,0 +1,193 @@
+"""The Redis store on a Redis Cluster of the session's own (three primaries), beyond the core
+cases ``test_task_stores.py`` runs on it: what differs on a cluster is that a task's keys
+live on one node of several, so a pipeline spans nodes and a waiter may subscribe on a node
+other than the one whose script publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import settings_for
+from tests.private_servers import PrivateRedisCluster
+from weclaw_mq.admin.health import check_redis
+from weclaw_mq.naming import done_channel, guard_key
+from weclaw_mq.state import Claim, TaskState, TaskStatus, open_store
+from weclaw_mq.state.redis import RedisTaskStore
+from weclaw_mq.state.redis_clients import open_client
+from weclaw_mq.streaming.events import attempt_entry, chunk_entry, encode_data, final_entry
+from weclaw_mq.streaming.redis import open_redis_streams
+
+QUEUE = "cluster-q"
+LEASE_S = 0.6
+
+
+def _store(url: str, **overrides: float) -> RedisTaskStore:
+    settings = settings_for("amqp://unused", url, result_ttl_s=120, done_ttl_s=120, **overrides)
+    store = open_store(settings)
+    assert isinstance(store, RedisTaskStore)
+    return store
+
+
+@pytest.fixture
+async def store(redis_cluster: PrivateRedisCluster) -> AsyncIterator[RedisTaskStore]:
+    store = _store(redis_cluster.url, guard_lease_s=LEASE_S)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def _ids_on_every_node(cluster: PrivateRedisCluster, per_node: int) -> list[str]:
+    """Task ids whose keys fall on each primary ``per_node`` times (slots as redis-cli made
+    them: three even ranges, read back from the cluster itself)."""
+    client = cluster.nodes[0].client()
+    try:
+        ranges = [(int(r[0]), int(r[1])) for r in client.execute_command("CLUSTER", "SLOTS")]
+        chosen: dict[int, list[str]] = {n: [] for n in range(len(ranges))}
+        while any(len(v) < per_node for v in chosen.values()):
+            task_id = str(uuid.uuid4())
+            slot = int(client.cluster("keyslot", guard_key(QUEUE, task_id)))
+            node = next(n for n, (lo, hi) in enumerate(ranges) if lo <= slot <= hi)
+            if len(chosen[node]) < per_node:
+                chosen[node].append(task_id)
+    finally:
+        client.close()
+    return [t for ids in chosen.values() for t in ids]
+
+
+async def test_a_result_wakes_its_waiter_and_subscribers_on_every_node(
+    redis_cluster: PrivateRedisCluster, store: RedisTaskStore
+) -> None:
+    task_id = str(uuid.uuid4())
+    # Classic pub/sub on a cluster: a PUBLISH on the node that runs the finish script reaches
+    # subscribers on every node (the store's waiter subscribes on the slot's own node).
+    listeners = [
+        aioredis.Redis(host="127.0.0.1", port=node.port, socket_timeout=5)
+        for node in redis_cluster.nodes
+    ]
+    subs = [client.pubsub() for client in listeners]
+    try:
+        for sub in subs:
+            await sub.subscribe(done_channel(task_id))
+            assert (await sub.get_message(timeout=5))["type"] == "subscribe"
+        waiter = asyncio.create_task(store.wait(task_id, 10))
+        # The waiter subscribed and read "no record yet" once: it now waits for a message.
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        finished = time.perf_counter()
+        await store.finish(
+            QUEUE, task_id, TaskState(task_id=task_id, queue=QUEUE, status=TaskStatus.SUCCEEDED)
+        )
+        state = await asyncio.wait_for(waiter, 10)
+        woken_s = time.perf_counter() - finished
+        assert state.status is TaskStatus.SUCCEEDED
+        # Well under the 2 s re-read a waiter does without a message: the message woke it.
+        assert woken_s < 1.0, f"waiter woke {woken_s:.2f} s after the finish"
+        for node, sub in zip(redis_cluster.nodes, subs, strict=True):
+            message = await sub.get_message(ignore_subscribe_messages=True, timeout=5)
+            assert message is not None, f"no wake-up reached the subscriber on {node.address}"
+            assert message["data"] == QUEUE.encode()
+    finally:
+        for sub, client in zip(subs, listeners, strict=True):
+            await sub.aclose()  # type: ignore[no-untyped-call]
+            await client.aclose()
+
+
+async def test_leases_held_on_every_node_are_renewed_by_the_pipelined_renewal(
+    redis_cluster: PrivateRedisCluster, store: RedisTaskStore
+) -> None:
+    # The renewal is one pipeline of a script call per held lease, across the nodes; redis-py
+    # refuses EVALSHA in a cluster pipeline, so without the client's EVAL of the script's
+    # text every renewal failed and the leases lapsed.
+    ids = _ids_on_every_node(redis_cluster, per_node=4)
+    for task_id in ids:
+        assert await store.claim(QUEUE, task_id, "first") is Claim.ACQUIRED
+    with contextlib.ExitStack() as stack:
+        for task_id in ids:
+            stack.enter_context(store.holding(QUEUE, task_id, "first"))
+        # Three lease periods: a lease that was not renewed has lapsed by then.
+        await asyncio.sleep(3 * LEASE_S)
+        answers = [await store.claim(QUEUE, task_id, "second") for task_id in ids]
+    assert answers == [Claim.BUSY] * len(ids)
+
+
+async def test_scripts_queued_on_a_cluster_pipeline_run_on_their_nodes_awaited_or_not(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    # AsyncScript awaits what a pipeline's evalsha returns (which re-initialised, i.e.
+    # emptied, redis-py's cluster pipeline); an auto-pipeliner queues it without awaiting.
+    client = open_client(settings_for("amqp://unused", redis_cluster.url))
+    script = client.register_script("return redis.call('SET', KEYS[1], ARGV[1], 'PX', 60000)")
+    keys = [f"weclaw-test:pipeline:{{{t}}}" for t in _ids_on_every_node(redis_cluster, 2)]
+    try:
+        async with client.pipeline(transaction=False) as pipe:
+            for n, key in enumerate(keys):
+                if n % 2:
+                    await script(keys=[key], args=[str(n)], client=pipe)  # type: ignore[arg-type]
+                else:
+                    pipe.evalsha(script.sha, 1, key, str(n))
+            answers = await pipe.execute()
+        assert answers == [b"OK"] * len(keys)
+        assert [await client.get(k) for k in keys] == [str(n).encode() for n in range(len(keys))]
+    finally:
+        await client.delete(*keys)
+        await client.aclose()
+
+
+async def test_records_of_new_tasks_on_every_node_are_written_and_never_overwrite(
+    redis_cluster: PrivateRedisCluster, store: RedisTaskStore
+) -> None:
+    # publish_many's path: one call for the batch, whose tasks hash to different nodes.
+    ids = _ids_on_every_node(redis_cluster, per_node=3)
+    running = TaskState(task_id=ids[0], queue=QUEUE, status=TaskStatus.RUNNING)
+    assert await store.record(running)
+    queued = [TaskState(task_id=t, queue=QUEUE, status=TaskStatus.QUEUED) for t in ids]
+    await store.record_many(queued, only_if_new=True)
+    found = [await store.get(t) for t in ids]
+    statuses = [s.status if s is not None else None for s in found]
+    assert statuses == [TaskStatus.RUNNING] + [TaskStatus.QUEUED] * (len(ids) - 1)
+
+
+async def test_the_health_check_reaches_the_cluster_and_never_shows_a_password(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    ok = await check_redis(settings_for("amqp://unused", redis_cluster.url))
+    assert ok.ok, ok.detail
+    assert ok.detail == redis_cluster.url
+    secret = "s3cret-pw"
+    # Port 1: nothing listens there.
+    down = await check_redis(
+        settings_for("amqp://unused", f"redis+cluster://:{secret}@127.0.0.1:1")
+    )
+    assert not down.ok
+    assert secret not in down.detail, down.detail
+    assert "redis+cluster://:***@127.0.0.1:1" in down.detail, down.detail
+
+
+async def test_the_stream_store_writes_a_task_stream_and_a_session_inbox_on_two_nodes(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    # One write puts a task's events in its stream and in its session's inbox, one pipeline
+    # over the two keys' nodes (their hash tags differ: {task id}, {session id}).
+    on_node = _ids_on_every_node(redis_cluster, per_node=1)
+    task_id, session_id = on_node[0], on_node[-1]
+    streams = open_redis_streams(settings_for("amqp://unused", redis_cluster.url))
+    try:
+        entries = [attempt_entry(task_id, 1), chunk_entry(task_id, 1, encode_data("hi"))]
+        await streams.write(task_id, entries, session_id=session_id)
+        final = TaskState(task_id=task_id, queue=QUEUE, status=TaskStatus.SUCCEEDED, result=1)
+        await streams.end(task_id, final_entry(final))
+        kinds = [e.kind for e in await streams.read(task_id, "0-0", 0)]
+        assert kinds == ["attempt", "chunk", "final"]
+        inbox = await streams.read_inbox(session_id, "0-0", 0)
+        assert [(e.kind, e.task_id) for e in inbox] == [("attempt", task_id), ("chunk", task_id)]
+    finally:
+        await streams.close()

@@ -1,0 +1,162 @@
+"""The one place a Redis client for task state is made: one Redis, a Redis Cluster or the
+primary a Sentinel set names, as ``settings.redis_url`` says (forms in ``redis_urls.py``).
+
+Every script the store runs touches the keys of one task only, and every key of a task T is
+hash-tagged ``{T}`` (``naming.py``): on a cluster they share one slot, so each script still
+runs whole on one node. Waiters subscribe to T's done channel, which carries the same tag: a
+classic ``PUBLISH`` reaches subscribers on every node of a cluster, and redis-py subscribes on
+the node that serves the channel's slot, the node whose script publishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any, TypeAlias
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, RedisCluster
+from redis.asyncio.sentinel import Sentinel
+from redis.commands.core import AsyncScript
+
+from ..settings import Settings
+
+StateClient: TypeAlias = aioredis.Redis | RedisCluster
+"""What the store talks to: ``RedisCluster`` routes each command to its slot's node."""
+
+# A closed connection is noticed at its next use after this many idle seconds.
+_HEALTH_CHECK_S = 30
+
+
+def open_client(settings: Settings) -> StateClient:
+    """A client for the task state at ``settings.redis_url``, sized by its pool settings."""
+    common: dict[str, Any] = {
+        "socket_connect_timeout": settings.redis_timeout_s,
+        "socket_timeout": settings.redis_timeout_s,
+        "health_check_interval": _HEALTH_CHECK_S,
+    }
+    topology = settings.redis_topology()
+    if topology is None:
+        # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us per
+        # command (measured). The worker sizes its concurrency to fit this pool.
+        pool = aioredis.ConnectionPool.from_url(
+            settings.redis_url_plain(), max_connections=settings.redis_max_connections, **common
+        )
+        return aioredis.Redis(connection_pool=pool)
+    auth: dict[str, Any] = {"username": topology.username, "password": topology.password}
+    if topology.tls:
+        auth["ssl"] = True
+    if topology.kind == "cluster":
+        return _Cluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in topology.nodes],
+            # Per node: a worker's commands spread over the primaries.
+            max_connections=settings.redis_max_connections,
+            **auth,
+            **common,
+        )
+    assert topology.service_name is not None  # parse_topology requires it for Sentinel
+    # The Sentinels are asked only where the primary is; they get the timeouts, not the
+    # primary's password (a protected Sentinel set is not supported yet).
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        topology.nodes,
+        sentinel_kwargs={**common, **({"ssl": True} if topology.tls else {})},
+    )
+    primary: _SentinelPrimary = sentinel.master_for(
+        topology.service_name,
+        redis_class=_SentinelPrimary,
+        db=topology.db,
+        max_connections=settings.redis_max_connections,
+        **auth,
+        **common,
+    )
+    primary.weclaw_sentinels = sentinel
+    return primary
+
+
+def is_cluster(client: StateClient) -> bool:
+    """Whether commands of different tasks may land on different nodes (so one command must
+    not name the keys of two tasks)."""
+    return isinstance(client, RedisCluster)
+
+
+class _SentinelPrimary(aioredis.Redis):
+    """The primary's client; closing it closes the clients of its Sentinels too."""
+
+    weclaw_sentinels: Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.weclaw_sentinels is not None:
+            for client in self.weclaw_sentinels.sentinels:
+                await client.aclose()
+
+
+class _Cluster(RedisCluster):
+    """``RedisCluster`` whose pipelines run a registered script by its text.
+
+    redis-py's cluster pipeline refuses ``EVALSHA`` (and would not load a script a node lacks:
+    a new node, a replica just promoted); the store's lease renewals and record batches are
+    pipelined script calls. ``EVAL`` with the text runs anywhere: Redis caches the compiled
+    script by its hash either way, the cost is the text's bytes on the wire. Calls outside
+    pipelines keep ``EVALSHA`` (redis-py loads the script on every primary at the first
+    NOSCRIPT and retries).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.script_texts: dict[str, Any] = {}
+
+    # redis-py annotates the sync Script for every client; RedisCluster's is AsyncScript.
+    def register_script(self, script: Any) -> AsyncScript:  # type: ignore[override]
+        registered = super().register_script(script)
+        self.script_texts[registered.sha] = registered.script
+        return registered
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
+        if transaction or shard_hint:
+            return super().pipeline(transaction, shard_hint)
+        return _ScriptTextPipeline(self)  # type: ignore[abstract]  # (not abstract at run time)
+
+    def pubsub(
+        self,
+        node: ClusterNode | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        **kwargs: Any,
+    ) -> ClusterPubSub:
+        return _ClusterPubSub(self, node=node, host=host, port=port, **kwargs)
+
+
+class _ClusterPubSub(ClusterPubSub):
+    """redis-py's cluster pub/sub picks the channel's node from the client's slot map, which a
+    client fills at its first command: a ``result()`` before any other command raised
+    KeyError. It fills it first (a no-op once filled)."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        await self.cluster.initialize()
+        return await super().execute_command(*args, **kwargs)
+
+
+class _ScriptTextPipeline(ClusterPipeline):
+    def __init__(self, client: _Cluster) -> None:
+        super().__init__(client)
+        self._script_texts = client.script_texts
+
+    def evalsha(self, sha: Any, numkeys: Any, *keys_and_args: Any) -> Any:
+        text = self._script_texts.get(sha)
+        if text is None:  # not one of ours: redis-py's own refusal
+            return super().evalsha(sha, numkeys, *keys_and_args)
+        self.execute_command("EVAL", text, numkeys, *keys_and_args)
+        return _Queued(self)
+
+
+class _Queued:
+    """What a pipeline's ``evalsha`` returns: the call is queued already, whether or not this
+    is awaited. AsyncScript awaits it; awaiting the cluster pipeline itself would
+    re-initialise it, dropping every command queued so far."""
+
+    def __init__(self, pipe: ClusterPipeline) -> None:
+        self._pipe = pipe
+
+    def __await__(self) -> Generator[Any, None, ClusterPipeline]:
+        yield from ()
+        return self._pipe

@@ -1,0 +1,362 @@
+"""Serving one handler's priority lanes (``Q.lane.urgent``, ``Q.lane.high``, ``Q``): the
+waiting task of the highest lane starts first, and a lower lane is never starved forever.
+
+The bound: a worker holds at most ``concurrency + lanes`` messages of a handler (running ones
+included). Every lane consumer has prefetch 1, so it holds at most one message, and we never
+have more than ``concurrency + lanes`` consumers (opening counted).
+
+Why not one consumer per lane whose prefetch follows the lane's running count: RabbitMQ
+applies ``basic.qos`` (global=false) only to consumers created after it (measured on 3.10.8:
+a consumer at prefetch 1 stayed at 1 after basic.qos 3), and quorum queues refuse global QoS.
+
+Each lane keeps at least one consumer that is not running a task (its look-ahead: armed, or
+holding the lane's waiting task). A consumer whose task ended stays, re-armed by its ack, so
+a busy lane keeps its consumers as one prefetch-C consumer would keep its window, with nothing
+opened or cancelled. Only when a lane has no look-ahead left (its last waiting task started)
+and the cap is reached is a consumer cancelled to make room, in this order: the one whose task
+is ending (cancelled before its ack, so the broker never sends it another), an armed idle one
+of a lane that has another look-ahead, else a surplus waiting task of the lowest such lane is
+given back (only after tasks of one lane waited behind a burst of another).
+
+The slot a task frees goes to the waiting task ``pick`` chooses: the highest lane's, unless a
+lower lane was passed over ``starvation_limit`` times in a row; then its task starts next.
+A lane whose look-ahead was just started (its next task may be one round trip away) makes
+lower lanes wait for it up to ``LOOKAHEAD_GRACE_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection, Sequence
+
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+
+from ..publishing.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
+
+log = logging.getLogger("weclaw_mq.worker")
+
+# After a lane's spare was opened (from its consume-ok) or re-armed (from the ack that frees
+# it), how long lower lanes wait for that lane's next task: a queue with messages delivers one
+# within a round trip, an empty one never does, and we cannot tell them apart sooner. A slot
+# stays free that long only when a higher lane turns out to be empty: at the end of its burst.
+LOOKAHEAD_GRACE_S = 0.02
+CANCELLED_MEMORY_S = 5.0
+
+
+def pick(
+    lanes: Sequence[str],
+    waiting: Sequence[str],
+    skipped: dict[str, int],
+    limit: int,
+    pending: Collection[str] = (),
+) -> str | None:
+    """The lane whose waiting task starts next, updating ``skipped`` (pure: unit-tested).
+
+    ``lanes`` is highest first; ``waiting`` the lanes with a task waiting. The highest
+    waiting lane wins, unless a lower one was passed over ``limit`` times in a row: then the
+    highest such starved lane wins. Each lower waiting lane passed over counts one skip.
+    None (wait) when a lane above the winner is ``pending``: its spare consumer was just
+    opened and its next task may be on the way (a starved lane does not wait).
+    """
+    candidates = [lane for lane in lanes if lane in waiting]
+    if not candidates:
+        return None
+    starved = [lane for lane in candidates if skipped.get(lane, 0) >= limit]
+    choice = starved[0] if starved else candidates[0]
+    rank = lanes.index(choice)
+    if not starved and any(lanes.index(lane) < rank for lane in pending):
+        return None
+    for lane in candidates:
+        if lanes.index(lane) > rank:
+            skipped[lane] = skipped.get(lane, 0) + 1
+    skipped[choice] = 0
+    return choice
+
+
+class LaneScheduler:
+    """The consumers of one handler's lanes on ``channel`` (which has prefetch 1), and the
+    choice of the next task to start when a slot frees."""
+
+    def __init__(
+        self,
+        channel: AbstractChannel,
+        lanes: Sequence[str],
+        *,
+        concurrency: int,
+        starvation_limit: int,
+        start: Callable[[AbstractIncomingMessage], asyncio.Task[None]],
+        give_back: Callable[[AbstractIncomingMessage, str], Awaitable[object]],
+        redeclare: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.channel = channel
+        self.lanes = list(lanes)  # highest first
+        self.concurrency = concurrency
+        self.cap = concurrency + len(self.lanes)
+        self.starvation_limit = starvation_limit
+        self._start = start
+        self._give_back = give_back
+        self._redeclare = redeclare
+        self._queues: dict[str, AbstractQueue] = {}
+        self._lane_of: dict[str, str] = {}  # every live consumer tag -> its lane
+        self._cancelled: set[str] = set()  # cancelled by us: a late delivery goes back
+        self._idle: dict[str, set[str]] = {lane: set() for lane in self.lanes}
+        self._waiting: dict[str, deque[AbstractIncomingMessage]] = {
+            lane: deque() for lane in self.lanes
+        }
+        self._opening: dict[str, int] = dict.fromkeys(self.lanes, 0)
+        # delivery tag -> (consumer tag, lane) of every running task
+        self._running: dict[int, tuple[str, str]] = {}
+        self._skipped: dict[str, int] = dict.fromkeys(self.lanes, 0)
+        self._stopping = False
+        self._background: set[asyncio.Task[None]] = set()
+        # Lanes whose next task may be on its way (see ``pick``'s pending), each with the
+        # mark of its latest expectation (an older timer must not end a newer one).
+        self._pending: dict[str, int] = {}
+        self._marks = 0
+        # The consumer of the task being released, while ``release`` decides about it.
+        self._ending: str | None = None
+        self._cancel_ending = False
+        # Lanes left without any consumer not running a task, waiting for room.
+        self._unserved: set[str] = set()
+
+    # -- what the worker calls ------------------------------------------------------------
+    def owns(self, message: AbstractIncomingMessage) -> bool:
+        """``message`` is a running task of ours (delivery tags are unique per channel)."""
+        return (message.delivery_tag or 0) in self._running
+
+    @property
+    def consumers(self) -> int:
+        """Consumers, opening ones included: never over ``cap``."""
+        return len(self._lane_of) + sum(self._opening.values())
+
+    async def start(self) -> None:
+        for lane in self.lanes:
+            self._queues[lane] = await self.channel.get_queue(lane, ensure=False)
+            self._opening[lane] += 1
+            await self._open(lane)
+
+    async def release(self, message: AbstractIncomingMessage, *, reusable: bool = True) -> None:
+        """A running task of ours is about to settle ``message``: free its slot and start
+        the next task; its consumer stays (re-armed by the ack) unless room is needed, then
+        it is cancelled here, before the ack."""
+        ended = self._running.pop(message.delivery_tag or 0, None)
+        if ended is None or self._stopping:
+            return
+        tag, lane = ended
+        if not (reusable and tag in self._lane_of):  # broker-cancelled, or no ack coming
+            self._drop(tag)
+            self._serve_unserved()
+            self._fill()
+            return
+        self._idle[lane].add(tag)
+        self._ending, self._cancel_ending = tag, False
+        try:
+            self._serve_unserved()
+            self._fill()
+        finally:
+            self._ending = None
+        if self._cancel_ending:
+            await self._cancel(tag, lane)
+
+    async def broker_cancelled(self, tag: str) -> None:
+        """The broker cancelled one of our consumers (its queue was deleted, a leader moved):
+        a running task still settles its message; a lane left without a look-ahead gets a
+        new consumer after a declare."""
+        lane = self._lane_of.pop(tag, None)
+        if lane is None or self._stopping:
+            return
+        self._idle[lane].discard(tag)
+        if self._lookahead(lane):
+            return
+        log.warning("the broker cancelled our consumer of %r; consuming it again", lane)
+        await self._redeclare()
+        self._queues[lane] = await self.channel.get_queue(lane, ensure=False)
+        self._opening[lane] += 1
+        await self._open(lane)
+        log.info("consuming %s again", lane)
+
+    async def stop(self) -> None:
+        """Take no new messages: cancel every consumer, give back the waiting ones."""
+        self._stopping = True
+        if self._background:
+            # Not cancelled: aiormq closes the channel under a cancelled consume RPC, and the
+            # running tasks still need it for their acks.
+            await asyncio.wait(set(self._background), timeout=CLOSE_TIMEOUT_S)
+        for tag, lane in list(self._lane_of.items()):
+            with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
+                await asyncio.wait_for(self._queues[lane].cancel(tag), CLOSE_TIMEOUT_S)
+        for waiting in self._waiting.values():
+            while waiting:
+                await self._give_back(waiting.popleft(), "the worker is stopping")
+
+    # -- inside ---------------------------------------------------------------------------
+    async def _on_message(self, lane: str, message: AbstractIncomingMessage) -> None:
+        tag = message.consumer_tag or ""
+        if self._stopping or tag in self._cancelled:
+            # Stopping, or it reached a consumer we had just cancelled: given back, so
+            # another worker (or our next look-ahead) takes it.
+            why = "the worker is stopping" if self._stopping else "its consumer was cancelled"
+            await self._give_back(message, why)
+            return
+        self._lane_of.setdefault(tag, lane)  # it may come before consume() returned
+        self._idle[lane].discard(tag)
+        self._pending.pop(lane, None)
+        self._waiting[lane].append(message)
+        self._fill()
+
+    def _lookahead(self, lane: str) -> int:
+        """Consumers of ``lane`` that are not running a task."""
+        return len(self._idle[lane]) + len(self._waiting[lane]) + self._opening[lane]
+
+    def _fill(self) -> None:
+        """Start waiting tasks in free slots, highest lane first."""
+        while len(self._running) < self.concurrency and not self._stopping:
+            waiting = [lane for lane in self.lanes if self._waiting[lane]]
+            chosen = pick(self.lanes, waiting, self._skipped, self.starvation_limit, self._pending)
+            if chosen is None:
+                return
+            message = self._waiting[chosen].popleft()
+            tag = message.consumer_tag or ""
+            self._running[message.delivery_tag or 0] = (tag, chosen)
+            task = self._start(message)
+            # Every path through the delivery settles it (and so calls release); this frees
+            # the slot if none did (a lost connection: no ack will re-arm the consumer).
+            task.add_done_callback(functools.partial(self._ended, message))
+            if not self._waiting[chosen]:
+                if self._lookahead(chosen) == 0:
+                    self._renew(chosen)
+                else:
+                    self._expect(chosen, timed=True)
+            if self.consumers < self.cap:
+                # Grow toward the cap in the lane that is busy: prefetch-1 consumers are the
+                # window a single prefetch-C consumer would have (fast handlers need it).
+                self._opening[chosen] += 1
+                self._spawn(self._open(chosen))
+
+    def _renew(self, lane: str) -> None:
+        """``lane`` has no look-ahead left: open a consumer, making room under the cap. With
+        nothing to give up now (the surplus is still being opened), it is retried when a
+        task ends or a consume completes: the cap holds, and no lane is left unconsumed."""
+        if self.consumers >= self.cap and not self._make_room():
+            self._unserved.add(lane)
+            return
+        self._unserved.discard(lane)
+        self._opening[lane] += 1
+        self._expect(lane, timed=False)  # timed from its consume-ok
+        self._spawn(self._open(lane))
+
+    def _serve_unserved(self) -> None:
+        if self._stopping:
+            return
+        for lane in [lane for lane in self.lanes if lane in self._unserved]:
+            if self._lookahead(lane) == 0:
+                self._renew(lane)
+            else:
+                self._unserved.discard(lane)
+
+    def _make_room(self) -> bool:
+        # 1. the consumer of the task being released (cancelled before its ack), if its
+        #    lane keeps another look-ahead
+        if self._ending is not None and not self._cancel_ending:
+            lane = self._lane_of.get(self._ending)
+            if lane is not None and self._ending in self._idle[lane] and self._lookahead(lane) >= 2:
+                self._idle[lane].discard(self._ending)
+                self._cancel_ending = True
+                self._lane_of.pop(self._ending, None)
+                self._cancelled.add(self._ending)
+                return True
+        # 2. an armed idle consumer of a lane that keeps another look-ahead
+        for lane in reversed(self.lanes):
+            if self._idle[lane] and self._lookahead(lane) >= 2:
+                tag = self._idle[lane].pop()
+                self._spawn(self._cancel(tag, lane))
+                self._lane_of.pop(tag, None)
+                self._cancelled.add(tag)
+                return True
+        # 3. a surplus waiting task of the lowest such lane goes back to its queue
+        for lane in reversed(self.lanes):
+            if len(self._waiting[lane]) >= 2:
+                message = self._waiting[lane].pop()
+                tag = message.consumer_tag or ""
+                self._lane_of.pop(tag, None)
+                self._cancelled.add(tag)
+                self._spawn(self._give_back_surplus(message, tag, lane))
+                return True
+        return False
+
+    async def _give_back_surplus(
+        self, message: AbstractIncomingMessage, tag: str, lane: str
+    ) -> None:
+        await self._cancel(tag, lane)
+        await self._give_back(message, "room for a higher lane's look-ahead")
+
+    def _drop(self, tag: str) -> None:
+        """Forget a consumer that will not be re-armed (cancelled in the background)."""
+        lane = self._lane_of.pop(tag, None)
+        if lane is not None:
+            self._idle[lane].discard(tag)
+            self._cancelled.add(tag)
+            self._spawn(self._cancel(tag, lane))
+
+    def _ended(self, message: AbstractIncomingMessage, _: object) -> None:
+        if (message.delivery_tag or 0) in self._running:
+            self._spawn(self.release(message, reusable=False))
+
+    def _expect(self, lane: str, *, timed: bool) -> None:
+        """Lower lanes wait for ``lane``'s next task (timed: for LOOKAHEAD_GRACE_S from now;
+        else until ``_expect`` is called again with timed=True)."""
+        if lane == self.lanes[-1]:
+            return  # nothing below it waits
+        self._marks += 1
+        self._pending[lane] = self._marks
+        if timed:
+            loop = asyncio.get_running_loop()
+            loop.call_later(LOOKAHEAD_GRACE_S, self._grace_over, lane, self._marks)
+
+    def _grace_over(self, lane: str, mark: int) -> None:
+        if self._pending.get(lane) == mark:
+            del self._pending[lane]
+            self._fill()
+
+    async def _open(self, lane: str) -> None:
+        try:
+            if self._stopping:
+                return
+            tag = await self._queues[lane].consume(functools.partial(self._on_message, lane))
+        finally:
+            self._opening[lane] -= 1
+            if lane in self._pending:
+                self._expect(lane, timed=True)
+            self._serve_unserved()
+        if tag in self._cancelled:
+            return
+        self._lane_of[tag] = lane  # also when stopping: stop() cancels every one it knows
+        if self._stopping:
+            return
+        if not any(m.consumer_tag == tag for m in self._waiting[lane]) and not any(
+            t == tag for t, _ in self._running.values()
+        ):
+            self._idle[lane].add(tag)
+
+    async def _cancel(self, tag: str, lane: str) -> None:
+        with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
+            await asyncio.wait_for(self._queues[lane].cancel(tag), CLOSE_TIMEOUT_S)
+        # Deliveries sent before the cancel-ok are behind us by now; the tag is kept a while
+        # longer for one still being dispatched, then forgotten (no growth with time).
+        asyncio.get_running_loop().call_later(CANCELLED_MEMORY_S, self._cancelled.discard, tag)
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background_ended)
+
+    def _background_ended(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            # A consume that failed means the channel is gone: the session ends and the
+            # reconnect consumes every lane afresh.
+            log.warning("lane consumer change failed (%s: %s)", type(e).__name__, e)
