@@ -73,6 +73,7 @@ OUR_HEADERS = [
     h.ORIGINAL_QUEUE,
     h.DEAD_LETTER_REASON,
     h.SESSION_ID,
+    h.PRIORITY,
 ]
 header_tables = st.dictionaries(
     st.one_of(st.sampled_from(OUR_HEADERS), st.text(min_size=1, max_size=20)),

@@ -24,6 +24,7 @@ from weclaw_mq.errors import InvalidPayload, UndecodableBody
 from weclaw_mq.handler import HandlerSpec, build_spec
 from weclaw_mq.header_values import TRACE_ID_MAX_CHARS
 from weclaw_mq.message import read_delivery
+from weclaw_mq.priority import priority_from_header
 from weclaw_mq.retry import RetryPolicy
 from weclaw_mq.state import TaskStatus
 from weclaw_mq.undecodable import raw_properties, tolerant_properties, undecodable
@@ -85,6 +86,7 @@ def test_any_delivery_reads_into_safe_values_and_publishable_copies(
     assert delivery.traceparent is None or delivery.traceparent.isprintable()
     assert delivery.attempt >= 1 and delivery.returns >= 0
     _trace(delivery, SPEC)
+    priority_from_header(delivery.headers.get(h.PRIORITY))  # the lane its retries go back to
     _state(delivery, SPEC, TaskStatus.RUNNING).model_dump_json()  # a record Redis can hold
     # The copy a retry or dead letter publishes encodes (else the task would stay unsettled).
     copy = failure_headers(delivery, "fuzz", RuntimeError("boom"))
