@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority compose-check clean \
+	bench-stream bench-priority bench-limits compose-check clean \
 	distclean services-up services-down services-status soak fuzz
 
 help:
@@ -39,6 +39,7 @@ help:
 	@echo "make bench-notify   what notify=True costs a worker (tasks/s, CPU per task; real broker)"
 	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
+	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -133,6 +134,13 @@ bench-stream: install
 # README's "Priorities"); also run by 'make bench' (benchmarks/run.sh). PRIORITY_ARGS=--smoke.
 bench-priority: install
 	$(BIN)/python -m benchmarks.priority $(PRIORITY_ARGS)
+
+# A per-key limit's cost: the guarded handler alone and with a concurrency limit that never
+# defers (target: >= 0.90x the throughput of guard alone). ~60 s quiet, 2 min loaded.
+# LIMITS_ARGS="--n 2000 --rounds 3 --concurrency 10 100 --variants guard concurrency" are the
+# defaults; add "rate" to --variants for a rate limit too.
+bench-limits: install
+	$(BIN)/python -m benchmarks.limits_cost $(LIMITS_ARGS)
 
 # Not in 'make test' (minutes): a worker's memory over 50,000 tasks, guard and results on, some
 # retried, some dead-lettered (benchmarks/soak.py). SOAK_ARGS="--tasks 50000 --warmup 10000".

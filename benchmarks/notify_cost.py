@@ -22,7 +22,9 @@ import os
 import statistics
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -61,7 +63,17 @@ def _acked(app: App, queue: str) -> float:
 
 async def _run(variant: str, n: int, concurrency: int) -> Run:
     queue = f"bench-notify-{variant}-{uuid.uuid4().hex[:8]}"
-    app = _app(queue, notify=variant == "notify")
+    return await measure(_app(queue, notify=variant == "notify"), queue, n, concurrency)
+
+
+async def measure(
+    app: App, queue: str, n: int, concurrency: int, *, from_ready: bool = False
+) -> Run:
+    """Publish ``n`` tasks to ``app``'s handler on ``queue``, then time an in-process worker
+    of ``concurrency`` until all are acked; the queues and keys are deleted afterwards.
+
+    ``from_ready``: the window opens once the worker consumes (its start, which declares
+    the queues, is left out) and counts the tasks acked from then on."""
     try:
         await app.declare()
         for start in range(0, n, 500):
@@ -69,6 +81,11 @@ async def _run(variant: str, n: int, concurrency: int) -> Run:
         worker = Worker(app, concurrency=concurrency)
         cpu0, t0 = time.process_time(), time.perf_counter()
         running = asyncio.create_task(worker.run())
+        timed = n
+        if from_ready:
+            await _first(running, worker.ready.wait())
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            timed = n - int(_acked(app, queue))
         while _acked(app, queue) < n:
             if running.done():
                 running.result()
@@ -76,10 +93,20 @@ async def _run(variant: str, n: int, concurrency: int) -> Run:
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         worker.stop()
         await asyncio.wait_for(running, 30)
-        return Run(tasks_per_s=n / elapsed, cpu_us_per_task=cpu / n * 1e6)
+        return Run(tasks_per_s=timed / elapsed, cpu_us_per_task=cpu / timed * 1e6)
     finally:
         await app.close()
         await _clean(app, queue)
+
+
+async def _first(running: asyncio.Task[None], ready: Coroutine[Any, Any, object]) -> None:
+    """Until ``ready`` ends, or fail with what ended ``running`` first."""
+    waiting = asyncio.ensure_future(ready)
+    await asyncio.wait({running, waiting}, return_when=asyncio.FIRST_COMPLETED)
+    if not waiting.done():
+        waiting.cancel()
+        running.result()
+        raise RuntimeError("the worker ended before it consumed")
 
 
 async def _clean(app: App, queue: str) -> None:
@@ -97,7 +124,8 @@ async def _clean(app: App, queue: str) -> None:
         await client.aclose()
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
+    """The median and (min-max) of ``values``."""
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
@@ -113,7 +141,7 @@ async def main(n: int, rounds: int, concurrency: int) -> None:
     for variant in VARIANTS:
         rate = [x.tasks_per_s for x in runs[variant]]
         cpu = [x.cpu_us_per_task for x in runs[variant]]
-        print(f"| {variant} | {_spread(rate, ',.0f')} | {_spread(cpu, '.0f')} |")
+        print(f"| {variant} | {spread(rate, ',.0f')} | {spread(cpu, '.0f')} |")
     rate_ratio = [
         a.tasks_per_s / b.tasks_per_s for a, b in zip(runs["notify"], runs["off"], strict=True)
     ]
@@ -121,8 +149,8 @@ async def main(n: int, rounds: int, concurrency: int) -> None:
         a.cpu_us_per_task / b.cpu_us_per_task
         for a, b in zip(runs["notify"], runs["off"], strict=True)
     ]
-    print(f"notify / off, paired per round: tasks/s {_spread(rate_ratio, '.2f')}x, ", end="")
-    print(f"CPU per task {_spread(cpu_ratio, '.2f')}x")
+    print(f"notify / off, paired per round: tasks/s {spread(rate_ratio, '.2f')}x, ", end="")
+    print(f"CPU per task {spread(cpu_ratio, '.2f')}x")
 
 
 if __name__ == "__main__":

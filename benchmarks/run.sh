@@ -5,8 +5,10 @@
 #   benchmarks/run.sh --smoke    tiny counts, one repeat (under a minute once the venv exists)
 #   benchmarks/run.sh --help     every option (--scale, --repeats, --cases, ...)
 #
-# Then the feature benchmarks: benchmarks/stream_cost.py (make bench-stream) and
-# benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke).
+# Then the feature benchmarks: benchmarks/stream_cost.py (make bench-stream),
+# benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke),
+# benchmarks/priority.py (make bench-priority) and benchmarks/limits_cost.py (a per-key limit
+# against none; about 60 s, tiny with --smoke).
 #
 # The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
 # That venv is created on first use and re-installed only when requirements.txt or
@@ -40,13 +42,17 @@ if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then
 fi
 feature_args=()
 notify_args=()
+limits_args=()
 if [[ " $* " == *" --smoke "* ]]; then
     feature_args+=(--smoke)
     notify_args=(--n 100 --rounds 1)
+    limits_args=(--n 100 --rounds 1 --concurrency 10)
 fi
 "$venv/bin/python" -m benchmarks.stream_cost "${feature_args[@]}" || status=$?
 # What result notifications cost a worker (also alone: make bench-notify).
 "$venv/bin/python" -m benchmarks.notify_cost "${notify_args[@]}" || status=$?
 # URGENT behind a NORMAL backlog, and what lanes cost (also alone: make bench-priority).
 "$venv/bin/python" -m benchmarks.priority "${feature_args[@]}" || status=$?
+# What a per-key limit costs the guarded consume path (also alone: make bench-limits).
+"$venv/bin/python" -m benchmarks.limits_cost "${limits_args[@]}" || status=$?
 exit "$status"

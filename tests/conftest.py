@@ -25,6 +25,7 @@ from weclaw_mq import App, Settings, Worker
 from weclaw_mq.naming import (
     GUARD_KEY_PREFIX,
     STATE_KEY_PREFIX,
+    cancel_key,
     latest_key,
     queue_key_pattern,
     stream_key,
@@ -224,8 +225,9 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
 
 
 async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
-    """Delete the Redis keys (guard, record, latest pointer, stream) of every task in ``queues``, so
-    a test leaves nothing behind; best effort when the test left its Redis stopped."""
+    """Delete the Redis keys (guard, record, latest pointer, stream, cancel marker) of every
+    task in ``queues``, so a test leaves nothing behind; best effort when the test left its
+    Redis stopped."""
     client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
     try:
         for queue in queues:
@@ -233,8 +235,9 @@ async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
             for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX):
                 keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
             task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
-            keys += [latest_key(t).encode() for t in task_ids]
-            keys += [stream_key(t).encode() for t in task_ids]
+            keys += [
+                key(t).encode() for t in task_ids for key in (latest_key, cancel_key, stream_key)
+            ]
             if keys:
                 await client.delete(*keys)
     except (aioredis.RedisError, OSError):

@@ -28,11 +28,12 @@ from .errors import (
     UnroutableError,
     WeclawMQError,
 )
+from .limits import Limit
 from .notification import TaskNotification
 from .priority import Priority
 from .retry import RetryPolicy
 from .settings import Settings
-from .state import MemoryTaskStore, TaskState, TaskStatus, TaskStore
+from .state import Cancellation, CancelOutcome, MemoryTaskStore, TaskState, TaskStatus, TaskStore
 from .streaming import Inbox, MemoryStreamStore, StreamEvent, StreamStore
 from .worker.consume import Worker
 
@@ -43,12 +44,15 @@ __all__ = [
     "App",
     "BatchPublishError",
     "BrokerUnavailableError",
+    "CancelOutcome",
+    "Cancellation",
     "ConfigurationError",
     "ConfirmTimeoutError",
     "ConnectionLostError",
     "Context",
     "Inbox",
     "InvalidPriorityError",
+    "Limit",
     "MemoryStreamStore",
     "MemoryTaskStore",
     "MessageEncodingError",

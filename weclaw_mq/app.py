@@ -37,6 +37,7 @@ from .errors import (
 )
 from .handler import HandlerFunc, HandlerSpec, build_spec
 from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
+from .limits import Limit, as_limits
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
 from .naming import validate_session_id
@@ -54,7 +55,15 @@ from .publishing.connection import BrokerEndpoints
 from .publishing.producer import Publisher
 from .retry import RetryPolicy
 from .settings import Settings
-from .state import REDIS_FAILURES, TaskState, TaskStatus, TaskStore, open_store, state_unavailable
+from .state import (
+    REDIS_FAILURES,
+    Cancellation,
+    TaskState,
+    TaskStatus,
+    TaskStore,
+    open_store,
+    state_unavailable,
+)
 from .state.expiry import as_seen_at, until_deadline_s
 from .streaming import Inbox, StreamEvent, StreamStore, open_redis_streams
 from .streaming.events import check_event_id
@@ -132,6 +141,7 @@ class App:
                 results=lambda: self.results,
                 background=self._record_in_background,
                 name=name,
+                queue_type_of=self.queue_type_of,
             )
             if self.settings.outbox_path
             else None
@@ -151,6 +161,7 @@ class App:
         notify: bool | str = False,
         priority: Priority | str = Priority.NORMAL,
         queue_type: str = QUORUM,
+        limit: Limit | Sequence[Limit] | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
@@ -162,7 +173,12 @@ class App:
 
         ``priority`` is the default of tasks published to ``queue`` without one;
         ``queue_type="classic"`` declares Q as a classic queue with native priorities
-        (not replicated: see the README's "Priorities")."""
+        (not replicated: see the README's "Priorities").
+
+        ``limit=Limit(key=..., concurrency=..., rate=..., per_s=...)`` (or a list of them):
+        tasks over a limit are deferred without spending an attempt (see ``limits``).
+        """
+        limits = as_limits(limit)
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -183,6 +199,7 @@ class App:
                 notify=notify_target(queue, notify, s),
                 priority=priority,
                 queue_type=queue_type,
+                limits=limits,
             )
             return func
 
@@ -528,7 +545,8 @@ class App:
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
     ) -> TaskState:
         """Wait (without polling in a loop) until the task's record in ``queue`` (without a
-        queue: its most recently written record) is succeeded, dead_lettered or expired.
+        queue: its most recently written record) is succeeded, dead_lettered, expired or
+        cancelled.
 
         For a pipeline whose stages share a task id, pass the last stage's queue: without
         it, an earlier stage's final record may answer before the next stage wrote its own.
@@ -611,6 +629,26 @@ class App:
             after=after,
             block_s=self._read_block_s(),
         )
+
+    async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+        """Cancel a task that has not finished: queued or retrying, it is acked unrun when
+        next delivered; running, its handler is cancelled within about a second on whichever
+        worker runs it, and never retried. Its status becomes ``cancelled`` (final).
+
+        Without ``queue``, the task's latest record decides, and every queue of the task id is
+        cancelled (all stages of a pipeline). A finished task is left alone: the answer's
+        ``outcome`` is ``finished`` (``changed`` False), with its record. A task not known yet
+        is cancelled when it arrives (``pending``), for as long as a record is kept
+        (``result_ttl_s``). ``StateUnavailableError`` when the store fails. See
+        ``weclaw_mq.state.cancel``.
+        """
+        store = self.store
+        if store is None:
+            raise ConfigurationError(
+                "cancelling needs the task store: turn results on (WECLAW_MQ_RESULTS_ENABLED) "
+                "or guard a handler (idempotent=True)"
+            )
+        return await store.cancel(task_id, queue=queue)
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,14 @@ class Context:
     # Writes this run's chunks (``emit``); the worker sets it, and drains it before storing
     # the result.
     emitter: Emitter | None = field(default=None, repr=False)
+    # Set when the task is cancelled (``App.cancel``); the handler is then cancelled too
+    # (a CancelledError at its next await), and may wait on this in a task of its own.
+    cancel_requested: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @property
+    def cancelled(self) -> bool:
+        """Was the task cancelled (``App.cancel``)? Its outcome no longer counts."""
+        return self.cancel_requested.is_set()
 
     async def publish(self, queue: str, payload: Any, **kwargs: Any) -> str:
         """Publish a follow-up task; it inherits this task's trace id."""

@@ -13,6 +13,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from .errors import ConfigurationError, InvalidPayload, UndecodableBody
 from .failures import describe
 from .lifetime import DEFAULT_TTL_S, check_ttl
+from .limits import DEFER_LADDER_MS, Limit
 from .naming import validate_queue_name
 from .notification import NotifyTarget
 from .priority import QUORUM, Priority, check_queue_type, parse_priority
@@ -41,6 +42,8 @@ class HandlerSpec:
     # The priority of a task published to this queue without one.
     priority: Priority = Priority.NORMAL
     queue_type: str = QUORUM
+    # Per-key concurrency and rate limits (``limit=``; weclaw_mq.limits).
+    limits: tuple[Limit, ...] = ()
 
     @property
     def name(self) -> str:
@@ -50,7 +53,16 @@ class HandlerSpec:
         return QueueSpec(
             name=self.queue,
             # The first delay always exists: the guard parks duplicates there (max_retries=0 too).
-            retry_delays_ms=tuple(dict.fromkeys((self.retry.delay_ms(1), *self.retry.delays_ms()))),
+            # A limited handler defers held-back tasks to the ladder's delay queues too.
+            retry_delays_ms=tuple(
+                dict.fromkeys(
+                    (
+                        self.retry.delay_ms(1),
+                        *self.retry.delays_ms(),
+                        *(DEFER_LADDER_MS if self.limits else ()),
+                    )
+                )
+            ),
             delivery_limit=self.delivery_limit,
             max_length=self.max_length,
             results=None if self.notify is None else self.notify.queue_spec(),
@@ -97,6 +109,7 @@ def build_spec(
     notify: NotifyTarget | None = None,
     priority: Priority | str = Priority.NORMAL,
     queue_type: str = QUORUM,
+    limits: tuple[Limit, ...] = (),
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -144,4 +157,5 @@ def build_spec(
         notify=notify,
         priority=parse_priority(priority),
         queue_type=check_queue_type(queue_type),
+        limits=limits,
     )

@@ -19,6 +19,7 @@ class Outcome(StrEnum):
     DEAD_LETTERED = "dead_lettered"  # moved to Q.dlq, or rejected there (undecodable properties)
     DUPLICATE = "duplicate"  # a finished task seen again: acked unrun
     DEFERRED = "deferred"  # parked in a delay queue: its twin is running, or Redis is down
+    CANCELLED = "cancelled"  # cancelled (App.cancel): acked unrun, or its handler cut short
     # Given back to its queue (a failed move, a result not stored, a hard stop, an error of
     # ours) or left unacked for the broker to return (arrived while stopping).
     REQUEUED = "requeued"
@@ -80,6 +81,14 @@ class Metrics:
             "Age of the oldest task in the local outbox (0 when empty).",
             registry=r,
         )
+        # Tasks a handler's limit held back (weclaw_mq.limits): by the handler queue and the
+        # limit's kind only, never by key (a user id per label would grow without bound).
+        self.limit_deferrals = Counter(
+            "weclaw_mq_limit_deferrals",
+            "Tasks deferred by a per-key limit, by handler queue and limit kind.",
+            ["queue", "limit"],
+            registry=r,
+        )
         self.notifications = Counter(
             "weclaw_mq_notifications",
             "Result notifications, by the handler queue and outcome.",
@@ -109,6 +118,9 @@ class Metrics:
         # Once per finished task of a notify handler: labels looked up each time are cheap
         # next to the confirmed publish they count.
         return self.notifications.labels(queue, outcome.value)
+
+    def limit_deferred(self, queue: str, kind: str) -> Counter:
+        return self.limit_deferrals.labels(queue, kind)
 
     def handler_timing(self, queue: str) -> Histogram:
         child = self._timing.get(queue)

@@ -29,6 +29,11 @@ DONE_CHANNEL_PREFIX = f"{REDIS_PREFIX}:done"
 STREAM_KEY_PREFIX = f"{REDIS_PREFIX}:stream"
 INBOX_KEY_PREFIX = f"{REDIS_PREFIX}:inbox"
 INBOX_TRACE_KEY_PREFIX = f"{REDIS_PREFIX}:inbox-trace"
+LIMIT_KEY_PREFIX = f"{REDIS_PREFIX}:limit"
+CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
+# One channel for every cancel request (weclaw_mq.state.cancel): each worker holds one
+# subscription, not one per task it runs, and a PUBLISH reaches every node of a cluster.
+CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
 
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
@@ -106,6 +111,8 @@ def handler_queue_of(name: str) -> str:
 #     weclaw_mq:state:<len(Q)>:Q:{T}     the task's record in Q (hash: status, state)
 #     weclaw_mq:latest:{T}               the name of T's most recently written record
 #     weclaw_mq:done:{T}                 pub/sub channel: some record of T became final
+#     weclaw_mq:cancel:{T}               the cancel marker: a set of queues (or "*") whose
+#                                        deliveries of T are acked unrun
 #
 # Unambiguous whatever the characters: Q is read by its byte length, T runs from the brace
 # after Q to the last character, so ("a:b", "c") and ("a", "b:c") never share a key. The
@@ -169,6 +176,11 @@ def inbox_trace_key(session_id: str) -> str:
     return f"{INBOX_TRACE_KEY_PREFIX}:{{{session_id}}}"
 
 
+def cancel_key(task_id: str) -> str:
+    """The set of queues (``*``: all) in which task ``task_id`` was cancelled."""
+    return f"{CANCEL_KEY_PREFIX}:{{{task_id}}}"
+
+
 def queue_key_pattern(prefix: str, queue: str) -> str:
     """A SCAN pattern for every key under ``prefix`` of ``queue`` (e.g. its guard keys)."""
     return f"{prefix}:{len(queue.encode())}:{queue}:{{*"
@@ -177,3 +189,23 @@ def queue_key_pattern(prefix: str, queue: str) -> str:
 def task_keys(queue: str, task_id: str) -> list[str]:
     """Every key that (queue, task id) may own: for cleanup by tests and operator scripts."""
     return [guard_key(queue, task_id), state_key(queue, task_id), latest_key(task_id)]
+
+
+# -- Redis keys of a handler's limits (weclaw_mq.limits) -----------------------------------
+#
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:slots    running holders (sorted by lease end)
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:starts   recent starts (sorted by start time)
+#
+# <i> is the limit's position in the handler's ``limit=`` list; a global limit (no key
+# function) has the tag {*}. '%', '{' and '}' in a key are %-escaped, so the tag is never
+# empty and is always the whole key: both keys of one limit and key hash to one cluster slot.
+
+
+def limit_keys(queue: str, index: int, key: str | None) -> tuple[str, str]:
+    """The (slots, starts) keys of limit ``index`` of ``queue`` for ``key`` (None: global)."""
+    if key is None:
+        tag = "*"
+    else:
+        tag = "k=" + key.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    base = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:{index}:{{{tag}}}"
+    return f"{base}:slots", f"{base}:starts"

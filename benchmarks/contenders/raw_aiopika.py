@@ -103,7 +103,7 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
         # Only this variant pays for these imports.
         import redis.asyncio as aioredis
 
-        from weclaw_mq.naming import done_channel, guard_key, latest_key, state_key
+        from weclaw_mq.naming import cancel_key, done_channel, guard_key, latest_key, state_key
 
         redis = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=5, socket_timeout=5)
         await redis.ping()
@@ -132,11 +132,13 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
         q, task_id = cfg.queue, msg.message_id or ""
         last_task_id = task_id
         guard, state, latest = guard_key(q, task_id), state_key(q, task_id), latest_key(task_id)
-        # KEYS: guard, record, latest; ARGV: owner, lease ms, done value, status, record, ttl.
+        # KEYS: guard, cancel marker, record, latest; ARGV: owner, lease ms, done value, queue,
+        # status, record, ttl.
         owner = f"running:{uuid.uuid4().hex}"
         running = task_state(q, task_id, "running")
         answer = await claim(
-            keys=[guard, state, latest], args=[owner, LEASE_MS, DONE, "running", running, TTL_MS]
+            keys=[guard, cancel_key(task_id), state, latest],
+            args=[owner, LEASE_MS, DONE, q, "running", running, TTL_MS],
         )
         if answer != b"acquired":
             await msg.ack()  # a duplicate: never happens here, but keeps the shape honest

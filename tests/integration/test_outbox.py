@@ -26,6 +26,7 @@ from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, PublishNackedError, TaskStatus
 from weclaw_mq.errors import OutboxFullError, OutboxUnusableError
 from weclaw_mq.message import build_message
+from weclaw_mq.naming import lane_queue_name
 from weclaw_mq.outbox import Outbox, OutboxRow
 from weclaw_mq.outbox.relay import Relay
 from weclaw_mq.outbox.store import OutboxFile
@@ -133,6 +134,26 @@ async def test_a_publish_with_the_broker_down_is_stored_locally_and_relayed_byte
     assert b"tenant" in stored[0][3] and b"tenant" not in stored[-1][3]
     state = await up.status(ids[0])
     assert state is not None and state.status is TaskStatus.QUEUED
+
+
+async def test_a_task_above_normal_is_relayed_to_its_priority_lane(
+    down_and_up: Callable[..., tuple[App, App]], qname: str, amqp: AbstractChannel
+) -> None:
+    """Publish cannot ask the broker's version while it is down, so the row holds Q: the
+    relay routes by the priority header, as publish would have (lanes on this broker)."""
+    down, up = down_and_up()
+    await up.declare()
+    urgent = await down.publish(qname, {"n": 1}, priority="urgent")
+    normal = await down.publish(qname, {"n": 2})
+    assert [r[0] for r in outbox_rows(Path(str(down.settings.outbox_path)))] == [qname, qname]
+
+    assert await drain(up) == 2
+
+    lane = lane_queue_name(qname, "urgent")
+    message = await get_message(amqp, lane)
+    assert message is not None and message.message_id == urgent
+    message = await get_message(amqp, qname)
+    assert message is not None and message.message_id == normal
 
 
 async def test_status_answers_stored_locally_from_the_outbox_when_redis_is_down(

@@ -1,7 +1,7 @@
 """One outcome event per settled delivery: the counters equal what the broker was told.
 
 Every end of a delivery (ack, duplicate, deferred, retried, dead-lettered by a move or by a
-reject, given back after a failed move or at a hard stop) is counted once in
+reject, given back after a failed move or at a hard stop, acked as cancelled) is counted once in
 ``weclaw_mq_messages_total{outcome}``. The test counts, beside it, every settle frame the
 worker's channel sent the broker, and what the broker then holds in ``Q`` and ``Q.dlq``.
 """
@@ -9,6 +9,7 @@ worker's channel sent the broker, and what the broker then holds in ``Q`` and ``
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +92,12 @@ async def test_every_settled_delivery_is_counted_once_as_the_broker_saw_it(
     await app.publish(qname, Job(kind="ok"), task_id="ok-1")
     await wait_until(lambda: count(Outcome.DUPLICATE) == 1, 10, "the duplicate")
 
+    # cancelled before it was published: acked unrun.
+    doomed = await app.cancel(f"cancel-{uuid.uuid4().hex}", queue=qname)
+    await app.publish(qname, Job(kind="cancelled"), task_id=doomed.task_id)
+    await wait_until(lambda: count(Outcome.CANCELLED) == 1, 10, "the cancelled task")
+    assert "cancelled" not in started
+
     # retried once, then dead-lettered by a move.
     failed = await app.publish(qname, Job(kind="fail"), task_id="fail-1")
     assert (await app.result(failed, timeout_s=15)).status is TaskStatus.DEAD_LETTERED
@@ -130,6 +137,7 @@ async def test_every_settled_delivery_is_counted_once_as_the_broker_saw_it(
         Outcome.RETRIED: 2,
         Outcome.DEAD_LETTERED: 3,
         Outcome.REQUEUED: 2,
+        Outcome.CANCELLED: 1,
     }
     # What the broker was told: one settle frame per counted outcome...
     assert frames["ack"] + frames["requeue"] + frames["drop"] == sum(counted.values())

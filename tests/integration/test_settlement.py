@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -28,7 +28,7 @@ from tests.integration.processes import queue_names
 from weclaw_mq import App, Context, RetryPolicy
 from weclaw_mq import headers as h
 from weclaw_mq.naming import dlq_name
-from weclaw_mq.state import Claim, RedisTaskStore, TaskState, TaskStatus
+from weclaw_mq.state import Cancellation, Claim, RedisTaskStore, TaskState, TaskStatus
 
 FAST = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)
 
@@ -290,6 +290,19 @@ class _StoreWithABug:
 
     async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
         return await self.inner.wait(task_id, timeout_s, queue=queue)
+
+    async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+        return await self.inner.cancel(task_id, queue=queue)
+
+    async def is_cancelled(self, queue: str, task_id: str) -> bool:
+        return await self.inner.is_cancelled(queue, task_id)
+
+    async def watch_cancels(
+        self,
+        on_cancel: Callable[[str, str | None], None],
+        on_subscribed: Callable[[], Awaitable[None]],
+    ) -> None:
+        await self.inner.watch_cancels(on_cancel, on_subscribed)
 
     async def close(self) -> None:
         await self.inner.close()

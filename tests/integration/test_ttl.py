@@ -19,12 +19,19 @@ from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_message import DeadLetter
 from weclaw_mq.lifetime import as_datetime, deadline_ms, now_ms
-from weclaw_mq.naming import dlq_name, retry_queue_name
+from weclaw_mq.naming import dlq_name, lane_queue_name, retry_queue_name
 
 # Where a task is published: extra publish arguments per variant. Priority lanes add theirs
 # here (e.g. pytest.param({"priority": "urgent"}, id="urgent")), and every test below then
 # runs on every lane too.
-ROUTES = [pytest.param({}, id="Q")]
+# Where a task is published: Q (NORMAL) and the highest lane, so expiry is checked on every
+# kind of queue a task can wait in (each lane and its own delay queues dead-letter to Q.dlq).
+ROUTES = [pytest.param({}, id="Q"), pytest.param({"priority": "urgent"}, id="urgent-lane")]
+
+
+def _lane(queue: str, route: dict[str, Any]) -> str:
+    return lane_queue_name(queue, route.get("priority", "normal"))
+
 
 SHORT_TTL_S = 0.3
 # Long enough that nothing in a test expires by it.
@@ -76,7 +83,7 @@ async def test_a_task_nobody_consumes_expires_at_the_head_of_q_into_the_dlq(
     await _in_dlq(amqp, qname)
     assert await queue_depth(amqp, qname) == 0
     dead = await _expired_in_dlq(app, qname, task_id)
-    assert dead.by_broker and dead.original_queue == qname
+    assert dead.by_broker and dead.original_queue == _lane(qname, route)
     assert dead.headers[h.TTL_MS] == SHORT_TTL_S * 1000
 
 
@@ -97,7 +104,8 @@ async def test_a_task_whose_retry_would_come_after_its_deadline_expires_at_once(
         raise RuntimeError("the model is down")
 
     await start_worker(app)
-    task_id = await app.publish(qname, {"n": 1}, ttl_s=SHORT_TTL_S, **route)
+    # Long enough for the worker to take it on a loaded machine, far shorter than the retry.
+    task_id = await app.publish(qname, {"n": 1}, ttl_s=2.0, **route)
 
     final = await app.result(task_id, timeout_s=10)
     assert (final.status, final.reason) == (TaskStatus.EXPIRED, "expired")
@@ -106,7 +114,7 @@ async def test_a_task_whose_retry_would_come_after_its_deadline_expires_at_once(
     assert dead.error_type == "weclaw_mq.TaskExpired"
     assert dead.error_message is not None and "the model is down" in dead.error_message
     assert attempts == [1]
-    assert await queue_depth(amqp, retry_queue_name(qname, 5000)) == 0
+    assert await queue_depth(amqp, retry_queue_name(_lane(qname, route), 5000)) == 0
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -138,13 +146,14 @@ async def test_a_task_that_expires_in_a_delay_queue_is_expired_by_the_worker_on_
     await store.record(
         TaskState(task_id=task_id, queue=qname, status=TaskStatus.QUEUED, expires_at=deadline)
     )
-    await amqp.default_exchange.publish(message, routing_key=retry_queue_name(qname, 5000))
+    delay_queue = retry_queue_name(_lane(qname, route), 5000)
+    await amqp.default_exchange.publish(message, routing_key=delay_queue)
 
     await _in_dlq(amqp, qname)
     dead = await _expired_in_dlq(app, qname, task_id)
     assert not dead.by_broker and dead.error_type == "weclaw_mq.TaskExpired"
     deaths = dead.headers[h.X_DEATH]
-    assert deaths[0]["queue"] == retry_queue_name(qname, 5000)
+    assert deaths[0]["queue"] == delay_queue
     assert deaths[0]["reason"] == "expired"
     assert ran == []
 
@@ -171,7 +180,7 @@ async def test_a_worker_that_receives_a_task_past_its_deadline_dead_letters_it_u
     assert late.headers is not None and late.message_id is not None
     late.headers[h.EXPIRES_AT] = now_ms() - 1_000
     late.expiration = None
-    await amqp.default_exchange.publish(late, routing_key=qname)
+    await amqp.default_exchange.publish(late, routing_key=_lane(qname, route))
 
     await _in_dlq(amqp, qname)
     dead = await _expired_in_dlq(app, qname, late.message_id)

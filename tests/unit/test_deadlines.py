@@ -196,3 +196,27 @@ async def test_a_body_that_ends_within_the_grace_is_not_handed_to_on_stuck() -> 
     await asyncio.sleep(1 + 2 * TICK_S)
     assert stuck == []
     assert not deadline.abandoned
+
+
+async def test_ending_a_wait_now_cancels_its_body_at_once_and_only_while_it_runs() -> None:
+    deadlines = Deadlines()
+    entered = asyncio.Event()
+    holder: list[object] = []
+
+    async def body() -> None:
+        with deadlines.within(30) as deadline:
+            holder.append(deadline)
+            entered.set()
+            await asyncio.sleep(30)
+
+    task = asyncio.create_task(body())
+    await entered.wait()
+    deadline = holder[0]
+    assert hasattr(deadline, "end_now")
+    deadline.end_now()
+    # At once: the body sees it on its next step, not a tick later.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(task, TICK_S / 2)
+    assert deadline.expired and task.cancelling() == 0
+    deadline.end_now()  # over: no effect
+    assert task.cancelling() == 0

@@ -221,6 +221,10 @@ from .outbox import outbox_cli  # noqa: E402  (kept beside its registration)
 
 cli.add_typer(outbox_cli, name="outbox")
 
+from .cancel import cancel  # noqa: E402  (kept beside its registration)
+
+cli.command("cancel")(cancel)
+
 from .permissions import permissions  # noqa: E402
 
 cli.command("permissions")(permissions)

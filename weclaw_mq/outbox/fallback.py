@@ -61,6 +61,7 @@ class LocalFallback:
         results: Callable[[], TaskStore | None],
         background: Background,
         name: str,
+        queue_type_of: Callable[[str], str] | None = None,
     ) -> None:
         assert settings.outbox_path is not None
         self.settings = settings
@@ -69,6 +70,7 @@ class LocalFallback:
         self._results = results
         self._background = background
         self._name = name
+        self._queue_type_of = queue_type_of
         self._outbox: Outbox | None = None
         self._opening = asyncio.Lock()
         self.relay: Relay | None = None
@@ -88,7 +90,12 @@ class LocalFallback:
                 )
                 if s.outbox_relay_in_app:
                     self.relay = Relay(
-                        outbox, s, self._metrics, store=self._results(), name=f"{self._name}-relay"
+                        outbox,
+                        s,
+                        self._metrics,
+                        store=self._results(),
+                        name=f"{self._name}-relay",
+                        queue_type_of=self._queue_type_of,
                     )
                     self._stop = asyncio.Event()
                     self._relay_task = asyncio.create_task(self.relay.run(self._stop))

@@ -8,29 +8,37 @@ unroutable, no confirm in time) are given back with their error and tried again 
 ``outbox_relay_interval_s``. A window in flight keeps the broker busy the way
 ``publish_many`` does, so draining runs near its rate rather than one round trip per row.
 
-The bytes sent are the row's: body and marshalled properties as publish built them, through
-aiormq's ``basic_publish`` (no re-encoding). After a confirm, the task's status moves from
-``stored_locally`` to ``queued`` (written after the confirm: a worker that already wrote
-``running`` may see it overwritten by ``queued`` until its next write; a final status is
-never overwritten).
+The bytes sent are the row's: body and properties as publish built them, through aiormq's
+``basic_publish``. A row holds the handler queue Q: publish could not always ask the broker's
+version before the outage, so the relay routes a task above NORMAL to its priority's lane (or
+sets the AMQP priority on a native plan) as publish would have (``priority.route``).
+
+After a confirm, the task's status moves from ``stored_locally`` to ``queued`` (written after
+the confirm: a worker that already wrote ``running`` may see it overwritten by ``queued``
+until its next write; a final status is never overwritten).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
+from pamqp.commands import Basic
 
+from .. import headers as h
+from ..broker_version import ServerVersion
 from ..errors import BrokerUnavailableError
 from ..metrics import Metrics
+from ..priority import QUORUM, priority_from_header, route
 from ..publishing.connection import (
     LINK_ERRORS,
     BrokerEndpoints,
     backoff_s,
     cancelled_by_caller,
+    channel_server_version,
     is_alive,
 )
 from ..settings import Settings
@@ -56,8 +64,12 @@ class Relay:
         *,
         store: TaskStore | None = None,
         name: str = "weclaw-mq-outbox-relay",
+        queue_type_of: Callable[[str], str] | None = None,
     ) -> None:
         self.outbox = outbox
+        # A standalone relay knows no handler: it takes Q for a default (quorum) handler
+        # queue, as a producer-only App does.
+        self.queue_type_of = queue_type_of or (lambda queue: QUORUM)
         self.settings = settings
         self.metrics = metrics
         self.store = store
@@ -199,17 +211,18 @@ class Relay:
         self, channel: AbstractChannel, rows: Sequence[OutboxRow]
     ) -> tuple[list[OutboxRow], list[tuple[OutboxRow, str]]]:
         underlay = await channel.get_underlay_channel()
-        sends = [
-            asyncio.ensure_future(
-                underlay.basic_publish(
-                    row.body,
-                    routing_key=row.queue,
-                    properties=row.amqp_properties(),
-                    mandatory=True,
+        version = await channel_server_version(channel)
+        sends = []
+        for row in rows:
+            properties = row.amqp_properties()
+            target = self._route(row, properties, version)
+            sends.append(
+                asyncio.ensure_future(
+                    underlay.basic_publish(
+                        row.body, routing_key=target, properties=properties, mandatory=True
+                    )
                 )
             )
-            for row in rows
-        ]
         # One deadline for the window: a blocked broker (memory alarm) must not hold the rows
         # claimed forever; what is not confirmed by then is sent again later.
         _, pending = await asyncio.wait(sends, timeout=self.settings.confirm_timeout_s)
@@ -239,6 +252,17 @@ class Relay:
         if pending or lost_link:
             await self._drop_link()  # a fresh channel next pass, never a half-broken one
         return confirmed, failed
+
+    def _route(
+        self, row: OutboxRow, properties: Basic.Properties, version: ServerVersion | None
+    ) -> str:
+        """The row's lane (Q for NORMAL), and on a native plan its AMQP priority."""
+        headers = properties.headers if isinstance(properties.headers, dict) else {}
+        level = priority_from_header(headers.get(h.PRIORITY))
+        target, amqp_priority = route(row.queue, level, version, self.queue_type_of(row.queue))
+        if amqp_priority is not None:
+            properties.priority = amqp_priority
+        return target
 
     async def _mark_queued(self, rows: Sequence[OutboxRow]) -> None:
         if self.store is None or not rows:

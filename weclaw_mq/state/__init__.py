@@ -7,6 +7,7 @@ from settings (Redis, the only one a multi-process deployment can share).
 from __future__ import annotations
 
 from ..settings import Settings
+from .cancel import Cancellation, CancelOutcome
 from .memory import MemoryTaskStore
 from .protocol import Claim, TaskState, TaskStatus, TaskStore, new_owner
 from .redis import REDIS_FAILURES, RedisTaskStore, open_redis_store, state_unavailable
@@ -24,6 +25,8 @@ def _memory_store_is_a_task_store(store: MemoryTaskStore) -> TaskStore:
 
 __all__ = [
     "REDIS_FAILURES",
+    "CancelOutcome",
+    "Cancellation",
     "Claim",
     "MemoryTaskStore",
     "RedisTaskStore",

@@ -6,9 +6,10 @@ process ends, which is exactly what the guard must not do in production: use it 
 is what you want.
 
 The rules match ``RedisTaskStore``: a claim lapses after ``lease_s`` unless its holder is
-inside ``holding``; a done marker lasts ``done_ttl_s`` and records ``ttl_s``; succeeded is
-final; ``only_if_new`` never writes over a record; every written record becomes the task's
-latest; ``wait`` is woken by an event when a final record is written.
+inside ``holding``; a done marker lasts ``done_ttl_s`` and records ``ttl_s``; succeeded and
+cancelled are final; a cancel marker lasts ``ttl_s`` (``state.cancel``); ``only_if_new``
+never writes over a record; every written record becomes the task's latest; ``wait`` is woken
+by an event when a final record is written.
 """
 
 from __future__ import annotations
@@ -16,11 +17,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ..errors import ResultTimeoutError
+from .cancel import (
+    Cancellation,
+    CancelOutcome,
+    answer,
+    cancelled_record,
+    covers,
+    finished,
+    scope_of,
+)
 from .expiry import record_ttl_s
 from .protocol import Claim, TaskState, TaskStatus
 
@@ -31,6 +41,12 @@ _DONE = "done"  # a claim's holder once the task finished: no owner token is thi
 class _Entry:
     value: str  # a claim: its owner token or _DONE; a record: its state as JSON
     expires_at: float
+
+
+@dataclass
+class _Marker:
+    expires_at: float
+    scopes: set[str] = field(default_factory=set)
 
 
 class MemoryTaskStore:
@@ -53,6 +69,8 @@ class MemoryTaskStore:
         self._records: dict[tuple[str, str], _Entry] = {}
         self._latest: dict[str, _Entry] = {}  # task id -> queue of its latest record
         self._finals: dict[str, asyncio.Event] = {}  # task id -> set when a record turns final
+        self._markers: dict[str, _Marker] = {}  # task id -> its cancel marker
+        self._cancel_watchers: list[Callable[[str, str | None], None]] = []
 
     def _live(self, table: dict[tuple[str, str], _Entry], key: tuple[str, str]) -> _Entry | None:
         entry = table.get(key)
@@ -69,6 +87,8 @@ class MemoryTaskStore:
     async def claim(
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
+        if self._is_cancelled(queue, task_id):
+            return Claim.CANCELLED
         key = (queue, task_id)
         current = self._live(self._claims, key)
         if current is None:
@@ -109,7 +129,8 @@ class MemoryTaskStore:
         current = self._live(self._records, key)
         if current is not None and (
             only_if_new
-            or TaskState.model_validate_json(current.value).status is TaskStatus.SUCCEEDED
+            or TaskState.model_validate_json(current.value).status
+            in (TaskStatus.SUCCEEDED, TaskStatus.CANCELLED)
         ):
             return False
         expires_at = self._clock() + record_ttl_s(state, self._ttl_s, datetime.now(UTC))
@@ -169,6 +190,49 @@ class MemoryTaskStore:
             with contextlib.suppress(TimeoutError):
                 # A final record of another queue also wakes us: one re-read.
                 await asyncio.wait_for(final.wait(), left)
+
+    # -- cancellation (state.cancel) ------------------------------------------------------
+    async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+        # No await from the read to the writes: the whole cancel is one step, as in Redis.
+        state = self._read(task_id, queue)
+        now = datetime.now(UTC)
+        done = finished(state, now)
+        if done is not None:
+            return Cancellation(task_id, CancelOutcome.FINISHED, done)
+        marker = self._markers.get(task_id)
+        if marker is None or marker.expires_at <= self._clock():
+            marker = self._markers[task_id] = _Marker(0.0)
+        marker.scopes.add(scope_of(queue))
+        marker.expires_at = self._clock() + self._ttl_s
+        written = cancelled_record(state, task_id, queue, now)
+        if written is not None:
+            self._write(written, only_if_new=False)
+        for on_cancel in list(self._cancel_watchers):
+            on_cancel(task_id, queue)
+        return answer(task_id, written)
+
+    def _is_cancelled(self, queue: str, task_id: str) -> bool:
+        marker = self._markers.get(task_id)
+        return (
+            marker is not None
+            and marker.expires_at > self._clock()
+            and covers(marker.scopes, queue)
+        )
+
+    async def is_cancelled(self, queue: str, task_id: str) -> bool:
+        return self._is_cancelled(queue, task_id)
+
+    async def watch_cancels(
+        self,
+        on_cancel: Callable[[str, str | None], None],
+        on_subscribed: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._cancel_watchers.append(on_cancel)
+        try:
+            await on_subscribed()
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            self._cancel_watchers.remove(on_cancel)
 
     async def close(self) -> None:
         return None

@@ -1,8 +1,9 @@
 """A task's state, and the one protocol the worker and ``App`` use to keep it.
 
 A task has one record per queue it went through, overwritten as it moves queued -> running ->
-(retrying ->)* succeeded | dead_lettered | expired. A succeeded record is final: a late or
-duplicate writer can never turn it back. Two pipeline stages that share a task id
+(retrying ->)* succeeded | dead_lettered | expired | cancelled. A succeeded or cancelled record
+is final: a late or duplicate writer can never turn it back (``state.cancel`` says how a cancel
+meets a running task). Two pipeline stages that share a task id
 (``ctx.publish(..., task_id=ctx.task_id)``) therefore keep two records, and neither can hide
 the other. Reading without a queue answers the task's most recently written record (its
 "latest" pointer).
@@ -25,9 +26,14 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from .cancel import Cancellation
 
 
 class TaskStatus(StrEnum):
@@ -41,10 +47,18 @@ class TaskStatus(StrEnum):
     DEAD_LETTERED = "dead_lettered"
     # Outlived its lifetime (TTL) before a worker ran it; in Q.dlq with reason "expired".
     EXPIRED = "expired"
+    # Cancelled by ``App.cancel`` before it finished: acked without running (again), or its
+    # handler was cancelled mid-run (weclaw_mq.state.cancel).
+    CANCELLED = "cancelled"
 
     @property
     def terminal(self) -> bool:
-        return self in (TaskStatus.SUCCEEDED, TaskStatus.DEAD_LETTERED, TaskStatus.EXPIRED)
+        return self in (
+            TaskStatus.SUCCEEDED,
+            TaskStatus.DEAD_LETTERED,
+            TaskStatus.EXPIRED,
+            TaskStatus.CANCELLED,
+        )
 
 
 class TaskState(BaseModel):
@@ -66,6 +80,7 @@ class Claim(StrEnum):
     ACQUIRED = "acquired"  # this owner holds the task now: run it
     DONE = "done"  # finished before: ack without running
     BUSY = "busy"  # another attempt holds it now: come back later
+    CANCELLED = "cancelled"  # cancelled (App.cancel): ack without running
 
 
 def new_owner() -> str:
@@ -81,7 +96,8 @@ class TaskStore(Protocol):
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
         """Claim (queue, task id) for ``owner`` under a lease, never check-then-set. With
-        ``running``, write that record in the same step when the claim is granted."""
+        ``running``, write that record in the same step when the claim is granted.
+        ``Claim.CANCELLED`` (nothing claimed) when the task was cancelled in that queue."""
         ...
 
     def holding(self, queue: str, task_id: str, owner: str) -> AbstractContextManager[None]:
@@ -118,6 +134,27 @@ class TaskStore(Protocol):
     async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
         """That record once terminal, woken when it is written (not by polling);
         ``ResultTimeoutError`` after ``timeout_s``."""
+        ...
+
+    # -- cancellation (weclaw_mq.state.cancel) ------------------------------------------
+    async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+        """Cancel the task's record in ``queue`` (without: its latest record) unless it is
+        final, in one atomic step: write it ``cancelled``, leave the cancel marker that makes
+        every later claim answer ``Claim.CANCELLED``, and tell running workers."""
+        ...
+
+    async def is_cancelled(self, queue: str, task_id: str) -> bool:
+        """Does the cancel marker cover (queue, task id)? For deliveries that do not claim."""
+        ...
+
+    async def watch_cancels(
+        self,
+        on_cancel: Callable[[str, str | None], None],
+        on_subscribed: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Until cancelled: call ``on_cancel(task_id, queue or None for all)`` for each cancel
+        request, and ``on_subscribed()`` after each (re)subscription: a request sent while
+        unsubscribed is then found with ``is_cancelled``. Store failures are retried here."""
         ...
 
     async def close(self) -> None:

@@ -15,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from ..errors import ResultTimeoutError, StateUnavailableError
-from ..naming import done_channel, guard_key, latest_key, state_key
+from ..naming import cancel_key, done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
+from .cancel import Cancellation
 from .expiry import record_ttl_s
 from .protocol import Claim, TaskState
+from .redis_cancel import RedisCancels
 from .redis_clients import StateClient, is_cluster
 from .redis_clients import open_client as open_client  # its former home: still importable here
 
@@ -51,12 +53,14 @@ def state_unavailable(e: BaseException) -> StateUnavailableError:
 
 
 # The one rule for writing a task's record, shared by every script that writes one: a
-# succeeded record is final; only_if_new writes only where no record exists. A written record
-# becomes the task's latest (same TTL as the record).
+# succeeded or cancelled record is final; only_if_new writes only where no record exists. A
+# written record becomes the task's latest (same TTL as the record).
 RECORD_WRITE_LUA = """
 local function write_record(key, latest, status, state, ttl_ms, only_if_new)
   local current = redis.call('HGET', key, 'status')
-  if current == 'succeeded' or (only_if_new and current) then return 0 end
+  if current == 'succeeded' or current == 'cancelled' or (only_if_new and current) then
+    return 0
+  end
   redis.call('HSET', key, 'status', status, 'state', state)
   redis.call('PEXPIRE', key, ttl_ms)
   redis.call('SET', latest, key, 'PX', ttl_ms)
@@ -67,8 +71,11 @@ end
 CLAIM_SCRIPT = (
     RECORD_WRITE_LUA
     + """
+if redis.call('SISMEMBER', KEYS[2], '*') == 1 or redis.call('SISMEMBER', KEYS[2], ARGV[4]) == 1 then
+  return 'cancelled'
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  if KEYS[2] then write_record(KEYS[2], KEYS[3], ARGV[4], ARGV[5], ARGV[6], false) end
+  if KEYS[3] then write_record(KEYS[3], KEYS[4], ARGV[5], ARGV[6], ARGV[7], false) end
   return 'acquired'
 end
 if redis.call('GET', KEYS[1]) == ARGV[3] then return 'done' end
@@ -77,9 +84,10 @@ return 'busy'
 )
 """The claim: ``SET NX PX`` of the guard key, and the "running" record in the same step.
 
-KEYS: guard key[, record key, latest key]. ARGV: "running:<owner>", lease_ms, "done"[, status,
-state JSON, record ttl_ms]. Returns 'acquired', 'done' (finished before) or 'busy'. A lease
-that lapses between the SET and the GET reads as busy: the next delivery claims it.
+KEYS: guard key, cancel marker[, record key, latest key]. ARGV: "running:<owner>", lease_ms,
+"done", queue[, status, state JSON, record ttl_ms]. Returns 'cancelled' (the marker covers this
+queue: ``state.cancel``), 'acquired', 'done' (finished before) or 'busy'. A lease that lapses
+between the SET and the GET reads as busy: the next delivery claims it.
 """
 
 FINISH_SCRIPT = (
@@ -107,7 +115,7 @@ _RECORD = (
     + """
 local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1')
 if written == 1 and (ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered'
-                     or ARGV[1] == 'expired') then
+                     or ARGV[1] == 'expired' or ARGV[1] == 'cancelled') then
   redis.call('PUBLISH', ARGV[5], ARGV[6])
 end
 return written
@@ -195,6 +203,7 @@ class RedisTaskStore:
         self._get_latest = client.register_script(_GET_LATEST)
         self._extend = client.register_script(_EXTEND)
         self._release = client.register_script(_RELEASE)
+        self._cancels = RedisCancels(client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA)
         self._held: dict[str, str] = {}  # guard key -> its value, while its handler runs
         self._renewer: asyncio.Task[None] | None = None
 
@@ -202,8 +211,8 @@ class RedisTaskStore:
     async def claim(
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
-        keys = [guard_key(queue, task_id)]
-        args: list[str | int] = [_RUNNING + owner, self._lease_ms, DONE]
+        keys = [guard_key(queue, task_id), cancel_key(task_id)]
+        args: list[str | int] = [_RUNNING + owner, self._lease_ms, DONE, queue]
         if running is not None:
             keys += self._record_keys(running)
             args += [running.status.value, running.model_dump_json(), self._ttl_ms]
@@ -377,6 +386,39 @@ class RedisTaskStore:
             # Redis that just went away and skip it, leaking a connection per waiter.
             with contextlib.suppress(Exception):
                 await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    # -- cancellation (state.cancel, state.redis_cancel) ----------------------------------
+    async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+        try:
+            return await self._cancels.cancel(task_id, queue)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def is_cancelled(self, queue: str, task_id: str) -> bool:
+        try:
+            return await self._cancels.is_cancelled(queue, task_id)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def watch_cancels(
+        self,
+        on_cancel: Callable[[str, str | None], None],
+        on_subscribed: Callable[[], Awaitable[None]],
+    ) -> None:
+        failures = 0
+        while True:
+            try:
+                await self._cancels.listen(on_cancel, on_subscribed)
+            except Exception as e:  # Redis failing, or on_subscribed's reads: listen again
+                failures += 1
+                delay_s = min(0.1 * 2**failures, _RECHECK_S)
+                log.warning(
+                    "cancel requests unheard (%s: %s); subscribing again in %.1f s",
+                    type(e).__name__,
+                    e,
+                    delay_s,
+                )
+                await asyncio.sleep(delay_s)
 
     async def close(self) -> None:
         renewer, self._renewer = self._renewer, None

@@ -47,9 +47,11 @@ from ..publishing.producer import Publisher
 from ..settings import BROKER_CONSUMER_TIMEOUT_S
 from ..topology import declare
 from ..undecodable import tolerant_properties
+from .cancel import Cancels
 from .deadlines import Deadlines
 from .delivery import Runtime, process
 from .lanes import LaneScheduler
+from .limiting import Limiter
 from .settle import Settler
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -84,6 +86,9 @@ class Worker:
         # longer in flight, and a stop does not wait for them.
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._deadlines = Deadlines()
+        # One per run, across reconnects: the slots it holds outlive a broker session.
+        self._limiter: Limiter | None = None
+        self.cancels = Cancels()  # cancel requests for the deliveries in flight (worker.cancel)
         for spec in self.specs:
             app.metrics.count_in_flight(spec.queue, self._in_flight[spec.queue].__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
@@ -121,12 +126,23 @@ class Worker:
         # connection and returns every message in flight with it, again and again until the
         # delivery limit dead-letters them all (measured: 42 s, three innocent tasks lost to
         # the DLQ); read tolerantly, it arrives as a marker that ``process`` rejects at once.
-        with tolerant_properties():
-            await self._run()
+        store = self.app.store
+        # One subscription to cancel requests for the whole worker, whatever its sessions.
+        listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
+        try:
+            with tolerant_properties():
+                await self._run()
+        finally:
+            if listener is not None:
+                listener.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listener
 
     async def _run(self) -> None:
         failures = 0
         conn: AbstractConnection | None = None
+        if any(s.limits for s in self.specs):
+            self._limiter = Limiter.open(self.settings)
         try:
             while not self._stop.is_set():
                 conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)
@@ -163,6 +179,9 @@ class Worker:
             self.ready.clear()
             if conn is not None:
                 await _close(conn)
+            if self._limiter is not None:
+                limiter, self._limiter = self._limiter, None
+                await limiter.close()
 
     async def _session(self, conn: AbstractConnection) -> None:
         """Consume on one connection until it dies (raises) or ``stop`` is called (returns)."""
@@ -196,6 +215,8 @@ class Worker:
             store=self.app.store,
             results=self.app.results,
             take_over=self._take_over,
+            limiter=self._limiter,
+            cancels=self.cancels,
         )
         # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel

@@ -61,6 +61,17 @@ class Deadline:
         self._owner._add(task, self)
         return self
 
+    def end_now(self) -> None:
+        """Expire now (a cancel request, ``worker.cancel``): the body is cancelled at once,
+        not at the next tick, and ``on_stuck`` follows ``grace_s`` later if it ignores that.
+        No effect once the body ended or the deadline expired."""
+        task = self._task
+        if task is None or self.expired or self._owner._due.get(task) is not self:
+            return
+        self.at = task.get_loop().time()
+        self.expired = True
+        task.cancel()
+
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: object
     ) -> None:

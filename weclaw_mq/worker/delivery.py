@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +51,9 @@ from ..streaming.events import final_entry
 from ..tracing import TraceContext
 from ..undecodable import undecodable
 from . import notify
+from .cancel import Cancels, Watch
 from .deadlines import Deadlines
+from .limiting import NO_TICKET, Held, Limiter, Ticket
 from .settle import Settler
 
 if TYPE_CHECKING:
@@ -94,6 +96,10 @@ class Runtime:
         ],
         None,
     ]
+    # Counts the handlers' limits in Redis; None when no handler has one.
+    limiter: Limiter | None = None
+    # The deliveries being processed, for cancel requests (worker.cancel).
+    cancels: Cancels = field(default_factory=Cancels)
 
 
 class _Gate(Enum):
@@ -104,9 +110,12 @@ class _Gate(Enum):
 async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
     delivery = read_delivery(message)
     token = tracing.enter(_trace(delivery, spec))
+    # Watched from before the claim: a cancel request is never missed in between.
+    watch = rt.cancels.watch(spec.queue, delivery.task_id)
     try:
-        await _process(message, delivery, spec, rt)
+        await _process(message, delivery, spec, rt, watch)
     finally:
+        rt.cancels.unwatch(watch)
         tracing.leave(token)
 
 
@@ -121,7 +130,11 @@ def _trace(delivery: Delivery, spec: HandlerSpec) -> TraceContext:
 
 
 async def _process(
-    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    watch: Watch,
 ) -> None:
     if undecodable(delivery.headers) is not None:
         # Its properties did not decode (the worker reads them tolerantly, see Worker.run), so
@@ -163,6 +176,18 @@ async def _process(
         held = gate if isinstance(gate, str) else None
     if await _expired_on_arrival(message, delivery, spec, rt, held):
         return
+    # Only a request, or the marker of a delivery that claims nothing, can cancel it here:
+    # the common path pays no call.
+    if (
+        watch.requested or (rt.store is not None and not spec.idempotent)
+    ) and await _cancelled_before_start(message, delivery, spec, rt, held, watch):
+        return
+    ticket = NO_TICKET
+    if spec.limits and rt.limiter is not None:
+        admitted = await _within_limits(message, delivery, spec, rt, rt.limiter, task, held)
+        if admitted is None:
+            return
+        ticket = admitted
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it.
@@ -172,16 +197,23 @@ async def _process(
         else None
     )
     # If the handler ignores its cancellation, another task ends the attempt without it.
-    on_stuck = _ending_without(message, delivery, spec, rt, held)
+    on_stuck = _ending_without(message, delivery, spec, rt, held, watch)
     try:
-        if held is None or rt.store is None:
-            outcome = await _call(spec, task, delivery, rt, on_stuck)
-        else:
-            with rt.store.holding(spec.queue, delivery.task_id, held):
-                outcome = await _call(spec, task, delivery, rt, on_stuck)
+        with ticket:  # the limits' slots are freed as the handler ends, however it ends
+            if held is None or rt.store is None:
+                outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
+            else:
+                with rt.store.holding(spec.queue, delivery.task_id, held):
+                    outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
         if running is not None:
             await running
-        if outcome is not None:  # None: abandoned, and the task that took over settled it
+        if outcome is None:  # abandoned, and the task that took over settled it
+            return
+        if watch.requested:
+            # Cancelled while it ran: whatever it returned or raised no longer counts (a
+            # failure is not retried).
+            await _end_cancelled(message, delivery, spec, rt, held)
+        else:
             await _conclude(message, delivery, spec, rt, held, *outcome)
     except BaseException:
         # Stopping hard, or a bug of ours: the worker gives the message back. Free the claim
@@ -289,6 +321,9 @@ async def _pass_guard(
         log.warning("task store unavailable (%s: %s)", type(e).__name__, e)
         await _defer(message, delivery, spec, rt, "the task store is down, the guard cannot tell")
         return _Gate.SETTLED
+    if claim is Claim.CANCELLED:
+        await _end_cancelled(message, delivery, spec, rt, None)
+        return _Gate.SETTLED
     if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
         if claim is not Claim.DONE:
             await _mark_done_quietly(store, spec, delivery)
@@ -300,6 +335,52 @@ async def _pass_guard(
         await _defer(message, delivery, spec, rt, "another worker is running this task")
         return _Gate.SETTLED
     return owner
+
+
+async def _within_limits(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    limiter: Limiter,
+    task: Any,
+    held: str | None,
+) -> Ticket | None:
+    """The ticket of a start within the handler's limits, or None when the delivery was
+    settled: deferred (over a limit, or Redis down), or dead-lettered (a key function
+    failed). A deferral spends no attempt and frees the claim for the copy that returns."""
+    try:
+        answer = await limiter.admit(spec.queue, spec.limits, task)
+    except InvalidPayload as e:
+        await _release(rt, spec, delivery, held)
+        await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, e)
+        return None
+    except Exception as e:  # Redis unreachable or failing: as for the guard
+        if rt.settings.guard_on_redis_down == "run_unguarded":
+            log.warning("limits unavailable (%s); running UNLIMITED as configured", e)
+            return NO_TICKET
+        log.warning("limits unavailable (%s: %s)", type(e).__name__, e)
+        await _release(rt, spec, delivery, held)
+        await _defer(message, delivery, spec, rt, "Redis is down, the limits cannot tell")
+        return None
+    if not isinstance(answer, Held):
+        return answer
+    rt.metrics.limit_deferred(spec.queue, answer.kind).inc()
+    if held is not None:
+        # The claim wrote "running": it waits in a delay queue now.
+        await asyncio.gather(
+            _release(rt, spec, delivery, held), _status(rt, delivery, spec, TaskStatus.QUEUED)
+        )
+    await rt.settler.defer(
+        message,
+        delivery,
+        queue=spec.queue,
+        delay_ms=answer.delay_ms,
+        why=f"over its {answer.kind} limit",
+        # Routine under load (one line per deferral would drown the log): the metric counts.
+        level=logging.DEBUG,
+    )
+    return None
 
 
 async def _finished_before(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> bool:
@@ -373,6 +454,7 @@ async def _call(
     delivery: Delivery,
     rt: Runtime,
     on_stuck: Callable[[asyncio.Task[Any]], None],
+    watch: Watch,
 ) -> tuple[Any, BaseException | None] | None:
     """Run the handler under its timeout: (its result, None), (None, the error), or None when
     it ignored its cancellation and ``on_stuck`` ended the attempt without it.
@@ -405,6 +487,7 @@ async def _call(
             app=rt.app,
             session_id=session_id,
             emitter=emitter,
+            cancel_requested=watch.event(),
         )
         args = (task, ctx)
     timing = rt.metrics.handler_timing(spec.queue)
@@ -418,6 +501,7 @@ async def _call(
     error: BaseException | None = None
     try:
         with deadline:
+            watch.attach(deadline)
             result = await spec.func(*args)
             if emitter is not None:
                 # Every chunk written before the result is stored: a stream's final event
@@ -473,13 +557,16 @@ def _ending_without(
     spec: HandlerSpec,
     rt: Runtime,
     held: str | None,
+    watch: Watch,
 ) -> Callable[[asyncio.Task[Any]], None]:
     """What the deadline ticker calls when the handler is still running ``grace`` after its
     cancellation: end the attempt as a failure in a new task, so the message is retried or
-    dead-lettered, the claim released, and the worker's slot freed."""
+    dead-lettered (acked, if the task was cancelled), the claim released, and the worker's
+    slot freed."""
 
     def take_over(stuck: asyncio.Task[Any]) -> None:
-        rt.take_over(message, spec, rt, stuck, _end_abandoned(message, delivery, spec, rt, held))
+        ending = _end_abandoned(message, delivery, spec, rt, held, watch)
+        rt.take_over(message, spec, rt, stuck, ending)
 
     return take_over
 
@@ -490,10 +577,19 @@ async def _end_abandoned(
     spec: HandlerSpec,
     rt: Runtime,
     held: str | None,
+    watch: Watch,
 ) -> None:
     token = tracing.enter(_trace(delivery, spec))
     try:
         grace_s = rt.settings.handler_cancel_grace_s
+        if watch.requested:
+            log.error(
+                "handler still running %.3g s after it was cancelled on request (it ignores "
+                "cancellation); ending the attempt without it",
+                grace_s,
+            )
+            await _end_cancelled(message, delivery, spec, rt, held)
+            return
         log.error(
             "handler still running %.3g s after it was cancelled at its timeout of %.3g s "
             "(it ignores cancellation); ending the attempt without it",
@@ -560,6 +656,50 @@ async def _to_inbox(rt: Runtime, session_id: str, state: TaskState) -> None:
             dropped,
             rt.settings.inbox_max_entries,
         )
+
+
+async def _cancelled_before_start(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+    watch: Watch,
+) -> bool:
+    """End a task cancelled before its handler started: by a request that came while it was
+    claimed, or, for a handler that claims nothing (``idempotent=False``), by the cancel
+    marker (one read; a claim reads it in the same step)."""
+    if not watch.requested and not spec.idempotent and rt.store is not None:
+        try:
+            if await rt.store.is_cancelled(spec.queue, delivery.task_id):
+                watch.request()
+        except Exception as e:  # unknown: run it; a cancel request still reaches the handler
+            log.warning("could not read the cancel marker (%s)", e)
+    if not watch.requested:
+        return False
+    await _end_cancelled(message, delivery, spec, rt, held)
+    return True
+
+
+async def _end_cancelled(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+) -> None:
+    """Ack a cancelled task: record ``cancelled`` (the cancel wrote it already, unless it
+    named no queue and found no record) and, when claimed, mark it done, so a copy is acked
+    unrun. Best effort: the cancel marker answers every later copy anyway."""
+    state = _state(delivery, spec, TaskStatus.CANCELLED) if rt.results is not None else None
+    try:
+        if held is not None and rt.store is not None:
+            await rt.store.finish(spec.queue, delivery.task_id, state)
+        elif rt.results is not None and state is not None:
+            await rt.results.record(state)
+    except Exception as e:
+        log.warning("could not record the cancel (%s)", e)
+    await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
 
 
 async def _patiently(rt: Runtime, write: Callable[[], Awaitable[object]]) -> None:

@@ -45,6 +45,14 @@ OUTCOME_LEVELS = {
     Outcome.RETRIED: logging.WARNING,
     Outcome.DEAD_LETTERED: logging.ERROR,
     Outcome.REQUEUED: logging.WARNING,
+    Outcome.CANCELLED: logging.INFO,
+}
+
+# What an ack says, by its outcome.
+_ACK_TEXTS = {
+    Outcome.ACKED: "result stored, acked",
+    Outcome.DUPLICATE: "acked without running the handler: a finished task seen again",
+    Outcome.CANCELLED: "acked: the task was cancelled (App.cancel)",
 }
 
 
@@ -119,18 +127,12 @@ class Settler:
     async def ack(
         self, message: AbstractIncomingMessage, *, queue: str, outcome: Outcome = Outcome.ACKED
     ) -> bool:
-        """Ack a task whose result is stored (``ACKED``), or a copy of a finished task
-        (``DUPLICATE``); False when the channel is gone (the broker redelivers: a duplicate,
-        not a loss)."""
+        """Ack a task whose result is stored (``ACKED``), a copy of a finished task
+        (``DUPLICATE``) or a cancelled task (``CANCELLED``); False when the channel is gone
+        (the broker redelivers: a duplicate, not a loss)."""
         if not await self._settle(message, requeue=None):
             return False
-        self._ended(
-            queue,
-            outcome,
-            "acked without running the handler: a finished task seen again"
-            if outcome is Outcome.DUPLICATE
-            else "result stored, acked",
-        )
+        self._ended(queue, outcome, _ACK_TEXTS[outcome])
         return True
 
     async def give_back(
@@ -189,13 +191,17 @@ class Settler:
         queue: str,
         delay_ms: int,
         why: str,
+        level: int | None = None,
     ) -> bool:
         """Park the task in a delay queue without counting an attempt: it did not fail."""
         target = _delay_queue(message, queue, delay_ms)
         if not await self._move(message, delivery, target, carried_headers(delivery), queue=queue):
             return False
         self._ended(
-            queue, Outcome.DEFERRED, f"parked in {target} for {delay_ms / 1000:.3g} s: {why}"
+            queue,
+            Outcome.DEFERRED,
+            f"parked in {target} for {delay_ms / 1000:.3g} s: {why}",
+            level=level,
         )
         return True
 

@@ -14,6 +14,8 @@ Environment:
                           "ignore_cancel" (sleeps, swallowing every cancellation), "block"
                           (blocks the event loop in a synchronous sleep), "stream"
                           (emits each word of the text, sleeping that long after each)
+                          (blocks the event loop in a synchronous sleep)
+    TEST_LIMIT_CONCURRENCY  a global concurrency limit of the handler (``Limit``), if set
 The ``WECLAW_MQ_*`` settings apply as in any app.
 """
 
@@ -30,7 +32,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from tests.integration.fixture_apps import lazy_app, required_env
-from weclaw_mq import App, Context, Settings
+from weclaw_mq import App, Context, Limit, Settings
 
 EVENTS_FILE = "events.log"
 
@@ -77,10 +79,11 @@ def build_app(
     sleep_s: float = 0.0,
     crash_on: str | None = None,
     mode: str = "sleep",
+    limit: Limit | None = None,
 ) -> App:
     app = App("fixture", settings=settings)
 
-    @app.handler(queue)
+    @app.handler(queue, limit=limit)
     async def work(task: Job, ctx: Context) -> dict[str, str]:
         record(record_dir, "started", ctx)
         if crash_on is not None and task.text == crash_on:
@@ -108,6 +111,7 @@ def build_app(
 def _app_from_env() -> App:
     queue, record_dir = required_env(__name__, "TEST_QUEUE", "TEST_RECORD_DIR")
     crash_on = os.environ.get("TEST_CRASH_ON") or None
+    concurrency = os.environ.get("TEST_LIMIT_CONCURRENCY")
     return build_app(
         queue,
         settings=Settings(),
@@ -115,6 +119,7 @@ def _app_from_env() -> App:
         sleep_s=float(os.environ.get("TEST_HANDLER_SLEEP_S", "0")),
         crash_on=crash_on,
         mode=os.environ.get("TEST_HANDLER_MODE", "sleep"),
+        limit=Limit(concurrency=int(concurrency)) if concurrency else None,
     )
 
 

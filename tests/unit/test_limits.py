@@ -1,0 +1,73 @@
+"""``Limit``: what a handler's limit accepts, its delay queues and its Redis key names."""
+
+from __future__ import annotations
+
+import pytest
+
+from weclaw_mq import App, ConfigurationError, Limit
+from weclaw_mq.limits import DEFER_LADDER_MS, as_limits, deferral_ms
+from weclaw_mq.naming import limit_keys, retry_queue_name
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},  # neither kind
+        {"concurrency": 0},
+        {"rate": 0},
+        {"concurrency": 1.5},
+        {"concurrency": True},
+        {"rate": 5, "per_s": 0},
+        {"rate": 5, "key": "user_id"},  # a field name, not a function
+    ],
+)
+def test_a_limit_that_cannot_work_is_refused_at_import(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigurationError):
+        Limit(**kwargs)  # type: ignore[arg-type]
+
+
+def test_limit_accepts_one_a_list_or_none_and_nothing_else() -> None:
+    one = Limit(concurrency=2)
+    assert as_limits(one) == (one,)
+    assert as_limits([one, Limit(rate=3)]) == (one, Limit(rate=3))
+    assert as_limits(None) == ()
+    with pytest.raises(ConfigurationError):
+        as_limits([one, 2])  # type: ignore[list-item]
+
+
+def test_a_deferral_waits_at_least_the_expected_wait_and_at_most_twice_it() -> None:
+    assert deferral_ms(0) == 125
+    for wait in (1, 124, 125, 126, 999, 1000, 1001, 7000, 15999):
+        delay = deferral_ms(wait)
+        assert delay in DEFER_LADDER_MS
+        assert wait <= delay <= max(2 * wait, 125)
+    # Past the ladder's top the task comes back after 16 s and asks again.
+    assert deferral_ms(60_000) == 16_000
+
+
+def test_a_limited_handler_declares_the_ladders_delay_queues() -> None:
+    app = App("t")
+
+    @app.handler("plain")
+    async def plain(task: dict[str, int]) -> None: ...
+
+    @app.handler("limited", limit=Limit(key=lambda t: t["user"], concurrency=2))
+    async def limited(task: dict[str, int]) -> None: ...
+
+    assert set(DEFER_LADDER_MS) <= set(app.handlers["limited"].queue_spec().retry_delays_ms)
+    assert not set(DEFER_LADDER_MS) - {1000} & set(
+        app.handlers["plain"].queue_spec().retry_delays_ms
+    )
+    assert retry_queue_name("limited", 125) == "limited.retry.125ms"
+
+
+def test_limit_keys_share_one_hash_tag_whatever_the_key_holds() -> None:
+    for key in ("u1", "", "}", "{x}", "a%7Db", "*"):
+        slots, starts = limit_keys("q", 0, key)
+        tag = slots[slots.index("{") + 1 : slots.index("}")]
+        assert tag and starts[starts.index("{") + 1 : starts.index("}")] == tag
+        assert slots.endswith(":slots") and starts.endswith(":starts")
+    # Distinct keys, distinct tags (the escape is reversible); global and keyed never meet.
+    keys = ["u1", "", "}", "{x}", "%7D", "*", None]
+    assert len({limit_keys("q", 0, k)[0] for k in keys}) == len(keys)
+    assert limit_keys("q", 0, "u1") != limit_keys("q", 1, "u1")

@@ -1,0 +1,138 @@
+"""Cancellation on Redis (the rules are in ``state.cancel``): the cancel script, the marker
+read, and the one subscription per worker to cancel requests.
+
+Redis errors escape as redis-py raises them: ``RedisTaskStore`` wraps them at its boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from ..errors import StateUnavailableError
+from ..naming import CANCEL_CHANNEL, cancel_key, done_channel, latest_key, state_key
+from .cancel import (
+    CANCEL_ATTEMPTS,
+    Cancellation,
+    CancelOutcome,
+    answer,
+    cancelled_record,
+    covers,
+    finished,
+    read_request,
+    request_message,
+    scope_of,
+)
+from .protocol import TaskState
+from .redis_clients import StateClient
+
+# The record a cancel decides on, in one round trip. KEYS: latest[, record]. Returns
+# {record key, state JSON}, '' for what does not exist. The key the pointer names is not in
+# KEYS: on one Redis that is fine, and under a cluster the hash tag keeps it on this node.
+_READ = """
+local key = KEYS[2]
+if not key then key = redis.call('GET', KEYS[1]) end
+if not key then return {'', ''} end
+return {key, redis.call('HGET', key, 'state') or ''}
+"""
+
+# The cancel, if the record is still the one read (compare and set): marker, cancelled
+# record, wake-ups. Prefixed with the shared record-write rule (``write_record``).
+# KEYS: marker, latest[, record]. ARGV: scope, expected state ('' = none), expected latest
+# pointer ('-' = not checked: the queue was given), cancelled state ('' = none to write),
+# ttl_ms, done channel, queue, cancel channel, request. Returns 1, or 0 when it changed.
+_CANCEL = """
+local current = ''
+if KEYS[3] then current = redis.call('HGET', KEYS[3], 'state') or '' end
+if current ~= ARGV[2] then return 0 end
+if ARGV[3] ~= '-' and (redis.call('GET', KEYS[2]) or '') ~= ARGV[3] then return 0 end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+if ARGV[4] ~= '' then
+  write_record(KEYS[3], KEYS[2], 'cancelled', ARGV[4], ARGV[5], false)
+  redis.call('PUBLISH', ARGV[6], ARGV[7])
+end
+redis.call('PUBLISH', ARGV[8], ARGV[9])
+return 1
+"""
+
+# How long one wait for a request lasts: bounded, because a blocking read of a pub/sub
+# connection would hit the pool's socket timeout (redis-py applies it to block=True reads).
+_LISTEN_POLL_S = 1.0
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisCancels:
+    """``record_write_lua``: the store's shared record-write rule, which the cancel script
+    uses to write the cancelled record (passed in: that rule lives with the store)."""
+
+    def __init__(self, client: StateClient, *, ttl_ms: int, record_write_lua: str) -> None:
+        self._redis = client
+        self._ttl_ms = ttl_ms
+        self._read = client.register_script(_READ)
+        self._cancel = client.register_script(record_write_lua + _CANCEL)
+
+    async def cancel(self, task_id: str, queue: str | None) -> Cancellation:
+        for _ in range(CANCEL_ATTEMPTS):
+            record_keys = [state_key(queue, task_id)] if queue is not None else []
+            key, raw = (
+                _text(v) for v in await self._read(keys=[latest_key(task_id), *record_keys])
+            )
+            state = TaskState.model_validate_json(raw) if raw else None
+            now = datetime.now(UTC)
+            done = finished(state, now)
+            if done is not None:
+                return Cancellation(task_id, CancelOutcome.FINISHED, done)
+            written = cancelled_record(state, task_id, queue, now)
+            args: list[str | int] = [
+                scope_of(queue),
+                raw,
+                "-" if queue is not None else key,
+                written.model_dump_json() if written is not None else "",
+                self._ttl_ms,
+                done_channel(task_id),
+                written.queue if written is not None else "",
+                CANCEL_CHANNEL,
+                request_message(task_id, queue),
+            ]
+            keys = [cancel_key(task_id), latest_key(task_id), *([key] if key else [])]
+            if await self._cancel(keys=keys, args=args):
+                return answer(task_id, written)
+        raise StateUnavailableError(
+            f"the record of task {task_id} changed under {CANCEL_ATTEMPTS} cancels in a row; "
+            "try again"
+        )
+
+    async def is_cancelled(self, queue: str, task_id: str) -> bool:
+        members = await self._redis.smembers(cancel_key(task_id))
+        return covers({_text(m) for m in members}, queue)
+
+    async def listen(
+        self,
+        on_cancel: Callable[[str, str | None], None],
+        on_subscribed: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Subscribe, call ``on_subscribed``, then pass every request to ``on_cancel``, until
+        cancelled or Redis fails (raised: the caller subscribes again)."""
+        pubsub = self._redis.pubsub()
+        try:
+            await pubsub.subscribe(CANCEL_CHANNEL)
+            await on_subscribed()
+            while True:
+                message = await pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=_LISTEN_POLL_S
+                )
+                if message is None or message.get("type") != "message":
+                    continue
+                request = read_request(message["data"])
+                if request is not None:
+                    on_cancel(*request)
+        finally:
+            # aclose alone (see RedisTaskStore._wait): it returns the connection to the pool.
+            with contextlib.suppress(Exception):  # already broken: nothing left to return
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
