@@ -18,7 +18,7 @@ TEST_WORKERS ?= 3
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
 	bench-stream bench-priority bench-limits bench-rss bench-redis-client compose-check clean \
-	distclean services-up services-down services-status
+	distclean services-up services-down services-status soak fuzz
 
 help:
 	@echo "make demo           install, start RabbitMQ + Redis if needed, run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
@@ -34,6 +34,8 @@ help:
 	@echo "make bench          benchmark vs raw aio-pika, FastStream, Dramatiq (own venv; BENCH_ARGS=--smoke)"
 	@echo "make bench-own-cost weclaw_mq's own CPU per delivery, in isolation (no broker, no Redis)"
 	@echo "make bench-outbox   the local outbox: publish with the broker down, the relay's drain rate"
+	@echo "make soak           50,000 tasks through one worker: its RSS stays within 10 % after warm-up"
+	@echo "make fuzz           the hostile-input tests with many more, random examples (FUZZ_EXAMPLES=20)"
 	@echo "make bench-notify   what notify=True costs a worker (tasks/s, CPU per task; real broker)"
 	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
@@ -150,6 +152,20 @@ bench-priority: install
 # defaults; add "rate" to --variants for a rate limit too.
 bench-limits: install
 	$(BIN)/python -m benchmarks.limits_cost $(LIMITS_ARGS)
+
+# Not in 'make test' (minutes): a worker's memory over 50,000 tasks, guard and results on, some
+# retried, some dead-lettered (benchmarks/soak.py). SOAK_ARGS="--tasks 50000 --warmup 10000".
+soak: install
+	@ops/dev-services.sh up
+	$(BIN)/python -m benchmarks.soak $(SOAK_ARGS)
+
+# The hostile-input tests of 'make test' draw the same examples every run; this draws
+# FUZZ_EXAMPLES times as many, new ones each run.
+FUZZ_EXAMPLES ?= 20
+fuzz: install
+	@ops/dev-services.sh up
+	WECLAW_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) WECLAW_FUZZ_RANDOM=1 $(BIN)/pytest -q -p no:cacheprovider \
+		tests/unit/test_hostile_input.py tests/integration/test_hostile_input.py
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

@@ -77,6 +77,19 @@ def dramatiq_body(queue: str, seq: int, task_id: str) -> bytes:
     return encode(fields)
 
 
+async def delete_app_queues(amqp_url: str, app: App) -> None:
+    """Delete every queue of ``app``'s handlers (a benchmark's own, uniquely named ones)."""
+    conn = await aio_pika.connect(amqp_url)
+    try:
+        for spec in app.handlers.values():
+            for name, _ in queue_declarations(spec.queue_spec()):
+                channel = await conn.channel()
+                await channel.queue_delete(name)
+                await channel.close()
+    finally:
+        await conn.close()
+
+
 class Infra:
     """One long-lived connection for declaring, filling and deleting; one Redis client."""
 

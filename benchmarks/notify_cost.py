@@ -26,12 +26,12 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import aio_pika
 import redis.asyncio as aioredis
 
 from weclaw_mq import App, Settings, Worker
 from weclaw_mq.naming import GUARD_KEY_PREFIX, STATE_KEY_PREFIX, queue_key_pattern
-from weclaw_mq.topology import queue_declarations
+
+from .infra import delete_app_queues
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -110,15 +110,7 @@ async def _first(running: asyncio.Task[None], ready: Coroutine[Any, Any, object]
 
 
 async def _clean(app: App, queue: str) -> None:
-    conn = await aio_pika.connect(AMQP_URL)
-    try:
-        for spec in app.handlers.values():
-            for name, _ in queue_declarations(spec.queue_spec()):
-                channel = await conn.channel()
-                await channel.queue_delete(name)
-                await channel.close()
-    finally:
-        await conn.close()
+    await delete_app_queues(AMQP_URL, app)
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         keys = []

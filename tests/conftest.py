@@ -188,7 +188,7 @@ def qname(request: pytest.FixtureRequest) -> str:
 
 
 def settings_for(broker_url: str, redis_url: str, **overrides: Any) -> Settings:
-    return Settings(amqp_url=broker_url, redis_url=redis_url, **overrides)
+    return Settings(**{"amqp_url": broker_url, "redis_url": redis_url, **overrides})
 
 
 async def delete_queues(broker_url: str, names: list[str]) -> None:

@@ -185,14 +185,24 @@ class PrivateRedis:
 
     ``appendonly``: it keeps an append-only file in ``folder`` (fsync every second, and on a
     clean stop), so what it acknowledged survives its restart; without, it keeps nothing.
+    ``password``: it requires it (``requirepass``), and its URL carries it.
     """
 
-    def __init__(self, servers: PrivateServers, folder: Path, *, appendonly: bool = False) -> None:
+    def __init__(
+        self,
+        servers: PrivateServers,
+        folder: Path,
+        *,
+        appendonly: bool = False,
+        password: str | None = None,
+    ) -> None:
         self.servers = servers
         self.folder = folder
         self.appendonly = appendonly
         self.socket = folder / "redis.sock"
-        self.url = f"unix://{self.socket}?db=0"
+        self.password = password  # requirepass, when set (and in the URL)
+        auth = f":{password}@" if password else ""
+        self.url = f"unix://{auth}{self.socket}?db=0"
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -206,6 +216,8 @@ class PrivateRedis:
         args += ["--unixsocketperm", "700", "--save", ""]
         args += ["--appendonly", "yes" if self.appendonly else "no"]
         args += ["--dir", str(self.folder)]
+        if self.password:
+            args += ["--requirepass", self.password]
         with (self.folder / "redis.log").open("ab") as log:
             self._proc = subprocess.Popen(
                 args,
@@ -242,7 +254,9 @@ class PrivateRedis:
     def answers(self) -> bool:
         import redis  # only here: the reaper script must run on the standard library alone
 
-        client = redis.Redis(unix_socket_path=str(self.socket), socket_connect_timeout=1)
+        client = redis.Redis(
+            unix_socket_path=str(self.socket), password=self.password, socket_connect_timeout=1
+        )
         try:
             return bool(client.ping())
         except redis.RedisError:

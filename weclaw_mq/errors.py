@@ -252,7 +252,7 @@ class UndecodableBody(WorkerError):
 
 
 class InvalidPayload(WorkerError):
-    """The body is JSON but fails the handler's model: no retry can fix it."""
+    """The body fails the handler's model, or is over ``max_message_bytes``: no retry can fix it."""
 
     error_type: ClassVar[str] = "weclaw_mq.InvalidPayload"
 

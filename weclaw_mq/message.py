@@ -18,6 +18,7 @@ import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
 from pydantic import BaseModel
 
+from . import header_values
 from . import headers as h
 from .errors import MessageEncodingError, PayloadError
 from .tracing import trace_from_headers
@@ -58,6 +59,11 @@ def check_encodable(queue: str, task_id: object, extra: HeadersType | None) -> N
     """
     _check_short_string("queue name", queue)
     _check_short_string("task id", task_id)
+    if isinstance(task_id, str) and not task_id.isprintable():
+        # It goes into log lines and Redis keys: a newline there forges the next log line.
+        raise MessageEncodingError(
+            f"the task id {task_id[:40]!r} holds control or line characters; use printable text"
+        )
     if not extra:
         return
     _check_field_names(extra, "headers")
@@ -139,12 +145,12 @@ class Delivery:
 
 
 def read_delivery(message: AbstractIncomingMessage) -> Delivery:
-    headers: dict[str, Any] = dict(message.headers or {})
+    headers = header_values.checked(dict(message.headers or {}))
     trace_id, traceparent = trace_from_headers(headers)
     attempt = headers.get(h.ATTEMPT)
     return Delivery(
         # A message from a foreign publisher may lack an id; it still gets processed.
-        task_id=message.message_id or new_task_id(),
+        task_id=header_values.task_id(message.message_id) if message.message_id else new_task_id(),
         trace_id=trace_id,
         traceparent=traceparent,
         attempt=attempt if isinstance(attempt, int) and attempt >= 1 else 1,

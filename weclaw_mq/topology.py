@@ -40,7 +40,7 @@ import aiormq
 from aio_pika.abc import AbstractChannel
 
 from .broker_version import ServerVersion, dlq_plan
-from .errors import TopologyConflictError
+from .errors import ConfigurationError, TopologyConflictError
 from .naming import dlq_name, lane_queue_name, retry_queue_name
 from .priority import CLASSIC, QUORUM, plan_priorities
 from .publishing.connection import channel_server_version
@@ -169,6 +169,8 @@ async def declare(
         for name, args in _own_declarations(spec, version):
             try:
                 await channel.declare_queue(name, durable=True, arguments=args)  # type: ignore[arg-type]
+            except aiormq.exceptions.ChannelAccessRefused:
+                await _check_exists(channel, name)
             except aiormq.exceptions.ChannelPreconditionFailed as e:
                 text = str(e)
                 match = _INEQUIVALENT_ARG.search(text)
@@ -188,12 +190,30 @@ async def declare(
     return declared
 
 
+async def _check_exists(channel: AbstractChannel, name: str) -> None:
+    """A user without configure permission (a least-privilege worker, see ``permissions``)
+    may not declare, not even a queue that exists as asked; a passive declare needs no
+    permission and says whether it exists. Its arguments are then the operator's, set by
+    ``weclaw-mq declare``."""
+    await channel.reopen()
+    try:
+        await channel.declare_queue(name, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity as e:
+        raise ConfigurationError(
+            f"queue {name!r} does not exist and this user may not declare it (no configure "
+            "permission): run 'weclaw-mq declare MODULE:APP' as an operator first"
+        ) from e
+    log.debug("using %s as declared by an operator (no configure permission)", name)
+
+
 async def _declare_or_keep(channel: AbstractChannel, name: str, args: dict[str, object]) -> None:
     """Declare a results queue, or keep the one that exists with other arguments: they were
     chosen by its consumer's handler options or by ops (a max length, say), and a declare
     never changes a queue's arguments anyway."""
     try:
         await channel.declare_queue(name, durable=True, arguments=args)  # type: ignore[arg-type]
+    except aiormq.exceptions.ChannelAccessRefused:
+        await _check_exists(channel, name)
     except aiormq.exceptions.ChannelPreconditionFailed as e:
         await channel.reopen()
         await channel.declare_queue(name, passive=True)

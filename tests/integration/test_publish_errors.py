@@ -99,6 +99,7 @@ async def test_headers_amqp_can_carry_are_sent(
         ("task id", "", "t" * 256),
         ("task id", "", "é" * 128),  # 256 bytes in UTF-8
         ("task id", "", "\udc80"),
+        ("task id", "", "a\nforged log line"),  # printable text only (SECURITY.md)
         ("queue name", "-" + "q" * 256, None),
     ],
 )

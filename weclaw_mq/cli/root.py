@@ -224,3 +224,7 @@ cli.add_typer(outbox_cli, name="outbox")
 from .cancel import cancel  # noqa: E402  (kept beside its registration)
 
 cli.command("cancel")(cancel)
+
+from .permissions import permissions  # noqa: E402
+
+cli.command("permissions")(permissions)

@@ -155,6 +155,14 @@ async def _process(
         )
         await _dead_letter(message, delivery, spec, rt, DeadLetterReason.DELIVERY_LIMIT, crash)
         return
+    if len(delivery.body) > rt.settings.max_message_bytes:
+        # The same bound as publish: another producer's huge body is not parsed or stored.
+        too_large = InvalidPayload(
+            f"the body is {len(delivery.body)} bytes, over max_message_bytes "
+            f"({rt.settings.max_message_bytes})"
+        )
+        await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, too_large)
+        return
     if await _parked_until_due(message, delivery, spec, rt):
         return
     circuit = rt.circuits.get(spec.queue)
