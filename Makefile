@@ -27,7 +27,7 @@ help:
 	@echo "make services-down  stop what services-up started (never a server it found running)"
 	@echo "make services-status  what answers, and what services-up started"
 	@echo "make install        create .venv and pip install -e '.[dev]' (skipped when up to date)"
-	@echo "make tools          install promtool (as root with apt-get) for the alert-rule tests"
+	@echo "make tools          install promtool and Chromium + its driver (as root with apt-get) for the tests"
 	@echo "make lint           ruff check, ruff format --check, mypy"
 	@echo "make format         ruff format and ruff check --fix"
 	@echo "make drill          every fault drill (private RabbitMQ nodes, 3-node cluster) and its table"
@@ -57,19 +57,25 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[dev]'
 	@touch $@
 
-# promtool (Debian's prometheus package) checks ops/prometheus/alerts.yml in the tests. As
-# root with apt-get (a fresh machine, CI) it is installed here; elsewhere we say how.
+# promtool (Debian's prometheus package) checks ops/prometheus/alerts.yml in the tests, and the
+# example web page's test drives headless Chromium through its Debian driver (never a
+# downloaded browser). As root with apt-get (a fresh machine, CI) they are installed here;
+# elsewhere we say how.
 tools:
-	@command -v promtool >/dev/null 2>&1 || { \
+	@missing=""; \
+	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "installing promtool: apt-get install prometheus"; \
+			echo "installing:$$missing (apt-get)"; \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-				--no-install-recommends prometheus >/dev/null; \
+				--no-install-recommends $$missing >/dev/null; \
 		else \
-			echo "make test needs promtool: 'apt-get install prometheus' (Debian) or put promtool on PATH"; \
+			echo "make test needs:$$missing (Debian packages: 'apt-get install$$missing' as root)"; \
 			exit 1; \
 		fi; \
-	}
+	fi
 
 lint: install
 	$(BIN)/ruff check .
