@@ -94,6 +94,9 @@ class AutoPipeline:
     # Plain functions returning the caller's future: no coroutine per command on the hot path.
     def script(self, script: Script, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """EVALSHA of ``script`` with ``keys`` and ``args``, in the next pipeline."""
+        texts = getattr(self._client, "script_texts", None)
+        if texts is not None:  # a Redis Cluster client: its pipelines send the text (EVAL)
+            texts.setdefault(script.sha, script.text)
         return self._queue("evalsha", (script.sha, len(keys), *keys, *args), script)
 
     def hget(self, key: str, field: str) -> asyncio.Future[Any]:
