@@ -41,8 +41,9 @@ import aio_pika
 from weclaw_mq import App, Context, Settings, Worker
 from weclaw_mq.broker_version import ServerVersion
 from weclaw_mq.priority import plan_priorities
-from weclaw_mq.topology import queue_declarations
 from weclaw_mq.worker import consume
+
+from .infra import delete_app_queues
 
 RESULTS = Path(__file__).resolve().parent / "results"
 THROUGHPUT_TARGET = 0.95
@@ -64,18 +65,6 @@ def one_queue_plan() -> Iterator[None]:
         yield
     finally:
         consume.plan_priorities = real  # type: ignore[assignment]
-
-
-async def _delete(amqp_url: str, app: App) -> None:
-    conn = await aio_pika.connect(amqp_url)
-    try:
-        for spec in app.handlers.values():
-            for name, _ in queue_declarations(spec.queue_spec()):
-                channel = await conn.channel()
-                await channel.queue_delete(name)
-                await channel.close()
-    finally:
-        await conn.close()
 
 
 async def urgent_run(
@@ -116,7 +105,7 @@ async def urgent_run(
         return done_at_start - before, started_at - published_at
     finally:
         await app.close()
-        await _delete(amqp_url, app)
+        await delete_app_queues(amqp_url, app)
 
 
 async def throughput_run(amqp_url: str, *, concurrency: int, n: int, lanes: bool) -> float:
@@ -150,7 +139,7 @@ async def throughput_run(amqp_url: str, *, concurrency: int, n: int, lanes: bool
         return n / elapsed
     finally:
         await app.close()
-        await _delete(amqp_url, app)
+        await delete_app_queues(amqp_url, app)
 
 
 async def raw_run(amqp_url: str, *, consumers: int, prefetch: int, n: int) -> float:

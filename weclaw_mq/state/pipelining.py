@@ -82,6 +82,9 @@ class AutoPipeline:
                 f"max_batch and max_in_flight must be at least 1, not {max_batch}, {max_in_flight}"
             )
         self._client = client
+        # A Redis Cluster client's pipelines run a script by its text (state.redis_clients):
+        # looked up once here, not per command.
+        self._script_texts: dict[str, Any] | None = getattr(client, "script_texts", None)
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
         self._queued: list[_Call] = []
@@ -94,9 +97,8 @@ class AutoPipeline:
     # Plain functions returning the caller's future: no coroutine per command on the hot path.
     def script(self, script: Script, keys: list[str], args: list[Any]) -> asyncio.Future[Any]:
         """EVALSHA of ``script`` with ``keys`` and ``args``, in the next pipeline."""
-        texts = getattr(self._client, "script_texts", None)
-        if texts is not None:  # a Redis Cluster client: its pipelines send the text (EVAL)
-            texts.setdefault(script.sha, script.text)
+        if self._script_texts is not None:  # a cluster client: its pipelines send EVAL
+            self._script_texts.setdefault(script.sha, script.text)
         return self._queue("evalsha", (script.sha, len(keys), *keys, *args), script)
 
     def hget(self, key: str, field: str) -> asyncio.Future[Any]:
