@@ -270,10 +270,21 @@ class TestRedisDown:
         await wait_until(lambda: ran == [1], 15, "the task to run once Redis answers")
 
 
+@pytest.fixture
+async def queues_to_delete(broker_url: str) -> AsyncIterator[list[str]]:
+    """Queues deleted at teardown, after ``start_worker``'s workers stopped (requested before
+    it, so torn down after it): a live worker's consumer-cancel recovery declares a queue
+    deleted under it again."""
+    names: list[str] = []
+    yield names
+    await delete_queues(broker_url, names)
+
+
 async def test_a_killed_worker_frees_its_slot_after_the_lease(
     broker_url: str,
     redis_url: str,
     redis_client: aioredis.Redis,
+    queues_to_delete: list[str],
     start_worker: Callable[..., Any],
     qname: str,
     tmp_path: Path,
@@ -324,6 +335,6 @@ async def test_a_killed_worker_frees_its_slot_after_the_lease(
     finally:
         worker.kill()
         await app.close()
-        await delete_queues(broker_url, queue_names(app))
+        queues_to_delete.extend(queue_names(app))
         await forget_task_keys(redis_url, [qname])
         await _forget_limit_keys(redis_client, qname)
