@@ -73,7 +73,8 @@ class DlqFilter:
     ) -> DlqFilter:
         if since is not None and until is not None and since >= until:
             raise ConfigurationError(
-                f"--since ({since.isoformat()}) must be before --until ({until.isoformat()})"
+                f"--since ({since.isoformat(timespec='seconds')}) must be before --until "
+                f"({until.isoformat(timespec='seconds')})"
             )
         return cls(
             task_ids=frozenset(task_ids or ()),

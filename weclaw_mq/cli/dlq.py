@@ -35,20 +35,26 @@ dlq_cli = typer.Typer(
 
 Queue = Annotated[
     str,
-    typer.Argument(help="The handler queue Q (its dead letters are in Q.dlq).", show_default=False),
+    typer.Argument(
+        metavar="QUEUE",
+        help="The handler queue Q (its dead letters are in Q.dlq).",
+        show_default=False,
+    ),
 ]
 Limit = Annotated[
-    int | None, typer.Option("--limit", "-n", min=1, help="At most this many messages.")
+    int | None,
+    typer.Option("--limit", "-n", min=1, metavar="N", help="At most this many messages."),
 ]
 TaskIds = Annotated[
     list[str] | None,
-    typer.Option("--task-id", "-t", help="Only this task (repeatable: any of them)."),
+    typer.Option("--task-id", "-t", metavar="ID", help="Only this task (repeatable: any of them)."),
 ]
 ErrorTypes = Annotated[
     list[str] | None,
     typer.Option(
         "--error-type",
         "-e",
+        metavar="NAME",
         help="Only this stable error name, e.g. RuntimeError, weclaw_mq.Reject (repeatable).",
     ),
 ]
@@ -57,6 +63,7 @@ Reasons = Annotated[
     typer.Option(
         "--reason",
         "-r",
+        metavar="REASON",
         help="Only this dead-letter reason, e.g. rejected, retries_exhausted, delivery_limit, "
         "expired, invalid_payload (repeatable).",
     ),
@@ -83,6 +90,7 @@ AppOption = Annotated[
     str | None,
     typer.Option(
         "--app",
+        metavar="MODULE:APP",
         help="MODULE:APP to take settings, handler options and result store from "
         "(default: WECLAW_MQ_* settings only).",
     ),
@@ -199,7 +207,7 @@ def list_(
 @dlq_cli.command()
 def show(
     queue: Queue,
-    task_id: Annotated[str, typer.Argument(help="The task id to show.")],
+    task_id: Annotated[str, typer.Argument(metavar="TASK_ID", help="The task id to show.")],
     app_path: AppOption = None,
 ) -> None:
     """Every field of one dead letter, its headers, body and traceback; exit 1 if absent."""
