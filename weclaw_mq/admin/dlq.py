@@ -1,9 +1,10 @@
 """Operating a handler's dead-letter queue ``Q.dlq``: look, export, import, shovel back, purge.
 
 What a dead letter says is read by ``dlq_message``, which of them a command acts on is decided
-by ``dlq_filter``; this module holds the broker side. Every move is "publish with confirm, then ack the DLQ copy", like every other hop: a
-crash in between duplicates, never loses. That holds for looking too: a look rotates the DLQ
-(see ``_Pass``) rather than taking messages and handing them back.
+by ``dlq_filter``; this module holds the broker side. Every move is "publish with confirm,
+then ack the DLQ copy", like every other hop: a crash in between duplicates, never loses.
+That holds for looking too: a look rotates the DLQ (see ``_Pass``) rather than taking
+messages and handing them back.
 """
 
 from __future__ import annotations
