@@ -25,8 +25,11 @@ PRIORITY = f"{PREFIX}priority"
 # The earliest time (epoch ms) the task may run: set by ``publish(delay_s=)`` and
 # ``Retry(after_s=)``; a worker that receives it earlier parks it again (weclaw_mq.delays).
 NOT_BEFORE = f"{PREFIX}not-before"
-# How often ops shovelled this task back from its DLQ (weclaw_mq.dlq.requeue).
+# How often ops shovelled this task back from its DLQ (weclaw_mq.dlq.requeue), and when it
+# last did (ISO-8601, UTC). Not failure headers: a copy that dies again carries both into the
+# DLQ, where ``dlq show`` prints them and the next requeue counts on.
 REQUEUED = f"{PREFIX}requeued"
+REQUEUED_AT = f"{PREFIX}requeued-at"
 
 # The error's stable name (part of the wire format, see failures.error_type); the class's
 # module path beside it is for people only and changes when code moves.

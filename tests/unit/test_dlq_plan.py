@@ -107,7 +107,11 @@ def test_a_requeued_copy_is_persistent_without_expiry_or_user_and_restarts_at_at
 
     copy = requeued_properties(read, at_ms=0)
 
-    assert copy.headers == {h.ATTEMPT: 1, h.REQUEUED: 1}
+    assert copy.headers == {
+        h.ATTEMPT: 1,
+        h.REQUEUED: 1,
+        h.REQUEUED_AT: "1970-01-01T00:00:00+00:00",  # the re-drive's time, at_ms
+    }
     assert (copy.delivery_mode, copy.expiration, copy.user_id) == (2, None, None)
     assert (copy.message_id, copy.content_type) == ("m", "application/json")
 

@@ -1,20 +1,24 @@
-"""Operating a handler's dead-letter queue ``Q.dlq``: look, export, shovel back, purge.
+"""Operating a handler's dead-letter queue ``Q.dlq``: look, export, import, shovel back, purge.
 
-What a dead letter says is read by ``weclaw_mq.dlq_message``; this module holds the broker
-side. Every move is "publish with confirm, then ack the DLQ copy", like every other hop: a
-crash in between duplicates, never loses. That holds for looking too: a look rotates the DLQ
-(see ``_Pass``) rather than taking messages and handing them back.
+What a dead letter says is read by ``dlq_message``, which of them a command acts on is decided
+by ``dlq_filter``; this module holds the broker side. Every move is "publish with confirm,
+then ack the DLQ copy", like every other hop: a crash in between duplicates, never loses.
+That holds for looking too: a look rotates the DLQ (see ``_Pass``) rather than taking
+messages and handing them back.
 """
 
 from __future__ import annotations
 
+import asyncio
+import binascii
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TextIO
 
 import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
@@ -29,6 +33,7 @@ from ..errors import (
     ConfigurationError,
     ConfirmTimeoutError,
     ConnectionLostError,
+    PayloadError,
     PublishNackedError,
     UnroutableError,
     WeclawMQError,
@@ -38,11 +43,15 @@ from ..naming import dlq_name
 from ..priority import priority_from_header, route
 from ..state import TaskState, TaskStatus, TaskStore
 from ..undecodable import tolerant_properties, undecodable
+from .dlq_filter import EVERYTHING, DlqFilter
 from .dlq_message import (
     DeadLetter,
+    encoded_properties,
     export_record,
     kept_properties,
     read_dead_letter,
+    record_body,
+    record_properties,
     requeued_properties,
 )
 
@@ -244,15 +253,40 @@ async def _pass_on_connection(app: App, queue: str, purpose: str) -> AsyncIterat
                     await channel.close()
 
 
-async def inspect(app: App, queue: str, *, limit: int | None = 100) -> list[DeadLetter]:
-    """Up to ``limit`` messages of ``Q.dlq`` (None: all), left in the DLQ unchanged."""
-    found: list[DeadLetter] = []
+@dataclass(frozen=True)
+class Looked:
+    """What one look at ``Q.dlq`` saw: up to ``limit`` matching dead letters, in queue order,
+    and how many matched and were there in all."""
+
+    shown: list[DeadLetter]
+    matched: int
+    total: int
+
+
+async def look(
+    app: App, queue: str, *, where: DlqFilter = EVERYTHING, limit: int | None = 100
+) -> Looked:
+    """The dead letters of ``Q.dlq`` that ``where`` selects (up to ``limit`` of them; None:
+    all), every message left in the DLQ unchanged and in order."""
+    shown: list[DeadLetter] = []
+    matched = total = 0
     async with _pass(app, queue, "inspect") as dlq:
         while (message := await dlq.next()) is not None:
-            if limit is None or len(found) < limit:
-                found.append(_read(message))
+            total += 1
+            dead = _read(message)
+            if where.matches(dead):
+                matched += 1
+                if limit is None or len(shown) < limit:
+                    shown.append(dead)
             await dlq.keep(message)
-    return found
+    return Looked(shown, matched, total)
+
+
+async def inspect(
+    app: App, queue: str, *, limit: int | None = 100, where: DlqFilter = EVERYTHING
+) -> list[DeadLetter]:
+    """Up to ``limit`` messages of ``Q.dlq`` (None: all), left in the DLQ unchanged."""
+    return (await look(app, queue, where=where, limit=limit)).shown
 
 
 async def find(app: App, queue: str, task_id: str) -> DeadLetter | None:
@@ -266,19 +300,64 @@ async def find(app: App, queue: str, task_id: str) -> DeadLetter | None:
     return found
 
 
-async def export(app: App, queue: str, path: str | Path, *, limit: int | None = None) -> int:
-    """Write ``Q.dlq`` as JSON lines to ``path`` (left in the DLQ); how many were written."""
+async def export(
+    app: App,
+    queue: str,
+    path: str | Path | TextIO,
+    *,
+    limit: int | None = None,
+    where: DlqFilter = EVERYTHING,
+) -> int:
+    """Write the dead letters ``where`` selects as JSON lines (``export_record``, with the
+    exact AMQP properties ``dlq import`` restores) to ``path`` (a file name, or an open text
+    stream such as stdout), left in the DLQ; how many were written."""
     written = 0
     async with _pass(app, queue, "export") as dlq:
-        # Opened once the DLQ is known to exist, so a typo never truncates a file. Blocking
-        # writes are fine here: small buffered lines to a local file, from an ops command.
-        with Path(path).open("w", encoding="utf-8") as out:  # noqa: ASYNC230
+        with _opened(path) as out:
             while (message := await dlq.next()) is not None:
-                if limit is None or written < limit:
-                    out.write(json.dumps(export_record(_read(message))) + "\n")
+                dead = _read(message)
+                if where.matches(dead) and (limit is None or written < limit):
+                    raw = encoded_properties(message.header.properties)
+                    out.write(json.dumps(export_record(dead, raw)) + "\n")
                     written += 1
                 await dlq.keep(message)
     return written
+
+
+@contextlib.contextmanager
+def _opened(path: str | Path | TextIO) -> Iterator[TextIO]:
+    # Entered once the DLQ is known to exist, so a typo never truncates a file. Blocking
+    # writes are fine here: small buffered lines to a local file, from an ops command.
+    if not isinstance(path, (str, Path)):
+        yield path
+        path.flush()
+        return
+    with Path(path).open("w", encoding="utf-8") as out:
+        yield out
+
+
+async def import_records(app: App, queue: str, lines: Iterable[str]) -> int:
+    """Publish each record of an export (JSON lines) to ``Q.dlq`` with a confirm, body and
+    properties byte for byte as exported; how many. Every line is read and checked before the
+    first publish: a damaged file publishes nothing (``PayloadError`` naming the line)."""
+    messages = [_record_message(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    async with _pass(app, queue, "import") as dlq:
+        dlq.budget = 0  # nothing is taken: the pass only lends its confirmed channel
+        for body, properties in messages:
+            await dlq.publish(dlq.dlq, body, properties)
+    return len(messages)
+
+
+def _record_message(line_number: int, line: str) -> tuple[bytes, Basic.Properties]:
+    try:
+        record = json.loads(line)
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        return record_body(record), record_properties(record)
+    except (ValueError, binascii.Error) as e:
+        raise PayloadError(
+            f"line {line_number} is not a 'weclaw-mq dlq export' record: {e}; nothing imported"
+        ) from None
 
 
 # -- moving and removing ------------------------------------------------------------------
@@ -328,6 +407,41 @@ class _QueuedStatus:
         self._store = None
 
 
+@dataclass
+class RequeueSummary:
+    """How a requeue (or its dry run) ended, counted over the dead letters it visited."""
+
+    moved: int = 0  # confirmed in Q (dry run: would be moved)
+    skipped: int = 0  # selected, but properties no client decodes: left in the DLQ
+    failed: int = 0  # selected, refused by the broker (no such lane, a nack): left in the DLQ
+    kept: int = 0  # not selected (or past --limit): left in the DLQ, in order
+    selected: list[DeadLetter] = field(default_factory=list)  # dry run only: what would move
+
+
+# (messages visited, messages in the DLQ when the pass started): for a progress bar.
+Progress = Callable[[int, int], None]
+
+
+class _Pace:
+    """At most ``rate_per_s`` moves per second: the n-th move waits until n / rate seconds
+    after the first (a steady rate; a slow broker never causes a burst to catch up)."""
+
+    def __init__(self, rate_per_s: float | None) -> None:
+        self._interval_s = 1 / rate_per_s if rate_per_s else 0.0
+        self._next_at: float | None = None
+
+    async def wait(self) -> None:
+        if not self._interval_s:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._next_at is None or self._next_at < now:
+            self._next_at = now
+        # An ops tool's deliberate pacing, not synchronisation: nothing else to wait on.
+        await asyncio.sleep(self._next_at - now)
+        self._next_at += self._interval_s
+
+
 async def requeue(
     app: App,
     queue: str,
@@ -337,52 +451,92 @@ async def requeue(
 ) -> int:
     """Shovel messages from ``Q.dlq`` back to ``Q``: all, the first ``limit``, or those whose
     task id is in ``task_ids`` (the others stay in the DLQ, unchanged and in order). How many
-    moved.
-
-    Each copy starts again at attempt 1 without the failure headers, counts the trip in
-    ``headers.REQUEUED``, and is confirmed by the broker before its DLQ copy is acked.
-    """
-    wanted = set(task_ids) if task_ids is not None else None
+    moved. ``redrive`` is the same with filters, a rate, a dry run and a summary."""
+    wanted = list(task_ids) if task_ids is not None else None
     if wanted is not None and not wanted:
         return 0
+    where = DlqFilter.of(task_ids=wanted)
+    return (await redrive(app, queue, where=where, limit=limit)).moved
+
+
+def _untouched(summary: RequeueSummary) -> bool:
+    return not (summary.kept or summary.skipped or summary.failed or summary.selected)
+
+
+async def redrive(
+    app: App,
+    queue: str,
+    *,
+    where: DlqFilter = EVERYTHING,
+    limit: int | None = None,
+    rate_per_s: float | None = None,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> RequeueSummary:
+    """Move the dead letters ``where`` selects (the first ``limit`` of them) back to ``Q``;
+    the others stay in the DLQ, unchanged and in order.
+
+    Each copy starts again at attempt 1 without the failure headers, counts the trip in
+    ``headers.REQUEUED`` and its time in ``headers.REQUEUED_AT``, and is confirmed by the
+    broker before its DLQ copy is acked: one message at a time, so a requeue killed at any
+    instant leaves at most one message both in Q and in the DLQ (a duplicate, never a loss).
+    A copy the broker refuses (its lane does not exist, a nack) is counted as failed and its
+    original kept; a lost broker or a missing confirm stops the run (the error says why).
+    ``dry_run`` moves nothing: it is a look that lists what would move.
+    """
     statuses = _QueuedStatus(app.results, queue)
-    moved = skipped = 0
+    summary = RequeueSummary()
+    visited = 0
     async with _pass(app, queue, "requeue") as dlq:
+        total = dlq.budget
+        pace = _Pace(rate_per_s)
         try:
-            while limit is None or moved < limit:
-                message = await dlq.next()
-                if message is None:
-                    break
-                task_id = message.header.properties.message_id or ""
-                if undecodable(message.header.properties.headers) is not None:
+            while (message := await dlq.next()) is not None:
+                visited += 1
+                dead = _read(message)
+                room = limit is None or summary.moved < limit
+                if not (room and where.matches(dead)):
+                    summary.kept += 1
+                    await dlq.keep(message)
+                elif undecodable(message.header.properties.headers) is not None:
                     # It would only kill its worker's connection again and again.
-                    skipped += 1
+                    summary.skipped += 1
                     await dlq.keep(message)
-                    continue
-                if wanted is not None and task_id not in wanted:
+                elif dry_run:
+                    summary.moved += 1
+                    summary.selected.append(dead)
                     await dlq.keep(message)
-                    continue
-                await _move_back(message, dlq, statuses, queue, app.queue_type_of(queue))
-                moved += 1
-            if wanted is not None:
-                await dlq.keep_the_rest()  # the pass ends with the others in their order
+                else:
+                    await pace.wait()
+                    if await _move_back(message, dlq, statuses, queue, app.queue_type_of(queue)):
+                        summary.moved += 1
+                    else:
+                        summary.failed += 1
+                if progress is not None:
+                    progress(visited, total)
+                if limit is not None and summary.moved >= limit and _untouched(summary):
+                    # Nothing was rotated to the tail: the rest are still at the head, in
+                    # order, and need not be visited.
+                    break
         except WeclawMQError:
-            if moved:  # the error says why it stopped; only we know how far it got
-                log.error("requeue stopped after moving %d message(s) to %s", moved, queue)
+            if summary.moved and not dry_run:  # the error says why; only we know how far
+                log.error("requeue stopped after moving %d message(s) to %s", summary.moved, queue)
             raise
-    if skipped:
+    if summary.skipped:
         log.warning(
             "left %d message(s) in %s whose properties the client cannot decode (listed as "
             "undecodable_properties); see the README's DLQ section",
-            skipped,
+            summary.skipped,
             dlq_name(queue),
         )
-    return moved
+    return summary
 
 
 async def _move_back(
     message: DeliveredMessage, dlq: _Pass, statuses: _QueuedStatus, queue: str, queue_type: str
-) -> None:
+) -> bool:
+    """Publish a requeued copy with a confirm, then ack the original: True. False when the
+    broker refused the copy (no such queue, a nack): the original is kept in the DLQ."""
     properties = message.header.properties
     # Back to the lane its priority header names (the AMQP priority property, on a native
     # plan, is kept by requeued_properties).
@@ -397,11 +551,18 @@ async def _move_back(
     )
     try:
         await dlq.publish(target, message.body, copy)
+    except (UnroutableError, PublishNackedError) as e:
+        # Certainly not in Q: this one stays in the DLQ, the others may still go.
+        await statuses.restore(before)
+        log.warning("left %s in %s: %s", copy.message_id or "a message", dlq.dlq, e)
+        await dlq.keep(message)
+        return False
     except WeclawMQError:
         await statuses.restore(before)
         raise  # the DLQ copy stays unacked and returns to the DLQ
     # Acked only after the confirm: a crash in between leaves a duplicate, never a loss.
     await dlq.ack(message)
+    return True
 
 
 async def purge(app: App, queue: str) -> int:
@@ -416,3 +577,32 @@ async def purge(app: App, queue: str) -> int:
             if not channel.is_closed:
                 await channel.close()
     return (result.message_count or 0) if result is not None else 0
+
+
+@dataclass
+class PurgeSummary:
+    removed: int = 0  # deleted (dry run: would be deleted)
+    kept: int = 0  # not selected: left in the DLQ, in order
+    selected: list[DeadLetter] = field(default_factory=list)  # dry run only
+
+
+async def purge_matching(
+    app: App, queue: str, *, where: DlqFilter, dry_run: bool = False
+) -> PurgeSummary:
+    """Delete for good the dead letters ``where`` selects; the others stay, unchanged and in
+    order (a pass that acks the selected and keeps the rest). ``dry_run`` deletes nothing."""
+    summary = PurgeSummary()
+    async with _pass(app, queue, "purge") as dlq:
+        while (message := await dlq.next()) is not None:
+            dead = _read(message)
+            if not where.matches(dead):
+                summary.kept += 1
+                await dlq.keep(message)
+            elif dry_run:
+                summary.removed += 1
+                summary.selected.append(dead)
+                await dlq.keep(message)
+            else:
+                summary.removed += 1
+                await dlq.ack(message)
+    return summary

@@ -17,10 +17,11 @@ For a handler queue ``Q`` the dead letters sit in ``Q.dlq``. Two kinds arrive th
 from __future__ import annotations
 
 import base64
+import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -76,6 +77,16 @@ class DeadLetter:
     @property
     def traceback(self) -> str | None:
         return _text(self.headers.get(h.ERROR_TRACEBACK))
+
+    @property
+    def requeued(self) -> int:
+        """How often ops re-drove this task from its DLQ before (0: never)."""
+        return _requeued(self.headers)
+
+    @property
+    def last_requeued_at(self) -> datetime | None:
+        """When the last re-drive was (None: never, or before weclaw_mq recorded it)."""
+        return _time(self.headers.get(h.REQUEUED_AT))
 
     @property
     def by_broker(self) -> bool:
@@ -143,17 +154,24 @@ def read_dead_letter(task_id: object, headers: object, body: bytes) -> DeadLette
     )
 
 
-def requeue_headers(headers: Mapping[str, Any]) -> dict[str, Any]:
-    """The headers of a copy sent back to work: a fresh first attempt that remembers the trip."""
+def requeue_headers(headers: Mapping[str, Any], *, at_ms: int | None = None) -> dict[str, Any]:
+    """The headers of a copy sent back to work: a fresh first attempt that remembers the trip
+    (how many re-drives, and the time of this one when ``at_ms`` is given)."""
     out = {
         k: v
         for k, v in headers.items()
         if k not in _FAILURE_HEADERS and not k.startswith(h.BROKER_DEATH_PREFIXES)
     }
     out[h.ATTEMPT] = 1
-    before = headers.get(h.REQUEUED)
-    out[h.REQUEUED] = (before if isinstance(before, int) and before > 0 else 0) + 1
+    out[h.REQUEUED] = _requeued(headers) + 1
+    if at_ms is not None:
+        out[h.REQUEUED_AT] = datetime.fromtimestamp(at_ms / 1000, UTC).isoformat()
     return out
+
+
+def _requeued(headers: Mapping[str, Any]) -> int:
+    before = headers.get(h.REQUEUED)
+    return before if isinstance(before, int) and not isinstance(before, bool) and before > 0 else 0
 
 
 class _ExactProperties(Basic.Properties):
@@ -215,7 +233,7 @@ def requeued_properties(properties: Basic.Properties, *, at_ms: int) -> Basic.Pr
     (header and ``expiration``): its old deadline has passed or soon will, and the copy
     would only expire again."""
     headers = properties.headers if isinstance(properties.headers, Mapping) else {}
-    fresh, ttl_ms = renewed(requeue_headers(headers), at_ms)
+    fresh, ttl_ms = renewed(requeue_headers(headers, at_ms=at_ms), at_ms)
     return _with(
         properties,
         headers=fresh,
@@ -228,13 +246,21 @@ def requeued_properties(properties: Basic.Properties, *, at_ms: int) -> Basic.Pr
     )
 
 
-def export_record(dead: DeadLetter) -> dict[str, Any]:
-    """One JSON-able object: the DeadLetter fields, the body as text or base64."""
-    try:
-        body, encoding = dead.body.decode("utf-8"), "utf-8"
-    except UnicodeDecodeError:
-        body, encoding = base64.b64encode(dead.body).decode("ascii"), "base64"
-    return {
+# How ``body`` is written in an export record (``body_encoding``): a JSON body as the JSON
+# value itself (jq reads it as an object), other UTF-8 text as a string, anything else as
+# base64. A JSON body whose compact re-encoding is not its exact bytes (spaces, key order
+# kept by the parser but number spellings like 1e3 changed) also gets ``body_bytes``, the
+# exact bytes in base64, so an import restores the body byte for byte.
+BODY_JSON = "json"
+BODY_TEXT = "utf-8"
+BODY_BASE64 = "base64"
+
+
+def export_record(dead: DeadLetter, raw_properties: bytes | None = None) -> dict[str, Any]:
+    """One JSON-able object: the DeadLetter fields, the body (see ``BODY_JSON``), the headers
+    readable, and when ``raw_properties`` is given (an export) the message's AMQP properties
+    exactly as encoded (base64), which ``dlq import`` restores."""
+    record: dict[str, Any] = {
         "task_id": dead.task_id,
         "reason": dead.reason,
         "error_type": dead.error_type,
@@ -244,10 +270,69 @@ def export_record(dead: DeadLetter) -> dict[str, Any]:
         "first_failure_at": _iso(dead.first_failure_at),
         "last_failure_at": _iso(dead.last_failure_at),
         "trace_id": dead.trace_id,
-        "body": body,
-        "body_encoding": encoding,
+        "requeued": dead.requeued,
+        "last_requeued_at": _iso(dead.last_requeued_at),
+        **_body_fields(dead.body),
         "headers": _jsonable(dead.headers),
     }
+    if raw_properties is not None:
+        record["amqp_properties"] = base64.b64encode(raw_properties).decode("ascii")
+    return record
+
+
+def _body_fields(body: bytes) -> dict[str, Any]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"body": base64.b64encode(body).decode("ascii"), "body_encoding": BODY_BASE64}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"body": text, "body_encoding": BODY_TEXT}
+    fields: dict[str, Any] = {"body": value, "body_encoding": BODY_JSON}
+    if _compact_json(value) != body:
+        fields["body_bytes"] = base64.b64encode(body).decode("ascii")
+    return fields
+
+
+def _compact_json(value: Any) -> bytes:
+    # How our producer writes a body (pydantic_core.to_json): no spaces, UTF-8 as is.
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def record_body(record: Mapping[str, Any]) -> bytes:
+    """The exact body an export record was written from; ``ValueError`` if it cannot be."""
+    encoding = record.get("body_encoding")
+    body = record.get("body")
+    exact = record.get("body_bytes")
+    if isinstance(exact, str):
+        return base64.b64decode(exact, validate=True)
+    if encoding == BODY_JSON:
+        return _compact_json(body)
+    if encoding == BODY_TEXT and isinstance(body, str):
+        return body.encode("utf-8")
+    if encoding == BODY_BASE64 and isinstance(body, str):
+        return base64.b64decode(body, validate=True)
+    raise ValueError(f"body_encoding {encoding!r} with a body of type {type(body).__name__}")
+
+
+def record_properties(record: Mapping[str, Any]) -> Basic.Properties:
+    """The AMQP properties an export record was written from, to be published byte for byte;
+    ``ValueError`` if the record has none (a record from before ``amqp_properties``)."""
+    encoded = record.get("amqp_properties")
+    if not isinstance(encoded, str):
+        raise ValueError("no amqp_properties (only exports of this version can be imported)")
+    raw = base64.b64decode(encoded, validate=True)
+    # Not decoded: a dead letter whose properties no client decodes (undecodable_properties)
+    # is exported and imported as the same bytes, like every look keeps it.
+    if len(raw) < 2:
+        raise ValueError("amqp_properties is shorter than its 2 flag bytes")
+    return raw_properties(raw)
+
+
+def encoded_properties(properties: Basic.Properties) -> bytes:
+    """``properties`` as a copy would be published (``kept_properties``): flags and fields."""
+    return kept_properties(properties).marshal()
 
 
 # -- header values -------------------------------------------------------------------------

@@ -1,5 +1,14 @@
 """Queue depths: ready messages and consumers of a handler queue, its priority lanes, their
-delay queues and the DLQ."""
+delay queues and the DLQ.
+
+Two ways to know which queues a handler has: from its spec (``--app``: ``stats`` with the
+handler's own delays), or from the broker alone (``discover``). AMQP 0-9-1 cannot list
+queues, so ``discover`` passive-declares every name the library itself can give a handler
+queue (``weclaw_mq.naming``): its lanes, and for Q and each lane the delay queues of the step
+delays (``delays.STEP_DELAYS_MS``), the limit ladder (``limits.DEFER_LADDER_MS``) and the retry
+policy the ``WECLAW_MQ_*`` settings give; those that exist are the handler's. A delay queue of
+a handler's own ``RetryPolicy`` outside those sets is only found with ``--app``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..app import App
-from ..naming import dlq_name, retry_queue_name
+from ..delays import STEP_DELAYS_MS
+from ..errors import ConfigurationError
+from ..limits import DEFER_LADDER_MS
+from ..naming import dlq_name, lane_queue_name, retry_queue_name
 from ..priority import Priority, route
 from ..publishing.connection import server_version
 from .dlq import connected, ready_count
@@ -36,11 +48,36 @@ class QueueStats:
     def all(self) -> tuple[QueueCount, ...]:
         return (self.work, *self.lanes, *self.retries, self.dlq)
 
+    def as_json(self) -> dict[str, object]:
+        """``stats --json``: stable keys, one entry per queue in ``all``'s order."""
+        return {
+            "queue": self.queue,
+            "queues": [
+                {
+                    "name": c.name,
+                    "role": c.role,
+                    "exists": c.exists,
+                    "ready": c.messages,
+                    "consumers": c.consumers,
+                }
+                for c in self.all
+            ],
+        }
+
+
+def _missing(queue: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"no queue named {queue!r} on the broker (a handler's queues are declared by "
+        "'weclaw-mq declare MODULE:APP' or its worker)"
+    )
+
 
 async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) -> QueueStats:
     """Message and consumer counts of ``Q``, each ``Q.retry.<delay>`` and ``Q.dlq``; a queue
     that does not exist is reported absent (passive declares never create anything)."""
     async with connected(app, "stats") as conn:
+        if await ready_count(conn, queue) is None:
+            raise _missing(queue)
 
         async def count(name: str, role: str) -> QueueCount:
             counts = await ready_count(conn, name)
@@ -80,3 +117,36 @@ def handler_retry_delays_ms(app: App, queue: str) -> tuple[int, ...]:
         scratch.handler(queue)(stand_in)
         spec = scratch.handlers[queue]
     return spec.queue_spec().retry_delays_ms
+
+
+async def discover(app: App, queue: str) -> QueueStats:
+    """Counts of the queues of handler queue ``queue`` that exist on the broker, found by
+    name (see the module's docstring); ``ConfigurationError`` if ``queue`` does not exist.
+    Only existing queues are listed, except the DLQ, which every handler has."""
+    delays = sorted({*STEP_DELAYS_MS, *DEFER_LADDER_MS, *handler_retry_delays_ms(app, queue)})
+    async with connected(app, "stats") as conn:
+
+        async def found(name: str, role: str) -> QueueCount | None:
+            counts = await ready_count(conn, name)
+            if counts is None:
+                return None
+            return QueueCount(name, role, exists=True, messages=counts[0], consumers=counts[1])
+
+        work = await found(queue, "work")
+        if work is None:
+            raise _missing(queue)
+        lanes = [
+            lane
+            for level in (Priority.HIGH, Priority.URGENT)
+            if (lane := await found(lane_queue_name(queue, level.value), "lane")) is not None
+        ]
+        retries = [
+            retry
+            for source in (work, *lanes)
+            for d in delays
+            if (retry := await found(retry_queue_name(source.name, d), "retry")) is not None
+        ]
+        dlq = await found(dlq_name(queue), "dlq") or QueueCount(
+            dlq_name(queue), "dlq", exists=False, messages=None, consumers=None
+        )
+    return QueueStats(queue, work, tuple(retries), dlq, tuple(lanes))
