@@ -153,7 +153,9 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     return found
 
 
-async def test_a_handler_that_returns_succeeds_with_its_result(backend: Backend, qname: str) -> None:
+async def test_a_handler_that_returns_succeeds_with_its_result(
+    backend: Backend, qname: str
+) -> None:
     app = backend.app()
     calls: list[int] = []
 
