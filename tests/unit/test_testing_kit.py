@@ -11,6 +11,7 @@ import itertools
 import time
 from typing import Any
 
+import aio_pika
 import pytest
 from pydantic import BaseModel
 
@@ -25,8 +26,11 @@ from weclaw_mq import (
     UnroutableError,
     lifetime,
 )
+from weclaw_mq.admin.dlq_message import read_dead_letter
 from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.testing import TestBroker, outcome_counts
+from weclaw_mq.testing import TestBroker, VirtualClock, outcome_counts
+from weclaw_mq.testing.queues import MemoryBroker
+from weclaw_mq.topology import QueueSpec, queue_declarations
 
 Q = "kit-q"
 
@@ -230,3 +234,60 @@ async def test_the_app_and_the_clock_are_given_back_on_exit() -> None:
         assert lifetime.now_ms() >= int(time.time() * 1000) + 3_599_000
     assert (app._publisher, app._store, app._streams, app._local) == before
     assert lifetime.now_ms() <= int(time.time() * 1000)
+
+
+async def test_emitted_chunks_reach_the_tasks_stream_before_its_final_event() -> None:
+    app = offline_app()
+
+    @app.handler(Q)
+    async def speak(job: Job, ctx: Context) -> str:
+        for word in ("one", "two"):
+            await ctx.emit(word)
+        return "one two"
+
+    async with TestBroker(app) as broker:
+        task_id = await app.publish(Q, {"n": 1})
+        await broker.run_until_idle()
+        events = [e async for e in app.stream(task_id)]
+    chunks = [e.data for e in events if e.kind == "chunk"]
+    assert chunks == ["one", "two"]
+    assert (events[-1].kind, events[-1].result) == ("final", "one two")
+
+
+def test_a_message_handed_back_past_the_delivery_limit_is_dead_lettered_by_the_broker() -> None:
+    clock = VirtualClock()
+    memory = MemoryBroker(clock)
+    spec = QueueSpec(name=Q, retry_delays_ms=(5000,), delivery_limit=2)
+    for name, arguments in queue_declarations(spec):
+        memory.declare(name, arguments)
+    memory.publish(Q, aio_pika.Message(b"{}", message_id="t-1"))
+
+    returns = 0
+    while (message := memory.deliver(Q)) is not None:
+        assert message.delivery_tag is not None
+        memory.settle(message.delivery_tag, requeue=True)
+        returns += 1
+
+    assert returns == 3  # the third return is over the limit of 2
+    [dead] = [
+        read_dead_letter(m.task_id, m.headers, m.body) for m in memory.queues[f"{Q}.dlq"].messages
+    ]
+    assert (dead.task_id, dead.reason, dead.by_broker) == ("t-1", "delivery_limit", True)
+
+
+def test_a_delay_queue_hands_its_message_back_when_its_ttl_is_over() -> None:
+    clock = VirtualClock()
+    memory = MemoryBroker(clock)
+    spec = QueueSpec(name=Q, retry_delays_ms=(5000,), delivery_limit=2)
+    for name, arguments in queue_declarations(spec):
+        memory.declare(name, arguments)
+    memory.publish(f"{Q}.retry.5s", aio_pika.Message(b"{}", message_id="t-2"))
+
+    assert memory.deliver(Q) is None
+    clock.advance(4.9)
+    assert memory.deliver(Q) is None
+    clock.advance(0.1)
+    message = memory.deliver(Q)
+    assert message is not None and message.message_id == "t-2"
+    [death] = message.headers["x-death"]
+    assert (death["reason"], death["queue"], death["count"]) == ("expired", f"{Q}.retry.5s", 1)
