@@ -15,7 +15,9 @@ checks are imported by the fixtures that use them.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractContextManager, AsyncExitStack, ExitStack
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -32,11 +34,7 @@ def weclaw_rabbitmq_url() -> Iterator[str]:
     """The AMQP URL of a RabbitMQ to test against."""
     from . import services
 
-    try:
-        with services.rabbitmq() as url:
-            yield url
-    except services.ServiceMissing as e:
-        pytest.fail(str(e), pytrace=False)
+    yield from _service(services.rabbitmq)
 
 
 @pytest.fixture(scope="session")
@@ -44,16 +42,28 @@ def weclaw_redis_url() -> Iterator[str]:
     """The URL of a Redis to test against."""
     from . import services
 
-    try:
-        with services.redis() as url:
-            yield url
-    except services.ServiceMissing as e:
-        pytest.fail(str(e), pytrace=False)
+    yield from _service(services.redis)
 
 
-async def _brokers() -> AsyncIterator[BrokerFactory]:
-    from contextlib import AsyncExitStack
+def _service(find: Callable[[], AbstractContextManager[str]]) -> Iterator[str]:
+    from .services import ServiceMissing
 
+    with ExitStack() as stack:
+        missing: str | None = None
+        try:
+            url = stack.enter_context(find())
+        except ServiceMissing as e:
+            missing = str(e)
+        if missing is not None:
+            # Outside the except block: one line, without the exception it came from.
+            pytest.fail(missing, pytrace=False)
+        yield url
+
+
+async def _open_brokers() -> AsyncIterator[BrokerFactory]:
+    """``await weclaw_test_broker(app, *more_apps, concurrency=None)``: an open ``TestBroker``
+    for the apps, closed (and the apps given back their own broker and stores) after the
+    test."""
     from .broker import TestBroker
 
     async with AsyncExitStack() as stack:
@@ -64,23 +74,19 @@ async def _brokers() -> AsyncIterator[BrokerFactory]:
         yield open_broker
 
 
-try:
+def _needs_pytest_asyncio() -> BrokerFactory:
+    pytest.fail(
+        "weclaw_test_broker is async and needs pytest-asyncio: "
+        "pip install 'weclaw-mq[testing]' (or pytest-asyncio)",
+        pytrace=False,
+    )
+
+
+# Without pytest-asyncio the fixture says what is missing, and nothing else breaks.
+weclaw_test_broker: Any
+if importlib.util.find_spec("pytest_asyncio") is not None:
     import pytest_asyncio
-except ImportError:  # the fixture then says what is missing, and nothing else breaks
 
-    @pytest.fixture
-    def weclaw_test_broker() -> BrokerFactory:
-        pytest.fail(
-            "weclaw_test_broker is async and needs pytest-asyncio: "
-            "pip install 'weclaw-mq[testing]' (or pytest-asyncio)",
-            pytrace=False,
-        )
+    weclaw_test_broker = pytest_asyncio.fixture(_open_brokers, name="weclaw_test_broker")
 else:
-
-    @pytest_asyncio.fixture
-    async def weclaw_test_broker() -> AsyncIterator[BrokerFactory]:
-        """``await weclaw_test_broker(app, *more_apps, concurrency=None)``: an open
-        ``TestBroker`` for the apps, closed (and the apps given back their own broker and
-        stores) after the test."""
-        async for factory in _brokers():
-            yield factory
+    weclaw_test_broker = pytest.fixture(_needs_pytest_asyncio, name="weclaw_test_broker")
