@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from weclaw_mq import (
     App,
+    ConfigurationError,
     Context,
     Priority,
     Retry,
@@ -291,3 +292,21 @@ def test_a_delay_queue_hands_its_message_back_when_its_ttl_is_over() -> None:
     assert message is not None and message.message_id == "t-2"
     [death] = message.headers["x-death"]
     assert (death["reason"], death["queue"], death["count"]) == ("expired", f"{Q}.retry.5s", 1)
+
+
+async def test_two_apps_with_a_handler_on_one_queue_are_refused_and_given_back() -> None:
+    first, second = offline_app(), offline_app()
+
+    @first.handler(Q)
+    async def one(job: Job) -> None:
+        return None
+
+    @second.handler(Q)
+    async def other(job: Job) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match="in two of the apps"):
+        async with TestBroker(first, second):
+            pass
+    assert (first._publisher, first._store, second._publisher, second._store) == (None,) * 4
+    assert lifetime.now_ms() <= int(time.time() * 1000)

@@ -130,15 +130,19 @@ class TestBroker:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> TestBroker:
-        for app in self.apps:
-            self._attach(app)
-        for app in self.apps:
-            for spec in app.handlers.values():
-                for name, arguments in queue_declarations(spec.queue_spec()):
-                    self.memory.declare(name, arguments)
-        self._previous_clock = lifetime.use_wall_clock(self.clock.time)
-        self._listener = asyncio.create_task(self.cancels.listen(self.store))
-        await self.cancels.listening.wait()
+        try:
+            for app in self.apps:
+                self._attach(app)
+            for app in self.apps:
+                for spec in app.handlers.values():
+                    for name, arguments in queue_declarations(spec.queue_spec()):
+                        self.memory.declare(name, arguments)
+            self._previous_clock = lifetime.use_wall_clock(self.clock.time)
+            self._listener = asyncio.create_task(self.cancels.listen(self.store))
+            await self.cancels.listening.wait()
+        except BaseException:
+            await self.__aexit__()  # the apps given back as they were
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -152,7 +156,7 @@ class TestBroker:
             await asyncio.wait({self._listener})
         if self._previous_clock is not None:
             lifetime.use_wall_clock(self._previous_clock)
-        for app, saved in zip(self.apps, self._saved, strict=True):
+        for app, saved in zip(self.apps, self._saved, strict=False):  # those swapped so far
             for name, value in saved.items():
                 setattr(app, name, value)
 
