@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import time
 from typing import Any
 
@@ -23,13 +24,14 @@ from weclaw_mq import (
     Retry,
     RetryPolicy,
     Settings,
+    TaskNotification,
     TaskStatus,
     UnroutableError,
     lifetime,
 )
 from weclaw_mq.admin.dlq_message import read_dead_letter
 from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.testing import TestBroker, VirtualClock, outcome_counts
+from weclaw_mq.testing import TestBroker, VirtualClock, outcome_counts, services
 from weclaw_mq.testing.queues import MemoryBroker
 from weclaw_mq.topology import QueueSpec, queue_declarations
 
@@ -310,3 +312,32 @@ async def test_two_apps_with_a_handler_on_one_queue_are_refused_and_given_back()
             pass
     assert (first._publisher, first._store, second._publisher, second._store) == (None,) * 4
     assert lifetime.now_ms() <= int(time.time() * 1000)
+
+
+async def test_a_notifying_handler_announces_its_final_state_to_its_results_queue() -> None:
+    app = offline_app()
+
+    @app.handler(Q, notify=True)
+    async def answer(job: Job) -> int:
+        return job.n + 1
+
+    async with TestBroker(app) as broker:
+        task_id = await app.publish(Q, {"n": 41})
+        await broker.run_until_idle()
+        [message] = broker.messages(f"{Q}.results")
+    note = TaskNotification.model_validate_json(message.body)
+    assert (note.task_id, note.status, note.result) == (task_id, TaskStatus.SUCCEEDED, 42)
+
+
+def test_with_a_docker_engine_but_no_testcontainers_the_service_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(services.AMQP_ENV, raising=False)
+    monkeypatch.setattr(services, "docker_engine", lambda: True)
+    monkeypatch.setitem(sys.modules, "testcontainers.rabbitmq", None)  # import fails
+
+    with (
+        pytest.raises(services.ServiceMissing, match=r"pip install 'weclaw-mq\[testing\]'"),
+        services.rabbitmq(),
+    ):
+        pass
