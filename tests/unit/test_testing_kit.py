@@ -341,3 +341,18 @@ def test_with_a_docker_engine_but_no_testcontainers_the_service_says_what_to_ins
         services.rabbitmq(),
     ):
         pass
+
+
+async def test_outcomes_count_from_when_the_broker_opened() -> None:
+    app = offline_app()
+
+    @app.handler(Q, retry=RetryPolicy(max_retries=1, delay_s=1.0))
+    async def failing(job: Job) -> None:
+        raise RuntimeError("down")
+
+    for _ in range(2):  # two tests in a row on one module-level app
+        async with TestBroker(app) as broker:
+            await app.publish(Q, {"n": 1})
+            await broker.run_until_idle()
+            assert broker.outcomes(Q) == {"retried": 1, "dead_lettered": 1}
+    assert outcome_counts(app, Q) == {"retried": 2, "dead_lettered": 2}

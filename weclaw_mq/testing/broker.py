@@ -127,6 +127,7 @@ class TestBroker:
         self._saved: list[dict[str, Any]] = []
         self._listener: asyncio.Task[None] | None = None
         self._previous_clock: Any = None
+        self._counted_before: dict[str, dict[str, int]] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
     async def __aenter__(self) -> TestBroker:
@@ -137,6 +138,11 @@ class TestBroker:
                 for spec in app.handlers.values():
                     for name, arguments in queue_declarations(spec.queue_spec()):
                         self.memory.declare(name, arguments)
+            # The apps' counters live as long as the apps (a module's app serves many tests).
+            self._counted_before = {
+                queue: outcome_counts(runtime.app, queue)
+                for queue, (_, runtime) in self._handlers.items()
+            }
             self._previous_clock = lifetime.use_wall_clock(self.clock.time)
             self._listener = asyncio.create_task(self.cancels.listen(self.store))
             await self.cancels.listening.wait()
@@ -296,6 +302,15 @@ class TestBroker:
             read_dead_letter(m.task_id, m.headers, m.body)
             for m in self._queue(dlq_name(queue)).messages
         ]
+
+    def outcomes(self, queue: str) -> dict[str, int]:
+        """How the worker ended deliveries of handler queue ``queue`` since this broker
+        opened, by outcome: ``{"retried": 2, "acked": 1}`` (``outcome_counts``)."""
+        if queue not in self._handlers:
+            raise ConfigurationError(f"no handler for {queue!r} in the apps of this test broker")
+        before = self._counted_before.get(queue, {})
+        now = outcome_counts(self._handlers[queue][1].app, queue)
+        return {k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)}
 
     def depth(self, queue: str) -> int:
         """Messages ready in ``queue`` (any queue: ``Q``, ``Q.dlq``, ``Q.retry.5s``, ...)."""
