@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aio_pika
@@ -356,3 +357,19 @@ async def test_outcomes_count_from_when_the_broker_opened() -> None:
             await broker.run_until_idle()
             assert broker.outcomes(Q) == {"retried": 1, "dead_lettered": 1}
     assert outcome_counts(app, Q) == {"retried": 2, "dead_lettered": 2}
+
+
+async def test_the_plugins_fixture_opens_a_test_broker_in_this_projects_own_run(
+    weclaw_test_broker: Callable[..., Awaitable[TestBroker]],
+) -> None:
+    app = offline_app()
+
+    @app.handler(Q)
+    async def echo(job: Job) -> int:
+        return job.n
+
+    broker = await weclaw_test_broker(app, concurrency=2)
+    task_id = await app.publish(Q, {"n": 8})
+    await broker.run_until_idle()
+    state = await app.status(task_id)
+    assert state is not None and (state.status, state.result) == (TaskStatus.SUCCEEDED, 8)
