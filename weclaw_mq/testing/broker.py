@@ -162,7 +162,9 @@ class TestBroker:
             await asyncio.wait({self._listener})
         if self._previous_clock is not None:
             lifetime.use_wall_clock(self._previous_clock)
-        for app, saved in zip(self.apps, self._saved, strict=False):  # those swapped so far
+        # Those swapped so far, last first: an app given twice ends as it was before the first.
+        swapped = list(zip(self.apps, self._saved, strict=False))
+        for app, saved in reversed(swapped):
             for name, value in saved.items():
                 setattr(app, name, value)
 
