@@ -373,3 +373,20 @@ async def test_the_plugins_fixture_opens_a_test_broker_in_this_projects_own_run(
     await broker.run_until_idle()
     state = await app.status(task_id)
     assert state is not None and (state.status, state.result) == (TaskStatus.SUCCEEDED, 8)
+
+
+def test_a_rejected_message_is_dead_lettered_by_the_broker_as_rejected() -> None:
+    memory = MemoryBroker(VirtualClock())
+    spec = QueueSpec(name=Q, retry_delays_ms=(5000,), delivery_limit=2)
+    for name, arguments in queue_declarations(spec):
+        memory.declare(name, arguments)
+    memory.publish(Q, aio_pika.Message(b"{}", message_id="t-3"))
+
+    message = memory.deliver(Q)
+    assert message is not None and message.delivery_tag is not None
+    memory.settle(message.delivery_tag, requeue=False)
+
+    assert memory.deliver(Q) is None
+    [stored] = memory.queues[f"{Q}.dlq"].messages
+    dead = read_dead_letter(stored.task_id, stored.headers, stored.body)
+    assert (dead.task_id, dead.reason, dead.original_queue) == ("t-3", "rejected", Q)
