@@ -1,9 +1,10 @@
 """The README's "Testing your handlers" runs as a user would run it: its files are written
 into an empty folder and pytest is started there, in its own process, finding the plugin
 through the installed entry point (nothing of this repository's conftest applies). The
-plugin's service fixtures are run the same way: against the local RabbitMQ and Redis (this
-machine has no Docker engine), and against a URL where nothing answers, which must fail
-with one line saying how to get a broker."""
+plugin's service fixtures are run the same way: against the shared RabbitMQ and Redis named
+in WECLAW_MQ_AMQP_URL / WECLAW_MQ_REDIS_URL, and against a URL where nothing answers, which
+must fail with one line saying how to get a broker. Without a URL set and without a Docker
+engine (this machine has none), the local default services are the ones found."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import AMQP_URL, REDIS_URL
 from tests.integration.dead_endpoints import closed_port
-from weclaw_mq.testing import pytest_plugin
+from weclaw_mq.testing import pytest_plugin, services
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = "## Testing your handlers"
@@ -65,8 +68,8 @@ def test_the_readme_example_passes_as_a_users_test_run(tmp_path: Path) -> None:
         (tmp_path / name).write_text(body)
     (tmp_path / "test_services.py").write_text(SERVICES_TEST)
 
-    # No URL set: the local default services (there is no Docker engine here).
-    run = run_pytest(tmp_path)
+    # The shared services, named as a user's CI would name them.
+    run = run_pytest(tmp_path, WECLAW_MQ_AMQP_URL=AMQP_URL, WECLAW_MQ_REDIS_URL=REDIS_URL)
 
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"\b4 passed\b", run.stdout), run.stdout
@@ -86,12 +89,14 @@ def test_the_service_fixtures_fail_with_how_to_get_a_broker(tmp_path: Path) -> N
     assert "Traceback" not in run.stdout and "secret-word" not in run.stdout
 
 
-def test_the_service_fixtures_use_the_urls_set_in_the_environment(tmp_path: Path) -> None:
-    (tmp_path / "test_services.py").write_text(SERVICES_TEST)
-
-    run = run_pytest(tmp_path, WECLAW_MQ_AMQP_URL=AMQP_URL, WECLAW_MQ_REDIS_URL=REDIS_URL)
-
-    assert run.returncode == 0, run.stdout + run.stderr
+def test_without_a_url_set_or_a_docker_engine_the_local_default_services_are_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for env in (services.AMQP_ENV, services.REDIS_ENV):
+        monkeypatch.delenv(env, raising=False)
+    assert not services.docker_engine()  # this machine has none: the local path is the one
+    with services.rabbitmq() as amqp, services.redis() as redis:
+        assert (amqp, redis) == (services.LOCAL_AMQP_URL, services.LOCAL_REDIS_URL)
 
 
 def test_every_fixture_of_the_plugin_is_named_weclaw_so_none_shadows_a_projects_own() -> None:
