@@ -25,6 +25,9 @@ SECTION = "## Testing your handlers"
 # A code block whose first line names its file: "# summaries.py".
 _NAMED_BLOCK = re.compile(r"```python\n# (\w+\.py)\n(.*?)```", re.DOTALL)
 
+# This venv's plugins that the runs do not need and that are slow to load.
+QUIET_PLUGINS = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:xdist")
+
 SERVICES_TEST = """
 import aio_pika
 import pytest
@@ -52,7 +55,7 @@ def run_pytest(folder: Path, **env: str | None) -> subprocess.CompletedProcess[s
     environ = {k: v for k, v in os.environ.items() if not k.startswith("WECLAW_MQ_")}
     environ.update({k: v for k, v in env.items() if v is not None})
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-q", *QUIET_PLUGINS],
         cwd=folder,
         env=environ,
         capture_output=True,
