@@ -30,59 +30,27 @@ from weclaw_mq.naming import (
     queue_key_pattern,
     stream_key,
 )
+from weclaw_mq.testing import services
 from weclaw_mq.topology import queue_declarations
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
 
-HOW_TO_GET_A_BROKER = (
-    "start one: 'rabbitmq-server -detached' (Debian package rabbitmq-server), or "
-    "'docker compose up -d rabbitmq' from this repository, or point WECLAW_MQ_AMQP_URL at one"
-)
-HOW_TO_GET_REDIS = (
-    "start one: 'redis-server --daemonize yes --port 6379 --save \"\" --appendonly no', or "
-    "'docker compose up -d redis', or point WECLAW_MQ_REDIS_URL at one"
-)
+HOW_TO_GET_A_BROKER = services.HOW_TO_GET_RABBITMQ
+HOW_TO_GET_REDIS = services.HOW_TO_GET_REDIS
 
 
-async def _broker_answers(url: str) -> str | None:
-    try:
-        conn = await aio_pika.connect(url, timeout=5)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    await conn.close()
-    return None
-
-
-async def _redis_answers(url: str) -> str | None:
-    client = aioredis.Redis.from_url(url, socket_connect_timeout=3)
-    try:
-        await client.ping()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    finally:
-        await client.aclose()
-    return None
-
-
-def _docker_engine() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    return os.path.exists("/var/run/docker.sock") or bool(os.environ.get("DOCKER_HOST"))
-
-
+# The project's own order (weclaw_mq.testing.services has the users'): the shared local
+# services first, a container only where they do not answer and a Docker engine runs.
 @pytest.fixture(scope="session")
 def broker_url() -> Iterator[str]:
-    problem = asyncio.run(_broker_answers(AMQP_URL))
+    problem = services.amqp_problem(AMQP_URL)
     if problem is None:
         yield AMQP_URL
         return
-    if _docker_engine():
-        from testcontainers.rabbitmq import RabbitMqContainer  # type: ignore[import-not-found]
-
-        with RabbitMqContainer("rabbitmq:3.13") as container:
-            params = container.get_connection_params()
-            yield f"amqp://guest:guest@{params.host}:{params.port}/"
+    if services.docker_engine():
+        with services.rabbitmq_container() as url:
+            yield url
         return
     pytest.fail(
         f"no RabbitMQ answers at WECLAW_MQ_AMQP_URL ({problem}); {HOW_TO_GET_A_BROKER}",
@@ -92,15 +60,13 @@ def broker_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    problem = asyncio.run(_redis_answers(REDIS_URL))
+    problem = services.redis_problem(REDIS_URL)
     if problem is None:
         yield REDIS_URL
         return
-    if _docker_engine():
-        from testcontainers.redis import RedisContainer  # type: ignore[import-not-found]
-
-        with RedisContainer("redis:7") as container:
-            yield f"redis://{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
+    if services.docker_engine():
+        with services.redis_container() as url:
+            yield url
         return
     pytest.fail(
         f"no Redis answers at WECLAW_MQ_REDIS_URL ({problem}); {HOW_TO_GET_REDIS}", pytrace=False

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,8 +32,22 @@ from .errors import ConfigurationError
 DEFAULT_TTL_S = 7 * 24 * 3600.0
 
 
+# The wall clock (seconds since the epoch) of every deadline and not-before time the worker
+# and ``App.publish`` write and check. Only ``weclaw_mq.testing`` swaps it: its TestBroker
+# moves time forward so a test need not wait out a real retry delay.
+_wall_clock: Callable[[], float] = time.time
+
+
 def now_ms() -> int:
-    return int(time.time() * 1000)
+    return int(_wall_clock() * 1000)
+
+
+def use_wall_clock(clock: Callable[[], float]) -> Callable[[], float]:
+    """Make ``now_ms`` read ``clock`` from now on; returns the clock it read before (for the
+    caller to put back)."""
+    global _wall_clock
+    previous, _wall_clock = _wall_clock, clock
+    return previous
 
 
 def check_ttl(ttl_s: float, what: str) -> float:

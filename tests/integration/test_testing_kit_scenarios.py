@@ -1,0 +1,326 @@
+"""The test broker keeps the real broker's word: one set of scenarios, run on both.
+
+Each scenario builds an app, starts its handlers, publishes, waits for the task's end and
+asserts what a user's test would: the status, result and attempt, the dead letter's reason,
+error type and attempts, the handler's calls and how the worker ended each delivery
+(``outcome_counts``). The ``backend`` fixture runs it once on ``weclaw_mq.testing.TestBroker``
+(memory) and once on the shared RabbitMQ and Redis with a real ``Worker``. The assertions are
+the same lines for both: where the two disagreed, one of these tests fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aio_pika
+import pytest
+from pydantic import BaseModel
+
+from tests.conftest import wait_until
+from weclaw_mq import App, Reject, RetryPolicy, Settings, TaskState, TaskStatus
+from weclaw_mq.admin import dlq
+from weclaw_mq.testing import DeadLetter, TestBroker, outcome_counts
+
+# Short enough for the real broker's delay queues, long enough to be a delay.
+FAST_RETRY = RetryPolicy(max_retries=2, delay_s=0.05, multiplier=2.0)
+WAIT_S = 30.0
+
+
+class Order(BaseModel):
+    n: int
+
+
+class QuotaExceeded(Exception):
+    """A user's own error type, as a dead letter names it."""
+
+
+class Backend:
+    """Where a scenario runs: ``memory`` (TestBroker) or ``rabbitmq`` (real Worker)."""
+
+    name: str
+
+    def app(self, **settings: Any) -> App:
+        raise NotImplementedError
+
+    async def start(self, app: App) -> None:
+        raise NotImplementedError
+
+    async def publish_raw(self, queue: str, body: bytes, task_id: str) -> None:
+        """As a producer that is not an App: no model check."""
+        raise NotImplementedError
+
+    async def final(self, app: App, task_id: str, queue: str) -> TaskState:
+        """The task's final state, once it has one."""
+        raise NotImplementedError
+
+    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
+        raise NotImplementedError
+
+    async def outcomes(self, app: App, queue: str, expected: dict[str, int]) -> dict[str, int]:
+        """The outcome counts, once they are ``expected`` (a worker counts an ack after the
+        result is stored) or as they stand."""
+        return outcome_counts(app, queue)
+
+
+class Memory(Backend):
+    name = "memory"
+
+    def __init__(self, stack: contextlib.AsyncExitStack) -> None:
+        self.stack = stack
+        self.broker: TestBroker | None = None
+
+    def app(self, **settings: Any) -> App:
+        # Nothing to reach: a broker or Redis touched by mistake would fail the test.
+        dead = {"amqp_url": "amqp://guest:guest@127.0.0.1:1/", "redis_url": "redis://127.0.0.1:1"}
+        return App("kit", settings=Settings(_env_file=None, **{**dead, **settings}))  # type: ignore[call-arg]
+
+    async def start(self, app: App) -> None:
+        self.broker = await self.stack.enter_async_context(TestBroker(app))
+
+    def _broker(self) -> TestBroker:
+        assert self.broker is not None, "start() first"
+        return self.broker
+
+    async def publish_raw(self, queue: str, body: bytes, task_id: str) -> None:
+        await self._broker().publish_raw(queue, body, task_id=task_id)
+
+    async def final(self, app: App, task_id: str, queue: str) -> TaskState:
+        await self._broker().run_until_idle()
+        state = await app.status(task_id, queue=queue)
+        assert state is not None and state.status.terminal, state
+        return state
+
+    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
+        return self._broker().dead_letters(queue)
+
+
+class Real(Backend):
+    name = "rabbitmq"
+
+    def __init__(
+        self, make_app: Callable[..., App], start_worker: Callable[..., Any], broker_url: str
+    ) -> None:
+        self.make_app = make_app
+        self.start_worker = start_worker
+        self.broker_url = broker_url
+
+    def app(self, **settings: Any) -> App:
+        return self.make_app("kit", **settings)
+
+    async def start(self, app: App) -> None:
+        await self.start_worker(app)
+
+    async def publish_raw(self, queue: str, body: bytes, task_id: str) -> None:
+        conn = await aio_pika.connect(self.broker_url)
+        try:
+            channel = await conn.channel()
+            message = aio_pika.Message(body, message_id=task_id, content_type="application/json")
+            await channel.default_exchange.publish(message, routing_key=queue)
+        finally:
+            await conn.close()
+
+    async def final(self, app: App, task_id: str, queue: str) -> TaskState:
+        return await app.result(task_id, queue=queue, timeout_s=WAIT_S)
+
+    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
+        return await dlq.inspect(app, queue)
+
+    async def outcomes(self, app: App, queue: str, expected: dict[str, int]) -> dict[str, int]:
+        with contextlib.suppress(AssertionError):
+            await wait_until(lambda: outcome_counts(app, queue) == expected, WAIT_S / 3)
+        return outcome_counts(app, queue)
+
+
+@pytest.fixture
+async def memory_backend() -> AsyncIterator[Backend]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield Memory(stack)
+
+
+@pytest.fixture
+def rabbitmq_backend(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], broker_url: str
+) -> Backend:
+    return Real(make_app, start_worker, broker_url)
+
+
+@pytest.fixture(params=["memory", "rabbitmq"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Each scenario on both; only the rabbitmq run needs (and checks for) the services."""
+    found: Backend = request.getfixturevalue(f"{request.param}_backend")
+    return found
+
+
+async def test_a_handler_that_returns_succeeds_with_its_result(
+    backend: Backend, qname: str
+) -> None:
+    app = backend.app()
+    calls: list[int] = []
+
+    @app.handler(qname)
+    async def double(order: Order) -> dict[str, int]:
+        calls.append(order.n)
+        return {"doubled": order.n * 2}
+
+    await backend.start(app)
+    task_id = await app.publish(qname, {"n": 21})
+    state = await backend.final(app, task_id, qname)
+
+    assert (state.status, state.result, state.attempt) == (TaskStatus.SUCCEEDED, {"doubled": 42}, 1)
+    assert calls == [21]
+    assert await backend.outcomes(app, qname, {"acked": 1}) == {"acked": 1}
+    assert await backend.dead_letters(app, qname) == []
+
+
+async def test_a_failing_handler_is_retried_through_the_delay_queues_until_it_succeeds(
+    backend: Backend, qname: str
+) -> None:
+    app = backend.app()
+    attempts: list[int] = []
+
+    @app.handler(qname, retry=FAST_RETRY)
+    async def flaky(order: Order) -> str:
+        attempts.append(order.n)
+        if len(attempts) < 3:
+            raise ConnectionError("the model is busy")
+        return "done"
+
+    await backend.start(app)
+    task_id = await app.publish(qname, {"n": 1})
+    state = await backend.final(app, task_id, qname)
+
+    assert (state.status, state.result, state.attempt) == (TaskStatus.SUCCEEDED, "done", 3)
+    assert attempts == [1, 1, 1]
+    expected = {"retried": 2, "acked": 1}
+    assert await backend.outcomes(app, qname, expected) == expected
+    assert await backend.dead_letters(app, qname) == []
+
+
+async def test_a_handler_that_keeps_failing_is_dead_lettered_with_its_error_type(
+    backend: Backend, qname: str
+) -> None:
+    app = backend.app()
+    calls: list[int] = []
+
+    @app.handler(qname, retry=FAST_RETRY)
+    async def over_quota(order: Order) -> None:
+        calls.append(order.n)
+        raise QuotaExceeded("monthly quota used up")
+
+    await backend.start(app)
+    task_id = await app.publish(qname, {"n": 7})
+    state = await backend.final(app, task_id, qname)
+
+    assert (state.status, state.reason, state.attempt) == (
+        TaskStatus.DEAD_LETTERED,
+        "retries_exhausted",
+        3,
+    )
+    assert state.error == "QuotaExceeded: monthly quota used up"
+    assert len(calls) == 3
+    expected = {"retried": 2, "dead_lettered": 1}
+    assert await backend.outcomes(app, qname, expected) == expected
+    [dead] = await backend.dead_letters(app, qname)
+    assert (dead.task_id, dead.reason, dead.error_type, dead.attempts, dead.original_queue) == (
+        task_id,
+        "retries_exhausted",
+        "QuotaExceeded",
+        3,
+        qname,
+    )
+    assert dead.error_message == "monthly quota used up"
+    # The broker's record of the two hops through the delay queues, most recent first.
+    deaths = [(d["reason"], d["queue"], d["count"]) for d in dead.headers["x-death"]]
+    assert deaths == [("expired", f"{qname}.retry.100ms", 1), ("expired", f"{qname}.retry.50ms", 1)]
+    assert dead.headers["x-first-death-queue"] == f"{qname}.retry.50ms"
+
+
+async def test_a_body_the_model_refuses_is_dead_lettered_as_invalid_payload_unrun(
+    backend: Backend, qname: str
+) -> None:
+    app = backend.app()
+    calls: list[int] = []
+
+    @app.handler(qname)
+    async def typed(order: Order) -> None:
+        calls.append(order.n)
+
+    await backend.start(app)
+    await backend.publish_raw(qname, b'{"n": "not a number"}', "raw-task-1")
+    state = await backend.final(app, "raw-task-1", qname)
+
+    assert (state.status, state.reason, state.attempt) == (
+        TaskStatus.DEAD_LETTERED,
+        "invalid_payload",
+        1,
+    )
+    assert calls == []
+    assert await backend.outcomes(app, qname, {"dead_lettered": 1}) == {"dead_lettered": 1}
+    [dead] = await backend.dead_letters(app, qname)
+    assert (dead.task_id, dead.reason, dead.error_type, dead.attempts) == (
+        "raw-task-1",
+        "invalid_payload",
+        "weclaw_mq.InvalidPayload",
+        1,
+    )
+
+
+async def test_a_rejected_task_goes_to_the_dead_letter_queue_without_a_retry(
+    backend: Backend, qname: str
+) -> None:
+    app = backend.app()
+
+    @app.handler(qname, retry=FAST_RETRY)
+    async def refuse(order: Order) -> None:
+        raise Reject("the document is empty")
+
+    await backend.start(app)
+    task_id = await app.publish(qname, {"n": 0})
+    state = await backend.final(app, task_id, qname)
+
+    assert (state.status, state.reason, state.attempt) == (TaskStatus.DEAD_LETTERED, "rejected", 1)
+    assert await backend.outcomes(app, qname, {"dead_lettered": 1}) == {"dead_lettered": 1}
+    [dead] = await backend.dead_letters(app, qname)
+    assert (dead.reason, dead.error_type) == ("rejected", "weclaw_mq.Reject")
+
+
+async def test_the_same_task_id_published_twice_runs_once(backend: Backend, qname: str) -> None:
+    app = backend.app()
+    calls: list[int] = []
+
+    @app.handler(qname)
+    async def charge(order: Order) -> int:
+        calls.append(order.n)
+        return order.n
+
+    await backend.start(app)
+    first = await app.publish(qname, {"n": 5}, task_id="order-5")
+    again = await app.publish(qname, {"n": 5}, task_id="order-5")
+    assert first == again == "order-5"
+    state = await backend.final(app, "order-5", qname)
+
+    assert (state.status, state.result) == (TaskStatus.SUCCEEDED, 5)
+    expected = {"acked": 1, "duplicate": 1}
+    assert await backend.outcomes(app, qname, expected) == expected
+    assert calls == [5]
+
+
+async def test_a_retry_that_would_outlive_the_task_ends_it_as_expired(
+    backend: Backend, qname: str
+) -> None:
+    app = backend.app()
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=3, delay_s=60.0))
+    async def slow_upstream(order: Order) -> None:
+        raise TimeoutError("upstream timed out")
+
+    await backend.start(app)
+    task_id = await app.publish(qname, {"n": 1}, ttl_s=30.0)
+    state = await backend.final(app, task_id, qname)
+
+    assert (state.status, state.reason, state.attempt) == (TaskStatus.EXPIRED, "expired", 1)
+    assert await backend.outcomes(app, qname, {"dead_lettered": 1}) == {"dead_lettered": 1}
+    [dead] = await backend.dead_letters(app, qname)
+    assert (dead.reason, dead.error_type, dead.attempts) == ("expired", "weclaw_mq.TaskExpired", 1)
