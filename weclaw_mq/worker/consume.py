@@ -225,6 +225,7 @@ class Worker:
             limiter=self._limiter,
             cancels=self.cancels,
             circuits=self._circuits,
+            spans=self.app.spans,
         )
         # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel
