@@ -145,6 +145,8 @@ def configure_logging(level: int | str = logging.INFO, log_format: LogFormat = "
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # Python's warnings go through the same handler: in json, every line stays an object.
+    logging.captureWarnings(True)
     # aiormq/aio-pika log connection failures themselves, some with the broker URL; ours say
     # the same with the password redacted, so theirs stay silent.
     logging.getLogger("aiormq").setLevel(logging.CRITICAL)
