@@ -125,9 +125,7 @@ class JsonFormatter(logging.Formatter):
             line["exc_traceback"] = redact_secrets(record.exc_text)
         if record.stack_info:
             line["stack"] = redact_secrets(self.formatStack(record.stack_info))
-        # default=str: a value logged through an extra= that JSON cannot hold still ends as
-        # one line, never as a formatting error that drops the record.
-        return json.dumps(line, ensure_ascii=False, default=str)
+        return json.dumps(line, ensure_ascii=False)
 
 
 def formatter(log_format: LogFormat) -> logging.Formatter:

@@ -92,6 +92,11 @@ async def test_a_json_worker_writes_one_object_per_line_with_the_task_identifier
     assert (handled["trace_id"], handled["queue"], handled["attempt"]) == ("trace-of-ok", qname, 1)
     assert handled["time"].endswith("+00:00")
 
+    # A Python warning is a record of the same handler, not a bare line on stderr.
+    warned = _one(records, logger="py.warnings", task_id=ok_id)
+    assert warned["level"] == "WARNING"
+    assert "UserWarning: ok: this model is deprecated" in warned["message"]
+
     # The failing task: each attempt's lines carry its attempt number.
     for attempt in (1, 2):
         caught = _one(records, logger=LOGGER, task_id=fail_id, attempt=attempt, level="ERROR")

@@ -1,8 +1,8 @@
 """No password in the open: a full run with a distinctive password in both URLs (a RabbitMQ
 user and a private Redis with requirepass, made for this test) prints it nowhere: not in the
 worker's log (its Redis stopped under it included), the CLI's output and errors, ``health``,
-``stats``, the ``/metrics`` and ``/healthz`` pages, the demo script's output (``make demo``), or the example
-API's answers and log lines."""
+``stats``, the ``/metrics`` and ``/healthz`` pages, the demo script's output (``make demo``),
+or the example API's answers and log lines."""
 
 from __future__ import annotations
 

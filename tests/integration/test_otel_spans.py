@@ -59,15 +59,21 @@ async def test_publish_and_handler_spans_share_the_trace_and_a_failure_is_an_err
     await start_worker(app)
     ok_id = await app.publish(qname, {"text": "ok"})
     fail_id = await app.publish(qname, {"text": "fail"})
+    # A producer that does not know the handler's model sends a task that fails it: it is
+    # dead-lettered without running, and its span says so too.
+    producer = make_app("producer")
+    producer.trace_with(provider)
+    invalid_id = await producer.publish(qname, {"prompt": "no text field"})
 
     def finished() -> bool:
         spans = exporter.get_finished_spans()
         return (
             len(_of_task(spans, ok_id, SpanKind.CONSUMER)) == 1
             and len(_of_task(spans, fail_id, SpanKind.CONSUMER)) == 2
+            and len(_of_task(spans, invalid_id, SpanKind.CONSUMER)) == 1
         )
 
-    await wait_until(finished, 20, "the handler spans of both tasks (three runs)")
+    await wait_until(finished, 20, "the handler spans of the three tasks (four runs)")
     spans = exporter.get_finished_spans()
 
     for task_id in (ok_id, fail_id):
@@ -105,6 +111,13 @@ async def test_publish_and_handler_spans_share_the_trace_and_a_failure_is_an_err
         assert len(events) == 1
         assert events[0].attributes is not None
         assert events[0].attributes["exception.type"] == "RuntimeError"
+
+    (invalid_run,) = _of_task(spans, invalid_id, SpanKind.CONSUMER)
+    assert invalid_run.status.status_code is StatusCode.ERROR
+    (event,) = [e for e in invalid_run.events if e.name == "exception"]
+    assert event.attributes is not None
+    assert event.attributes["exception.type"] == "weclaw_mq.errors.InvalidPayload"
+    assert sorted(headers_seen) == ["fail-1", "fail-2", "ok-1"]  # it never reached the handler
 
     # The header the worker read is the W3C form of the publish span's context.
     (publish,) = _of_task(spans, ok_id, SpanKind.PRODUCER)

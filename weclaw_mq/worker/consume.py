@@ -105,6 +105,9 @@ class Worker:
         # the queues whose consumer the broker cancelled and that are not consumed again yet.
         self._conn: AbstractConnection | None = None
         self._recovering: set[str] = set()
+        # Decided here, not at the first session: WECLAW_MQ_OTEL=on without the extra is a
+        # configuration error before anything connects.
+        self._spans = app.spans
 
     @staticmethod
     def _select(app: App, queues: Sequence[str] | None) -> list[HandlerSpec]:
@@ -255,7 +258,7 @@ class Worker:
             limiter=self._limiter,
             cancels=self.cancels,
             circuits=self._circuits,
-            spans=self.app.spans,
+            spans=self._spans,
         )
         # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel

@@ -2,7 +2,8 @@
 
 Run as ``weclaw-mq worker tests.integration.fixture_apps.logging_app:app`` with cwd at the
 repository root and ``TEST_QUEUE`` set. The handler logs ``handling <text>`` on the
-``fixture.logging`` logger. For the text ``fail`` it also logs a caught exception (with
+``fixture.logging`` logger, and issues a ``UserWarning`` (Python's warnings machinery, not
+``logging``). For the text ``fail`` it also logs a caught exception (with
 ``log.exception``), then raises: its one retry fails too, and the task is dead-lettered.
 Both the log line and the errors quote a URL with the password ``LOGGED_PASSWORD``, which
 must never reach the output.
@@ -11,6 +12,7 @@ must never reach the output.
 from __future__ import annotations
 
 import logging
+import warnings
 
 from pydantic import BaseModel
 
@@ -36,6 +38,7 @@ def build_app(queue: str, *, settings: Settings) -> App:
     @app.handler(queue, retry=RETRY)
     async def work(task: Job) -> str:
         log.info("handling %s (cache at %s)", task.text, SECRET_URL)
+        warnings.warn(f"{task.text}: this model is deprecated", UserWarning, stacklevel=1)
         if task.text == "fail":
             try:
                 raise ValueError(f"the cache at {SECRET_URL} refused\nthe second line")
