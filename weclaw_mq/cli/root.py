@@ -63,6 +63,7 @@ LogFormatOption = Annotated[
         "--log-format",
         envvar="WECLAW_MQ_LOG_FORMAT",
         callback=_log_format,
+        metavar="text|json",
         help="text (one line per record, for people) or json (one object per line).",
     ),
 ]
