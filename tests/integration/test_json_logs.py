@@ -11,7 +11,7 @@ from typing import Any
 
 from tests.conftest import delete_queues, forget_task_keys, settings_for
 from tests.integration.fixture_apps.logging_app import LOGGED_PASSWORD, LOGGER, build_app
-from tests.integration.processes import queue_names, spawn_cli_worker
+from tests.integration.processes import one_error_line, queue_names, run_cli, spawn_cli_worker
 from weclaw_mq import TaskStatus
 
 APP_PATH = "tests.integration.fixture_apps.logging_app:app"
@@ -111,3 +111,12 @@ async def test_a_json_worker_writes_one_object_per_line_with_the_task_identifier
     (dead,) = _starting_with(records, "dead_lettered: ")
     assert (dead["level"], dead["task_id"], dead["attempt"]) == ("ERROR", fail_id, 2)
     assert dead["trace_id"] == "trace-of-fail"
+
+
+async def test_an_unknown_log_format_is_one_usage_line_from_the_option_or_the_setting() -> None:
+    flag = await run_cli("worker", APP_PATH, "--log-format", "xml")
+    assert flag.code == 2
+    assert "'xml' is not one of text, json" in one_error_line(flag)
+    setting = await run_cli("worker", APP_PATH, env={"WECLAW_MQ_LOG_FORMAT": "yaml"})
+    assert setting.code == 2
+    assert "WECLAW_MQ_LOG_FORMAT" in one_error_line(setting)
