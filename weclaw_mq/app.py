@@ -44,6 +44,7 @@ from .message import build_message, check_encodable, encode_payload, new_task_id
 from .metrics import Metrics
 from .naming import retry_queue_name, validate_session_id
 from .notification import notify_target
+from .otel import Spans, spans_for
 from .outbox import Outbox, add_message
 from .outbox.fallback import LocalFallback
 from .priority import (
@@ -135,6 +136,8 @@ class App:
         # Queued-record writes that outlived their publish: held here so they are not
         # garbage-collected mid-write, and awaited (briefly) on close.
         self._record_writes: set[asyncio.Task[Any]] = set()
+        # OpenTelemetry spans (weclaw_mq.otel): decided on first use, once; False until then.
+        self._spans: Spans | bool | None = False
         # The local outbox and its relay, when WECLAW_MQ_OUTBOX_PATH names a file.
         self._local = (
             LocalFallback(
@@ -215,6 +218,20 @@ class App:
     @property
     def handlers(self) -> Mapping[str, HandlerSpec]:
         return MappingProxyType(self._handlers)
+
+    # -- tracing ------------------------------------------------------------------------
+    @property
+    def spans(self) -> Spans | None:
+        """The OpenTelemetry spans this App opens, None for none (``weclaw_mq.otel``)."""
+        if self._spans is False:
+            self._spans = spans_for(self.settings)
+        assert not isinstance(self._spans, bool)
+        return self._spans
+
+    def trace_with(self, tracer_provider: Any) -> None:
+        """Open spans with this OpenTelemetry ``TracerProvider``, whatever ``settings.otel``
+        says (call before publishing or starting a worker)."""
+        self._spans = Spans(tracer_provider)
 
     # -- publishing ---------------------------------------------------------------------
     def _get_publisher(self) -> Publisher:
@@ -371,6 +388,13 @@ class App:
             priority=priority,
             delay_s=delay_s,
         )
+        spans = self.spans
+        if spans is not None:
+            with spans.publishing(queue, [message]):
+                return await self._send_or_store(queue, message)
+        return await self._send_or_store(queue, message)
+
+    async def _send_or_store(self, queue: str, message: aio_pika.Message) -> str:
         if self._local is not None:
             return await self._local.publish(queue, message, self._send)
         return await self._send(queue, message)
@@ -440,6 +464,13 @@ class App:
             )
             for i, payload in enumerate(items)
         ]
+        spans = self.spans
+        if spans is not None and messages:
+            with spans.publishing(queue, messages):  # one span for the batch
+                return await self._send_many_or_store(queue, messages)
+        return await self._send_many_or_store(queue, messages)
+
+    async def _send_many_or_store(self, queue: str, messages: list[aio_pika.Message]) -> list[str]:
         if self._local is not None and messages:
             return await self._local.publish_many(queue, messages, self._send_many)
         return await self._send_many(queue, messages)

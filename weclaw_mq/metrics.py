@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .breaker import CircuitState
+
+if TYPE_CHECKING:
+    from .metrics_http import HealthReport, MetricsServer
 
 
 class Outcome(StrEnum):
@@ -154,8 +158,16 @@ class Metrics:
         """The in-flight gauge reads ``running()`` when scraped: no cost per message."""
         self.in_flight.labels(queue).set_function(running)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(
+        self,
+        port: int,
+        addr: str = "127.0.0.1",
+        *,
+        health: Callable[[], HealthReport] | None = None,
+    ) -> MetricsServer:
+        """Serve ``/metrics`` (and ``/healthz`` when given ``health``) on ``addr:port``
+        (``settings.metrics_addr``: this host only unless opened on purpose)."""
         # Imported here: the HTTP server is not needed by processes that only publish.
-        from prometheus_client import start_http_server
+        from .metrics_http import MetricsServer
 
-        start_http_server(port, addr=addr, registry=self.registry)
+        return MetricsServer(self.registry, port, addr=addr, health=health)

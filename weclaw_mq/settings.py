@@ -82,6 +82,12 @@ class Settings(BaseSettings):
     # A dead peer (paused broker, blackholed link) is noticed within (heartbeat_s + 1) * 3 s.
     heartbeat_s: int = Field(default=10, ge=0)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    # Where the metrics port (/metrics, /healthz) listens: this host only, unless opened on
+    # purpose ("0.0.0.0" for a Prometheus or a kubelet on another host).
+    metrics_addr: str = Field(default="127.0.0.1", min_length=1)
+    # OpenTelemetry spans per publish and per handler run (weclaw_mq.otel): "auto" opens them
+    # when the process has set a TracerProvider, "on" requires opentelemetry-api, "off" never.
+    otel: Literal["auto", "on", "off"] = "auto"
 
     # Idempotency guard and result store (Redis).
     # Per process. A worker needs about two per handler in flight (claim or result write,

@@ -1,8 +1,8 @@
 """No password in the open: a full run with a distinctive password in both URLs (a RabbitMQ
 user and a private Redis with requirepass, made for this test) prints it nowhere: not in the
 worker's log (its Redis stopped under it included), the CLI's output and errors, ``health``,
-``stats``, the ``/metrics`` page, the demo script's output (``make demo``), or the example
-API's answers and log lines."""
+``stats``, the ``/metrics`` and ``/healthz`` pages, the demo script's output (``make demo``),
+or the example API's answers and log lines."""
 
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ async def test_a_full_run_never_shows_the_password(
             )
             async with httpx.AsyncClient() as client:
                 page = await client.get(f"http://127.0.0.1:{metrics_port}/metrics")
-            seen.append(page.text)
+                health = await client.get(f"http://127.0.0.1:{metrics_port}/healthz")
+            seen.extend([page.text, health.text])
             # Redis gone under a running worker: its warnings name the failure, not the URL.
             redis.stop()
             async with App("fixture", settings=settings) as producer:

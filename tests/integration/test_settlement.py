@@ -225,9 +225,10 @@ async def test_consumer_cancelled_by_the_broker_is_re_established_and_serves_aga
         seen.append(ctx.task_id)
         return {"ok": True}
 
-    await start_worker(app, concurrency=1)
+    worker = await start_worker(app, concurrency=1)
     first = await app.publish(qname, Job(text="before"))
     await wait_until(lambda: first in seen, 10, "the first task")
+    assert worker.health().as_json()["queues"] == {qname: "consuming"}
 
     # Deleting the queue makes the broker send basic.cancel to its consumer; the worker
     # declares the queue again and consumes it. (Declared again by someone else within
@@ -246,6 +247,9 @@ async def test_consumer_cancelled_by_the_broker_is_re_established_and_serves_aga
     await wait_until(lambda: after in seen, 10, "a task published after the queue came back")
     state = await app.result(after, timeout_s=10)
     assert state.status is TaskStatus.SUCCEEDED
+    # Consumed again, so healthy again (/healthz reads this).
+    assert worker.health().ok
+    assert worker.health().as_json()["queues"] == {qname: "consuming"}
 
 
 class _Bug(BaseException):

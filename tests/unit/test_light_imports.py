@@ -19,6 +19,7 @@ async def handle(task: dict) -> None:
     return None
 
 Worker(app, concurrency=10)
+assert app.spans is None  # opentelemetry is installed, but no TracerProvider was set
 if {results}:
     app.store
 names = {{m.split(".")[0] for m in sys.modules}} | {{m for m in sys.modules if "weclaw_mq." in m}}
@@ -43,6 +44,8 @@ def test_a_worker_without_guard_and_results_never_imports_redis_nor_the_cli() ->
     assert "redis" not in modules
     assert not {m for m in modules if m.startswith(("weclaw_mq.cli", "weclaw_mq.admin"))}
     assert not {"typer", "click", "fastapi"} & modules
+    # The [otel] extra is installed here (dev), yet unused spans import nothing of it.
+    assert "opentelemetry" not in modules
 
 
 def test_a_store_loads_redis_when_the_configuration_asks_for_it() -> None:

@@ -98,7 +98,7 @@ def relay(
     settings = _settings(path)
     metrics = Metrics()
     if metrics_port is not None:
-        metrics.serve(metrics_port)
+        metrics.serve(metrics_port, settings.metrics_addr)
 
     async def run() -> int:
         outbox = await _open(settings)

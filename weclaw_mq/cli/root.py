@@ -12,7 +12,7 @@ import typer
 from ..admin.health import check_all
 from ..app import App
 from ..settings import Settings
-from ..tracing import configure_logging
+from ..tracing import LOG_FORMATS, LogFormat, configure_logging
 from .failures import ExitCode, fail
 from .loading import load_app
 from .run_worker import run_worker
@@ -50,6 +50,25 @@ LogLevel = Annotated[
 ]
 
 
+def _log_format(value: str) -> str:
+    fmt = value.strip().lower()
+    if fmt not in LOG_FORMATS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LOG_FORMATS)}")
+    return fmt
+
+
+LogFormatOption = Annotated[
+    str,
+    typer.Option(
+        "--log-format",
+        envvar="WECLAW_MQ_LOG_FORMAT",
+        callback=_log_format,
+        metavar="text|json",
+        help="text (one line per record, for people) or json (one object per line).",
+    ),
+]
+
+
 def _processes(value: str | int) -> int:
     try:  # typer hands the default (an int) to the parser too
         return parse_processes(str(value))
@@ -64,12 +83,18 @@ def _supervise(
     queues: list[str] | None,
     metrics_port: int | None,
     log_level: str,
+    log_format: str,
 ) -> None:
     # Each child reads the same settings; a port from them would be taken by all, so the
     # supervisor hands out port + i itself.
     port = metrics_port if metrics_port is not None else Settings().metrics_port
     command = child_command(
-        app_path, concurrency=concurrency, queues=queues, metrics_port=port, log_level=log_level
+        app_path,
+        concurrency=concurrency,
+        queues=queues,
+        metrics_port=port,
+        log_level=log_level,
+        log_format=log_format,
     )
     try:
         code = Supervisor(command, processes).run()
@@ -115,11 +140,13 @@ def worker(
         ),
     ] = 1,
     log_level: LogLevel = "INFO",
+    log_format: LogFormatOption = "text",
 ) -> None:
     """Run a worker: declare queues, consume, ack only after success; SIGTERM stops cleanly."""
-    configure_logging(log_level)
+    fmt: LogFormat = "json" if log_format == "json" else "text"
+    configure_logging(log_level, fmt)
     if processes > 1:
-        _supervise(app_path, processes, concurrency, queue, metrics_port, log_level)
+        _supervise(app_path, processes, concurrency, queue, metrics_port, log_level, fmt)
         return
     app = load_app(app_path)
     asyncio.run(

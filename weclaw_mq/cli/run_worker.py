@@ -39,15 +39,19 @@ async def run_worker(
 ) -> None:
     worker = Worker(app, concurrency=concurrency, queues=queues)
     port = metrics_port if metrics_port is not None else app.settings.metrics_port
+    server = None
     if port is not None:
-        app.metrics.serve(port)
-        log.info("metrics on :%d/metrics", port)
+        addr = app.settings.metrics_addr
+        server = app.metrics.serve(port, addr, health=worker.health)
+        log.info("metrics on %s:%d/metrics, health on /healthz", addr, server.port)
     stopper = _Stopper(worker, asyncio.get_running_loop())
     try:
         await worker.run()
         await app.close()
     finally:
         stopper.restore()
+        if server is not None:
+            server.close()
     if worker.abandoned:
         # asyncio.run would cancel them and wait for them to end, which they never do.
         _hard_exit(

@@ -237,12 +237,13 @@ def child_command(
     queues: Sequence[str] | None,
     metrics_port: int | None,
     log_level: str,
+    log_format: str = "text",
 ) -> Callable[[int], list[str]]:
     """The ``weclaw-mq worker`` command line of child ``i`` (same interpreter, same options)."""
 
     def command(index: int) -> list[str]:
         args = [sys.executable, "-m", "weclaw_mq.cli", "worker", app_path, "--processes", "1"]
-        args += ["--log-level", log_level]
+        args += ["--log-level", log_level, "--log-format", log_format]
         if concurrency is not None:
             args += ["--concurrency", str(concurrency)]
         for queue in queues or ():

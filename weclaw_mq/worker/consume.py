@@ -30,6 +30,7 @@ from aio_pika.abc import (
 )
 
 from ..app import App
+from ..breaker import CircuitState
 from ..broker_version import ServerVersion
 from ..errors import ConfigurationError
 from ..failures import describe
@@ -51,6 +52,7 @@ from .cancel import Cancels
 from .circuit import Pausable, QueueCircuit
 from .deadlines import Deadlines
 from .delivery import Runtime, process
+from .health import QueueState, WorkerHealth
 from .lanes import LaneScheduler
 from .limiting import Limiter
 from .settle import Settler
@@ -99,6 +101,13 @@ class Worker:
         for spec in self.specs:
             app.metrics.count_in_flight(spec.queue, self._in_flight[spec.queue].__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
+        # For health(), read from the metrics server's thread: the session's connection, and
+        # the queues whose consumer the broker cancelled and that are not consumed again yet.
+        self._conn: AbstractConnection | None = None
+        self._recovering: set[str] = set()
+        # Decided here, not at the first session: WECLAW_MQ_OTEL=on without the extra is a
+        # configuration error before anything connects.
+        self._spans = app.spans
 
     @staticmethod
     def _select(app: App, queues: Sequence[str] | None) -> list[HandlerSpec]:
@@ -120,6 +129,22 @@ class Worker:
     @property
     def in_flight(self) -> int:
         return sum(len(tasks) for tasks in self._in_flight.values())
+
+    def health(self) -> WorkerHealth:
+        """Is this worker doing its job now: broker connection open, every queue consumed?
+        Safe to call from another thread (the metrics server's)."""
+        conn = self._conn
+        session = self.ready.is_set() and conn is not None and not conn.is_closed
+        queues: dict[str, QueueState] = {}
+        for spec in self.specs:
+            circuit = self._circuits.get(spec.queue)
+            if not session or spec.queue in self._recovering:
+                queues[spec.queue] = QueueState.DOWN
+            elif circuit is not None and circuit.state is not CircuitState.CLOSED:
+                queues[spec.queue] = QueueState.PAUSED
+            else:
+                queues[spec.queue] = QueueState.CONSUMING
+        return WorkerHealth(broker_open=conn is not None and not conn.is_closed, queues=queues)
 
     @property
     def abandoned(self) -> int:
@@ -192,6 +217,14 @@ class Worker:
 
     async def _session(self, conn: AbstractConnection) -> None:
         """Consume on one connection until it dies (raises) or ``stop`` is called (returns)."""
+        self._conn = conn
+        try:
+            await self._consume(conn)
+        finally:
+            self._conn = None
+            self._recovering.clear()
+
+    async def _consume(self, conn: AbstractConnection) -> None:
         declare_channel = await conn.channel()
         await declare(declare_channel, [s.queue_spec() for s in self.specs])
         await declare_channel.close()
@@ -225,6 +258,7 @@ class Worker:
             limiter=self._limiter,
             cancels=self.cancels,
             circuits=self._circuits,
+            spans=self._spans,
         )
         # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel
@@ -278,8 +312,10 @@ class Worker:
                         continue
                     if tag in consumers:
                         spec, _ = consumers.pop(tag)
+                        self._recovering.add(spec.queue)
                         queue, tag = await self._consume_again(conn, channel, spec, runtime)
                         consumers[tag] = (spec, queue)
+                        self._recovering.discard(spec.queue)
                     for scheduler in schedulers:
                         await scheduler.broker_cancelled(tag)
         finally:

@@ -60,6 +60,7 @@ from .settle import Settler
 
 if TYPE_CHECKING:
     from ..app import App
+    from ..otel import Spans
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -104,6 +105,8 @@ class Runtime:
     cancels: Cancels = field(default_factory=Cancels)
     # The circuit breaker of each handler queue that has one (``worker.circuit``).
     circuits: Mapping[str, QueueCircuit] = field(default_factory=dict)
+    # OpenTelemetry spans (``weclaw_mq.otel``); None when off: one check per delivery.
+    spans: Spans | None = None
 
 
 class _Gate(Enum):
@@ -117,7 +120,11 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
     # Watched from before the claim: a cancel request is never missed in between.
     watch = rt.cancels.watch(spec.queue, delivery.task_id)
     try:
-        await _process(message, delivery, spec, rt, watch)
+        if rt.spans is None:
+            await _process(message, delivery, spec, rt, watch)
+        else:
+            with rt.spans.handling(spec.queue, delivery):
+                await _process(message, delivery, spec, rt, watch)
     finally:
         rt.cancels.unwatch(watch)
         tracing.leave(token)
@@ -262,6 +269,8 @@ async def _conclude(
         await _finish(message, delivery, spec, rt, jsonable, held)
         return
 
+    if rt.spans is not None:
+        rt.spans.failed(error)
     await _release(rt, spec, delivery, held)
     decision = decide(delivery.attempt, error, spec.retry)
     left = left_ms(delivery.headers, now_ms())
@@ -823,6 +832,8 @@ async def _dead_letter(
     reason: DeadLetterReason,
     error: BaseException,
 ) -> None:
+    if rt.spans is not None:
+        rt.spans.failed(error)
     final = _state(
         delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
     )

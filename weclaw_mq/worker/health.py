@@ -1,0 +1,37 @@
+"""What a worker reports on ``/healthz`` (``metrics_http``): is it doing its job right now?
+
+Healthy means both: its broker connection is open, and every handler queue it serves is being
+consumed. A queue whose circuit breaker is open is ``paused`` on purpose, waiting for its
+upstream, and counts as healthy: restarting the worker would not bring the upstream back.
+A queue is ``down`` while there is no session (connecting, reconnecting, stopping) and while
+the broker has cancelled its consumer and the worker has not consumed it again yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class QueueState(StrEnum):
+    CONSUMING = "consuming"
+    PAUSED = "paused"  # its circuit breaker is open (or probing)
+    DOWN = "down"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHealth:
+    broker_open: bool
+    queues: Mapping[str, QueueState]
+
+    @property
+    def ok(self) -> bool:
+        return self.broker_open and QueueState.DOWN not in self.queues.values()
+
+    def as_json(self) -> Mapping[str, object]:
+        return {
+            "status": "ok" if self.ok else "unavailable",
+            "broker": "open" if self.broker_open else "closed",
+            "queues": {queue: state.value for queue, state in self.queues.items()},
+        }
