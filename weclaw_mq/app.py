@@ -31,6 +31,7 @@ from .errors import (
     BatchPublishError,
     BrokerUnavailableError,
     ConfigurationError,
+    IdempotencyConflictError,
     InvalidPayload,
     PayloadTooLargeError,
     PayloadValidationError,
@@ -66,7 +67,8 @@ from .state import (
     open_store,
     state_unavailable,
 )
-from .state.expiry import as_seen_at, until_deadline_s
+from .state.expiry import as_seen_at, record_ttl_s, until_deadline_s
+from .state.reuse import FingerprintStore, payload_fingerprint
 from .streaming import Inbox, StreamEvent, StreamStore
 from .streaming.events import check_event_id
 from .streaming.reading import task_events
@@ -347,6 +349,7 @@ class App:
         session_id: str | None = None,
         priority: Priority | str | None = None,
         delay_s: float | None = None,
+        refuse_other_body: bool = True,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
@@ -359,6 +362,11 @@ class App:
         see the README's "Priorities". ``delay_s``: the task is delivered no earlier than
         that many seconds from now (at most ~1 s later; its status meanwhile is ``queued``);
         see the README's "Delays".
+
+        A ``task_id`` of yours is an idempotency key: published again with the same body, it
+        is the same task (the guard runs it once); with another body,
+        ``IdempotencyConflictError`` and nothing is sent (``state.reuse``; needs results on;
+        ``refuse_other_body=False`` lets the first body win silently, as ``ctx.publish`` does).
         """
         message = self.prepare(
             queue,
@@ -371,9 +379,31 @@ class App:
             priority=priority,
             delay_s=delay_s,
         )
+        if task_id is not None and refuse_other_body:
+            await self._check_key_reuse(queue, message)
         if self._local is not None:
             return await self._local.publish(queue, message, self._send)
         return await self._send(queue, message)
+
+    async def _check_key_reuse(self, queue: str, message: aio_pika.Message) -> None:
+        """``IdempotencyConflictError`` if the task id was published to ``queue`` with another
+        body. Skipped (logged) when the store cannot tell within ``QUEUED_RECORD_WAIT_S``: the
+        publish then goes on as it would without the check (``state.reuse``)."""
+        store = self.results
+        if not isinstance(store, FingerprintStore):
+            return
+        assert message.message_id is not None
+        ours = payload_fingerprint(message.body)
+        ttl_s = record_ttl_s(_queued(message, queue), self.settings.result_ttl_s, datetime.now(UTC))
+        keeping = self._record_in_background(
+            store.keep_fingerprint(queue, message.message_id, ours, ttl_s)
+        )
+        done, _ = await asyncio.wait({keeping}, timeout=QUEUED_RECORD_WAIT_S)
+        if not done or keeping.cancelled() or keeping.exception() is not None:
+            log.warning("task %s: could not compare its body with earlier ones", message.message_id)
+            return
+        if keeping.result() != ours:
+            raise IdempotencyConflictError(queue, message.message_id)
 
     async def _send(self, queue: str, message: aio_pika.Message) -> str:
         """Publish a prepared message, with its "queued" record; the broker's word or an error.
