@@ -42,7 +42,8 @@ HOW_TO_GET_A_BROKER = (
 )
 HOW_TO_GET_REDIS = (
     "start one: 'redis-server --daemonize yes --port 6379 --save \"\" --appendonly no', or "
-    "'docker compose up -d redis', or point WECLAW_MQ_REDIS_URL at one"
+    "'docker compose up -d redis' (its password is in WECLAW_MQ_REDIS_URL: "
+    "redis://:weclaw-dev-password@127.0.0.1:6379/0), or point WECLAW_MQ_REDIS_URL at one"
 )
 
 
