@@ -62,6 +62,7 @@ async def test_rabbitmq_is_pinned_to_the_version_these_tests_run_against(broker_
     assert repository == "rabbitmq" and re.fullmatch(r"\d+\.\d+\.\d+", version), (
         f"{image}: pin an exact release, not a moving tag"
     )
+    assert f"RabbitMQ is pinned to {version}" in (REPO / "README.md").read_text()
     assert running == parse_server_version(version), (
         f"docker-compose.yml pins RabbitMQ {version}, but these tests run against {running}: "
         "run them on the pinned version, or pin the one they ran on"

@@ -13,7 +13,7 @@ from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
 from tests.conftest import delete_queues, forget_task_keys, queue_depth, settings_for
-from tests.integration.dead_endpoints import closed_port
+from tests.integration.dead_endpoints import closed_port, silent_server
 from weclaw_mq import App, IdempotencyConflictError
 from weclaw_mq.naming import body_key
 from weclaw_mq.topology import queue_declarations
@@ -114,6 +114,27 @@ async def test_the_outbox_keeps_the_first_body_while_the_broker_is_down(
     finally:
         await mq.close()
         await forget_task_keys(redis_url, [qname])
+
+
+async def test_a_redis_that_never_answers_skips_the_check_and_the_task_is_published(
+    broker_url: str, qname: str, amqp: AbstractChannel
+) -> None:
+    async with silent_server() as port:
+        hung = f"redis://127.0.0.1:{port}/0"
+        mq = App("hung-redis", settings=settings_for(broker_url, hung, redis_timeout_s=1))
+        with_handler(mq, qname)
+        try:
+            await mq.declare()
+            key = f"k-{qname}"
+            published = await mq.publish(qname, {"text": "a"}, task_id=key)
+            depth = await queue_depth(amqp, qname)
+        finally:
+            await mq.close()
+            declared = queue_declarations(mq.handlers[qname].queue_spec())
+            await delete_queues(broker_url, [name for name, _ in declared])
+
+    assert published == key
+    assert depth == 1
 
 
 async def test_without_results_nothing_is_compared_and_publishing_needs_no_redis(

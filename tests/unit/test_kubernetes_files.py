@@ -167,3 +167,18 @@ def test_the_pod_outlasts_the_workers_stop_bound() -> None:
     assert spec["terminationGracePeriodSeconds"] > grace_s + HARD_EXIT_MARGIN_S
     # No replicas in the Deployment: KEDA's autoscaler owns the count.
     assert "replicas" not in the_deployment()["spec"]
+
+
+def test_the_readme_says_what_the_files_hold() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Deploying", 1)[1].split("\n## ", 1)[0]
+    (scaled,) = of_kind("ScaledObject")
+    spec = scaled["spec"]
+    pod = the_deployment()["spec"]["template"]["spec"]
+    grace = env_of(worker_container())["WECLAW_MQ_SHUTDOWN_GRACE_S"]["value"]
+
+    assert f"`{' '.join(worker_argv())}`" in section
+    assert f"between {spec['minReplicaCount']} and {spec['maxReplicaCount']} pods" in section
+    assert f'`value: "{spec["triggers"][0]["metadata"]["value"]}"`' in section
+    assert f"`terminationGracePeriodSeconds` ({pod['terminationGracePeriodSeconds']})" in section
+    assert f"`WECLAW_MQ_SHUTDOWN_GRACE_S` ({grace}) + {HARD_EXIT_MARGIN_S:g} s" in section
