@@ -395,15 +395,23 @@ class App:
         assert message.message_id is not None
         ours = payload_fingerprint(message.body)
         ttl_s = record_ttl_s(_queued(message, queue), self.settings.result_ttl_s, datetime.now(UTC))
-        keeping = self._record_in_background(
-            store.keep_fingerprint(queue, message.message_id, ours, ttl_s)
-        )
+        task_id = message.message_id
+
+        async def kept() -> str | None:
+            try:
+                return await store.keep_fingerprint(queue, task_id, ours, ttl_s)
+            except Exception as e:  # the store failing: publish as if there were no check
+                log.warning("task %s: body not compared (%s: %s)", task_id, type(e).__name__, e)
+                return None
+
+        keeping = self._record_in_background(kept())
         done, _ = await asyncio.wait({keeping}, timeout=QUEUED_RECORD_WAIT_S)
-        if not done or keeping.cancelled() or keeping.exception() is not None:
-            log.warning("task %s: could not compare its body with earlier ones", message.message_id)
+        if not done:  # it goes on in the background; this publish does not wait for it
+            log.warning("task %s: body not compared (the store did not answer in time)", task_id)
             return
-        if keeping.result() != ours:
-            raise IdempotencyConflictError(queue, message.message_id)
+        first = keeping.result()
+        if first is not None and first != ours:
+            raise IdempotencyConflictError(queue, task_id)
 
     async def _send(self, queue: str, message: aio_pika.Message) -> str:
         """Publish a prepared message, with its "queued" record; the broker's word or an error.
