@@ -369,7 +369,13 @@ compose() { (cd "$ROOT" && "${COMPOSE[@]}" -f docker-compose.yml "$@" 9>&-); }
 docker_start() {
 	local service=$1 dir=$2 id
 	log "starting $service with Docker: ${COMPOSE[*]} up -d $service"
-	compose up -d "$service" || return 1
+	# docker-compose.yml's Redis requires WECLAW_REDIS_PASSWORD (default: its own): start it
+	# with the URL's password instead, none for a URL without one (set but empty: no password).
+	if [ "$service" = redis ]; then
+		(export WECLAW_REDIS_PASSWORD="$U_PASS" && compose up -d "$service") || return 1
+	else
+		compose up -d "$service" || return 1
+	fi
 	id=$(compose ps -q "$service") || return 1
 	[ -n "$id" ] || return 1
 	mkdir -p "$dir"

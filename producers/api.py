@@ -10,6 +10,11 @@ Run it (with a worker beside it, e.g. ``weclaw-mq worker consumers.demo:app``)::
 
 and open http://localhost:8000/ for the chat page (see ``producers.live``).
 
+An ``Idempotency-Key`` header becomes the task id: the same key with the same body answers
+the first task id again (the worker runs it once); with another body, 409 and nothing is sent
+(``weclaw_mq.state.reuse``, with results on). ``GET /tasks/{id}`` answers 503 with
+``Retry-After`` while Redis is down, and 501 where results are turned off.
+
 With ``WECLAW_MQ_OUTBOX_PATH`` set, a POST while the broker is down still answers 202, with
 ``"status": "stored_locally"``: the task waits in that SQLite file and the App's relay sends
 it once the broker is back (weclaw_mq.outbox). Without it, the answer is the 503 below.
@@ -39,6 +44,7 @@ from weclaw_mq import (
     BrokerUnavailableError,
     ConfirmTimeoutError,
     ConnectionLostError,
+    IdempotencyConflictError,
     PayloadTooLargeError,
     PayloadValidationError,
     PublishFailedError,
@@ -135,6 +141,19 @@ def create_app(
             task_id = await mq_app.publish(
                 target, prompt, task_id=idempotency_key, session_id=session_id
             )
+        except IdempotencyConflictError as e:
+            # The key already names a task with another body: running only the first one
+            # silently would hand this client the answer to another question.
+            return JSONResponse(
+                status_code=status.HTTP_409_CONFLICT,
+                content={
+                    "detail": {
+                        "message": "this Idempotency-Key was already used with another body; "
+                        "send a new body under a new key",
+                        "task_id": e.task_id,
+                    }
+                },
+            )
         # Plain numbers: Starlette renamed the 413 and 422 constants across versions.
         except PayloadTooLargeError as e:
             raise HTTPException(413, str(e)) from e
@@ -162,6 +181,12 @@ def create_app(
     async def task_status(task_id: str, queue: str | None = None) -> Any:
         """The task's latest record, or with ``?queue=`` its record in that queue (a task id
         that several pipeline stages share has one record per stage)."""
+        if mq_app.results is None:
+            # Not an outage (waiting will not help): this deployment keeps no statuses.
+            raise HTTPException(
+                status.HTTP_501_NOT_IMPLEMENTED,
+                "task statuses are not kept here (WECLAW_MQ_RESULTS_ENABLED=false)",
+            )
         state = await recorded_state(mq_app, task_id, queue, _unavailable, what="task statuses")
         if isinstance(state, JSONResponse):
             return state

@@ -23,6 +23,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from tests.private_servers import PrivateRedis, PrivateRedisCluster, PrivateServers
 from weclaw_mq import App, Settings, Worker
 from weclaw_mq.naming import (
+    BODY_KEY_PREFIX,
     GUARD_KEY_PREFIX,
     STATE_KEY_PREFIX,
     cancel_key,
@@ -192,14 +193,14 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
 
 
 async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
-    """Delete the Redis keys (guard, record, latest pointer, stream, cancel marker) of every
-    task in ``queues``, so a test leaves nothing behind; best effort when the test left its
-    Redis stopped."""
+    """Delete the Redis keys (guard, record, body fingerprint, latest pointer, stream, cancel
+    marker) of every task in ``queues``, so a test leaves nothing behind; best effort when the
+    test left its Redis stopped."""
     client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
     try:
         for queue in queues:
             keys: list[bytes] = []
-            for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX):
+            for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX, BODY_KEY_PREFIX):
                 keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
             task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
             keys += [

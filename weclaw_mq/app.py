@@ -31,6 +31,7 @@ from .errors import (
     BatchPublishError,
     BrokerUnavailableError,
     ConfigurationError,
+    IdempotencyConflictError,
     InvalidPayload,
     PayloadTooLargeError,
     PayloadValidationError,
@@ -67,7 +68,8 @@ from .state import (
     open_store,
     state_unavailable,
 )
-from .state.expiry import as_seen_at, until_deadline_s
+from .state.expiry import as_seen_at, record_ttl_s, until_deadline_s
+from .state.reuse import FingerprintStore, payload_fingerprint
 from .streaming import Inbox, StreamEvent, StreamStore
 from .streaming.events import check_event_id
 from .streaming.reading import task_events
@@ -364,6 +366,7 @@ class App:
         session_id: str | None = None,
         priority: Priority | str | None = None,
         delay_s: float | None = None,
+        refuse_other_body: bool = True,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
@@ -376,6 +379,11 @@ class App:
         see the README's "Priorities". ``delay_s``: the task is delivered no earlier than
         that many seconds from now (at most ~1 s later; its status meanwhile is ``queued``);
         see the README's "Delays".
+
+        A ``task_id`` of yours is an idempotency key: published again with the same body, it
+        is the same task (the guard runs it once); with another body,
+        ``IdempotencyConflictError`` and nothing is sent (``state.reuse``; needs results on;
+        ``refuse_other_body=False`` lets the first body win silently, as ``ctx.publish`` does).
         """
         message = self.prepare(
             queue,
@@ -388,6 +396,8 @@ class App:
             priority=priority,
             delay_s=delay_s,
         )
+        if task_id is not None and refuse_other_body:
+            await self._check_key_reuse(queue, message)
         spans = self.spans
         if spans is not None:
             with spans.publishing(queue, [message]):
@@ -398,6 +408,34 @@ class App:
         if self._local is not None:
             return await self._local.publish(queue, message, self._send)
         return await self._send(queue, message)
+
+    async def _check_key_reuse(self, queue: str, message: aio_pika.Message) -> None:
+        """``IdempotencyConflictError`` if the task id was published to ``queue`` with another
+        body. Skipped (logged) when the store cannot tell within ``QUEUED_RECORD_WAIT_S``: the
+        publish then goes on as it would without the check (``state.reuse``)."""
+        store = self.results
+        if not isinstance(store, FingerprintStore):
+            return
+        assert message.message_id is not None
+        ours = payload_fingerprint(message.body)
+        ttl_s = record_ttl_s(_queued(message, queue), self.settings.result_ttl_s, datetime.now(UTC))
+        task_id = message.message_id
+
+        async def kept() -> str | None:
+            try:
+                return await store.keep_fingerprint(queue, task_id, ours, ttl_s)
+            except Exception as e:  # the store failing: publish as if there were no check
+                log.warning("task %s: body not compared (%s: %s)", task_id, type(e).__name__, e)
+                return None
+
+        keeping = self._record_in_background(kept())
+        done, _ = await asyncio.wait({keeping}, timeout=QUEUED_RECORD_WAIT_S)
+        if not done:  # it goes on in the background; this publish does not wait for it
+            log.warning("task %s: body not compared (the store did not answer in time)", task_id)
+            return
+        first = keeping.result()
+        if first is not None and first != ours:
+            raise IdempotencyConflictError(queue, task_id)
 
     async def _send(self, queue: str, message: aio_pika.Message) -> str:
         """Publish a prepared message, with its "queued" record; the broker's word or an error.

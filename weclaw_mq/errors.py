@@ -7,9 +7,11 @@
     ├── PayloadError                 refused before anything was sent
     │   ├── PayloadTooLargeError     body over ``max_message_bytes``
     │   ├── PayloadValidationError   body fails the handler's pydantic model
-    │   └── MessageEncodingError     AMQP cannot carry the task id, queue name or a header
-    │                                (over 255 bytes, a header name over 128, a value type
-    │                                with no AMQP encoding such as an object, set or bytes)
+    │   ├── MessageEncodingError     AMQP cannot carry the task id, queue name or a header
+    │   │                            (over 255 bytes, a header name over 128, a value type
+    │   │                            with no AMQP encoding such as an object, set or bytes)
+    │   └── IdempotencyConflictError the task id (an idempotency key) was published before
+    │                                with another body (``state.reuse``)
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
     ├── ResultTimeoutError           ``App.result`` saw no final state in time
     ├── StateUnavailableError        Redis (task states and results) did not answer
@@ -101,6 +103,21 @@ class MessageEncodingError(PayloadError):
     """The task id, queue name or a header cannot be encoded as AMQP: nothing was sent."""
 
     error_type: ClassVar[str] = "weclaw_mq.MessageEncodingError"
+
+
+class IdempotencyConflictError(PayloadError):
+    """``publish(..., task_id=key)`` where ``key`` was published to that queue before with
+    another body: nothing was sent. The first body keeps the key (``state.reuse``)."""
+
+    error_type: ClassVar[str] = "weclaw_mq.IdempotencyConflictError"
+
+    def __init__(self, queue: str, task_id: str) -> None:
+        super().__init__(
+            f"task id {task_id!r} was already used for {queue!r} with another body; "
+            "a task id names one task: publish a new body under a new id"
+        )
+        self.queue = queue
+        self.task_id = task_id
 
 
 class TopologyConflictError(WeclawMQError):

@@ -31,6 +31,7 @@ INBOX_KEY_PREFIX = f"{REDIS_PREFIX}:inbox"
 INBOX_TRACE_KEY_PREFIX = f"{REDIS_PREFIX}:inbox-trace"
 LIMIT_KEY_PREFIX = f"{REDIS_PREFIX}:limit"
 CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
+BODY_KEY_PREFIX = f"{REDIS_PREFIX}:body"
 # One channel for every cancel request (weclaw_mq.state.cancel): each worker holds one
 # subscription, not one per task it runs, and a PUBLISH reaches every node of a cluster.
 CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
@@ -113,6 +114,8 @@ def handler_queue_of(name: str) -> str:
 #     weclaw_mq:done:{T}                 pub/sub channel: some record of T became final
 #     weclaw_mq:cancel:{T}               the cancel marker: a set of queues (or "*") whose
 #                                        deliveries of T are acked unrun
+#     weclaw_mq:body:<len(Q)>:Q:{T}      the fingerprint of the body first published as T to
+#                                        Q with a task id of the caller's (state.reuse)
 #
 # Unambiguous whatever the characters: Q is read by its byte length, T runs from the brace
 # after Q to the last character, so ("a:b", "c") and ("a", "b:c") never share a key. The
@@ -132,6 +135,11 @@ def guard_key(queue: str, task_id: str) -> str:
 
 def state_key(queue: str, task_id: str) -> str:
     return _task_key(STATE_KEY_PREFIX, queue, task_id)
+
+
+def body_key(queue: str, task_id: str) -> str:
+    """The fingerprint of the body first published as (queue, task id) (``state.reuse``)."""
+    return _task_key(BODY_KEY_PREFIX, queue, task_id)
 
 
 def latest_key(task_id: str) -> str:
@@ -188,7 +196,12 @@ def queue_key_pattern(prefix: str, queue: str) -> str:
 
 def task_keys(queue: str, task_id: str) -> list[str]:
     """Every key that (queue, task id) may own: for cleanup by tests and operator scripts."""
-    return [guard_key(queue, task_id), state_key(queue, task_id), latest_key(task_id)]
+    return [
+        guard_key(queue, task_id),
+        state_key(queue, task_id),
+        latest_key(task_id),
+        body_key(queue, task_id),
+    ]
 
 
 # -- Redis keys of a handler's limits (weclaw_mq.limits) -----------------------------------

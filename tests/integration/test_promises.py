@@ -119,14 +119,15 @@ async def test_a_queued_write_after_running_or_succeeded_leaves_the_later_state(
     task_id = await app.publish(qname, Job(n=1))
     try:
         await wait_until(lambda: _has_status(app, task_id, TaskStatus.RUNNING), 10, "running")
-        await app.publish(qname, Job(n=2), task_id=task_id)
+        # Another body under the id on purpose (the copy must not run): let the first win.
+        await app.publish(qname, Job(n=2), task_id=task_id, refuse_other_body=False)
         assert (await _status(app, task_id)).status is TaskStatus.RUNNING, "queued hid running"
     finally:
         release.set()  # a failed check must not leave the handler waiting at the teardown
     done = await app.result(task_id, timeout_s=15)
     assert done.status is TaskStatus.SUCCEEDED and done.result == {"n": 1}
 
-    await app.publish(qname, Job(n=3), task_id=task_id)
+    await app.publish(qname, Job(n=3), task_id=task_id, refuse_other_body=False)
     after = await _status(app, task_id)
     assert after.status is TaskStatus.SUCCEEDED, "queued hid succeeded"
     assert after.result == {"n": 1}

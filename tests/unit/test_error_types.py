@@ -38,6 +38,7 @@ DOCUMENTED = [
     "weclaw_mq.PayloadTooLargeError",
     "weclaw_mq.PayloadValidationError",
     "weclaw_mq.MessageEncodingError",
+    "weclaw_mq.IdempotencyConflictError",
     "weclaw_mq.TopologyConflictError",
     "weclaw_mq.ResultTimeoutError",
     "weclaw_mq.StateUnavailableError",

@@ -67,6 +67,7 @@ class MemoryTaskStore:
         self._claims: dict[tuple[str, str], _Entry] = {}
         self._held: dict[tuple[str, str], str] = {}  # claims kept alive by ``holding``
         self._records: dict[tuple[str, str], _Entry] = {}
+        self._fingerprints: dict[tuple[str, str], _Entry] = {}  # state.reuse
         self._latest: dict[str, _Entry] = {}  # task id -> queue of its latest record
         self._finals: dict[str, asyncio.Event] = {}  # task id -> set when a record turns final
         self._markers: dict[str, _Marker] = {}  # task id -> its cancel marker
@@ -161,6 +162,16 @@ class MemoryTaskStore:
         latest = self._latest.get(task_id)
         if latest is not None and latest.value == queue:
             del self._latest[task_id]
+
+    async def keep_fingerprint(
+        self, queue: str, task_id: str, fingerprint: str, ttl_s: float
+    ) -> str:
+        key = (queue, task_id)
+        kept = self._live(self._fingerprints, key)
+        if kept is not None:
+            return kept.value
+        self._fingerprints[key] = _Entry(fingerprint, self._clock() + ttl_s)
+        return fingerprint
 
     def _read(self, task_id: str, queue: str | None) -> TaskState | None:
         if queue is None:

@@ -23,7 +23,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from ..errors import ResultTimeoutError
-from ..naming import cancel_key, done_channel, guard_key, latest_key, state_key
+from ..naming import body_key, cancel_key, done_channel, guard_key, latest_key, state_key
 from ..settings import Settings
 from . import state_unavailable
 from .cancel import Cancellation
@@ -165,6 +165,14 @@ end
 return 0
 """
 
+# The first body's fingerprint keeps the key (state.reuse): set if absent, else the kept one.
+_KEEP_FINGERPRINT = """
+local kept = redis.call('GET', KEYS[1])
+if kept then return kept end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return ARGV[1]
+"""
+
 # Waiters re-read the record this often even without a notification, so a notification
 # missed across a reconnect costs at most this much delay.
 _RECHECK_S = 2.0
@@ -204,6 +212,7 @@ class RedisTaskStore:
         self._get_latest = Script.of(_GET_LATEST)
         self._release = Script.of(_RELEASE)
         self._extend = Script.of(_EXTEND)
+        self._keep_fingerprint = Script.of(_KEEP_FINGERPRINT)
         # One script call for a whole batch of new records (publish_many).
         self._record_new_many = client.register_script(_RECORD_NEW_MANY)
         self._cancels = RedisCancels(client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA)
@@ -348,6 +357,16 @@ class RedisTaskStore:
             )
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
+
+    async def keep_fingerprint(
+        self, queue: str, task_id: str, fingerprint: str, ttl_s: float
+    ) -> str:
+        args = [fingerprint, max(1, int(ttl_s * 1000))]
+        try:
+            kept = await self._pipe.script(self._keep_fingerprint, [body_key(queue, task_id)], args)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+        return kept.decode() if isinstance(kept, bytes) else str(kept)
 
     async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
         try:

@@ -36,7 +36,8 @@ HOW_TO_GET_RABBITMQ = (
 )
 HOW_TO_GET_REDIS = (
     "start one: 'redis-server --daemonize yes --port 6379 --save \"\" --appendonly no', or "
-    f"'docker compose up -d redis', or point {REDIS_ENV} at one; with a Docker engine, "
+    "'docker compose up -d redis' (with the password of docker-compose.yml in the URL), "
+    f"or point {REDIS_ENV} at one; with a Docker engine, "
     "pip install 'weclaw-mq[testing]' starts one"
 )
 HOW_TO_GET_TESTCONTAINERS = (
