@@ -46,7 +46,11 @@ def name_placeholders(command: Any) -> None:
     keeps it; the others are named after their option (``--limit`` -> ``LIMIT``) or argument
     (``queue`` -> ``QUEUE``), and flags show none. Runs once on the built click command, so
     every command, whoever adds it, reads the same way."""
-    for param in getattr(command, "params", ()):
+    params = list(getattr(command, "params", ()))
+    help_option = _help_option(command)
+    if help_option is not None:
+        params.append(help_option)
+    for param in params:
         if param.metavar is not None:
             continue
         if param.param_type_name == "argument":
@@ -58,3 +62,11 @@ def name_placeholders(command: Any) -> None:
             param.metavar = longest.lstrip("-").replace("-", "_").upper()
     for sub in getattr(command, "commands", {}).values():
         name_placeholders(sub)
+
+
+def _help_option(command: Any) -> Any:
+    """``--help`` of ``command``, where typer builds it once and keeps it (recent typer), so a
+    placeholder set on it is shown; older click builds a new one per call: then None."""
+    if not hasattr(command, "_help_option"):
+        return None
+    return command.get_help_option(command.context_class(command, info_name=command.name))
