@@ -23,6 +23,8 @@ from ..errors import (
     ConfirmTimeoutError,
     ConnectionLostError,
     PayloadError,
+    PayloadTooLargeError,
+    PayloadValidationError,
     StateUnavailableError,
     WeclawMQError,
 )
@@ -80,8 +82,10 @@ def classify(e: BaseException) -> tuple[ExitCode, str]:
     """The exit code and the message for an exception that ended a command."""
     if isinstance(e, pydantic.ValidationError):
         return ExitCode.CONFIG, _settings_problem(e)
-    if isinstance(e, PayloadError):
+    if isinstance(e, (PayloadTooLargeError, PayloadValidationError)):  # only publish's task
         return ExitCode.USAGE, f"invalid value for '--data': {e}"
+    if isinstance(e, PayloadError):  # a queue name AMQP cannot carry
+        return ExitCode.USAGE, str(e)
     if isinstance(e, ConfigurationError):
         return ExitCode.CONFIG, str(e)
     if isinstance(e, (BrokerUnavailableError, ConnectionLostError, ConfirmTimeoutError)):
