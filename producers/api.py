@@ -50,13 +50,12 @@ from weclaw_mq import (
     PublishFailedError,
     TaskStatus,
 )
+from weclaw_mq.task_ids import TASK_ID_PATTERN
 
 log = logging.getLogger("producers.api")
 
 # How long a client should wait before trying again when the broker is down or refusing.
 RETRY_AFTER_S = 5
-# Same alphabet as a queue name, short: the key becomes the AMQP message_id and Redis keys.
-IDEMPOTENCY_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$"
 
 
 class Accepted(BaseModel):
@@ -129,10 +128,10 @@ def create_app(
     async def submit(
         prompt: Prompt,
         idempotency_key: Annotated[
-            str | None, Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN)
+            str | None, Header(alias="Idempotency-Key", pattern=TASK_ID_PATTERN)
         ] = None,
         session_id: Annotated[
-            str | None, Header(alias="Session-Id", pattern=IDEMPOTENCY_KEY_PATTERN)
+            str | None, Header(alias="Session-Id", pattern=TASK_ID_PATTERN)
         ] = None,
     ) -> Any:
         """Publish the prompt; 202 means the broker confirmed it is stored. With a

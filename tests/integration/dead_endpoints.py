@@ -18,12 +18,15 @@ def closed_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def silent_server() -> AsyncIterator[int]:
-    """A TCP server on a free port that accepts connections, reads, and never answers."""
+async def silent_server(accepted: asyncio.Event | None = None) -> AsyncIterator[int]:
+    """A TCP server on a free port that accepts connections, reads, and never answers;
+    ``accepted`` is set once a client connected."""
     held: list[asyncio.StreamWriter] = []
 
     async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held.append(writer)
+        if accepted is not None:
+            accepted.set()
         with contextlib.suppress(Exception):
             while await reader.read(65536):
                 pass

@@ -69,26 +69,47 @@ class CliResult:
     stderr: str
 
 
-async def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0
-) -> CliResult:
-    """Run ``weclaw-mq ARGS`` from the repository root with ``env`` added to ours."""
-    proc = await asyncio.create_subprocess_exec(
+async def start_cli(*args: str, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+    """Start ``weclaw-mq ARGS`` from the repository root with ``env`` added to ours, its stdin,
+    stdout and stderr piped."""
+    return await asyncio.create_subprocess_exec(
         cli_executable(),
         *args,
         cwd=REPO_ROOT,
         env={**os.environ, **(env or {})},
+        stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+
+
+async def finish_cli(
+    proc: asyncio.subprocess.Process,
+    args: Sequence[str],
+    *,
+    stdin: bytes | None = None,
+    timeout_s: float = 30.0,
+) -> CliResult:
+    """Wait for a ``start_cli`` process (feeding it ``stdin``) and collect what it wrote."""
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
     except TimeoutError:
         proc.kill()
         await proc.wait()
         raise AssertionError(f"weclaw-mq {' '.join(args)} ran past {timeout_s} s") from None
     assert proc.returncode is not None
     return CliResult(proc.returncode, out.decode(), err.decode())
+
+
+async def run_cli(
+    *args: str,
+    env: dict[str, str] | None = None,
+    stdin: bytes | None = None,
+    timeout_s: float = 30.0,
+) -> CliResult:
+    """Run ``weclaw-mq ARGS`` from the repository root with ``env`` added to ours."""
+    proc = await start_cli(*args, env=env)
+    return await finish_cli(proc, args, stdin=stdin, timeout_s=timeout_s)
 
 
 def one_error_line(result: CliResult) -> str:

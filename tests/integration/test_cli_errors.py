@@ -1,36 +1,59 @@
 """Every CLI failure ends as one line on stderr and a documented exit code, never a traceback.
 
 Each mistake runs the installed ``weclaw-mq`` script as a real process. "Down" services are
-URLs to a port nothing listens on: the shared broker and Redis are never touched.
+URLs to a port nothing listens on (or a private server that never answers): the shared broker
+and Redis are never touched. The README's exit-code table lists these mistakes.
 """
 
 from __future__ import annotations
 
-import socket
+import asyncio
+import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import typer
 from pydantic import BaseModel
 
 from tests.conftest import settings_for
-from tests.integration.processes import FIXTURE_APP, one_error_line, run_cli, settings_env
+from tests.integration.dead_endpoints import closed_port, silent_server
+from tests.integration.processes import (
+    FIXTURE_APP,
+    CliResult,
+    finish_cli,
+    one_error_line,
+    run_cli,
+    settings_env,
+    start_cli,
+)
 from weclaw_mq import App
+from weclaw_mq.cli import cli
 from weclaw_mq.cli.failures import ExitCode, one_line
 
 SECRET = "s3cret-pass"
-
-
-def closed_port() -> int:
-    """A local port nothing listens on (bound, then released at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
+# An app whose module builds its App (and so reads the settings) when imported.
+DEMO_APP = "consumers.demo:app"
+BROKER_DOWN = {"WECLAW_MQ_AMQP_URL": f"amqp://guest:{SECRET}@127.0.0.1:{closed_port()}/"}
+NOT_SQLITE = str(Path(__file__))  # a file that exists and is no SQLite database
+REDIS_DOWN = {
+    "WECLAW_MQ_REDIS_URL": f"redis://:{SECRET}@127.0.0.1:{closed_port()}/0",
+    "WECLAW_MQ_REDIS_TIMEOUT_S": "2",
+}
 
 
 class Job(BaseModel):
     text: str
+
+
+@dataclass(frozen=True)
+class Mistake:
+    args: list[str]
+    env: dict[str, str]
+    code: ExitCode
+    complaint: str  # said in the error line
+    id: str
 
 
 def assert_one_line(result_stderr: str) -> None:
@@ -38,105 +61,302 @@ def assert_one_line(result_stderr: str) -> None:
     assert result_stderr.startswith("weclaw-mq: error: "), result_stderr
 
 
-@pytest.mark.parametrize(
-    ("args", "env", "code", "complaint"),
-    [
-        (
-            ["status", "some-task"],
-            {
-                "WECLAW_MQ_REDIS_URL": f"redis://:{SECRET}@127.0.0.1:{closed_port()}/0",
-                "WECLAW_MQ_REDIS_TIMEOUT_S": "2",
-            },
-            ExitCode.STATE_UNAVAILABLE,
-            "Redis",
-        ),
-        (
-            ["status", "some-task", "--wait", "1"],
-            {
-                "WECLAW_MQ_REDIS_URL": f"redis://:{SECRET}@127.0.0.1:{closed_port()}/0",
-                "WECLAW_MQ_REDIS_TIMEOUT_S": "2",
-            },
-            ExitCode.STATE_UNAVAILABLE,
-            "Redis",
-        ),
-        (
-            ["dlq", "list", "some-queue"],
-            {"WECLAW_MQ_AMQP_URL": f"amqp://guest:{SECRET}@127.0.0.1:{closed_port()}/"},
-            ExitCode.BROKER_UNAVAILABLE,
-            "cannot connect to RabbitMQ",
-        ),
-        (
-            ["dlq", "list", "some-queue"],
-            {"WECLAW_MQ_AMQP_URL": f"amqp://guest:{SECRET}@[::1"},
-            ExitCode.CONFIG,
-            "WECLAW_MQ_AMQP_URL",
-        ),
-        (
-            ["publish", "some-queue", "--data", "{}"],
-            {"WECLAW_MQ_AMQP_URL": "not-a-url"},
-            ExitCode.CONFIG,
-            "WECLAW_MQ_AMQP_URL",
-        ),
-        (
-            ["status", "some-task"],
-            {"WECLAW_MQ_REDIS_URL": f"http://user:{SECRET}@example.invalid/"},
-            ExitCode.CONFIG,
-            "WECLAW_MQ_REDIS_URL",
-        ),
-        (
-            ["health"],
-            {"WECLAW_MQ_AMQP_URL": f"amqp://guest:{SECRET}@127.0.0.1:99999/"},
-            ExitCode.CONFIG,
-            "WECLAW_MQ_AMQP_URL",
-        ),
-        (
-            ["status", "some-task"],
-            {"WECLAW_MQ_CONCURRENCY": "many"},
-            ExitCode.CONFIG,
-            "WECLAW_MQ_CONCURRENCY",
-        ),
-        (
-            ["declare", FIXTURE_APP],
-            {"WECLAW_MQ_GUARD_ON_REDIS_DOWN": "panic", "TEST_QUEUE": "q", "TEST_RECORD_DIR": "."},
-            ExitCode.CONFIG,
-            "WECLAW_MQ_GUARD_ON_REDIS_DOWN",
-        ),
-        (
-            ["declare", FIXTURE_APP, "--log-level", "LOUD"],
-            {},
-            ExitCode.USAGE,
-            "--log-level",
-        ),
-        (
-            ["worker", FIXTURE_APP],
-            {"WECLAW_MQ_LOG_LEVEL": "chatty"},
-            ExitCode.USAGE,
-            "--log-level",
-        ),
-    ],
-    ids=[
-        "status-redis-down",
-        "status-wait-redis-down",
-        "dlq-broker-down",
-        "amqp-url-unparseable",
-        "amqp-url-no-scheme",
-        "redis-url-wrong-scheme",
-        "amqp-port-out-of-range",
-        "setting-not-an-int",
-        "setting-not-a-choice",
-        "log-level-option",
-        "log-level-env",
-    ],
-)
-async def test_each_mistake_ends_as_one_error_line_and_its_exit_code(
-    args: list[str], env: dict[str, str], code: ExitCode, complaint: str
+MISTAKES: list[Mistake] = [
+    # 1: the command ran and the answer is no
+    Mistake(
+        ["outbox", "status", "--path", "/nonexistent-dir/outbox.db"],
+        {},
+        ExitCode.FAILED,
+        "/nonexistent-dir",
+        id="outbox-path-in-missing-dir",
+    ),
+    Mistake(
+        ["outbox", "status", "--path", NOT_SQLITE],
+        {},
+        ExitCode.FAILED,
+        "not a readable SQLite database",
+        id="outbox-path-not-sqlite",
+    ),
+    Mistake(["dlq", "purge", "some-queue"], {}, ExitCode.FAILED, "--yes", id="purge-without-yes"),
+    # 2: usage
+    Mistake(["no-such-command"], {}, ExitCode.USAGE, "no-such-command", id="unknown-command"),
+    Mistake(["status", "--colour"], {}, ExitCode.USAGE, "--colour", id="unknown-option"),
+    Mistake(
+        ["declare", FIXTURE_APP, "--log-level", "LOUD"],
+        {},
+        ExitCode.USAGE,
+        "--log-level",
+        id="log-level-option",
+    ),
+    Mistake(
+        ["worker", FIXTURE_APP],
+        {"WECLAW_MQ_LOG_LEVEL": "chatty"},
+        ExitCode.USAGE,
+        "--log-level",
+        id="log-level-env",
+    ),
+    Mistake(
+        ["outbox", "relay", "--once", "--log-level", "LOUD"],
+        {},
+        ExitCode.USAGE,
+        "--log-level",
+        id="outbox-relay-log-level",
+    ),
+    Mistake(
+        ["worker", FIXTURE_APP, "--concurrency", "0"],
+        {},
+        ExitCode.USAGE,
+        "--concurrency",
+        id="concurrency-zero",
+    ),
+    Mistake(
+        ["permissions", DEMO_APP, "--role", "boss"], {}, ExitCode.USAGE, "--role", id="bad-role"
+    ),
+    Mistake(
+        ["publish", "some-queue", "--data", "not json"],
+        {},
+        ExitCode.USAGE,
+        "--data",
+        id="data-not-json",
+    ),
+    Mistake(
+        ["publish", "some-queue", "--data", "@/nonexistent-dir/task.json"],
+        {},
+        ExitCode.USAGE,
+        "/nonexistent-dir/task.json",
+        id="data-file-missing",
+    ),
+    Mistake(
+        ["publish", "some-queue", "--data", "{}", "--task-id", "has spaces"],
+        {},
+        ExitCode.USAGE,
+        "--task-id",
+        id="task-id-invalid",
+    ),
+    # 3: configuration
+    Mistake(["worker", "nomodule"], {}, ExitCode.CONFIG, "MODULE:APP", id="app-no-colon"),
+    Mistake(
+        ["worker", "no_such_module_for_weclaw_tests:app"],
+        {},
+        ExitCode.CONFIG,
+        "no_such_module_for_weclaw_tests",
+        id="app-module-missing",
+    ),
+    Mistake(
+        ["declare", "os:path"], {}, ExitCode.CONFIG, "not a weclaw_mq.App", id="app-not-an-app"
+    ),
+    Mistake(
+        ["worker", "consumers.demo:no_such_app"],
+        {},
+        ExitCode.CONFIG,
+        "no attribute 'no_such_app'",
+        id="app-attribute-missing",
+    ),
+    Mistake(
+        ["worker", FIXTURE_APP],  # its module builds the App on access, and needs TEST_QUEUE
+        {},
+        ExitCode.CONFIG,
+        "TEST_QUEUE",
+        id="app-fails-to-build",
+    ),
+    Mistake(
+        ["publish", "some-queue", "--data", "{}", "--app", ""],
+        {},
+        ExitCode.CONFIG,
+        "MODULE:APP",
+        id="publish-app-empty",
+    ),
+    Mistake(
+        ["publish", "some-queue", "--data", "{}", "--app", DEMO_APP],
+        {},
+        ExitCode.CONFIG,
+        "no handler for 'some-queue'",
+        id="publish-app-without-the-queue",
+    ),
+    Mistake(
+        ["outbox", "status"], {}, ExitCode.CONFIG, "WECLAW_MQ_OUTBOX_PATH", id="outbox-no-path"
+    ),
+    Mistake(
+        ["dlq", "list", "some-queue"],
+        {"WECLAW_MQ_AMQP_URL": f"amqp://guest:{SECRET}@[::1"},
+        ExitCode.CONFIG,
+        "WECLAW_MQ_AMQP_URL",
+        id="amqp-url-unparseable",
+    ),
+    Mistake(
+        ["publish", "some-queue", "--data", "{}"],
+        {"WECLAW_MQ_AMQP_URL": "not-a-url"},
+        ExitCode.CONFIG,
+        "WECLAW_MQ_AMQP_URL",
+        id="amqp-url-no-scheme",
+    ),
+    Mistake(
+        ["status", "some-task"],
+        {"WECLAW_MQ_REDIS_URL": f"http://user:{SECRET}@example.invalid/"},
+        ExitCode.CONFIG,
+        "WECLAW_MQ_REDIS_URL",
+        id="redis-url-wrong-scheme",
+    ),
+    Mistake(
+        ["health"],
+        {"WECLAW_MQ_AMQP_URL": f"amqp://guest:{SECRET}@127.0.0.1:99999/"},
+        ExitCode.CONFIG,
+        "WECLAW_MQ_AMQP_URL",
+        id="amqp-port-out-of-range",
+    ),
+    Mistake(
+        ["declare", FIXTURE_APP],
+        {"WECLAW_MQ_GUARD_ON_REDIS_DOWN": "panic", "TEST_QUEUE": "q", "TEST_RECORD_DIR": "."},
+        ExitCode.CONFIG,
+        "WECLAW_MQ_GUARD_ON_REDIS_DOWN",
+        id="setting-not-a-choice",
+    ),
+    # 4: RabbitMQ unavailable
+    Mistake(
+        ["publish", "some-queue", "--data", "{}"],
+        BROKER_DOWN,
+        ExitCode.BROKER_UNAVAILABLE,
+        "cannot connect to RabbitMQ",
+        id="publish-broker-down",
+    ),
+    Mistake(
+        ["dlq", "list", "some-queue"],
+        BROKER_DOWN,
+        ExitCode.BROKER_UNAVAILABLE,
+        "cannot connect to RabbitMQ",
+        id="dlq-broker-down",
+    ),
+    # 5: Redis unavailable
+    Mistake(
+        ["status", "some-task"],
+        REDIS_DOWN,
+        ExitCode.STATE_UNAVAILABLE,
+        "Redis",
+        id="status-redis-down",
+    ),
+    Mistake(
+        ["status", "some-task", "--wait", "1"],
+        REDIS_DOWN,
+        ExitCode.STATE_UNAVAILABLE,
+        "Redis",
+        id="status-wait-redis-down",
+    ),
+    Mistake(
+        ["cancel", "some-task"],
+        REDIS_DOWN,
+        ExitCode.STATE_UNAVAILABLE,
+        "Redis",
+        id="cancel-redis-down",
+    ),
+]
+
+
+@pytest.mark.parametrize("mistake", MISTAKES, ids=[m.id for m in MISTAKES])
+def test_each_mistake_ends_as_one_error_line_and_its_exit_code(
+    mistake: Mistake, ran: dict[str, CliResult]
 ) -> None:
-    result = await run_cli(*args, env=env)
+    result = ran[mistake.id]
 
     line = one_error_line(result)
-    assert result.code == code, (result.code, line)
-    assert complaint in line, line
+    assert result.code == mistake.code, (result.code, line)
+    assert mistake.complaint in line, line
     assert_one_line(result.stderr)
+
+
+# One run of every command, valid but for the settings it reads. A new command needs a line
+# here (test_every_command_has_a_run_with_a_bad_setting says so).
+EVERY_COMMAND = {
+    "worker": ["worker", DEMO_APP],
+    "declare": ["declare", DEMO_APP],
+    "permissions": ["permissions", DEMO_APP],
+    "publish": ["publish", "some-queue", "--data", "{}"],
+    "status": ["status", "some-task"],
+    "cancel": ["cancel", "some-task"],
+    "health": ["health"],
+    "stats": ["stats", "some-queue"],
+    "dlq list": ["dlq", "list", "some-queue"],
+    "dlq show": ["dlq", "show", "some-queue", "some-task"],
+    "dlq requeue": ["dlq", "requeue", "some-queue"],
+    "dlq export": ["dlq", "export", "some-queue", "/nonexistent-dir/dead.jsonl"],
+    "dlq purge": ["dlq", "purge", "some-queue", "--yes"],
+    "dlq import": ["dlq", "import", "some-queue", "/nonexistent-dir/dead.jsonl"],
+    "outbox status": ["outbox", "status", "--path", "/nonexistent-dir/outbox.db"],
+    "outbox relay": ["outbox", "relay", "--path", "/nonexistent-dir/outbox.db", "--once"],
+}
+
+
+BAD_SETTING = "bad-setting: "
+# At most this many CLI processes at once: each spends ~0.4 s of CPU importing, on 2 cores.
+PARALLEL = 4
+
+
+@pytest.fixture(scope="module")
+def ran() -> dict[str, CliResult]:
+    """Every run of this module's tables, as real processes, a few at a time (one by one
+    they would take a minute); each test then reads its own result."""
+    runs = {m.id: (m.args, m.env) for m in MISTAKES}
+    bad = {"WECLAW_MQ_CONCURRENCY": "many"}
+    runs |= {BAD_SETTING + name: (args, bad) for name, args in EVERY_COMMAND.items()}
+
+    async def run_all() -> dict[str, CliResult]:
+        slots = asyncio.Semaphore(PARALLEL)
+
+        async def one(args: list[str], env: dict[str, str]) -> CliResult:
+            async with slots:
+                return await run_cli(*args, env=env, timeout_s=60)
+
+        results = await asyncio.gather(*(one(args, env) for args, env in runs.values()))
+        return dict(zip(runs, results, strict=True))
+
+    return asyncio.run(run_all())
+
+
+def leaf_commands(command: object, prefix: str = "") -> list[str]:
+    subcommands = getattr(command, "commands", None)
+    if not subcommands:
+        return [prefix.strip()]
+    return [
+        name
+        for key, sub in sorted(subcommands.items())
+        for name in leaf_commands(sub, f"{prefix} {key}")
+    ]
+
+
+def test_every_command_has_a_run_with_a_bad_setting() -> None:
+    commands = leaf_commands(typer.main.get_command(cli))
+
+    missing = sorted(set(commands) - set(EVERY_COMMAND))
+    assert not missing, f"add a run of {missing} to EVERY_COMMAND"
+
+
+@pytest.mark.parametrize("command", sorted(EVERY_COMMAND))
+def test_a_bad_setting_ends_every_command_with_exit_3_naming_the_variable(
+    command: str, ran: dict[str, CliResult]
+) -> None:
+    result = ran[BAD_SETTING + command]
+
+    line = one_error_line(result)
+    assert result.code == ExitCode.CONFIG, (result.code, line)
+    assert "WECLAW_MQ_CONCURRENCY" in line, line
+
+
+async def test_ctrl_c_ends_a_waiting_command_with_one_line_and_exit_130() -> None:
+    accepted = asyncio.Event()
+    async with silent_server(accepted) as port:
+        env = {
+            "WECLAW_MQ_REDIS_URL": f"redis://127.0.0.1:{port}/0",
+            "WECLAW_MQ_REDIS_TIMEOUT_S": "60",
+        }
+        args = ["status", "some-task", "--wait", "60"]
+        proc = await start_cli(*args, env=env)
+        # Connected to our server: the command is past its imports, waiting on "Redis".
+        await asyncio.wait_for(accepted.wait(), 20)
+        proc.send_signal(signal.SIGINT)
+        result = await finish_cli(proc, args)
+
+    line = one_error_line(result)
+    assert result.code == ExitCode.INTERRUPTED, (result.code, line)
+    assert line == "weclaw-mq: error: interrupted"
 
 
 async def test_export_to_an_unwritable_path_fails_in_one_line_and_leaves_the_dlq_alone(

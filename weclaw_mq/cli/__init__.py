@@ -8,6 +8,7 @@ unavailable; 5 state store (Redis) unavailable; 130 interrupted.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import typer
 from typer import Abort
@@ -18,12 +19,20 @@ except ImportError:  # pragma: no cover - older typer on the real click
     from click.exceptions import UsageError  # type: ignore[assignment]
 
 from .failures import ExitCode, classify, report
+from .options import name_placeholders
 from .root import cli
+
+# aio-pika's Connection.__del__ schedules a close() it cannot run once the loop has stopped;
+# a connection that failed mid-handshake is collected then (seen on 'publish' with the broker
+# down), and Python prints two lines of "never awaited" beside our one. Nothing is left open.
+_UNAWAITED_CLOSE = "coroutine 'Connection.close' was never awaited"
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every failure ends as one line on stderr and a documented exit code."""
+    warnings.filterwarnings("ignore", message=_UNAWAITED_CLOSE, category=RuntimeWarning)
     command = typer.main.get_command(cli)
+    name_placeholders(command)
     try:
         code = command.main(args=argv, prog_name="weclaw-mq", standalone_mode=False)
     except UsageError as e:
@@ -33,12 +42,13 @@ def main(argv: list[str] | None = None) -> None:
         report(message)
         sys.exit(ExitCode.USAGE)
     except (Abort, KeyboardInterrupt):
-        report("interrupted")
-        sys.exit(ExitCode.INTERRUPTED)
+        code = ExitCode.INTERRUPTED
     except Exception as e:  # the one boundary: no traceback ever reaches the operator
         exit_code, message = classify(e)
         report(message)
         sys.exit(exit_code)
+    if code == ExitCode.INTERRUPTED:  # recent typer turns Ctrl-C into a silent exit 130
+        report("interrupted")
     sys.exit(code if isinstance(code, int) else ExitCode.OK)
 
 

@@ -19,12 +19,13 @@ from .failures import fail
 
 
 def cancel(
-    task_id: Annotated[str, typer.Argument(help="The id publish returned.")],
+    task_id: Annotated[str, typer.Argument(metavar="TASK_ID", help="The id publish returned.")],
     queue: Annotated[
         str | None,
         typer.Option(
             "--queue",
             "-q",
+            metavar="QUEUE",
             help="Cancel the task in this queue only (default: its latest record decides, and "
             "every queue of the task id is cancelled).",
         ),

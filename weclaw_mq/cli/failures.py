@@ -22,6 +22,9 @@ from ..errors import (
     ConfigurationError,
     ConfirmTimeoutError,
     ConnectionLostError,
+    PayloadError,
+    PayloadTooLargeError,
+    PayloadValidationError,
     StateUnavailableError,
     WeclawMQError,
 )
@@ -34,7 +37,9 @@ class ExitCode(IntEnum):
     # The command ran and the answer is no: unknown task, not in the DLQ, unhealthy, a
     # publish the broker refused, a queue with other arguments, a file it could not write.
     FAILED = 1
-    USAGE = 2  # a bad argument or option (typer's own code)
+    # A bad argument or option (typer's own code), and a --data the handler's model or the
+    # size bound refuses: nothing was sent.
+    USAGE = 2
     CONFIG = 3  # an invalid WECLAW_MQ_* value or URL, an App that cannot be loaded
     BROKER_UNAVAILABLE = 4  # RabbitMQ did not answer, or the link died mid-command
     STATE_UNAVAILABLE = 5  # Redis (task states, results) did not answer
@@ -77,6 +82,10 @@ def classify(e: BaseException) -> tuple[ExitCode, str]:
     """The exit code and the message for an exception that ended a command."""
     if isinstance(e, pydantic.ValidationError):
         return ExitCode.CONFIG, _settings_problem(e)
+    if isinstance(e, (PayloadTooLargeError, PayloadValidationError)):  # only publish's task
+        return ExitCode.USAGE, f"invalid value for '--data': {e}"
+    if isinstance(e, PayloadError):  # a queue name AMQP cannot carry
+        return ExitCode.USAGE, str(e)
     if isinstance(e, ConfigurationError):
         return ExitCode.CONFIG, str(e)
     if isinstance(e, (BrokerUnavailableError, ConnectionLostError, ConfirmTimeoutError)):

@@ -29,7 +29,12 @@ def load_app(path: str) -> App:
         raise ConfigurationError(
             f"importing {module_name!r} failed: {type(e).__name__}: {e}"
         ) from e
-    app = getattr(module, attr, None)
+    try:  # a module's __getattr__ may build the App lazily, and fail doing so
+        app = getattr(module, attr, None)
+    except pydantic.ValidationError:
+        raise
+    except Exception as e:
+        raise ConfigurationError(f"loading {path!r} failed: {type(e).__name__}: {e}") from e
     if not isinstance(app, App):
         raise ConfigurationError(
             f"{path!r} is {type(app).__name__}, not a weclaw_mq.App"

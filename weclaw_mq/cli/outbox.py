@@ -18,6 +18,7 @@ from ..outbox.relay import Relay
 from ..settings import Settings
 from ..state import open_store
 from ..tracing import configure_logging
+from .options import LogLevel
 
 log = logging.getLogger("weclaw_mq.outbox")
 
@@ -31,7 +32,9 @@ outbox_cli = typer.Typer(
 
 PathOption = Annotated[
     str | None,
-    typer.Option("--path", help="The outbox file (default: WECLAW_MQ_OUTBOX_PATH)."),
+    typer.Option(
+        "--path", metavar="FILE", help="The outbox file (default: WECLAW_MQ_OUTBOX_PATH)."
+    ),
 ]
 
 
@@ -52,7 +55,7 @@ async def _open(settings: Settings) -> Outbox:
 @outbox_cli.command()
 def status(
     path: PathOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object.")] = False,
 ) -> None:
     """Rows waiting, the oldest one's age, the file's size, rows whose last send failed."""
     configure_logging("WARNING")
@@ -84,17 +87,23 @@ def status(
 def relay(
     path: PathOption = None,
     once: Annotated[
-        bool, typer.Option("--once", help="Drain what is there now, then exit.")
+        bool, typer.Option("--once", metavar="", help="Drain what is there now, then exit.")
     ] = False,
     metrics_port: Annotated[
         int | None,
-        typer.Option("--metrics-port", min=0, max=65535, help="Serve Prometheus /metrics here."),
+        typer.Option(
+            "--metrics-port",
+            min=0,
+            max=65535,
+            metavar="PORT",
+            help="Serve Prometheus /metrics here.",
+        ),
     ] = None,
-    log_level: Annotated[str, typer.Option("--log-level")] = "INFO",
+    log_level: LogLevel = "INFO",
 ) -> None:
     """Send the outbox's rows to the broker (oldest first, each deleted after its confirm);
     runs until SIGTERM or Ctrl-C. Several relays may share a file: rows are claimed."""
-    configure_logging(log_level.upper())
+    configure_logging(log_level)
     settings = _settings(path)
     metrics = Metrics()
     if metrics_port is not None:

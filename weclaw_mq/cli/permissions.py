@@ -8,21 +8,28 @@ import typer
 
 from ..permissions import Role, grant, set_permissions_line, vhost_of
 from .loading import load_app
+from .options import AppPath
 
 
 def permissions(
-    app_path: Annotated[str, typer.Argument(help="Where your App lives, as MODULE:ATTRIBUTE.")],
+    app_path: AppPath,
     role: Annotated[
         list[Role] | None,
-        typer.Option("--role", help="worker, producer or operator (repeatable). Default: all."),
+        typer.Option(
+            "--role",
+            metavar="ROLE",
+            help="worker, producer or operator (repeatable). Default: all.",
+        ),
     ] = None,
     user: Annotated[
         str | None,
-        typer.Option("--user", help="The RabbitMQ user (default: '<app name>-<role>')."),
+        typer.Option(
+            "--user", metavar="USER", help="The RabbitMQ user (default: '<app name>-<role>')."
+        ),
     ] = None,
     vhost: Annotated[
         str | None,
-        typer.Option("--vhost", help="Default: the vhost of WECLAW_MQ_AMQP_URL."),
+        typer.Option("--vhost", metavar="VHOST", help="Default: the vhost of WECLAW_MQ_AMQP_URL."),
     ] = None,
 ) -> None:
     """Print the least 'rabbitmqctl set_permissions' line for each role of the app."""

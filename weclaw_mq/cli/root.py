@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
-import logging
+from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
 
 import typer
@@ -15,6 +16,8 @@ from ..settings import Settings
 from ..tracing import LOG_FORMATS, LogFormat, configure_logging
 from .failures import ExitCode, fail
 from .loading import load_app
+from .options import AppPath, LogLevel
+from .publish import publish
 from .run_worker import run_worker
 from .supervisor import Supervisor, SupervisorError, child_command, parse_processes
 
@@ -22,32 +25,33 @@ cli = typer.Typer(
     name="weclaw-mq",
     help="Crash-proof AI task queues on RabbitMQ.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 
-AppPath = Annotated[
-    str, typer.Argument(help="Where your App lives, as MODULE:ATTRIBUTE (e.g. consumers.demo:app).")
-]
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+def _show_version(value: bool) -> None:
+    if value:
+        try:
+            typer.echo(f"weclaw-mq {version('weclaw_mq')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            fail("weclaw_mq is not installed (no package metadata): pip install -e .")
+        raise typer.Exit()
 
 
-def _log_level(value: str) -> str:
-    level = value.strip().upper()
-    if not isinstance(logging.getLevelName(level), int):
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LOG_LEVELS)}")
-    return level
-
-
-LogLevel = Annotated[
-    str,
-    typer.Option(
-        "--log-level",
-        envvar="WECLAW_MQ_LOG_LEVEL",
-        callback=_log_level,
-        help="DEBUG, INFO, WARNING, ERROR or CRITICAL.",
-    ),
-]
+@cli.callback()
+def root(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_show_version,
+            is_eager=True,
+            metavar="",
+            help="Print the installed weclaw_mq version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Crash-proof AI task queues on RabbitMQ."""
 
 
 def _log_format(value: str) -> str:
@@ -113,12 +117,18 @@ def worker(
             "--concurrency",
             "-c",
             min=1,
+            metavar="N",
             help="Handlers in flight per queue (prefetch is the same). Default: settings.",
         ),
     ] = None,
     queue: Annotated[
         list[str] | None,
-        typer.Option("--queue", "-q", help="Only consume this queue (repeatable). Default: all."),
+        typer.Option(
+            "--queue",
+            "-q",
+            metavar="QUEUE",
+            help="Only consume this queue (repeatable). Default: all.",
+        ),
     ] = None,
     metrics_port: Annotated[
         int | None,
@@ -126,6 +136,7 @@ def worker(
             "--metrics-port",
             min=0,
             max=65535,
+            metavar="PORT",
             help="Serve Prometheus /metrics here (process i of --processes on this port + i).",
         ),
     ] = None,
@@ -136,6 +147,7 @@ def worker(
             "-p",
             parser=_processes,
             metavar="N|auto",
+            show_default=False,
             help="Worker processes under one supervisor ('auto': one per core). Default 1.",
         ),
     ] = 1,
@@ -163,45 +175,28 @@ def declare(app_path: AppPath, log_level: LogLevel = "WARNING") -> None:
         typer.echo(name)
 
 
-@cli.command()
-def publish(
-    queue: Annotated[str, typer.Argument(help="Queue to publish to.")],
-    data: Annotated[str, typer.Option("--data", "-d", help="The task as a JSON document.")],
-    task_id: Annotated[
-        str | None, typer.Option("--task-id", help="Task id (default: a new uuid4).")
-    ] = None,
-    app_path: Annotated[
-        str | None,
-        typer.Option("--app", help="MODULE:APP whose handler model validates the payload."),
-    ] = None,
-) -> None:
-    """Publish one task and print its id once the broker confirmed it."""
-    configure_logging("WARNING")
-    try:
-        payload = json.loads(data)
-    except json.JSONDecodeError as e:
-        raise typer.BadParameter(f"not valid JSON: {e}", param_hint="--data") from e
-    app = load_app(app_path) if app_path else App("weclaw-mq-cli")
-
-    async def send() -> str:
-        async with app:
-            return await app.publish(queue, payload, task_id=task_id)
-
-    typer.echo(asyncio.run(send()))
+cli.command("publish")(publish)
 
 
 @cli.command()
 def status(
-    task_id: Annotated[str, typer.Argument(help="The id publish returned.")],
+    task_id: Annotated[str, typer.Argument(metavar="TASK_ID", help="The id publish returned.")],
     wait_s: Annotated[
         float,
-        typer.Option("--wait", min=0, help="Wait up to this many seconds for a final state."),
+        typer.Option(
+            "--wait",
+            min=0,
+            metavar="SECONDS",
+            show_default=False,
+            help="Wait up to this many seconds for a final state. Default: do not wait.",
+        ),
     ] = 0.0,
     queue: Annotated[
         str | None,
         typer.Option(
             "--queue",
             "-q",
+            metavar="QUEUE",
             help="The task's record in this queue (default: its most recently written one).",
         ),
     ] = None,
@@ -225,11 +220,25 @@ def status(
 
 
 @cli.command()
-def health() -> None:
+def health(
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            metavar="",
+            help='One JSON document on stdout: {"ok": ..., "parts": [{"part", "ok", '
+            '"detail"}, ...]}; the exit code is the same.',
+        ),
+    ] = False,
+) -> None:
     """Check the broker and Redis: exit 0 when both answer, else one line per failing part."""
     configure_logging("CRITICAL")  # the verdict lines below say everything
     parts = asyncio.run(check_all(Settings()))
     failing = [p for p in parts if not p.ok]
+    if as_json:
+        document = {"ok": not failing, "parts": [dataclasses.asdict(p) for p in parts]}
+        typer.echo(json.dumps(document))
+        raise typer.Exit(1 if failing else 0)
     for p in parts:
         if p.ok:
             typer.echo(f"{p.part}: ok ({p.detail})")

@@ -1,0 +1,72 @@
+"""Options more than one command takes, declared once."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+import typer
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+LogLevel = Annotated[
+    str,
+    typer.Option(
+        "--log-level",
+        envvar="WECLAW_MQ_LOG_LEVEL",
+        callback=_log_level,
+        metavar="LEVEL",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL.",
+    ),
+]
+
+AppPath = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODULE:APP",
+        help="Where your App lives, as MODULE:ATTRIBUTE (e.g. consumers.demo:app).",
+        show_default=False,
+    ),
+]
+
+
+def name_placeholders(command: Any) -> None:
+    """Give every value of ``command`` and its subcommands a named placeholder in ``--help``.
+
+    Without one, typer shows the Python type (``TEXT``, ``INTEGER``; ``<str>``, ``<int range>``
+    and a ``<bool>`` on every flag in recent typer). A parameter declared with a ``metavar``
+    keeps it; the others are named after their option (``--limit`` -> ``LIMIT``) or argument
+    (``queue`` -> ``QUEUE``), and flags show none. Runs once on the built click command, so
+    every command, whoever adds it, reads the same way."""
+    params = list(getattr(command, "params", ()))
+    help_option = _help_option(command)
+    if help_option is not None:
+        params.append(help_option)
+    for param in params:
+        if param.metavar is not None:
+            continue
+        if param.param_type_name == "argument":
+            param.metavar = (param.name or "VALUE").upper()
+        elif getattr(param, "is_flag", False):
+            param.metavar = ""
+        else:
+            longest = max(param.opts, key=len)
+            param.metavar = longest.lstrip("-").replace("-", "_").upper()
+    for sub in getattr(command, "commands", {}).values():
+        name_placeholders(sub)
+
+
+def _help_option(command: Any) -> Any:
+    """``--help`` of ``command``, where typer builds it once and keeps it (recent typer), so a
+    placeholder set on it is shown; older click builds a new one per call: then None."""
+    if not hasattr(command, "_help_option"):
+        return None
+    return command.get_help_option(command.context_class(command, info_name=command.name))

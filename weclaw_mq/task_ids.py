@@ -1,0 +1,26 @@
+"""What a caller-chosen task id may look like, in one place for every front door.
+
+A task id becomes the AMQP ``message_id`` and part of Redis keys (``naming``), so producers
+that take one from outside (the example API's ``Idempotency-Key``, ``weclaw-mq publish
+--task-id``) accept only a short id of a queue name's alphabet: 1 to 128 characters, letters,
+digits and ``_.:-``, starting with a letter or digit. ``App.publish`` itself takes any id AMQP
+can carry (``message.check_encodable``): existing callers' ids are not narrowed.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import ConfigurationError
+
+# A string (FastAPI's ``Header(pattern=...)`` wants one) and its compiled twin below.
+TASK_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$"
+TASK_ID_RULE = "1 to 128 of letters, digits and '_.:-', starting with a letter or digit"
+_TASK_ID_RE = re.compile(TASK_ID_PATTERN)
+
+
+def validate_task_id(task_id: object) -> str:
+    """``task_id`` if it matches ``TASK_ID_PATTERN``, else ``ConfigurationError`` saying why."""
+    if not isinstance(task_id, str) or not _TASK_ID_RE.fullmatch(task_id):
+        raise ConfigurationError(f"task id {task_id!r} must be {TASK_ID_RULE}")
+    return task_id
