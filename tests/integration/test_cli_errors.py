@@ -279,7 +279,7 @@ EVERY_COMMAND = {
     "dlq requeue": ["dlq", "requeue", "some-queue"],
     "dlq export": ["dlq", "export", "some-queue", "/nonexistent-dir/dead.jsonl"],
     "dlq purge": ["dlq", "purge", "some-queue", "--yes"],
-    "dlq import": ["dlq", "import", "some-queue", "/nonexistent-dir/dead.jsonl"],
+    "dlq import": ["dlq", "import", "some-queue", "/dev/null"],
     "outbox status": ["outbox", "status", "--path", "/nonexistent-dir/outbox.db"],
     "outbox relay": ["outbox", "relay", "--path", "/nonexistent-dir/outbox.db", "--once"],
 }

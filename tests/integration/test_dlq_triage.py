@@ -254,7 +254,7 @@ async def test_a_damaged_export_imports_nothing_and_says_which_line(
 
     result = await run_cli("dlq", "import", mixed.queue, str(path), env=mixed.env)
 
-    assert "line 3" in one_error_line(result) and result.code == 1
+    assert "line 3" in one_error_line(result) and result.code == 2
     assert await queue_depth(amqp, dlq_name(mixed.queue)) == 5
 
 
