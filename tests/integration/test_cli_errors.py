@@ -112,6 +112,15 @@ MISTAKES: list[Mistake] = [
     Mistake(
         ["permissions", DEMO_APP, "--role", "boss"], {}, ExitCode.USAGE, "--role", id="bad-role"
     ),
+    # 3 (set among the usage ones only to keep the workers' runs together): a metrics address
+    # this host does not have (TEST-NET-1) cannot be served; the worker says so and stops.
+    Mistake(
+        ["worker", DEMO_APP, "--metrics-port", "0"],
+        {"WECLAW_MQ_METRICS_ADDR": "192.0.2.1"},
+        ExitCode.CONFIG,
+        "cannot serve metrics on 192.0.2.1:0",
+        id="metrics-address-unavailable",
+    ),
     Mistake(
         ["publish", "some-queue", "--data", "not json"],
         {},

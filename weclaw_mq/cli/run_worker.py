@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from ..app import App
+from ..errors import ConfigurationError
 from ..worker.consume import Worker
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -42,7 +43,13 @@ async def run_worker(
     server = None
     if port is not None:
         addr = app.settings.metrics_addr
-        server = app.metrics.serve(port, addr, health=worker.health)
+        try:
+            server = app.metrics.serve(port, addr, health=worker.health)
+        except OSError as e:  # taken, or an address this host does not have: a setting to fix
+            raise ConfigurationError(
+                f"cannot serve metrics on {addr}:{port}: {e.strerror or e} "
+                "(--metrics-port, WECLAW_MQ_METRICS_PORT, WECLAW_MQ_METRICS_ADDR)"
+            ) from None
         log.info("metrics on %s:%d/metrics, health on /healthz", addr, server.port)
     stopper = _Stopper(worker, asyncio.get_running_loop())
     try:
