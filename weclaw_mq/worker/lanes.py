@@ -31,7 +31,8 @@ import contextlib
 import functools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
+from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
@@ -96,6 +97,9 @@ class LaneScheduler:
         self.lanes = list(lanes)  # highest first
         self._lowest = self.lanes[-1]
         self._upper = tuple(self.lanes[:-1])
+        # Each lane's consumer callback: a plain coroutine function, which aio-pika recognises
+        # per delivery with fewer calls than a functools.partial.
+        self._deliveries = {lane: self._delivery_callback(lane) for lane in self.lanes}
         self.concurrency = concurrency
         self.cap = concurrency + len(self.lanes)
         self.starvation_limit = starvation_limit
@@ -224,6 +228,14 @@ class LaneScheduler:
                 await self._give_back(waiting.popleft(), "the worker is stopping")
 
     # -- inside ---------------------------------------------------------------------------
+    def _delivery_callback(
+        self, lane: str
+    ) -> Callable[[AbstractIncomingMessage], Coroutine[Any, Any, None]]:
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            await self._on_message(lane, message)
+
+        return on_message
+
     async def _on_message(self, lane: str, message: AbstractIncomingMessage) -> None:
         tag = message.consumer_tag or ""
         if self._stopping or tag in self._cancelled:
@@ -377,7 +389,7 @@ class LaneScheduler:
         try:
             if self._stopping or self._paused:
                 return
-            tag = await self._queues[lane].consume(functools.partial(self._on_message, lane))
+            tag = await self._queues[lane].consume(self._deliveries[lane])
         finally:
             self._opening[lane] -= 1
             if lane in self._pending:
