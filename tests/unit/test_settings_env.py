@@ -5,6 +5,7 @@ variable with the value (maybe a password) never shown."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pydantic
@@ -19,8 +20,6 @@ from weclaw_mq.env_settings import EnvSettings, read_dotenv
 def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A working directory whose .env is the test's, and no WECLAW_MQ_* variable set."""
     monkeypatch.chdir(tmp_path)
-    import os
-
     for name in list(os.environ):
         if name.upper().startswith("WECLAW_MQ_"):
             monkeypatch.delenv(name)
