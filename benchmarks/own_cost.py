@@ -200,6 +200,27 @@ def loops(app: App, rt: Runtime) -> dict[str, Loop]:
     }
 
 
+async def calls_per_delivery(n: int) -> dict[str, float]:
+    """Python function calls per delivery of each process() variant, counted by cProfile:
+    unlike CPU time, the same on a loaded machine as on a quiet one (the load-robust figure
+    to compare two versions of the delivery path by)."""
+    import cProfile
+    import pstats
+
+    app = build_app()
+    rt = build_runtime(app)
+    variants = loops(app, rt)
+    out: dict[str, float] = {}
+    for name in ("bare", "process, dict task", "process, pydantic model"):
+        await variants[name](WARMUP)
+        profile = cProfile.Profile()
+        profile.enable()
+        await variants[name](n)
+        profile.disable()
+        out[name] = pstats.Stats(profile).total_calls / n  # type: ignore[attr-defined]
+    return out
+
+
 async def measure(n: int, rounds: int) -> dict[str, list[float]]:
     """Microseconds of CPU per delivery, per variant, one figure per round."""
     app = build_app()
@@ -256,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     us = asyncio.run(measure(args.n, args.rounds))
     print(report(us, args.n, args.rounds))
+    calls = asyncio.run(calls_per_delivery(min(args.n, 5000)))
+    print("\nPython function calls per delivery (cProfile; the same under any machine load):")
+    for name, count in calls.items():
+        print(f"  {name:<40} {count:6.1f}")
     return 0
 
 

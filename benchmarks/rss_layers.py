@@ -17,7 +17,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("asyncio (+ ssl)", ("asyncio", "ssl")),
     ("aio-pika, aiormq, pamqp, yarl", ("aio_pika",)),
     ("pydantic", ("pydantic", "pydantic.main")),
-    ("pydantic-settings", ("pydantic_settings",)),
     ("prometheus_client", ("prometheus_client",)),
     ("weclaw_mq (guard off: all a worker imports)", ("weclaw_mq", "weclaw_mq.worker.consume")),
     ("redis-py + the Redis store (guard on)", ("weclaw_mq.state.redis",)),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import warnings
 from collections.abc import (
     AsyncIterator,
@@ -17,7 +16,7 @@ from collections.abc import (
 )
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aio_pika
 from aio_pika.abc import HeadersType
@@ -46,8 +45,6 @@ from .metrics import Metrics
 from .naming import retry_queue_name, validate_session_id
 from .notification import notify_target
 from .otel import Spans, spans_for
-from .outbox import Outbox, add_message
-from .outbox.fallback import LocalFallback
 from .priority import (
     QUORUM,
     Priority,
@@ -75,6 +72,13 @@ from .streaming.events import check_event_id
 from .streaming.reading import task_events
 from .topology import declare
 from .tracing import current, new_trace_id
+
+if TYPE_CHECKING:
+    # Imported where used: only an app with an outbox loads sqlite3 (an idle worker's RSS).
+    import sqlite3
+
+    from .outbox import Outbox
+    from .outbox.fallback import LocalFallback
 
 log = logging.getLogger("weclaw_mq.producer")
 
@@ -141,8 +145,11 @@ class App:
         # OpenTelemetry spans (weclaw_mq.otel): decided on first use, once; False until then.
         self._spans: Spans | bool | None = False
         # The local outbox and its relay, when WECLAW_MQ_OUTBOX_PATH names a file.
-        self._local = (
-            LocalFallback(
+        self._local: LocalFallback | None = None
+        if self.settings.outbox_path:
+            from .outbox.fallback import LocalFallback
+
+            self._local = LocalFallback(
                 self.settings,
                 self.metrics,
                 results=lambda: self.results,
@@ -150,9 +157,6 @@ class App:
                 name=name,
                 queue_type_of=self.queue_type_of,
             )
-            if self.settings.outbox_path
-            else None
-        )
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -792,6 +796,8 @@ class App:
         """Add a task to the outbox inside the caller's own SQLite transaction on ``conn``
         (a connection to the outbox file): it is sent by the relay once the caller commits,
         and never if the caller rolls back. Checked like ``publish``; returns the task id."""
+        from .outbox import add_message
+
         message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
         add_message(conn, queue, message)
         return message.message_id or ""

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Self
+from typing import ClassVar, Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
 import yarl
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .env_settings import EnvSettings
 from .lifetime import DEFAULT_TTL_S
 from .redis_urls import RedisTopology, is_multi_node, parse_topology
 from .retry import RetryPolicy
@@ -26,15 +26,11 @@ BROKER_CONSUMER_TIMEOUT_S = 30 * 60
 _MULTI_NODE = ("redis+cluster", "redis+sentinel")
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="WECLAW_MQ_",
-        env_file=".env",
-        env_file_encoding="utf-8",
-        extra="ignore",
-        # A rejected value is never echoed back: it may be a URL with a password in it.
-        hide_input_in_errors=True,
-    )
+class Settings(EnvSettings):
+    # Read from WECLAW_MQ_<FIELD> (any case), then .env (env_settings.py: unknown keys are
+    # ignored, a rejected value is never echoed back: it may be a URL with a password in it).
+    env_prefix: ClassVar[str] = "WECLAW_MQ_"
+    env_file: ClassVar[str | None] = ".env"
 
     # One URL, or a cluster's nodes separated by commas: clients connect to the first that
     # answers and move to another node when theirs dies.

@@ -1,6 +1,6 @@
 """A worker imports what its configuration uses (issue 17): no redis-py with the guard and
-results off, no CLI or admin modules on the worker's path. Checked in a fresh interpreter,
-since this test process has imported everything already."""
+results off, no CLI or admin modules on the worker's path, no outbox without its file.
+Checked in a fresh interpreter, since this test process has imported everything already."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def test_a_worker_without_guard_and_results_never_imports_redis_nor_the_cli() ->
     assert not {"typer", "click", "fastapi"} & modules
     # The [otel] extra is installed here (dev), yet unused spans import nothing of it.
     assert "opentelemetry" not in modules
+    # nor the outbox (sqlite3) without WECLAW_MQ_OUTBOX_PATH, nor pydantic-settings
+    assert not {"sqlite3", "weclaw_mq.outbox.store", "pydantic_settings", "dotenv"} & modules
 
 
 def test_a_store_loads_redis_when_the_configuration_asks_for_it() -> None:

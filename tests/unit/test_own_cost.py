@@ -13,6 +13,7 @@ def test_own_cost_runs_every_delivery_to_one_ack_and_prints_the_figure(
     assert own_cost.main(["--n", "50", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "OWN WORK PER DELIVERY:" in out
+    assert "Python function calls per delivery" in out
 
 
 def test_own_cost_refuses_a_run_where_a_delivery_did_not_end_in_an_ack(

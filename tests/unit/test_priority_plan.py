@@ -158,3 +158,45 @@ def test_a_skip_is_counted_only_while_the_lower_lane_has_a_task_waiting() -> Non
     for _ in range(10):
         assert pick(LANES, ["u"], skipped, 3) == "u"
     assert pick(LANES, ["u", "n"], skipped, 3) == "u"  # n waited for one start only
+
+
+def test_the_schedulers_choice_is_picks_in_every_state() -> None:
+    # LaneScheduler._choose decides the all-NORMAL steady state without calling pick (fewer
+    # calls per delivery): it must give pick's answer and leave the same skip counts.
+    from collections import deque
+    from typing import Any, cast
+
+    from weclaw_mq.worker.lanes import LaneScheduler
+
+    async def never(*_: object) -> None:
+        raise AssertionError("not called")
+
+    limit = 3
+    for waiting, pending, counts in itertools.product(
+        itertools.product([False, True], repeat=3),
+        itertools.product([False, True], repeat=2),
+        itertools.product([0, 2, 3], repeat=3),
+    ):
+        scheduler = LaneScheduler(
+            cast(Any, None),
+            LANES,
+            concurrency=1,
+            starvation_limit=limit,
+            start=cast(Any, never),
+            give_back=never,
+            redeclare=never,
+        )
+        for lane, has in zip(LANES, waiting, strict=True):
+            scheduler._waiting[lane] = deque([cast(Any, object())] if has else [])
+        scheduler._pending = {lane: 1 for lane, on in zip(LANES[:2], pending, strict=True) if on}
+        scheduler._skipped = dict(zip(LANES, counts, strict=True))
+        expected_skipped = dict(scheduler._skipped)
+        expected = pick(
+            LANES,
+            [lane for lane, has in zip(LANES, waiting, strict=True) if has],
+            expected_skipped,
+            limit,
+            scheduler._pending,
+        )
+        assert scheduler._choose() == expected
+        assert scheduler._skipped == expected_skipped
