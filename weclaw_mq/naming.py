@@ -121,12 +121,22 @@ def handler_queue_of(name: str) -> str:
 # after Q to the last character, so ("a:b", "c") and ("a", "b:c") never share a key. The
 # braces are a Redis Cluster hash tag: every key of T hashes on (the start of) T alone, so
 # one script may touch all of them on one node. That holds as long as Q has no '{' (which
-# validate_queue_name guarantees for every handler queue) and T does not start with '}'
-# (an empty tag: a cluster port must refuse such ids; ours are uuid4).
+# validate_queue_name guarantees for every handler queue) and the tag is not empty: Redis
+# hashes a key whose tag is "{}" whole, so an empty T or one starting with '}' would spread
+# its keys over the cluster (CROSSSLOT). Those ids, and ids starting with '{' (so that the
+# layout stays unambiguous), get one more '{' in front of T: "{{}x}" for "}x", whose tag
+# is "{". Every other id's keys are as they always were.
+
+
+def _tagged(task_id: str) -> str:
+    """``{T}``, T's hash tag, never empty (see above)."""
+    if task_id[:1] in ("", "{", "}"):
+        return f"{{{{{task_id}}}"
+    return f"{{{task_id}}}"
 
 
 def _task_key(prefix: str, queue: str, task_id: str) -> str:
-    return f"{prefix}:{len(queue.encode())}:{queue}:{{{task_id}}}"
+    return f"{prefix}:{len(queue.encode())}:{queue}:{_tagged(task_id)}"
 
 
 def guard_key(queue: str, task_id: str) -> str:
@@ -143,18 +153,18 @@ def body_key(queue: str, task_id: str) -> str:
 
 
 def latest_key(task_id: str) -> str:
-    return f"{LATEST_KEY_PREFIX}:{{{task_id}}}"
+    return f"{LATEST_KEY_PREFIX}:{_tagged(task_id)}"
 
 
 def done_channel(task_id: str) -> str:
     """Pub/sub channel that wakes ``result()`` waiters when a record of the task is final."""
-    return f"{DONE_CHANNEL_PREFIX}:{{{task_id}}}"
+    return f"{DONE_CHANNEL_PREFIX}:{_tagged(task_id)}"
 
 
 def stream_key(task_id: str) -> str:
     """The task's event stream (a Redis Stream): attempt markers, chunks, the final event.
     Per task id, not per queue: ``app.stream`` is read by task id, like ``status``."""
-    return f"{STREAM_KEY_PREFIX}:{{{task_id}}}"
+    return f"{STREAM_KEY_PREFIX}:{_tagged(task_id)}"
 
 
 # -- Redis keys of one session (a user or a conversation) ---------------------------------
@@ -186,7 +196,7 @@ def inbox_trace_key(session_id: str) -> str:
 
 def cancel_key(task_id: str) -> str:
     """The set of queues (``*``: all) in which task ``task_id`` was cancelled."""
-    return f"{CANCEL_KEY_PREFIX}:{{{task_id}}}"
+    return f"{CANCEL_KEY_PREFIX}:{_tagged(task_id)}"
 
 
 def queue_key_pattern(prefix: str, queue: str) -> str:

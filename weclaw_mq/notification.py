@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 # AMQP carries a message id of at most 255 bytes (message.SHORTSTR_MAX_BYTES).
 _MAX_ID_BYTES = 255
+# Ends after which the store refuses any other status: announced once per task id.
+_FINAL_ENDS = frozenset({TaskStatus.SUCCEEDED.value, TaskStatus.CANCELLED.value})
 # Notification ids too long for AMQP become a UUID derived from them (the same every time).
 _LONG_ID_NAMESPACE = uuid.UUID("6f1e4a52-5d2c-4c53-9a53-2a0f8e0b7c11")
 
@@ -40,15 +42,16 @@ _LONG_ID_NAMESPACE = uuid.UUID("6f1e4a52-5d2c-4c53-9a53-2a0f8e0b7c11")
 class TaskNotification(BaseModel):
     """The final state of one task, as its results queue receives it (JSON body).
 
-    ``status`` is ``succeeded`` (with ``result``) or ``dead_lettered`` (with ``reason``,
-    ``error`` and ``error_type``). Later versions may add final statuses (an expired or a
-    cancelled task): they read as plain strings, so handle what you do not know.
+    ``status`` is ``succeeded`` (with ``result``), ``dead_lettered`` (with ``reason``,
+    ``error`` and ``error_type``; an expired task too, with reason ``expired``) or
+    ``cancelled`` (``App.cancel``: nothing but the ids and ``attempt``). Later versions may add
+    final statuses: they read as plain strings, so handle what you do not know.
     """
 
     task_id: str
     queue: str  # the handler queue the task ran in
-    # A status this version does not know (a later one may add expired or cancelled) reads as
-    # its plain string: an older consumer must not dead-letter a newer worker's notification.
+    # A status this version does not know (a later version may add one) reads as its plain
+    # string: an older consumer must not dead-letter a newer worker's notification.
     status: TaskStatus | str = Field(union_mode="left_to_right")  # a known one: the enum
     result: Any = None  # the handler's return value (succeeded)
     error: str | None = None  # "ErrorName: message" of the last failure (dead_lettered)
@@ -70,18 +73,17 @@ def notification_id(task_id: str, status: TaskStatus | str, requeued: int = 0) -
 
     Not the bare task id: a task's end can change after it was announced. A task
     dead-lettered, fixed and requeued by ops may succeed later, and a consumer guarded by task
-    id would ack that second notification unrun as a "duplicate". ``succeeded`` is final (the
-    store refuses any later status), so its id is ``succeeded:<task id>``; any other end can be
-    followed by another after a requeue, so it counts the requeues: ``dead_lettered:<n>:<task
-    id>``. Every copy of ONE notification (a redelivery after a crash) has the same id. The
-    fixed parts come first, so the id parses whatever the task id holds; an id too long for
-    AMQP becomes a UUID derived from it (the same every time).
+    id would ack that second notification unrun as a "duplicate". ``succeeded`` and
+    ``cancelled`` are final (the store refuses any later status), so their id is
+    ``<status>:<task id>``: every copy of a cancelled task, whatever its requeue count, repeats
+    one notification. Any other end can be followed by another after a requeue, so it counts
+    the requeues: ``dead_lettered:<n>:<task id>``. Every copy of ONE notification (a
+    redelivery after a crash) has the same id. The fixed parts come first, so the id parses
+    whatever the task id holds; an id too long for AMQP becomes a UUID derived from it (the
+    same every time).
     """
     value = status.value if isinstance(status, TaskStatus) else status
-    if value == TaskStatus.SUCCEEDED.value:
-        text = f"{value}:{task_id}"
-    else:
-        text = f"{value}:{requeued}:{task_id}"
+    text = f"{value}:{task_id}" if value in _FINAL_ENDS else f"{value}:{requeued}:{task_id}"
     if len(text.encode("utf-8", "surrogatepass")) <= _MAX_ID_BYTES:
         return text
     return str(uuid.uuid5(_LONG_ID_NAMESPACE, text))

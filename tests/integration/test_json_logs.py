@@ -1,6 +1,7 @@
 """``weclaw-mq worker --log-format json``: a real worker process handles a task that logs and
 one that fails; every line it writes is one JSON object with the task's identifiers, an
-exception is a field of its line, and no password reaches the output."""
+exception is a field of its line, and no password reaches the output. ``weclaw-mq outbox
+relay`` takes the same option (``WECLAW_MQ_LOG_FORMAT``) and writes JSON lines too."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for
+from aio_pika.abc import AbstractChannel
+
+from tests.conftest import delete_queues, forget_task_keys, queue_depth, settings_for
 from tests.integration.fixture_apps.logging_app import LOGGED_PASSWORD, LOGGER, build_app
-from tests.integration.processes import one_error_line, queue_names, run_cli, spawn_cli_worker
+from tests.integration.processes import (
+    one_error_line,
+    queue_names,
+    run_cli,
+    settings_env,
+    spawn_cli_worker,
+)
 from weclaw_mq import TaskStatus
+from weclaw_mq.message import build_message
+from weclaw_mq.outbox.store import OutboxFile
 
 APP_PATH = "tests.integration.fixture_apps.logging_app:app"
 REQUIRED = ("time", "level", "logger", "message")
@@ -120,3 +131,44 @@ async def test_an_unknown_log_format_is_one_usage_line_from_the_option_or_the_se
     setting = await run_cli("worker", APP_PATH, env={"WECLAW_MQ_LOG_FORMAT": "yaml"})
     assert setting.code == 2
     assert "WECLAW_MQ_LOG_FORMAT" in one_error_line(setting)
+    relay = await run_cli("outbox", "relay", "--once", "--log-format", "xml")
+    assert relay.code == 2
+    assert "'xml' is not one of text, json" in one_error_line(relay)
+
+
+async def test_a_json_outbox_relay_writes_one_object_per_line(
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path, amqp: AbstractChannel
+) -> None:
+    path = tmp_path / "outbox.db"
+    rows = OutboxFile(path, max_rows=100, max_bytes=10**6)
+    # One row for a queue that exists (relayed), one for a queue nobody declared: the relay
+    # keeps it and logs why (a WARNING with the queue's name).
+    missing = f"{qname}-missing"
+    rows.add(
+        [
+            (qname, build_message(b'{"n": 1}', task_id=f"{qname}-sent", headers={})),
+            (missing, build_message(b'{"n": 2}', task_id=f"{qname}-kept", headers={})),
+        ]
+    )
+    rows.close()
+    await amqp.declare_queue(qname, durable=True)
+    # The setting, not the flag (the worker's test takes the flag): both reach one option.
+    env = {
+        **settings_env(settings_for(broker_url, redis_url, results_enabled=False)),
+        "WECLAW_MQ_LOG_FORMAT": "json",
+        "WECLAW_MQ_LOG_LEVEL": "DEBUG",
+    }
+    try:
+        done = await run_cli("outbox", "relay", "--once", "--path", str(path), env=env)
+        assert done.code == 0, done.stderr
+        assert done.stdout.strip() == "relayed 1 task(s)"
+        assert await queue_depth(amqp, qname) == 1
+    finally:
+        await delete_queues(broker_url, [qname])
+
+    records = _records(done.stderr)
+    # DEBUG: other libraries' records (asyncio's) come out as JSON objects as well.
+    assert len(records) >= 2 and {r["logger"] for r in records} - {"asyncio"}, records
+    (refused,) = [r for r in records if missing in str(r["message"])]
+    assert refused["level"] == "WARNING" and refused["logger"].startswith("weclaw_mq"), refused
+    assert "guest:guest" not in done.stderr

@@ -162,6 +162,100 @@ async def test_a_notification_the_results_queue_refuses_keeps_its_task_unacked_u
     assert await queue_depth(amqp, qname) == 0
 
 
+@pytest.mark.parametrize("where", ["queued", "in_its_delay_queue", "running"])
+async def test_a_cancelled_task_is_announced_once_before_its_ack(
+    qname: str,
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    amqp: AbstractChannel,
+    where: str,
+) -> None:
+    app = make_app(retry_delay_s=0.2, **SHORT_TTLS)
+    results = results_queue_name(qname)
+    started = asyncio.Event()
+
+    @app.handler(qname, notify=True)
+    async def work(task: Job, ctx: Context) -> None:
+        if where == "in_its_delay_queue":
+            raise RuntimeError("the model API is down")  # off to the delay queue
+        started.set()
+        await asyncio.sleep(30)  # cancelled while it runs
+
+    await app.declare()
+    if where == "queued":
+        task_id = await app.publish(qname, Job(n=1))
+        assert (await app.cancel(task_id)).changed
+        await start_worker(app)
+    else:
+        await start_worker(app)
+        task_id = await app.publish(qname, Job(n=1))
+        if where == "running":
+            await asyncio.wait_for(started.wait(), 10)
+        else:
+
+            async def retrying() -> bool:
+                state = await app.status(task_id)
+                return state is not None and state.status is TaskStatus.RETRYING
+
+            await wait_until(retrying, 10, "the task in its delay queue")
+        assert (await app.cancel(task_id)).changed
+
+    await wait_until(lambda: outcome_count(app, qname, "cancelled") == 1, 10, "the cancel acked")
+    # Confirmed before the ack: the notification is in the results queue already.
+    assert await queue_depth(amqp, results) == 1
+    announced = await next_message(amqp, results)
+    assert announced.message_id == notification_id(task_id, TaskStatus.CANCELLED)
+    assert announced.message_id == f"cancelled:{task_id}"
+    note = TaskNotification.model_validate_json(announced.body)
+    attempt = 2 if where == "in_its_delay_queue" else 1
+    assert (note.task_id, note.queue, note.status, note.attempt) == (
+        task_id,
+        qname,
+        TaskStatus.CANCELLED,
+        attempt,
+    )
+    assert (note.result, note.error, note.reason) == (None, None, None)
+    assert notifications(app, qname, "published") == 1
+    assert await queue_depth(amqp, results) == 0  # once
+    state = await app.status(task_id, queue=qname)
+    assert state is not None and state.status is TaskStatus.CANCELLED
+
+
+async def test_a_cancelled_task_whose_notification_is_refused_is_not_acked_until_it_is_out(
+    qname: str,
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    amqp: AbstractChannel,
+) -> None:
+    results = results_queue_name(qname)
+    bounded = {**work_queue_arguments(QueueSpec(results, (), delivery_limit=10)), "x-max-length": 1}
+    await amqp.declare_queue(results, durable=True, arguments=bounded)  # type: ignore[arg-type]
+    app = make_app(retry_delay_s=0.2, **SHORT_TTLS)
+
+    @app.handler(qname, notify=True)
+    async def work(task: Job) -> None:
+        raise AssertionError("a cancelled task never runs")
+
+    await app.declare()
+    task_id = await app.publish(qname, Job(n=1))
+    assert (await app.cancel(task_id)).changed
+    await _fill_until_refused(amqp, results)
+    await start_worker(app)
+    # Refused, parked in the delay queue, back to its cancel marker, refused again.
+    await wait_until(lambda: notifications(app, qname, "failed") >= 2, 20, "two refusals")
+    assert outcome_count(app, qname, "cancelled") == 0
+    assert outcome_count(app, qname, "deferred") >= 1
+
+    await (await amqp.get_queue(results, ensure=False)).purge()
+    await wait_until(lambda: outcome_count(app, qname, "cancelled") == 1, 20, "the cancel acked")
+    assert notifications(app, qname, "published") == 1
+    announced = await next_message(amqp, results)
+    assert announced.message_id == notification_id(task_id, TaskStatus.CANCELLED)
+    assert TaskNotification.model_validate_json(announced.body).status is TaskStatus.CANCELLED
+    assert await queue_depth(amqp, results) == 0
+    assert await queue_depth(amqp, qname) == 0
+
+
 async def test_the_results_queue_declares_idempotently_and_keeps_its_consumers_own_arguments(
     qname: str, make_app: Callable[..., App], amqp: AbstractChannel
 ) -> None:

@@ -19,7 +19,7 @@ from tests.conftest import settings_for
 from tests.private_servers import PrivateRedisCluster
 from weclaw_mq.admin.health import check_redis
 from weclaw_mq.naming import done_channel, guard_key
-from weclaw_mq.state import Claim, TaskState, TaskStatus, open_store
+from weclaw_mq.state import CancelOutcome, Claim, TaskState, TaskStatus, open_store
 from weclaw_mq.state.redis import RedisTaskStore
 from weclaw_mq.state.redis_clients import open_client
 from weclaw_mq.streaming.events import attempt_entry, chunk_entry, encode_data, final_entry
@@ -191,3 +191,28 @@ async def test_the_stream_store_writes_a_task_stream_and_a_session_inbox_on_two_
         assert [(e.kind, e.task_id) for e in inbox] == [("attempt", task_id), ("chunk", task_id)]
     finally:
         await streams.close()
+
+
+@pytest.mark.parametrize("prefix", ["}", "{", ""], ids=["close_brace", "open_brace", "plain"])
+async def test_a_task_whose_id_starts_with_a_brace_is_claimed_finished_and_cancelled(
+    store: RedisTaskStore, prefix: str
+) -> None:
+    # "{}..." is an empty hash tag, which Redis hashes whole: before naming gave such ids one
+    # more '{', every script over two keys of "}x" failed with CROSSSLOT.
+    done, doomed = f"{prefix}done-{uuid.uuid4()}", f"{prefix}doomed-{uuid.uuid4()}"
+    running = TaskState(task_id=done, queue=QUEUE, status=TaskStatus.RUNNING)
+    assert await store.claim(QUEUE, done, "me", running=running) is Claim.ACQUIRED
+    await store.finish(
+        QUEUE, done, TaskState(task_id=done, queue=QUEUE, status=TaskStatus.SUCCEEDED, result=1)
+    )
+    latest = await store.get(done)
+    assert latest is not None and latest.result == 1
+    assert await store.claim(QUEUE, done, "again") is Claim.DONE
+
+    assert await store.record(TaskState(task_id=doomed, queue=QUEUE, status=TaskStatus.QUEUED))
+    for queue in (None, QUEUE):  # the pointer's read, then the named record's
+        assert (await store.cancel(doomed, queue=queue)).outcome is not CancelOutcome.PENDING
+    assert await store.is_cancelled(QUEUE, doomed)
+    assert await store.claim(QUEUE, doomed, "me") is Claim.CANCELLED
+    assert await store.keep_fingerprint(QUEUE, doomed, "first", 60) == "first"
+    assert await store.keep_fingerprint(QUEUE, doomed, "second", 60) == "first"

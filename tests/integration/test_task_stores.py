@@ -9,25 +9,39 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel
 
 from tests.conftest import (
     delete_queues,
     forget_task_keys,
     next_message,
     outcome_count,
+    queue_depth,
     settings_for,
     wait_until,
 )
-from weclaw_mq import App, ConfigurationError, Context, MemoryTaskStore, RetryPolicy, TaskStatus
+from weclaw_mq import (
+    App,
+    CancelOutcome,
+    ConfigurationError,
+    Context,
+    IdempotencyConflictError,
+    Limit,
+    MemoryTaskStore,
+    RetryPolicy,
+    TaskStatus,
+)
 from weclaw_mq import headers as h
 from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.naming import dlq_name, limit_keys
 from weclaw_mq.state import TaskState, TaskStore, open_store
+from weclaw_mq.state.redis_clients import StateClient, open_client
 from weclaw_mq.topology import queue_declarations
 
 # Keys the Redis store leaves behind expire soon instead of after the 24 h defaults.
@@ -39,17 +53,30 @@ class Job(BaseModel):
     n: int = 0
 
 
+@dataclass(frozen=True)
+class Backing:
+    """What a case runs on: its task store, and the Redis its apps use for the rest (limits)."""
+
+    kind: str  # "redis", "redis-cluster" or "memory"
+    redis_url: str
+
+
 @pytest.fixture(params=["redis", "redis-cluster", "memory"])
-async def store(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator[TaskStore]:
+def backing(request: pytest.FixtureRequest, redis_url: str) -> Backing:
     """Each case runs once per implementation, and the Redis store once more on a Redis
-    Cluster of the session's own (three primaries: a test's tasks land on all of them)."""
-    settings = settings_for("amqp://unused", redis_url, **SHORT_TTLS)
+    Cluster of the session's own (three primaries: a test's tasks land on all of them), which
+    then serves everything the case's apps keep in Redis."""
+    if request.param == "redis-cluster":
+        return Backing(request.param, request.getfixturevalue("redis_cluster").url)
+    return Backing(request.param, redis_url)
+
+
+@pytest.fixture
+async def store(backing: Backing) -> AsyncIterator[TaskStore]:
+    settings = settings_for("amqp://unused", backing.redis_url, **SHORT_TTLS)
     chosen: TaskStore
-    if request.param == "redis":
+    if backing.kind != "memory":
         chosen = open_store(settings)
-    elif request.param == "redis-cluster":
-        cluster_url = request.getfixturevalue("redis_cluster").url
-        chosen = open_store(settings.model_copy(update={"redis_url": SecretStr(cluster_url)}))
     else:
         chosen = MemoryTaskStore(
             ttl_s=settings.result_ttl_s,
@@ -63,14 +90,24 @@ async def store(request: pytest.FixtureRequest, redis_url: str) -> AsyncIterator
 
 
 @pytest.fixture
+async def counting(backing: Backing) -> AsyncIterator[StateClient]:
+    """A client of the Redis the case's apps keep their limits in (a cluster client there)."""
+    client = open_client(settings_for("amqp://unused", backing.redis_url))
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
 async def app_on(
-    store: TaskStore, broker_url: str, redis_url: str
+    store: TaskStore, backing: Backing, broker_url: str, redis_url: str
 ) -> AsyncIterator[Callable[..., App]]:
     """Apps on ``store`` and the test broker; closed, and their queues deleted, at teardown."""
     apps: list[App] = []
 
     def factory(name: str = "test", **overrides: Any) -> App:
-        settings = settings_for(broker_url, redis_url, **{**SHORT_TTLS, **overrides})
+        settings = settings_for(broker_url, backing.redis_url, **{**SHORT_TTLS, **overrides})
         app = App(name, settings=settings, store=store)
         apps.append(app)
         return app
@@ -314,3 +351,137 @@ async def test_with_results_off_the_guard_still_claims_and_marks_done(
     assert runs == [task_id]
     with pytest.raises(ConfigurationError):
         await app.status(task_id)
+
+
+async def test_a_queued_task_cancelled_before_any_worker_runs_is_acked_unrun(
+    app_on: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = app_on()
+    ran: list[int] = []
+
+    @app.handler(qname)
+    async def handle(task: Job) -> int:
+        ran.append(task.n)
+        return task.n
+
+    await app.declare()
+    doomed = await app.publish(qname, Job(n=1))
+    answer = await app.cancel(doomed)
+    assert answer.outcome is CancelOutcome.CANCELLED and answer.changed
+    other = await app.publish(qname, Job(n=2))
+    await start_worker(app, concurrency=1)
+    assert (await app.result(other, timeout_s=10)).result == 2
+    await wait_until(
+        lambda: outcome_count(app, qname, Outcome.CANCELLED) == 1, 10, "the cancel acked"
+    )
+    assert ran == [2]
+    final = await app.result(doomed, timeout_s=1)
+    assert final.status is TaskStatus.CANCELLED and final.result is None
+
+
+async def test_a_running_task_cancelled_is_stopped_and_acked_as_cancelled(
+    app_on: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = app_on()
+    started = asyncio.Event()
+    stopped: list[bool] = []
+
+    @app.handler(qname, retry=FAST_RETRY)
+    async def generate(task: Job, ctx: Context) -> str:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            stopped.append(ctx.cancelled)
+            raise
+        return "the whole answer"
+
+    await start_worker(app)
+    task_id = await app.publish(qname, Job())
+    await asyncio.wait_for(started.wait(), 10)
+    # The request reaches the worker through the store's subscription (on a cluster: a
+    # PUBLISH on the task's node, heard on the node the worker subscribed on).
+    assert (await app.cancel(task_id)).outcome is CancelOutcome.CANCELLED
+    await wait_until(
+        lambda: outcome_count(app, qname, Outcome.CANCELLED) == 1, 10, "the cancel acked"
+    )
+    assert stopped == [True]
+    assert outcome_count(app, qname, Outcome.RETRIED) == 0
+    final = await app.result(task_id, queue=qname, timeout_s=1)
+    assert final.status is TaskStatus.CANCELLED
+
+
+async def test_a_per_key_concurrency_limit_holds_its_key_and_lets_other_keys_run(
+    app_on: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    backing: Backing,
+    counting: StateClient,
+) -> None:
+    app = app_on()
+    release = asyncio.Event()
+    running: Counter[str] = Counter()
+    most: Counter[str] = Counter()
+
+    def key_of(job: Job) -> str:
+        return "hot" if job.n < 3 else f"k{job.n}"
+
+    @app.handler(qname, retry=FAST_RETRY, limit=Limit(key=key_of, concurrency=1))
+    async def work(task: Job) -> int:
+        key = key_of(task)
+        running[key] += 1
+        most[key] = max(most[key], running[key])
+        try:
+            if key == "hot":
+                await release.wait()
+        finally:
+            running[key] -= 1
+        return task.n
+
+    await start_worker(app, concurrency=8)
+    ids = await app.publish_many(qname, [Job(n=n) for n in range(6)])
+    # The other keys run while the hot key's first task holds its only slot...
+    for task_id in ids[3:]:
+        assert (await app.result(task_id, timeout_s=10)).status is TaskStatus.SUCCEEDED
+
+    def deferrals() -> float:
+        value = app.metrics.registry.get_sample_value(
+            "weclaw_mq_limit_deferrals_total", {"queue": qname, "limit": "concurrency"}
+        )
+        return value or 0.0
+
+    # ...and its two others are refused (deferred), not run beside it.
+    await wait_until(lambda: deferrals() >= 2, 10, "the hot key's others to be refused")
+    assert running["hot"] == 1
+    # The slot is counted in the case's Redis (on a cluster: on the node of the key's tag).
+    hot_slots, _ = limit_keys(qname, 0, "hot")
+    assert await counting.zcard(hot_slots) == 1
+    release.set()
+    for task_id in ids[:3]:
+        assert (await app.result(task_id, timeout_s=15)).status is TaskStatus.SUCCEEDED
+    assert most == Counter({"hot": 1, "k3": 1, "k4": 1, "k5": 1})
+    assert outcome_count(app, qname, Outcome.RETRIED) == 0
+
+    async def released() -> bool:
+        return await counting.zcard(hot_slots) == 0
+
+    await wait_until(released, 5, "the hot key's slot to be released")
+
+
+async def test_a_task_id_published_again_with_another_body_is_refused(
+    app_on: Callable[..., App], qname: str, amqp: Any
+) -> None:
+    app = app_on()
+
+    @app.handler(qname)
+    async def handle(task: Job) -> None: ...
+
+    await app.declare()
+    key = f"order-{qname}"
+    assert await app.publish(qname, Job(n=1), task_id=key) == key
+    with pytest.raises(IdempotencyConflictError) as refused:
+        await app.publish(qname, Job(n=2), task_id=key)
+    assert (refused.value.task_id, refused.value.queue) == (key, qname)
+    # The same body again is the same task: it goes out (a duplicate the guard acks unrun).
+    assert await app.publish(qname, Job(n=1), task_id=key) == key
+    assert await queue_depth(amqp, qname) == 2

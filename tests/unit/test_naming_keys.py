@@ -10,11 +10,13 @@ import pytest
 from weclaw_mq.naming import (
     GUARD_KEY_PREFIX,
     STATE_KEY_PREFIX,
+    cancel_key,
     done_channel,
     guard_key,
     latest_key,
     queue_key_pattern,
     state_key,
+    stream_key,
     task_keys,
 )
 
@@ -31,7 +33,9 @@ def _parse(prefix: str, key: str) -> tuple[str, str]:
     n = int(length)
     queue, tail = raw[:n].decode(), raw[n:].decode()
     assert tail.startswith(":{") and tail.endswith("}"), key
-    return queue, tail[2:-1]
+    inner = tail[2:-1]
+    # An id that is empty or starts with a brace has one more '{' in front (see naming).
+    return queue, inner[1:] if inner.startswith("{") else inner
 
 
 def _hash_tag(key: str) -> str:
@@ -72,12 +76,22 @@ def test_guard_state_body_and_latest_keys_never_collide_with_one_another() -> No
     assert len(latest) == len(TASK_IDS)
 
 
-# Redis hashes a whole key whose tag is empty, so a task id starting with '}' (never one we
-# make: ours are uuid4) would spread its keys; a cluster port must refuse such ids.
-@pytest.mark.parametrize("task_id", [t for t in TASK_IDS if t and not t.startswith("}")])
+# Redis hashes a whole key whose tag is empty: an empty task id, or one starting with '}',
+# would spread its keys if naming gave them the plain "{T}".
+@pytest.mark.parametrize("task_id", [*TASK_IDS, "}x", "}}", "{}", "{{"])
 def test_every_key_of_one_task_id_hashes_to_the_same_cluster_slot(task_id: str) -> None:
-    keys = [k for q in QUEUES for k in task_keys(q, task_id)] + [done_channel(task_id)]
-    assert len({_hash_tag(k) for k in keys}) == 1, keys
+    keys = [k for q in QUEUES for k in task_keys(q, task_id)]
+    keys += [done_channel(task_id), cancel_key(task_id), stream_key(task_id)]
+    tags = {_hash_tag(k) for k in keys}
+    assert len(tags) == 1, keys
+    assert all(k.find("{") + 1 < k.find("}", k.find("{")) for k in keys), "an empty tag"
+
+
+def test_ids_that_start_with_a_brace_keep_keys_of_their_own() -> None:
+    ids = ["}x", "{}x", "{{}x", "x", "{x", "", "{", "{{", "}", "{}"]
+    assert len({latest_key(t) for t in ids}) == len(ids)
+    # Every other id's keys are unchanged by the escape.
+    assert latest_key("a}b") == "weclaw_mq:latest:{a}b}"
 
 
 def test_the_queue_scan_pattern_matches_that_queues_keys_only() -> None:

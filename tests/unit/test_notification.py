@@ -94,6 +94,9 @@ def test_notification_ids_differ_per_final_status_and_requeue_but_not_per_copy()
     assert notification_id("t-1", TaskStatus.SUCCEEDED) == "succeeded:t-1"
     # succeeded is final: a requeue count never makes a second success notification.
     assert notification_id("t-1", TaskStatus.SUCCEEDED, 2) == "succeeded:t-1"
+    # So is cancelled: every copy of a cancelled task repeats one notification.
+    assert notification_id("t-1", TaskStatus.CANCELLED) == "cancelled:t-1"
+    assert notification_id("t-1", TaskStatus.CANCELLED, 3) == "cancelled:t-1"
     assert notification_id("t-1", TaskStatus.DEAD_LETTERED) == "dead_lettered:0:t-1"
     assert notification_id("t-1", TaskStatus.DEAD_LETTERED, 1) == "dead_lettered:1:t-1"
     # Unambiguous whatever the task id holds.

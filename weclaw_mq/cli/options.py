@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
+from ..tracing import LOG_FORMATS
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -25,6 +27,26 @@ LogLevel = Annotated[
         callback=_log_level,
         metavar="LEVEL",
         help="DEBUG, INFO, WARNING, ERROR or CRITICAL.",
+    ),
+]
+
+
+def _log_format(value: str) -> str:
+    fmt = value.strip().lower()
+    if fmt not in LOG_FORMATS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LOG_FORMATS)}")
+    return fmt
+
+
+# The worker's and the outbox relay's: the long-running processes whose logs a collector reads.
+LogFormatOption = Annotated[
+    str,
+    typer.Option(
+        "--log-format",
+        envvar="WECLAW_MQ_LOG_FORMAT",
+        callback=_log_format,
+        metavar="text|json",
+        help="text (one line per record, for people) or json (one object per line).",
     ),
 ]
 

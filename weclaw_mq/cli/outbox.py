@@ -18,7 +18,7 @@ from ..outbox.relay import Relay
 from ..settings import Settings
 from ..state import open_store
 from ..tracing import configure_logging
-from .options import LogLevel
+from .options import LogFormatOption, LogLevel
 
 log = logging.getLogger("weclaw_mq.outbox")
 
@@ -100,10 +100,11 @@ def relay(
         ),
     ] = None,
     log_level: LogLevel = "INFO",
+    log_format: LogFormatOption = "text",
 ) -> None:
     """Send the outbox's rows to the broker (oldest first, each deleted after its confirm);
     runs until SIGTERM or Ctrl-C. Several relays may share a file: rows are claimed."""
-    configure_logging(log_level)
+    configure_logging(log_level, "json" if log_format == "json" else "text")
     settings = _settings(path)
     metrics = Metrics()
     if metrics_port is not None:

@@ -13,10 +13,10 @@ import typer
 from ..admin.health import check_all
 from ..app import App
 from ..settings import Settings
-from ..tracing import LOG_FORMATS, LogFormat, configure_logging
+from ..tracing import LogFormat, configure_logging
 from .failures import ExitCode, fail
 from .loading import load_app
-from .options import AppPath, LogLevel
+from .options import AppPath, LogFormatOption, LogLevel
 from .publish import publish
 from .run_worker import run_worker
 from .supervisor import Supervisor, SupervisorError, child_command, parse_processes
@@ -52,25 +52,6 @@ def root(
     ] = False,
 ) -> None:
     """Crash-proof AI task queues on RabbitMQ."""
-
-
-def _log_format(value: str) -> str:
-    fmt = value.strip().lower()
-    if fmt not in LOG_FORMATS:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(LOG_FORMATS)}")
-    return fmt
-
-
-LogFormatOption = Annotated[
-    str,
-    typer.Option(
-        "--log-format",
-        envvar="WECLAW_MQ_LOG_FORMAT",
-        callback=_log_format,
-        metavar="text|json",
-        help="text (one line per record, for people) or json (one object per line).",
-    ),
-]
 
 
 def _processes(value: str | int) -> int:

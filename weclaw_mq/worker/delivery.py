@@ -736,7 +736,8 @@ async def _end_cancelled(
 ) -> None:
     """Ack a cancelled task: record ``cancelled`` (the cancel wrote it already, unless it
     named no queue and found no record) and, when claimed, mark it done, so a copy is acked
-    unrun. Best effort: the cancel marker answers every later copy anyway."""
+    unrun (best effort: the cancel marker answers every later copy anyway); then, for a
+    ``notify=`` handler, announce it before the ack."""
     state = _state(delivery, spec, TaskStatus.CANCELLED) if rt.results is not None else None
     try:
         if held is not None and rt.store is not None:
@@ -745,6 +746,10 @@ async def _end_cancelled(
             await rt.results.record(state)
     except Exception as e:
         log.warning("could not record the cancel (%s)", e)
+    # Announced before the ack, like every end (worker/notify.py): a publish that fails parks
+    # the task, and its copy comes back to the cancel marker (or the done mark) and tries again.
+    if state is not None and not await notify.announce(message, delivery, spec, rt, state):
+        return
     await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
 
 

@@ -1,7 +1,9 @@
 """Result notifications, the worker's side: announce a task's final state before settling it.
 
 For a handler with ``notify=``, the order is "store the result, publish the notification with
-a confirm, ack" (a dead letter: "publish the notification, move the task to Q.dlq"). A crash
+a confirm, ack" (a dead letter: "publish the notification, move the task to Q.dlq"; a
+cancelled task: "record cancelled, publish the notification, ack", whether the cancel found
+it waiting or running; each later copy meets the cancel marker and announces again). A crash
 anywhere in between leaves the task's message unacked, so the broker delivers it again:
 
 - killed before the notification's confirm: the copy finds the task done (the guard) and
