@@ -236,9 +236,10 @@ async def _declare_delay_exchange(channel: AbstractChannel, name: str) -> None:
                 "configure permission): run 'weclaw-mq declare MODULE:APP' as an operator first"
             ) from e
         return
-    # Binding again is a no-op (the queue was declared just before, under the same name).
+    # Binding again is a no-op (the queue was declared just before, under the same name). A
+    # fanout ignores the binding's key: "" says so.
     queue = await channel.get_queue(name, ensure=False)
-    await queue.bind(exchange)
+    await queue.bind(exchange, routing_key="")
 
 
 async def _check_exists(channel: AbstractChannel, name: str) -> None:
