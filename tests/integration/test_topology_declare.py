@@ -8,13 +8,16 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from tests.conftest import get_message, queue_depth
+from tests.conftest import get_message, queue_depth, wait_until
 from weclaw_mq import App, RetryPolicy, TopologyConflictError
+from weclaw_mq.admin import queue_stats
 from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.naming import delay_label
+from weclaw_mq.naming import delay_label, delay_queue_name, lane_queue_name, retry_queue_name
+from weclaw_mq.topology import delay_queue_arguments
 
 
 def _list_queues() -> dict[str, dict[str, Any]]:
@@ -246,3 +249,42 @@ async def test_a_conflict_does_not_stop_the_app_from_declaring_again(
     old, _ = await _conflict(make_app, qname, old={"delivery_limit": 5}, new={"delivery_limit": 6})
 
     assert qname in await old.declare()
+
+
+async def test_an_older_versions_per_lane_delay_queue_keeps_returning_to_its_lane_after_upgrade(
+    make_app: Callable[..., App], qname: str, amqp: AbstractChannel
+) -> None:
+    """An upgraded deployment: a per-lane delay queue of a version before the shared ones
+    still holds a task. Declaring today's topology meets no conflict, the old queue hands its
+    task back to its lane as before, and ``weclaw-mq stats`` lists it while it exists."""
+    app = make_app()
+    _register(app, qname, retry=RetryPolicy(max_retries=1, delay_s=0.2))
+    high = lane_queue_name(qname, "high")
+    old = retry_queue_name(high, 200)
+    # As versions before declared it: dead-lettering to its lane by name.
+    old_arguments = {**delay_queue_arguments(200), "x-dead-letter-routing-key": high}
+    await amqp.declare_queue(old, durable=True, arguments=old_arguments)
+    try:
+        await app.declare()  # the lanes exist, as they did before the upgrade
+        message = aio_pika.Message(b'{"n": 1}', message_id=f"old-{qname}")
+        await amqp.default_exchange.publish(message, routing_key=old)  # as the old worker did
+
+        await wait_until(
+            lambda: _depth_is(amqp, high, 1), 10, "the old delay queue's task back in its lane"
+        )
+        back = await get_message(amqp, high)
+        assert back is not None and back.message_id == f"old-{qname}"
+        assert back.headers["x-death"][0]["queue"] == old
+
+        assert await app.declare()  # again: still no conflict with the old queue
+        got = await queue_stats.stats(app, qname, retry_delays_ms=(200,))
+        listed = [(c.name, c.role, c.exists) for c in got.retries]
+        assert listed == [(delay_queue_name(qname, 200), "retry", True), (old, "retry", True)]
+        found = await queue_stats.discover(app, qname)
+        assert (old, "retry", True) in [(c.name, c.role, c.exists) for c in found.retries]
+    finally:
+        await amqp.queue_delete(old)
+
+
+async def _depth_is(amqp: AbstractChannel, queue: str, n: int) -> bool:
+    return await queue_depth(amqp, queue) == n
