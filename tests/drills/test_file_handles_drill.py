@@ -123,6 +123,7 @@ async def test_a_node_at_ulimit_1024_takes_new_connections_with_many_handlers_de
 ) -> None:
     node = low_nofile_node
     assert _open_files_limit(node.require_pid()) == NOFILE
+    _, used_before = await _handles(node)
     app = App("fd-drill", settings=settings_for(node.url, "redis://127.0.0.1:6379/0"))
     run = uuid.uuid4().hex[:8]
     for i in range(HANDLERS):
@@ -166,8 +167,13 @@ async def test_a_node_at_ulimit_1024_takes_new_connections_with_many_handlers_de
     assert len(declared) == quorum == HANDLERS * 13
     assert await _new_connection_opens(node.url, OPEN_PATIENCE_S)
     limit, used = await _handles(node)
-    print(f"{HANDLERS} handlers, {quorum} quorum queues: {used} of {limit} file handles in use")
+    per_queue = (used - used_before) / quorum
+    print(
+        f"ulimit -n {NOFILE}: {limit} file handles; {HANDLERS} handlers, {quorum} quorum "
+        f"queues: {used} in use, {per_queue:.2f} per quorum queue"
+    )
     assert used < limit
+    assert 2.5 <= per_queue <= 3.5  # the README's "about 3"
 
 
 async def _held_for_dead_lettering(node: RabbitNode, queue: str) -> int:

@@ -223,5 +223,5 @@ def test_a_handler_declares_a_bounded_number_of_quorum_queues_on_a_lane_plan() -
     assert _quorum_queue_count(app, "limited") == 1 + 3 + limited_delays
     assert _quorum_queue_count(app, "plain") <= QUORUM_QUEUES_PER_HANDLER
     assert _quorum_queue_count(app, "limited") <= QUORUM_QUEUES_PER_LIMITED_HANDLER
-    # No more queues per lane: a fourth lane would cost one queue, not 1 + delays.
-    assert _quorum_queue_count(app, "plain") < 2 * (1 + plain_delays)
+    # Versions before gave each lane its own delay queues: 1 + 3 x (1 + delays).
+    assert (1 + 3 * (1 + plain_delays), 1 + 3 * (1 + limited_delays)) == (31, 46)
