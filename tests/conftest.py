@@ -25,6 +25,7 @@ from weclaw_mq import App, Settings, Worker
 from weclaw_mq.naming import (
     BODY_KEY_PREFIX,
     GUARD_KEY_PREFIX,
+    RETRY_INFIX,
     STATE_KEY_PREFIX,
     cancel_key,
     latest_key,
@@ -166,6 +167,10 @@ async def delete_queues(broker_url: str, names: list[str]) -> None:
         channel = await conn.channel()
         for name in names:
             await channel.queue_delete(name)
+            if RETRY_INFIX in name:
+                # A delay queue's fanout exchange has its name (topology.delay_exchanges);
+                # deleting one that is not there is no error either.
+                await channel.exchange_delete(name)
     finally:
         await conn.close()
 

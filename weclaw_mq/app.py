@@ -42,7 +42,7 @@ from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .limits import Limit, as_limits
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
-from .naming import retry_queue_name, validate_session_id
+from .naming import delay_queue_name, validate_session_id
 from .notification import notify_target
 from .otel import Spans, spans_for
 from .priority import (
@@ -324,17 +324,19 @@ class App:
         spec = self._handlers.get(queue)
         return spec.priority if spec is not None else Priority.NORMAL
 
-    async def _route(self, queue: str, message: aio_pika.Message) -> str:
-        """Where ``message`` goes: its lane (``_lane``), or, before its not-before time, one of
-        that lane's step delay queues, which dead-letters it to the lane (``delays``). They
-        are declared with the handler's queues; where they are not (no worker of this version
-        declared them yet), the publish is refused as unroutable and nothing is sent."""
+    async def _route(self, queue: str, message: aio_pika.Message) -> tuple[str, str]:
+        """Where ``message`` goes, as (exchange, routing key): its lane (``_lane``) through
+        the default exchange, or, before its not-before time, one of Q's step delay queues
+        through its exchange, with the lane as routing key: the delay queue dead-letters it
+        back by that key (``delays``, ``topology``). They are declared with the handler's
+        queues; where they are not (no worker of this version declared them yet), the
+        publish is refused as unroutable and nothing is sent."""
         lane = await self._lane(queue, message)
         due = not_before_ms(message.headers)
         left = None if due is None else due - now_ms()
         if left is None or left <= 0:  # no delay, or a delay that passed in the outbox
-            return lane
-        return retry_queue_name(lane, next_hop_ms(left, STEP_DELAYS_MS))
+            return "", lane
+        return delay_queue_name(queue, next_hop_ms(left, STEP_DELAYS_MS)), lane
 
     async def _lane(self, queue: str, message: aio_pika.Message) -> str:
         """The lane of ``message`` (or Q with the AMQP priority property where the broker,
@@ -446,10 +448,10 @@ class App:
 
         ``queue`` is the handler queue; the message goes to its priority's lane (``_route``)."""
         assert message.message_id is not None
-        target = await self._route(queue, message)
+        exchange, target = await self._route(queue, message)
         store = self.results
         if store is None:
-            await self._get_publisher().publish(target, message)
+            await self._get_publisher().publish(target, message, exchange=exchange)
             return message.message_id
         # The "queued" record is written beside the confirm, not after it (no added latency),
         # and only if the task has no record yet, so it can never hide a later status.
@@ -461,7 +463,7 @@ class App:
         )
         refused: list[str] = []
         try:
-            await self._get_publisher().publish(target, message)
+            await self._get_publisher().publish(target, message, exchange=exchange)
         except STORED_NOTHING:
             refused.append(message.message_id)
             raise
@@ -538,7 +540,10 @@ class App:
         refused: list[str] = []
         try:
             outcomes = await asyncio.gather(
-                *(publisher.publish(t, m) for t, m in zip(targets, messages, strict=True)),
+                *(
+                    publisher.publish(t, m, exchange=x)
+                    for (x, t), m in zip(targets, messages, strict=True)
+                ),
                 return_exceptions=True,
             )
             refused = [

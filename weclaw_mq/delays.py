@@ -1,9 +1,10 @@
 """Arbitrary delays served by a bounded set of delay queues. Pure: no broker I/O.
 
 RabbitMQ expires messages only at the head of a queue, so each delay needs a queue of its own
-(``Q.retry.<delay>``, x-message-ttl, dead-lettering back to its lane). A delay asked for at
-run time (``Retry(after_s=)``, ``publish(delay_s=)``) cannot get a queue of its own without
-the number of queues growing with every new value. Instead each lane has a fixed set: the
+(``Q.retry.lanes.<delay>``, x-message-ttl, dead-lettering back to the lane named by the
+task's routing key; shared by Q's lanes, see ``topology``). A delay asked for at run time
+(``Retry(after_s=)``, ``publish(delay_s=)``) cannot get a queue of its own without the number
+of queues growing with every new value. Instead each handler has a fixed set: the
 step queues ``STEP_DELAYS_MS`` (powers of 4 seconds, 1 s to 1024 s) plus its retry policy's
 own delays. A task delayed by ``d`` carries its not-before time (header ``NOT_BEFORE``) and
 hops: it is parked in the longest queue of the set not longer than what is left, comes back to
@@ -29,7 +30,7 @@ from .errors import ConfigurationError
 if TYPE_CHECKING:
     from .retry import RetryPolicy
 
-# Powers of 4 keep the set small (each is a quorum queue per lane) at the cost of at most
+# Powers of 4 keep the set small (each is a quorum queue per handler) at the cost of at most
 # 3 hops per step size; 1024 s bounds a long delay's hop count at one per ~17 minutes.
 STEP_DELAYS_MS: tuple[int, ...] = tuple(1000 * 4**k for k in range(6))
 MIN_STEP_MS = STEP_DELAYS_MS[0]
@@ -37,7 +38,7 @@ MIN_STEP_MS = STEP_DELAYS_MS[0]
 
 @functools.cache
 def delay_queue_set(policy: RetryPolicy) -> tuple[int, ...]:
-    """Every delay queue (ms) of a lane of a handler with ``policy``, shortest first. The
+    """Every delay queue (ms) of a handler with ``policy``, shortest first. The
     policy's first delay is always there: the guard parks duplicates in it."""
     return tuple(sorted({policy.delay_ms(1), *policy.delays_ms(), *STEP_DELAYS_MS}))
 

@@ -71,9 +71,25 @@ def delay_label(delay_ms: int) -> str:
 
 
 def retry_queue_name(queue: str, delay_ms: int) -> str:
-    """The delay queue of ``queue`` (a handler queue or one of its lanes): it dead-letters
-    back to ``queue``, so a retried task returns to the lane it came from."""
+    """The per-lane delay queue of ``queue`` (a handler queue or one of its lanes) of
+    versions before the shared ones (``delay_queue_name``): it dead-letters back to ``queue``
+    by its x-dead-letter-routing-key. No longer declared nor published to; one left from an
+    older version keeps returning what it holds, and ``weclaw-mq stats`` still shows it."""
     return f"{queue}{RETRY_INFIX}{delay_label(delay_ms)}"
+
+
+# The delay queues of handler queue Q shared by all its lanes: ``Q.retry.lanes.<delay>``
+# (a queue and a fanout exchange of that name). ".retry." is already reserved in handler
+# names, so these can be no other handler's names, nor a per-lane ``<lane>.retry.<delay>``
+# (a delay label holds no dot).
+SHARED_DELAY_INFIX = f"{RETRY_INFIX}lanes."
+
+
+def delay_queue_name(queue: str, delay_ms: int) -> str:
+    """The delay queue of handler queue ``queue`` for ``delay_ms``, shared by its lanes, and
+    the fanout exchange that routes to it: a message is published there with its lane as
+    routing key, and dead-letters back by that key (``topology.delay_queue_arguments``)."""
+    return f"{queue}{SHARED_DELAY_INFIX}{delay_label(delay_ms)}"
 
 
 def results_queue_name(queue: str) -> str:

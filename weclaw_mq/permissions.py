@@ -14,10 +14,13 @@ get, purge). What each of our roles does (checked on RabbitMQ 3.10 by
   without any permission);
 - producer: publishes only.
 
-Every publish of ours goes through the default exchange, and RabbitMQ checks a publish
-against the exchange alone (``amq.default``), never the queue the routing key names: a user
-who may publish may publish to ANY queue of the vhost. Reads are limited per queue here;
-writes are limited only by giving each app (or each trust domain) its own vhost.
+Every publish of ours goes through the default exchange, or (a task parked for a delay)
+through the fanout exchange of one of the handler's delay queues (``topology.delay_exchanges``,
+named as the queue). RabbitMQ checks a publish against the exchange alone (``amq.default``),
+never the queue the routing key names: a user who may publish may publish to ANY queue of the
+vhost (a delay queue's exchange, too, dead-letters by the routing key to any queue). Reads
+are limited per queue here; writes are limited only by giving each app (or each trust
+domain) its own vhost.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from enum import StrEnum
 from urllib.parse import unquote, urlsplit
 
 from .handler import HandlerSpec
-from .topology import queue_declarations
+from .topology import delay_exchanges, queue_declarations
 
 # The default exchange's name in permission checks.
 DEFAULT_EXCHANGE_RESOURCE = "amq.default"
@@ -63,7 +66,10 @@ def grant(role: Role, specs: Iterable[HandlerSpec]) -> Grant:
     # Q and its priority lanes: the lanes of an unknown version, which are every lane any
     # version may have (a worker consumes each lane its broker gets).
     work = [lane for s in specs for lane in s.queue_spec().lane_queues(None)]
-    publish = any_of([DEFAULT_EXCHANGE_RESOURCE])
+    # Delayed publishes and parked tasks go through the delay queues' exchanges.
+    publish = any_of(
+        [DEFAULT_EXCHANGE_RESOURCE, *(x for s in specs for x in delay_exchanges(s.queue_spec()))]
+    )
     if role is Role.PRODUCER:
         return Grant(configure=NOTHING, write=publish, read=NOTHING)
     if role is Role.WORKER:
@@ -74,6 +80,8 @@ def grant(role: Role, specs: Iterable[HandlerSpec]) -> Grant:
         write=any_of([DEFAULT_EXCHANGE_RESOURCE, *every]),
         # The DLQ tools read the DLQs; and RabbitMQ asks read on a queue declared with a
         # dead-letter target (all of ours but the DLQ), beside write on that exchange.
+        # Binding a delay queue to its exchange (same name) asks write on the queue and read
+        # on the exchange: both in ``every``.
         read=any_of(every),
     )
 

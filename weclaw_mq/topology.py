@@ -2,23 +2,44 @@
 
 For a handler queue ``Q`` (names from ``naming``):
 
-| queue           | type   | arguments                                                      |
-|-----------------|--------|----------------------------------------------------------------|
-| Q               | quorum | dead-letter to Q.dlq (at-least-once, reject-publish), delivery |
-|                 |        | limit, optional max length                                     |
-| Q.retry.<delay> | quorum | x-message-ttl = delay, dead-letter back to Q (at-least-once);  |
-|                 |        | one per policy delay and per step of ``delays.STEP_DELAYS_MS`` |
-| Q.dlq           | quorum | nothing expires or overflows there; from RabbitMQ 4.0 on, the  |
-|                 |        | default delivery limit turned off (x-delivery-limit -1)        |
+| queue                 | type   | arguments                                                |
+|-----------------------|--------|----------------------------------------------------------|
+| Q                     | quorum | dead-letter to Q.dlq (at-least-once, reject-publish),    |
+|                       |        | delivery limit, optional max length                      |
+| Q.retry.lanes.<delay> | quorum | x-message-ttl = delay, dead-letter to the default        |
+|                       |        | exchange by the message's OWN routing key (at-least-once)|
+|                       |        | one per policy delay and per step of                     |
+|                       |        | ``delays.STEP_DELAYS_MS``; a fanout exchange of the same |
+|                       |        | name is bound to it                                      |
+| Q.dlq                 | quorum | nothing expires or overflows there; from RabbitMQ 4.0 on,|
+|                       |        | the default delivery limit turned off (x-delivery-limit  |
+|                       |        | -1)                                                      |
 
 Priorities (``priority.plan_priorities``): where the broker has none usable, the HIGH and
 URGENT levels get lanes ``Q.lane.high`` / ``Q.lane.urgent``, each declared like Q (dead-letter
-to the one Q.dlq) with delay queues of its own (``Q.lane.high.retry.<delay>``, dead-lettering
-back to that lane): a retried task comes back to its lane, and the number of queues stays
-fixed (levels x (1 + delays) + 1), whatever delays ``Retry(after_s=)`` and
-``publish(delay_s=)`` ask for (``weclaw_mq.delays``). A ``queue_type="classic"`` handler
-queue is classic with ``x-max-priority`` (classic queues refuse ``x-delivery-limit`` and the
-at-least-once dead-letter strategy, so it has neither); its delay queues and DLQ stay quorum.
+to the one Q.dlq). The lanes SHARE Q's delay queues: a task is parked by publishing it to the
+delay queue's fanout exchange with its lane as routing key; the fanout ignores the key, and
+the delay queue, declared without x-dead-letter-routing-key, dead-letters it through the
+default exchange by that same key: back to its lane. So a handler has 1 + levels + delays
+quorum queues (13 by default on RabbitMQ 3.x, 18 with ``limit=``), not levels x (1 + delays)
++ 1 (31 and 46): each quorum queue holds ~3 of the broker's file handles (measured on 3.10.8),
+and a broker at ``ulimit -n 1024`` has 927, past which it accepts no new connection. The
+number stays fixed whatever delays ``Retry(after_s=)`` and ``publish(delay_s=)`` ask for
+(``weclaw_mq.delays``).
+
+Why per handler, not one set per vhost: a quorum queue's at-least-once dead-lettering keeps a
+message whose target queue no longer exists in the source queue and retries it forever
+(measured on 3.10.8: it stayed there, never cleaned). A vhost-wide delay queue would collect
+the tasks of every deleted handler; a handler's own ones go with it.
+
+Versions before these kept one set of delay queues per lane (``Q.retry.<delay>``,
+``Q.lane.high.retry.<delay>``, dead-lettering to their lane by x-dead-letter-routing-key).
+They are no longer declared nor published to; what an upgraded deployment still holds in
+them comes back to its lane as before (``naming.retry_queue_name``).
+
+A ``queue_type="classic"`` handler queue is classic with ``x-max-priority`` (classic queues
+refuse ``x-delivery-limit`` and the at-least-once dead-letter strategy, so it has neither);
+its delay queues and DLQ stay quorum.
 
 What differs by broker version is decided in ``broker_version.dlq_plan``.
 
@@ -37,11 +58,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import aiormq
+from aio_pika import ExchangeType
 from aio_pika.abc import AbstractChannel
 
 from .broker_version import ServerVersion, dlq_plan
 from .errors import ConfigurationError, TopologyConflictError
-from .naming import dlq_name, lane_queue_name, retry_queue_name
+from .naming import delay_queue_name, dlq_name, lane_queue_name
 from .priority import CLASSIC, QUORUM, plan_priorities
 from .publishing.connection import channel_server_version
 
@@ -70,11 +92,13 @@ class QueueSpec:
         return [lane_queue_name(self.name, level.value) for level in plan.lanes]
 
 
-def _quorum_dead_lettering(target: str) -> dict[str, object]:
+def _quorum_dead_lettering(target: str | None) -> dict[str, object]:
+    """Dead-lettering through the default exchange to ``target``, or (None) to the queue the
+    message's own routing key names."""
     return {
         "x-queue-type": "quorum",
         "x-dead-letter-exchange": DEFAULT_EXCHANGE,
-        "x-dead-letter-routing-key": target,
+        **({} if target is None else {"x-dead-letter-routing-key": target}),
         # at-least-once keeps the message in the source until the target confirmed it;
         # RabbitMQ requires reject-publish overflow for that strategy.
         "x-dead-letter-strategy": "at-least-once",
@@ -99,14 +123,20 @@ def work_queue_arguments(spec: QueueSpec) -> dict[str, object]:
     return args
 
 
-def retry_queue_arguments(
-    spec: QueueSpec, delay_ms: int, lane: str | None = None
-) -> dict[str, object]:
-    # One queue per delay: RabbitMQ expires messages only at the head of a queue, so mixed
-    # per-message delays in one queue would hold short delays behind long ones.
-    args = _quorum_dead_lettering(lane or spec.name)
+def delay_queue_arguments(delay_ms: int) -> dict[str, object]:
+    """A delay queue shared by a handler's lanes. One queue per delay: RabbitMQ expires
+    messages only at the head of a queue, so mixed per-message delays in one queue would hold
+    short delays behind long ones. No x-dead-letter-routing-key: an expired message goes back
+    by the routing key it was published with, its lane (``Settler``, ``App._route``)."""
+    args = _quorum_dead_lettering(None)
     args["x-message-ttl"] = delay_ms
     return args
+
+
+def delay_exchanges(spec: QueueSpec) -> list[str]:
+    """The fanout exchanges of ``spec``'s delay queues, each named as (and bound to) its
+    queue; exchanges hold no file handle on the broker."""
+    return [delay_queue_name(spec.name, d) for d in spec.retry_delays_ms]
 
 
 def dlq_arguments(version: ServerVersion | None = None) -> dict[str, object]:
@@ -125,13 +155,11 @@ def _own_declarations(
     spec: QueueSpec, version: ServerVersion | None
 ) -> list[tuple[str, dict[str, object]]]:
     decls: list[tuple[str, dict[str, object]]] = [(dlq_name(spec.name), dlq_arguments(version))]
-    # Q first (the NORMAL lane), then the higher lanes: each with its own delay queues.
+    # Q first (the NORMAL lane), then the higher lanes, then the delay queues they share.
     for lane in reversed(spec.lane_queues(version)):
         decls.append((lane, work_queue_arguments(spec)))
-        for delay_ms in spec.retry_delays_ms:
-            decls.append(
-                (retry_queue_name(lane, delay_ms), retry_queue_arguments(spec, delay_ms, lane))
-            )
+    for delay_ms in spec.retry_delays_ms:
+        decls.append((delay_queue_name(spec.name, delay_ms), delay_queue_arguments(delay_ms)))
     return decls
 
 
@@ -180,6 +208,8 @@ async def declare(
                 else:
                     raise TopologyConflictError(name, argument, text) from e
             declared.append(name)
+        for exchange in delay_exchanges(spec):
+            await _declare_delay_exchange(channel, exchange)
     # Results queues last: one that is also a handler queue here was declared above with that
     # handler's own options, which win over the defaults.
     for spec in specs:
@@ -188,6 +218,28 @@ async def declare(
                 await _declare_or_keep(channel, name, args)
                 declared.append(name)
     return declared
+
+
+async def _declare_delay_exchange(channel: AbstractChannel, name: str) -> None:
+    """The fanout exchange in front of delay queue ``name``, bound to it. Without configure
+    permission (a least-privilege worker) it must exist already: an operator's
+    ``weclaw-mq declare`` made it, and its binding."""
+    try:
+        exchange = await channel.declare_exchange(name, ExchangeType.FANOUT, durable=True)
+    except aiormq.exceptions.ChannelAccessRefused:
+        await channel.reopen()
+        try:
+            await channel.declare_exchange(name, ExchangeType.FANOUT, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity as e:
+            raise ConfigurationError(
+                f"exchange {name!r} does not exist and this user may not declare it (no "
+                "configure permission): run 'weclaw-mq declare MODULE:APP' as an operator first"
+            ) from e
+        return
+    # Binding again is a no-op (the queue was declared just before, under the same name). A
+    # fanout ignores the binding's key: "" says so.
+    queue = await channel.get_queue(name, ensure=False)
+    await queue.bind(exchange, routing_key="")
 
 
 async def _check_exists(channel: AbstractChannel, name: str) -> None:

@@ -29,6 +29,9 @@
 #                         AMQP + 20000 (default 5680, the table below); or 'auto': free ports
 #                         picked when a node first starts
 #   WECLAW_CLUSTER_START_TIMEOUT_S (default 120), RABBITMQ_BIN (default /usr/lib/rabbitmq/bin)
+#   WECLAW_CLUSTER_NOFILE a number N: nodes started now run with 'ulimit -n N' (the file
+#                         descriptor limit; default: this shell's). 1024, the usual default,
+#                         is what the file-handle drill needs (tests/drills/test_file_handles_drill.py)
 #   WECLAW_CLUSTER_TLS_DIR, WECLAW_CLUSTER_TLS_PORT
 #                         both set: each node started also listens for AMQP over TLS on
 #                         127.0.0.1:PORT, with DIR/ca.pem, DIR/server.pem, DIR/server.key, and
@@ -61,6 +64,7 @@ CLUSTER_ID=${WECLAW_CLUSTER_ID:-}
 PORTS=${WECLAW_CLUSTER_PORTS:-5680}
 BIN=${RABBITMQ_BIN:-/usr/lib/rabbitmq/bin}
 START_TIMEOUT_S=${WECLAW_CLUSTER_START_TIMEOUT_S:-120}
+NOFILE=${WECLAW_CLUSTER_NOFILE:-}
 STOP_TIMEOUT_S=60
 CLUSTER_NODES=(c1 c2 c3)
 HOME_DIR="$BASE/home"
@@ -262,6 +266,7 @@ launch_node() {
 	(
 		node_env "$n"
 		cd "$dir"
+		if [ -n "$NOFILE" ]; then ulimit -n "$NOFILE"; fi
 		exec setsid "$BIN/rabbitmq-server" >>"$dir/log/stdout.log" 2>&1 </dev/null
 	) &
 	# The launcher (the rabbitmq-server script, parent of the VM): known at once, before the

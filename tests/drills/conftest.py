@@ -92,12 +92,15 @@ class NodeSpace:
     base: Path
     cluster_id: str
     servers: PrivateServers
+    # More of cluster.sh's settings for these nodes (e.g. WECLAW_CLUSTER_NOFILE).
+    extra_env: tuple[tuple[str, str], ...] = ()
 
     def env(self) -> dict[str, str]:
         return self.servers.env(
             WECLAW_CLUSTER_DIR=str(self.base),
             WECLAW_CLUSTER_ID=self.cluster_id,
             WECLAW_CLUSTER_PORTS="auto",
+            **dict(self.extra_env),
         )
 
 

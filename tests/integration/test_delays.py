@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from tests.conftest import next_message, outcome_count, queue_depth, wait_until
 from weclaw_mq import App, Context, Retry, RetryPolicy, TaskStatus, UnroutableError, retry_after_s
 from weclaw_mq import headers as h
-from weclaw_mq.naming import dlq_name, lane_queue_name, retry_queue_name
+from weclaw_mq.naming import delay_queue_name, dlq_name, lane_queue_name
 
 
 class Prompt(BaseModel):
@@ -111,11 +111,14 @@ async def test_delayed_publish_is_delivered_no_earlier_than_asked_on_its_lane(
 ) -> None:
     app = make_app(concurrency=4)
     started: dict[str, float] = {}
+    returned_by: dict[str, list[Any]] = {}  # the routing keys of each task's last return
     follow_up = f"{qname}-follow"
 
     @app.handler(qname)
     async def handle(task: Prompt, ctx: Context) -> None:
         started[task.text] = time.time()
+        if deaths := ctx.headers.get(h.X_DEATH):
+            returned_by[task.text] = deaths[0]["routing-keys"]
         if task.text == "parent":  # a follow-up delayed from inside a handler
             await ctx.publish(follow_up, Prompt(text="child"), delay_s=1.2)
 
@@ -131,14 +134,17 @@ async def test_delayed_publish_is_delivered_no_earlier_than_asked_on_its_lane(
     await app.publish_many(
         qname, [Prompt(text="high-0"), Prompt(text="high-1")], delay_s=1.5, priority="high"
     )
-    # Parked in its lane's step queue, not in the lane (a priority survives the delay).
-    high = lane_queue_name(qname, "high")
-    assert await queue_depth(amqp, retry_queue_name(high, 1_000)) == 2
+    # Parked in Q's step queue (shared by the lanes: "late" waits there too), not in the
+    # lane; its routing key, the lane, brings it back there (a priority survives the delay).
+    assert await queue_depth(amqp, delay_queue_name(qname, 1_000)) == 3
     await app.publish(qname, Prompt(text="parent"))
     await wait_until(lambda: len(started) == 5, 15, "all five tasks to run")
 
     assert started["late"] - at >= 2.5
     assert started["high-0"] - at >= 1.5 and started["high-1"] - at >= 1.5
+    high = lane_queue_name(qname, "high")
+    assert returned_by["high-0"] == returned_by["high-1"] == [high]
+    assert returned_by["late"] == [qname]
     assert started["child"] - started["parent"] >= 1.2
     # At most 1 s late (the README's bound), with room for a busy shared machine.
     assert started["late"] - at < 2.5 + 1.0 + 0.5
@@ -176,7 +182,7 @@ async def test_a_delayed_publish_without_its_delay_queues_is_refused_and_nothing
     await amqp.declare_queue(qname, durable=True, arguments={"x-queue-type": "quorum"})
     try:
         app = make_app()
-        with pytest.raises(UnroutableError, match=r"retry\.1s.*declare"):
+        with pytest.raises(UnroutableError, match=r"retry\.lanes\.1s.*declare"):
             await app.publish(qname, Prompt(text="x"), delay_s=1)
         assert await queue_depth(amqp, qname) == 0
     finally:

@@ -73,6 +73,10 @@ async def test_worker_and_producer_users_do_their_work_and_nothing_more(
         task_id = await producer.publish(qname, {"n": "a"})
         state = await producer.result(task_id, timeout_s=20)
         assert state.status is TaskStatus.SUCCEEDED and state.attempt == 2, state
+        # A delayed publish goes through a delay queue's exchange: the producer may write it.
+        delayed = await producer.publish(qname, {"n": "b"}, delay_s=0.2)
+        state = await producer.result(delayed, timeout_s=20)
+        assert state.status is TaskStatus.SUCCEEDED, state
 
         assert await refused(worker_url, f"{qname}-other")  # another app's queue
         assert await refused(worker_url, f"{qname}.dlq")  # even its own DLQ: ops' business

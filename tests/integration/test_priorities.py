@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aio_pika
@@ -30,7 +30,7 @@ from weclaw_mq import (
 from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.broker_version import ServerVersion
-from weclaw_mq.naming import dlq_name, lane_queue_name, retry_queue_name
+from weclaw_mq.naming import delay_queue_name, dlq_name, lane_queue_name
 from weclaw_mq.topology import dlq_arguments, queue_declarations
 
 BACKLOG = 300
@@ -135,18 +135,22 @@ async def _equals(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
 
 
-async def _parked_in_its_lanes_delay_queue(
-    amqp: AbstractChannel, qname: str, level: str, delay_ms: int
+async def _parked_in_the_lanes_shared_delay_queue(
+    amqp: AbstractChannel, qname: str, delay_ms: int
 ) -> None:
-    """The task's copy waits in its lane's delay queue (which dead-letters back to that
-    lane), not in Q's."""
-    lane = lane_queue_name(qname, level)
+    """The task's copy waits in Q's delay queue, which the lanes share: it goes back by its
+    routing key, its lane (``_returned_to``)."""
     await wait_until(
-        lambda: _equals(queue_depth(amqp, retry_queue_name(lane, delay_ms)), 1),
+        lambda: _equals(queue_depth(amqp, delay_queue_name(qname, delay_ms)), 1),
         5,
-        f"the copy in {level} lane's delay queue",
+        "the copy in the delay queue",
     )
-    assert await queue_depth(amqp, retry_queue_name(qname, delay_ms)) == 0
+
+
+def _returned_to(headers: Mapping[str, Any]) -> list[Any] | None:
+    """The routing keys a delivery was dead-lettered back by (its last x-death), if any."""
+    deaths = headers.get(h.X_DEATH)
+    return deaths[0]["routing-keys"] if deaths else None
 
 
 async def test_normal_is_not_starved_one_lower_task_after_k_higher_ones(
@@ -184,18 +188,19 @@ async def test_a_retried_task_waits_in_its_lanes_delay_queue_and_keeps_its_prior
 
     @app.handler(qname, retry=policy)
     async def work(task: Job, ctx: Context) -> None:
-        seen.append((ctx.attempt, ctx.headers.get(h.PRIORITY)))
+        seen.append((ctx.attempt, ctx.headers.get(h.PRIORITY), _returned_to(ctx.headers)))
         if ctx.attempt == 1:
             raise Retry("model busy")
 
     await start_worker(app, concurrency=1)
     task_id = await app.publish(qname, Job(n=1), priority="high")
 
-    await _parked_in_its_lanes_delay_queue(amqp, qname, "high", 1000)
+    await _parked_in_the_lanes_shared_delay_queue(amqp, qname, 1000)
 
     state = await app.result(task_id, timeout_s=10)
     assert state.status is TaskStatus.SUCCEEDED
-    assert seen == [(1, "high"), (2, "high")]
+    high = lane_queue_name(qname, "high")
+    assert seen == [(1, "high", None), (2, "high", [high])]
 
 
 async def test_a_dlq_redrive_sends_the_task_back_to_its_lane(
@@ -325,15 +330,17 @@ class TestDeferral:
 
         @app.handler(qname, retry=RetryPolicy(max_retries=1, delay_s=1.0, multiplier=1))
         async def work(task: Job, ctx: Context) -> None:
-            seen.append(ctx.headers.get(h.PRIORITY))
+            seen.append((ctx.headers.get(h.PRIORITY), _returned_to(ctx.headers)))
 
         await start_worker(app, concurrency=1)
         await asyncio.to_thread(private_redis.stop)
         task_id = await app.publish(qname, Job(n=1), priority="urgent")
 
-        await _parked_in_its_lanes_delay_queue(amqp, qname, "urgent", 1000)
+        await _parked_in_the_lanes_shared_delay_queue(amqp, qname, 1000)
         assert seen == []
 
         await asyncio.to_thread(private_redis.start)
         assert (await app.result(task_id, timeout_s=15)).status is TaskStatus.SUCCEEDED
-        assert seen == ["urgent"]
+        # Its last return came by the delay queue, to its lane (it may have hopped more
+        # than once while Redis was down).
+        assert seen == [("urgent", [lane_queue_name(qname, "urgent")])]

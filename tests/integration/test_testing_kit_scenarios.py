@@ -233,8 +233,11 @@ async def test_a_handler_that_keeps_failing_is_dead_lettered_with_its_error_type
     assert dead.error_message == "monthly quota used up"
     # The broker's record of the two hops through the delay queues, most recent first.
     deaths = [(d["reason"], d["queue"], d["count"]) for d in dead.headers["x-death"]]
-    assert deaths == [("expired", f"{qname}.retry.100ms", 1), ("expired", f"{qname}.retry.50ms", 1)]
-    assert dead.headers["x-first-death-queue"] == f"{qname}.retry.50ms"
+    assert deaths == [
+        ("expired", f"{qname}.retry.lanes.100ms", 1),
+        ("expired", f"{qname}.retry.lanes.50ms", 1),
+    ]
+    assert dead.headers["x-first-death-queue"] == f"{qname}.retry.lanes.50ms"
 
 
 async def test_a_body_the_model_refuses_is_dead_lettered_as_invalid_payload_unrun(

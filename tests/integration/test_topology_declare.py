@@ -8,13 +8,16 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
+import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from tests.conftest import get_message, queue_depth
+from tests.conftest import get_message, queue_depth, wait_until
 from weclaw_mq import App, RetryPolicy, TopologyConflictError
+from weclaw_mq.admin import queue_stats
 from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.naming import delay_label
+from weclaw_mq.naming import delay_label, delay_queue_name, lane_queue_name, retry_queue_name
+from weclaw_mq.topology import delay_queue_arguments
 
 
 def _list_queues() -> dict[str, dict[str, Any]]:
@@ -42,9 +45,29 @@ async def _queues_named(prefix: str) -> dict[str, dict[str, Any]]:
     return {n: q for n, q in everything.items() if n == prefix or n.startswith(f"{prefix}.")}
 
 
-def _steps(*lanes: str) -> list[str]:
-    """The step delay queues every lane has beside its policy's (weclaw_mq.delays)."""
-    return [f"{lane}.retry.{delay_label(d)}" for lane in lanes for d in STEP_DELAYS_MS]
+def _steps(queue: str) -> list[str]:
+    """The step delay queues every handler has beside its policy's (weclaw_mq.delays)."""
+    return [f"{queue}.retry.lanes.{delay_label(d)}" for d in STEP_DELAYS_MS]
+
+
+def _list_bindings() -> set[tuple[str, str, str]]:
+    """Every (source exchange, destination queue, routing key) binding of a named exchange."""
+    out = subprocess.run(
+        [
+            *("rabbitmqctl", "-q", "list_bindings"),
+            *("source_name", "destination_name", "destination_kind", "routing_key"),
+            *("--formatter", "json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return {
+        (b["source_name"], b["destination_name"], b["routing_key"])
+        for b in json.loads(out)
+        if b["source_name"] and b["destination_kind"] == "queue"
+    }
 
 
 def _register(app: App, queue: str, **options: Any) -> None:
@@ -67,20 +90,11 @@ async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_de
 
     names = await app.declare()
 
-    # Q, its delay queues and DLQ, and (3.x: no quorum priorities) a lane per higher level
-    # with delay queues of its own.
+    # Q, its delay queues and DLQ, and (3.x: no quorum priorities) a lane per higher level,
+    # sharing Q's delay queues.
     lanes = [f"{qname}.lane.high", f"{qname}.lane.urgent"]
-    assert sorted(names) == sorted(
-        [
-            qname,
-            f"{qname}.dlq",
-            f"{qname}.retry.200ms",
-            f"{qname}.retry.400ms",
-            *lanes,
-            *(f"{lane}.retry.{d}ms" for lane in lanes for d in (200, 400)),
-            *_steps(qname, *lanes),
-        ]
-    )
+    delays = [f"{qname}.retry.lanes.200ms", f"{qname}.retry.lanes.400ms", *_steps(qname)]
+    assert sorted(names) == sorted([qname, f"{qname}.dlq", *lanes, *delays])
     queues = await _queues_named(qname)
     assert set(queues) == set(names)
     for q in queues.values():
@@ -94,24 +108,19 @@ async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_de
         "x-overflow": "reject-publish",
         "x-delivery-limit": 4,
     }
-    for delay_ms in (200, 400):
-        assert queues[f"{qname}.retry.{delay_ms}ms"]["arguments"] == {
+    # Each delay queue dead-letters by the message's own routing key (its lane): no
+    # x-dead-letter-routing-key.
+    for name, delay_ms in ((delays[0], 200), (delays[1], 400), (f"{qname}.retry.lanes.1s", 1000)):
+        assert queues[name]["arguments"] == {
             "x-queue-type": "quorum",
             "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": qname,
             "x-dead-letter-strategy": "at-least-once",
             "x-overflow": "reject-publish",
             "x-message-ttl": delay_ms,
         }
-    # A lane's step queue dead-letters back to that lane, like its policy delay queues.
-    assert queues[f"{lanes[0]}.retry.1s"]["arguments"] == {
-        "x-queue-type": "quorum",
-        "x-dead-letter-exchange": "",
-        "x-dead-letter-routing-key": lanes[0],
-        "x-dead-letter-strategy": "at-least-once",
-        "x-overflow": "reject-publish",
-        "x-message-ttl": 1_000,
-    }
+    # ... behind a fanout exchange of its own name, bound to it.
+    bindings = await asyncio.to_thread(_list_bindings)
+    assert {(d, d, "") for d in delays} <= bindings
     assert queues[f"{qname}.dlq"]["arguments"] == {"x-queue-type": "quorum"}
 
 
@@ -134,11 +143,10 @@ async def test_capped_delays_share_one_retry_queue(
         [
             qname,
             f"{qname}.dlq",
-            f"{qname}.retry.100ms",
-            f"{qname}.retry.200ms",
+            f"{qname}.retry.lanes.100ms",
+            f"{qname}.retry.lanes.200ms",
             *lanes,
-            *(f"{lane}.retry.{d}ms" for lane in lanes for d in (100, 200)),
-            *_steps(qname, *lanes),
+            *_steps(qname),
         ]
     )
     assert queues[qname]["arguments"]["x-max-length"] == 50
@@ -161,13 +169,10 @@ async def test_declare_covers_every_handler_of_the_app(
         for name in (
             q,
             f"{q}.dlq",
-            f"{q}.retry.50ms",
-            *(
-                f"{q}.lane.{level}{suffix}"
-                for level in ("high", "urgent")
-                for suffix in ("", ".retry.50ms")
-            ),
-            *_steps(q, f"{q}.lane.high", f"{q}.lane.urgent"),
+            f"{q}.retry.lanes.50ms",
+            f"{q}.lane.high",
+            f"{q}.lane.urgent",
+            *_steps(q),
         )
     }
     assert set(names) <= set(await asyncio.to_thread(_list_queues))
@@ -244,3 +249,42 @@ async def test_a_conflict_does_not_stop_the_app_from_declaring_again(
     old, _ = await _conflict(make_app, qname, old={"delivery_limit": 5}, new={"delivery_limit": 6})
 
     assert qname in await old.declare()
+
+
+async def test_an_older_versions_per_lane_delay_queue_keeps_returning_to_its_lane_after_upgrade(
+    make_app: Callable[..., App], qname: str, amqp: AbstractChannel
+) -> None:
+    """An upgraded deployment: a per-lane delay queue of a version before the shared ones
+    still holds a task. Declaring today's topology meets no conflict, the old queue hands its
+    task back to its lane as before, and ``weclaw-mq stats`` lists it while it exists."""
+    app = make_app()
+    _register(app, qname, retry=RetryPolicy(max_retries=1, delay_s=0.2))
+    high = lane_queue_name(qname, "high")
+    old = retry_queue_name(high, 200)
+    # As versions before declared it: dead-lettering to its lane by name.
+    old_arguments = {**delay_queue_arguments(200), "x-dead-letter-routing-key": high}
+    await amqp.declare_queue(old, durable=True, arguments=old_arguments)
+    try:
+        await app.declare()  # the lanes exist, as they did before the upgrade
+        message = aio_pika.Message(b'{"n": 1}', message_id=f"old-{qname}")
+        await amqp.default_exchange.publish(message, routing_key=old)  # as the old worker did
+
+        await wait_until(
+            lambda: _depth_is(amqp, high, 1), 10, "the old delay queue's task back in its lane"
+        )
+        back = await get_message(amqp, high)
+        assert back is not None and back.message_id == f"old-{qname}"
+        assert back.headers["x-death"][0]["queue"] == old
+
+        assert await app.declare()  # again: still no conflict with the old queue
+        got = await queue_stats.stats(app, qname, retry_delays_ms=(200,))
+        listed = [(c.name, c.role, c.exists) for c in got.retries]
+        assert listed == [(delay_queue_name(qname, 200), "retry", True), (old, "retry", True)]
+        found = await queue_stats.discover(app, qname)
+        assert (old, "retry", True) in [(c.name, c.role, c.exists) for c in found.retries]
+    finally:
+        await amqp.queue_delete(old)
+
+
+async def _depth_is(amqp: AbstractChannel, queue: str, n: int) -> bool:
+    return await queue_depth(amqp, queue) == n

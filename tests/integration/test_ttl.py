@@ -19,7 +19,7 @@ from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_message import DeadLetter
 from weclaw_mq.lifetime import as_datetime, deadline_ms, now_ms
-from weclaw_mq.naming import dlq_name, lane_queue_name, retry_queue_name
+from weclaw_mq.naming import delay_queue_name, dlq_name, lane_queue_name
 
 # Where a task is published: extra publish arguments per variant. Priority lanes add theirs
 # here (e.g. pytest.param({"priority": "urgent"}, id="urgent")), and every test below then
@@ -114,7 +114,7 @@ async def test_a_task_whose_retry_would_come_after_its_deadline_expires_at_once(
     assert dead.error_type == "weclaw_mq.TaskExpired"
     assert dead.error_message is not None and "the model is down" in dead.error_message
     assert attempts == [1]
-    assert await queue_depth(amqp, retry_queue_name(_lane(qname, route), 5000)) == 0
+    assert await queue_depth(amqp, delay_queue_name(qname, 5000)) == 0
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -146,8 +146,10 @@ async def test_a_task_that_expires_in_a_delay_queue_is_expired_by_the_worker_on_
     await store.record(
         TaskState(task_id=task_id, queue=qname, status=TaskStatus.QUEUED, expires_at=deadline)
     )
-    delay_queue = retry_queue_name(_lane(qname, route), 5000)
-    await amqp.default_exchange.publish(message, routing_key=delay_queue)
+    # Through the delay queue's exchange, with its lane as routing key, as a worker parks it.
+    delay_queue = delay_queue_name(qname, 5000)
+    exchange = await amqp.get_exchange(delay_queue, ensure=False)
+    await exchange.publish(message, routing_key=_lane(qname, route))
 
     await _in_dlq(amqp, qname)
     dead = await _expired_in_dlq(app, qname, task_id)
@@ -155,6 +157,7 @@ async def test_a_task_that_expires_in_a_delay_queue_is_expired_by_the_worker_on_
     deaths = dead.headers[h.X_DEATH]
     assert deaths[0]["queue"] == delay_queue
     assert deaths[0]["reason"] == "expired"
+    assert deaths[0]["routing-keys"] == [_lane(qname, route)]
     assert ran == []
 
 

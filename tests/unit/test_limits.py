@@ -7,7 +7,7 @@ import pytest
 from weclaw_mq import App, ConfigurationError, Limit
 from weclaw_mq.delays import STEP_DELAYS_MS
 from weclaw_mq.limits import DEFER_LADDER_MS, as_limits, deferral_ms
-from weclaw_mq.naming import limit_keys, retry_queue_name
+from weclaw_mq.naming import delay_queue_name, limit_keys
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_a_limited_handler_declares_the_ladders_delay_queues() -> None:
     # A handler without a limit has only the step queues every handler has (weclaw_mq.delays).
     ladder_only = set(DEFER_LADDER_MS) - set(STEP_DELAYS_MS)
     assert ladder_only and not ladder_only & set(app.handlers["plain"].queue_spec().retry_delays_ms)
-    assert retry_queue_name("limited", 125) == "limited.retry.125ms"
+    assert delay_queue_name("limited", 125) == "limited.retry.lanes.125ms"
 
 
 def test_limit_keys_share_one_hash_tag_whatever_the_key_holds() -> None:

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from weclaw_mq import ConfigurationError
+from weclaw_mq import App, ConfigurationError, Limit
 from weclaw_mq.broker_version import ServerVersion
-from weclaw_mq.naming import delay_label, dlq_name, retry_queue_name, validate_queue_name
+from weclaw_mq.naming import (
+    delay_label,
+    delay_queue_name,
+    dlq_name,
+    retry_queue_name,
+    validate_queue_name,
+)
 from weclaw_mq.topology import (
     QueueSpec,
+    delay_exchanges,
+    delay_queue_arguments,
     dlq_arguments,
     queue_declarations,
-    retry_queue_arguments,
     work_queue_arguments,
 )
 
@@ -30,9 +37,19 @@ def test_delay_label_reads_as_seconds_when_whole_and_milliseconds_otherwise(
     assert delay_label(delay_ms) == label
 
 
-def test_retry_queue_name_carries_the_readable_delay() -> None:
+def test_delay_queue_names_carry_the_readable_delay() -> None:
+    assert delay_queue_name("summarise", 5_000) == "summarise.retry.lanes.5s"
+    assert delay_queue_name("summarise", 250) == "summarise.retry.lanes.250ms"
+    # The per-lane names of older versions (still found by 'weclaw-mq stats').
     assert retry_queue_name("summarise", 5_000) == "summarise.retry.5s"
-    assert retry_queue_name("summarise", 250) == "summarise.retry.250ms"
+
+
+def test_shared_delay_queue_names_meet_no_per_lane_name_of_an_older_version() -> None:
+    # Declaring the new arguments under an old name would be refused (inequivalent arg).
+    lanes = ["work", "work.lane.high", "work.lane.urgent"]
+    delays = (1, 250, 1_000, 5_000, 1_024_000)
+    old = {retry_queue_name(lane, d) for lane in lanes for d in delays}
+    assert not old & {delay_queue_name("work", d) for d in delays}
 
 
 @pytest.mark.parametrize(
@@ -66,7 +83,7 @@ def test_longest_accepted_name_still_fits_amqp_after_suffixes() -> None:
     name = "q" * 200
     validate_queue_name(name)
     # AMQP short strings stop at 255 bytes; every derived name must stay under that.
-    assert len(retry_queue_name(name, 123_456_789).encode()) <= 255
+    assert len(delay_queue_name(name, 123_456_789).encode()) <= 255
     assert len(dlq_name(name).encode()) <= 255
 
 
@@ -98,11 +115,12 @@ def test_work_queue_has_a_max_length_only_when_asked() -> None:
     assert work_queue_arguments(_spec(max_length=500))["x-max-length"] == 500
 
 
-def test_retry_queue_expires_after_its_delay_back_into_the_work_queue() -> None:
-    args = retry_queue_arguments(_spec(), 250)
+def test_delay_queue_expires_after_its_delay_back_by_the_messages_own_routing_key() -> None:
+    args = delay_queue_arguments(250)
     assert args["x-message-ttl"] == 250
     assert args["x-dead-letter-exchange"] == ""
-    assert args["x-dead-letter-routing-key"] == "work"
+    # No routing key of its own: a message goes back to the lane it was published with.
+    assert "x-dead-letter-routing-key" not in args
     assert args["x-dead-letter-strategy"] == "at-least-once"
     assert args["x-overflow"] == "reject-publish"
     assert args["x-queue-type"] == "quorum"
@@ -119,19 +137,21 @@ def test_dlq_holds_messages_forever() -> None:
 
 def test_declarations_list_the_dlq_first_then_the_work_queue_then_each_delay() -> None:
     spec = _spec(retry_delays_ms=(100, 200, 5_000))
-    # 4.3 has native priorities: no lanes, today's topology exactly.
+    # 4.3 has native priorities: no lanes.
     decls = queue_declarations(spec, ServerVersion(4, 3, 0))
     assert [name for name, _ in decls] == [
         "work.dlq",
         "work",
-        "work.retry.100ms",
-        "work.retry.200ms",
-        "work.retry.5s",
+        "work.retry.lanes.100ms",
+        "work.retry.lanes.200ms",
+        "work.retry.lanes.5s",
     ]
     by_name = dict(decls)
     assert by_name["work.dlq"] == dlq_arguments(ServerVersion(4, 3, 0))
     assert by_name["work"] == work_queue_arguments(spec)
-    assert by_name["work.retry.5s"] == retry_queue_arguments(spec, 5_000)
+    assert by_name["work.retry.lanes.5s"] == delay_queue_arguments(5_000)
+    # Each delay queue has its fanout exchange of the same name.
+    assert delay_exchanges(spec) == [n for n, _ in decls if ".retry." in n]
 
 
 def test_declarations_without_retries_are_just_the_dlq_and_the_work_queue() -> None:
@@ -141,29 +161,26 @@ def test_declarations_without_retries_are_just_the_dlq_and_the_work_queue() -> N
     ]
 
 
-def test_on_a_lane_plan_each_lane_is_declared_like_q_with_delay_queues_back_to_itself() -> None:
+def test_on_a_lane_plan_each_lane_is_declared_like_q_and_the_lanes_share_the_delays() -> None:
     spec = _spec(retry_delays_ms=(100,))
     decls = dict(queue_declarations(spec, ServerVersion(3, 10, 8)))
     assert list(decls) == [
         "work.dlq",
         "work",
-        "work.retry.100ms",
         "work.lane.high",
-        "work.lane.high.retry.100ms",
         "work.lane.urgent",
-        "work.lane.urgent.retry.100ms",
+        "work.retry.lanes.100ms",
     ]
     # Q is unchanged (no upgrade conflict); every lane dead-letters to the one Q.dlq.
     assert decls["work"] == work_queue_arguments(spec)
     assert decls["work.lane.urgent"] == decls["work"]
-    assert decls["work.lane.high.retry.100ms"]["x-dead-letter-routing-key"] == "work.lane.high"
-    assert decls["work.retry.100ms"] == retry_queue_arguments(spec, 100)
+    assert decls["work.retry.lanes.100ms"] == delay_queue_arguments(100)
 
 
 def test_a_classic_handler_queue_has_native_priorities_and_no_quorum_only_arguments() -> None:
     spec = _spec(retry_delays_ms=(100,), queue_type="classic")
     decls = dict(queue_declarations(spec, ServerVersion(3, 10, 8)))
-    assert list(decls) == ["work.dlq", "work", "work.retry.100ms"]
+    assert list(decls) == ["work.dlq", "work", "work.retry.lanes.100ms"]
     assert decls["work"]["x-queue-type"] == "classic"
     assert decls["work"]["x-max-priority"] == 2
     assert "x-delivery-limit" not in decls["work"]
@@ -176,3 +193,35 @@ def test_declaration_arguments_are_fresh_dicts_each_call() -> None:
     first = work_queue_arguments(_spec())
     first["x-delivery-limit"] = 999
     assert work_queue_arguments(_spec())["x-delivery-limit"] == 7
+
+
+# Each quorum queue holds ~3 of RabbitMQ's file handles (measured on 3.10.8; 927 handles at
+# the default ulimit -n 1024): the queues per handler are what a broker can host. Before the
+# lanes shared their delay queues, a handler declared 31 (46 with limit=).
+QUORUM_QUEUES_PER_HANDLER = 13
+QUORUM_QUEUES_PER_LIMITED_HANDLER = 18
+
+
+def _quorum_queue_count(app: App, queue: str) -> int:
+    decls = queue_declarations(app.handlers[queue].queue_spec(), ServerVersion(3, 10, 8))
+    return sum(args.get("x-queue-type") == "quorum" for _, args in decls)
+
+
+def test_a_handler_declares_a_bounded_number_of_quorum_queues_on_a_lane_plan() -> None:
+    app = App("count")
+
+    @app.handler("plain")
+    async def plain(task: dict[str, int]) -> None: ...
+
+    @app.handler("limited", limit=Limit(key=lambda t: t["user"], concurrency=2))
+    async def limited(task: dict[str, int]) -> None: ...
+
+    plain_delays = len(app.handlers["plain"].queue_spec().retry_delays_ms)
+    limited_delays = len(app.handlers["limited"].queue_spec().retry_delays_ms)
+    # The DLQ, three lanes (RabbitMQ 3.x: no quorum priorities), ONE set of delay queues.
+    assert _quorum_queue_count(app, "plain") == 1 + 3 + plain_delays
+    assert _quorum_queue_count(app, "limited") == 1 + 3 + limited_delays
+    assert _quorum_queue_count(app, "plain") <= QUORUM_QUEUES_PER_HANDLER
+    assert _quorum_queue_count(app, "limited") <= QUORUM_QUEUES_PER_LIMITED_HANDLER
+    # Versions before gave each lane its own delay queues: 1 + 3 x (1 + delays).
+    assert (1 + 3 * (1 + plain_delays), 1 + 3 * (1 + limited_delays)) == (31, 46)

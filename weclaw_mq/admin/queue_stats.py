@@ -4,10 +4,15 @@ delay queues and the DLQ.
 Two ways to know which queues a handler has: from its spec (``--app``: ``stats`` with the
 handler's own delays), or from the broker alone (``discover``). AMQP 0-9-1 cannot list
 queues, so ``discover`` passive-declares every name the library itself can give a handler
-queue (``weclaw_mq.naming``): its lanes, and for Q and each lane the delay queues of the step
-delays (``delays.STEP_DELAYS_MS``), the limit ladder (``limits.DEFER_LADDER_MS``) and the retry
+queue (``weclaw_mq.naming``): its lanes, and the delay queues of the step delays
+(``delays.STEP_DELAYS_MS``), the limit ladder (``limits.DEFER_LADDER_MS``) and the retry
 policy the ``WECLAW_MQ_*`` settings give; those that exist are the handler's. A delay queue of
 a handler's own ``RetryPolicy`` outside those sets is only found with ``--app``.
+
+Delay queues: Q's shared ones (``Q.retry.lanes.<delay>``), then the per-lane ones of older
+versions (``Q.retry.<delay>``, ``Q.lane.high.retry.<delay>``, ...) where an upgraded
+deployment still has them: those are listed only when they exist (what they hold still comes
+back to its lane).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ..app import App
 from ..delays import STEP_DELAYS_MS
 from ..errors import ConfigurationError
 from ..limits import DEFER_LADDER_MS
-from ..naming import dlq_name, lane_queue_name, retry_queue_name
+from ..naming import delay_queue_name, dlq_name, lane_queue_name, retry_queue_name
 from ..priority import Priority, route
 from ..publishing.connection import server_version
 from .dlq import connected, ready_count
@@ -40,8 +45,8 @@ class QueueStats:
     work: QueueCount
     retries: tuple[QueueCount, ...]
     dlq: QueueCount
-    # The HIGH and URGENT lanes (none where the broker has native priorities); their delay
-    # queues are in ``retries``, after Q's.
+    # The HIGH and URGENT lanes (none where the broker has native priorities). ``retries``:
+    # Q's delay queues (shared by its lanes), then any per-lane one of an older version.
     lanes: tuple[QueueCount, ...] = ()
 
     @property
@@ -73,8 +78,9 @@ def _missing(queue: str) -> ConfigurationError:
 
 
 async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) -> QueueStats:
-    """Message and consumer counts of ``Q``, each ``Q.retry.<delay>`` and ``Q.dlq``; a queue
-    that does not exist is reported absent (passive declares never create anything)."""
+    """Message and consumer counts of ``Q``, its lanes, each ``Q.retry.lanes.<delay>`` and
+    ``Q.dlq``; a queue that does not exist is reported absent (passive declares never create
+    anything). An older version's per-lane delay queue is listed where it exists."""
     async with connected(app, "stats") as conn:
         if await ready_count(conn, queue) is None:
             raise _missing(queue)
@@ -93,10 +99,13 @@ async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) ->
         lane_names = [name for name in lane_names if name != queue]
         work = await count(queue, "work")
         lanes = [await count(name, "lane") for name in lane_names]
-        retries = [
-            await count(retry_queue_name(lane, d), "retry")
+        delays = list(dict.fromkeys(retry_delays_ms))
+        retries = [await count(delay_queue_name(queue, d), "retry") for d in delays]
+        retries += [
+            old
             for lane in (queue, *lane_names)
-            for d in dict.fromkeys(retry_delays_ms)
+            for d in delays
+            if (old := await count(retry_queue_name(lane, d), "retry")).exists
         ]
         dlq = await count(dlq_name(queue), "dlq")
     return QueueStats(queue, work, tuple(retries), dlq, tuple(lanes))
@@ -140,12 +149,9 @@ async def discover(app: App, queue: str) -> QueueStats:
             for level in (Priority.HIGH, Priority.URGENT)
             if (lane := await found(lane_queue_name(queue, level.value), "lane")) is not None
         ]
-        retries = [
-            retry
-            for source in (work, *lanes)
-            for d in delays
-            if (retry := await found(retry_queue_name(source.name, d), "retry")) is not None
-        ]
+        names = [delay_queue_name(queue, d) for d in delays]
+        names += [retry_queue_name(source.name, d) for source in (work, *lanes) for d in delays]
+        retries = [retry for name in names if (retry := await found(name, "retry")) is not None]
         dlq = await found(dlq_name(queue), "dlq") or QueueCount(
             dlq_name(queue), "dlq", exists=False, messages=None, consumers=None
         )

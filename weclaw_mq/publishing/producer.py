@@ -114,9 +114,14 @@ class Publisher:
         self._channel = channel
         return channel
 
-    async def publish(self, queue: str, message: Message) -> None:
-        """Publish to ``queue`` through the default exchange and wait for the broker's ack."""
+    async def publish(self, queue: str, message: Message, *, exchange: str = "") -> None:
+        """Publish to ``queue`` through the default exchange and wait for the broker's ack.
+
+        With ``exchange`` (a delay queue's fanout exchange, ``topology.delay_exchanges``),
+        publish there with routing key ``queue``: the lane the task returns to. Outcomes are
+        then counted, and errors named, by the exchange (the delay queue of that name)."""
         task_id = message.message_id or ""
+        routing_key, queue = queue, exchange or queue
         timeout_s = self._settings.confirm_timeout_s
         sent = False
         try:
@@ -126,7 +131,12 @@ class Publisher:
             async with asyncio.timeout(timeout_s):
                 channel = await self._ready_channel()
                 sent = True
-                await channel.default_exchange.publish(message, routing_key=queue, mandatory=True)
+                target = (
+                    channel.default_exchange
+                    if not exchange
+                    else await channel.get_exchange(exchange, ensure=False)
+                )
+                await target.publish(message, routing_key=routing_key, mandatory=True)
         except aiormq.exceptions.PublishError as e:
             self._count(queue, "unroutable")
             raise UnroutableError(
@@ -162,6 +172,16 @@ class Publisher:
             raise ConfirmTimeoutError(
                 f"no confirm for {queue!r} within {timeout_s} s; the message may or may not "
                 "be stored: republish with the same task_id",
+                queue=queue,
+                task_id=task_id,
+            ) from e
+        except aiormq.exceptions.ChannelNotFoundEntity as e:
+            # Only a publish to a named exchange can meet this (the default one always
+            # exists): the broker closed the channel before routing anything.
+            self._channel = None
+            self._count(queue, "unroutable")
+            raise UnroutableError(
+                f"no exchange named {queue!r}: run 'weclaw-mq declare' or start a worker first",
                 queue=queue,
                 task_id=task_id,
             ) from e

@@ -45,7 +45,7 @@ from ..naming import dlq_name
 from ..publishing.producer import Publisher
 from ..state import MemoryTaskStore
 from ..streaming import MemoryStreamStore
-from ..topology import queue_declarations
+from ..topology import delay_exchanges, queue_declarations
 from ..worker.cancel import Cancels
 from ..worker.consume import _settled
 from ..worker.deadlines import Deadlines
@@ -74,16 +74,17 @@ class MemoryPublisher(Publisher):
     async def server_version(self) -> ServerVersion | None:
         return None  # unknown: priorities take lanes, as on RabbitMQ 3.x
 
-    async def publish(self, queue: str, message: aio_pika.Message) -> None:
+    async def publish(self, queue: str, message: aio_pika.Message, *, exchange: str = "") -> None:
+        counted = exchange or queue  # as Publisher counts it
         try:
-            self._memory.publish(queue, message)
+            self._memory.publish(queue, message, exchange=exchange)
         except UnroutableError:
-            self._count(queue, "unroutable")
+            self._count(counted, "unroutable")
             raise
         except PublishNackedError:
-            self._count(queue, "nacked")
+            self._count(counted, "nacked")
             raise
-        self._count(queue, "confirmed")
+        self._count(counted, "confirmed")
 
     async def close(self) -> None:
         return None
@@ -138,6 +139,8 @@ class TestBroker:
                 for spec in app.handlers.values():
                     for name, arguments in queue_declarations(spec.queue_spec()):
                         self.memory.declare(name, arguments)
+                    for exchange in delay_exchanges(spec.queue_spec()):
+                        self.memory.declare_fanout(exchange, exchange)
             # The apps' counters live as long as the apps (a module's app serves many tests).
             self._counted_before = {
                 queue: outcome_counts(runtime.app, queue)
@@ -315,7 +318,7 @@ class TestBroker:
         return {k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)}
 
     def depth(self, queue: str) -> int:
-        """Messages ready in ``queue`` (any queue: ``Q``, ``Q.dlq``, ``Q.retry.5s``, ...)."""
+        """Messages ready in ``queue`` (any queue: ``Q``, ``Q.dlq``, ``Q.retry.lanes.5s``, ...)."""
         return len(self._queue(queue).messages)
 
     def messages(self, queue: str) -> list[aio_pika.Message]:

@@ -8,8 +8,12 @@ What is modelled, because the worker's behaviour depends on it:
 - ``x-message-ttl`` (the delay queues) and the ``expiration`` property (a task's lifetime):
   a message past its time at the head of its queue is dead-lettered with reason
   ``expired``, and RabbitMQ's rule that a dead-lettered message loses its ``expiration``;
+- a fanout exchange bound to one queue (a delay queue's, ``topology.delay_exchanges``): a
+  message published there goes to that queue whatever its routing key, and keeps the key;
 - ``x-dead-letter-routing-key``: expired, rejected (``nack(requeue=False)``) and over-limit
-  messages move there with an ``x-death`` entry (most recent first, counted per queue and
+  messages move there (without it, to the queue the message's own routing key names, as
+  RabbitMQ dead-letters to the default exchange by the key it was published with) with an
+  ``x-death`` entry (most recent first, counted per queue and
   reason) and ``x-first-death-*`` headers, as RabbitMQ writes them;
 - quorum queues' ``x-delivery-count`` on a message handed back (``nack(requeue=True)``), and
   ``x-delivery-limit``: returned more often than that, it is dead-lettered
@@ -56,6 +60,10 @@ class Stored:
     properties: Basic.Properties
     enqueued_ms: int
     redelivered: bool = False
+    # What it was published with (or, after a dead-letter, routed by): the default exchange
+    # and the queue's name, unless published through a delay queue's exchange.
+    routing_key: str = ""
+    exchange: str = ""
 
     @property
     def headers(self) -> dict[str, Any]:
@@ -82,10 +90,13 @@ class MemoryQueue:
     def ttl_ms(self) -> int | None:
         return self._int("x-message-ttl")
 
-    @property
-    def dead_letter_to(self) -> str | None:
+    def dead_letter_to(self, message: Stored) -> str | None:
+        """The queue ``message`` is dead-lettered to: the x-dead-letter-routing-key, else
+        (dead-lettering to the default exchange) its own routing key; None: no dead-lettering."""
+        if "x-dead-letter-exchange" not in self.arguments:
+            return None
         target = self.arguments.get("x-dead-letter-routing-key")
-        return target if isinstance(target, str) else None
+        return target if isinstance(target, str) else message.routing_key or self.name
 
     @property
     def quorum(self) -> bool:
@@ -136,6 +147,8 @@ class MemoryBroker:
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
         self.queues: dict[str, MemoryQueue] = {}
+        # Fanout exchange -> the one queue bound to it.
+        self.exchanges: dict[str, str] = {}
         self.arrived = asyncio.Event()
         # Every hop into a delay queue (x-message-ttl): (queue, its TTL in ms), in order.
         self.parked: list[tuple[str, int]] = []
@@ -148,12 +161,27 @@ class MemoryBroker:
         """Declare ``name`` with ``arguments``; an existing queue is kept as it is."""
         self.queues.setdefault(name, MemoryQueue(name, dict(arguments)))
 
+    def declare_fanout(self, exchange: str, queue: str) -> None:
+        """A fanout exchange ``exchange`` bound to ``queue``."""
+        self.exchanges[exchange] = queue
+
     # -- publishing -----------------------------------------------------------------------
-    def publish(self, routing_key: str, message: aio_pika.Message) -> None:
-        """Store ``message`` in the queue ``routing_key`` names, or raise as the confirmed
-        publish of a mandatory message to RabbitMQ would."""
-        queue = self.queues.get(routing_key)
+    def publish(self, routing_key: str, message: aio_pika.Message, *, exchange: str = "") -> None:
+        """Store ``message`` in the queue ``routing_key`` names (or, through ``exchange``, in
+        the queue bound to it), or raise as the confirmed publish of a mandatory message to
+        RabbitMQ would."""
         task_id = message.message_id
+        if exchange:
+            if exchange not in self.exchanges:
+                raise UnroutableError(
+                    f"no exchange named {exchange!r} on the test broker (it declares those of "
+                    "the apps it was given)",
+                    queue=exchange,
+                    task_id=task_id,
+                )
+            queue = self.queues.get(self.exchanges[exchange])
+        else:
+            queue = self.queues.get(routing_key)
         if queue is None:
             raise UnroutableError(
                 f"no queue named {routing_key!r} on the test broker (it declares the queues "
@@ -169,7 +197,9 @@ class MemoryBroker:
                 queue=routing_key,
                 task_id=task_id,
             )
-        self._enqueue(queue, Stored(message.body, wire_copy(message), self.clock.now_ms()))
+        stored = Stored(message.body, wire_copy(message), self.clock.now_ms())
+        stored.routing_key, stored.exchange = routing_key, exchange
+        self._enqueue(queue, stored)
 
     def _enqueue(self, queue: MemoryQueue, message: Stored) -> None:
         queue.messages.append(message)
@@ -210,8 +240,8 @@ class MemoryBroker:
                 consumer_tag="weclaw-test-broker",
                 delivery_tag=tag,
                 redelivered=stored.redelivered,
-                exchange="",
-                routing_key=name,
+                exchange=stored.exchange,
+                routing_key=stored.routing_key or name,
             ),
             header=ContentHeader(0, len(stored.body), stored.properties),
             body=stored.body,
@@ -243,9 +273,12 @@ class MemoryBroker:
         return len(self._unsettled)
 
     def _dead_letter(self, queue: MemoryQueue, stored: Stored, reason: str) -> None:
-        target = self.queues.get(queue.dead_letter_to or "")
+        routed_by = queue.dead_letter_to(stored)
+        target = self.queues.get(routed_by or "")
         if target is None:
-            return  # RabbitMQ drops a dead letter with nowhere to go
+            # Dropped here. RabbitMQ drops it too without dead-lettering; with at-least-once
+            # dead-lettering to a queue that is gone, it holds it in the source for good.
+            return
         headers = stored.headers
         headers.pop(h.X_DELIVERY_COUNT, None)  # counted per stint in a queue
         deaths = [d for d in headers.get(h.X_DEATH, []) if isinstance(d, dict)]
@@ -262,17 +295,19 @@ class MemoryBroker:
             "reason": reason,
             "queue": queue.name,
             "time": datetime.fromtimestamp(self.clock.now_ms() // 1000, UTC),
-            "exchange": "",
-            "routing-keys": [queue.name],
+            "exchange": stored.exchange,
+            "routing-keys": [stored.routing_key or queue.name],
         }
         if stored.properties.expiration is not None:
             death["original-expiration"] = stored.properties.expiration
         headers[h.X_DEATH] = [death, *deaths]
         headers.setdefault(h.X_FIRST_DEATH_REASON, reason)
         headers.setdefault(h.X_FIRST_DEATH_QUEUE, queue.name)
-        headers.setdefault("x-first-death-exchange", "")
+        headers.setdefault("x-first-death-exchange", stored.exchange)
         stored.properties.expiration = None  # RabbitMQ's rule: a dead letter never expires again
-        self._enqueue(target, Stored(stored.body, stored.properties, self.clock.now_ms()))
+        moved = Stored(stored.body, stored.properties, self.clock.now_ms())
+        moved.routing_key = routed_by or target.name
+        self._enqueue(target, moved)
 
 
 class _SettlingChannel:

@@ -30,7 +30,7 @@ from ..failures import describe, error_class, error_type, safe_text, traceback_t
 from ..lifetime import now_ms
 from ..message import Delivery, build_message
 from ..metrics import Metrics, Outcome
-from ..naming import dlq_name, retry_queue_name, source_lane
+from ..naming import delay_queue_name, dlq_name, source_lane
 from ..publishing.connection import cancelled_by_caller
 from ..publishing.producer import Publisher
 from .deadlines import Deadlines
@@ -89,10 +89,11 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     return out
 
 
-def _delay_queue(message: AbstractIncomingMessage, queue: str, delay_ms: int) -> str:
-    """The delay queue of the lane the message came from: it dead-letters back to that lane,
-    so a retried or deferred task keeps its priority."""
-    return retry_queue_name(source_lane(message.routing_key, queue), delay_ms)
+def _delay_target(message: AbstractIncomingMessage, queue: str, delay_ms: int) -> tuple[str, str]:
+    """(the delay queue's exchange, the routing key) to park the message: the routing key is
+    the lane it came from, which the delay queue dead-letters it back to, so a retried or
+    deferred task keeps its priority (``topology.delay_queue_arguments``)."""
+    return delay_queue_name(queue, delay_ms), source_lane(message.routing_key, queue)
 
 
 # An ack or nack is one frame handed to the connection's writer. After the writer died,
@@ -177,8 +178,8 @@ class Settler:
         headers[h.ATTEMPT] = delivery.attempt + 1
         hop_ms = delay_ms if queues_ms is None else next_hop_ms(delay_ms, queues_ms)
         schedule(headers, delay_ms, hop_ms, now_ms())
-        target = _delay_queue(message, queue, hop_ms)
-        if not await self._move(message, delivery, target, headers, queue=queue):
+        target, lane = _delay_target(message, queue, hop_ms)
+        if not await self._move(message, delivery, lane, headers, queue=queue, exchange=target):
             return False
         self._ended(
             queue,
@@ -201,8 +202,9 @@ class Settler:
         level: int | None = None,
     ) -> bool:
         """Park the task in a delay queue without counting an attempt: it did not fail."""
-        target = _delay_queue(message, queue, delay_ms)
-        if not await self._move(message, delivery, target, carried_headers(delivery), queue=queue):
+        target, lane = _delay_target(message, queue, delay_ms)
+        headers = carried_headers(delivery)
+        if not await self._move(message, delivery, lane, headers, queue=queue, exchange=target):
             return False
         self._ended(
             queue,
@@ -241,7 +243,10 @@ class Settler:
         headers: HeadersType,
         *,
         queue: str,
+        exchange: str = "",
     ) -> bool:
+        """Publish a copy to ``target`` (a routing key: through ``exchange``, a delay queue's,
+        when given), then ack the source."""
         copy = build_message(
             delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
         )
@@ -249,7 +254,7 @@ class Settler:
         # ``headers``): the copy is served at the same level when it comes back.
         copy.priority = message.priority
         try:
-            await self.publisher.publish(target, copy)
+            await self.publisher.publish(target, copy, exchange=exchange)
         except Exception as e:
             # Any failure (not only ours: a header the client cannot encode, say) means the
             # copy may not be there; the source goes back and the broker's delivery limit
@@ -258,7 +263,7 @@ class Settler:
             await self.give_back(
                 message,
                 queue=queue,
-                why=f"could not move it to {target} ({reason})",
+                why=f"could not move it to {exchange or target} ({reason})",
                 level=logging.ERROR,
             )
             return False
