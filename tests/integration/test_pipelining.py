@@ -75,11 +75,28 @@ async def key(client: CountingRedis) -> AsyncIterator[str]:
 async def test_commands_of_one_loop_iteration_go_out_as_one_pipeline_in_order(
     client: CountingRedis, key: str
 ) -> None:
+    # The script cached first: on a Redis that never ran it, the batch would go out twice
+    # (EVALSHA answered NOSCRIPT, then again after SCRIPT LOAD; tested on its own below).
+    await client.script_load(APPEND.text)
     pipe = AutoPipeline(client)
     answers = await asyncio.gather(*(pipe.script(APPEND, [key], [str(i)]) for i in range(20)))
     assert answers == list(range(1, 21)), answers  # each its own answer: its position on arrival
     assert await client.lrange(key, 0, -1) == [str(i).encode() for i in range(20)]
     assert client.pipelines == [20]
+
+
+async def test_a_script_redis_does_not_know_is_loaded_once_and_its_batch_sent_again(
+    client: CountingRedis, key: str
+) -> None:
+    # A text no Redis has seen (as after a restart or SCRIPT FLUSH): EVALSHA answers NOSCRIPT.
+    fresh = Script.of(f"-- {uuid.uuid4().hex}\nreturn redis.call('RPUSH', KEYS[1], ARGV[1])")
+    pipe = AutoPipeline(client)
+    answers = await asyncio.gather(*(pipe.script(fresh, [key], [str(i)]) for i in range(5)))
+    assert answers == list(range(1, 6)), answers
+    assert await client.lrange(key, 0, -1) == [str(i).encode() for i in range(5)]
+    # The first try ran nothing; one SCRIPT LOAD, then the same batch once more.
+    assert client.pipelines == [5, 5]
+    assert client.alone.count("SCRIPT LOAD") == 1, client.alone
 
 
 async def test_a_failing_command_fails_only_its_caller(client: CountingRedis, key: str) -> None:
