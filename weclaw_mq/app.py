@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import aio_pika
 from aio_pika.abc import HeadersType
-from prometheus_client import CollectorRegistry
 
 from . import headers as h
 from .breaker import Breaker
@@ -76,6 +75,8 @@ from .tracing import current, new_trace_id
 if TYPE_CHECKING:
     # Imported where used: only an app with an outbox loads sqlite3 (an idle worker's RSS).
     import sqlite3
+
+    from prometheus_client import CollectorRegistry
 
     from .outbox import Outbox
     from .outbox.fallback import LocalFallback

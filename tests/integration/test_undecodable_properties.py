@@ -101,4 +101,4 @@ async def test_a_worker_rejects_an_undecodable_message_at_once_and_keeps_serving
     assert letter.reason == "undecodable_properties"
     assert letter.body == b'{"text": "bad"}'
     assert worker.ready.is_set()  # never lost its connection
-    assert app.metrics.reconnects.labels("worker")._value.get() == 0
+    assert app.metrics.reconnects.labels("worker").value == 0

@@ -48,6 +48,8 @@ def test_a_worker_without_guard_and_results_never_imports_redis_nor_the_cli() ->
     assert "opentelemetry" not in modules
     # nor the outbox (sqlite3) without WECLAW_MQ_OUTBOX_PATH, nor pydantic-settings
     assert not {"sqlite3", "weclaw_mq.outbox.store", "pydantic_settings", "dotenv"} & modules
+    # nor prometheus_client without a metrics port: the counters are plain objects until read
+    assert "prometheus_client" not in modules
 
 
 def test_a_store_loads_redis_when_the_configuration_asks_for_it() -> None:
