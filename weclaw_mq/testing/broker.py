@@ -6,9 +6,10 @@
         state = await app.status(task_id)
 
 What is the worker's own code here: every delivery goes through
-``weclaw_mq.worker.delivery.process`` (decode, guard, call, store, decide, settle) inside the
-consume loop's ``_settled`` wrapper, with a ``Settler`` whose moves are the same
-"publish a copy, then ack" to the same delay and dead-letter queues; publishes go through
+``weclaw_mq.worker.delivery.process`` (decode, guard, call, store, decide, settle), started,
+counted and replaced by the worker's own ``worker.in_flight.InFlight`` (with its ``settled``
+wrapper), with a ``Settler`` whose moves are the same "publish a copy, then ack" to the same
+delay and dead-letter queues; publishes go through
 ``App.publish`` unchanged. Only what is under them is swapped, while the broker is open:
 
 - the broker: ``queues.MemoryBroker`` keeps RabbitMQ's rules for our topology (delay queues
@@ -47,9 +48,9 @@ from ..state import MemoryTaskStore
 from ..streaming import MemoryStreamStore
 from ..topology import delay_exchanges, queue_declarations
 from ..worker.cancel import Cancels
-from ..worker.consume import _settled
 from ..worker.deadlines import Deadlines
-from ..worker.delivery import Runtime, process
+from ..worker.delivery import Runtime
+from ..worker.in_flight import InFlight
 from ..worker.settle import Settler
 from .clock import VirtualClock
 from .queues import MemoryBroker, MemoryQueue
@@ -124,7 +125,7 @@ class TestBroker:
         self._deadlines = Deadlines()
         # Per handler queue: its spec, the runtime of its app, and its deliveries in flight.
         self._handlers: dict[str, tuple[HandlerSpec, Runtime]] = {}
-        self._in_flight: dict[str, set[asyncio.Task[None]]] = {}
+        self._in_flight = InFlight()
         self._saved: list[dict[str, Any]] = []
         self._listener: asyncio.Task[None] | None = None
         self._previous_clock: Any = None
@@ -205,7 +206,7 @@ class TestBroker:
                     f"queue {queue!r} has a handler in two of the apps given to TestBroker"
                 )
             self._handlers[queue] = (spec, runtime)
-            self._in_flight[queue] = set()
+            self._in_flight.add_queue(queue)
 
     # -- running --------------------------------------------------------------------------
     async def run_until_idle(self, *, advance_clock: bool = True) -> None:
@@ -248,25 +249,16 @@ class TestBroker:
         started = 0
         for queue, (spec, runtime) in self._handlers.items():
             limit = self._concurrency or runtime.settings.concurrency
-            in_flight = self._in_flight[queue]
+            in_flight = self._in_flight.of(queue)
             # Highest lane first (Q itself is the NORMAL lane).
             for lane in spec.queue_spec().lane_queues(None):
                 while len(in_flight) < limit:
                     message = self.memory.deliver(lane)
                     if message is None:
                         break
-                    self._start(spec, runtime, message)
+                    self._in_flight.start(message, spec, runtime)
                     started += 1
         return started
-
-    def _start(self, spec: HandlerSpec, runtime: Runtime, message: AbstractIncomingMessage) -> None:
-        self._track(spec.queue, _settled(message, spec, runtime, process(message, spec, runtime)))
-
-    def _track(self, queue: str, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        in_flight = self._in_flight[queue]
-        in_flight.add(task)
-        task.add_done_callback(in_flight.discard)
 
     def _take_over(
         self,
@@ -278,11 +270,10 @@ class TestBroker:
     ) -> None:
         """As ``Worker._take_over``: a handler that ignored its cancellation is left running;
         the attempt ends without it."""
-        self._in_flight[spec.queue].discard(stuck)
-        self._track(spec.queue, _settled(message, spec, rt, ending))
+        self._in_flight.replace(message, spec, rt, stuck, ending)
 
     def _running(self) -> set[asyncio.Task[None]]:
-        return set().union(*self._in_flight.values())
+        return self._in_flight.all()
 
     # -- publishing as another producer ---------------------------------------------------
     async def publish_raw(

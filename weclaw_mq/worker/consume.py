@@ -51,8 +51,9 @@ from ..undecodable import tolerant_properties
 from .cancel import Cancels
 from .circuit import Pausable, QueueCircuit
 from .deadlines import Deadlines
-from .delivery import Runtime, process
+from .delivery import Runtime
 from .health import QueueState, WorkerHealth
+from .in_flight import InFlight
 from .lanes import LaneScheduler
 from .limiting import Limiter
 from .settle import Settler
@@ -84,7 +85,7 @@ class Worker:
         self.ready = asyncio.Event()  # set while consuming; tests and health checks wait on it
         self._stop = asyncio.Event()
         # Per queue, for the in-flight gauge; every delivery being processed is in one set.
-        self._in_flight: dict[str, set[asyncio.Task[None]]] = {s.queue: set() for s in self.specs}
+        self._in_flight = InFlight(s.queue for s in self.specs)
         # Tasks whose handler ignored its cancellation: they hold no message any more, are no
         # longer in flight, and a stop does not wait for them.
         self._abandoned: set[asyncio.Task[Any]] = set()
@@ -99,7 +100,7 @@ class Worker:
             if s.breaker is not None
         }
         for spec in self.specs:
-            app.metrics.count_in_flight(spec.queue, self._in_flight[spec.queue].__len__)
+            app.metrics.count_in_flight(spec.queue, self._in_flight.of(spec.queue).__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
         # For health(), read from the metrics server's thread: the session's connection, and
         # the queues whose consumer the broker cancelled and that are not consumed again yet.
@@ -128,7 +129,7 @@ class Worker:
 
     @property
     def in_flight(self) -> int:
-        return sum(len(tasks) for tasks in self._in_flight.values())
+        return self._in_flight.count()
 
     def health(self) -> WorkerHealth:
         """Is this worker doing its job now: broker connection open, every queue consumed?
@@ -406,22 +407,13 @@ class Worker:
         self, spec: HandlerSpec, runtime: Runtime, message: AbstractIncomingMessage
     ) -> asyncio.Task[None]:
         """Process ``message`` in a task of ours, counted in flight, settled on every path."""
-        return self._track(
-            spec.queue, _settled(message, spec, runtime, process(message, spec, runtime))
-        )
+        return self._in_flight.start(message, spec, runtime)
 
     def _watch(
         self, spec: HandlerSpec, runtime: Runtime, consumers: Pausable
     ) -> Coroutine[Any, Any, None]:
         start = functools.partial(self._start, spec, runtime)
         return self._circuits[spec.queue].watch(consumers, start)
-
-    def _track(self, queue: str, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(work)
-        in_flight = self._in_flight[queue]
-        in_flight.add(task)
-        task.add_done_callback(in_flight.discard)
-        return task
 
     def _take_over(
         self,
@@ -433,15 +425,14 @@ class Worker:
     ) -> None:
         """Run ``ending`` (the delivery's failure path) in place of ``stuck``, whose handler
         ignored its cancellation: the slot and the message are freed, the handler left."""
-        self._in_flight[spec.queue].discard(stuck)
         self._abandoned.add(stuck)
         stuck.add_done_callback(self._abandoned.discard)
-        self._track(spec.queue, _settled(message, spec, rt, ending))
+        self._in_flight.replace(message, spec, rt, stuck, ending)
 
     async def _drain(self) -> None:
         """Wait for in-flight handlers up to the grace period, then cancel the rest; they
         give their messages back. Bounded: a handler that ignores its cancellation is left."""
-        running = set().union(*self._in_flight.values())
+        running = self._in_flight.all()
         if not running:
             return
         log.info(
@@ -465,8 +456,7 @@ class Worker:
                 len(stuck),
             )
             for task in stuck:
-                for in_flight in self._in_flight.values():
-                    in_flight.discard(task)
+                self._in_flight.forget(task)
                 self._abandoned.add(task)
                 task.add_done_callback(self._abandoned.discard)
 
@@ -526,38 +516,6 @@ class _SingleConsumer:
 
     async def fetch(self) -> AbstractIncomingMessage | None:
         return await self.queue.get(no_ack=False, fail=False)
-
-
-async def _settled(
-    message: AbstractIncomingMessage,
-    spec: HandlerSpec,
-    rt: Runtime,
-    work: Coroutine[Any, Any, None],
-) -> None:
-    """Run ``work`` (the processing of ``message``) and, whatever escapes it, settle the
-    message: no path leaves it held by this live worker with nothing running for it."""
-    try:
-        await work
-    except GeneratorExit:
-        raise  # this coroutine is being closed: nothing can be awaited any more
-    except asyncio.CancelledError:
-        # Stopping hard (the grace ran out): give the message back now, not only when the
-        # connection closes.
-        await _give_back(message, spec, rt, "the worker stopped before it ended")
-        raise
-    except BaseException as e:
-        # A bug of ours must not kill the consumer: the message goes back to its queue (the
-        # broker's delivery limit bounds how often one message can do this).
-        log.exception("unexpected error while processing (%s)", describe(e))
-        await _give_back(message, spec, rt, f"unexpected error ({describe(e)})")
-
-
-async def _give_back(
-    message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime, why: str
-) -> None:
-    if message.processed:
-        return  # settled before the error: nothing is held
-    await rt.settler.give_back(message, queue=spec.queue, why=f"task {message.message_id}: {why}")
 
 
 async def _release(schedulers: list[LaneScheduler], message: AbstractIncomingMessage) -> None:

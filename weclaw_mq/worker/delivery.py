@@ -5,7 +5,7 @@ Nothing here acks before the handler returned and its result was stored; every p
 broker. Whatever the handler does (returns anything, raises anything, ignores its
 cancellation) ends the attempt as a success or a failure with a reason; only a cancel of the
 delivery's own task (the worker stopping hard) escapes, and the worker then gives the message
-back (``consume._settled``).
+back (``in_flight.settled``).
 """
 
 from __future__ import annotations
