@@ -261,6 +261,23 @@ def test_outbox_status_on_an_unusable_file_is_one_error_line(tmp_path: Path, pro
     assert cli.stderr.count("\n") == 1 and PROBLEMS[problem] in cli.stderr
 
 
+def test_outbox_status_of_a_missing_file_is_one_error_line_and_creates_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "mistyped.db"
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "weclaw_mq.cli", "outbox", "status", "--path", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert cli.returncode == 1, cli.stderr
+    assert cli.stderr.count("\n") == 1 and "no outbox file at" in cli.stderr, cli.stderr
+    assert not path.exists()  # a look never makes an empty outbox that reads "0 rows"
+
+
 async def test_the_users_transaction_decides_rolled_back_sends_nothing_committed_sends_once(
     down_and_up: Callable[..., tuple[App, App]], qname: str, amqp: AbstractChannel
 ) -> None:

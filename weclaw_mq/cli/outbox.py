@@ -7,11 +7,12 @@ import asyncio
 import json
 import logging
 import signal
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, OutboxUnusableError
 from ..metrics import Metrics
 from ..outbox import Outbox
 from ..outbox.relay import Relay
@@ -60,6 +61,16 @@ def status(
     """Rows waiting, the oldest one's age, the file's size, rows whose last send failed."""
     configure_logging("WARNING")
     settings = _settings(path)
+    # A look must not create what it looks at: opening a missing path would make an empty
+    # outbox there and report 0 rows, so a mistyped path would read as "nothing waiting".
+    # (A missing folder is left to Outbox.open, whose error names it.)
+    assert settings.outbox_path is not None
+    where = Path(settings.outbox_path)
+    if where.parent.is_dir() and not where.exists():
+        raise OutboxUnusableError(
+            f"no outbox file at {settings.outbox_path} (a producer creates it when it opens"
+            " its outbox): check --path or WECLAW_MQ_OUTBOX_PATH"
+        )
 
     async def read() -> dict[str, object]:
         outbox = await _open(settings)
