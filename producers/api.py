@@ -138,7 +138,12 @@ def create_app(
         ``Session-Id`` header the reply also goes to that session's inbox."""
         try:
             task_id = await mq_app.publish(
-                target, prompt, task_id=idempotency_key, session_id=session_id
+                target,
+                prompt,
+                task_id=idempotency_key,
+                session_id=session_id,
+                # An Idempotency-Key names one request body (409 below), as in HTTP APIs.
+                refuse_other_body=True,
             )
         except IdempotencyConflictError as e:
             # The key already names a task with another body: running only the first one

@@ -373,7 +373,7 @@ class App:
         session_id: str | None = None,
         priority: Priority | str | None = None,
         delay_s: float | None = None,
-        refuse_other_body: bool = True,
+        refuse_other_body: bool = False,
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
@@ -387,10 +387,10 @@ class App:
         that many seconds from now (at most ~1 s later; its status meanwhile is ``queued``);
         see the README's "Delays".
 
-        A ``task_id`` of yours is an idempotency key: published again with the same body, it
-        is the same task (the guard runs it once); with another body,
-        ``IdempotencyConflictError`` and nothing is sent (``state.reuse``; needs results on;
-        ``refuse_other_body=False`` lets the first body win silently, as ``ctx.publish`` does).
+        A ``task_id`` of yours is an idempotency key: published again, it is the same task
+        (the guard runs it once, the first body wins). With ``refuse_other_body=True`` another
+        body raises ``IdempotencyConflictError`` and nothing is sent (``state.reuse``; needs
+        results on). Off by default: the check is one Redis round trip before the publish.
         """
         message = self.prepare(
             queue,

@@ -43,10 +43,6 @@ class Context:
 
     async def publish(self, queue: str, payload: Any, **kwargs: Any) -> str:
         """Publish a follow-up task; it inherits this task's trace id."""
-        # A rerun of this handler (its worker died after publishing) may build another body
-        # for the same follow-up id (a model rarely answers twice alike): the first one wins,
-        # as before, rather than failing the rerun with IdempotencyConflictError.
-        kwargs.setdefault("refuse_other_body", False)
         return await self.app.publish(queue, payload, trace_id=self.trace_id, **kwargs)
 
     async def emit(self, chunk: Any) -> None:

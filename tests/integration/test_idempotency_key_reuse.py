@@ -1,6 +1,7 @@
-"""A task id of the caller's names one body (``weclaw_mq.state.reuse``): published again with
-the same body it is the same task, with another body ``IdempotencyConflictError`` and nothing
-is sent. Real broker, real Redis; the outbox case with a broker on a closed port."""
+"""A task id of the caller's names one body (``weclaw_mq.state.reuse``): with
+``refuse_other_body=True``, published again with the same body it is the same task, with
+another body ``IdempotencyConflictError`` and nothing is sent; without it nothing is compared.
+Real broker, real Redis; the outbox case with a broker on a closed port."""
 
 from __future__ import annotations
 
@@ -32,6 +33,26 @@ def with_handler(app: App, queue: str) -> App:
     return app
 
 
+async def test_by_default_nothing_is_compared_and_no_fingerprint_is_kept(
+    make_app: Callable[..., App], qname: str, amqp: AbstractChannel, redis_url: str
+) -> None:
+    # The check costs a Redis round trip before each publish, so it is asked for, not assumed.
+    mq = with_handler(make_app("reuse-off"), qname)
+    await mq.declare()
+    key = f"order-{qname}"
+
+    assert await mq.publish(qname, {"text": "a haiku"}, task_id=key) == key
+    assert await mq.publish(qname, {"text": "a limerick"}, task_id=key) == key
+
+    assert await queue_depth(amqp, qname) == 2  # both sent; the guard runs the first to arrive
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await client.exists(body_key(qname, key)) == 0
+    finally:
+        await client.aclose()
+        await forget_task_keys(redis_url, [qname])
+
+
 async def test_the_same_key_with_another_body_is_refused_and_nothing_is_sent(
     make_app: Callable[..., App], qname: str, amqp: AbstractChannel
 ) -> None:
@@ -39,12 +60,18 @@ async def test_the_same_key_with_another_body_is_refused_and_nothing_is_sent(
     await mq.declare()
     key = f"order-{qname}"
 
-    first = await mq.publish(qname, {"text": "a haiku", "user": "u1"}, task_id=key)
+    first = await mq.publish(
+        qname, {"text": "a haiku", "user": "u1"}, task_id=key, refuse_other_body=True
+    )
     with pytest.raises(IdempotencyConflictError) as refused:
-        await mq.publish(qname, {"text": "a limerick", "user": "u1"}, task_id=key)
+        await mq.publish(
+            qname, {"text": "a limerick", "user": "u1"}, task_id=key, refuse_other_body=True
+        )
     # One JSON value in another key order is the same body: the retry goes out as before
     # (a duplicate the guard acks unrun) under the first task id.
-    again = await mq.publish(qname, {"user": "u1", "text": "a haiku"}, task_id=key)
+    again = await mq.publish(
+        qname, {"user": "u1", "text": "a haiku"}, task_id=key, refuse_other_body=True
+    )
 
     assert first == again == key
     assert refused.value.task_id == key and refused.value.queue == qname
@@ -60,9 +87,11 @@ async def test_a_key_is_per_queue_and_a_new_key_takes_any_body(
     await mq.declare()
     key = f"k-{qname}"
 
-    await mq.publish(qname, {"text": "one"}, task_id=key)
-    await mq.publish(other, {"text": "two"}, task_id=key)  # another queue: its own key
-    await mq.publish(qname, {"text": "three"}, task_id=f"{key}-2")
+    await mq.publish(qname, {"text": "one"}, task_id=key, refuse_other_body=True)
+    await mq.publish(
+        other, {"text": "two"}, task_id=key, refuse_other_body=True
+    )  # another queue: its own key
+    await mq.publish(qname, {"text": "three"}, task_id=f"{key}-2", refuse_other_body=True)
     await mq.publish(qname, {"text": "four"})  # no key of the caller's: never compared
 
     assert await queue_depth(amqp, qname) == 3
@@ -75,7 +104,7 @@ async def test_the_fingerprint_lives_as_long_as_the_tasks_record(
     mq = with_handler(make_app("reuse", result_ttl_s=600), qname)
     await mq.declare()
     key = f"ttl-{qname}"
-    await mq.publish(qname, {"text": "x"}, task_id=key, ttl_s=60)
+    await mq.publish(qname, {"text": "x"}, task_id=key, ttl_s=60, refuse_other_body=True)
 
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -101,10 +130,10 @@ async def test_the_outbox_keeps_the_first_body_while_the_broker_is_down(
     )
     key = f"local-{qname}"
     try:
-        stored = await mq.publish(qname, {"text": "first"}, task_id=key)
+        stored = await mq.publish(qname, {"text": "first"}, task_id=key, refuse_other_body=True)
         with pytest.raises(IdempotencyConflictError):
-            await mq.publish(qname, {"text": "second"}, task_id=key)
-        retried = await mq.publish(qname, {"text": "first"}, task_id=key)
+            await mq.publish(qname, {"text": "second"}, task_id=key, refuse_other_body=True)
+        retried = await mq.publish(qname, {"text": "first"}, task_id=key, refuse_other_body=True)
         outbox = await mq.start_outbox()
         rows = await outbox.find(key)
         assert stored == retried == key
@@ -126,7 +155,7 @@ async def test_a_redis_that_never_answers_skips_the_check_and_the_task_is_publis
         try:
             await mq.declare()
             key = f"k-{qname}"
-            published = await mq.publish(qname, {"text": "a"}, task_id=key)
+            published = await mq.publish(qname, {"text": "a"}, task_id=key, refuse_other_body=True)
             depth = await queue_depth(amqp, qname)
         finally:
             await mq.close()
@@ -151,8 +180,8 @@ async def test_without_results_nothing_is_compared_and_publishing_needs_no_redis
     try:
         await mq.declare()
         key = f"k-{qname}"
-        assert await mq.publish(qname, {"text": "a"}, task_id=key) == key
-        assert await mq.publish(qname, {"text": "b"}, task_id=key) == key
+        assert await mq.publish(qname, {"text": "a"}, task_id=key, refuse_other_body=True) == key
+        assert await mq.publish(qname, {"text": "b"}, task_id=key, refuse_other_body=True) == key
         assert await queue_depth(amqp, qname) == 2
         assert mq.store is None
     finally:
