@@ -478,10 +478,10 @@ async def test_a_task_id_published_again_with_another_body_is_refused(
 
     await app.declare()
     key = f"order-{qname}"
-    assert await app.publish(qname, Job(n=1), task_id=key) == key
+    assert await app.publish(qname, Job(n=1), task_id=key, refuse_other_body=True) == key
     with pytest.raises(IdempotencyConflictError) as refused:
-        await app.publish(qname, Job(n=2), task_id=key)
+        await app.publish(qname, Job(n=2), task_id=key, refuse_other_body=True)
     assert (refused.value.task_id, refused.value.queue) == (key, qname)
     # The same body again is the same task: it goes out (a duplicate the guard acks unrun).
-    assert await app.publish(qname, Job(n=1), task_id=key) == key
+    assert await app.publish(qname, Job(n=1), task_id=key, refuse_other_body=True) == key
     assert await queue_depth(amqp, qname) == 2
