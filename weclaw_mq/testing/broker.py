@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
 from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractIncomingMessage
 
 from .. import lifetime
 from ..admin.dlq_message import DeadLetter, read_dead_letter
@@ -197,7 +195,8 @@ class TestBroker:
             metrics=app.metrics,
             store=app.store,
             results=app.results,
-            take_over=self._take_over,
+            # A handler that ignores its cancellation is left running, as in the Worker.
+            take_over=self._in_flight.replace,
             cancels=self.cancels,
         )
         for queue, spec in app.handlers.items():
@@ -259,18 +258,6 @@ class TestBroker:
                     self._in_flight.start(message, spec, runtime)
                     started += 1
         return started
-
-    def _take_over(
-        self,
-        message: AbstractIncomingMessage,
-        spec: HandlerSpec,
-        rt: Runtime,
-        stuck: asyncio.Task[Any],
-        ending: Coroutine[Any, Any, None],
-    ) -> None:
-        """As ``Worker._take_over``: a handler that ignored its cancellation is left running;
-        the attempt ends without it."""
-        self._in_flight.replace(message, spec, rt, stuck, ending)
 
     def _running(self) -> set[asyncio.Task[None]]:
         return self._in_flight.all()
