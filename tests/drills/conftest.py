@@ -340,22 +340,30 @@ def node_space(private_servers: PrivateServers) -> NodeSpace:
     return NodeSpace(private_servers.folder("rabbit"), private_servers.run_id, private_servers)
 
 
-@pytest.fixture(scope="session")
-def private_node(node_space: NodeSpace) -> Iterator[RabbitNode]:
-    """The private single node, started for this session and stopped at its end."""
-    node = RabbitNode("s1", node_space)
+@contextlib.contextmanager
+def single_node(space: NodeSpace, what: str) -> Iterator[RabbitNode]:
+    """A private single RabbitMQ node in ``space``, stopped on every exit path; a node that
+    cannot start fails the test saying what it needs (``what``: for the drills, with TLS...)."""
+    node = RabbitNode("s1", space)
     try:
         try:
-            cluster_sh(node_space, "single-start", timeout_s=NODE_START_TIMEOUT_S)
+            cluster_sh(space, "single-start", timeout_s=NODE_START_TIMEOUT_S)
         except ClusterScriptError as e:
             pytest.fail(
-                f"cannot start the private RabbitMQ node for the drills ({e}); it needs "
+                f"cannot start the private RabbitMQ node {what} ({e}); it needs "
                 "/usr/lib/rabbitmq/bin (Debian package rabbitmq-server)",
                 pytrace=False,
             )
         yield node
     finally:
         node.terminate()
+
+
+@pytest.fixture(scope="session")
+def private_node(node_space: NodeSpace) -> Iterator[RabbitNode]:
+    """The private single node, started for this session and stopped at its end."""
+    with single_node(node_space, "for the drills") as node:
+        yield node
 
 
 @pytest.fixture

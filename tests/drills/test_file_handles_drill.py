@@ -36,11 +36,9 @@ import pytest
 
 from tests.conftest import queue_depth, settings_for, wait_until
 from tests.drills.conftest import (
-    NODE_START_TIMEOUT_S,
-    ClusterScriptError,
     NodeSpace,
     RabbitNode,
-    cluster_sh,
+    single_node,
 )
 from tests.private_servers import PrivateServers
 from weclaw_mq import App
@@ -68,19 +66,8 @@ def low_nofile_node(private_servers: PrivateServers) -> Iterator[RabbitNode]:
         private_servers,
         extra_env=(("WECLAW_CLUSTER_NOFILE", str(NOFILE)),),
     )
-    node = RabbitNode("s1", space)
-    try:
-        try:
-            cluster_sh(space, "single-start", timeout_s=NODE_START_TIMEOUT_S)
-        except ClusterScriptError as e:
-            pytest.fail(
-                f"cannot start the private RabbitMQ node for the drill ({e}); it needs "
-                "/usr/lib/rabbitmq/bin (Debian package rabbitmq-server)",
-                pytrace=False,
-            )
+    with single_node(space, "for the drill") as node:
         yield node
-    finally:
-        node.terminate()
 
 
 def _open_files_limit(pid: int) -> int:

@@ -31,11 +31,8 @@ import redis
 from pydantic import BaseModel
 
 from tests.drills.conftest import (
-    NODE_START_TIMEOUT_S,
-    ClusterScriptError,
     NodeSpace,
-    RabbitNode,
-    cluster_sh,
+    single_node,
 )
 from tests.private_servers import PrivateServers, TcpRedis, free_port, wait_for
 from weclaw_mq import App, Context, Settings, StateUnavailableError, TaskStatus
@@ -136,19 +133,8 @@ def tls_rabbit_port(private_servers: PrivateServers, certs: Certs) -> Iterator[i
         tls_dir=certs.folder,
         tls_port=free_port(),
     )
-    node = RabbitNode("s1", space)
-    try:
-        try:
-            cluster_sh(space, "single-start", timeout_s=NODE_START_TIMEOUT_S)
-        except ClusterScriptError as e:
-            pytest.fail(
-                f"cannot start the private RabbitMQ node with TLS ({e}); it needs "
-                "/usr/lib/rabbitmq/bin (Debian package rabbitmq-server)",
-                pytrace=False,
-            )
+    with single_node(space, "with TLS"):
         yield space.tls_port
-    finally:
-        node.terminate()
 
 
 def _tls_ping(port: int, certs: Certs) -> bool:
