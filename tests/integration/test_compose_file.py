@@ -21,6 +21,7 @@ import yaml
 from tests.private_servers import PrivateRedis, PrivateServers
 from weclaw_mq.broker_version import parse_server_version
 from weclaw_mq.publishing.connection import server_version
+from weclaw_mq.testing.services import RABBITMQ_IMAGE
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -63,6 +64,8 @@ async def test_rabbitmq_is_pinned_to_the_version_these_tests_run_against(broker_
         f"{image}: pin an exact release, not a moving tag"
     )
     assert f"RabbitMQ is pinned to {version}" in (REPO / "README.md").read_text()
+    # The test kit's containers start the same release (weclaw_mq.testing.services).
+    assert f"rabbitmq:{version}" == RABBITMQ_IMAGE
     assert running == parse_server_version(version), (
         f"docker-compose.yml pins RabbitMQ {version}, but these tests run against {running}: "
         "run them on the pinned version, or pin the one they ran on"

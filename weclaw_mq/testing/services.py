@@ -26,7 +26,9 @@ AMQP_ENV = "WECLAW_MQ_AMQP_URL"
 REDIS_ENV = "WECLAW_MQ_REDIS_URL"
 LOCAL_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
-RABBITMQ_IMAGE = "rabbitmq:3.13"
+# The release docker-compose.yml pins and the project's own tests run on (a test keeps the two
+# equal); pass image= to rabbitmq_container for the one you run in production.
+RABBITMQ_IMAGE = "rabbitmq:3.10.8"
 REDIS_IMAGE = "redis:7"
 
 HOW_TO_GET_RABBITMQ = (
