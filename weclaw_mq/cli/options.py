@@ -66,13 +66,19 @@ def name_placeholders(command: Any) -> None:
     Without one, typer shows the Python type (``TEXT``, ``INTEGER``; ``<str>``, ``<int range>``
     and a ``<bool>`` on every flag in recent typer). A parameter declared with a ``metavar``
     keeps it; the others are named after their option (``--limit`` -> ``LIMIT``) or argument
-    (``queue`` -> ``QUEUE``), and flags show none. Runs once on the built click command, so
+    (``queue`` -> ``QUEUE``), flags show none, and an argument shows no type beside its name.
+    (Typer's ``{QUEUE}`` for a required argument in the usage line is its own notation and
+    stays.) Runs once on the built click command, so
     every command, whoever adds it, reads the same way."""
     params = list(getattr(command, "params", ()))
     help_option = _help_option(command)
     if help_option is not None:
         params.append(help_option)
     for param in params:
+        if param.param_type_name == "argument" and hasattr(param, "display_type_rich"):
+            # Recent typer prints an argument's Python type beside its name (QUEUE <str>):
+            # the name and its help say it already.
+            param.display_type_rich = _no_type
         if param.metavar is not None:
             continue
         if param.param_type_name == "argument":
@@ -84,6 +90,10 @@ def name_placeholders(command: Any) -> None:
             param.metavar = longest.lstrip("-").replace("-", "_").upper()
     for sub in getattr(command, "commands", {}).values():
         name_placeholders(sub)
+
+
+def _no_type(ctx: Any) -> None:
+    return None
 
 
 def _help_option(command: Any) -> Any:
