@@ -51,8 +51,8 @@ def _app(queue: str, variant: str) -> App:
 
 async def _run(variant: str, n: int, concurrency: int) -> Run:
     queue = f"bench-limits-{variant}-{uuid.uuid4().hex[:8]}"
-    # From the worker's start on: a limited handler declares eight more delay queues, which
-    # is no cost of the consume path.
+    # From the worker's start on: a limited handler declares five more delay queues (the
+    # ladder's rungs that are not step queues), which is no cost of the consume path.
     return await measure(_app(queue, variant), queue, n, concurrency, from_ready=True)
 
 

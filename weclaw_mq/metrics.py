@@ -36,7 +36,10 @@ class Outcome(StrEnum):
     RETRIED = "retried"  # moved to a delay queue as the next attempt
     DEAD_LETTERED = "dead_lettered"  # moved to Q.dlq, or rejected there (undecodable properties)
     DUPLICATE = "duplicate"  # a finished task seen again: acked unrun
-    DEFERRED = "deferred"  # parked in a delay queue: its twin is running, or Redis is down
+    # Parked in a delay queue without an attempt: its twin is running, Redis is down, over a
+    # per-key limit, not due yet (a delay hop), its circuit breaker opened, or its results
+    # queue refused the notification.
+    DEFERRED = "deferred"
     CANCELLED = "cancelled"  # cancelled (App.cancel): acked unrun, or its handler cut short
     # Given back to its queue (a failed move, a result not stored, a hard stop, an error of
     # ours) or left unacked for the broker to return (arrived while stopping).

@@ -172,8 +172,9 @@ class Settler:
         error: BaseException,
         queues_ms: tuple[int, ...] | None = None,
     ) -> bool:
-        """Park the task for ``delay_ms`` as its next attempt. With ``queues_ms`` (its lane's
-        delay queues), a delay without a queue of its own hops through them (``delays``)."""
+        """Park the task for ``delay_ms`` as its next attempt. With ``queues_ms`` (the handler's
+        delay queues, shared by its lanes), a delay without a queue of its own hops through
+        them (``delays``)."""
         headers = failure_headers(delivery, queue, error)
         headers[h.ATTEMPT] = delivery.attempt + 1
         hop_ms = delay_ms if queues_ms is None else next_hop_ms(delay_ms, queues_ms)
