@@ -208,6 +208,20 @@ RULE_CASES: list[tuple[str, list[dict[str, str]], list[tuple[str, list[dict[str,
         ],
     ),
     (
+        "WeclawMQTasksDeferred",
+        [
+            # Redis down: everything parked, nothing ends.
+            _series("weclaw_mq_messages_total", "0+10x20", queue="stuck", outcome="deferred"),
+            # A busy per-key limit: parked and finished side by side.
+            _series("weclaw_mq_messages_total", "0+10x20", queue="limited", outcome="deferred"),
+            _series("weclaw_mq_messages_total", "0+30x20", queue="limited", outcome="acked"),
+        ],
+        [
+            ("5m", []),
+            ("17m", [{"severity": "warning", "queue": "stuck"}]),
+        ],
+    ),
+    (
         "WeclawMQPublishUnroutable",
         [
             _series("weclaw_mq_published_total", "0 0 0 1 1 1", queue="typo", outcome="unroutable"),
