@@ -117,17 +117,22 @@ async def test_each_of_500_final_states_reaches_a_guarded_notification_handler_o
     assert state is not None and state.result == {"double": 2}
 
 
+async def declare_bounded_results_queue(amqp: AbstractChannel, queue: str) -> str:
+    """Declare ``queue``'s results queue first, holding at most one message: the worker keeps
+    it as it is (no conflict), and the broker refuses (nacks) publishes while it is full."""
+    results = results_queue_name(queue)
+    bounded = {**work_queue_arguments(QueueSpec(results, (), delivery_limit=10)), "x-max-length": 1}
+    await amqp.declare_queue(results, durable=True, arguments=bounded)  # type: ignore[arg-type]
+    return results
+
+
 async def test_a_notification_the_results_queue_refuses_keeps_its_task_unacked_until_it_is_out(
     qname: str,
     make_app: Callable[..., App],
     start_worker: Callable[..., Any],
     amqp: AbstractChannel,
 ) -> None:
-    results = results_queue_name(qname)
-    # The results queue exists already, bounded by whoever declared it: the worker keeps it
-    # as it is (no conflict), and the broker refuses (nacks) publishes while it is full.
-    bounded = {**work_queue_arguments(QueueSpec(results, (), delivery_limit=10)), "x-max-length": 1}
-    await amqp.declare_queue(results, durable=True, arguments=bounded)  # type: ignore[arg-type]
+    results = await declare_bounded_results_queue(amqp, qname)
     app = make_app(retry_delay_s=0.2, **SHORT_TTLS)
     runs: Counter[str] = Counter()
 
@@ -227,9 +232,7 @@ async def test_a_cancelled_task_whose_notification_is_refused_is_not_acked_until
     start_worker: Callable[..., Any],
     amqp: AbstractChannel,
 ) -> None:
-    results = results_queue_name(qname)
-    bounded = {**work_queue_arguments(QueueSpec(results, (), delivery_limit=10)), "x-max-length": 1}
-    await amqp.declare_queue(results, durable=True, arguments=bounded)  # type: ignore[arg-type]
+    results = await declare_bounded_results_queue(amqp, qname)
     app = make_app(retry_delay_s=0.2, **SHORT_TTLS)
 
     @app.handler(qname, notify=True)
