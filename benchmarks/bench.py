@@ -26,6 +26,7 @@ from typing import Any
 from .cases import CASES, FULL, OURS_AND_BASELINES, SMOKE, Bench, log, notes
 from .costs import explain_misses
 from .infra import ROOT, Children, Infra, machine_info, package_versions
+from .machine_cpu import CpuWindow
 from .report import render
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -100,6 +101,7 @@ async def amain(args: argparse.Namespace) -> int:
     run_id = f"bench-{datetime.now(UTC):%m%d%H%M%S}-{uuid.uuid4().hex[:4]}"
     infra = Infra(args.amqp_url, args.redis_url, run_id)
     children = Children(args.out / "profiles" if args.profile else None)
+    children.cpu_window = CpuWindow(args.amqp_url, args.redis_url)
     bench = Bench(
         infra=infra,
         children=children,

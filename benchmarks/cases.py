@@ -415,9 +415,31 @@ class Bench:
                 baseline=WECLAW_GUARD if c is WECLAW_GUARD_PROCESSES else None,
             )
 
+        # Where the cores went in each window: a second process can only add what the broker,
+        # Redis and the first process leave free of this machine's cores.
+        cores = [
+            ("machine_cores", "cores busy, whole machine"),
+            ("worker_cores", "cores used by the worker process(es)"),
+            ("broker_cores", "cores used by the broker"),
+            ("redis_cores", "cores used by Redis"),
+        ]
+        for metric, what in cores:
+            for c in contenders:
+                self._spec(
+                    case_id,
+                    f"{what} (of {os.cpu_count()}), guard + results, c={k} per process",
+                    c,
+                    metric,
+                    "cores",
+                    decimals=2,
+                )
+
         async def run(c: Contender, r: int) -> dict[str, float]:
             done = await self._consume(case_id, c, r, count=count, concurrency=k)
-            return {"rate": done["rate"], "cpu_us": done["cpu_us"]}
+            out = {"rate": done["rate"], "cpu_us": done["cpu_us"]}
+            out["worker_cores"] = done["cpu_us"] * done["rate"] / 1e6
+            out.update({m: done[m] for m, _ in cores if m in done})
+            return out
 
         await self._case(case_id, contenders, run)
 

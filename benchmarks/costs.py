@@ -14,6 +14,7 @@ for guard-off consume at c=10, whatever its result).
 
 from __future__ import annotations
 
+import os
 import pstats
 import subprocess
 import sys
@@ -107,12 +108,7 @@ async def explain_misses(bench: Bench, rows: list[dict[str, Any]], out_dir: Path
             continue
         if case not in bench.runners or key not in OURS:
             if key == "weclaw-guard-p2":
-                lines += [
-                    title,
-                    "  two processes: see 'consumer CPU per message' of this case (summed over "
-                    "the children) against one process; what is left of 2x is the machine's "
-                    "second core shared with RabbitMQ and Redis.",
-                ]
+                lines += [title, *cores_lines(rows, case)]
             continue
         contenders, run = bench.runners[case]
         bench.children.cprofile_dir = out_dir
@@ -127,3 +123,33 @@ async def explain_misses(bench: Bench, rows: list[dict[str, Any]], out_dir: Path
         lines.append(title)
         lines += profile_summary(profile)
     return "\n".join(lines)
+
+
+def cores_lines(rows: list[dict[str, Any]], case: str) -> list[str]:
+    """Where the cores went in the multi-process case: a second worker process can only use
+    what one process, the broker and Redis leave free of the machine (medians of the repeats)."""
+    cores = {
+        (r["contender"], r["metric"]): r["median"]
+        for r in rows
+        if r["case"] == case and r["unit"] == "cores" and r["median"] is not None
+    }
+    out = []
+    for key, what in (("weclaw-guard", "one process"), ("weclaw-guard-p2", "two processes")):
+        parts = [
+            f"{name} {cores[(key, metric)]:.2f}"
+            for metric, name in (
+                ("worker_cores", "worker(s)"),
+                ("broker_cores", "broker"),
+                ("redis_cores", "Redis"),
+                ("machine_cores", "whole machine"),
+            )
+            if (key, metric) in cores
+        ]
+        if parts:
+            out.append(f"  {what}: cores used (of {os.cpu_count()}): " + ", ".join(parts))
+    out.append(
+        "  a second process adds only what the first left free of the machine's cores, after "
+        "RabbitMQ and Redis (which grow with the rate: each message costs the broker and Redis "
+        "CPU too); CPU per message summed over the children is the other row of this case."
+    )
+    return out

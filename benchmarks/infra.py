@@ -38,6 +38,7 @@ from weclaw_mq.topology import (
 )
 
 from .common import PROFILE_ENV, PROTOCOL_PREFIX, ChildConfig, encode, make_payload
+from .machine_cpu import CpuWindow
 
 ROOT = Path(__file__).resolve().parent.parent
 FILL_CHUNK = 1000
@@ -290,6 +291,9 @@ class Children:
         # Processes a contender started itself (Dramatiq's worker processes), as it reported
         # them: the contender stops them; the JSON lists them so a test can check it did.
         self.worker_pids: list[int] = []
+        # Set by the orchestrator: the broker's, Redis's and the machine's CPU over each
+        # go -> done window (benchmarks.machine_cpu), merged into the done event.
+        self.cpu_window: CpuWindow | None = None
 
     async def start(self, module: str, cfg: ChildConfig, label: str) -> Child:
         args = ["-m", f"benchmarks.contenders.{module}", cfg.to_arg()]
@@ -339,10 +343,14 @@ class Children:
                 if before_go is not None:
                     await before_go()
             self.worker_pids += child.events["ready"].get("worker_pids", [])
+            if self.cpu_window is not None:
+                self.cpu_window.start()
             await child.send("go")
             if after_go is not None:
                 await after_go(child)
             done = dict(await child.wait_for("done", done_timeout_s))
+            if self.cpu_window is not None:
+                done.update(self.cpu_window.stop())
             done.update({k: v for k, v in child.events["ready"].items() if k != "event"})
             if idle_rss_after_s is not None:
                 await asyncio.sleep(idle_rss_after_s)
