@@ -33,10 +33,14 @@ go through redis-py's pipeline or command methods: redis-py's argument packing
 guarded worker's profile. Each call is packed to RESP here when it is issued (pre-encoded
 command heads, one ``bytes`` per argument, one ``b"".join``), the batch is written at once on a
 connection taken from the client's own pool (``get_connection``: connected, and reconnected if
-it was left dirty) with the connection's ``send_packed_command`` (its health check and write
-timeout), and each reply is read with the connection's ``read_response`` (its read timeout,
-decoding, RESP2 or RESP3, Sentinel's "the primary became a replica" check), then the
-connection goes back to the pool. What redis-py does per command that matters here is kept:
+it was left dirty) after the connection's health check (a PING when it idled that long), and
+each reply is read with the connection's ``read_response`` (decoding, RESP2 or RESP3,
+Sentinel's "the primary became a replica" check), then the connection goes back to the pool.
+Two things are cheaper than redis-py's: the write skips ``send_packed_command``'s
+``wait_for`` (a task per write) when the socket takes the whole batch at once (otherwise it
+drains through ``send_packed_command``, within the write timeout), and a batch's replies share
+one read timeout (``socket_timeout``, raised as redis-py's ``TimeoutError``) instead of a
+timer each. What redis-py does per command that matters here is kept:
 a ``ResponseError`` (``NOSCRIPT``, ``WRONGTYPE``, a script's error) is that call's own answer,
 as in a pipeline run with ``raise_on_error=False``; any other error (the connection, a
 timeout) disconnects the connection, so no reply is left unread on it, and fails the batch.
