@@ -1,14 +1,17 @@
 """The auto-pipeline (weclaw_mq.state.pipelining) against the real Redis.
 
-The client is redis-py's own, subclassed only to count what it sends: how many pipelines,
-their sizes, and the commands sent alone. Redis answers every command for real.
+Every behaviour is checked on both ways a batch goes out: the lean path (packed here, sent on
+a connection of the client's pool) and redis-py's own (a pipeline, or the plain command when
+alone), which a cluster client keeps. The pipeline is subclassed only to record the size of
+each round trip; the client only to record the commands it sends itself. Redis answers every
+command for real. The lean path's own cases are in test_lean_redis_path.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -21,7 +24,7 @@ from redis.exceptions import ResponseError
 from weclaw_mq.errors import StateUnavailableError
 from weclaw_mq.naming import guard_key, latest_key, state_key
 from weclaw_mq.state import Claim, RedisTaskStore, TaskState, TaskStatus, new_owner
-from weclaw_mq.state.pipelining import AutoPipeline, Script
+from weclaw_mq.state.pipelining import AutoPipeline, LeanSender, Script
 
 # Appends ARGV[1] to the list KEYS[1] and answers the list's length: the order of arrival.
 APPEND = Script.of("return redis.call('RPUSH', KEYS[1], ARGV[1])")
@@ -52,6 +55,18 @@ class CountingRedis(aioredis.Redis):
         return super().execute_command(*args, **options)
 
 
+class CountingPipe(AutoPipeline):
+    """The auto-pipeline, recording how many commands each round trip carried."""
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.batches: list[int] = []
+
+    async def _execute(self, calls: list[Any]) -> list[Any]:
+        self.batches.append(len(calls))
+        return await super()._execute(calls)
+
+
 async def forget_task_keys(client: aioredis.Redis, queue: str, task_ids: list[str]) -> None:
     keys = [guard_key(queue, t) for t in task_ids] + [state_key(queue, t) for t in task_ids]
     await client.delete(*keys, *(latest_key(t) for t in task_ids))
@@ -59,10 +74,30 @@ async def forget_task_keys(client: aioredis.Redis, queue: str, task_ids: list[st
 
 @pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[CountingRedis]:
-    client = CountingRedis.from_url(redis_url, socket_timeout=5)
+    # As the store's own client: no retry (redis-py's default for from_url is 3), so the
+    # lean path stays on (a client that retries keeps redis-py's path: test_lean_redis_path).
+    client = CountingRedis.from_url(redis_url, socket_timeout=5, retry=Retry(NoBackoff(), 0))
     assert isinstance(client, CountingRedis)
     yield client
     await client.aclose()
+
+
+@pytest.fixture(params=[True, False], ids=["lean", "redis-py"])
+def lean(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+@pytest.fixture
+def make_pipe(client: CountingRedis, lean: bool) -> Iterator[Any]:
+    made: list[CountingPipe] = []
+
+    def make(**kwargs: Any) -> CountingPipe:
+        made.append(CountingPipe(client, lean=lean, **kwargs))
+        return made[-1]
+
+    yield make
+    for pipe in made:  # every batch went the way this test is about
+        assert (pipe._lean is not None) is lean
 
 
 @pytest.fixture
@@ -73,36 +108,41 @@ async def key(client: CountingRedis) -> AsyncIterator[str]:
 
 
 async def test_commands_of_one_loop_iteration_go_out_as_one_pipeline_in_order(
-    client: CountingRedis, key: str
+    client: CountingRedis, key: str, make_pipe: Any, lean: bool
 ) -> None:
     # The script cached first: on a Redis that never ran it, the batch would go out twice
     # (EVALSHA answered NOSCRIPT, then again after SCRIPT LOAD; tested on its own below).
     await client.script_load(APPEND.text)
-    pipe = AutoPipeline(client)
+    pipe = make_pipe()
     answers = await asyncio.gather(*(pipe.script(APPEND, [key], [str(i)]) for i in range(20)))
     assert answers == list(range(1, 21)), answers  # each its own answer: its position on arrival
     assert await client.lrange(key, 0, -1) == [str(i).encode() for i in range(20)]
-    assert client.pipelines == [20]
+    assert pipe.batches == [20]
+    assert client.pipelines == ([] if lean else [20])  # the lean path builds no pipeline
 
 
 async def test_a_script_redis_does_not_know_is_loaded_once_and_its_batch_sent_again(
-    client: CountingRedis, key: str
+    client: CountingRedis, key: str, make_pipe: Any
 ) -> None:
     # A text no Redis has seen (as after a restart or SCRIPT FLUSH): EVALSHA answers NOSCRIPT.
     fresh = Script.of(f"-- {uuid.uuid4().hex}\nreturn redis.call('RPUSH', KEYS[1], ARGV[1])")
-    pipe = AutoPipeline(client)
+    pipe = make_pipe()
     answers = await asyncio.gather(*(pipe.script(fresh, [key], [str(i)]) for i in range(5)))
     assert answers == list(range(1, 6)), answers
     assert await client.lrange(key, 0, -1) == [str(i).encode() for i in range(5)]
     # The first try ran nothing; one SCRIPT LOAD, then the same batch once more.
-    assert client.pipelines == [5, 5]
+    assert pipe.batches == [5, 5]
     assert client.alone.count("SCRIPT LOAD") == 1, client.alone
 
 
-async def test_a_failing_command_fails_only_its_caller(client: CountingRedis, key: str) -> None:
+async def test_a_failing_command_fails_only_its_caller(
+    client: CountingRedis, key: str, make_pipe: Any
+) -> None:
     await client.set(key, "a string, not a hash")
+    for script in (APPEND, FAIL):  # cached: no NOSCRIPT round trip in this test
+        await client.script_load(script.text)
     other = f"{key}:list"
-    pipe = AutoPipeline(client)
+    pipe = make_pipe()
     try:
         answers = await asyncio.gather(
             pipe.script(APPEND, [other], ["first"]),
@@ -116,53 +156,56 @@ async def test_a_failing_command_fails_only_its_caller(client: CountingRedis, ke
     assert answers[0] == 1 and answers[3] == 2, answers
     assert isinstance(answers[1], ResponseError) and "this one fails" in str(answers[1])
     assert isinstance(answers[2], ResponseError) and "WRONGTYPE" in str(answers[2])
-    assert client.pipelines == [4]
+    assert pipe.batches == [4]
 
 
-async def test_a_burst_is_split_at_the_batch_bound(client: CountingRedis, key: str) -> None:
-    pipe = AutoPipeline(client, max_batch=4)
+async def test_a_burst_is_split_at_the_batch_bound(
+    client: CountingRedis, key: str, make_pipe: Any
+) -> None:
+    pipe = make_pipe(max_batch=4)
     answers = await asyncio.gather(*(pipe.script(APPEND, [key], [str(i)]) for i in range(10)))
     assert answers == list(range(1, 11))  # one after the other: still in the order of issue
     assert await client.lrange(key, 0, -1) == [str(i).encode() for i in range(10)]
-    assert client.pipelines == [4, 4, 2]
+    assert pipe.batches == [4, 4, 2]
 
 
 async def test_commands_issued_during_a_round_trip_leave_together_after_it(
-    client: CountingRedis, key: str
+    client: CountingRedis, key: str, make_pipe: Any
 ) -> None:
-    pipe = AutoPipeline(client)  # one round trip in flight at a time
+    pipe = make_pipe()  # one round trip in flight at a time
     first = pipe.script(APPEND, [key], ["first"])
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert client.alone == ["EVALSHA"]  # out, not answered yet
+    assert pipe.batches == [1] and not first.done()  # out, not answered yet
     later = [pipe.script(APPEND, [key], [str(i)]) for i in range(5)]
     await asyncio.sleep(0)
-    assert client.pipelines == []  # they wait for the first round trip
+    assert pipe.batches == [1]  # they wait for the first round trip
     assert await first == 1
     assert await asyncio.gather(*later) == [2, 3, 4, 5, 6]
-    assert client.pipelines == [5]
+    assert pipe.batches == [1, 5]
 
 
 async def test_a_lone_command_is_sent_on_the_next_loop_iteration(
-    client: CountingRedis, key: str
+    client: CountingRedis, key: str, make_pipe: Any, lean: bool
 ) -> None:
-    pipe = AutoPipeline(client)
+    pipe = make_pipe()
     answer = pipe.script(APPEND, [key], ["alone"])
-    assert client.alone == []  # queued, not sent yet
+    assert pipe.batches == []  # queued, not sent yet
     await asyncio.sleep(0)  # one loop iteration: the flush sends it, without a timer
     await asyncio.sleep(0)  # (its send task's first step)
-    assert client.alone == ["EVALSHA"]
+    assert pipe.batches == [1]
+    assert client.alone == ([] if lean else ["EVALSHA"])
     assert await answer == 1
-    assert client.pipelines == []  # alone: the plain command, no pipeline built
+    assert client.pipelines == []  # alone: no pipeline built on either path
 
 
 async def test_a_script_redis_does_not_know_is_loaded_and_run(
-    client: CountingRedis, key: str
+    client: CountingRedis, key: str, make_pipe: Any
 ) -> None:
     # Text of this test run only: no Redis has it cached yet, alone or in a pipeline.
     fresh = Script.of(f"-- {uuid.uuid4().hex}\nreturn redis.call('RPUSH', KEYS[1], ARGV[1])")
     fresher = Script.of(f"-- {uuid.uuid4().hex}\nreturn redis.call('RPUSH', KEYS[1], ARGV[1])")
-    pipe = AutoPipeline(client)
+    pipe = make_pipe()
     assert await pipe.script(fresh, [key], ["a"]) == 1
     answers = await asyncio.gather(*(pipe.script(fresher, [key], [x]) for x in "bc"))
     assert answers == [2, 3]
@@ -170,9 +213,9 @@ async def test_a_script_redis_does_not_know_is_loaded_and_run(
 
 
 async def test_a_caller_cancelled_before_the_flush_sends_nothing(
-    client: CountingRedis, key: str
+    client: CountingRedis, key: str, make_pipe: Any
 ) -> None:
-    pipe = AutoPipeline(client)
+    pipe = make_pipe()
     dropped = pipe.script(APPEND, [key], ["dropped"])
     kept = pipe.script(APPEND, [key], ["kept"])
     dropped.cancel()
@@ -180,12 +223,12 @@ async def test_a_caller_cancelled_before_the_flush_sends_nothing(
     assert await client.lrange(key, 0, -1) == [b"kept"]
 
 
-async def test_a_failed_round_trip_fails_every_caller_of_its_batch() -> None:
+async def test_a_failed_round_trip_fails_every_caller_of_its_batch(lean: bool) -> None:
     # A port nobody listens on: the connection itself fails.
     dead = aioredis.Redis(
         host="127.0.0.1", port=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
     )
-    pipe = AutoPipeline(dead)
+    pipe = AutoPipeline(dead, lean=lean)
     answers = await asyncio.gather(
         *(pipe.script(APPEND, ["k"], [str(i)]) for i in range(3)), return_exceptions=True
     )
@@ -195,7 +238,7 @@ async def test_a_failed_round_trip_fails_every_caller_of_its_batch() -> None:
 
 async def test_one_tasks_failing_claim_in_a_batch_fails_only_that_task(
     client: CountingRedis, key: str
-) -> None:
+) -> None:  # (the store's own auto-pipeline: the lean path)
     # Through the store: three claims issued together; the middle task's record key holds
     # a string, so its claim script fails in Redis. The other two are claimed.
     store = RedisTaskStore(client, ttl_s=60, lease_s=5, done_ttl_s=60)
@@ -213,18 +256,18 @@ async def test_one_tasks_failing_claim_in_a_batch_fails_only_that_task(
         )
         assert answers[0] is Claim.ACQUIRED and answers[2] is Claim.ACQUIRED, answers
         assert isinstance(answers[1], StateUnavailableError), answers
-        assert client.pipelines == [3]
+        assert store._pipe.round_trips == 1 and store._pipe.sent_commands == 3
     finally:
         await forget_task_keys(client, queue, ids)
         await store.close()
 
 
-async def test_close_lets_go_of_a_round_trip_that_never_ends(client: CountingRedis) -> None:
+async def test_close_lets_go_of_a_round_trip_that_never_ends(lean: bool) -> None:
     # A server that accepts and never answers: the batch would wait for the socket timeout.
     server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     silent = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
-    pipe = AutoPipeline(silent)
+    pipe = AutoPipeline(silent, lean=lean)
     waiting = pipe.script(APPEND, ["k"], ["x"])
     queued_after = None
     try:
@@ -237,7 +280,9 @@ async def test_close_lets_go_of_a_round_trip_that_never_ends(client: CountingRed
         await silent.aclose()
 
 
-def test_a_pipeline_left_behind_by_a_closed_loop_serves_the_next_one(redis_url: str) -> None:
+def test_a_pipeline_left_behind_by_a_closed_loop_serves_the_next_one(
+    redis_url: str, lean: bool
+) -> None:
     # A store reused across asyncio.run calls: the first loop ends with a command queued
     # (its flush never ran) and one in flight; the next loop's commands still go out.
     key = f"weclaw-test:pipelining:{uuid.uuid4().hex}"
@@ -245,7 +290,7 @@ def test_a_pipeline_left_behind_by_a_closed_loop_serves_the_next_one(redis_url: 
 
     async def leave_work_behind() -> None:
         client = aioredis.Redis.from_url(redis_url)
-        pipe = AutoPipeline(client)
+        pipe = AutoPipeline(client, lean=lean)
         state["pipe"] = pipe
         pipe.script(APPEND, [key], ["in flight"])
         await asyncio.sleep(0)
@@ -254,7 +299,10 @@ def test_a_pipeline_left_behind_by_a_closed_loop_serves_the_next_one(redis_url: 
 
     async def use_it_again() -> list[Any]:
         client = aioredis.Redis.from_url(redis_url)
-        state["pipe"]._client = client  # the old loop's connections are gone with it
+        # The old loop's connections are gone with it: a client (and pool) of this loop.
+        state["pipe"]._client = client
+        if lean:
+            state["pipe"]._lean = LeanSender.for_client(client)
         try:
             answer = await asyncio.wait_for(state["pipe"].script(APPEND, [key], ["next"]), 5)
             return [answer, await client.lrange(key, 0, -1)]

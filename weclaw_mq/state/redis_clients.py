@@ -40,7 +40,9 @@ def open_client(settings: Settings) -> StateClient:
     topology = settings.redis_topology()
     if topology is None:
         # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us per
-        # command (measured). The worker sizes its concurrency to fit this pool.
+        # command (measured). The worker sizes its concurrency to fit this pool. A pool
+        # passed in: its connections retry nothing, so the store's auto-pipeline sends its
+        # hot commands on them itself (state.pipelining's lean path; so for Sentinel's).
         options: dict[str, Any] = {**common, **parse_url(settings.redis_url_plain())}
         if options.get("connection_class") is SSLConnection:  # rediss://
             options["connection_class"] = _TlsConnection
