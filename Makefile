@@ -134,6 +134,8 @@ bench-redis-client: install
 	$(BIN)/python -m benchmarks.redis_client $(REDIS_CLIENT_BENCH_ARGS)
 
 bench-rss: install
+	@# with bytecode, as a deployed worker has it (see benchmarks/run.sh)
+	@$(BIN)/python -m compileall -q weclaw_mq >/dev/null
 	$(BIN)/python -m benchmarks.rss_layers
 
 bench-own-cost: install

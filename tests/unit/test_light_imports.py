@@ -50,6 +50,34 @@ def test_a_worker_without_guard_and_results_never_imports_redis_nor_the_cli() ->
     assert not {"sqlite3", "weclaw_mq.outbox.store", "pydantic_settings", "dotenv"} & modules
     # nor prometheus_client without a metrics port: the counters are plain objects until read
     assert "prometheus_client" not in modules
+    # nor the metrics server's code (weclaw_mq.metrics_http, the standard library's servers)
+    assert not {"weclaw_mq.metrics_http", "http", "wsgiref", "socketserver"} & modules
+
+
+# What ``weclaw-mq worker`` has loaded before it runs a worker: the whole CLI (typer builds
+# every command at import), but none of what only the other commands use.
+CLI_PROBE = """
+import json, sys
+import weclaw_mq.cli
+from weclaw_mq.cli.failures import ExitCode, classify
+# a Redis error is classified without loading redis-py (none can exist before it is loaded)
+assert classify(RuntimeError("x"))[0] is ExitCode.FAILED
+names = {m.split(".")[0] for m in sys.modules} | {m for m in sys.modules if "weclaw_mq." in m}
+print(json.dumps(sorted(names)))
+"""
+
+
+def test_the_worker_command_loads_no_redis_outbox_health_check_nor_rich() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", CLI_PROBE], capture_output=True, text=True, check=True, timeout=60
+    )
+    modules = set(json.loads(out.stdout))
+    assert {"weclaw_mq.cli.run_worker", "weclaw_mq.worker.consume", "typer"} <= modules
+    # redis-py (+6 MiB) was loaded by the CLI's error classifier, for every command
+    assert "redis" not in modules
+    # the outbox (sqlite3) loads when an outbox command runs, the health check when it runs
+    assert not {"sqlite3", "weclaw_mq.outbox", "weclaw_mq.admin.health"} & modules
+    assert not {"rich", "prometheus_client", "weclaw_mq.metrics_http", "opentelemetry"} & modules
 
 
 def test_a_store_loads_redis_when_the_configuration_asks_for_it() -> None:

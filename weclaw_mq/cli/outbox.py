@@ -8,18 +8,19 @@ import json
 import logging
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ..errors import ConfigurationError, OutboxUnusableError
 from ..metrics import Metrics
-from ..outbox import Outbox
-from ..outbox.relay import Relay
 from ..settings import Settings
 from ..state import open_store
 from ..tracing import configure_logging
 from .options import LogFormatOption, LogLevel
+
+if TYPE_CHECKING:  # the outbox (sqlite3) loads only when an outbox command runs
+    from ..outbox import Outbox
 
 log = logging.getLogger("weclaw_mq.outbox")
 
@@ -50,6 +51,8 @@ def _settings(path: str | None) -> Settings:
 async def _open(settings: Settings) -> Outbox:
     # No bounds: they are the producers' (App) to set; a relay or a look leaves them.
     assert settings.outbox_path is not None
+    from ..outbox import Outbox
+
     return await Outbox.open(settings.outbox_path)
 
 
@@ -122,6 +125,8 @@ def relay(
         metrics.serve(metrics_port, settings.metrics_addr)
 
     async def run() -> int:
+        from ..outbox.relay import Relay
+
         outbox = await _open(settings)
         store = open_store(settings) if settings.results_enabled else None
         relay = Relay(outbox, settings, metrics, store=store)

@@ -10,7 +10,6 @@ from typing import Annotated
 
 import typer
 
-from ..admin.health import check_all
 from ..app import App
 from ..settings import Settings
 from ..tracing import LogFormat, configure_logging
@@ -213,6 +212,8 @@ def health(
     ] = False,
 ) -> None:
     """Check the broker and Redis: exit 0 when both answer, else one line per failing part."""
+    from ..admin.health import check_all  # not on a worker's path (``weclaw-mq worker``)
+
     configure_logging("CRITICAL")  # the verdict lines below say everything
     parts = asyncio.run(check_all(Settings()))
     failing = [p for p in parts if not p.ok]
