@@ -114,6 +114,16 @@ class _Gate(Enum):
     SETTLED = "settled"  # duplicate or deferred: nothing more to do
 
 
+# The enum members a delivery's common paths compare with, read once: on Python 3.11 every
+# ``EnumClass.MEMBER`` is a Python-level descriptor call (enum.property), per use.
+_SETTLED = _Gate.SETTLED
+_CLAIM_DONE = Claim.DONE
+_CLAIM_BUSY = Claim.BUSY
+_CLAIM_CANCELLED = Claim.CANCELLED
+_RUNNING = TaskStatus.RUNNING
+_SUCCEEDED = TaskStatus.SUCCEEDED
+
+
 async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
     delivery = read_delivery(message, spec.queue)
     token = tracing.enter(delivery)  # the delivery is its own trace context
@@ -182,7 +192,7 @@ async def _process(
     held: str | None = None  # the claim's owner token, while we hold the claim
     if rt.store is not None and spec.idempotent:
         gate = await _pass_guard(message, delivery, spec, rt.store, rt)
-        if gate is _Gate.SETTLED:
+        if gate is _SETTLED:
             return
         held = gate if isinstance(gate, str) else None
     if h.EXPIRES_AT in delivery.headers and await _expired_on_arrival(
@@ -205,7 +215,7 @@ async def _process(
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it.
     running = (
-        asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
+        asyncio.create_task(_status(rt, delivery, spec, _RUNNING))
         if rt.results is not None and held is None
         else None
     )
@@ -355,7 +365,7 @@ async def _pass_guard(
     """The claim's owner token when we hold the claim, else how the delivery went on."""
     owner = new_owner()
     # With results on, the "running" record rides on the claim (one step, one round trip).
-    running = _state(delivery, spec, TaskStatus.RUNNING) if rt.results is not None else None
+    running = _state(delivery, spec, _RUNNING) if rt.results is not None else None
     try:
         claim = await store.claim(spec.queue, delivery.task_id, owner, running=running)
     except Exception as e:  # the store unreachable or failing: the same answer either way
@@ -365,17 +375,17 @@ async def _pass_guard(
         log.warning("task store unavailable (%s: %s)", type(e).__name__, e)
         await _defer(message, delivery, spec, rt, "the task store is down, the guard cannot tell")
         return _Gate.SETTLED
-    if claim is Claim.CANCELLED:
+    if claim is _CLAIM_CANCELLED:
         await _end_cancelled(message, delivery, spec, rt, None)
         return _Gate.SETTLED
-    if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
-        if claim is not Claim.DONE:
+    if claim is _CLAIM_DONE or await _finished_before(delivery, spec, rt):
+        if claim is not _CLAIM_DONE:
             await _mark_done_quietly(store, spec, delivery)
         await _redeliver_to_inbox(delivery, spec, rt)
         if await notify.announce_again(message, delivery, spec, rt):
             await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
         return _Gate.SETTLED
-    if claim is Claim.BUSY:
+    if claim is _CLAIM_BUSY:
         await _defer(message, delivery, spec, rt, "another worker is running this task")
         return _Gate.SETTLED
     return owner
@@ -659,7 +669,7 @@ async def _finish(
     records = rt.results
     session_id = _session_of(delivery) if h.SESSION_ID in delivery.headers else None
     state = (
-        _state(delivery, spec, TaskStatus.SUCCEEDED, result=result)
+        _state(delivery, spec, _SUCCEEDED, result=result)
         if records is not None or session_id is not None
         else None
     )
