@@ -79,8 +79,14 @@ def _positive_ms(value: object) -> bool:
 
 
 def _trace_id(value: object) -> bool:
-    # No spaces either: the log format separates fields with them.
-    return printable_text(value, TRACE_ID_MAX_CHARS) and " " not in str(value)
+    # printable_text, spelled out (it runs for every delivery); no spaces either: the log
+    # format separates fields with them.
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= TRACE_ID_MAX_CHARS
+        and value.isprintable()
+        and " " not in value
+    )
 
 
 def _session_id(value: object) -> bool:
@@ -113,8 +119,16 @@ _VALID: dict[str, Callable[[object], bool]] = {
 
 def checked(headers: dict[str, Any]) -> dict[str, Any]:
     """``headers`` without the values of ours that fail their check (logged, once each)."""
-    bad = [name for name, valid in _VALID.items() if name in headers and not valid(headers[name])]
-    if not bad:
+    # One pass over the message's headers (a task carries a handful), not over ours: this
+    # runs for every delivery.
+    bad: list[str] | None = None
+    for name, value in headers.items():
+        valid = _VALID.get(name)
+        if valid is not None and not valid(value):
+            if bad is None:
+                bad = []
+            bad.append(name)
+    if bad is None:
         return headers
     out = dict(headers)
     for name in bad:

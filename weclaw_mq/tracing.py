@@ -10,10 +10,10 @@ import json
 import logging
 import re
 import uuid
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, Protocol
 
 from . import headers as h
 from .settings import redact_url
@@ -28,7 +28,24 @@ class TraceContext:
     traceparent: str | None = None
 
 
-_current: ContextVar[TraceContext | None] = ContextVar("weclaw_mq_trace", default=None)
+class Traced(Protocol):
+    """What a trace context holds: a ``TraceContext``, or the worker's own record of the
+    delivery it is processing (``message.Delivery``), which carries the same fields, so a
+    delivery makes no second object for its trace."""
+
+    @property
+    def trace_id(self) -> str: ...
+    @property
+    def task_id(self) -> str | None: ...
+    @property
+    def queue(self) -> str | None: ...
+    @property
+    def attempt(self) -> int | None: ...
+    @property
+    def traceparent(self) -> str | None: ...
+
+
+_current: ContextVar[Traced | None] = ContextVar("weclaw_mq_trace", default=None)
 
 
 def new_trace_id() -> str:
@@ -36,16 +53,23 @@ def new_trace_id() -> str:
 
 
 def current() -> TraceContext | None:
-    return _current.get()
+    """The identifiers of the task being handled, or None outside one."""
+    ctx = _current.get()
+    if ctx is None or isinstance(ctx, TraceContext):
+        return ctx
+    return TraceContext(
+        trace_id=ctx.trace_id,
+        task_id=ctx.task_id,
+        queue=ctx.queue,
+        attempt=ctx.attempt,
+        traceparent=ctx.traceparent,
+    )
 
 
-def enter(ctx: TraceContext) -> Token[TraceContext | None]:
-    """Make ``ctx`` current; hand the token to ``leave``."""
-    return _current.set(ctx)
-
-
-def leave(token: Token[TraceContext | None]) -> None:
-    _current.reset(token)
+# ``enter(ctx)`` makes ``ctx`` current and returns the token to hand to ``leave``. The
+# ContextVar's own methods, not wrappers around them: the worker calls both for every delivery.
+enter = _current.set
+leave = _current.reset
 
 
 def trace_from_headers(headers: dict[str, object]) -> tuple[str, str | None]:

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from tests.hostile import bodies, fuzz_settings, nested, properties
 from weclaw_mq import headers as h
+from weclaw_mq import tracing
 from weclaw_mq.errors import InvalidPayload, UndecodableBody
 from weclaw_mq.handler import HandlerSpec, build_spec
 from weclaw_mq.header_values import TRACE_ID_MAX_CHARS
@@ -28,7 +29,7 @@ from weclaw_mq.priority import priority_from_header
 from weclaw_mq.retry import RetryPolicy
 from weclaw_mq.state import TaskStatus
 from weclaw_mq.undecodable import raw_properties, tolerant_properties, undecodable
-from weclaw_mq.worker.delivery import _state, _trace
+from weclaw_mq.worker.delivery import _state
 from weclaw_mq.worker.settle import failure_headers
 
 
@@ -78,14 +79,22 @@ def test_any_delivery_reads_into_safe_values_and_publishable_copies(
 ) -> None:
     props = {("message_type" if k == "type" else k): v for k, v in props.items()}
     message = delivered(Basic.Properties(**props), body)
-    delivery = read_delivery(message)
+    delivery = read_delivery(message, "fuzz")
 
     assert delivery.task_id.isprintable() and len(delivery.task_id.encode()) <= 255
     trace = delivery.trace_id
     assert trace.isprintable() and " " not in trace and len(trace) <= TRACE_ID_MAX_CHARS
     assert delivery.traceparent is None or delivery.traceparent.isprintable()
     assert delivery.attempt >= 1 and delivery.returns >= 0
-    _trace(delivery, SPEC)
+    token = tracing.enter(delivery)  # the delivery is its own trace context
+    assert tracing.current() == tracing.TraceContext(
+        trace_id=trace,
+        task_id=delivery.task_id,
+        queue="fuzz",
+        attempt=delivery.attempt,
+        traceparent=delivery.traceparent,
+    )
+    tracing.leave(token)
     priority_from_header(delivery.headers.get(h.PRIORITY))  # the lane its retries go back to
     _state(delivery, SPEC, TaskStatus.RUNNING).model_dump_json()  # a record Redis can hold
     # The copy a retry or dead letter publishes encodes (else the task would stay unsettled).

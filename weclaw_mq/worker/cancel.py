@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from ..state import TaskStore
 from .deadlines import Deadline
@@ -65,17 +66,17 @@ class Cancels:
         # every delivery, and a request (rare) scans at most the worker's in-flight tasks.
         self._watched: set[Watch] = set()
         self.listening = asyncio.Event()  # set once subscribed (tests wait on it)
+        # The set's own discard, not a method around it: one call less per delivery.
+        self.unwatch: Callable[[Watch], None] = self._watched.discard
 
     # A pair of calls rather than a context manager: this runs for every delivery, and a
     # generator-based one costs microseconds there (measured with benchmarks.own_cost).
     def watch(self, queue: str, task_id: str) -> Watch:
-        """Watch a delivery of ``task_id`` from ``queue``; ``unwatch`` it when it ends."""
+        """Watch a delivery of ``task_id`` from ``queue``; ``unwatch(watch)`` it when it
+        ends."""
         watch = Watch(queue, task_id)
         self._watched.add(watch)
         return watch
-
-    def unwatch(self, watch: Watch) -> None:
-        self._watched.discard(watch)
 
     def request(self, task_id: str, queue: str | None) -> None:
         """A cancel request for ``task_id`` in ``queue`` (None: every queue)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -49,12 +50,11 @@ from ..settings import Settings
 from ..state import Claim, TaskState, TaskStatus, TaskStore, new_owner
 from ..streaming.emitter import Emitter
 from ..streaming.events import final_entry
-from ..tracing import TraceContext
 from ..undecodable import undecodable
 from . import notify
 from .cancel import Cancels, Watch
 from .circuit import QueueCircuit
-from .deadlines import Deadlines
+from .deadlines import Deadline, Deadlines
 from .limiting import NO_TICKET, Held, Limiter, Ticket
 from .settle import Settler
 
@@ -114,9 +114,19 @@ class _Gate(Enum):
     SETTLED = "settled"  # duplicate or deferred: nothing more to do
 
 
+# The enum members a delivery's common paths compare with, read once: on Python 3.11 every
+# ``EnumClass.MEMBER`` is a Python-level descriptor call (enum.property), per use.
+_SETTLED = _Gate.SETTLED
+_CLAIM_DONE = Claim.DONE
+_CLAIM_BUSY = Claim.BUSY
+_CLAIM_CANCELLED = Claim.CANCELLED
+_RUNNING = TaskStatus.RUNNING
+_SUCCEEDED = TaskStatus.SUCCEEDED
+
+
 async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
-    delivery = read_delivery(message)
-    token = tracing.enter(_trace(delivery, spec))
+    delivery = read_delivery(message, spec.queue)
+    token = tracing.enter(delivery)  # the delivery is its own trace context
     # Watched from before the claim: a cancel request is never missed in between.
     watch = rt.cancels.watch(spec.queue, delivery.task_id)
     try:
@@ -128,16 +138,6 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
     finally:
         rt.cancels.unwatch(watch)
         tracing.leave(token)
-
-
-def _trace(delivery: Delivery, spec: HandlerSpec) -> TraceContext:
-    return TraceContext(
-        trace_id=delivery.trace_id,
-        task_id=delivery.task_id,
-        queue=spec.queue,
-        attempt=delivery.attempt,
-        traceparent=delivery.traceparent,
-    )
 
 
 async def _process(
@@ -171,7 +171,8 @@ async def _process(
         )
         await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, too_large)
         return
-    if await _parked_until_due(message, delivery, spec, rt):
+    # Asked only of a task that carries a not-before time (a delayed publish, a retry).
+    if h.NOT_BEFORE in delivery.headers and await _parked_until_due(message, delivery, spec, rt):
         return
     circuit = rt.circuits.get(spec.queue)
     if circuit is not None and not circuit.admits(message):
@@ -191,10 +192,12 @@ async def _process(
     held: str | None = None  # the claim's owner token, while we hold the claim
     if rt.store is not None and spec.idempotent:
         gate = await _pass_guard(message, delivery, spec, rt.store, rt)
-        if gate is _Gate.SETTLED:
+        if gate is _SETTLED:
             return
         held = gate if isinstance(gate, str) else None
-    if await _expired_on_arrival(message, delivery, spec, rt, held):
+    if h.EXPIRES_AT in delivery.headers and await _expired_on_arrival(
+        message, delivery, spec, rt, held
+    ):
         return
     # Only a request, or the marker of a delivery that claims nothing, can cancel it here:
     # the common path pays no call.
@@ -212,19 +215,24 @@ async def _process(
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it.
     running = (
-        asyncio.create_task(_status(rt, delivery, spec, TaskStatus.RUNNING))
+        asyncio.create_task(_status(rt, delivery, spec, _RUNNING))
         if rt.results is not None and held is None
         else None
     )
-    # If the handler ignores its cancellation, another task ends the attempt without it.
-    on_stuck = _ending_without(message, delivery, spec, rt, held, watch)
+    # If the handler ignores its cancellation, another task ends the attempt without it (a
+    # partial, not a closure: made for every delivery, called for almost none).
+    on_stuck = functools.partial(_take_over, message, delivery, spec, rt, held, watch)
     try:
-        with ticket:  # the limits' slots are freed as the handler ends, however it ends
-            if held is None or rt.store is None:
-                outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
-            else:
-                with rt.store.holding(spec.queue, delivery.task_id, held):
+        if ticket is NO_TICKET and held is None:
+            # The common path: no limit's slot to free, no claim to keep alive.
+            outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
+        else:
+            with ticket:  # the limits' slots are freed as the handler ends, however it ends
+                if held is None or rt.store is None:
                     outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
+                else:
+                    with rt.store.holding(spec.queue, delivery.task_id, held):
+                        outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
         if outcome is not None and circuit is not None:
             circuit.outcome(message, outcome[1])
         if running is not None:
@@ -357,7 +365,7 @@ async def _pass_guard(
     """The claim's owner token when we hold the claim, else how the delivery went on."""
     owner = new_owner()
     # With results on, the "running" record rides on the claim (one step, one round trip).
-    running = _state(delivery, spec, TaskStatus.RUNNING) if rt.results is not None else None
+    running = _state(delivery, spec, _RUNNING) if rt.results is not None else None
     try:
         claim = await store.claim(spec.queue, delivery.task_id, owner, running=running)
     except Exception as e:  # the store unreachable or failing: the same answer either way
@@ -367,17 +375,17 @@ async def _pass_guard(
         log.warning("task store unavailable (%s: %s)", type(e).__name__, e)
         await _defer(message, delivery, spec, rt, "the task store is down, the guard cannot tell")
         return _Gate.SETTLED
-    if claim is Claim.CANCELLED:
+    if claim is _CLAIM_CANCELLED:
         await _end_cancelled(message, delivery, spec, rt, None)
         return _Gate.SETTLED
-    if claim is Claim.DONE or await _finished_before(delivery, spec, rt):
-        if claim is not Claim.DONE:
+    if claim is _CLAIM_DONE or await _finished_before(delivery, spec, rt):
+        if claim is not _CLAIM_DONE:
             await _mark_done_quietly(store, spec, delivery)
         await _redeliver_to_inbox(delivery, spec, rt)
         if await notify.announce_again(message, delivery, spec, rt):
             await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
         return _Gate.SETTLED
-    if claim is Claim.BUSY:
+    if claim is _CLAIM_BUSY:
         await _defer(message, delivery, spec, rt, "another worker is running this task")
         return _Gate.SETTLED
     return owner
@@ -486,6 +494,8 @@ def _as_json(result: Any) -> Any:
     that are not UTF-8, no lone surrogates), so a store that fails later is the store's fault,
     never the value's, and is not mistaken for an outage of a value that can never be stored.
     """
+    if result is None:  # the common case, a handler returning nothing: no round trip
+        return None
     try:
         return pydantic_core.from_json(pydantic_core.to_json(result))
     except Exception as e:  # whatever the serialiser (or the value's own hooks) raised
@@ -540,9 +550,7 @@ async def _call(
     started = time.perf_counter()
     if emitter is not None:
         on_stuck = _silencing(emitter, on_stuck)
-    deadline = rt.deadlines.within(
-        spec.timeout_s, on_stuck=on_stuck, grace_s=rt.settings.handler_cancel_grace_s
-    )
+    deadline = Deadline(rt.deadlines, spec.timeout_s, on_stuck, rt.settings.handler_cancel_grace_s)
     result: Any = None
     error: BaseException | None = None
     try:
@@ -597,24 +605,21 @@ def _silencing(
     return stuck
 
 
-def _ending_without(
+def _take_over(
     message: AbstractIncomingMessage,
     delivery: Delivery,
     spec: HandlerSpec,
     rt: Runtime,
     held: str | None,
     watch: Watch,
-) -> Callable[[asyncio.Task[Any]], None]:
-    """What the deadline ticker calls when the handler is still running ``grace`` after its
-    cancellation: end the attempt as a failure in a new task, so the message is retried or
-    dead-lettered (acked, if the task was cancelled), the claim released, and the worker's
-    slot freed."""
-
-    def take_over(stuck: asyncio.Task[Any]) -> None:
-        ending = _end_abandoned(message, delivery, spec, rt, held, watch)
-        rt.take_over(message, spec, rt, stuck, ending)
-
-    return take_over
+    stuck: asyncio.Task[Any],
+) -> None:
+    """What the deadline ticker calls (bound to a delivery by ``functools.partial``) when the
+    handler is still running ``grace`` after its cancellation: end the attempt as a failure in
+    a new task, so the message is retried or dead-lettered (acked, if the task was
+    cancelled), the claim released, and the worker's slot freed."""
+    ending = _end_abandoned(message, delivery, spec, rt, held, watch)
+    rt.take_over(message, spec, rt, stuck, ending)
 
 
 async def _end_abandoned(
@@ -625,7 +630,7 @@ async def _end_abandoned(
     held: str | None,
     watch: Watch,
 ) -> None:
-    token = tracing.enter(_trace(delivery, spec))
+    token = tracing.enter(delivery)
     try:
         grace_s = rt.settings.handler_cancel_grace_s
         if watch.requested:
@@ -662,9 +667,9 @@ async def _finish(
     """Store first, then notify (``notify=``), then ack: a crash in between redelivers a task
     the guard knows is done."""
     records = rt.results
-    session_id = _session_of(delivery)
+    session_id = _session_of(delivery) if h.SESSION_ID in delivery.headers else None
     state = (
-        _state(delivery, spec, TaskStatus.SUCCEEDED, result=result)
+        _state(delivery, spec, _SUCCEEDED, result=result)
         if records is not None or session_id is not None
         else None
     )

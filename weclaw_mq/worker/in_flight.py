@@ -39,7 +39,12 @@ class InFlight:
         self, message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime
     ) -> asyncio.Task[None]:
         """Process ``message`` in a task of ours, counted in flight, settled on every path."""
-        return self._track(spec.queue, settled(message, spec, rt, process(message, spec, rt)))
+        # ``_track``, spelled out: this runs for every delivery.
+        task = asyncio.create_task(settled(message, spec, rt, process(message, spec, rt)))
+        tasks = self._tasks[spec.queue]
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
 
     def replace(
         self,

@@ -33,7 +33,7 @@ from ..metrics import Metrics, Outcome
 from ..naming import delay_queue_name, dlq_name, source_lane
 from ..publishing.connection import cancelled_by_caller
 from ..publishing.producer import Publisher
-from .deadlines import Deadlines
+from .deadlines import Deadline, Deadlines
 
 log = logging.getLogger(__name__)
 # Outcome lines go where the rest of the worker's lines go.
@@ -123,9 +123,12 @@ class Settler:
     def _ended(self, queue: str, outcome: Outcome, text: str, *, level: int | None = None) -> None:
         """The outcome event: called exactly once per settled delivery, by every end below."""
         self.metrics.settled(queue, outcome).inc()
-        outcome_log.log(
-            OUTCOME_LEVELS[outcome] if level is None else level, "%s: %s", outcome, text
-        )
+        if level is None:
+            level = OUTCOME_LEVELS[outcome]
+        # Asked first: an acked task's line is DEBUG, off in production, and ``log`` would
+        # ask the same behind one more call.
+        if outcome_log.isEnabledFor(level):
+            outcome_log.log(level, "%s: %s", outcome, text)
 
     async def ack(
         self, message: AbstractIncomingMessage, *, queue: str, outcome: Outcome = Outcome.ACKED
@@ -273,14 +276,13 @@ class Settler:
         return True
 
     async def _settle(self, message: AbstractIncomingMessage, *, requeue: bool | None) -> bool:
-        what = "ack" if requeue is None else ("nack" if requeue else "reject")
         if self.before_settle is not None:
             try:
                 await self.before_settle(message)
             except Exception as e:  # the settle below matters more than the hand-over
                 log.warning("releasing the lane slot failed (%s)", describe(e))
         try:
-            with self.deadlines.within(SETTLE_TIMEOUT_S):
+            with Deadline(self.deadlines, SETTLE_TIMEOUT_S):
                 if requeue is None:
                     await message.ack()
                 else:
@@ -289,7 +291,16 @@ class Settler:
         except asyncio.CancelledError:
             if cancelled_by_caller():
                 raise
-            log.warning("%s failed (connection lost); the broker will redeliver", what)
+            log.warning("%s failed (connection lost); the broker will redeliver", _verb(requeue))
         except Exception as e:  # any failure here means the same thing: not settled
-            log.warning("%s failed (%s: %s); the broker will redeliver", what, type(e).__name__, e)
+            log.warning(
+                "%s failed (%s: %s); the broker will redeliver",
+                _verb(requeue),
+                type(e).__name__,
+                e,
+            )
         return False
+
+
+def _verb(requeue: bool | None) -> str:
+    return "ack" if requeue is None else ("nack" if requeue else "reject")
