@@ -15,6 +15,8 @@ what the lanes cost in throughput against one queue.
    per lane) and once through one queue with one prefetch-C consumer (the plan of a broker
    with native priorities, on the same quorum queue). Rounds alternate the two; the ratio
    is paired per round, median over the rounds (target: lanes at least 0.95 of one queue).
+   Each round also runs the lanes without their bulk mode (prefetch-1 consumers throughout,
+   ``WECLAW_MQ_LANES_BULK=0``), paired the same way.
    For reference, each round also measures the broker's share of that cost with plain
    aio-pika (ack on arrival, no framework): C + 3 prefetch-1 consumers against one
    prefetch-C consumer on the same kind of queue.
@@ -108,7 +110,21 @@ async def urgent_run(
         await delete_app_queues(amqp_url, app)
 
 
-async def throughput_run(amqp_url: str, *, concurrency: int, n: int, lanes: bool) -> float:
+@contextlib.contextmanager
+def per_consumer_lanes() -> Iterator[None]:
+    """The lanes without their bulk mode (``worker.lanes``): every lane served by prefetch-1
+    consumers throughout, as before the bulk mode (for the paired comparison)."""
+    real = consume.LANES_BULK
+    consume.LANES_BULK = False
+    try:
+        yield
+    finally:
+        consume.LANES_BULK = real
+
+
+async def throughput_run(
+    amqp_url: str, *, concurrency: int, n: int, lanes: bool, bulk: bool = True
+) -> float:
     """Tasks per second consumed from a prefilled queue."""
     app = App("bench-priority", settings=_settings(amqp_url))
     queue = f"bench-priority-{uuid.uuid4().hex[:10]}"
@@ -126,7 +142,8 @@ async def throughput_run(amqp_url: str, *, concurrency: int, n: int, lanes: bool
         await app.declare()
         for start in range(0, n, 1000):
             await app.publish_many(queue, [{"n": i} for i in range(start, min(n, start + 1000))])
-        with contextlib.nullcontext() if lanes else one_queue_plan():
+        plan = contextlib.nullcontext() if lanes else one_queue_plan()
+        with plan, contextlib.nullcontext() if bulk else per_consumer_lanes():
             worker = Worker(app, concurrency=concurrency)
             began = time.perf_counter()
             running = asyncio.create_task(worker.run())
@@ -208,12 +225,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["throughput"] = {}
     for conc in args.throughput_concurrency:
         ratios, lane_rates, one_rates, raw_ratios = [], [], [], []
+        per_rates, per_ratios, bulk_gains = [], [], []
         for _ in range(args.rounds):
             one = await throughput_run(url, concurrency=conc, n=args.n, lanes=False)
             lane = await throughput_run(url, concurrency=conc, n=args.n, lanes=True)
+            per = await throughput_run(url, concurrency=conc, n=args.n, lanes=True, bulk=False)
             one_rates.append(one)
             lane_rates.append(lane)
             ratios.append(lane / one)
+            per_rates.append(per)
+            per_ratios.append(per / one)
+            bulk_gains.append(lane / per)
             raw_one = await raw_run(url, consumers=1, prefetch=conc, n=args.n)
             raw_many = await raw_run(url, consumers=conc + 3, prefetch=1, n=args.n)
             raw_ratios.append(raw_many / raw_one)
@@ -221,6 +243,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "lanes": lane_rates,
             "one_queue": one_rates,
             "ratio": ratios,
+            "per_consumer": per_rates,
+            "per_consumer_ratio": per_ratios,
+            "bulk_gain": bulk_gains,
             "raw_ratio": raw_ratios,
         }
     return out
@@ -248,6 +273,12 @@ def report(out: dict[str, Any]) -> str:
             f"the broker's share, plain aio-pika {int(conc) + 3} prefetch-1 consumers / one "
             f"prefetch-{conc} consumer: {_fmt(row['raw_ratio'])}"
         )
+        if row.get("per_consumer"):
+            lines.append(
+                f"    lanes without bulk mode (prefetch-1 consumers throughout): "
+                f"{_fmt(row['per_consumer'], '/s')}; / one queue {_fmt(row['per_consumer_ratio'])}"
+                f"; lanes (bulk mode) / without, paired: {_fmt(row['bulk_gain'])}"
+            )
     return "\n".join(lines)
 
 

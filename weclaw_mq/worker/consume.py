@@ -60,6 +60,11 @@ from .settle import Settler
 
 log = logging.getLogger("weclaw_mq.worker")
 
+# Lanes serve their lowest lane by one bulk consumer while the upper lanes are quiet
+# (worker.lanes, bulk mode). WECLAW_MQ_LANES_BULK=0 keeps the per-consumer mode throughout
+# (for comparing the two; benchmarks/priority.py).
+LANES_BULK = os.environ.get("WECLAW_MQ_LANES_BULK", "1") != "0"
+
 # After the grace, cancelled handlers get this long to give their messages back.
 DRAIN_CANCEL_S = 5.0
 
@@ -237,9 +242,16 @@ class Worker:
         await channel.set_qos(prefetch_count=self.concurrency)
         # Lane consumers hold one message each (worker.lanes): their own channel, prefetch 1.
         lane_channel = channel
+        # The lanes' bulk consumers (worker.lanes, bulk mode): one prefetch-(C + 1) consumer
+        # of each laned handler's lowest lane, on a channel of their own (basic.qos applies
+        # per consumer, to consumers created after it).
+        bulk_channel: AbstractChannel | None = None
         if laned:
             lane_channel = await conn.channel(publisher_confirms=False)
             await lane_channel.set_qos(prefetch_count=1)
+            if LANES_BULK:
+                bulk_channel = await conn.channel(publisher_confirms=False)
+                await bulk_channel.set_qos(prefetch_count=self.concurrency + 1)
         schedulers: list[LaneScheduler] = []
         publisher = Publisher(self.app.broker, self.app.metrics, name=self._name, connection=conn)
         runtime = Runtime(
@@ -265,7 +277,7 @@ class Worker:
         # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel
         # stays open and nothing else would tell us that no more deliveries come.
         cancelled: asyncio.Queue[str] = asyncio.Queue()
-        for ch in {channel, lane_channel}:
+        for ch in {channel, lane_channel, bulk_channel or channel}:
             underlay = await ch.get_underlay_channel()
             underlay.on_consumer_cancel_callbacks.add(
                 lambda frame: cancelled.put_nowait(frame.consumer_tag or "")
@@ -281,7 +293,9 @@ class Worker:
                 single_consumer = _SingleConsumer(spec, queue, on_message, consumers, self._stop)
                 watches.append(self._watch(spec, runtime, single_consumer))
         for spec in laned:
-            scheduler = self._lane_scheduler(conn, lane_channel, spec, runtime, version)
+            scheduler = self._lane_scheduler(
+                conn, lane_channel, spec, runtime, version, bulk_channel
+            )
             schedulers.append(scheduler)
             await scheduler.start()
             if spec.queue in self._circuits:
@@ -296,7 +310,13 @@ class Worker:
         stop = asyncio.ensure_future(self._stop.wait())
         lost = asyncio.ensure_future(
             # A breaker's watch returns only when it could not change the consumers.
-            _first(when_lost(conn), channel.closed(), lane_channel.closed(), *watches)
+            _first(
+                when_lost(conn),
+                channel.closed(),
+                lane_channel.closed(),
+                (bulk_channel or channel).closed(),
+                *watches,
+            )
         )
         try:
             while not (stop.done() or lost.done()):
@@ -339,6 +359,7 @@ class Worker:
         spec: HandlerSpec,
         runtime: Runtime,
         version: ServerVersion | None,
+        bulk_channel: AbstractChannel | None = None,
     ) -> LaneScheduler:
         async def give_back(message: AbstractIncomingMessage, why: str) -> None:
             await runtime.settler.give_back(message, queue=spec.queue, why=why, level=logging.INFO)
@@ -356,6 +377,7 @@ class Worker:
             start=functools.partial(self._start, spec, runtime),
             give_back=give_back,
             redeclare=redeclare,
+            bulk_channel=bulk_channel,
         )
 
     async def _consume_again(
