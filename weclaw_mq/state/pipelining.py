@@ -73,6 +73,8 @@ DEFAULT_MAX_BATCH = 64
 # and 211 us (one run each, a loaded machine). A lone command finds nothing in flight and
 # leaves at once.
 DEFAULT_MAX_IN_FLIGHT = 1
+# While closing, how long a cancelled round trip may take to end before it is cancelled again.
+_CLOSE_RECANCEL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,14 @@ class AutoPipeline:
         for call in self._queued:
             call.future.cancel()
         self._queued = []
-        sending = list(self._sending)
-        for task in sending:
-            task.cancel()
-        await asyncio.gather(*sending, return_exceptions=True)
+        pending = set(self._sending)
+        # Cancelled again until it ends: on Python 3.11, asyncio.wait_for (which redis-py
+        # wraps around each socket write, its connect's HELLO and PING included) swallows a
+        # cancellation that arrives as the write completes, and the task then waits for a
+        # reply for the whole socket timeout (seen: Ctrl-C of `weclaw-mq status --wait`
+        # against a Redis that accepts and never answers hung for 60 s). A second cancel
+        # reaches the read that follows.
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=_CLOSE_RECANCEL_S)
