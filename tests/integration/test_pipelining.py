@@ -280,6 +280,35 @@ async def test_close_lets_go_of_a_round_trip_that_never_ends(lean: bool) -> None
         await silent.aclose()
 
 
+class _SwallowsOneCancel:
+    """A client whose command swallows the first cancellation and then waits again, as a
+    redis-py write inside Python 3.11's asyncio.wait_for can when the cancel arrives just as
+    the write completes (the read that follows then waits for its socket timeout)."""
+
+    def __init__(self) -> None:
+        self.cancels = 0
+
+    async def hget(self, key: str, field: str) -> None:
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancels += 1
+                if self.cancels > 1:
+                    raise
+
+
+async def test_close_cancels_again_a_round_trip_that_swallowed_its_cancellation() -> None:
+    client = _SwallowsOneCancel()
+    pipe = AutoPipeline(client)
+    waiting = pipe.hget("k", "f")
+    await asyncio.sleep(0)  # the flush: the round trip is out
+    await asyncio.sleep(0)
+    await asyncio.wait_for(pipe.close(), 2)
+    assert client.cancels == 2
+    assert waiting.cancelled()
+
+
 def test_a_pipeline_left_behind_by_a_closed_loop_serves_the_next_one(
     redis_url: str, lean: bool
 ) -> None:
