@@ -11,6 +11,7 @@ own path. The behaviours both paths share are in test_pipelining.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -222,15 +223,30 @@ async def test_a_lone_command_is_on_the_wire_before_its_caller_awaits_anything(
     assert pipe._lean is not None
 
 
+@contextlib.asynccontextmanager
+async def _through_proxy(
+    client: aioredis.Redis, socket_timeout: float
+) -> AsyncIterator[tuple[TcpProxy, aioredis.Redis]]:
+    """A proxy in front of ``client``'s Redis (to cut or silence), and a client through it
+    made as the store makes its own (no retry)."""
+    target = client.connection_pool.connection_kwargs
+    proxy = TcpProxy(target["host"], target["port"])
+    await proxy.start()
+    through = aioredis.Redis(
+        host="127.0.0.1", port=proxy.port, socket_timeout=socket_timeout, retry=NO_RETRY
+    )
+    try:
+        yield proxy, through
+    finally:
+        await through.aclose()
+        await proxy.close()
+
+
 async def test_a_connection_lost_mid_batch_fails_that_batch_and_the_next_one_works(
     redis_url: str, client: aioredis.Redis, key: str
 ) -> None:
     await client.script_load(APPEND.text)
-    target = client.connection_pool.connection_kwargs
-    proxy = TcpProxy(target["host"], target["port"])
-    await proxy.start()
-    through = aioredis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=10, retry=NO_RETRY)
-    try:
+    async with _through_proxy(client, 10) as (proxy, through):
         pipe = CountingPipe(through)
         assert await pipe.script(APPEND, [key], ["before"]) == 1  # connected, in the pool
         proxy.blackhole()  # the batch leaves; no answer comes back
@@ -246,19 +262,12 @@ async def test_a_connection_lost_mid_batch_fails_that_batch_and_the_next_one_wor
         assert await asyncio.gather(*(pipe.script(APPEND, [key], [x]) for x in "xy")) == [2, 3]
         assert await client.lrange(key, 0, -1) == [b"before", b"x", b"y"]
         assert pipe._lean is not None
-    finally:
-        await through.aclose()
-        await proxy.close()
 
 
 async def test_a_batch_answered_too_late_fails_with_redis_pys_timeout(
     client: aioredis.Redis, key: str
 ) -> None:
-    target = client.connection_pool.connection_kwargs
-    proxy = TcpProxy(target["host"], target["port"])
-    await proxy.start()
-    through = aioredis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=0.3, retry=NO_RETRY)
-    try:
+    async with _through_proxy(client, 0.3) as (proxy, through):
         pipe = AutoPipeline(through)
         assert await pipe.script(APPEND, [key], ["before"]) == 1
         proxy.blackhole()
@@ -270,9 +279,6 @@ async def test_a_batch_answered_too_late_fails_with_redis_pys_timeout(
         # The late replies were never read into a later batch: that connection was closed.
         assert await pipe.script(APPEND, [f"{key}:other"], ["after"]) == 1
         assert pipe._lean is not None
-    finally:
-        await through.aclose()
-        await proxy.close()
 
 
 async def test_a_client_whose_connections_retry_keeps_redis_pys_path(
