@@ -119,6 +119,13 @@ class Tracker:
             self._on_done()
 
     def result(self) -> dict[str, Any]:
+        if not self.first_ns:
+            # Acks without a counted delivery: the delivery hook missed how this contender
+            # builds its messages (aio_hooks.track), and the window would be meaningless.
+            raise RuntimeError(
+                f"{self.acked} acks but no delivery was counted: the delivery hook "
+                "(benchmarks/contenders/aio_hooks.py) does not see this contender's messages"
+            )
         elapsed_s = (self.last_ns - self.first_ns) / 1e9
         cpu_s = self.last_cpu_s - self.first_cpu_s
         return {

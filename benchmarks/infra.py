@@ -278,6 +278,11 @@ class Child:
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
+        # Process groups the contender started in sessions of their own (the --processes
+        # supervisor and its children), as it announced them: they would outlive it.
+        for group in self.events.get("spawned", {}).get("process_groups", []):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
 
 
 class Children:

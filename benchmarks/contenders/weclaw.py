@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, SecretStr
 
+import weclaw_mq.worker.incoming  # noqa: F401  # imported before track(): its messages count
 from weclaw_mq import App, Settings, Worker
 
 from ..common import (

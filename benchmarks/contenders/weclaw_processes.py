@@ -87,6 +87,8 @@ class Slot:
 @functools.cache
 def _child_app() -> Any:
     """The app a worker child loads: the one-process contender's, with the slot hooks."""
+    import weclaw_mq.worker.incoming  # noqa: F401  # imported before track(): its messages count
+
     from .weclaw import build_app
 
     cfg = ChildConfig(**json.loads(os.environ[CONFIG_ENV]))
@@ -131,6 +133,9 @@ async def consume(cfg: ChildConfig) -> None:
             env=env,
             start_new_session=True,  # our Ctrl-C is the orchestrator's to give
         )
+        # Its own session, so a SIGKILL of this process would not reach it: the orchestrator
+        # kills this group too when it gives up on us (infra.Child.kill).
+        emit("spawned", process_groups=[supervisor.pid])
         try:
             # Ready once every child holds a delivery (the orchestrator fills meanwhile).
             while sum(s[1] for s in read_slots(folder)) < processes:

@@ -54,6 +54,7 @@ from .deadlines import Deadlines
 from .delivery import Runtime
 from .health import QueueState, WorkerHealth
 from .in_flight import InFlight
+from .incoming import consume
 from .lanes import LaneScheduler
 from .limiting import Limiter
 from .settle import Settler
@@ -286,7 +287,7 @@ class Worker:
         watches: list[Coroutine[Any, Any, None]] = []
         for spec in single:
             queue = await channel.get_queue(spec.queue, ensure=False)
-            tag = await queue.consume(self._dispatcher(spec, runtime))
+            tag = await consume(queue, self._dispatcher(spec, runtime))
             consumers[tag] = (spec, queue)
             if spec.queue in self._circuits:
                 on_message = self._dispatcher(spec, runtime)
@@ -399,7 +400,7 @@ class Worker:
             await declare(declaring, [spec.queue_spec()])
             await declaring.close()
             queue = await channel.get_queue(spec.queue, ensure=False)
-            tag = await queue.consume(self._dispatcher(spec, runtime))
+            tag = await consume(queue, self._dispatcher(spec, runtime))
         except (*LINK_ERRORS, RuntimeError) as e:  # RuntimeError: aio-pika's "closed"
             raise aiormq.exceptions.ConnectionClosed(
                 320, f"could not consume {spec.queue!r} again: {describe(e)}"
@@ -533,7 +534,7 @@ class _SingleConsumer:
     async def resume(self) -> None:
         if self.stopping.is_set():
             return  # the stop cancels consumers: none is added behind it
-        tag = await self.queue.consume(self.on_message)
+        tag = await consume(self.queue, self.on_message)
         self.consumers[tag] = (self.spec, self.queue)
 
     async def fetch(self) -> AbstractIncomingMessage | None:

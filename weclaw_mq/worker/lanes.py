@@ -53,6 +53,7 @@ from typing import Any
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
 from ..publishing.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
+from .incoming import consume
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -68,6 +69,7 @@ CANCELLED_MEMORY_S = 5.0
 BULK_QUIET_S = 1.0
 # Tags of our bulk consumers (unique, so a delivery tells which channel it came on).
 BULK_TAG = "weclaw-bulk-"
+LANE_TAG = "weclaw-lane-"
 
 
 def pick(
@@ -139,6 +141,8 @@ class LaneScheduler:
             lane: deque() for lane in self.lanes
         }
         self._opening: dict[str, int] = dict.fromkeys(self.lanes, 0)
+        # The tags of the consumers counted in _opening whose consume was sent (see _open).
+        self._opening_tags: set[str] = set()
         # delivery tag -> (consumer tag, lane) of every running task
         self._running: dict[int, tuple[str, str]] = {}
         self._skipped: dict[str, int] = dict.fromkeys(self.lanes, 0)
@@ -323,7 +327,13 @@ class LaneScheduler:
             why = "the worker is stopping" if self._stopping else "its consumer was cancelled"
             await self._give_back(message, why)
             return
-        self._lane_of.setdefault(tag, lane)  # it may come before consume() returned
+        if tag in self._opening_tags:
+            # Its first delivery, before its consume() returned (the callback runs in the
+            # delivery's own task: see .incoming): counted as live from now on, not as
+            # opening, or the cap would count it twice and hold back a lane's spare.
+            self._opening_tags.discard(tag)
+            self._opening[lane] -= 1
+        self._lane_of.setdefault(tag, lane)
         self._idle[lane].discard(tag)
         self._pending.pop(lane, None)
         if lane != self._lowest:
@@ -473,7 +483,7 @@ class LaneScheduler:
         assert self._bulk_queue is not None
         tag = f"{BULK_TAG}{uuid.uuid4().hex}"
         self._bulk = tag  # before the consume: deliveries may come before its consume-ok
-        await self._bulk_queue.consume(self._on_bulk, consumer_tag=tag)
+        await consume(self._bulk_queue, self._on_bulk, consumer_tag=tag)
 
     def _leave_bulk(self, *, renew: bool) -> None:
         """Cancel the bulk consumer: its waiting tasks go back, its running ones finish (and
@@ -584,12 +594,20 @@ class LaneScheduler:
             self._fill()
 
     async def _open(self, lane: str) -> None:
+        # Our tag, not the broker's: known before the consume-ok, so an early delivery
+        # (_on_message) and this method agree on which of them stops counting it as opening.
+        tag = f"{LANE_TAG}{uuid.uuid4().hex}"
+        sent = False
         try:
             if self._stopping or self._paused:
                 return
-            tag = await self._queues[lane].consume(self._deliveries[lane])
+            self._opening_tags.add(tag)
+            sent = True
+            await consume(self._queues[lane], self._deliveries[lane], consumer_tag=tag)
         finally:
-            self._opening[lane] -= 1
+            if not sent or tag in self._opening_tags:  # else an early delivery did it
+                self._opening_tags.discard(tag)
+                self._opening[lane] -= 1
             if lane in self._pending:
                 self._expect(lane, timed=True)
             self._serve_unserved()
