@@ -23,7 +23,7 @@ from aio_pika.abc import AbstractChannel
 
 from consumers import demo
 from producers.api import RETRY_AFTER_S, create_app
-from tests.conftest import queue_depth, settings_for, wait_until
+from tests.conftest import forget_task_keys, queue_depth, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App
 from weclaw_mq.naming import dlq_name, task_keys
@@ -46,6 +46,10 @@ async def forget_tasks(redis_url: str) -> AsyncIterator[list[tuple[str, str]]]:
     """(queue, task id) pairs whose Redis records are deleted at teardown."""
     tasks: list[tuple[str, str]] = []
     yield tasks
+    # First every task found in those queues, with its per-task-id keys (the demo's streamed
+    # replies: 4 streams were left per run when only task_keys were deleted, as make_app's own
+    # scan ran after this and found no record left to follow).
+    await forget_task_keys(redis_url, {queue for queue, _ in tasks})
     client = aioredis.Redis.from_url(redis_url)
     try:
         for queue, task_id in tasks:
