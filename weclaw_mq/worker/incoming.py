@@ -50,26 +50,20 @@ def _slots(cls: type) -> set[str]:
     return set(cls.__dict__.get("__slots__", ()))
 
 
+# Every slot of each class, as declared (Python names "__lock" _Message__lock, and so on);
+# "_headers" and "_loop" are declared but left unset by aio-pika's constructor, and by ours.
 _MESSAGE_SLOTS = {
-    "app_id", "body", "body_size", "content_encoding", "content_type", "correlation_id",
-    "delivery_mode", "expiration", "headers", "message_id", "priority", "reply_to",
-    "timestamp", "type", "user_id",
+    "__lock", "_headers", "app_id", "body", "body_size", "content_encoding", "content_type",
+    "correlation_id", "delivery_mode", "expiration", "headers", "message_id", "priority",
+    "reply_to", "timestamp", "type", "user_id",
 }  # fmt: skip
 _INCOMING_SLOTS = {
-    "cluster_id", "consumer_tag", "delivery_tag", "exchange", "message_count", "redelivered",
-    "routing_key",
+    "__channel", "__no_ack", "__processed", "_loop", "cluster_id", "consumer_tag",
+    "delivery_tag", "exchange", "message_count", "redelivered", "routing_key",
 }  # fmt: skip
-# Slots aio-pika declares but its constructor leaves unset (so do we).
-_UNSET = {"_headers", "_loop"}
-_PRIVATE = {"__lock", "__channel", "__no_ack", "__processed"}
-# Our filling is exact only for the slots it knows: any added, removed or renamed slot in a
-# later aio-pika turns it off (aio-pika's constructor is used then).
-FAST = (
-    hasattr(Message, _LOCK)
-    and hasattr(IncomingMessage, _CHANNEL)
-    and _slots(Message) | _slots(IncomingMessage)
-    == _MESSAGE_SLOTS | _INCOMING_SLOTS | _UNSET | _PRIVATE
-)
+# Our filling is exact only for the slots it knows: any added, removed, renamed or moved slot
+# in a later aio-pika turns it off (aio-pika's constructor is used then).
+FAST = _slots(Message) == _MESSAGE_SLOTS and _slots(IncomingMessage) == _INCOMING_SLOTS
 
 _set = object.__setattr__  # Message.__setattr__ only refuses a locked message: this one is new
 _MODES = {None: DeliveryMode.NOT_PERSISTENT, 0: DeliveryMode.NOT_PERSISTENT}

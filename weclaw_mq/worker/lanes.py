@@ -597,15 +597,13 @@ class LaneScheduler:
         # Our tag, not the broker's: known before the consume-ok, so an early delivery
         # (_on_message) and this method agree on which of them stops counting it as opening.
         tag = f"{LANE_TAG}{uuid.uuid4().hex}"
-        sent = False
+        self._opening_tags.add(tag)
         try:
             if self._stopping or self._paused:
                 return
-            self._opening_tags.add(tag)
-            sent = True
             await consume(self._queues[lane], self._deliveries[lane], consumer_tag=tag)
         finally:
-            if not sent or tag in self._opening_tags:  # else an early delivery did it
+            if tag in self._opening_tags:  # else an early delivery did it
                 self._opening_tags.discard(tag)
                 self._opening[lane] -= 1
             if lane in self._pending:
