@@ -26,7 +26,12 @@
 # Environment: WECLAW_DEV_SERVICES_DIR, WECLAW_DEV_SERVICES_RABBITMQ_TIMEOUT_S (120),
 # WECLAW_DEV_SERVICES_REDIS_TIMEOUT_S (30), WECLAW_DEV_SERVICES_DOCKER_TIMEOUT_S (180),
 # WECLAW_DEV_SERVICES_RABBITMQ_BIN (folder of Debian's unwrapped rabbitmq-server script,
-# default /usr/lib/rabbitmq/bin). Passwords in URLs are never printed.
+# default /usr/lib/rabbitmq/bin), WECLAW_DEV_SERVICES_SYSTEM_PORT (5672: the port the system
+# node serves), WECLAW_DEV_SERVICES_RABBITMQCTL (rabbitmqctl: the command that reaches the
+# system node). Passwords in URLs are never printed.
+#
+# A system node that runs but does not answer the AMQP handshake (overloaded, out of file
+# handles) is reported and left alone: 'up' starts, and records, only what was not running.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -35,6 +40,9 @@ RABBITMQ_TIMEOUT_S=${WECLAW_DEV_SERVICES_RABBITMQ_TIMEOUT_S:-120}
 REDIS_TIMEOUT_S=${WECLAW_DEV_SERVICES_REDIS_TIMEOUT_S:-30}
 DOCKER_TIMEOUT_S=${WECLAW_DEV_SERVICES_DOCKER_TIMEOUT_S:-180}
 STOP_TIMEOUT_S=60
+SYSTEM_PORT=${WECLAW_DEV_SERVICES_SYSTEM_PORT:-5672}
+# Word-split on purpose: a command and its arguments (e.g. a node name for another node).
+read -r -a RABBITMQCTL <<<"${WECLAW_DEV_SERVICES_RABBITMQCTL:-rabbitmqctl}"
 DEFAULT_AMQP_URL=amqp://guest:guest@localhost:5672/
 DEFAULT_REDIS_URL=redis://localhost:6379/0
 # The ports docker-compose.yml publishes.
@@ -480,27 +488,59 @@ rabbitmq_launch_private() {
 	record_set "$dir" wrapper "$(pid_tag "$wrapper" || echo "$wrapper:gone")"
 }
 
-# The system node on 5672 (root): started the way Debian's package does it.
+# What the system node says of itself: "serving" (its app runs), "stopped" (the Erlang node
+# runs, its app does not), "down" (no node: rabbitmqctl's exit 69), "unknown" (no answer).
+rabbitmq_system_state() {
+	local out rc=0
+	out=$(timeout 20 "${RABBITMQCTL[@]}" -q eval 'rabbit:is_running().' 2>/dev/null 9>&-) || rc=$?
+	case "$rc:$(echo "$out" | tr -d '[:space:]')" in
+	0:true) echo serving ;;
+	0:false) echo stopped ;;
+	69:*) echo down ;;
+	*) echo unknown ;;
+	esac
+}
+
+# The system node (root, its port): started the way Debian's package does it, after asking it
+# whether it runs; recorded only once this script has started something.
 rabbitmq_start_system() {
-	local dir=$1
-	mkdir -p "$dir"
-	record_set "$dir" kind system
-	record_set "$dir" service rabbitmq
-	record_set "$dir" port "$U_PORT"
-	if timeout 20 rabbitmqctl ping >/dev/null 2>&1; then
+	local dir=$1 state
+	state=$(rabbitmq_system_state)
+	case "$state" in
+	serving)
+		err "the RabbitMQ system node runs but does not answer the AMQP handshake at $(redact "$AMQP_URL"): it is overloaded or out of file handles (check: rabbitmq-diagnostics status; rabbitmqctl eval 'file_handle_cache:info().'; delete queues nobody uses, or raise its ulimit -n); nothing was started or stopped"
+		return 1
+		;;
+	unknown)
+		err "nothing answers AMQP at $(redact "$AMQP_URL") and '${RABBITMQCTL[*]}' got no answer from the system node within 20 s: it may be booting or wedged (check: rabbitmq-diagnostics status); nothing was started or stopped"
+		return 1
+		;;
+	stopped)
 		# The Erlang node runs but its app was stopped ('rabbitmqctl stop_app'):
 		# 'rabbitmq-server -detached' would refuse to start a second node.
 		log "the RabbitMQ system node is up but not serving: rabbitmqctl start_app"
+		timeout 60 "${RABBITMQCTL[@]}" start_app >/dev/null 9>&- || return 1
+		mkdir -p "$dir"
 		record_set "$dir" started app
-		timeout 60 rabbitmqctl start_app >/dev/null || return 1
-	else
+		;;
+	down)
+		if ! py port-free "$U_PORT"; then
+			err "port $U_PORT is taken by a process that does not answer as RabbitMQ, and no system node runs (see: ss -ltnp 'sport = :$U_PORT')"
+			return 1
+		fi
 		log "RabbitMQ is installed but not running: rabbitmq-server -detached (the system node)"
-		record_set "$dir" started node
+		mkdir -p "$dir"
 		rabbitmq-server -detached >>"$dir/stdout.log" 2>&1 </dev/null 9>&- || {
 			tail -n 15 "$dir/stdout.log" >&2
+			rm -rf "$dir"
 			return 1
 		}
-	fi
+		record_set "$dir" started node
+		;;
+	esac
+	record_set "$dir" kind system
+	record_set "$dir" service rabbitmq
+	record_set "$dir" port "$U_PORT"
 }
 
 # Wait until the RabbitMQ of instance dir $1 answers AMQP; record its pids.
@@ -540,8 +580,8 @@ rabbitmq_await() {
 		[ -n "$pid" ] && tag=$(pid_tag "$pid") && record_set "$dir" pid "$tag"
 	fi
 	if [ "$kind" = system ]; then
-		pid=$(timeout 20 rabbitmqctl eval 'os:getpid().' 2>/dev/null | tr -dc '0-9' || true)
-		node=$(timeout 20 rabbitmqctl eval 'node().' 2>/dev/null | tr -d "'\"[:space:]" || true)
+		pid=$(timeout 20 "${RABBITMQCTL[@]}" eval 'os:getpid().' 2>/dev/null | tr -dc '0-9' || true)
+		node=$(timeout 20 "${RABBITMQCTL[@]}" eval 'node().' 2>/dev/null | tr -d "'\"[:space:]" || true)
 		[ -n "$node" ] && record_set "$dir" node "$node"
 		[ -n "$pid" ] && tag=$(pid_tag "$pid") && record_set "$dir" pid "$tag"
 	fi
@@ -731,9 +771,9 @@ ensure_begin() {
 		fi
 	fi
 	if [ "$service" = rabbitmq ]; then
-		if [ "$U_PORT" = 5672 ] && [ "$(id -u)" = 0 ] && command -v rabbitmqctl >/dev/null 2>&1; then
+		if [ "$U_PORT" = "$SYSTEM_PORT" ] && [ "$(id -u)" = 0 ] && command -v "${RABBITMQCTL[0]}" >/dev/null 2>&1; then
 			rabbitmq_start_system "$dir" || {
-				missing "$name: could not start the system node (see above)"
+				missing "$name: the system node does not serve $shown, and this script started nothing (see above)"
 				return 1
 			}
 		else
@@ -808,10 +848,10 @@ stop_instance() {
 			log "RabbitMQ system node $node (pid ${tag%%:*}) is no longer running; nothing to stop"
 		elif [ "$(record_get "$dir" started)" = app ]; then
 			log "stopping the RabbitMQ app on system node $node again: rabbitmqctl stop_app"
-			timeout "$STOP_TIMEOUT_S" rabbitmqctl -n "$node" stop_app >/dev/null || return 1
+			timeout "$STOP_TIMEOUT_S" "${RABBITMQCTL[@]}" -n "$node" stop_app >/dev/null || return 1
 		else
 			log "stopping RabbitMQ system node $node (pid ${tag%%:*}): rabbitmqctl stop"
-			timeout "$STOP_TIMEOUT_S" rabbitmqctl -n "$node" stop >/dev/null 2>&1 || true
+			timeout "$STOP_TIMEOUT_S" "${RABBITMQCTL[@]}" -n "$node" stop >/dev/null 2>&1 || true
 			stop_tags "$tag" || return 1
 		fi
 		;;

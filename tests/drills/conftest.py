@@ -359,6 +359,19 @@ def single_node(space: NodeSpace, what: str) -> Iterator[RabbitNode]:
         node.terminate()
 
 
+@contextlib.contextmanager
+def low_nofile_node(servers: PrivateServers, name: str, nofile: int) -> Iterator[RabbitNode]:
+    """A private single node of its own space ``name``, started with ``ulimit -n nofile``."""
+    space = NodeSpace(
+        servers.folder(f"rabbit-{name}"),
+        f"{servers.run_id}-{name}",
+        servers,
+        extra_env=(("WECLAW_CLUSTER_NOFILE", str(nofile)),),
+    )
+    with single_node(space, f"with ulimit -n {nofile}") as node:
+        yield node
+
+
 @pytest.fixture(scope="session")
 def private_node(node_space: NodeSpace) -> Iterator[RabbitNode]:
     """The private single node, started for this session and stopped at its end."""

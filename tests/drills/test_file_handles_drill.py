@@ -35,11 +35,7 @@ import aio_pika
 import pytest
 
 from tests.conftest import queue_depth, settings_for, wait_until
-from tests.drills.conftest import (
-    NodeSpace,
-    RabbitNode,
-    single_node,
-)
+from tests.drills.conftest import RabbitNode, low_nofile_node
 from tests.private_servers import PrivateServers
 from weclaw_mq import App
 from weclaw_mq.broker_version import ServerVersion
@@ -58,15 +54,9 @@ FILE_HANDLES = "file_handle_cache:info([total_limit, total_used])."
 
 
 @pytest.fixture(scope="module")
-def low_nofile_node(private_servers: PrivateServers) -> Iterator[RabbitNode]:
+def nofile_node(private_servers: PrivateServers) -> Iterator[RabbitNode]:
     """A private single node of this module's own, started with ``ulimit -n 1024``."""
-    space = NodeSpace(
-        private_servers.folder("rabbit-nofile"),
-        f"{private_servers.run_id}-fd",
-        private_servers,
-        extra_env=(("WECLAW_CLUSTER_NOFILE", str(NOFILE)),),
-    )
-    with single_node(space, "for the drill") as node:
+    with low_nofile_node(private_servers, "fd", NOFILE) as node:
         yield node
 
 
@@ -106,9 +96,9 @@ def _per_lane_delay_queues(spec: QueueSpec) -> list[tuple[str, dict[str, object]
 
 @pytest.mark.drill
 async def test_a_node_at_ulimit_1024_takes_new_connections_with_many_handlers_declared(
-    low_nofile_node: RabbitNode,
+    nofile_node: RabbitNode,
 ) -> None:
-    node = low_nofile_node
+    node = nofile_node
     assert _open_files_limit(node.require_pid()) == NOFILE
     _, used_before = await _handles(node)
     app = App("fd-drill", settings=settings_for(node.url, "redis://127.0.0.1:6379/0"))
@@ -179,9 +169,9 @@ async def _held_for_dead_lettering(node: RabbitNode, queue: str) -> int:
 
 @pytest.mark.drill
 async def test_a_task_whose_lane_is_gone_stays_in_the_delay_queue_and_holds_back_no_other(
-    low_nofile_node: RabbitNode,
+    nofile_node: RabbitNode,
 ) -> None:
-    node = low_nofile_node
+    node = nofile_node
     queue = f"fd-orphan-{uuid.uuid4().hex[:8]}"
     app = App("fd-orphan", settings=settings_for(node.url, "redis://127.0.0.1:6379/0"))
 
