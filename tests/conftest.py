@@ -7,10 +7,10 @@ queue a test's apps declared is deleted at teardown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -44,34 +44,65 @@ HOW_TO_GET_REDIS = services.HOW_TO_GET_REDIS
 
 # The project's own order (weclaw_mq.testing.services has the users'): the shared local
 # services first, a container only where they do not answer and a Docker engine runs.
-@pytest.fixture(scope="session")
-def broker_url() -> Iterator[str]:
-    problem = services.amqp_problem(AMQP_URL)
+#
+# Function-scoped over a per-process memory of the answer: a session fixture would cache one
+# failed connect and error every later test of the process. The first check waits out a bad
+# moment (services.SERVICE_WAIT_S); after a failure each later test asks once more.
+_answered: dict[str, str] = {}
+_failed: set[str] = set()
+
+
+def _service_url(
+    what: str,
+    url: str,
+    problem_at: Callable[..., str | None],
+    container: Callable[[], str],
+    how_to: str,
+) -> str:
+    if url in _answered:
+        return _answered[url]
+    wait_s = 0.0 if url in _failed else services.SERVICE_WAIT_S
+    problem = problem_at(url, wait_s=wait_s)
     if problem is None:
-        yield AMQP_URL
-        return
+        _failed.discard(url)
+        _answered[url] = url
+        return url
     if services.docker_engine():
-        with services.rabbitmq_container() as url:
-            yield url
-        return
+        _answered[url] = container()
+        return _answered[url]
+    _failed.add(url)
+    env = "WECLAW_MQ_AMQP_URL" if what == "RabbitMQ" else "WECLAW_MQ_REDIS_URL"
     pytest.fail(
-        f"no RabbitMQ answers at WECLAW_MQ_AMQP_URL ({problem}); {HOW_TO_GET_A_BROKER}",
-        pytrace=False,
+        f"no {what} answers at {env}: {problem}; if none runs there, {how_to}", pytrace=False
     )
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    problem = services.redis_problem(REDIS_URL)
-    if problem is None:
-        yield REDIS_URL
-        return
-    if services.docker_engine():
-        with services.redis_container() as url:
-            yield url
-        return
-    pytest.fail(
-        f"no Redis answers at WECLAW_MQ_REDIS_URL ({problem}); {HOW_TO_GET_REDIS}", pytrace=False
+def _containers() -> Iterator[contextlib.ExitStack]:
+    """Containers started for the session where no local service answers (Docker only)."""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture
+def broker_url(request: pytest.FixtureRequest) -> str:
+    return _service_url(
+        "RabbitMQ",
+        AMQP_URL,
+        services.amqp_problem,
+        lambda: request.getfixturevalue("_containers").enter_context(services.rabbitmq_container()),
+        HOW_TO_GET_A_BROKER,
+    )
+
+
+@pytest.fixture
+def redis_url(request: pytest.FixtureRequest) -> str:
+    return _service_url(
+        "Redis",
+        REDIS_URL,
+        services.redis_problem,
+        lambda: request.getfixturevalue("_containers").enter_context(services.redis_container()),
+        HOW_TO_GET_REDIS,
     )
 
 
@@ -313,20 +344,11 @@ def outcome_count(app: App, queue: str, outcome: str) -> float:
 def close_connections(name: str, *, prefix: bool = False) -> int:
     """Have the shared broker close the connections its clients named ``name`` (or whose name
     starts with it); how many. Only ever a test's own connections: the names carry its queue."""
-    listing = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
+    from tests.broker_ctl import broker_ctl  # it imports this module
+
+    listing = broker_ctl("-q", "list_connections", "pid", "client_properties")
     wanted = f'{{"connection_name","{name}' + ("" if prefix else '"}')
     pids = [line.split("\t", 1)[0] for line in listing.splitlines() if wanted in line]
     for pid in pids:
-        subprocess.run(
-            ["rabbitmqctl", "-q", "close_connection", pid, "closed by a weclaw_mq test"],
-            capture_output=True,
-            check=True,
-            timeout=60,
-        )
+        broker_ctl("-q", "close_connection", pid, "closed by a weclaw_mq test")
     return len(pids)

@@ -43,9 +43,7 @@ FILE_HANDLES = "file_handle_cache:info([total_limit, total_used])."
 
 pytestmark = [
     pytest.mark.drill,
-    pytest.mark.skipif(
-        os.geteuid() != 0, reason="the script's system-node path runs only as root"
-    ),
+    pytest.mark.skipif(os.geteuid() != 0, reason="the script's system-node path runs only as root"),
 ]
 
 

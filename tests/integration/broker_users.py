@@ -1,4 +1,5 @@
-"""RabbitMQ users of one test's own on the shared broker, made and removed with rabbitmqctl.
+"""RabbitMQ users of one test's own on the tests' broker, made and removed with rabbitmqctl
+(on the node that serves WECLAW_MQ_AMQP_URL: tests.broker_ctl).
 
 Names are unique per call (``weclaw-test-<hex>``) and every user is deleted on every exit
 path; no other user (guest above all) is ever changed.
@@ -8,28 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import shlex
-import shutil
-import subprocess
 import uuid
 from collections.abc import Iterator
 from urllib.parse import quote, urlsplit, urlunsplit
 
-import pytest
-
+from tests.broker_ctl import broker_ctl
 from weclaw_mq.permissions import Grant, set_permissions_line, vhost_of
-
-
-def rabbitmqctl(*args: str) -> str:
-    if shutil.which("rabbitmqctl") is None:
-        pytest.fail(
-            "needs rabbitmqctl beside the test broker to create users: apt-get install "
-            "rabbitmq-server (Debian)",
-            pytrace=False,
-        )
-    done = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise AssertionError(f"rabbitmqctl {args[0]} failed: {done.stderr.strip()}")
-    return done.stdout
 
 
 def url_as(broker_url: str, user: str, password: str) -> str:
@@ -45,7 +30,7 @@ def apply_line(line: str, user: str) -> None:
     """Run a ``rabbitmqctl set_permissions`` line, only ever for ``user`` (one of ours)."""
     args = shlex.split(line)
     assert args[:2] == ["rabbitmqctl", "set_permissions"] and user in args, line
-    rabbitmqctl(*args[1:])
+    broker_ctl(*args[1:])
 
 
 @contextlib.contextmanager
@@ -56,10 +41,10 @@ def broker_user(
     when None: apply a printed line with ``apply_line``)."""
     user = f"weclaw-test-{uuid.uuid4().hex[:10]}"
     password = password or uuid.uuid4().hex
-    rabbitmqctl("add_user", user, password)
+    broker_ctl("add_user", user, password)
     try:
         if grant is not None:
             apply_line(set_permissions_line(user, vhost_of(broker_url), grant), user)
         yield user, url_as(broker_url, user, password)
     finally:
-        rabbitmqctl("delete_user", user)
+        broker_ctl("delete_user", user)

@@ -21,6 +21,7 @@ from typing import Any
 
 import aio_pika
 
+from tests.broker_ctl import abroker_ctl
 from tests.conftest import (
     delete_queues,
     forget_task_keys,
@@ -342,7 +343,7 @@ def parse_list_queues(out: str, names: Sequence[str]) -> dict[str, QueueCounts]:
 
 
 async def broker_queue_counts(names: Sequence[str]) -> dict[str, QueueCounts]:
-    """Ready and unacked counts of ``names`` on the machine's default broker, read with
+    """Ready and unacked counts of ``names`` on the tests' broker, read with
     ``rabbitmqctl`` (root, as in CI): the broker's word, not our metrics. AMQP's passive
     declare reports ready messages only, so "nothing unacked" needs the CLI.
 
@@ -352,19 +353,8 @@ async def broker_queue_counts(names: Sequence[str]) -> dict[str, QueueCounts]:
     test_promises.py); a check of the end state also reads the ready counts afresh with a
     passive declare once the consumer is gone (``fresh_ready_counts``): its unacked messages
     would be ready again by then."""
-    proc = await asyncio.create_subprocess_exec(
-        "rabbitmqctl",
-        *LIST_QUEUES_ARGS,
-        "--formatter",
-        "json",
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    if proc.returncode != 0:
-        raise AssertionError(f"rabbitmqctl list_queues exited {proc.returncode}: {err.decode()}")
-    return parse_list_queues(out.decode(), names)
+    out = await abroker_ctl(*LIST_QUEUES_ARGS, "--formatter", "json")
+    return parse_list_queues(out, names)
 
 
 def end_state_problems(

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.broker_ctl import broker_ctl
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +24,5 @@ def test_outbox_benchmark_smoke_run_prints_every_case_and_the_ratio() -> None:
     for case in ("| publish |", "| publish_many |", "(broker down)", "| relay drain |"):
         assert case in proc.stdout, case
     assert "relay drain / publish_many:" in proc.stdout
-    listing = subprocess.run(
-        ["rabbitmqctl", "list_queues", "-q", "name"], capture_output=True, text=True, timeout=60
-    )
-    assert "bench-outbox-" not in listing.stdout, "the benchmark left its queue behind"
+    listing = broker_ctl("list_queues", "-q", "name")
+    assert "bench-outbox-" not in listing, "the benchmark left its queue behind"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.broker_ctl import broker_ctl
+
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED_BY_US = {"raw", "raw-redis", "weclaw", "weclaw-guard"}
 
@@ -32,11 +34,9 @@ def test_benchmark_smoke_run_measures_weclaw_and_its_baselines(tmp_path: Path) -
     }
     assert measured >= MEASURED_BY_US, f"no consume figures for {MEASURED_BY_US - measured}"
     assert "| case |" in proc.stdout, "the markdown table was not printed"
-    listing = subprocess.run(
-        ["rabbitmqctl", "list_queues", "-q", "name"], capture_output=True, text=True, timeout=60
-    )
+    listing = broker_ctl("list_queues", "-q", "name")
     run_id = report["header"]["run_id"]
-    assert run_id not in listing.stdout, "the benchmark left queues behind"
+    assert run_id not in listing, "the benchmark left queues behind"
     # Dramatiq's worker processes (its multi-process mode), when the peers ran.
     left = [pid for pid in report["worker_pids"] if _running(pid)]
     assert not left, f"worker processes outlived the benchmark: {left}"

@@ -16,7 +16,7 @@ from tests.integration.broker_users import apply_line, broker_user
 from tests.integration.processes import run_cli
 from weclaw_mq import App, RetryPolicy
 from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.permissions import Role, grant
+from weclaw_mq.permissions import Role, grant, vhost_of
 from weclaw_mq.state import TaskStatus
 from weclaw_mq.worker import Worker
 
@@ -107,7 +107,9 @@ async def test_the_printed_lines_grant_what_each_role_needs(
         lines = every.stdout.strip().splitlines()
         assert len(lines) == len(Role), lines
         for line in lines:
-            assert line.startswith(f"rabbitmqctl set_permissions -p / {user} "), line
+            assert line.startswith(
+                f"rabbitmqctl set_permissions -p {vhost_of(broker_url)} {user} "
+            ), line
         assert operator_only.stdout.strip() in lines
         # The operator's line lets it declare every queue of the app (what 'weclaw-mq declare'
         # runs: App.declare), and read them.

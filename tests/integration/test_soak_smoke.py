@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.broker_ctl import broker_ctl
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,7 +26,5 @@ def test_soak_smoke_run_samples_rss_and_checks_every_outcome() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RSS MiB" in proc.stdout and "soak: ok" in proc.stdout
     assert "soak: outcomes acked 588, retried 60, dead_lettered 12" in proc.stdout
-    listing = subprocess.run(
-        ["rabbitmqctl", "list_queues", "-q", "name"], capture_output=True, text=True, timeout=60
-    )
-    assert "soak-" not in listing.stdout, "the soak left its queues behind"
+    listing = broker_ctl("list_queues", "-q", "name")
+    assert "soak-" not in listing, "the soak left its queues behind"

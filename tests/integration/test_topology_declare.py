@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +11,7 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel
 
+from tests.broker_ctl import broker_ctl
 from tests.conftest import get_message, queue_depth, wait_until
 from weclaw_mq import App, RetryPolicy, TopologyConflictError
 from weclaw_mq.admin import queue_stats
@@ -22,16 +22,9 @@ from weclaw_mq.topology import delay_queue_arguments
 
 def _list_queues() -> dict[str, dict[str, Any]]:
     """Every queue on the broker as the broker itself reports it (type, durable, arguments)."""
-    out = subprocess.run(
-        [
-            *("rabbitmqctl", "-q", "list_queues", "name", "type", "durable", "arguments"),
-            *("--formatter", "json"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
+    out = broker_ctl(
+        *("-q", "list_queues", "name", "type", "durable", "arguments"), "--formatter", "json"
+    )
     queues: dict[str, dict[str, Any]] = {}
     for row in json.loads(out):
         # arguments come as [name, amqp-type, value] triples
@@ -52,17 +45,10 @@ def _steps(queue: str) -> list[str]:
 
 def _list_bindings() -> set[tuple[str, str, str]]:
     """Every (source exchange, destination queue, routing key) binding of a named exchange."""
-    out = subprocess.run(
-        [
-            *("rabbitmqctl", "-q", "list_bindings"),
-            *("source_name", "destination_name", "destination_kind", "routing_key"),
-            *("--formatter", "json"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
+    out = broker_ctl(
+        *("-q", "list_bindings", "source_name", "destination_name", "destination_kind"),
+        *("routing_key", "--formatter", "json"),
+    )
     return {
         (b["source_name"], b["destination_name"], b["routing_key"])
         for b in json.loads(out)

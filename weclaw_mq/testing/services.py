@@ -20,7 +20,9 @@ import asyncio
 import contextlib
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+
+from pydantic import SecretStr
 
 AMQP_ENV = "WECLAW_MQ_AMQP_URL"
 REDIS_ENV = "WECLAW_MQ_REDIS_URL"
@@ -52,13 +54,43 @@ class ServiceMissing(Exception):
     """No service to test against; the message says how to get one."""
 
 
-async def _amqp_problem(url: str) -> str | None:
-    import aio_pika
+# Between attempts while waiting for a service: a bad moment (a broker restarting, a burst of
+# load) is waited out instead of failing every test of the session.
+RETRY_EVERY_S = 1.0
+# How long the fixtures wait for a service that does not answer yet before failing.
+SERVICE_WAIT_S = 30.0
 
+
+async def _retried(attempt: Callable[[], Awaitable[str | None]], wait_s: float) -> str | None:
+    """None once ``attempt`` succeeds within ``wait_s``; else its last problem, with how long
+    it was tried."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    tries = 0
+    while True:
+        tries += 1
+        problem = await attempt()
+        if problem is None:
+            return None
+        left = deadline - loop.time()
+        if left <= 0:
+            if wait_s <= 0:
+                return problem
+            return f"{problem} (tried {tries} times over {wait_s:g} s)"
+        await asyncio.sleep(min(RETRY_EVERY_S, left))
+
+
+async def _amqp_problem(url: str) -> str | None:
+    from ..errors import BrokerUnavailableError
+    from ..publishing.connection import BrokerEndpoints
+    from ..settings import Settings
+
+    # The library's own connect, so the problem reads as the library would say it.
+    endpoints = BrokerEndpoints(Settings(amqp_url=SecretStr(url)))
     try:
-        conn = await aio_pika.connect(url, timeout=5)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
+        conn = await endpoints.connect(name="weclaw_mq.testing: is a broker there?")
+    except BrokerUnavailableError as e:
+        return str(e)
     await conn.close()
     return None
 
@@ -66,7 +98,7 @@ async def _amqp_problem(url: str) -> str | None:
 async def _redis_problem(url: str) -> str | None:
     import redis.asyncio as aioredis
 
-    client = aioredis.Redis.from_url(url, socket_connect_timeout=3)
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=5)
     try:
         await client.ping()
     except Exception as e:
@@ -76,14 +108,16 @@ async def _redis_problem(url: str) -> str | None:
     return None
 
 
-def amqp_problem(url: str) -> str | None:
-    """Why no RabbitMQ answers at ``url`` (None: it does). Not from inside an event loop."""
-    return asyncio.run(_amqp_problem(url))
+def amqp_problem(url: str, *, wait_s: float = 0.0) -> str | None:
+    """Why no RabbitMQ answers at ``url`` (None: it does), trying again for up to ``wait_s``.
+    Not from inside an event loop."""
+    return asyncio.run(_retried(lambda: _amqp_problem(url), wait_s))
 
 
-def redis_problem(url: str) -> str | None:
-    """Why no Redis answers at ``url`` (None: it does). Not from inside an event loop."""
-    return asyncio.run(_redis_problem(url))
+def redis_problem(url: str, *, wait_s: float = 0.0) -> str | None:
+    """Why no Redis answers at ``url`` (None: it does), trying again for up to ``wait_s``.
+    Not from inside an event loop."""
+    return asyncio.run(_retried(lambda: _redis_problem(url), wait_s))
 
 
 def docker_engine() -> bool:
@@ -140,7 +174,7 @@ def _service(
     what: str,
     env: str,
     local_url: str,
-    problem_at: Callable[[str], str | None],
+    problem_at: Callable[..., str | None],
     container: Callable[[], contextlib.AbstractContextManager[str]],
     how_to: str,
 ) -> Iterator[str]:
@@ -150,7 +184,7 @@ def _service(
             yield url
         return
     url = named or local_url
-    problem = problem_at(url)
+    problem = problem_at(url, wait_s=SERVICE_WAIT_S)
     if problem is not None:
         where = f"at {env}" if named else f"at {local_url} (the default; {env} is not set)"
         # The problem text, never the URL: it may hold a password.
