@@ -359,6 +359,19 @@ def single_node(space: NodeSpace, what: str) -> Iterator[RabbitNode]:
         node.terminate()
 
 
+async def new_connection_opens(url: str, patience_s: float) -> bool:
+    """Whether a NEW connection completes its AMQP handshake within ``patience_s`` (a node out
+    of file handles accepts TCP and never answers)."""
+    import aio_pika
+
+    try:
+        conn = await asyncio.wait_for(aio_pika.connect(url, timeout=patience_s), patience_s + 1)
+    except (TimeoutError, aio_pika.exceptions.AMQPConnectionError):
+        return False
+    await conn.close()
+    return True
+
+
 @contextlib.contextmanager
 def low_nofile_node(servers: PrivateServers, name: str, nofile: int) -> Iterator[RabbitNode]:
     """A private single node of its own space ``name``, started with ``ulimit -n nofile``."""

@@ -30,11 +30,10 @@ import aio_pika
 import pytest
 
 from tests.conftest import REDIS_URL
-from tests.drills.conftest import CLUSTER_SH, RabbitNode, low_nofile_node
+from tests.drills.conftest import CLUSTER_SH, RabbitNode, low_nofile_node, new_connection_opens
+from tests.integration.test_dev_services import run_script, script_env
 from tests.private_servers import PrivateServers
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = REPO_ROOT / "ops" / "dev-services.sh"
 # Low enough that a few dozen quorum queues exhaust it (about 3 handles each).
 NOFILE = 400
 WEDGED_PATIENCE_S = 5.0
@@ -67,36 +66,16 @@ def _ctl_command(node: RabbitNode, folder: Path) -> str:
 
 def _run(command: str, node: RabbitNode, state: Path) -> subprocess.CompletedProcess[str]:
     env = {
-        **os.environ,
-        "WECLAW_DEV_SERVICES_DIR": str(state),
-        "WECLAW_MQ_AMQP_URL": node.url,
-        "WECLAW_MQ_REDIS_URL": REDIS_URL,
+        **script_env(state, node.url, REDIS_URL),
         "WECLAW_DEV_SERVICES_SYSTEM_PORT": str(node.port),
         "WECLAW_DEV_SERVICES_RABBITMQCTL": _ctl_command(node, state.parent),
         "WECLAW_DEV_SERVICES_RABBITMQ_TIMEOUT_S": "60",
     }
-    return subprocess.run(
-        [str(SCRIPT), command],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=SCRIPT_TIMEOUT_S,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_script(command, env, SCRIPT_TIMEOUT_S)
 
 
 def _records(state: Path) -> list[str]:
     return [p.read_text() for p in state.glob("*/record")]
-
-
-async def _new_connection_opens(url: str, patience_s: float) -> bool:
-    try:
-        conn = await asyncio.wait_for(aio_pika.connect(url, timeout=patience_s), patience_s + 1)
-    except (TimeoutError, aio_pika.exceptions.AMQPConnectionError):
-        return False
-    await conn.close()
-    return True
 
 
 async def test_up_leaves_a_running_node_that_takes_no_new_connection_alone(
@@ -115,7 +94,7 @@ async def test_up_leaves_a_running_node_that_takes_no_new_connection_alone(
                 await channel.declare_queue(
                     name, durable=True, arguments={"x-queue-type": "quorum"}
                 )
-            assert not await _new_connection_opens(node.url, WEDGED_PATIENCE_S), (
+            assert not await new_connection_opens(node.url, WEDGED_PATIENCE_S), (
                 f"{len(names)} quorum queues at ulimit -n {NOFILE} did not wedge the node: "
                 "this drill could not show the overloaded case"
             )
@@ -131,7 +110,7 @@ async def test_up_leaves_a_running_node_that_takes_no_new_connection_alone(
         finally:
             for name in names:
                 await channel.queue_delete(name)
-    assert await _new_connection_opens(node.url, 30.0)
+    assert await new_connection_opens(node.url, 30.0)
 
     down = await asyncio.to_thread(_run, "down", node, state)
     assert down.returncode == 0 and "nothing to stop" in down.stdout + down.stderr
@@ -151,7 +130,7 @@ async def test_up_starts_the_app_of_a_stopped_node_and_down_stops_only_that(
         assert "up but not serving: rabbitmqctl start_app" in text, text
         (record,) = _records(state)
         assert "started=app" in record and "kind=system" in record, record
-        assert await _new_connection_opens(node.url, 30.0)
+        assert await new_connection_opens(node.url, 30.0)
 
         down = await asyncio.to_thread(_run, "down", node, state)
         assert down.returncode == 0, down.stdout + down.stderr

@@ -25,7 +25,6 @@ while a later task in the same queue goes back to its lane.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import uuid
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ import aio_pika
 import pytest
 
 from tests.conftest import queue_depth, settings_for, wait_until
-from tests.drills.conftest import RabbitNode, low_nofile_node
+from tests.drills.conftest import RabbitNode, low_nofile_node, new_connection_opens
 from tests.private_servers import PrivateServers
 from weclaw_mq import App
 from weclaw_mq.broker_version import ServerVersion
@@ -72,16 +71,6 @@ async def _handles(node: RabbitNode) -> tuple[int, int]:
     out = await node.ctl("eval", FILE_HANDLES)
     values = dict(re.findall(r"\{(total_limit|total_used),(\d+)\}", out))
     return int(values["total_limit"]), int(values["total_used"])
-
-
-async def _new_connection_opens(url: str, patience_s: float) -> bool:
-    """Whether a NEW connection completes its AMQP handshake within ``patience_s``."""
-    try:
-        conn = await asyncio.wait_for(aio_pika.connect(url, timeout=patience_s), patience_s + 1)
-    except (TimeoutError, aio_pika.exceptions.AMQPConnectionError):
-        return False
-    await conn.close()
-    return True
 
 
 def _per_lane_delay_queues(spec: QueueSpec) -> list[tuple[str, dict[str, object]]]:
@@ -124,14 +113,14 @@ async def test_a_node_at_ulimit_1024_takes_new_connections_with_many_handlers_de
         for name, arguments in unchanged + old:
             await channel.declare_queue(name, durable=True, arguments=arguments)  # type: ignore[arg-type]
         # 1. The control: the old topology wedges the node for new connections.
-        assert not await _new_connection_opens(node.url, WEDGED_PATIENCE_S), (
+        assert not await new_connection_opens(node.url, WEDGED_PATIENCE_S), (
             f"{len(unchanged) + len(old)} quorum queues at ulimit -n {NOFILE} did not wedge "
             "the node: this drill could not tell the topologies apart"
         )
         # 2. What the node holds in per-lane delay queues goes: it answers again.
         for name, _ in old:
             await channel.queue_delete(name)
-        assert await _new_connection_opens(node.url, OPEN_PATIENCE_S)
+        assert await new_connection_opens(node.url, OPEN_PATIENCE_S)
 
     # 3. Today's topology of the same handlers, declared as a worker declares it.
     declared = await app.declare()
@@ -142,7 +131,7 @@ async def test_a_node_at_ulimit_1024_takes_new_connections_with_many_handlers_de
         for _, args in queue_declarations(spec, VERSION)
     )
     assert len(declared) == quorum == HANDLERS * 13
-    assert await _new_connection_opens(node.url, OPEN_PATIENCE_S)
+    assert await new_connection_opens(node.url, OPEN_PATIENCE_S)
     limit, used = await _handles(node)
     per_queue = (used - used_before) / quorum
     print(
