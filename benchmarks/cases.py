@@ -7,6 +7,7 @@ every contender ``repeats`` times, in an order rotated by one each repeat.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ class Contender:
     # (0: one process, threads = the case's concurrency)
     processes: int = 0
     threads: int = 0
+    loop: str = "asyncio"  # weclaw: the worker's event loop (weclaw_mq.worker.event_loop)
 
 
 RAW = Contender("raw", "raw aio-pika", "raw_aiopika", short="raw")
@@ -49,6 +51,15 @@ WECLAW = Contender("weclaw", "weclaw_mq (guard off)", "weclaw")
 WECLAW_GUARD = Contender(
     "weclaw-guard", "weclaw_mq (guard + results)", "weclaw", guard=True, short="1 process"
 )
+WECLAW_GUARD_UVLOOP = Contender(
+    "weclaw-guard-uvloop",
+    "weclaw_mq (guard + results, uvloop)",
+    "weclaw",
+    guard=True,
+    loop="uvloop",
+)
+# The same contender as the uvloop row's baseline, named for what differs.
+ASYNCIO_LOOP = dataclasses.replace(WECLAW_GUARD, short="asyncio loop")
 # ``weclaw-mq worker --processes 2``: the supervisor and its two children (guard + results).
 WECLAW_GUARD_PROCESSES = Contender(
     "weclaw-guard-p2",
@@ -135,7 +146,15 @@ SMOKE = Counts(
 )
 CASES = ("consume", "processes", "io", "publish", "rss", "e2e")
 OURS_AND_BASELINES = frozenset(
-    {"raw", "raw-redis", "weclaw", "weclaw-guard", "weclaw-guard-p2", "weclaw-results"}
+    {
+        "raw",
+        "raw-redis",
+        "weclaw",
+        "weclaw-guard",
+        "weclaw-guard-uvloop",
+        "weclaw-guard-p2",
+        "weclaw-results",
+    }
 )
 PROCESSES_CONCURRENCY = 100  # per process, as in the guarded c=100 consume case
 
@@ -185,6 +204,8 @@ class Bench:
             extra: dict[str, Any] = {"queue_arguments": arguments, "timeout_s": timeout_s}
             if contender.processes:
                 extra.update(processes=contender.processes, threads=contender.threads)
+            if contender.loop != "asyncio":
+                extra["loop"] = contender.loop
             cfg = self._cfg(
                 "consume",
                 queue,
@@ -334,12 +355,14 @@ class Bench:
 
     async def consume_cases(self) -> None:
         peers = [] if self.skip_peers else [FASTSTREAM, DRAMATIQ, DRAMATIQ_CLI]
-        contenders = [RAW, WECLAW, RAW_REDIS, WECLAW_GUARD, *peers]
+        contenders = [RAW, WECLAW, RAW_REDIS, WECLAW_GUARD, WECLAW_GUARD_UVLOOP, *peers]
         for concurrency, count in self.counts.consume.items():
             case_id = f"consume-c{concurrency}"
             label = f"consume no-op, c={concurrency}"
             for c in contenders:
                 baseline = RAW_REDIS if c is WECLAW_GUARD else (None if c is RAW else RAW)
+                if c is WECLAW_GUARD_UVLOOP:
+                    baseline = ASYNCIO_LOOP  # what the loop alone changes
                 target = None
                 if c is WECLAW and concurrency in (10, 100):
                     target = Target("ratio_min", 0.9, every=True)
@@ -361,6 +384,8 @@ class Bench:
                     )
             for c in contenders:
                 baseline = RAW_REDIS if c is WECLAW_GUARD else (None if c is RAW else RAW)
+                if c is WECLAW_GUARD_UVLOOP:
+                    baseline = ASYNCIO_LOOP
                 self._spec(
                     case_id,
                     f"consumer CPU per message, c={concurrency}",

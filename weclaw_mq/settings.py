@@ -84,6 +84,8 @@ class Settings(EnvSettings):
     # OpenTelemetry spans per publish and per handler run (weclaw_mq.otel): "auto" opens them
     # when the process has set a TracerProvider, "on" requires opentelemetry-api, "off" never.
     otel: Literal["auto", "on", "off"] = "auto"
+    # The worker's event loop: "uvloop" needs the extra weclaw_mq[uvloop] (cli/event_loop.py).
+    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
 
     # Idempotency guard and result store (Redis).
     # Per process. A worker needs about two per handler in flight (claim or result write,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, SecretStr
 
 import weclaw_mq.worker.incoming  # noqa: F401  # imported before track(): its messages count
 from weclaw_mq import App, Settings, Worker
+from weclaw_mq.worker import event_loop
 
 from ..common import (
     ChildConfig,
@@ -155,10 +156,11 @@ async def publish(cfg: ChildConfig) -> None:
 
 def main() -> None:
     cfg = ChildConfig.from_argv()
+    loop = "uvloop" if cfg.extra.get("loop") == "uvloop" else "asyncio"
     if cfg.mode in ("publish", "publish_many"):
-        asyncio.run(publish(cfg))
+        event_loop.run(publish(cfg), loop)
     else:
-        asyncio.run(consume(cfg, e2e=cfg.mode == "e2e"))
+        event_loop.run(consume(cfg, e2e=cfg.mode == "e2e"), loop)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import typer
 from ..app import App
 from ..settings import Settings
 from ..tracing import LogFormat, configure_logging
+from ..worker import event_loop
+from ..worker.event_loop import EVENT_LOOPS, EventLoopName
 from .failures import ExitCode, fail
 from .loading import load_app
 from .options import AppPath, LogFormatOption, LogLevel
@@ -53,6 +55,15 @@ def root(
     """Crash-proof AI task queues on RabbitMQ."""
 
 
+def _event_loop(value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = value.strip().lower()
+    if name not in EVENT_LOOPS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(EVENT_LOOPS)}")
+    return name
+
+
 def _processes(value: str | int) -> int:
     try:  # typer hands the default (an int) to the parser too
         return parse_processes(str(value))
@@ -68,6 +79,7 @@ def _supervise(
     metrics_port: int | None,
     log_level: str,
     log_format: str,
+    loop: str | None,
 ) -> None:
     # Each child reads the same settings; a port from them would be taken by all, so the
     # supervisor hands out port + i itself.
@@ -79,6 +91,7 @@ def _supervise(
         metrics_port=port,
         log_level=log_level,
         log_format=log_format,
+        loop=loop,
     )
     try:
         code = Supervisor(command, processes).run()
@@ -131,6 +144,17 @@ def worker(
             help="Worker processes under one supervisor ('auto': one per core). Default 1.",
         ),
     ] = 1,
+    loop: Annotated[
+        str | None,
+        typer.Option(
+            "--loop",
+            callback=_event_loop,
+            metavar="asyncio|uvloop",
+            show_default=False,
+            help="The event loop (uvloop: pip install 'weclaw_mq[uvloop]'). "
+            "Default: WECLAW_MQ_EVENT_LOOP, else asyncio.",
+        ),
+    ] = None,
     log_level: LogLevel = "INFO",
     log_format: LogFormatOption = "text",
 ) -> None:
@@ -138,12 +162,14 @@ def worker(
     fmt: LogFormat = "json" if log_format == "json" else "text"
     configure_logging(log_level, fmt)
     if processes > 1:
-        _supervise(app_path, processes, concurrency, queue, metrics_port, log_level, fmt)
+        _supervise(app_path, processes, concurrency, queue, metrics_port, log_level, fmt, loop)
         return
     app = load_app(app_path)
-    asyncio.run(
-        run_worker(app, concurrency=concurrency, queues=queue or None, metrics_port=metrics_port)
+    loop_name: EventLoopName = (
+        "uvloop" if (loop or app.settings.event_loop) == "uvloop" else "asyncio"
     )
+    main = run_worker(app, concurrency=concurrency, queues=queue or None, metrics_port=metrics_port)
+    event_loop.run(main, loop_name)
 
 
 @cli.command()

@@ -238,6 +238,7 @@ def child_command(
     metrics_port: int | None,
     log_level: str,
     log_format: str = "text",
+    loop: str | None = None,
 ) -> Callable[[int], list[str]]:
     """The ``weclaw-mq worker`` command line of child ``i`` (same interpreter, same options)."""
 
@@ -250,6 +251,8 @@ def child_command(
             args += ["--queue", queue]
         if metrics_port is not None:
             args += ["--metrics-port", str(metrics_port + index)]
+        if loop is not None:
+            args += ["--loop", loop]
         return args
 
     return command
