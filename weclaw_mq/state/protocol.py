@@ -46,7 +46,8 @@ class TaskStatus(StrEnum):
     RETRYING = "retrying"
     SUCCEEDED = "succeeded"
     DEAD_LETTERED = "dead_lettered"
-    # Outlived its lifetime (TTL) before a worker ran it; in Q.dlq with reason "expired".
+    # Outlived its lifetime (TTL) before a worker ran it; in Q.dlq with reason "expired" (or
+    # still in the local outbox: dead-lettered so once relayed).
     EXPIRED = "expired"
     # Cancelled by ``App.cancel`` before it finished: acked without running (again), or its
     # handler was cancelled mid-run (weclaw_mq.state.cancel).

@@ -31,22 +31,22 @@ from collections.abc import Collection, Mapping
 
 from .protocol import TaskStatus
 
-S = TaskStatus
+_S = TaskStatus
 _EVERY = frozenset(TaskStatus)
-_ON_THE_BROKER = _EVERY - {S.STORED_LOCALLY}
-_LEAVING_THE_DLQ = frozenset({S.QUEUED, S.RUNNING})
+_ON_THE_BROKER = _EVERY - {_S.STORED_LOCALLY}
+_LEAVING_THE_DLQ = frozenset({_S.QUEUED, _S.RUNNING})
 
 # current status (None: no record) -> the statuses that may be written over it.
 TRANSITIONS: Mapping[TaskStatus | None, frozenset[TaskStatus]] = {
     None: _EVERY,
-    S.STORED_LOCALLY: _EVERY,
-    S.QUEUED: _EVERY,
-    S.RUNNING: _ON_THE_BROKER,
-    S.RETRYING: _ON_THE_BROKER,
-    S.SUCCEEDED: frozenset(),
-    S.CANCELLED: frozenset(),
-    S.DEAD_LETTERED: _LEAVING_THE_DLQ,
-    S.EXPIRED: _LEAVING_THE_DLQ,
+    _S.STORED_LOCALLY: _EVERY,
+    _S.QUEUED: _EVERY,
+    _S.RUNNING: _ON_THE_BROKER,
+    _S.RETRYING: _ON_THE_BROKER,
+    _S.SUCCEEDED: frozenset(),
+    _S.CANCELLED: frozenset(),
+    _S.DEAD_LETTERED: _LEAVING_THE_DLQ,
+    _S.EXPIRED: _LEAVING_THE_DLQ,
 }
 
 # ``only_over`` of a write that may only create a record (``only_if_new``).
