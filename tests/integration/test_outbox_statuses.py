@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from tests.conftest import forget_task_keys, queue_depth, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
-from weclaw_mq import App, Reject, TaskStatus
+from weclaw_mq import App, Reject, TaskState, TaskStatus
 from weclaw_mq.errors import ConfirmTimeoutError
 from weclaw_mq.naming import dlq_name
 from weclaw_mq.outbox.relay import Relay
@@ -109,13 +109,17 @@ async def test_a_task_the_worker_dead_lettered_never_reads_queued_after_the_rela
         return await queue_depth(amqp, dlq_name(qname)) == len(ids)
 
     await wait_until(in_dlq, 60, "every task in the DLQ")
+    # The worker records dead_lettered just after the move: result() waits for that (and,
+    # over a record turned back to queued, times out "last status: queued").
+    ended = await asyncio.gather(
+        *(app.result(t, timeout_s=10) for t in ids), return_exceptions=True
+    )
+    lying = [e for e in ended if not isinstance(e, TaskState)]
+    assert lying == [], f"{len(lying)} of {len(ids)} tasks in the DLQ never read final"
+    assert {e.status for e in ended if isinstance(e, TaskState)} == {TaskStatus.DEAD_LETTERED}
     # drain() returned: every "queued" write of the relay has landed or been refused.
     statuses = await asyncio.gather(*(app.status(t) for t in ids))
-    lying = [s.task_id for s in statuses if s is None or s.status is not TaskStatus.DEAD_LETTERED]
-    assert lying == [], f"{len(lying)} of {len(ids)} tasks in the DLQ do not read dead_lettered"
-
-    ended = await asyncio.gather(*(app.result(t, timeout_s=10) for t in ids))
-    assert {e.status for e in ended} == {TaskStatus.DEAD_LETTERED}
+    assert {s.status if s is not None else None for s in statuses} == {TaskStatus.DEAD_LETTERED}
     async with asyncio.timeout(10):  # a stream reader gets its final event
         events = [e async for e in app.stream(ids[-1])]
     assert events[-1].kind == "final" and events[-1].status == TaskStatus.DEAD_LETTERED.value
@@ -157,12 +161,12 @@ async def test_a_confirm_that_comes_too_late_never_turns_a_dead_letter_into_stor
     # the copy ends in the DLQ beside the first.
     assert await drain(app) == 1
 
-    async def both_in_dlq() -> bool:
-        return await queue_depth(amqp, dlq_name(qname)) == 2
+    async def both_dead_lettered() -> bool:
+        state = await app.status(task_id)
+        in_dlq = await queue_depth(amqp, dlq_name(qname))
+        return in_dlq == 2 and state is not None and state.status is TaskStatus.DEAD_LETTERED
 
-    await wait_until(both_in_dlq, 30, "both copies in the DLQ")
-    state = await app.status(task_id)
-    assert state is not None and state.status is TaskStatus.DEAD_LETTERED
+    await wait_until(both_dead_lettered, 30, "both copies in the DLQ, the task dead_lettered")
 
 
 async def test_a_lifetime_that_ends_in_the_outbox_reads_expired(
