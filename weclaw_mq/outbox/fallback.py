@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from aio_pika.message import Message
@@ -29,11 +30,13 @@ from ..errors import (
     ConnectionLostError,
     StateUnavailableError,
 )
+from ..lifetime import as_datetime, deadline_ms
 from ..metrics import Metrics
 from ..settings import Settings
 from ..state import TaskState, TaskStatus, TaskStore
+from ..state.expiry import as_seen_at
 from .relay import Relay
-from .store import Outbox
+from .store import Outbox, row_headers
 
 log = logging.getLogger("weclaw_mq.outbox")
 
@@ -159,8 +162,9 @@ class LocalFallback:
         self._stored_since_confirm = True
         store = self._results()
         if store is not None:
-            # Unconditional: for an unknown outcome it replaces the "queued" record written
-            # beside the publish (a final record is never replaced).
+            # For an unknown outcome it replaces the "queued" record written beside the
+            # publish, never what a worker wrote meanwhile (state.transitions). With the
+            # deadline: past it, the task reads expired while it still sits here.
             write = self._background(
                 store.record_many(
                     [
@@ -169,6 +173,7 @@ class LocalFallback:
                             queue=queue,
                             status=TaskStatus.STORED_LOCALLY,
                             reason=type(cause).__name__,
+                            expires_at=as_datetime(deadline_ms(m.headers)),
                         )
                         for m in messages
                     ]
@@ -183,7 +188,7 @@ class LocalFallback:
         stored: Callable[[], Awaitable[TaskState | None]],
     ) -> TaskState | None:
         """The store's record; when it has none, or does not answer, the outbox's word: a
-        task still in the outbox is ``stored_locally``."""
+        task still in the outbox is ``stored_locally`` (``expired`` past its deadline)."""
         try:
             state = await stored()
         except StateUnavailableError:
@@ -197,10 +202,16 @@ class LocalFallback:
 
     async def _find(self, task_id: str, queue: str | None) -> TaskState | None:
         outbox = await self.open()
-        found = await outbox.find(task_id)
-        if found is None or (queue is not None and found != queue):
+        row = await outbox.find_row(task_id)
+        if row is None or (queue is not None and row.queue != queue):
             return None
-        return TaskState(task_id=task_id, queue=found, status=TaskStatus.STORED_LOCALLY)
+        local = TaskState(
+            task_id=task_id,
+            queue=row.queue,
+            status=TaskStatus.STORED_LOCALLY,
+            expires_at=as_datetime(deadline_ms(row_headers(row))),
+        )
+        return as_seen_at(local, datetime.now(UTC))
 
     async def close(self) -> None:
         task, self._relay_task = self._relay_task, None

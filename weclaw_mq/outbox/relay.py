@@ -13,9 +13,10 @@ The bytes sent are the row's: body and properties as publish built them, through
 version before the outage, so the relay routes a task above NORMAL to its priority's lane (or
 sets the AMQP priority on a native plan) as publish would have (``priority.route``).
 
-After a confirm, the task's status moves from ``stored_locally`` to ``queued`` (written after
-the confirm: a worker that already wrote ``running`` may see it overwritten by ``queued``
-until its next write; a final status is never overwritten).
+After a confirm, the task's status moves from ``stored_locally`` to ``queued``, with its
+deadline (``status()`` reads it ``expired`` past it). Written after the confirm, so a worker
+may have written its own status first: the write is made only over ``stored_locally`` or no
+record (``state.transitions``), and never hides what a worker wrote.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pamqp.commands import Basic
 from .. import headers as h
 from ..broker_version import ServerVersion
 from ..errors import BrokerUnavailableError
+from ..lifetime import as_datetime, deadline_ms
 from ..metrics import Metrics
 from ..priority import QUORUM, priority_from_header, route
 from ..publishing.connection import (
@@ -43,10 +45,13 @@ from ..publishing.connection import (
 )
 from ..settings import Settings
 from ..state import TaskState, TaskStatus, TaskStore
-from .store import Outbox, OutboxRow
+from .store import Outbox, OutboxRow, row_headers
 
 log = logging.getLogger("weclaw_mq.outbox")
 
+# The records the relay's "queued" may replace (besides none): a worker's, written once the
+# broker delivered the row, is newer than the confirm.
+FROM_THE_OUTBOX = frozenset({TaskStatus.STORED_LOCALLY})
 # How long the relay waits for the "queued" status writes of a window before moving on; the
 # status is best effort (the task is on the broker either way).
 STATUS_WAIT_S = 1.0
@@ -270,9 +275,15 @@ class Relay:
         write = asyncio.ensure_future(
             self.store.record_many(
                 [
-                    TaskState(task_id=r.task_id, queue=r.queue, status=TaskStatus.QUEUED)
+                    TaskState(
+                        task_id=r.task_id,
+                        queue=r.queue,
+                        status=TaskStatus.QUEUED,
+                        expires_at=as_datetime(deadline_ms(row_headers(r))),
+                    )
                     for r in rows
-                ]
+                ],
+                only_over=FROM_THE_OUTBOX,
             )
         )
         done, _ = await asyncio.wait({write}, timeout=STATUS_WAIT_S)

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aio_pika.message import Message
 from pamqp.commands import Basic
@@ -109,6 +109,12 @@ class OutboxRow:
         (flags,) = struct.unpack_from(">H", self.properties)
         props.unmarshal(flags, self.properties[2:])
         return props
+
+
+def row_headers(row: OutboxRow) -> dict[str, Any]:
+    """The AMQP headers of ``row`` as publish built them (its deadline among them)."""
+    headers = row.amqp_properties().headers
+    return headers if isinstance(headers, dict) else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,10 +295,17 @@ class OutboxFile:
 
     def find(self, task_id: str) -> str | None:
         """The queue of ``task_id``'s oldest row, or None if the outbox does not hold it."""
+        row = self.find_row(task_id)
+        return None if row is None else row.queue
+
+    def find_row(self, task_id: str) -> OutboxRow | None:
+        """``task_id``'s oldest row, or None if the outbox does not hold it."""
         row = self.conn.execute(
-            "SELECT queue FROM weclaw_outbox WHERE task_id = ? ORDER BY seq LIMIT 1", (task_id,)
+            "SELECT seq, queue, task_id, body, properties FROM weclaw_outbox "
+            "WHERE task_id = ? ORDER BY seq LIMIT 1",
+            (task_id,),
         ).fetchone()
-        return None if row is None else str(row[0])
+        return None if row is None else OutboxRow(*row)
 
     def stats(self) -> OutboxStats:
         c = self.conn
@@ -414,6 +427,9 @@ class Outbox:
 
     async def find(self, task_id: str) -> str | None:
         return await self._run(partial(self.file.find, task_id))
+
+    async def find_row(self, task_id: str) -> OutboxRow | None:
+        return await self._run(partial(self.file.find_row, task_id))
 
     async def stats(self) -> OutboxStats:
         return await self._run(self.file.stats)

@@ -1,7 +1,9 @@
 """How a task's deadline (``weclaw_mq.lifetime``) shows in its record. Pure.
 
 The broker expiring a task in ``Q`` writes no record, so the deadline kept in the queued (or
-retrying) record is the witness: past it, ``App.status`` answers ``expired``.
+retrying) record is the witness: past it, ``App.status`` answers ``expired``. The same holds
+for a task still in the local outbox (``stored_locally``): relayed late, the worker
+dead-letters it as expired on delivery.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from ..retry import DeadLetterReason
 from .protocol import TaskState, TaskStatus
 
 # Records that only wait for a worker: past the deadline, no worker will run the task.
-_WAITING = frozenset({TaskStatus.QUEUED, TaskStatus.RETRYING})
+_WAITING = frozenset({TaskStatus.STORED_LOCALLY, TaskStatus.QUEUED, TaskStatus.RETRYING})
 
 
 def as_seen_at(state: TaskState | None, at: datetime) -> TaskState | None:
-    """The record as ``status()`` answers it: a queued or retrying record whose deadline has
-    passed reads as ``expired``. The broker expired the task (or a worker will, on delivery)
-    and nobody may ever write to the record again, so the deadline is the only witness."""
+    """The record as ``status()`` answers it: a stored_locally, queued or retrying record
+    whose deadline has passed reads as ``expired``. The broker expired the task (or a worker
+    will, on delivery) and nobody may ever write to the record again, so the deadline is the
+    only witness."""
     if (
         state is None
         or state.status not in _WAITING

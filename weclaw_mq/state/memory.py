@@ -6,10 +6,10 @@ process ends, which is exactly what the guard must not do in production: use it 
 is what you want.
 
 The rules match ``RedisTaskStore``: a claim lapses after ``lease_s`` unless its holder is
-inside ``holding``; a done marker lasts ``done_ttl_s`` and records ``ttl_s``; succeeded and
-cancelled are final; a cancel marker lasts ``ttl_s`` (``state.cancel``); ``only_if_new``
-never writes over a record; every written record becomes the task's latest; ``wait`` is woken
-by an event when a final record is written.
+inside ``holding``; a done marker lasts ``done_ttl_s`` and records ``ttl_s``; every record
+write follows ``state.transitions`` (narrowed by ``only_if_new`` / ``only_over``); a cancel
+marker lasts ``ttl_s`` (``state.cancel``); every written record becomes the task's latest;
+``wait`` is woken by an event when a final record is written.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -33,6 +33,7 @@ from .cancel import (
 )
 from .expiry import record_ttl_s
 from .protocol import Claim, TaskState, TaskStatus
+from .transitions import may_follow, narrowing
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this
 
@@ -125,14 +126,17 @@ class MemoryTaskStore:
             self._write(result, only_if_new=False)
 
     # -- the records --------------------------------------------------------------------
-    def _write(self, state: TaskState, *, only_if_new: bool) -> bool:
+    def _write(
+        self,
+        state: TaskState,
+        *,
+        only_if_new: bool,
+        only_over: Collection[TaskStatus] | None = None,
+    ) -> bool:
         key = (state.queue, state.task_id)
         current = self._live(self._records, key)
-        if current is not None and (
-            only_if_new
-            or TaskState.model_validate_json(current.value).status
-            in (TaskStatus.SUCCEEDED, TaskStatus.CANCELLED)
-        ):
+        status = None if current is None else TaskState.model_validate_json(current.value).status
+        if not may_follow(status, state.status, only_over=narrowing(only_if_new, only_over)):
             return False
         expires_at = self._clock() + record_ttl_s(state, self._ttl_s, datetime.now(UTC))
         # Stored as JSON, as Redis does: a reader never shares an object with the writer.
@@ -144,12 +148,24 @@ class MemoryTaskStore:
                 woken.set()
         return True
 
-    async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
-        return self._write(state, only_if_new=only_if_new)
+    async def record(
+        self,
+        state: TaskState,
+        *,
+        only_if_new: bool = False,
+        only_over: Collection[TaskStatus] | None = None,
+    ) -> bool:
+        return self._write(state, only_if_new=only_if_new, only_over=only_over)
 
-    async def record_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+    async def record_many(
+        self,
+        states: Sequence[TaskState],
+        *,
+        only_if_new: bool = False,
+        only_over: Collection[TaskStatus] | None = None,
+    ) -> None:
         for state in states:
-            self._write(state, only_if_new=only_if_new)
+            self._write(state, only_if_new=only_if_new, only_over=only_over)
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
         key = (queue, task_id)

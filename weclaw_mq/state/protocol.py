@@ -1,12 +1,13 @@
 """A task's state, and the one protocol the worker and ``App`` use to keep it.
 
-A task has one record per queue it went through, overwritten as it moves queued -> running ->
-(retrying ->)* succeeded | dead_lettered | expired | cancelled. A succeeded or cancelled record
-is final: a late or duplicate writer can never turn it back (``state.cancel`` says how a cancel
-meets a running task). Two pipeline stages that share a task id
-(``ctx.publish(..., task_id=ctx.task_id)``) therefore keep two records, and neither can hide
-the other. Reading without a queue answers the task's most recently written record (its
-"latest" pointer).
+A task has one record per queue it went through, overwritten as it moves (stored_locally ->)
+queued -> running -> (retrying ->)* succeeded | dead_lettered | expired | cancelled. Every write
+is a compare and set over one table of which status may follow which
+(``state.transitions``): a final record is never turned back by a late or duplicate writer,
+but for a task leaving the DLQ (``state.cancel`` says how a cancel meets a running task).
+Two pipeline stages that share a task id (``ctx.publish(..., task_id=ctx.task_id)``)
+therefore keep two records, and neither can hide the other. Reading without a queue answers
+the task's most recently written record (its "latest" pointer).
 
 Beside the records, the store keeps the idempotency guard's claim per (queue, task id):
 - held by one attempt (its ``owner`` token) under a lease, kept alive by ``holding`` while the
@@ -22,7 +23,7 @@ rules in one process (for tests). A store that fails or does not answer raises
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -45,7 +46,8 @@ class TaskStatus(StrEnum):
     RETRYING = "retrying"
     SUCCEEDED = "succeeded"
     DEAD_LETTERED = "dead_lettered"
-    # Outlived its lifetime (TTL) before a worker ran it; in Q.dlq with reason "expired".
+    # Outlived its lifetime (TTL) before a worker ran it; in Q.dlq with reason "expired" (or
+    # still in the local outbox: dead-lettered so once relayed).
     EXPIRED = "expired"
     # Cancelled by ``App.cancel`` before it finished: acked without running (again), or its
     # handler was cancelled mid-run (weclaw_mq.state.cancel).
@@ -114,12 +116,26 @@ class TaskStore(Protocol):
         ...
 
     # -- the records --------------------------------------------------------------------
-    async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
-        """Write ``state`` as the record of (state.queue, state.task_id); False when refused
-        (the record is succeeded, or one exists and ``only_if_new``)."""
+    async def record(
+        self,
+        state: TaskState,
+        *,
+        only_if_new: bool = False,
+        only_over: Collection[TaskStatus] | None = None,
+    ) -> bool:
+        """Write ``state`` as the record of (state.queue, state.task_id) if its status may
+        follow the stored one (``state.transitions``), checked in the same step as the write;
+        False when refused. ``only_if_new``: only where no record exists; ``only_over``: only
+        where none exists or it reads one of those statuses."""
         ...
 
-    async def record_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+    async def record_many(
+        self,
+        states: Sequence[TaskState],
+        *,
+        only_if_new: bool = False,
+        only_over: Collection[TaskStatus] | None = None,
+    ) -> None:
         """``record`` for a batch, in as few round trips as the store allows."""
         ...
 

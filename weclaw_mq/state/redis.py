@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,10 +29,11 @@ from . import state_unavailable
 from .cancel import Cancellation
 from .expiry import record_ttl_s
 from .pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
-from .protocol import Claim, TaskState
+from .protocol import Claim, TaskState, TaskStatus
 from .redis_cancel import RedisCancels
 from .redis_clients import StateClient, is_cluster
 from .redis_clients import open_client as open_client  # its former home: still importable here
+from .transitions import TRANSITIONS, narrowing
 
 log = logging.getLogger("weclaw_mq.state")
 
@@ -49,13 +50,30 @@ _RUNNING = "running:"
 REDIS_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
 
 
-# The one rule for writing a task's record, shared by every script that writes one: a
-# succeeded or cancelled record is final; only_if_new writes only where no record exists. A
-# written record becomes the task's latest (same TTL as the record).
-RECORD_WRITE_LUA = """
-local function write_record(key, latest, status, state, ttl_ms, only_if_new)
-  local current = redis.call('HGET', key, 'status')
-  if current == 'succeeded' or current == 'cancelled' or (only_if_new and current) then
+def _lua_transitions() -> str:
+    """``state.transitions.TRANSITIONS`` as a Lua table literal ('' for no record)."""
+    rows = []
+    for current, allowed in TRANSITIONS.items():
+        key = "" if current is None else current.value
+        follow = ", ".join(f"[{s.value!r}] = true" for s in sorted(allowed))
+        rows.append(f"  [{key!r}] = {{{follow}}},")
+    return "local transitions = {\n" + "\n".join(rows) + "\n}\n"
+
+
+# The one rule for writing a task's record, shared by every script that writes one: the
+# status may follow the stored one (``state.transitions``, the table built from it here), and
+# with ``only_over`` (a space-separated list of statuses; '' = only where no record exists)
+# the stored one is absent or listed. A written record becomes the task's latest (same TTL
+# as the record). A stored status the table does not know refuses every write.
+RECORD_WRITE_LUA = (
+    _lua_transitions()
+    + """
+local function write_record(key, latest, status, state, ttl_ms, only_over)
+  local current = redis.call('HGET', key, 'status') or ''
+  local allowed = transitions[current]
+  if not allowed or not allowed[status] then return 0 end
+  if only_over and current ~= ''
+     and not string.find(' ' .. only_over .. ' ', ' ' .. current .. ' ', 1, true) then
     return 0
   end
   redis.call('HSET', key, 'status', status, 'state', state)
@@ -64,6 +82,7 @@ local function write_record(key, latest, status, state, ttl_ms, only_if_new)
   return 1
 end
 """
+)
 
 CLAIM_SCRIPT = (
     RECORD_WRITE_LUA
@@ -106,11 +125,14 @@ where a crash stores the result but not the marker.
 """
 
 # Any record write, and a wake-up for result() waiters when it is final.
-# KEYS: record, latest; ARGV: status, state, ttl_ms, only_if_new, channel, queue.
+# KEYS: record, latest; ARGV: status, state, ttl_ms, only_over ('-' = not narrowed), channel,
+# queue.
 _RECORD = (
     RECORD_WRITE_LUA
     + """
-local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], ARGV[4] == '1')
+local only_over = false
+if ARGV[4] ~= '-' then only_over = ARGV[4] end
+local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], only_over)
 if written == 1 and (ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered'
                      or ARGV[1] == 'expired' or ARGV[1] == 'cancelled') then
   redis.call('PUBLISH', ARGV[5], ARGV[6])
@@ -121,17 +143,15 @@ return written
 
 # Records for tasks that have none yet; never wakes waiters (no final state is written).
 # KEYS: record, latest, record, latest, ...; ARGV: ttl_ms, status, state, status, state, ...
-_RECORD_NEW_MANY = """
+_RECORD_NEW_MANY = (
+    RECORD_WRITE_LUA
+    + """
 for i = 1, #KEYS, 2 do
-  local key = KEYS[i]
-  if redis.call('EXISTS', key) == 0 then
-    redis.call('HSET', key, 'status', ARGV[i + 1], 'state', ARGV[i + 2])
-    redis.call('PEXPIRE', key, ARGV[1])
-    redis.call('SET', KEYS[i + 1], key, 'PX', ARGV[1])
-  end
+  write_record(KEYS[i], KEYS[i + 1], ARGV[i + 1], ARGV[i + 2], ARGV[1], '')
 end
 return 1
 """
+)
 
 # The latest pointer goes too if it named this record: status() then answers "unknown"
 # rather than a task the broker never held.
@@ -183,6 +203,11 @@ _CLAIMS: dict[str | bytes, Claim] = {
     **{c.value: c for c in Claim},
     **{c.value.encode(): c for c in Claim},
 }
+
+
+def _only_over_arg(only_over: Collection[TaskStatus] | None) -> str:
+    """``only_over`` as the record script's argument ('-': not narrowed)."""
+    return "-" if only_over is None else " ".join(sorted(s.value for s in only_over))
 
 
 class RedisTaskStore:
@@ -313,32 +338,50 @@ class RedisTaskStore:
     def _record_ttl_ms(self, state: TaskState) -> int:
         return int(record_ttl_s(state, self._ttl_ms / 1000, datetime.now(UTC)) * 1000)
 
-    def _record_args(self, state: TaskState, only_if_new: bool) -> list[Any]:
+    def _record_args(self, state: TaskState, only_over: str) -> list[Any]:
         return [
             state.status.value,
             state.model_dump_json(),
             self._record_ttl_ms(state),
-            int(only_if_new),
+            only_over,
             done_channel(state.task_id),
             state.queue,
         ]
 
-    async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
-        keys, args = self._record_keys(state), self._record_args(state, only_if_new)
+    async def record(
+        self,
+        state: TaskState,
+        *,
+        only_if_new: bool = False,
+        only_over: Collection[TaskStatus] | None = None,
+    ) -> bool:
+        over = _only_over_arg(narrowing(only_if_new, only_over))
+        keys, args = self._record_keys(state), self._record_args(state, over)
         try:
             return bool(await self._pipe.script(self._record, keys, args))
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
-    async def record_many(self, states: Sequence[TaskState], *, only_if_new: bool = False) -> None:
+    async def record_many(
+        self,
+        states: Sequence[TaskState],
+        *,
+        only_if_new: bool = False,
+        only_over: Collection[TaskStatus] | None = None,
+    ) -> None:
         if not states:
             return
         try:
-            await self._record_many(states, only_if_new)
+            await self._record_many(states, only_if_new, narrowing(only_if_new, only_over))
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
-    async def _record_many(self, states: Sequence[TaskState], only_if_new: bool) -> None:
+    async def _record_many(
+        self,
+        states: Sequence[TaskState],
+        only_if_new: bool,
+        only_over: Collection[TaskStatus] | None,
+    ) -> None:
         if only_if_new and not any(st.status.terminal for st in states) and not self._cluster:
             # The publish_many case: one script call for the whole batch, not one per task
             # (not on a cluster: the tasks' keys are in different slots).
@@ -351,11 +394,10 @@ class RedisTaskStore:
             await self._record_new_many(keys=keys, args=args)
             return
         # Queued together in this loop iteration: one pipeline (up to the batch bound).
+        over = _only_over_arg(only_over)
         await asyncio.gather(
             *(
-                self._pipe.script(
-                    self._record, self._record_keys(st), self._record_args(st, only_if_new)
-                )
+                self._pipe.script(self._record, self._record_keys(st), self._record_args(st, over))
                 for st in states
             )
         )
