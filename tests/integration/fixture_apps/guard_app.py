@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from tests.integration.fixture_apps import lazy_app, required_env
 from weclaw_mq import App, Context, Settings, TaskState, TaskStatus
-from weclaw_mq.state import RedisTaskStore
+from weclaw_mq.state import Finish, RedisTaskStore
 
 if TYPE_CHECKING:
     from tests.integration.processes import WorkerProcess
@@ -91,12 +91,15 @@ class DieAfterStoreResults(RedisTaskStore):
         await self._die_if_flagged(state)
         return written
 
-    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
+    async def finish(
+        self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
+    ) -> Finish:
         # The worker stores a success this way when the guard is on (result and done marker
         # in one step): the kill lands after both, before the ack.
-        await super().finish(queue, task_id, result)
+        finish = await super().finish(queue, task_id, result, owner=owner)
         if result is not None:
             await self._die_if_flagged(result)
+        return finish
 
     async def _die_if_flagged(self, state: TaskState) -> None:
         if (
