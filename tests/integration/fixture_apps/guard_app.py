@@ -16,6 +16,8 @@ Environment:
                                 once per record key, so the redelivered copy can proceed.
     GUARD_APP_NOTIFY            "1": the handler publishes result notifications to
                                 ``<queue>.results`` (``notify=True``)
+    GUARD_APP_IDEMPOTENT        "0": the handler claims nothing (``idempotent=False``: the
+                                guard off, results still stored); default "1"
 The ``WECLAW_MQ_*`` settings apply as in any app.
 """
 
@@ -119,6 +121,7 @@ def build_app(
     sleep_max_s: float | None = None,
     die_after_store: bool = False,
     notify: bool = False,
+    idempotent: bool = True,
 ) -> App:
     recorder = _client(settings)
     store: DieAfterStoreResults | None = None
@@ -127,7 +130,7 @@ def build_app(
     app = App("guard-fixture", settings=settings, store=store)
     longest = sleep_min_s if sleep_max_s is None else sleep_max_s
 
-    @app.handler(queue, notify=notify)
+    @app.handler(queue, notify=notify, idempotent=idempotent)
     async def work(task: Job, ctx: Context) -> dict[str, int]:
         await asyncio.sleep(random.uniform(sleep_min_s, longest))
         if store is not None and task.die_after_store:
@@ -149,6 +152,7 @@ def _app_from_env() -> App:
         sleep_max_s=float(os.environ.get("GUARD_APP_SLEEP_MAX_S", str(shortest))),
         die_after_store=os.environ.get("GUARD_APP_DIE_AFTER_STORE") == "1",
         notify=os.environ.get("GUARD_APP_NOTIFY") == "1",
+        idempotent=os.environ.get("GUARD_APP_IDEMPOTENT", "1") == "1",
     )
 
 
@@ -164,6 +168,7 @@ def spawn_worker(
     die_after_store: bool = False,
     metrics_port: int | None = None,
     notify: bool = False,
+    idempotent: bool = True,
 ) -> WorkerProcess:
     """Start ``weclaw-mq worker`` on this app in a new process; its output goes to ``log_path``.
 
@@ -179,6 +184,7 @@ def spawn_worker(
         "GUARD_APP_SLEEP_MAX_S": str(sleep_min_s if sleep_max_s is None else sleep_max_s),
         "GUARD_APP_DIE_AFTER_STORE": "1" if die_after_store else "0",
         "GUARD_APP_NOTIFY": "1" if notify else "0",
+        "GUARD_APP_IDEMPOTENT": "1" if idempotent else "0",
     }
     extra = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
     return spawn_cli_worker(
