@@ -18,7 +18,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
 from tests.integration.processes import queue_names
-from weclaw_mq import App, Context, Settings
+from weclaw_mq import App, Context, Settings, Worker
 from weclaw_mq.naming import heartbeat_key
 from weclaw_mq.state import Claim, Finish, TaskState, TaskStatus, new_owner
 from weclaw_mq.state.redis import RedisTaskStore, open_redis_store
@@ -252,7 +252,6 @@ async def test_the_lease_is_kept_while_a_finished_tasks_result_is_being_stored(
     redis_url: str,
     queue: str,
     rival: RedisTaskStore,
-    start_worker: Callable[..., Any],
 ) -> None:
     lease_s = 1.0
     settings = settings_for(broker_url, redis_url, guard_lease_s=lease_s, result_ttl_s=120)
@@ -266,8 +265,10 @@ async def test_the_lease_is_kept_while_a_finished_tasks_result_is_being_stored(
         runs.append(ctx.task_id)
         return {"n": task.n}
 
+    worker = Worker(app, concurrency=1)
+    running = asyncio.create_task(worker.run())
     try:
-        await start_worker(app, concurrency=1)
+        await wait_until(worker.ready.is_set, 20, "the worker to consume")
         task_id = await app.publish(queue, Job(n=7))
         await wait_until(lambda: store.failed_tries >= 2, 20, "the result write to be retried")
         # Three leases later, the result still not stored: the claim is still held.
@@ -279,6 +280,9 @@ async def test_the_lease_is_kept_while_a_finished_tasks_result_is_being_stored(
         assert runs == [task_id]
     finally:
         store.stored.set()  # the worker's stop drains its handler
+        # Stopped before its queues go: a running worker would declare them again.
+        worker.stop()
+        await asyncio.wait_for(running, 30)
         await app.close()
         await store.close()
         await client.aclose()
