@@ -83,6 +83,7 @@ class DieAfterStoreResults(RedisTaskStore):
             ttl_s=settings.result_ttl_s,
             lease_s=settings.guard_lease_s,
             done_ttl_s=settings.done_ttl_s,
+            heartbeat_ttl_s=settings.guard_heartbeat_ttl_s,
         )
         self._client = client
         self._record_key = record_key
