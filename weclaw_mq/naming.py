@@ -32,6 +32,8 @@ INBOX_TRACE_KEY_PREFIX = f"{REDIS_PREFIX}:inbox-trace"
 LIMIT_KEY_PREFIX = f"{REDIS_PREFIX}:limit"
 CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
 BODY_KEY_PREFIX = f"{REDIS_PREFIX}:body"
+# One per worker process (its task store): a guard claim names it, and lapses with it.
+HEARTBEAT_KEY_PREFIX = f"{REDIS_PREFIX}:alive"
 # One channel for every cancel request (weclaw_mq.state.cancel): each worker holds one
 # subscription, not one per task it runs, and a PUBLISH reaches every node of a cluster.
 CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
@@ -157,6 +159,11 @@ def _task_key(prefix: str, queue: str, task_id: str) -> str:
 
 def guard_key(queue: str, task_id: str) -> str:
     return _task_key(GUARD_KEY_PREFIX, queue, task_id)
+
+
+def heartbeat_key(worker_id: str) -> str:
+    """The key that says a worker (one task store) is alive: its claims hold while it lasts."""
+    return f"{HEARTBEAT_KEY_PREFIX}:{worker_id}"
 
 
 def state_key(queue: str, task_id: str) -> str:

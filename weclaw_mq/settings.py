@@ -104,6 +104,12 @@ class Settings(EnvSettings):
     # back to the broker (which would run it again).
     result_store_patience_s: float = Field(default=60.0, ge=0)
 
+    # The guard's liveness (weclaw_mq.state.redis): every claim names its worker's heartbeat
+    # key, which lives this long and is renewed every third of it; a claim whose worker's key
+    # lapsed (the worker died) is free at once, without waiting out guard_lease_s. A worker
+    # whose event loop stalls longer than this looks dead to the others.
+    guard_heartbeat_ttl_s: float = Field(default=5.0, ge=0.5, le=300.0)
+
     # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
     # the broker unreachable, or whose outcome is unknown, are stored there and relayed.
     outbox_path: str | None = None

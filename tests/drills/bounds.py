@@ -12,6 +12,11 @@ KILL9_CONCURRENCY = 8
 KILL9_KILLS = 3
 KILL9_DUPLICATES_PER_KILL = KILL9_CONCURRENCY
 
+# kill -9 of a guarded worker: its claims lapse with its heartbeat (guard_heartbeat_ttl_s), not
+# its lease, so a queue drains about as fast with the guard on as with it off, same kills.
+GUARD_RECOVERY_RATIO_BOUND = 1.3
+GUARD_RECOVERY_KILLS = 5
+
 # Blackhole and paused broker: aiormq declares a silent peer dead after (heartbeat + 1) * 3 s
 # without a frame, checked every heartbeat / 2 s (at least 1 s); 2 s of scheduling slack for
 # a loaded 2-core machine on top.
@@ -67,6 +72,13 @@ def kill9_bound_text(kills: int) -> str:
     return f"bound {KILL9_DUPLICATES_PER_KILL} per kill (in flight at the kill), x{kills} kills"
 
 
+def guard_recovery_bound_text() -> str:
+    return (
+        f"bound {GUARD_RECOVERY_RATIO_BOUND:g}x the drain time with the guard off, same kills "
+        f"(x{GUARD_RECOVERY_KILLS})"
+    )
+
+
 def sentinel_failover_bound_text() -> str:
     return (
         f"bound {SENTINEL_FAILOVER_BOUND_S:g} s; down after {SENTINEL_DOWN_AFTER_MS} ms, "
@@ -85,6 +97,7 @@ def bound_texts() -> list[str]:
     """One line per asserted bound, printed under the drill table."""
     return [
         f"kill -9: duplicates {kill9_bound_text(KILL9_KILLS)}",
+        f"kill -9, guard on vs off: drain time within the {guard_recovery_bound_text()}",
         f"heartbeat (blackhole, paused broker): noticed within the {heartbeat_bound_text()}",
         f"memory alarm: every publish raised ConfirmTimeoutError within the {alarm_bound_text()}",
         f"connection cuts: a publish returned (and is in the queue) or raised one of "

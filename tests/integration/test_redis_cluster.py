@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import settings_for
+from tests.conftest import settings_for, wait_until
 from tests.private_servers import PrivateRedisCluster
 from weclaw_mq.admin.health import check_redis
 from weclaw_mq.naming import done_channel, guard_key
@@ -117,6 +117,30 @@ async def test_leases_held_on_every_node_are_renewed_by_the_pipelined_renewal(
         await asyncio.sleep(3 * LEASE_S)
         answers = [await store.claim(QUEUE, task_id, "second") for task_id in ids]
     assert answers == [Claim.BUSY] * len(ids)
+
+
+async def test_claims_of_a_worker_that_is_gone_are_taken_over_on_every_node(
+    redis_cluster: PrivateRedisCluster, store: RedisTaskStore
+) -> None:
+    # The heartbeat key lives on one node, the claims on all three: the takeover asks for the
+    # heartbeat in a command of its own (a script may not reach across slots on a cluster).
+    gone = _store(redis_cluster.url, guard_lease_s=30, guard_heartbeat_ttl_s=0.5)
+    ids = _ids_on_every_node(redis_cluster, per_node=2)
+    for task_id in ids:
+        assert await gone.claim(QUEUE, task_id, "gone") is Claim.ACQUIRED
+    assert [await store.claim(QUEUE, t, "next") for t in ids] == [Claim.BUSY] * len(ids)
+    await gone.close()  # its renewer stops, its claims stay: as if it died
+
+    taken: set[str] = set()
+
+    async def all_taken_over() -> bool:
+        for task_id in set(ids) - taken:
+            if await store.claim(QUEUE, task_id, "next") is Claim.ACQUIRED:
+                taken.add(task_id)
+        return len(taken) == len(ids)
+
+    await wait_until(all_taken_over, 5, "the gone worker's claims to be free")
+    assert [await store.claim(QUEUE, t, "third") for t in ids] == [Claim.BUSY] * len(ids)
 
 
 async def test_scripts_queued_on_a_cluster_pipeline_run_on_their_nodes_awaited_or_not(

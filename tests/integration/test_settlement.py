@@ -28,7 +28,7 @@ from tests.integration.processes import queue_names
 from weclaw_mq import App, Context, RetryPolicy
 from weclaw_mq import headers as h
 from weclaw_mq.naming import dlq_name
-from weclaw_mq.state import Cancellation, Claim, RedisTaskStore, TaskState, TaskStatus
+from weclaw_mq.state import Cancellation, Claim, Finish, RedisTaskStore, TaskState, TaskStatus
 
 FAST = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)
 
@@ -274,11 +274,13 @@ class _StoreWithABug:
     async def release(self, queue: str, task_id: str, owner: str) -> None:
         await self.inner.release(queue, task_id, owner)
 
-    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
+    async def finish(
+        self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
+    ) -> Finish:
         if self.bugs_left:
             self.bugs_left -= 1
             raise _Bug("a bug in the processing path")
-        await self.inner.finish(queue, task_id, result)
+        return await self.inner.finish(queue, task_id, result, owner=owner)
 
     async def record(self, state: TaskState, *, only_if_new: bool = False) -> bool:
         return await self.inner.record(state, only_if_new=only_if_new)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from weclaw_mq import MemoryTaskStore, ResultTimeoutError, TaskState, TaskStatus
-from weclaw_mq.state import Claim, TaskStore, new_owner
+from weclaw_mq.state import Claim, Finish, TaskStore, new_owner
 
 Q, OTHER_Q, T = "q", "q2", "task-1"
 
@@ -217,3 +217,22 @@ async def test_wait_times_out_with_the_last_state_seen(store: MemoryTaskStore) -
         await store.wait(T, 0.05)
     assert isinstance(raised.value.last, TaskState)
     assert raised.value.last.status is TaskStatus.RETRYING
+
+
+async def test_the_first_finish_wins_and_a_finish_by_a_lost_claim_is_told_so(
+    store: MemoryTaskStore, clock: Clock
+) -> None:
+    early, late = new_owner(), new_owner()
+    assert await store.claim(Q, T, early) is Claim.ACQUIRED
+    clock.now += 31  # the early attempt's lease lapsed (nothing held it)
+    assert await store.claim(Q, T, late, running=state(TaskStatus.RUNNING)) is Claim.ACQUIRED
+    taken = await store.finish(Q, T, state(TaskStatus.SUCCEEDED, result=1), owner=early)
+    assert taken is Finish.TAKEN
+    done = await store.finish(Q, T, state(TaskStatus.SUCCEEDED, result=2), owner=late)
+    assert done is Finish.DONE
+    got = await store.get(T, queue=Q)
+    assert got is not None and got.result == 1
+    # The holder's own finish.
+    owner = new_owner()
+    assert await store.claim(OTHER_Q, T, owner) is Claim.ACQUIRED
+    assert await store.finish(OTHER_Q, T, None, owner=owner) is Finish.FINISHED

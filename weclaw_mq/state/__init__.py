@@ -17,7 +17,7 @@ from ..settings import Settings
 from ..tls import describe_refusal
 from .cancel import Cancellation, CancelOutcome
 from .memory import MemoryTaskStore
-from .protocol import Claim, TaskState, TaskStatus, TaskStore, new_owner
+from .protocol import Claim, Finish, TaskState, TaskStatus, TaskStore, new_owner
 
 if TYPE_CHECKING:
     from .redis import REDIS_FAILURES, RedisTaskStore
@@ -68,6 +68,7 @@ __all__ = [
     "CancelOutcome",
     "Cancellation",
     "Claim",
+    "Finish",
     "MemoryTaskStore",
     "RedisTaskStore",
     "TaskState",

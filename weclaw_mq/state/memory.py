@@ -6,10 +6,12 @@ process ends, which is exactly what the guard must not do in production: use it 
 is what you want.
 
 The rules match ``RedisTaskStore``: a claim lapses after ``lease_s`` unless its holder is
-inside ``holding``; a done marker lasts ``done_ttl_s`` and records ``ttl_s``; every record
-write follows ``state.transitions`` (narrowed by ``only_if_new`` / ``only_over``); a cancel
-marker lasts ``ttl_s`` (``state.cancel``); every written record becomes the task's latest;
-``wait`` is woken by an event when a final record is written.
+inside ``holding`` (its worker is this process, alive as long as the store: no heartbeat to
+lapse); the first finish wins, a later one writes nothing; a done marker lasts
+``done_ttl_s`` and records ``ttl_s``; every record write follows ``state.transitions``
+(narrowed by ``only_if_new`` / ``only_over``); a cancel marker lasts ``ttl_s``
+(``state.cancel``); every written record becomes the task's latest; ``wait`` is woken by an
+event when a final record is written.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .cancel import (
     scope_of,
 )
 from .expiry import record_ttl_s
-from .protocol import Claim, TaskState, TaskStatus
+from .protocol import Claim, Finish, TaskState, TaskStatus
 from .transitions import may_follow, narrowing
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this
@@ -120,10 +122,19 @@ class MemoryTaskStore:
         if current is not None and current.value == owner:
             del self._claims[key]
 
-    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
-        self._claims[(queue, task_id)] = _Entry(_DONE, self._clock() + self._done_ttl_s)
+    async def finish(
+        self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
+    ) -> Finish:
+        key = (queue, task_id)
+        current = self._live(self._claims, key)
+        if current is not None and current.value == _DONE:
+            return Finish.DONE
+        self._claims[key] = _Entry(_DONE, self._clock() + self._done_ttl_s)
         if result is not None:
             self._write(result, only_if_new=False)
+        if owner is not None and current is not None and current.value != owner:
+            return Finish.TAKEN
+        return Finish.FINISHED
 
     # -- the records --------------------------------------------------------------------
     def _write(

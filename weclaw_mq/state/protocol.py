@@ -11,8 +11,11 @@ the task's most recently written record (its "latest" pointer).
 
 Beside the records, the store keeps the idempotency guard's claim per (queue, task id):
 - held by one attempt (its ``owner`` token) under a lease, kept alive by ``holding`` while the
-  handler runs; if the holder dies, the lease lapses and a redelivered copy may claim it;
-- ``done`` for ``done_ttl_s`` once the result is stored: copies are acked unrun.
+  handler runs and its result is stored; the claim also names its worker (the store), and
+  holds only while that worker lives: if the worker dies, a redelivered copy claims it as soon
+  as the worker's heartbeat lapses (seconds), else when the lease does;
+- ``done`` for ``done_ttl_s`` once the result is stored: copies are acked unrun. The first
+  finish wins: a finish that finds the task done writes nothing (``Finish.DONE``).
 
 ``TaskStore`` is everything the worker and ``App`` ask of a store; nothing calls past it.
 ``state.redis.RedisTaskStore`` is the default, ``state.memory.MemoryTaskStore`` keeps the same
@@ -85,6 +88,16 @@ class Claim(StrEnum):
     CANCELLED = "cancelled"  # cancelled (App.cancel): ack without running
 
 
+class Finish(StrEnum):
+    """The answer to ``TaskStore.finish``."""
+
+    FINISHED = "finished"  # marked done and the result written, by the claim's holder
+    # Marked done and written, but another attempt held the claim (this one had lost it): the
+    # other attempt's finish will find the task done.
+    TAKEN = "taken"
+    DONE = "done"  # another attempt finished first: nothing written, its result stands
+
+
 def new_owner() -> str:
     """A token unique to one attempt: only its holder may renew or release a claim."""
     return uuid.uuid4().hex
@@ -103,16 +116,22 @@ class TaskStore(Protocol):
         ...
 
     def holding(self, queue: str, task_id: str, owner: str) -> AbstractContextManager[None]:
-        """Keep ``owner``'s lease alive while the body runs (the handler)."""
+        """Keep ``owner``'s lease alive while the body runs (the handler, then its ending:
+        a ``finish`` or ``release`` inside the body ends it)."""
         ...
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
         """Drop the claim if ``owner`` still holds it, so the next copy runs at once."""
         ...
 
-    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
+    async def finish(
+        self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
+    ) -> Finish:
         """Mark (queue, task id) done and write its final record ``result`` (if given),
-        together: a crash can never keep one without the other."""
+        together: a crash can never keep one without the other. Nothing is written when the
+        task is done already (``Finish.DONE``). ``owner``: the claim's holder, checked
+        (``Finish.TAKEN`` when another attempt held it); None marks done whoever holds it
+        (for a copy that found the task's result stored)."""
         ...
 
     # -- the records --------------------------------------------------------------------

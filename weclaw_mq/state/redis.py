@@ -4,8 +4,14 @@ Keys come from ``naming`` (guard key, record hash, latest pointer, done channel;
 on the task id). Every step of the hot path is one script: the claim (``CLAIM_SCRIPT``, with the
 "running" record) and the finish (``FINISH_SCRIPT``: done marker and result). The scripts of
 concurrent tasks share round trips (``pipelining.AutoPipeline``). Leases are renewed by one
-task per store for every held claim, together once per period, instead of a task and a timer
-per message.
+task per store (per event loop) for every held claim, together once per period, instead of a
+task and a timer per message.
+
+A claim names its worker: each store is one worker, whose heartbeat key (``heartbeat_key``,
+TTL ``guard_heartbeat_ttl_s``) the same task renews. A copy that finds a task claimed by a
+worker whose heartbeat lapsed (it died) takes the claim over at once, instead of waiting out
+the lease. That check is a second step, on the busy path only, not inside the claim script:
+on a Redis Cluster the heartbeat key lives in another slot than the task's keys.
 
 For results to survive a Redis restart, Redis must persist them (``appendonly yes``); a Redis
 that keeps nothing on disk forgets every result (and every done marker) when it restarts.
@@ -15,7 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
+import os
+import socket
+import time
+import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -23,13 +35,21 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from ..errors import ResultTimeoutError
-from ..naming import body_key, cancel_key, done_channel, guard_key, latest_key, state_key
+from ..naming import (
+    body_key,
+    cancel_key,
+    done_channel,
+    guard_key,
+    heartbeat_key,
+    latest_key,
+    state_key,
+)
 from ..settings import Settings
 from . import state_unavailable
 from .cancel import Cancellation
 from .expiry import record_ttl_s
 from .pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
-from .protocol import Claim, TaskState, TaskStatus
+from .protocol import Claim, Finish, TaskState, TaskStatus
 from .redis_cancel import RedisCancels
 from .redis_clients import StateClient, is_cluster
 from .redis_clients import open_client as open_client  # its former home: still importable here
@@ -37,9 +57,11 @@ from .transitions import TRANSITIONS, narrowing
 
 log = logging.getLogger("weclaw_mq.state")
 
-# The guard key's value: "done", or "running:<owner>" while an attempt holds it.
+# The guard key's value: "done", or "running:<owner>@<worker id>" while an attempt holds it
+# (a value without "@<worker id>", of an older worker, holds until its lease lapses).
 DONE = "done"
 _RUNNING = "running:"
+_OF_WORKER = "@"
 
 # (The ``type: ignore[arg-type]`` on scripts called in a pipeline: redis-py's AsyncScript
 # annotation omits the cluster pipeline, which it runs like any client.)
@@ -90,38 +112,45 @@ CLAIM_SCRIPT = (
 if redis.call('SISMEMBER', KEYS[2], '*') == 1 or redis.call('SISMEMBER', KEYS[2], ARGV[4]) == 1 then
   return 'cancelled'
 end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  if KEYS[3] then write_record(KEYS[3], KEYS[4], ARGV[5], ARGV[6], ARGV[7], false) end
-  return 'acquired'
-end
-if redis.call('GET', KEYS[1]) == ARGV[3] then return 'done' end
-return 'busy'
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[3] then return 'done' end
+if current and current ~= ARGV[KEYS[3] and 8 or 5] then return current end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if KEYS[3] then write_record(KEYS[3], KEYS[4], ARGV[5], ARGV[6], ARGV[7], false) end
+return 'acquired'
 """
 )
-"""The claim: ``SET NX PX`` of the guard key, and the "running" record in the same step.
+"""The claim: the guard key set if free (lease_ms), and the "running" record in the same step.
 
-KEYS: guard key, cancel marker[, record key, latest key]. ARGV: "running:<owner>", lease_ms,
-"done", queue[, status, state JSON, record ttl_ms]. Returns 'cancelled' (the marker covers this
-queue: ``state.cancel``), 'acquired', 'done' (finished before) or 'busy'. A lease that lapses
-between the SET and the GET reads as busy: the next delivery claims it.
+KEYS: guard key, cancel marker[, record key, latest key]. ARGV: "running:<owner>@<worker>",
+lease_ms, "done", queue[, status, state JSON, record ttl_ms][, stale holder]. Returns
+'cancelled' (the marker covers this queue: ``state.cancel``), 'acquired', 'done' (finished
+before) or the value of the claim's holder (busy). With a stale holder (a value whose worker's
+heartbeat lapsed) a claim still held by exactly that value is taken over.
 """
 
 FINISH_SCRIPT = (
     RECORD_WRITE_LUA
     + """
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then return 'done' end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if not KEYS[2] then return 1 end
-local written = write_record(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], false)
-if written == 1 then redis.call('PUBLISH', ARGV[6], ARGV[7]) end
-return written
+if KEYS[2] then
+  local written = write_record(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], false)
+  if written == 1 then redis.call('PUBLISH', ARGV[6], ARGV[7]) end
+end
+local owner = ARGV[KEYS[2] and 8 or 3]
+if owner and current and current ~= owner then return 'taken' end
+return 'finished'
 """
 )
-"""The finish: the guard's done marker and the final record, in one step.
+"""The finish: the guard's done marker and the final record, in one step; the first wins.
 
 KEYS: guard key[, record key, latest key]. ARGV: "done", done ttl_ms[, status, state JSON,
-record ttl_ms, done channel, queue]. Returns 1, or 0 when the record was refused (already
-succeeded). Two separate writes would cost a second round trip per task and leave a window
-where a crash stores the result but not the marker.
+record ttl_ms, done channel, queue][, the holder's value]. Returns 'done' (finished before:
+nothing written), 'taken' (written, though another attempt held the claim: its own finish will
+find it done) or 'finished'. Two separate writes would cost a second round trip per task and
+leave a window where a crash stores the result but not the marker.
 """
 
 # Any record write, and a wake-up for result() waiters when it is final.
@@ -171,11 +200,14 @@ if not key then return false end
 return redis.call('HGET', key, 'state')
 """
 
-# Only the holder may renew or release its lease.
+# Only the holder may renew or release its lease. A renewal that finds the task done (its
+# finish landed first, in the same batch) is not a lost lease.
 _EXTEND = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
+if current == ARGV[3] then return 1 end
 return 0
 """
 _RELEASE = """
@@ -184,6 +216,10 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+
+# A worker's heartbeat (one key per store), and the question whether another's still lives.
+_BEAT = "return redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])"
+_ALIVE = "return redis.call('EXISTS', KEYS[1])"
 
 # The first body's fingerprint keeps the key (state.reuse): set if absent, else the kept one.
 _KEEP_FINGERPRINT = """
@@ -203,6 +239,10 @@ _CLAIMS: dict[str | bytes, Claim] = {
     **{c.value: c for c in Claim},
     **{c.value.encode(): c for c in Claim},
 }
+_FINISHES: dict[str | bytes, Finish] = {
+    **{f.value: f for f in Finish},
+    **{f.value.encode(): f for f in Finish},
+}
 
 
 def _only_over_arg(only_over: Collection[TaskStatus] | None) -> str:
@@ -215,6 +255,7 @@ class RedisTaskStore:
 
     ``owns_client``: ``close`` closes the client too (``open_store`` passes True).
     ``max_batch``: the most commands one auto-pipeline sends together (``state.pipelining``).
+    ``heartbeat_ttl_s``: how long this worker's claims outlive it (its heartbeat key's TTL).
     """
 
     def __init__(
@@ -226,6 +267,7 @@ class RedisTaskStore:
         done_ttl_s: float,
         owns_client: bool = False,
         max_batch: int = DEFAULT_MAX_BATCH,
+        heartbeat_ttl_s: float = 5.0,
     ) -> None:
         self._redis = client
         self._owns_client = owns_client
@@ -248,58 +290,148 @@ class RedisTaskStore:
         # One script call for a whole batch of new records (publish_many).
         self._record_new_many = client.register_script(_RECORD_NEW_MANY)
         self._cancels = RedisCancels(client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA)
-        self._held: dict[str, str] = {}  # guard key -> its value, while its handler runs
+        self._held: dict[str, str] = {}  # guard key -> its value, while its attempt holds it
         self._renewer: asyncio.Task[None] | None = None
+        # This worker: every claim's value names it, and holds while its heartbeat key lives.
+        self.worker_id = uuid.uuid4().hex
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self._heartbeat_ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
+        self._heartbeat_key = heartbeat_key(self.worker_id)
+        self._heartbeat_value = f"{socket.gethostname()} pid {os.getpid()}"
+        self._of_worker = _OF_WORKER + self.worker_id
+        self._alive_until = -math.inf  # (monotonic) our heartbeat key surely lives until then
+        self._beating: asyncio.Future[Any] | None = None  # the beat the claims wait for
+        self._beat = Script.of(_BEAT)
+        self._alive = Script.of(_ALIVE)
 
     # -- the guard ----------------------------------------------------------------------
     async def claim(
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
         keys = [guard_key(queue, task_id), cancel_key(task_id)]
-        args: list[str | int] = [_RUNNING + owner, self._lease_ms, DONE, queue]
+        args: list[str | int] = [_RUNNING + owner + self._of_worker, self._lease_ms, DONE, queue]
         if running is not None:
             keys += self._record_keys(running)
             args += [running.status.value, running.model_dump_json(), self._ttl_ms]
+        self._renewing()
         try:
+            # The claim names our heartbeat: on the first claims (or after the renewer could
+            # not beat for a while) it is written just before, in the same batch.
+            beat = self._beat_for_claims()
             answer = await self._pipe.script(self._claim, keys, args)
+            if beat is not None:
+                await beat
+            # A dict lookup, not Claim(value): an enum call by value costs several Python
+            # calls on every guarded delivery (Python 3.11).
+            claim = _CLAIMS.get(answer)
+            return claim if claim is not None else await self._claim_from(answer, keys, args)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
-        # A dict lookup, not Claim(value): an enum call by value costs several Python calls
-        # on every guarded delivery (Python 3.11); an unknown answer still raises ValueError.
-        claim = _CLAIMS.get(answer)
-        return claim if claim is not None else Claim(answer)
+
+    async def _claim_from(self, holder: Any, keys: list[str], args: list[str | int]) -> Claim:
+        """Busy: take the claim over if its holder's worker is gone (no heartbeat), else
+        ``Claim.BUSY``. Only a copy of a task someone holds pays these round trips."""
+        text = holder.decode() if isinstance(holder, bytes) else str(holder)
+        if not text.startswith(_RUNNING):
+            return Claim(text)  # an answer this code does not know: ValueError
+        worker = text.rpartition(_OF_WORKER)[2] if _OF_WORKER in text else self.worker_id
+        if worker == self.worker_id:  # ours (alive), or of an older worker: its lease rules
+            return Claim.BUSY
+        if await self._pipe.script(self._alive, [heartbeat_key(worker)], []):
+            return Claim.BUSY
+        again = _CLAIMS.get(await self._pipe.script(self._claim, keys, [*args, holder]))
+        if again is None:  # another copy took it over first
+            return Claim.BUSY
+        if again is Claim.ACQUIRED:
+            log.info("took over the claim on %s from worker %s, which is gone", keys[0], worker)
+        return again
+
+    def _beat_for_claims(self) -> asyncio.Future[Any] | None:
+        """None while our heartbeat surely lives on; else the beat to send (one, shared by
+        the claims issued meanwhile)."""
+        if time.monotonic() <= self._alive_until - self.heartbeat_ttl_s / 2:
+            return None
+        beating = self._beating
+        if (
+            beating is None
+            or beating.done()
+            or beating.get_loop() is not asyncio.get_running_loop()
+        ):
+            beating = self._beating = self._send_beat()
+        return beating
+
+    def _send_beat(self) -> asyncio.Future[Any]:
+        sent = time.monotonic()
+        beat = self._pipe.script(
+            self._beat, [self._heartbeat_key], [self._heartbeat_value, self._heartbeat_ttl_ms]
+        )
+        beat.add_done_callback(functools.partial(self._beaten, sent))
+        return beat
+
+    def _beaten(self, sent: float, beat: asyncio.Future[Any]) -> None:
+        if not beat.cancelled() and beat.exception() is None:
+            self._alive_until = max(self._alive_until, sent + self.heartbeat_ttl_s)
+
+    def _renewing(self) -> None:
+        """The renewer runs on this loop: started on first use, and again on a new loop (a
+        store reused under another ``asyncio.run``: the old loop's task is dead with it)."""
+        loop = asyncio.get_running_loop()
+        renewer = self._renewer
+        if renewer is None or renewer.get_loop() is not loop or renewer.done():
+            self._renewer = loop.create_task(self._renew())
 
     @contextlib.contextmanager
     def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
-        key, value = guard_key(queue, task_id), _RUNNING + owner
+        key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker
         self._held[key] = value
-        if self._renewer is None:
-            self._renewer = asyncio.get_running_loop().create_task(self._renew_while_held())
+        self._renewing()
         try:
             yield
         finally:
             if self._held.get(key) == value:
                 del self._held[key]
 
-    async def _renew_while_held(self) -> None:
+    async def _renew(self) -> None:
+        """Until the store closes (or its loop ends): our heartbeat every third of its TTL,
+        and every held lease every third of the lease, together in one batch."""
+        tick_s = min(self.heartbeat_ttl_s, self.lease_s) / 3
+        beat_due = leases_due = time.monotonic() + tick_s
+        failing = 0
         while True:
-            await asyncio.sleep(self.lease_s / 3)
-            if not self._held:
-                # No await between this check and the return: a new holder either came
-                # before it (we go on) or sees no renewer and starts one.
-                self._renewer = None
-                return
-            held = list(self._held.items())
+            await asyncio.sleep(max(0.0, min(beat_due, leases_due) - time.monotonic()))
+            now = time.monotonic()
+            beat = now >= beat_due
+            held = list(self._held.items()) if now >= leases_due else []
+            if beat:
+                beat_due = now + self.heartbeat_ttl_s / 3
+            if now >= leases_due:
+                leases_due = now + self.lease_s / 3
             try:
                 # Issued together: one pipeline (or several of at most max_batch), and no
                 # SCRIPT EXISTS round trip first, as redis-py's own pipeline of scripts makes.
                 renewed = await asyncio.gather(
-                    *(self._pipe.script(self._extend, [k], [v, self._lease_ms]) for k, v in held)
+                    *([self._send_beat()] if beat else []),
+                    *(
+                        self._pipe.script(self._extend, [k], [v, self._lease_ms, DONE])
+                        for k, v in held
+                    ),
                 )
             except Exception as e:  # a Redis blip must not kill the handlers
-                log.warning("could not renew %d lease(s) (%s: %s)", len(held), type(e).__name__, e)
+                if not failing:  # once per outage, not every tick
+                    log.warning(
+                        "could not renew this worker's heartbeat and %d lease(s) (%s: %s); "
+                        "others take its claims over if this lasts %.3g s",
+                        len(held),
+                        type(e).__name__,
+                        e,
+                        max(0.0, self._alive_until - time.monotonic()),
+                    )
+                failing += 1
                 continue
-            for (key, value), ok in zip(held, renewed, strict=True):
+            if failing:
+                log.info("renewed the heartbeat and leases again after %d failed tries", failing)
+                failing = 0
+            for (key, value), ok in zip(held, renewed[len(renewed) - len(held) :], strict=True):
                 if not ok and self._held.get(key) == value:
                     log.warning(
                         "lost the lease on %s (it lapsed or was taken); another worker may "
@@ -308,13 +440,19 @@ class RedisTaskStore:
                     )
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
+        key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker
+        if self._held.get(key) == value:
+            del self._held[key]  # given up: no renewal may find it gone and cry "lost"
         try:
-            await self._pipe.script(self._release, [guard_key(queue, task_id)], [_RUNNING + owner])
+            await self._pipe.script(self._release, [key], [value])
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
-    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
-        keys = [guard_key(queue, task_id)]
+    async def finish(
+        self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
+    ) -> Finish:
+        key = guard_key(queue, task_id)
+        keys = [key]
         args: list[str | int] = [DONE, self._done_ttl_ms]
         if result is not None:
             keys += self._record_keys(result)
@@ -325,10 +463,18 @@ class RedisTaskStore:
                 done_channel(result.task_id),
                 result.queue,
             ]
+        value = None if owner is None else _RUNNING + owner + self._of_worker
+        if value is not None:
+            args.append(value)
         try:
-            await self._pipe.script(self._finish, keys, args)
+            answer = await self._pipe.script(self._finish, keys, args)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
+        # Held (renewed) until the finish returned: a result write that retries keeps it.
+        if value is not None and self._held.get(key) == value:
+            del self._held[key]
+        finish = _FINISHES.get(answer)
+        return finish if finish is not None else Finish(answer)
 
     # -- the records --------------------------------------------------------------------
     @staticmethod
@@ -496,7 +642,7 @@ class RedisTaskStore:
 
     async def close(self) -> None:
         renewer, self._renewer = self._renewer, None
-        if renewer is not None:
+        if renewer is not None and renewer.get_loop() is asyncio.get_running_loop():
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
@@ -513,4 +659,5 @@ def open_redis_store(settings: Settings) -> RedisTaskStore:
         lease_s=settings.guard_lease_s,
         done_ttl_s=settings.done_ttl_s,
         owns_client=True,
+        heartbeat_ttl_s=settings.guard_heartbeat_ttl_s,
     )

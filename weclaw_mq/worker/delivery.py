@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
@@ -47,7 +47,7 @@ from ..naming import validate_session_id
 from ..publishing.connection import cancelled_by_caller
 from ..retry import DeadLetterReason, GiveUp, RetryLater, decide
 from ..settings import Settings
-from ..state import Claim, TaskState, TaskStatus, TaskStore, new_owner
+from ..state import Claim, Finish, TaskState, TaskStatus, TaskStore, new_owner
 from ..streaming.emitter import Emitter
 from ..streaming.events import final_entry
 from ..undecodable import undecodable
@@ -63,6 +63,8 @@ if TYPE_CHECKING:
     from ..otel import Spans
 
 log = logging.getLogger("weclaw_mq.worker")
+
+_T = TypeVar("_T")
 
 
 # How long a delivery that is being given back (a hard stop, a bug of ours) waits to release
@@ -122,6 +124,10 @@ _CLAIM_BUSY = Claim.BUSY
 _CLAIM_CANCELLED = Claim.CANCELLED
 _RUNNING = TaskStatus.RUNNING
 _SUCCEEDED = TaskStatus.SUCCEEDED
+_FINISH_DONE = Finish.DONE
+_FINISH_TAKEN = Finish.TAKEN
+# What a delivery that holds no claim keeps alive: nothing (reentrant, shared).
+_NOT_HELD = contextlib.nullcontext()
 
 
 async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime) -> None:
@@ -222,29 +228,33 @@ async def _process(
     # If the handler ignores its cancellation, another task ends the attempt without it (a
     # partial, not a closure: made for every delivery, called for almost none).
     on_stuck = functools.partial(_take_over, message, delivery, spec, rt, held, watch)
+    # The claim's lease is kept from the handler's start until its ending returned (a result
+    # write that retries included): a lapsed lease would let a copy run the task again.
+    hold = (
+        rt.store.holding(spec.queue, delivery.task_id, held)
+        if held is not None and rt.store is not None
+        else _NOT_HELD
+    )
     try:
-        if ticket is NO_TICKET and held is None:
-            # The common path: no limit's slot to free, no claim to keep alive.
-            outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
-        else:
-            with ticket:  # the limits' slots are freed as the handler ends, however it ends
-                if held is None or rt.store is None:
+        with hold:
+            if ticket is NO_TICKET:
+                # The common path: no limit's slot to free.
+                outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
+            else:
+                with ticket:  # the limits' slots are freed as the handler ends, however it ends
                     outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
-                else:
-                    with rt.store.holding(spec.queue, delivery.task_id, held):
-                        outcome = await _call(spec, task, delivery, rt, on_stuck, watch)
-        if outcome is not None and circuit is not None:
-            circuit.outcome(message, outcome[1])
-        if running is not None:
-            await running
-        if outcome is None:  # abandoned, and the task that took over settled it
-            return
-        if watch.requested:
-            # Cancelled while it ran: whatever it returned or raised no longer counts (a
-            # failure is not retried).
-            await _end_cancelled(message, delivery, spec, rt, held)
-        else:
-            await _conclude(message, delivery, spec, rt, held, *outcome)
+            if outcome is not None and circuit is not None:
+                circuit.outcome(message, outcome[1])
+            if running is not None:
+                await running
+            if outcome is None:  # abandoned, and the task that took over settled it
+                return
+            if watch.requested:
+                # Cancelled while it ran: whatever it returned or raised no longer counts (a
+                # failure is not retried).
+                await _end_cancelled(message, delivery, spec, rt, held)
+            else:
+                await _conclude(message, delivery, spec, rt, held, *outcome)
     except BaseException:
         # Stopping hard, or a bug of ours: the worker gives the message back. Free the claim
         # so the next delivery runs at once, not after the lease (owner-checked: a no-op once
@@ -381,9 +391,7 @@ async def _pass_guard(
     if claim is _CLAIM_DONE or await _finished_before(delivery, spec, rt):
         if claim is not _CLAIM_DONE:
             await _mark_done_quietly(store, spec, delivery)
-        await _redeliver_to_inbox(delivery, spec, rt)
-        if await notify.announce_again(message, delivery, spec, rt):
-            await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
+        await _ack_as_duplicate(message, delivery, spec, rt)
         return _Gate.SETTLED
     if claim is _CLAIM_BUSY:
         await _defer(message, delivery, spec, rt, "another worker is running this task")
@@ -435,6 +443,16 @@ async def _within_limits(
         level=logging.DEBUG,
     )
     return None
+
+
+async def _ack_as_duplicate(
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+) -> None:
+    """Ack a copy of a task that another attempt finished: the stored final goes to the
+    inbox and the notification again (readers drop repeats), then the ack."""
+    await _redeliver_to_inbox(delivery, spec, rt)
+    if await notify.announce_again(message, delivery, spec, rt):
+        await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
 
 
 async def _finished_before(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> bool:
@@ -675,9 +693,25 @@ async def _finish(
     )
     try:
         if owner is not None and rt.store is not None:
-            # Claimed: the result and the done marker together (one step).
+            # Claimed: the result and the done marker together (one step), owner-checked.
             store = rt.store
-            await _patiently(rt, lambda: store.finish(spec.queue, delivery.task_id, state))
+            finish = await _patiently(
+                rt, lambda: store.finish(spec.queue, delivery.task_id, state, owner=owner)
+            )
+            if finish is _FINISH_DONE:
+                # Done before this write: another attempt (which took the claim over)
+                # finished first, or an earlier try of this write landed unanswered. The
+                # stored result stands; this copy is a duplicate now.
+                log.warning(
+                    "the task was done before its result was written: the stored one stands"
+                )
+                await _ack_as_duplicate(message, delivery, spec, rt)
+                return
+            if finish is _FINISH_TAKEN:
+                log.warning(
+                    "this attempt had lost its claim to another one; its result is stored "
+                    "first, and the other attempt will find the task done"
+                )
         elif records is not None and state is not None:
             final = state
             await _patiently(rt, lambda: records.record(final))
@@ -746,7 +780,7 @@ async def _end_cancelled(
     state = _state(delivery, spec, TaskStatus.CANCELLED) if rt.results is not None else None
     try:
         if held is not None and rt.store is not None:
-            await rt.store.finish(spec.queue, delivery.task_id, state)
+            await rt.store.finish(spec.queue, delivery.task_id, state, owner=held)
         elif rt.results is not None and state is not None:
             await rt.results.record(state)
     except Exception as e:
@@ -758,15 +792,14 @@ async def _end_cancelled(
     await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
 
 
-async def _patiently(rt: Runtime, write: Callable[[], Awaitable[object]]) -> None:
-    """Retry a store write with backoff for up to ``result_store_patience_s``."""
+async def _patiently(rt: Runtime, write: Callable[[], Awaitable[_T]]) -> _T:
+    """Retry a store write with backoff for up to ``result_store_patience_s``; its answer."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + rt.settings.result_store_patience_s
     delay = 0.1
     while True:
         try:
-            await write()
-            return
+            return await write()
         except Exception as e:  # any store failure is retried the same way
             if loop.time() + delay > deadline:
                 raise ResultNotStored(f"could not store the result: {type(e).__name__}: {e}") from e

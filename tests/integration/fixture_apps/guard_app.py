@@ -16,6 +16,8 @@ Environment:
                                 once per record key, so the redelivered copy can proceed.
     GUARD_APP_NOTIFY            "1": the handler publishes result notifications to
                                 ``<queue>.results`` (``notify=True``)
+    GUARD_APP_IDEMPOTENT        "0": the handler claims nothing (``idempotent=False``: the
+                                guard off, results still stored); default "1"
 The ``WECLAW_MQ_*`` settings apply as in any app.
 """
 
@@ -33,7 +35,7 @@ from pydantic import BaseModel
 
 from tests.integration.fixture_apps import lazy_app, required_env
 from weclaw_mq import App, Context, Settings, TaskState, TaskStatus
-from weclaw_mq.state import RedisTaskStore
+from weclaw_mq.state import Finish, RedisTaskStore
 
 if TYPE_CHECKING:
     from tests.integration.processes import WorkerProcess
@@ -81,6 +83,7 @@ class DieAfterStoreResults(RedisTaskStore):
             ttl_s=settings.result_ttl_s,
             lease_s=settings.guard_lease_s,
             done_ttl_s=settings.done_ttl_s,
+            heartbeat_ttl_s=settings.guard_heartbeat_ttl_s,
         )
         self._client = client
         self._record_key = record_key
@@ -91,12 +94,15 @@ class DieAfterStoreResults(RedisTaskStore):
         await self._die_if_flagged(state)
         return written
 
-    async def finish(self, queue: str, task_id: str, result: TaskState | None) -> None:
+    async def finish(
+        self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
+    ) -> Finish:
         # The worker stores a success this way when the guard is on (result and done marker
         # in one step): the kill lands after both, before the ack.
-        await super().finish(queue, task_id, result)
+        finish = await super().finish(queue, task_id, result, owner=owner)
         if result is not None:
             await self._die_if_flagged(result)
+        return finish
 
     async def _die_if_flagged(self, state: TaskState) -> None:
         if (
@@ -116,6 +122,7 @@ def build_app(
     sleep_max_s: float | None = None,
     die_after_store: bool = False,
     notify: bool = False,
+    idempotent: bool = True,
 ) -> App:
     recorder = _client(settings)
     store: DieAfterStoreResults | None = None
@@ -124,7 +131,7 @@ def build_app(
     app = App("guard-fixture", settings=settings, store=store)
     longest = sleep_min_s if sleep_max_s is None else sleep_max_s
 
-    @app.handler(queue, notify=notify)
+    @app.handler(queue, notify=notify, idempotent=idempotent)
     async def work(task: Job, ctx: Context) -> dict[str, int]:
         await asyncio.sleep(random.uniform(sleep_min_s, longest))
         if store is not None and task.die_after_store:
@@ -146,6 +153,7 @@ def _app_from_env() -> App:
         sleep_max_s=float(os.environ.get("GUARD_APP_SLEEP_MAX_S", str(shortest))),
         die_after_store=os.environ.get("GUARD_APP_DIE_AFTER_STORE") == "1",
         notify=os.environ.get("GUARD_APP_NOTIFY") == "1",
+        idempotent=os.environ.get("GUARD_APP_IDEMPOTENT", "1") == "1",
     )
 
 
@@ -161,6 +169,7 @@ def spawn_worker(
     die_after_store: bool = False,
     metrics_port: int | None = None,
     notify: bool = False,
+    idempotent: bool = True,
 ) -> WorkerProcess:
     """Start ``weclaw-mq worker`` on this app in a new process; its output goes to ``log_path``.
 
@@ -176,6 +185,7 @@ def spawn_worker(
         "GUARD_APP_SLEEP_MAX_S": str(sleep_min_s if sleep_max_s is None else sleep_max_s),
         "GUARD_APP_DIE_AFTER_STORE": "1" if die_after_store else "0",
         "GUARD_APP_NOTIFY": "1" if notify else "0",
+        "GUARD_APP_IDEMPOTENT": "1" if idempotent else "0",
     }
     extra = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
     return spawn_cli_worker(
