@@ -12,9 +12,11 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from tests.conftest import wait_until
-from weclaw_mq import App, Context, Reject
+from weclaw_mq import App, Context, Reject, TaskState, TaskStatus
 from weclaw_mq.naming import inbox_key, inbox_trace_key
 from weclaw_mq.streaming import Inbox, StreamEvent
+from weclaw_mq.streaming.events import Entry, final_entry
+from weclaw_mq.streaming.reading import FINALS_KEPT
 
 
 class Ask(BaseModel):
@@ -182,3 +184,27 @@ def test_a_session_id_with_a_brace_is_refused_before_anything_is_sent(make_app, 
     app = replying_app(make_app, qname)
     with pytest.raises(Exception, match="session id"):
         app.prepare(qname, Ask(n=1), session_id="a{b}")
+
+
+async def test_a_session_stream_remembers_a_bounded_number_of_finals_and_drops_a_recent_copy(
+    make_app, session
+):
+    app = make_app()
+
+    def final(n: int) -> Entry:
+        state = TaskState(task_id=f"t{n}", queue="q", status=TaskStatus.SUCCEEDED, attempt=1)
+        return final_entry(state)
+
+    many = FINALS_KEPT * 3
+    # Many replies over a stream's life, then a copy of the last one (a crashed worker's),
+    # then one more reply.
+    entries = [final(n) for n in range(many)] + [final(many - 1), final(many)]
+    await app.streams.deliver(session, entries)
+    events = aiter(app.inbox(session))
+    got = [await anext(events) for _ in range(many + 1)]
+    # The copy was dropped; what the reader keeps to drop copies is bounded, not one entry
+    # per final it ever yielded (read from the generator's frame: no API exposes it).
+    assert [e.task_id for e in got] == [f"t{n}" for n in range(many + 1)]
+    seen = events.ag_frame.f_locals["finals"]  # type: ignore[attr-defined]
+    assert len(seen) <= FINALS_KEPT
+    await events.aclose()  # type: ignore[attr-defined]
