@@ -13,9 +13,10 @@ from pydantic import BaseModel
 
 from tests.conftest import wait_until
 from weclaw_mq import App, Context, Reject, TaskState, TaskStatus
-from weclaw_mq.naming import inbox_key, inbox_trace_key
-from weclaw_mq.streaming import Inbox, StreamEvent
-from weclaw_mq.streaming.events import Entry, final_entry
+from weclaw_mq.naming import inbox_key, inbox_trace_key, stream_key
+from weclaw_mq.streaming import Inbox, MemoryStreamStore, StreamEvent
+from weclaw_mq.streaming.events import Entry, chunk_entry, encode_data, final_entry
+from weclaw_mq.streaming.protocol import LIVE_READ_BATCH
 from weclaw_mq.streaming.reading import FINALS_KEPT
 
 
@@ -208,3 +209,26 @@ async def test_a_session_stream_remembers_a_bounded_number_of_finals_and_drops_a
     seen = events.ag_frame.f_locals["finals"]  # type: ignore[attr-defined]
     assert len(seen) <= FINALS_KEPT
     await events.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_live_reader_reads_a_few_dozen_entries_at_a_time_from_either_store(
+    make_app, session, redis_url
+):
+    # What a live reader read waits in its memory until its consumer takes it (an SSE
+    # client may never): it asks for LIVE_READ_BATCH at a time, and both stores keep that.
+    entries = [chunk_entry(f"t{n}", 1, encode_data("w")) for n in range(LIVE_READ_BATCH * 3)]
+    task_id = f"task-of-{session}"
+    try:
+        for streams in (make_app().streams, MemoryStreamStore()):
+            await streams.deliver(session, entries)
+            batch = await streams.read_inbox(session, "0-0", 0, count=LIVE_READ_BATCH)
+            assert [e.task_id for e in batch] == [f"t{n}" for n in range(LIVE_READ_BATCH)]
+            await streams.write(task_id, entries, session_id=None)
+            read = await streams.read(task_id, "0-0", 0, count=LIVE_READ_BATCH)
+            assert len(read) == LIVE_READ_BATCH
+    finally:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await client.delete(stream_key(task_id))
+        finally:
+            await client.aclose()

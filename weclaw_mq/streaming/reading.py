@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from ..errors import ResultTimeoutError
 from ..state import TaskState
 from .events import FINAL, FIRST_ID, StreamEvent, check_event_id, final_entry, id_key
-from .protocol import StreamStore
+from .protocol import LIVE_READ_BATCH, StreamStore
 
 # How long one wait for the final state lasts before the reader waits again.
 _WAIT_ROUND_S = 3600.0
@@ -55,7 +55,7 @@ async def task_events(
     read: asyncio.Task[list[StreamEvent]] | None = None
     try:
         while True:
-            read = loop.create_task(streams.read(task_id, last, block_s))
+            read = loop.create_task(streams.read(task_id, last, block_s, count=LIVE_READ_BATCH))
             if not ender.done():
                 await asyncio.wait({read, ender}, return_when=asyncio.FIRST_COMPLETED)
             # ender.result() raises the store's error, if it failed. A final at or before
@@ -105,7 +105,10 @@ class Inbox:
         last = self._after
         finals = RecentFinals()
         while True:
-            for event in await self._streams.read_inbox(self.session_id, last, self._block_s):
+            batch = await self._streams.read_inbox(
+                self.session_id, last, self._block_s, count=LIVE_READ_BATCH
+            )
+            for event in batch:
                 last = event.id
                 if finals.first_time(event):
                     yield event
