@@ -38,9 +38,12 @@ def strict_json(value: Any) -> bytes:
     except (pydantic_core.PydanticSerializationError, UnicodeError) as e:
         raise ValueError(str(e)) from e
     # pydantic_core writes NaN/Infinity as bare words (invalid JSON); a string holding such a
-    # word encodes the same in "null" mode, a real NaN does not. Cheap: a scan of the bytes.
-    if (b"NaN" in data or b"Infinity" in data) and data != pydantic_core.to_json(
-        value, inf_nan_mode="null"
+    # word encodes the same in "null" mode, a real NaN does not. A str (most chunks) is
+    # never a number: no scan at all.
+    if (
+        type(value) is not str
+        and (b"NaN" in data or b"Infinity" in data)
+        and data != pydantic_core.to_json(value, inf_nan_mode="null")
     ):
         raise ValueError("NaN and infinities have no JSON form; send null or a string")
     return data
