@@ -24,6 +24,10 @@ holds the handler, so ``publish`` checks each payload against the handler's pyda
 before anything is sent, and a payload the worker would dead-letter is refused here with a
 422. A separate ``App("demo")`` without the handler would only check the size. In a real
 service, put the models and the handler registration in a module both sides import.
+
+A request body over ``WECLAW_MQ_MAX_MESSAGE_BYTES`` is refused with 413 as it arrives, never
+read whole (``producers.body_limit``); valid JSON that cannot be a task body (a lone
+surrogate) answers 422, like a body that is no prompt.
 """
 
 from __future__ import annotations
