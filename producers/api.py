@@ -24,20 +24,28 @@ holds the handler, so ``publish`` checks each payload against the handler's pyda
 before anything is sent, and a payload the worker would dead-letter is refused here with a
 422. A separate ``App("demo")`` without the handler would only check the size. In a real
 service, put the models and the handler registration in a module both sides import.
+
+A request body over ``WECLAW_MQ_MAX_MESSAGE_BYTES`` is refused with 413 as it arrives, never
+read whole (``producers.body_limit``); valid JSON that cannot be a task body (a lone
+surrogate) answers 422, like a body that is no prompt.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Header, HTTPException, status
+from fastapi import FastAPI, Header, HTTPException, Request, Response, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from consumers.demo import Prompt
+from producers.body_limit import BodyLimit
 from producers.live import add_live_routes, recorded_state
 from weclaw_mq import (
     App,
@@ -45,6 +53,7 @@ from weclaw_mq import (
     ConfirmTimeoutError,
     ConnectionLostError,
     IdempotencyConflictError,
+    PayloadError,
     PayloadTooLargeError,
     PayloadValidationError,
     PublishFailedError,
@@ -118,6 +127,12 @@ def create_app(
             await mq_app.close()
 
     api = FastAPI(title="weclaw_mq example producer", lifespan=lifespan)
+    # Refused as the body arrives: FastAPI would read all of it before any check.
+    api.add_middleware(
+        BodyLimit,
+        max_bytes=mq_app.settings.max_message_bytes,
+        what="WECLAW_MQ_MAX_MESSAGE_BYTES",
+    )
 
     @api.post(
         "/tasks",
@@ -163,6 +178,9 @@ def create_app(
             raise HTTPException(413, str(e)) from e
         except PayloadValidationError as e:
             raise HTTPException(422, str(e)) from e
+        except PayloadError as e:
+            # Valid JSON that is no task body: a lone surrogate ("\ud800"), a bad task id.
+            raise HTTPException(422, str(e)) from e
         except BrokerUnavailableError as e:
             # The full reason (broker host included) goes to our log, not to the client.
             log.warning("POST /tasks refused: %s", e)
@@ -202,6 +220,13 @@ def create_app(
             error=state.error,
             attempt=state.attempt,
         )
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, e: RequestValidationError) -> Response:
+        # FastAPI's own answer echoes the input as UTF-8, and a lone surrogate in it ("\ud800"
+        # is valid JSON) cannot be encoded: that was a 500. Escaped to ASCII, it can.
+        body = json.dumps({"detail": jsonable_encoder(e.errors())}, separators=(",", ":"))
+        return Response(body, status_code=422, media_type="application/json")
 
     add_live_routes(api, mq_app, _unavailable)
     return api

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import FastAPI, Header, HTTPException, Query, status
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from weclaw_mq import App, ConfigurationError, Inbox, StateUnavailableError, TaskState
 from weclaw_mq.streaming.events import check_event_id
 
-from .sse import HEADERS, MEDIA_TYPE, event_frames
+from .sse import EventStreamResponse, EventStreams
 
 log = logging.getLogger("producers.live")
 
@@ -88,7 +88,10 @@ def add_live_routes(api: FastAPI, mq: App, unavailable: Callable[[str], JSONResp
     """Attach the page and the two SSE endpoints to ``api``, reading from ``mq``.
 
     ``unavailable(message)`` builds the API's 503 answer (one shape for every endpoint).
+    The streams' bounds and counts are ``api.state.event_streams`` (``sse.EventStreams``).
     """
+    streams = EventStreams()
+    api.state.event_streams = streams
 
     @api.get("/", include_in_schema=False)
     async def page() -> FileResponse:
@@ -100,30 +103,29 @@ def add_live_routes(api: FastAPI, mq: App, unavailable: Callable[[str], JSONResp
         queue: str | None = None,
         last_event_id: LastEventHeader = None,
         last_event_id_query: LastEventQuery = None,
-    ) -> StreamingResponse | JSONResponse:
+    ) -> EventStreamResponse | JSONResponse:
         """The task's events as Server-Sent Events, ending after its final event."""
         after = resume_point(last_event_id, last_event_id_query)
         # A typo answers 404 at once instead of a stream that waits for the task forever.
         known = await recorded_state(mq, task_id, queue, unavailable, what="task streams")
         if isinstance(known, JSONResponse):
             return known
-        frames = event_frames(mq.stream(task_id, after, queue=queue), end_on_final=True)
-        return StreamingResponse(frames, media_type=MEDIA_TYPE, headers=HEADERS)
+        events = mq.stream(task_id, after, queue=queue)
+        return EventStreamResponse(events, streams, end_on_final=True)
 
     @api.get("/sessions/{session_id}/events", response_model=None)
     async def session_events(
         session_id: str,
         last_event_id: LastEventHeader = None,
         last_event_id_query: LastEventQuery = None,
-    ) -> StreamingResponse | JSONResponse:
+    ) -> EventStreamResponse | JSONResponse:
         """The session's inbox as Server-Sent Events, after the id the client resumes from
         (which confirms every entry up to it)."""
         after = resume_point(last_event_id, last_event_id_query)
         inbox = _inbox(session_id, after)
         if after is not None and (refused := await _confirm(inbox, after)) is not None:
             return refused
-        frames = event_frames(aiter(inbox))
-        return StreamingResponse(frames, media_type=MEDIA_TYPE, headers=HEADERS)
+        return EventStreamResponse(aiter(inbox), streams)
 
     @api.post("/sessions/{session_id}/confirm", status_code=204, response_model=None)
     async def session_confirm(session_id: str, body: Confirm) -> JSONResponse | None:

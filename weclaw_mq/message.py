@@ -30,12 +30,31 @@ def new_task_id() -> str:
     return str(uuid.uuid4())
 
 
+def strict_json(value: Any) -> bytes:
+    """``value`` as JSON, the one rule for task bodies and streamed chunks: ``ValueError``
+    for what JSON cannot hold (NaN or an infinity, a lone surrogate, an unknown type)."""
+    try:
+        data = pydantic_core.to_json(value)
+    except (pydantic_core.PydanticSerializationError, UnicodeError) as e:
+        raise ValueError(str(e)) from e
+    # pydantic_core writes NaN/Infinity as bare words (invalid JSON); a string holding such a
+    # word encodes the same in "null" mode, a real NaN does not. A str (most chunks) is
+    # never a number: no scan at all.
+    if (
+        type(value) is not str
+        and (b"NaN" in data or b"Infinity" in data)
+        and data != pydantic_core.to_json(value, inf_nan_mode="null")
+    ):
+        raise ValueError("NaN and infinities have no JSON form; send null or a string")
+    return data
+
+
 def encode_payload(payload: Any) -> bytes:
     try:
         if isinstance(payload, BaseModel):
             return payload.model_dump_json().encode()
-        return pydantic_core.to_json(payload)
-    except (pydantic_core.PydanticSerializationError, UnicodeError) as e:
+        return strict_json(payload)
+    except (pydantic_core.PydanticSerializationError, UnicodeError, ValueError) as e:
         raise PayloadError(f"payload is not JSON-serialisable: {e}") from e
 
 

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from consumers import demo
 from producers.api import create_app
+from producers.sse import EventStreams
 from tests.integration.live_server import serving
 from weclaw_mq import App
 from weclaw_mq.naming import inbox_key, inbox_trace_key
@@ -20,13 +21,15 @@ from weclaw_mq.naming import inbox_key, inbox_trace_key
 
 @dataclass
 class LiveApi:
-    """The served API (``client`` has its base URL), the worker's App, and the sessions to
-    clean up (tasks are: make_app deletes their records and streams with their queue)."""
+    """The served API (``client`` has its base URL), the worker's App, the API's event
+    streams (their bounds and counts), and the sessions to clean up (tasks are: make_app
+    deletes their records and streams with their queue)."""
 
     base_url: str
     client: httpx.AsyncClient
     worker_app: App
     queue: str
+    streams: EventStreams
     sessions: list[str] = field(default_factory=list)
 
     async def post(self, text: str, *, session_id: str | None = None) -> str:
@@ -67,11 +70,12 @@ async def live_api(
     worker_app = make_app("demo-worker")
     demo.register(worker_app, queue=qname)
     live: LiveApi | None = None
+    api = create_app(api_app)
     try:
-        async with serving(create_app(api_app)) as base_url:
+        async with serving(api) as base_url:
             await start_worker(worker_app)
             async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
-                live = LiveApi(base_url, client, worker_app, qname)
+                live = LiveApi(base_url, client, worker_app, qname, api.state.event_streams)
                 yield live
     finally:
         if live is not None:

@@ -10,8 +10,12 @@ import asyncio
 import contextlib
 import os
 import re
+import select
 import signal
+import socket
 import sys
+import time
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from consumers import demo
 from producers.api import RETRY_AFTER_S, create_app
 from tests.conftest import forget_task_keys, queue_depth, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
+from tests.integration.live_server import serving
 from weclaw_mq import App
 from weclaw_mq.naming import dlq_name, task_keys
 
@@ -264,3 +269,108 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
     # Every task was acked: nothing waits in the queue or its DLQ.
     for name in (qname, dlq_name(qname)):
         assert await queue_depth(amqp, name) == 0, name
+
+
+async def test_post_answers_422_for_a_lone_surrogate_in_the_prompt_or_in_a_bad_field(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    # "\ud800" is valid JSON but no UTF-8 text: it cannot become a task body, nor be echoed.
+    async with demo_client(make_app("demo-api"), qname) as client:
+        in_prompt = await client.post("/tasks", content=b'{"text": "\\ud800"}', headers=JSON)
+        in_bad_field = await client.post("/tasks", content=b'{"text": ["\\ud800"]}', headers=JSON)
+
+    assert in_prompt.status_code == 422, in_prompt.text
+    assert "surrogates not allowed" in in_prompt.json()["detail"]
+    assert in_bad_field.status_code == 422, in_bad_field.text
+    assert in_bad_field.json()["detail"][0]["loc"] == ["body", "text"]
+
+
+async def test_post_of_a_body_far_over_the_limit_is_refused_having_read_little_of_it(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    limit = 64 * 1024
+    pulled = 0
+
+    async def huge_body() -> AsyncIterator[bytes]:  # no Content-Length: sent chunked
+        nonlocal pulled
+        for _ in range(320):  # 20 MiB
+            pulled += len(CHUNK)
+            yield CHUNK
+
+    tracemalloc.start()
+    try:
+        async with demo_client(make_app("demo-api", max_message_bytes=limit), qname) as client:
+            response = await client.post("/tasks", content=huge_body(), headers=JSON)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert response.status_code == 413, response.text
+    assert f"over the limit of {limit} bytes" in response.json()["detail"]
+    # The app stopped asking for the body once past the limit: one chunk over it, no more.
+    assert pulled <= limit + len(CHUNK)
+    assert peak < 4 * 1024 * 1024, peak
+
+
+async def test_a_real_server_answers_413_before_a_huge_body_is_sent_with_or_without_its_length(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    limit = 64 * 1024
+    mq = make_app("demo-api", max_message_bytes=limit)
+    demo.register(mq, queue=qname)
+    async with serving(create_app(mq, declare_on_startup=False)) as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        # A declared length over the limit: the answer comes before any of the body is sent.
+        declared, _ = await asyncio.to_thread(
+            send_body, port, headers=b"Content-Length: 200000000\r\n", total=0
+        )
+        # Chunked, no length: the server reads up to the limit, answers and closes, so the
+        # client can send only what the socket buffers between them hold.
+        chunked, sent = await asyncio.to_thread(
+            send_body, port, headers=b"Transfer-Encoding: chunked\r\n", total=HUGE_BODY_BYTES
+        )
+
+    for answer in (declared, chunked):
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+        assert b"over the limit of 65536 bytes" in answer
+    assert sent < HUGE_BODY_BYTES // 4, sent
+
+
+JSON = {"content-type": "application/json"}
+CHUNK = b"x" * 65536
+HUGE_BODY_BYTES = 64 * 1024 * 1024
+
+
+def send_body(port: int, *, headers: bytes, total: int) -> tuple[bytes, int]:
+    """POST /tasks with ``headers`` and up to ``total`` bytes of chunked body, sent while the
+    answer is read; the answer (until the server closes) and the body bytes sent."""
+    head = b"POST /tasks HTTP/1.1\r\nHost: api\r\nContent-Type: application/json\r\n"
+    frame = b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK)
+    answer, sent, pending = b"", 0, b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head + headers + b"\r\n")
+        sock.setblocking(False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            sending = sent < total
+            readable, writable, _ = select.select([sock], [sock] if sending else [], [], 1.0)
+            if readable:
+                try:
+                    data = sock.recv(65536)
+                except ConnectionResetError:
+                    break
+                if not data:
+                    break  # the server closed: its answer is complete
+                answer += data
+            if writable:
+                pending = pending or frame
+                try:
+                    n = sock.send(pending)
+                except BlockingIOError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    total = sent  # the server closed: nothing more goes
+                    continue
+                sent += n
+                pending = pending[n:]
+    return answer, sent

@@ -12,9 +12,12 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from tests.conftest import wait_until
-from weclaw_mq import App, Context, Reject
-from weclaw_mq.naming import inbox_key, inbox_trace_key
-from weclaw_mq.streaming import Inbox, StreamEvent
+from weclaw_mq import App, Context, Reject, TaskState, TaskStatus
+from weclaw_mq.naming import inbox_key, inbox_trace_key, stream_key
+from weclaw_mq.streaming import Inbox, MemoryStreamStore, StreamEvent
+from weclaw_mq.streaming.events import Entry, chunk_entry, encode_data, final_entry
+from weclaw_mq.streaming.protocol import LIVE_READ_BATCH
+from weclaw_mq.streaming.reading import FINALS_KEPT
 
 
 class Ask(BaseModel):
@@ -182,3 +185,50 @@ def test_a_session_id_with_a_brace_is_refused_before_anything_is_sent(make_app, 
     app = replying_app(make_app, qname)
     with pytest.raises(Exception, match="session id"):
         app.prepare(qname, Ask(n=1), session_id="a{b}")
+
+
+async def test_a_session_stream_remembers_a_bounded_number_of_finals_and_drops_a_recent_copy(
+    make_app, session
+):
+    app = make_app()
+
+    def final(n: int) -> Entry:
+        state = TaskState(task_id=f"t{n}", queue="q", status=TaskStatus.SUCCEEDED, attempt=1)
+        return final_entry(state)
+
+    many = FINALS_KEPT * 3
+    # Many replies over a stream's life, then a copy of the last one (a crashed worker's),
+    # then one more reply.
+    entries = [final(n) for n in range(many)] + [final(many - 1), final(many)]
+    await app.streams.deliver(session, entries)
+    events = aiter(app.inbox(session))
+    got = [await anext(events) for _ in range(many + 1)]
+    # The copy was dropped; what the reader keeps to drop copies is bounded, not one entry
+    # per final it ever yielded (read from the generator's frame: no API exposes it).
+    assert [e.task_id for e in got] == [f"t{n}" for n in range(many + 1)]
+    seen = events.ag_frame.f_locals["finals"]  # type: ignore[attr-defined]
+    assert len(seen) <= FINALS_KEPT
+    await events.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_live_reader_reads_a_few_dozen_entries_at_a_time_from_either_store(
+    make_app, session, redis_url
+):
+    # What a live reader read waits in its memory until its consumer takes it (an SSE
+    # client may never): it asks for LIVE_READ_BATCH at a time, and both stores keep that.
+    entries = [chunk_entry(f"t{n}", 1, encode_data("w")) for n in range(LIVE_READ_BATCH * 3)]
+    task_id = f"task-of-{session}"
+    try:
+        for streams in (make_app().streams, MemoryStreamStore()):
+            await streams.deliver(session, entries)
+            batch = await streams.read_inbox(session, "0-0", 0, count=LIVE_READ_BATCH)
+            assert [e.task_id for e in batch] == [f"t{n}" for n in range(LIVE_READ_BATCH)]
+            await streams.write(task_id, entries, session_id=None)
+            read = await streams.read(task_id, "0-0", 0, count=LIVE_READ_BATCH)
+            assert len(read) == LIVE_READ_BATCH
+    finally:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await client.delete(stream_key(task_id))
+        finally:
+            await client.aclose()

@@ -3,15 +3,18 @@ stream and a session's inbox as Server-Sent Events, resumed with ``Last-Event-ID
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 
 from consumers import demo
 from producers.api import RETRY_AFTER_S, create_app
-from tests.conftest import settings_for
+from tests.conftest import settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_app import LiveApi, live_api, steady_llm  # noqa: F401
 from tests.integration.live_server import Frame, read_events
 from weclaw_mq import App
+from weclaw_mq.streaming.events import chunk_entry, encode_data
 
 
 def chunks_text(events: list[Frame], task_id: str) -> str:
@@ -148,3 +151,58 @@ async def test_a_session_keeps_replies_until_the_client_shows_it_has_them(
     fresh = await read_events(live_api.client, url, until_finals=1)
     assert {e.data["task_id"] for e in fresh} == {later}, fresh
     assert chunks_text(fresh, later) == demo.reply_to("fourth question")
+
+
+async def fill_inbox(live_api: LiveApi, session: str, count: int) -> None:  # noqa: F811
+    """``count`` chunks of 2 kB waiting in the session's inbox (several MB: more than the
+    socket buffers between a server and a client hold)."""
+    entries = [chunk_entry(f"t-{n}", 1, encode_data("w" * 2000)) for n in range(count)]
+    for start in range(0, count, 500):
+        await live_api.worker_app.streams.deliver(session, entries[start : start + 500])
+
+
+def stalled_client(base_url: str, path: str) -> socket.socket:
+    """A client that asks for ``path`` and then never reads (its receive buffer small)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: api\r\n\r\n".encode())
+    return sock
+
+
+async def test_a_client_that_never_reads_is_dropped_its_buffer_bounded_and_others_get_all(
+    live_api: LiveApi,  # noqa: F811
+) -> None:
+    streams = live_api.streams
+    streams.stall_s = 2.0
+    session = live_api.session("stalled")
+    count = 3000
+    await fill_inbox(live_api, session, count)
+    url = f"/sessions/{session}/events"
+
+    with stalled_client(live_api.base_url, url):
+        await wait_until(lambda: streams.dropped == 1, 30, "the stalled client to be dropped")
+        # Its frames waited in a bounded buffer while its socket was full, then were let go.
+        assert 0 < streams.peak_buffered <= streams.buffer_bytes
+        await wait_until(lambda: streams.open == 0, 10, "the stalled response to end")
+        # A client that reads gets every event, in order, and is not dropped.
+        got = await read_events(live_api.client, url, limit=count, timeout_s=60)
+    assert [e.data["task_id"] for e in got] == [f"t-{n}" for n in range(count)]
+    assert_ordered(got)
+    assert streams.dropped == 1
+
+
+async def test_a_client_that_closes_without_reading_is_cleaned_up_at_once(
+    live_api: LiveApi,  # noqa: F811
+) -> None:
+    streams = live_api.streams
+    streams.stall_s = 3600.0  # so it is the close that ends the response, not a drop
+    session = live_api.session("closer")
+    await fill_inbox(live_api, session, 3000)
+    sock = stalled_client(live_api.base_url, f"/sessions/{session}/events")
+    await wait_until(lambda: streams.peak_buffered > 0, 20, "the response to start")
+    assert streams.open == 1
+    sock.close()
+    await wait_until(lambda: streams.open == 0, 20, "the closed client's response to end")
+    assert streams.dropped == 0

@@ -23,6 +23,7 @@ from weclaw_mq.errors import StreamLimitError
 from weclaw_mq.naming import stream_key
 from weclaw_mq.state import TaskState, TaskStatus
 from weclaw_mq.streaming import MemoryStreamStore, StreamEvent
+from weclaw_mq.streaming.emitter import MAX_IN_FLIGHT_BYTES
 from weclaw_mq.streaming.events import final_entry, id_key
 
 
@@ -236,6 +237,10 @@ async def test_a_chunk_over_the_bounds_raises_in_the_handler_and_is_not_written(
                 refused.append(f"{type(e).__name__}: {e}")
         with contextlib.suppress(TypeError):
             await ctx.emit(object())  # not JSON
+        try:
+            await ctx.emit(float("nan"))  # no JSON form (it used to be written as null)
+        except TypeError as e:
+            refused.append(f"{type(e).__name__}: {e}")
         return "done"
 
     await start_worker(app)
@@ -246,6 +251,8 @@ async def test_a_chunk_over_the_bounds_raises_in_the_handler_and_is_not_written(
         "StreamLimitError: a chunk of 22 bytes (as JSON) is over the limit of 10 "
         "(WECLAW_MQ_STREAM_MAX_CHUNK_BYTES)",
         "StreamLimitError: a run may emit at most 2 chunks (WECLAW_MQ_STREAM_MAX_CHUNKS)",
+        "TypeError: ctx.emit takes str or JSON data: NaN and infinities have no JSON form; "
+        "send null or a string",
     ]
 
 
@@ -280,3 +287,29 @@ async def test_readers_racing_to_end_a_stream_write_one_final_and_a_new_run_gets
         client = aioredis.Redis.from_url(redis_url)
         await client.delete(stream_key(state.task_id))
         await client.aclose()
+
+
+async def test_a_handler_emitting_faster_than_redis_waits_with_a_bounded_backlog(
+    make_app, start_worker, qname
+):
+    # Big chunks back to back, with no pause: Redis cannot take them as fast as emit returns.
+    chunk = "x" * 60_000
+    count = 200
+    app = make_app()
+
+    @app.handler(qname)
+    async def flood(task: Words, ctx: Context) -> int:
+        assert ctx.emitter is not None
+        peak = 0
+        for _ in range(count):
+            await ctx.emit(chunk)
+            peak = max(peak, ctx.emitter.in_flight_bytes)  # in flight only grows in emit
+        return peak
+
+    await start_worker(app)
+    task_id = await app.publish(qname, Words(words=[]))
+    state = await app.result(task_id, timeout_s=60)
+    assert 0 < state.result <= MAX_IN_FLIGHT_BYTES, state.result
+    # Slowed to Redis's pace, not cut short: every chunk is in the stream, in order.
+    events = await collect(app.stream(task_id), timeout_s=60)
+    assert texts(events) == [chunk] * count

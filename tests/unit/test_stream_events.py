@@ -3,9 +3,12 @@ exactly."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from weclaw_mq import ConfigurationError, TaskState, TaskStatus
+from weclaw_mq import ConfigurationError, PayloadError, TaskState, TaskStatus
+from weclaw_mq.message import encode_payload
 from weclaw_mq.naming import inbox_key, validate_session_id
 from weclaw_mq.streaming.events import (
     attempt_entry,
@@ -74,3 +77,15 @@ def test_an_expired_record_written_by_lua_with_no_tasks_reads_as_an_empty_list()
 def test_a_value_that_is_not_json_is_a_type_error() -> None:
     with pytest.raises(TypeError, match=r"ctx\.emit takes str or JSON"):
         encode_data(object())
+
+
+@pytest.mark.parametrize("chunk", [float("nan"), {"p": [1.0, float("inf")]}, -float("inf")])
+def test_nan_and_infinities_are_refused_like_a_task_body_not_written_as_null(chunk: Any) -> None:
+    with pytest.raises(TypeError, match="NaN and infinities have no JSON form"):
+        encode_data(chunk)
+    with pytest.raises(PayloadError, match="NaN and infinities have no JSON form"):
+        encode_payload(chunk)
+
+
+def test_text_that_spells_nan_or_infinity_is_plain_json_text() -> None:
+    assert encode_data({"word": "NaN", "more": "Infinity"}) == b'{"word":"NaN","more":"Infinity"}'

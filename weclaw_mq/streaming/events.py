@@ -14,6 +14,7 @@ from typing import Any, Literal
 import pydantic_core
 
 from ..errors import ConfigurationError
+from ..message import strict_json
 from ..state import TaskState
 
 # "attempt": a run of the handler starts (its partial text replaces any earlier run's);
@@ -83,10 +84,11 @@ def next_id(event_id: str) -> str:
 
 
 def encode_data(chunk: Any) -> bytes:
-    """A chunk as JSON (str or any JSON-able value); ``TypeError`` if it is not JSON."""
+    """A chunk as JSON (str or any JSON-able value), by the rule of task bodies
+    (``message.strict_json``); ``TypeError`` if it is not JSON (NaN included)."""
     try:
-        return pydantic_core.to_json(chunk)
-    except (pydantic_core.PydanticSerializationError, ValueError, UnicodeError) as e:
+        return strict_json(chunk)
+    except ValueError as e:
         raise TypeError(f"ctx.emit takes str or JSON data: {e}") from e
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import pydantic_core
 
 from .events import EXPIRED, FINAL, Entry, StreamEvent, decode, expired_entry, id_key
+from .protocol import READ_BATCH
 
 
 class MemoryStreamStore:
@@ -59,21 +60,24 @@ class MemoryStreamStore:
             self._append(key, final)
         return self._logs[key][-1][0]
 
-    async def _read(self, key: str, after: str, timeout_s: float) -> list[StreamEvent]:
+    async def _read(self, key: str, after: str, timeout_s: float, count: int) -> list[StreamEvent]:
         woken = self._appended
-        events = self._after(key, after)
+        events = self._after(key, after, count)
         if not events and timeout_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woken.wait(), timeout_s)
-            events = self._after(key, after)
+            events = self._after(key, after, count)
         return events
 
-    def _after(self, key: str, after: str) -> list[StreamEvent]:
+    def _after(self, key: str, after: str, count: int) -> list[StreamEvent]:
         start = id_key(after)
-        return [decode(i, e.body) for i, e in self._logs.get(key, []) if id_key(i) > start]
+        later = [(i, e) for i, e in self._logs.get(key, []) if id_key(i) > start][:count]
+        return [decode(i, e.body) for i, e in later]
 
-    async def read(self, task_id: str, after: str, timeout_s: float) -> list[StreamEvent]:
-        return await self._read("task:" + task_id, after, timeout_s)
+    async def read(
+        self, task_id: str, after: str, timeout_s: float, *, count: int = READ_BATCH
+    ) -> list[StreamEvent]:
+        return await self._read("task:" + task_id, after, timeout_s, count)
 
     def _expire(self, session_id: str) -> None:
         key = "inbox:" + session_id
@@ -110,11 +114,17 @@ class MemoryStreamStore:
         return over
 
     async def read_inbox(
-        self, session_id: str, after: str, timeout_s: float, *, expire: bool = True
+        self,
+        session_id: str,
+        after: str,
+        timeout_s: float,
+        *,
+        expire: bool = True,
+        count: int = READ_BATCH,
     ) -> list[StreamEvent]:
         if expire:
             self._expire(session_id)
-        return await self._read("inbox:" + session_id, after, timeout_s)
+        return await self._read("inbox:" + session_id, after, timeout_s, count)
 
     async def confirm(self, session_id: str, upto: str) -> None:
         key = "inbox:" + session_id

@@ -17,6 +17,12 @@ from typing import Protocol
 
 from .events import Entry, StreamEvent
 
+# A read returns at most this many entries (one round trip); a reader behind by more reads
+# again. A live reader asks for fewer (LIVE_READ_BATCH): what it read waits in its memory
+# until its consumer takes it, and that consumer may be a client that reads slowly or never.
+READ_BATCH = 500
+LIVE_READ_BATCH = 32
+
 
 class StreamStore(Protocol):
     async def write(
@@ -31,9 +37,11 @@ class StreamStore(Protocol):
         same state); the id of the final the stream ends with."""
         ...
 
-    async def read(self, task_id: str, after: str, timeout_s: float) -> list[StreamEvent]:
-        """The task's events after ``after``, oldest first; waits up to ``timeout_s`` for
-        one when there is none yet (an empty list then)."""
+    async def read(
+        self, task_id: str, after: str, timeout_s: float, *, count: int = READ_BATCH
+    ) -> list[StreamEvent]:
+        """The task's events after ``after``, oldest first, at most ``count``; waits up to
+        ``timeout_s`` for one when there is none yet (an empty list then)."""
         ...
 
     async def deliver(self, session_id: str, entries: Sequence[Entry]) -> int:
@@ -42,7 +50,13 @@ class StreamStore(Protocol):
         ...
 
     async def read_inbox(
-        self, session_id: str, after: str, timeout_s: float, *, expire: bool = True
+        self,
+        session_id: str,
+        after: str,
+        timeout_s: float,
+        *,
+        expire: bool = True,
+        count: int = READ_BATCH,
     ) -> list[StreamEvent]:
         """``read`` for the session's inbox. With ``expire``, entries past ``inbox_ttl_s``
         are removed first, leaving an "expired" event that names the tasks whose final reply

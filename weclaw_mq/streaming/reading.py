@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from ..errors import ResultTimeoutError
 from ..state import TaskState
 from .events import FINAL, FIRST_ID, StreamEvent, check_event_id, final_entry, id_key
-from .protocol import StreamStore
+from .protocol import LIVE_READ_BATCH, StreamStore
 
 # How long one wait for the final state lasts before the reader waits again.
 _WAIT_ROUND_S = 3600.0
+# Finals an inbox reader remembers to drop their copies (RecentFinals).
+FINALS_KEPT = 256
 
 
 # Waits for the task's final state (``App.result`` with a timeout); raises
@@ -53,7 +55,7 @@ async def task_events(
     read: asyncio.Task[list[StreamEvent]] | None = None
     try:
         while True:
-            read = loop.create_task(streams.read(task_id, last, block_s))
+            read = loop.create_task(streams.read(task_id, last, block_s, count=LIVE_READ_BATCH))
             if not ender.done():
                 await asyncio.wait({read, ender}, return_when=asyncio.FIRST_COMPLETED)
             # ender.result() raises the store's error, if it failed. A final at or before
@@ -101,24 +103,27 @@ class Inbox:
 
     async def _events(self) -> AsyncIterator[StreamEvent]:
         last = self._after
-        finals: set[tuple[str, int]] = set()
+        finals = RecentFinals()
         while True:
-            for event in await self._streams.read_inbox(self.session_id, last, self._block_s):
+            batch = await self._streams.read_inbox(
+                self.session_id, last, self._block_s, count=LIVE_READ_BATCH
+            )
+            for event in batch:
                 last = event.id
-                if _first_time(event, finals):
+                if finals.first_time(event):
                     yield event
 
     async def pending(self) -> list[StreamEvent]:
         """Everything pending now (after ``after``), oldest first, without waiting."""
         last, out = self._after, []
-        finals: set[tuple[str, int]] = set()
+        finals = RecentFinals()
         # Expired entries are removed once, before the first read: an "expired" record that
         # expired in its turn mid-way would otherwise be listed twice.
         expire = True
         while batch := await self._streams.read_inbox(self.session_id, last, 0, expire=expire):
             expire = False
             last = batch[-1].id
-            out += [event for event in batch if _first_time(event, finals)]
+            out += [event for event in batch if finals.first_time(event)]
         return out
 
     async def confirm(self, event_id: str) -> None:
@@ -130,13 +135,28 @@ class Inbox:
         return await self._streams.dropped(self.session_id)
 
 
-def _first_time(event: StreamEvent, finals: set[tuple[str, int]]) -> bool:
-    """False for a final reply already yielded (same task and attempt): the copy a worker
-    wrote again after a crash between storing the result and acking the task."""
-    if event.kind != FINAL:
+class RecentFinals:
+    """The finals yielded lately, to drop a copy of one: the copy a worker writes again
+    after a crash between storing the result and acking the task, which follows the first
+    within that redelivery's time. Only the last ``FINALS_KEPT`` are kept: a session stream
+    lives as long as its client, and a copy further behind is yielded again (readers
+    de-duplicate by task id), where an unbounded set would grow for the stream's life."""
+
+    def __init__(self, kept: int | None = None) -> None:
+        self._kept = FINALS_KEPT if kept is None else kept
+        self._seen: dict[tuple[str, int], None] = {}  # oldest first
+
+    def first_time(self, event: StreamEvent) -> bool:
+        """False for a final already yielded (same task and attempt)."""
+        if event.kind != FINAL:
+            return True
+        key = (event.task_id, event.attempt)
+        if key in self._seen:
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self._kept:
+            del self._seen[next(iter(self._seen))]
         return True
-    key = (event.task_id, event.attempt)
-    if key in finals:
-        return False
-    finals.add(key)
-    return True
+
+    def __len__(self) -> int:
+        return len(self._seen)

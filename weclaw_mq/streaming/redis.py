@@ -22,9 +22,7 @@ from ..state import state_unavailable
 from ..state.redis import REDIS_FAILURES, open_client
 from ..state.redis_clients import StateClient
 from .events import Entry, StreamEvent, decode, next_id
-
-# Reads at most this many entries per round trip; a reader behind by more reads again.
-READ_BATCH = 500
+from .protocol import READ_BATCH
 
 # Lua helpers shared by the scripts. Entry fields are k (kind) and e (JSON).
 _FIELDS_LUA = """
@@ -176,19 +174,21 @@ class RedisStreamStore:
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
-    async def _read(self, key: str, after: str, timeout_s: float) -> list[StreamEvent]:
+    async def _read(self, key: str, after: str, timeout_s: float, count: int) -> list[StreamEvent]:
         # BLOCK 0 would wait forever; a reader wants its turn back to check on the task.
         block = max(1, int(timeout_s * 1000)) if timeout_s > 0 else None
         # RESP2 (redis-py's default): [[key, [(id, {field: value}), ...]]]; typed loosely.
-        answer: Any = await self._redis.xread({key: after}, count=READ_BATCH, block=block)
+        answer: Any = await self._redis.xread({key: after}, count=count, block=block)
         if not answer:
             return []
         entries: list[tuple[bytes, dict[bytes, bytes]]] = answer[0][1]
         return [decode(event_id.decode(), fields[b"e"]) for event_id, fields in entries]
 
-    async def read(self, task_id: str, after: str, timeout_s: float) -> list[StreamEvent]:
+    async def read(
+        self, task_id: str, after: str, timeout_s: float, *, count: int = READ_BATCH
+    ) -> list[StreamEvent]:
         try:
-            return await self._read(stream_key(task_id), after, timeout_s)
+            return await self._read(stream_key(task_id), after, timeout_s, count)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
@@ -203,13 +203,19 @@ class RedisStreamStore:
         return int(dropped)
 
     async def read_inbox(
-        self, session_id: str, after: str, timeout_s: float, *, expire: bool = True
+        self,
+        session_id: str,
+        after: str,
+        timeout_s: float,
+        *,
+        expire: bool = True,
+        count: int = READ_BATCH,
     ) -> list[StreamEvent]:
         key = inbox_key(session_id)
         try:
             if expire:
                 await self._expire(keys=[key], args=[self._inbox_ttl_ms])
-            return await self._read(key, after, timeout_s)
+            return await self._read(key, after, timeout_s, count)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
