@@ -168,14 +168,45 @@ class Worker:
         store = self.app.store
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
+        announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
         try:
             with tolerant_properties():
                 await self._run()
         finally:
-            if listener is not None:
-                listener.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await listener
+            for task in (listener, announcer):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    async def _say_if_redis_is_away(self) -> None:
+        """Once, at start: a Redis that does not answer, and what the worker does meanwhile
+        (it consumes, and the log would otherwise look healthy); then once when it answers."""
+        wait_s = self.settings.redis_timeout_s + 1.0  # a refused connect fails well before
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.cancels.listening.wait(), wait_s)
+            return
+        meanwhile = []
+        if any(s.idempotent for s in self.specs):
+            if self.settings.guard_on_redis_down == "run_unguarded":
+                meanwhile.append("guarded tasks run UNGUARDED (GUARD_ON_REDIS_DOWN=run_unguarded)")
+            else:
+                meanwhile.append("guarded tasks wait in their delay queues, never run unguarded")
+        if self.app.results is not None:
+            meanwhile.append(
+                "results cannot be stored (a finished task goes back to its queue after "
+                f"{self.settings.result_store_patience_s:g} s)"
+            )
+        meanwhile.append("cancel requests go unheard")
+        log.warning(
+            "Redis at %s does not answer (no reply within %.0f s): the worker consumes, but "
+            "until Redis answers %s",
+            self.settings.redis_url_redacted(),
+            wait_s,
+            "; ".join(meanwhile),
+        )
+        await self.cancels.listening.wait()
+        log.info("Redis answers now: guarded tasks run, cancel requests are heard")
 
     async def _run(self) -> None:
         failures = 0
