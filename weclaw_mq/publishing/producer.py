@@ -41,8 +41,10 @@ NACK_STREAK_RESET = 3
 class Publisher:
     """Publishes with confirms over one channel.
 
-    With ``connection`` given it borrows that connection (the worker's) and never reconnects;
-    without, it owns a connection that it opens on first use and again after a loss.
+    With ``connection`` given it borrows that connection (the worker's publishing one, never
+    the one it consumes on: RabbitMQ blocks a publishing connection under an alarm, its acks
+    with it) and never reconnects; without, it owns a connection that it opens on first use
+    and again after a loss.
     """
 
     def __init__(
