@@ -15,6 +15,7 @@ import pydantic
 import pytest
 
 from tests.integration.processes import one_error_line, run_cli
+from weclaw_mq import App, ConfigurationError, Worker
 from weclaw_mq.cli.failures import ExitCode, classify
 from weclaw_mq.settings import Settings, duration_bounds
 
@@ -79,3 +80,15 @@ def test_a_worker_given_an_unusable_duration_exits_3_naming_it_and_its_bounds(
     assert result.code == ExitCode.CONFIG, (result.code, line)
     assert variable in line and "number of seconds from " in line, line
     assert os.environ.get(variable) is None  # the child's, not ours
+
+
+@pytest.mark.parametrize("grace_s", [math.inf, math.nan, -1.0, 1e12])
+def test_a_worker_given_an_unusable_grace_in_code_refuses_it(grace_s: float) -> None:
+    app = App("bounds", settings=Settings(_env_file=None))
+
+    @app.handler("bounds-q")
+    async def work(job: dict[str, int]) -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match="from 0 to 86400"):
+        Worker(app, shutdown_grace_s=grace_s)

@@ -45,7 +45,7 @@ from ..publishing.connection import (
     when_lost,
 )
 from ..publishing.producer import Publisher
-from ..settings import BROKER_CONSUMER_TIMEOUT_S
+from ..settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
 from ..topology import declare
 from ..undecodable import tolerant_properties
 from .cancel import Cancels
@@ -87,6 +87,12 @@ class Worker:
         self.shutdown_grace_s = (
             shutdown_grace_s if shutdown_grace_s is not None else app.settings.shutdown_grace_s
         )
+        floor, ceiling = duration_bounds("shutdown_grace_s") or (0.0, 0.0)
+        if not floor <= self.shutdown_grace_s <= ceiling:  # a NaN fails both
+            raise ConfigurationError(
+                f"shutdown_grace_s must be a number of seconds from {floor:g} to {ceiling:g}, "
+                f"got {self.shutdown_grace_s!r}"
+            )
         self.specs = self._select(app, queues)
         self.ready = asyncio.Event()  # set while consuming; tests and health checks wait on it
         self._stop = asyncio.Event()
