@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -339,6 +340,12 @@ def outcome_count(app: App, queue: str, outcome: str) -> float:
         "weclaw_mq_messages_total", {"queue": queue, "outcome": str(outcome)}
     )
     return value or 0.0
+
+
+def consuming_connection(app_name: str) -> str:
+    """The name of the consuming connection of a Worker of ``app_name`` run in this process
+    (its publishing one is this name + ``-publish``)."""
+    return f"{app_name}-worker-{socket.gethostname()}-{os.getpid()}"
 
 
 def close_connections(name: str, *, prefix: bool = False) -> int:

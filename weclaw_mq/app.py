@@ -157,6 +157,7 @@ class App:
                 background=self._record_in_background,
                 name=name,
                 queue_type_of=self.queue_type_of,
+                unavailable=lambda: self._get_publisher().unavailable(),
             )
 
     # -- registration -------------------------------------------------------------------

@@ -15,6 +15,8 @@
     ├── TopologyConflictError        a queue exists with other arguments (PRECONDITION_FAILED)
     ├── ResultTimeoutError           ``App.result`` saw no final state in time
     ├── StateUnavailableError        Redis (task states and results) did not answer
+    ├── StateCommandError            Redis answered a task-state command with an error (a
+    │                                script error, an invalid argument): not an outage
     ├── OutboxError                  the local outbox (``WECLAW_MQ_OUTBOX_PATH``) cannot take a task
     │   ├── OutboxFullError          at its row or byte bound: nothing was stored
     │   └── OutboxUnusableError      the file cannot be opened or written, is corrupt, or has
@@ -190,6 +192,14 @@ class StateUnavailableError(WeclawMQError):
     """The task-state store (Redis by default) failed or did not answer: nothing was read."""
 
     error_type: ClassVar[str] = "weclaw_mq.StateUnavailableError"
+
+
+class StateCommandError(WeclawMQError):
+    """Redis is up and refused a task-state command (a script error, an invalid argument, a
+    wrong key type, a missing ACL permission): the same command fails again, so waiting for
+    Redis to "come back" would never end. A bug or a setting to fix, said as such."""
+
+    error_type: ClassVar[str] = "weclaw_mq.StateCommandError"
 
 
 class OutboxError(WeclawMQError):

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
+import annotated_types
 import yarl
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from .env_settings import EnvSettings
 from .lifetime import DEFAULT_TTL_S
@@ -21,6 +30,19 @@ _DEFAULT_RETRY = RetryPolicy()
 # RabbitMQ closes a channel whose delivery stays unacked past consumer_timeout (30 min by
 # default, settable per queue only from 3.12), requeueing everything on it.
 BROKER_CONSUMER_TIMEOUT_S = 30 * 60
+
+_HOUR_S = 3600.0
+_DAY_S = 24 * _HOUR_S
+_WEEK_S = 7 * _DAY_S
+_YEAR_S = 365 * _DAY_S
+
+
+def seconds(default: float, *, floor: float, ceiling: float) -> Any:
+    """A duration setting (its name ends in ``_s``): a finite number from ``floor`` to
+    ``ceiling``, both said in the error. Every duration has both: a value that validates but
+    is unusable (a lease of 1e-9 s, a grace of inf) must fail at load, not stall a worker."""
+    return Field(default=default, ge=floor, le=ceiling, allow_inf_nan=False)
+
 
 # Named in the error for a URL of no known scheme (redis_urls.py parses these).
 _MULTI_NODE = ("redis+cluster", "redis+sentinel")
@@ -56,27 +78,30 @@ class Settings(EnvSettings):
     priority_starvation_limit: int = Field(default=8, ge=1, le=10_000)
     # The policy of a handler given no ``retry=``; defaults from RetryPolicy (retry.py).
     max_retries: int = Field(default=_DEFAULT_RETRY.max_retries, ge=0, le=100)
-    retry_delay_s: float = Field(default=_DEFAULT_RETRY.delay_s, gt=0)
-    retry_multiplier: float = Field(default=_DEFAULT_RETRY.multiplier, ge=1.0)
-    retry_max_delay_s: float = Field(default=_DEFAULT_RETRY.max_delay_s, gt=0)
+    retry_delay_s: float = seconds(_DEFAULT_RETRY.delay_s, floor=0.001, ceiling=_WEEK_S)
+    # Capped: delay_s * multiplier ** attempt must stay a float (a huge one overflows).
+    retry_multiplier: float = Field(
+        default=_DEFAULT_RETRY.multiplier, ge=1.0, le=100.0, allow_inf_nan=False
+    )
+    retry_max_delay_s: float = seconds(_DEFAULT_RETRY.max_delay_s, floor=0.001, ceiling=_WEEK_S)
     # Crash loops (worker dies on a message every time) end in the DLQ after this many returns.
     delivery_limit: int = Field(default=10, ge=1)
 
     # The lifetime (TTL) of a task published to a queue whose handler sets none: past it,
     # the task ends in Q.dlq with reason "expired" (see weclaw_mq.lifetime).
-    task_ttl_s: float = Field(default=DEFAULT_TTL_S, gt=0)
+    task_ttl_s: float = seconds(DEFAULT_TTL_S, floor=0.001, ceiling=_YEAR_S)
 
     max_message_bytes: int = Field(default=1024 * 1024, ge=1)
-    confirm_timeout_s: float = Field(default=10.0, gt=0)
+    confirm_timeout_s: float = seconds(10.0, floor=0.1, ceiling=_HOUR_S)
     # Well below the broker's consumer_timeout: a stuck model call must fail here first.
-    handler_timeout_s: float = Field(default=300.0, gt=0)
+    handler_timeout_s: float = seconds(300.0, floor=0.001, ceiling=_WEEK_S)
     # A handler still running this long after its timeout's cancel is abandoned (it ignores
     # cancellation): its attempt fails, the worker serves on. See process._ending_without.
-    handler_cancel_grace_s: float = Field(default=10.0, gt=0)
-    shutdown_grace_s: float = Field(default=30.0, ge=0)
-    reconnect_max_delay_s: float = Field(default=10.0, gt=0)
+    handler_cancel_grace_s: float = seconds(10.0, floor=0.01, ceiling=_HOUR_S)
+    shutdown_grace_s: float = seconds(30.0, floor=0, ceiling=_DAY_S)
+    reconnect_max_delay_s: float = seconds(10.0, floor=0.1, ceiling=_HOUR_S)
     # A dead peer (paused broker, blackholed link) is noticed within (heartbeat_s + 1) * 3 s.
-    heartbeat_s: int = Field(default=10, ge=0)
+    heartbeat_s: int = seconds(10, floor=0, ceiling=600)
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     # Where the metrics port (/metrics, /healthz) listens: this host only, unless opened on
     # purpose ("0.0.0.0" for a Prometheus or a kubelet on another host).
@@ -91,18 +116,18 @@ class Settings(EnvSettings):
     # Per process. A worker needs about two per handler in flight (claim or result write,
     # and a status write beside it); past the limit a command fails like an outage.
     redis_max_connections: int = Field(default=1024, ge=4)
-    redis_timeout_s: float = Field(default=5.0, gt=0)
+    redis_timeout_s: float = seconds(5.0, floor=0.01, ceiling=600)
     results_enabled: bool = True
-    guard_lease_s: float = Field(default=30.0, gt=0)
-    done_ttl_s: float = Field(default=24 * 3600.0, gt=0)
-    result_ttl_s: float = Field(default=24 * 3600.0, gt=0)
+    guard_lease_s: float = seconds(30.0, floor=0.5, ceiling=_DAY_S)
+    done_ttl_s: float = seconds(_DAY_S, floor=1, ceiling=_YEAR_S)
+    result_ttl_s: float = seconds(_DAY_S, floor=1, ceiling=_YEAR_S)
     # When Redis does not answer: "defer" parks the task in a delay queue until it does
     # (never run unguarded); "run_unguarded" is the explicit best-effort choice of users
     # who prefer availability over at-most-once effects.
     guard_on_redis_down: Literal["defer", "run_unguarded"] = "defer"
     # How long a finished handler keeps trying to store its result before giving the task
     # back to the broker (which would run it again).
-    result_store_patience_s: float = Field(default=60.0, ge=0)
+    result_store_patience_s: float = seconds(60.0, floor=0, ceiling=_HOUR_S)
 
     # The guard's liveness (weclaw_mq.state.redis): every claim names its worker's heartbeat
     # key, which lives this long and is renewed every third of it; a claim whose worker's key
@@ -116,12 +141,12 @@ class Settings(EnvSettings):
     outbox_max_rows: int = Field(default=100_000, ge=1)
     outbox_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
     # How often an idle relay looks for rows, and waits after a failed pass.
-    outbox_relay_interval_s: float = Field(default=1.0, gt=0)
+    outbox_relay_interval_s: float = seconds(1.0, floor=0.01, ceiling=_HOUR_S)
     # Rows one relay pass publishes before awaiting their confirms.
     outbox_relay_window: int = Field(default=500, ge=1, le=10_000)
     # A relay's claim on rows it is sending; a relay killed mid-pass leaves its rows to
     # others once this lapses (well past confirm_timeout_s).
-    outbox_claim_s: float = Field(default=60.0, gt=0)
+    outbox_claim_s: float = seconds(60.0, floor=1, ceiling=_DAY_S)
     # Start the relay inside the producer process (App); off: run 'weclaw-mq outbox relay'.
     outbox_relay_in_app: bool = True
     # Streamed partial output (ctx.emit): a chunk's JSON size, and chunks per attempt; over
@@ -130,8 +155,26 @@ class Settings(EnvSettings):
     stream_max_chunks: int = Field(default=10_000, ge=1)
     # Per-session inbox: pending (unconfirmed) entries expire after inbox_ttl_s, leaving an
     # "expired" record; past inbox_max_entries the oldest are dropped (and counted).
-    inbox_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    inbox_ttl_s: float = seconds(_WEEK_S, floor=0.1, ceiling=_YEAR_S)
     inbox_max_entries: int = Field(default=10_000, ge=1)
+
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _durations_in_bounds(
+        cls, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> Any:
+        # pydantic's own words name one bound, or none ("a finite number"): say both.
+        try:
+            return handler(value)
+        except ValidationError:
+            bounds = duration_bounds(info.field_name or "")
+            if bounds is None:
+                raise
+            whole = cls.model_fields[info.field_name or ""].annotation is int
+            raise ValueError(
+                f"must be {'a whole' if whole else 'a'} number of seconds from "
+                f"{bounds[0]:g} to {bounds[1]:g}"
+            ) from None
 
     @field_validator("amqp_url")
     @classmethod
@@ -233,6 +276,18 @@ class Settings(EnvSettings):
         """The Redis Cluster or Sentinel set the URL names; None for one Redis."""
         url = self.redis_url_plain()
         return parse_topology(url, redact_url(url)) if is_multi_node(url) else None
+
+
+def duration_bounds(field: str) -> tuple[float, float] | None:
+    """The (floor, ceiling) of a duration setting made by ``seconds``; None for another."""
+    info = Settings.model_fields.get(field)
+    if info is None or not field.endswith(("_s", "_ms")):
+        return None
+    floor = next((m.ge for m in info.metadata if isinstance(m, annotated_types.Ge)), None)
+    ceiling = next((m.le for m in info.metadata if isinstance(m, annotated_types.Le)), None)
+    if floor is None or ceiling is None:
+        return None
+    return float(floor), float(ceiling)  # type: ignore[arg-type]
 
 
 def _check_url(url: str, schemes: tuple[str, ...], *, need_host: bool) -> None:

@@ -6,6 +6,8 @@
                are held, not dropped, and flow again on ``pass_traffic()`` (TCP would
                retransmit them once the network heals). New clients are accepted and then
                hear nothing, like a SYN answered by a half-dead path.
+``refuse``     every new client is closed at once, before a byte moves (counted in
+               ``accepted``): a broker that is down, as its clients see it.
 ``cut()``      closes every client socket (and its upstream) at once.
 
 Only for tests: one listener on 127.0.0.1 with a port chosen by the OS.
@@ -41,6 +43,7 @@ class TcpProxy:
         self.accepted_at: list[float] = []  # loop.time() of each accept
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._refusing = False
         self._links: set[_Link] = set()
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
@@ -63,6 +66,8 @@ class TcpProxy:
 
     @property
     def mode(self) -> str:
+        if self._refusing:
+            return "refuse"
         return "pass" if self._flowing.is_set() else "blackhole"
 
     @property
@@ -73,7 +78,11 @@ class TcpProxy:
         self._flowing.clear()
 
     def pass_traffic(self) -> None:
+        self._refusing = False
         self._flowing.set()
+
+    def refuse(self) -> None:
+        self._refusing = True
 
     def cut(self) -> int:
         """Close every current connection; returns how many were open."""
@@ -111,6 +120,8 @@ class TcpProxy:
         link = _Link(client=writer)
         self._links.add(link)
         try:
+            if self._refusing:
+                return
             # The upstream is opened only while traffic flows: in a blackhole the broker must
             # not see the client either.
             await self._flowing.wait()

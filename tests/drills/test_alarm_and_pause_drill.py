@@ -8,6 +8,10 @@
 2. Paused broker (SIGSTOP of the node's VM, then SIGCONT): the worker, a real process, must
    notice within the heartbeat bound and recover after the resume; every task published
    before the pause runs, once.
+3. Memory alarm under a consuming worker (concurrency 1): its moves (a dead letter, a retry)
+   wait on its publishing connection, which the alarm blocks, while tasks that need no
+   publish are still stored and acked on its consuming connection; after the alarm clears
+   every task ends where it should.
 
 Alarms are always cleared and the VM always resumed in ``finally`` (and again by the ``node``
 fixture).
@@ -16,6 +20,7 @@ fixture).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -23,12 +28,14 @@ from collections.abc import Callable
 import aio_pika
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import delete_queues, outcome_count, wait_until
 from tests.drills import bounds, drill_app
 from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.drills.drill_app import CONSUMING, LOST, Outcomes
-from weclaw_mq import ConfirmTimeoutError, Settings
+from weclaw_mq import App, ConfirmTimeoutError, Context, Reject, Settings, TaskStatus, Worker
+from weclaw_mq.naming import dlq_name
 from weclaw_mq.publishing.connection import CLOSE_TIMEOUT_S, CONNECT_TIMEOUT_S
+from weclaw_mq.topology import queue_declarations
 
 CONFIRM_TIMEOUT_S = bounds.ALARM_CONFIRM_TIMEOUT_S
 BEFORE = 100
@@ -191,3 +198,151 @@ async def test_app_close_under_a_memory_alarm_returns_within_its_bound(
         await node.set_memory_alarm(False)
     # One bounded close of the connection (its channel goes with it); 12 s before the bound.
     assert closed_in_s < CLOSE_TIMEOUT_S + 1, f"App.close() took {closed_in_s:.1f} s"
+
+
+ANSWERS = 20  # tasks that need no publish: stored, then acked
+REJECTED = 2  # tasks that end in the DLQ (a publish)
+FAIL_ONCE = 2  # tasks that fail once (a publish to a delay queue), then succeed
+
+
+async def _connection_states(node: RabbitNode) -> dict[str, str]:
+    out = await node.ctl("list_connections", "client_properties", "state", "--formatter", "json")
+    states: dict[str, str] = {}
+    for row in json.loads(out):
+        props = row["client_properties"]
+        # rabbitmqctl's json renders the table as [name, type, value] triples.
+        name = next((p[2] for p in props if p[0] == "connection_name"), None)
+        if name is not None:
+            states[str(name)] = str(row["state"])
+    return states
+
+
+@pytest.mark.drill
+async def test_a_workers_acks_go_through_while_its_publishes_wait_under_a_memory_alarm(
+    node: RabbitNode, drill_redis_url: str, forget_tasks: Callable[[str, list[str]], None]
+) -> None:
+    """RabbitMQ blocks a connection that publishes under an alarm, and reads nothing more
+    from it: acks included. The worker publishes (retries, dead letters, notifications) on a
+    connection of its own, so its acks still go through while its publishes wait."""
+    run_id = uuid.uuid4().hex[:8]
+    moves, answers = f"drill-alarm-moves-{run_id}", f"drill-alarm-answers-{run_id}"
+    settings = drill_settings(
+        node.url, drill_redis_url, confirm_timeout_s=CONFIRM_TIMEOUT_S, max_retries=3
+    )
+    app = App(f"drill-alarm-{run_id}", settings=settings)
+    answer_ids = [f"a-{uuid.uuid4()}" for _ in range(ANSWERS)]
+    rejected_ids = [f"r-{uuid.uuid4()}" for _ in range(REJECTED)]
+    fail_once_ids = [f"f-{uuid.uuid4()}" for _ in range(FAIL_ONCE)]
+    forget_tasks(answers, answer_ids)
+    forget_tasks(moves, rejected_ids + fail_once_ids)
+    failed_once: set[str] = set()
+    # The answers wait until a publish of the worker has waited out its confirm timeout: by
+    # then the alarm blocks whatever connection the worker publishes on.
+    publishes_blocked = asyncio.Event()
+
+    @app.handler(answers)
+    async def answer(job: drill_app.Job) -> int:
+        await publishes_blocked.wait()
+        return job.n
+
+    @app.handler(moves)
+    async def move(job: drill_app.Job, ctx: Context) -> int:
+        if ctx.task_id in rejected_ids:
+            raise Reject("dead-lettered on purpose")
+        if ctx.task_id not in failed_once:
+            failed_once.add(ctx.task_id)
+            raise RuntimeError("fails once on purpose")
+        return job.n
+
+    worker = Worker(app, concurrency=1)
+    running: asyncio.Task[None] | None = None
+    names = [
+        n for q in (moves, answers) for n, _ in queue_declarations(app.handlers[q].queue_spec())
+    ]
+    try:
+        await app.declare()
+        for task_id in rejected_ids + fail_once_ids:
+            await app.publish(moves, drill_app.Job(n=0), task_id=task_id)
+        for n, task_id in enumerate(answer_ids):
+            await app.publish(answers, drill_app.Job(n=n), task_id=task_id)
+        await app.close()  # the producer's part is done: only the worker meets the alarm
+        try:
+            await node.set_memory_alarm(True)
+            running = asyncio.create_task(worker.run())
+            await asyncio.wait_for(worker.ready.wait(), 30)
+
+            def timed_out() -> float:
+                return sum(
+                    s.value
+                    for metric in app.metrics.registry.collect()
+                    if metric.name == "weclaw_mq_published"
+                    for s in metric.samples
+                    if s.name.endswith("_total") and s.labels.get("outcome") == "timeout"
+                )
+
+            async def answers_acked() -> bool:
+                counts = (await node.queue_counts([answers]))[answers]
+                return counts.ready + counts.unacked == 0
+
+            await wait_until(lambda: timed_out() >= 1, 20, "a publish to wait out its timeout")
+            publishes_blocked.set()
+            # While the worker's publishes wait (and time out) under the alarm, every task
+            # that needs no publish is stored and acked.
+            await wait_until(answers_acked, 40, "the answers to be acked under the alarm")
+            states = await _connection_states(node)
+            # Acked on the session they were delivered in: not given up on (an ack that waits
+            # SETTLE_TIMEOUT_S ends the session) and redelivered to a new one as duplicates.
+            acked = outcome_count(app, answers, "acked")
+            reconnects = app.metrics.registry.get_sample_value(
+                "weclaw_mq_reconnects_total", {"role": "worker"}
+            )
+            assert "Memory alarm" in await node.diag("alarms"), "the alarm cleared too early"
+        finally:
+            await node.set_memory_alarm(False)
+        publishing = [s for name, s in states.items() if name.endswith("-publish")]
+        consuming = [
+            s for name, s in states.items() if "-worker-" in name and not name.endswith("-publish")
+        ]
+        assert (acked, reconnects or 0) == (ANSWERS, 0), _seen(states)
+        assert publishing == ["blocked"], states
+        assert consuming and "blocked" not in consuming, states
+
+        async def all_done() -> bool:
+            counts = await node.queue_counts([n for n in names if not n.endswith(".dlq")])
+            if any(c.ready + c.unacked for c in counts.values()):
+                return False
+            dlq = (await node.queue_counts([dlq_name(moves)]))[dlq_name(moves)]
+            return dlq.ready >= REJECTED
+
+        await wait_until(all_done, 60, "every task to end after the alarm cleared")
+        store = app.results
+        assert store is not None
+        for queue, ids in ((answers, answer_ids), (moves, fail_once_ids)):
+            for task_id in ids:
+                state = await store.get(task_id, queue=queue)
+                assert state is not None and state.status is TaskStatus.SUCCEEDED, (task_id, state)
+        dead = await _dead_letter_ids(node.url, dlq_name(moves))
+        assert set(rejected_ids) <= dead, dead
+    finally:
+        worker.stop()
+        if running is not None:
+            await asyncio.wait_for(running, 60)
+        await app.close()
+        await delete_queues(node.url, names)
+
+
+def _seen(states: dict[str, str]) -> str:
+    return f"answers acked, worker reconnects; connections: {states}"
+
+
+async def _dead_letter_ids(url: str, dlq: str) -> set[str]:
+    conn = await aio_pika.connect(url, timeout=10)
+    try:
+        channel = await conn.channel()
+        queue = await channel.get_queue(dlq, ensure=False)
+        ids: set[str] = set()
+        while (message := await queue.get(no_ack=False, fail=False)) is not None:
+            ids.add(message.message_id or "")
+        return ids  # unacked: they go back when the channel closes
+    finally:
+        await conn.close()

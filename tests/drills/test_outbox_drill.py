@@ -9,11 +9,15 @@
 3. Memory alarm: publishes time out waiting for their confirm (outcome unknown) and go to the
    outbox; after the alarm clears they are relayed, and each runs once (a copy the broker
    took in before the timeout is absorbed by the guard).
+4. Broker down behind a proxy that counts connects: 1000 publishes go straight to the outbox
+   while the producer and its relay share a few connect attempts with backoff (counted),
+   the outage is logged once, and once it ends the relay sends them all, each runs once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sqlite3
@@ -27,6 +31,7 @@ import pytest
 from tests.conftest import settings_for, wait_until
 from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.drills.drill_app import Job
+from tests.drills.tcp_proxy import TcpProxy
 from tests.integration.dead_endpoints import closed_port
 from tests.integration.processes import cli_executable, ready_count, settings_env
 from weclaw_mq import App, Settings, TaskStatus
@@ -35,6 +40,10 @@ from weclaw_mq.outbox.relay import WINDOWS_IN_FLIGHT
 pytestmark = pytest.mark.drill
 
 STOPPED_PUBLISHES = 200
+DOWN_PUBLISHES = 1000
+# Connects the producer and its relay may make while those publishes last (each backs off
+# up to reconnect_max_delay_s): a tenth of one connect per publish, as before.
+DOWN_CONNECTS_BOUND = DOWN_PUBLISHES // 10
 KILL_ROWS = 1000
 KILL_WINDOW = 5  # small windows: the relay is still mid-way when the drill kills it
 ALARM_PUBLISHES = 20
@@ -241,3 +250,68 @@ async def test_a_confirm_timeout_under_a_memory_alarm_goes_to_the_outbox_and_is_
         run.assert_clean(row, exit_code, stuck)
     finally:
         await run.clean_up(node)
+
+
+async def test_publishes_while_the_broker_is_down_share_a_few_connects_and_one_log_line(
+    node: RabbitNode,
+    drill_redis_url: str,
+    new_drill_run: Callable[[str, Settings], DrillRun],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "outbox.db"
+    async with TcpProxy("127.0.0.1", node.port) as proxy:
+        settings = drill_settings(
+            proxy.url_for(node.url),
+            drill_redis_url,
+            outbox_path=str(path),
+            outbox_relay_interval_s=0.2,
+            reconnect_max_delay_s=2,
+        )
+        run = new_drill_run("outbox-down", settings)
+        ids = run.task_ids(DOWN_PUBLISHES + 1)
+        try:
+            await run.app.declare()
+            await run.app.start_outbox()
+            proxy.refuse()
+            proxy.cut()
+            before = proxy.accepted
+            caplog.set_level(logging.INFO, logger="weclaw_mq")
+            returned = [
+                await run.app.publish(run.queue, Job(n=i), task_id=t)
+                for i, t in enumerate(ids[:DOWN_PUBLISHES])
+            ]
+            connects = proxy.accepted - before
+            stored = outbox_count(path)
+            said = [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+            assert returned == ids[:DOWN_PUBLISHES]
+            assert stored == DOWN_PUBLISHES
+            assert 1 <= connects <= DOWN_CONNECTS_BOUND, f"{connects} connects"
+            texts = [r.getMessage() for r in said]
+            assert len([t for t in texts if t.startswith("stored ")]) == 1, texts
+            assert len([t for t in texts if "publishes fail at once" in t]) == 1, texts
+            assert len([t for t in texts if "outbox relay" in t]) <= 1, texts
+            assert len(texts) <= 4, texts
+
+            proxy.pass_traffic()
+            await wait_until(lambda: outbox_count(path) == 0, 60, "the relay to drain")
+            # The next publish is confirmed: the outage ends, said once, with its count.
+            await run.app.publish(run.queue, Job(n=DOWN_PUBLISHES), task_id=ids[-1])
+            ended = [r.getMessage() for r in caplog.records if "answers again:" in r.getMessage()]
+            assert len(ended) == 1 and f"{DOWN_PUBLISHES} task(s)" in ended[0], ended
+
+            worker = settings.model_copy(update={"outbox_path": None, "amqp_url": node.url})
+            await run.start_worker(concurrency=8, settings=worker)
+            exit_code, stuck = await run.finish(node, ids)
+            row = run.report(
+                "outbox: 1000 publishes while the broker is down (connects counted)",
+                published=len(ids),
+                confirmed=set(ids),
+                notes=f"{connects} connect attempts (producer and relay) for "
+                f"{DOWN_PUBLISHES} publishes (asserted <= {DOWN_CONNECTS_BOUND}); "
+                f"{len(texts)} warning line(s); relayed once the broker was back",
+            )
+            run.assert_clean(row, exit_code, stuck)
+        finally:
+            await run.clean_up(node)

@@ -13,7 +13,13 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import close_connections, outcome_count, queue_depth, wait_until
+from tests.conftest import (
+    close_connections,
+    consuming_connection,
+    outcome_count,
+    queue_depth,
+    wait_until,
+)
 from weclaw_mq import App, Breaker, Context, RetryPolicy, UpstreamDown
 from weclaw_mq.naming import dlq_name, lane_queue_name
 
@@ -136,7 +142,7 @@ async def test_an_open_breaker_outlives_a_reconnect_and_a_stop_leaves_every_task
     assert spent <= Breaker(failures=2).attempts_bound(CONCURRENCY, 0.0)
 
     # The connection dies: the new session starts consuming, and the open breaker pauses it.
-    assert await asyncio.to_thread(close_connections, f"{qname}-worker", prefix=True) == 1
+    assert await asyncio.to_thread(close_connections, consuming_connection(qname)) == 1
     reconnects = {"role": "worker"}
     await wait_until(
         lambda: (

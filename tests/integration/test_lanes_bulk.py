@@ -14,7 +14,7 @@ from typing import Any
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import close_connections, wait_until
+from tests.conftest import close_connections, consuming_connection, wait_until
 from weclaw_mq import App, Priority
 from weclaw_mq.naming import lane_queue_name
 
@@ -132,7 +132,7 @@ async def test_a_connection_lost_in_bulk_mode_loses_no_task(
         10,
         "bulk mode to hold C + 1",
     )
-    assert await asyncio.to_thread(close_connections, f"{qname}-worker", prefix=True) == 1
+    assert await asyncio.to_thread(close_connections, consuming_connection(qname)) == 1
     gate.set()
     # The held tasks go back (their acks cannot be sent); the new session consumes in bulk
     # mode again and every task finishes.

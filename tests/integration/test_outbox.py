@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -22,6 +23,7 @@ from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
 from tests.conftest import forget_task_keys, get_message, queue_depth, settings_for, wait_until
+from tests.drills.tcp_proxy import TcpProxy
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, PublishNackedError, TaskStatus
 from weclaw_mq.errors import OutboxFullError, OutboxUnusableError
@@ -419,3 +421,52 @@ async def test_the_example_api_answers_202_stored_locally_while_the_broker_is_do
     assert posted.status_code == 202, posted.text
     assert posted.json() == {"task_id": task_id, "status": "stored_locally"}
     assert seen.status_code == 200 and seen.json()["status"] == "stored_locally"
+
+
+OUTAGE_PUBLISHES = 300
+
+
+async def test_publishes_while_the_broker_is_down_share_few_connects_and_log_the_outage_once(
+    make_app: Callable[..., App],
+    tmp_path: Path,
+    qname: str,
+    broker_url: str,
+    amqp: AbstractChannel,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    host, port = broker_url.rsplit("@", 1)[1].split("/")[0].split(":")
+    async with TcpProxy(host, int(port)) as proxy:
+        common: dict[str, Any] = {
+            "outbox_path": str(tmp_path / "outbox.db"),
+            "outbox_relay_in_app": False,
+            "reconnect_max_delay_s": 2,
+        }
+        down = with_handler(make_app("down", amqp_url=proxy.url_for(broker_url), **common), qname)
+        up = with_handler(make_app("up", **common), qname)
+        await up.declare()
+        proxy.refuse()  # what a stopped broker's clients see: every connect fails
+        caplog.set_level(logging.INFO, logger="weclaw_mq")
+
+        ids = [await down.publish(qname, {"n": i}) for i in range(OUTAGE_PUBLISHES)]
+
+        # One connect per backoff step, not one per publish (there were 300).
+        assert 1 <= proxy.accepted <= OUTAGE_PUBLISHES // 10, proxy.accepted
+        assert len(outbox_rows(Path(common["outbox_path"]))) == OUTAGE_PUBLISHES
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len([w for w in warnings if w.startswith("stored ")]) == 1, warnings
+        assert len(warnings) <= 2, warnings
+
+        proxy.pass_traffic()
+        later: list[str] = []
+
+        async def confirmed_again() -> bool:
+            # Until the next connect is due, a publish still goes to the outbox.
+            later.append(await down.publish(qname, {"n": -1}))
+            return not await down.stored_locally(later[-1])
+
+        await wait_until(confirmed_again, 10, "a publish to reach the broker again")
+        ended = [r.getMessage() for r in caplog.records if "answers again:" in r.getMessage()]
+        stored = OUTAGE_PUBLISHES + len(later) - 1
+        assert len(ended) == 1 and f"{stored} task(s) were stored" in ended[0], ended
+        assert await drain(up) == stored
+        assert await queue_depth(amqp, qname) == len(ids) + len(later)

@@ -32,7 +32,7 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from tests.conftest import close_connections, wait_until
+from tests.conftest import close_connections, consuming_connection, wait_until
 from tests.integration.processes import (
     QueueCounts,
     WorkerFleet,
@@ -360,18 +360,18 @@ def _channel_closed(message: Any) -> bool:
 def cut_before_move_ack(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """A hook on the worker's settlement: the first ack of the task named in ``cut["task"]``
     (the ack of its move to the delay queue, whose publish the broker has confirmed by then)
-    is preceded by the broker closing the worker's connection (``cut["prefix"]``)."""
+    is preceded by the broker closing the worker's consuming connection (``cut["name"]``)."""
     # The one place this test reaches into the library: where a delivery is acked (every
     # ack, the move's included, is one Settler._settle with requeue=None).
     from weclaw_mq.worker.settle import Settler
 
-    cut: dict[str, Any] = {"task": None, "prefix": None, "closed": 0, "ack_went_through": None}
+    cut: dict[str, Any] = {"task": None, "name": None, "closed": 0, "ack_went_through": None}
     settle = Settler._settle
 
     async def ack_after_a_cut(self: Settler, message: Any, *, requeue: bool | None) -> bool:
         first_ack = requeue is None and message.message_id == cut["task"] and not cut["closed"]
         if cut["task"] is not None and first_ack:
-            cut["closed"] = await asyncio.to_thread(close_connections, cut["prefix"], prefix=True)
+            cut["closed"] = await asyncio.to_thread(close_connections, cut["name"])
             # rabbitmqctl returns once the broker was told to close, not once the worker saw
             # the close: an ack sent in between could still go through (seen on a loaded
             # machine). The channel reports closed once the close reached the client.
@@ -406,7 +406,7 @@ async def test_a_connection_cut_between_the_move_to_the_delay_queue_and_the_ack_
     await start_worker(app)
     task_id = app.prepare(qname, Job()).message_id
     assert task_id is not None
-    cut_before_move_ack.update(task=task_id, prefix=f"{qname}-worker")
+    cut_before_move_ack.update(task=task_id, name=consuming_connection(qname))
     await app.publish(qname, Job(), task_id=task_id)
 
     done = await app.result(task_id, timeout_s=30)

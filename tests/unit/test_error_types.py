@@ -42,6 +42,7 @@ DOCUMENTED = [
     "weclaw_mq.TopologyConflictError",
     "weclaw_mq.ResultTimeoutError",
     "weclaw_mq.StateUnavailableError",
+    "weclaw_mq.StateCommandError",
     "weclaw_mq.StreamLimitError",
     "weclaw_mq.StreamWriteError",
     "weclaw_mq.PublishFailedError",

@@ -27,6 +27,7 @@ from ..errors import (
     StateUnavailableError,
     WeclawMQError,
 )
+from ..state import is_command_error, state_unavailable
 
 PROG = "weclaw-mq"
 
@@ -95,6 +96,8 @@ def classify(e: BaseException) -> tuple[ExitCode, str]:
     # and a worker with the guard and results off never loads it: not for this check either.
     redis_errors = sys.modules.get("redis.exceptions")
     if redis_errors is not None and isinstance(e, redis_errors.RedisError):
+        if is_command_error(e):  # Redis answered, and no wait would change its answer
+            return ExitCode.FAILED, str(state_unavailable(e))
         return ExitCode.STATE_UNAVAILABLE, f"Redis did not answer: {type(e).__name__}: {e}"
     if isinstance(e, WeclawMQError):
         return ExitCode.FAILED, str(e)

@@ -65,6 +65,7 @@ class LocalFallback:
         background: Background,
         name: str,
         queue_type_of: Callable[[str], str] | None = None,
+        unavailable: Callable[[], BrokerUnavailableError | None] = lambda: None,
     ) -> None:
         assert settings.outbox_path is not None
         self.settings = settings
@@ -80,6 +81,10 @@ class LocalFallback:
         self._relay_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._stored_since_confirm = False
+        # The producer's word that the broker is down and no connect is due yet
+        # (Publisher.unavailable): a publish then goes straight to the outbox.
+        self._unavailable = unavailable
+        self._outage_stored = 0  # tasks stored since the broker last answered (its outage)
 
     async def open(self) -> Outbox:
         """The outbox, opened (and its relay started) on the first call."""
@@ -107,6 +112,10 @@ class LocalFallback:
 
     async def publish(self, queue: str, message: Message, send: Send) -> str:
         outbox = await self.open()
+        down = self._unavailable()
+        if down is not None:  # no connect, no "queued" record to write and take back
+            await self._store(outbox, queue, [message], down)
+            return message.message_id or ""
         try:
             task_id = await send(queue, message)
         except TO_OUTBOX as e:
@@ -118,12 +127,24 @@ class LocalFallback:
     def _broker_answers(self) -> None:
         """A publish was confirmed: if this process stored tasks during an outage, the relay
         (which backs off while the broker is away) starts sending them now."""
+        if self._outage_stored:
+            log.info(
+                "RabbitMQ answers again: %d task(s) were stored in the outbox %s while it did "
+                "not; the relay sends them",
+                self._outage_stored,
+                self.path,
+            )
+            self._outage_stored = 0
         if self._stored_since_confirm and self.relay is not None:
             self._stored_since_confirm = False
             self.relay.wake()
 
     async def publish_many(self, queue: str, messages: list[Message], send: SendMany) -> list[str]:
         outbox = await self.open()
+        down = self._unavailable()
+        if down is not None:
+            await self._store(outbox, queue, messages, down)
+            return [m.message_id or "" for m in messages]
         try:
             task_ids = await send(queue, messages)
         except BrokerUnavailableError as e:  # the connect before the batch: nothing was sent
@@ -150,14 +171,21 @@ class LocalFallback:
             await outbox.add([(queue, m) for m in messages])
         except Exception as e:
             raise e from cause
-        log.warning(
-            "stored %d task(s) for %r in the outbox %s (%s: %s)",
-            len(messages),
-            queue,
-            self.path,
-            type(cause).__name__,
-            cause,
-        )
+        outage = isinstance(cause, BrokerUnavailableError)
+        # An outage is said once, at its first task (the count comes when it ends); an
+        # unknown outcome (a timeout, a lost link) is rare and said each time.
+        if not outage or not self._outage_stored:
+            log.warning(
+                "stored %d task(s) for %r in the outbox %s (%s: %s)%s",
+                len(messages),
+                queue,
+                self.path,
+                type(cause).__name__,
+                cause,
+                "; so are the next while RabbitMQ does not answer" if outage else "",
+            )
+        if outage:
+            self._outage_stored += len(messages)
         self._metrics.outbox_stored.labels(queue).inc(len(messages))
         self._stored_since_confirm = True
         store = self._results()
@@ -214,6 +242,14 @@ class LocalFallback:
         return as_seen_at(local, datetime.now(UTC))
 
     async def close(self) -> None:
+        if self._outage_stored:
+            log.warning(
+                "%d task(s) were stored in the outbox %s while RabbitMQ did not answer; "
+                "the relay sends them once it does",
+                self._outage_stored,
+                self.path,
+            )
+            self._outage_stored = 0
         task, self._relay_task = self._relay_task, None
         if task is not None:
             self._stop.set()

@@ -108,7 +108,14 @@ class Relay:
                     await self._drop_link()
                 except (BrokerUnavailableError, *LINK_ERRORS, TimeoutError) as e:
                     failures += 1
-                    log.warning("outbox relay: broker not reachable (%s); trying again", e)
+                    # Once per outage: the passes that follow say the same thing.
+                    log.log(
+                        logging.WARNING if failures == 1 else logging.DEBUG,
+                        "outbox relay: broker not reachable (%s); trying again, backing off "
+                        "up to %g s",
+                        e,
+                        self.settings.reconnect_max_delay_s,
+                    )
                     await self._drop_link()
                 except Exception as e:  # the file (disk full, locked too long) or ours
                     failures += 1

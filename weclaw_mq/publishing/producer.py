@@ -28,6 +28,7 @@ from .connection import (
     CLOSE_TIMEOUT_S,
     LINK_ERRORS,
     BrokerEndpoints,
+    backoff_s,
     cancelled_by_caller,
     is_alive,
     server_version,
@@ -38,11 +39,26 @@ log = logging.getLogger(__name__)
 NACK_STREAK_RESET = 3
 
 
+class _Outage:
+    """RabbitMQ did not answer our last connect: when the next may be tried, and counts."""
+
+    __slots__ = ("error", "failures", "refused", "retry_at", "started_at")
+
+    def __init__(self, now: float) -> None:
+        self.started_at = now
+        self.failures = 0  # connect attempts that failed
+        self.refused = 0  # publishes failed at once, without an attempt of their own
+        self.retry_at = now
+        self.error = ""
+
+
 class Publisher:
     """Publishes with confirms over one channel.
 
-    With ``connection`` given it borrows that connection (the worker's) and never reconnects;
-    without, it owns a connection that it opens on first use and again after a loss.
+    With ``connection`` given it borrows that connection (the worker's publishing one, never
+    the one it consumes on: RabbitMQ blocks a publishing connection under an alarm, its acks
+    with it) and never reconnects; without, it owns a connection that it opens on first use
+    and again after a loss.
     """
 
     def __init__(
@@ -64,6 +80,7 @@ class Publisher:
         self._nack_streak = 0
         self._retired: set[AbstractChannel] = set()  # dropped after nacks, closed later
         self._closing: set[asyncio.Future[None]] = set()
+        self._outage: _Outage | None = None  # the broker unreachable at our last connect
 
     async def connect(self) -> None:
         """Open the channel now, within ``confirm_timeout_s`` (``BrokerUnavailableError`` if
@@ -98,14 +115,65 @@ class Publisher:
         # Shielded: one caller's deadline must not cancel the attempt the others wait on.
         return await asyncio.shield(self._opening)
 
+    def unavailable(self) -> BrokerUnavailableError | None:
+        """While the broker stays unreachable: the error for a publish that comes before the
+        next connect attempt is due (counted; nothing is tried), else None. Publishes during
+        an outage share one attempt per backoff step instead of one connect each."""
+        outage = self._outage
+        if outage is None or asyncio.get_running_loop().time() >= outage.retry_at:
+            return None
+        outage.refused += 1
+        if outage.refused == 1:  # not at the failed connect: a lone publish says it itself
+            log.warning(
+                "%s; publishes fail at once meanwhile (to the outbox, if one is set), one "
+                "connect attempt at a time, backing off up to %g s",
+                outage.error,
+                self._settings.reconnect_max_delay_s,
+            )
+        return BrokerUnavailableError(
+            f"{outage.error} (the broker has not answered for "
+            f"{asyncio.get_running_loop().time() - outage.started_at:.1f} s; next attempt in "
+            f"{outage.retry_at - asyncio.get_running_loop().time():.1f} s); nothing was sent"
+        )
+
+    async def _connect(self) -> AbstractConnection:
+        """Our connection, one attempt per backoff step while the broker is unreachable: an
+        outage that fails later publishes is logged once then, and once when it ends."""
+        refused = self.unavailable()
+        if refused is not None:
+            raise refused
+        loop = asyncio.get_running_loop()
+        try:
+            conn = await self._broker.connect(name=self._name)
+        except BrokerUnavailableError as e:
+            outage = self._outage
+            if outage is None:
+                outage = self._outage = _Outage(loop.time())
+            outage.failures += 1
+            outage.error = str(e)
+            delay_s = backoff_s(outage.failures, self._settings.reconnect_max_delay_s)
+            outage.retry_at = loop.time() + delay_s
+            raise
+        outage, self._outage = self._outage, None
+        if outage is not None and outage.refused:
+            log.info(
+                "RabbitMQ answers again after %.1f s: %d connect attempt(s) failed, %d "
+                "publish(es) failed at once meanwhile",
+                loop.time() - outage.started_at,
+                outage.failures,
+                outage.refused,
+            )
+        return conn
+
     async def _open_channel(self) -> AbstractChannel:
         conn = self._connection
         if conn is None or not is_alive(conn):
             if not self._owns_connection:
                 raise aiormq.exceptions.ChannelInvalidStateError("worker connection closed")
             if conn is not None:
+                self._connection = None
                 await _close_quietly(conn)
-            conn = self._connection = await self._broker.connect(name=self._name)
+            conn = self._connection = await self._connect()
         try:
             # on_return_raises: an unroutable mandatory publish must raise, not vanish.
             channel = await conn.channel(publisher_confirms=True, on_return_raises=True)

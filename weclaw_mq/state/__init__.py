@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..errors import StateUnavailableError
+from ..errors import StateCommandError, StateUnavailableError
 from ..settings import Settings
 from ..tls import describe_refusal
 from .cancel import Cancellation, CancelOutcome
@@ -30,7 +30,25 @@ def open_store(settings: Settings) -> TaskStore:
     return open_redis_store(settings)
 
 
-def state_unavailable(e: BaseException) -> StateUnavailableError:
+# Redis's error replies that mean "not now" (a failover under way, memory full, a script still
+# running, a dataset loading): waiting helps. Every other error reply is deterministic.
+_TRANSIENT_REPLIES = frozenset(
+    {
+        *("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "READONLY"),
+        *("OOM", "NOREPLICAS", "MISCONF", "MOVED", "ASK"),
+    }
+)
+
+
+def state_unavailable(e: BaseException) -> StateUnavailableError | StateCommandError:
+    """The error to raise for redis-py's ``e``: ``StateCommandError`` when Redis answered the
+    command with a deterministic error (waiting will not help), else ``StateUnavailableError``."""
+    if is_command_error(e):
+        return StateCommandError(
+            f"Redis refused a task-state command ({type(e).__name__}: {e}): not an outage, "
+            "the same command fails again until its cause is fixed (a bug, an invalid "
+            "setting, a missing ACL permission)"
+        )
     refused = describe_refusal(e, "redis")
     if refused is not None:  # not an outage: waiting will not help, the settings must change
         return StateUnavailableError(f"cannot connect to Redis for task states: {refused}")
@@ -47,6 +65,16 @@ def is_state_failure(e: BaseException) -> bool:
         return True
     exceptions = sys.modules.get("redis.exceptions")
     return exceptions is not None and isinstance(e, exceptions.RedisError)
+
+
+def is_command_error(e: BaseException) -> bool:
+    """Did Redis answer with an error that the same command would meet again (a script error,
+    "invalid expire time", WRONGTYPE, NOPERM)? Checked without importing redis-py."""
+    exceptions = sys.modules.get("redis.exceptions")
+    if exceptions is None or not isinstance(e, exceptions.ResponseError):
+        return False
+    code = getattr(e, "status_code", None) or str(e).split(" ", 1)[0]
+    return code not in _TRANSIENT_REPLIES
 
 
 def _memory_store_is_a_task_store(store: MemoryTaskStore) -> TaskStore:
@@ -74,6 +102,7 @@ __all__ = [
     "TaskState",
     "TaskStatus",
     "TaskStore",
+    "is_command_error",
     "is_state_failure",
     "new_owner",
     "open_store",

@@ -626,17 +626,27 @@ class RedisTaskStore:
         on_subscribed: Callable[[], Awaitable[None]],
     ) -> None:
         failures = 0
+
+        async def subscribed() -> None:
+            nonlocal failures
+            if failures:
+                log.info("cancel requests heard again after %d failed subscription(s)", failures)
+            failures = 0
+            await on_subscribed()
+
         while True:
             try:
-                await self._cancels.listen(on_cancel, on_subscribed)
+                await self._cancels.listen(on_cancel, subscribed)
             except Exception as e:  # Redis failing, or on_subscribed's reads: listen again
                 failures += 1
                 delay_s = min(0.1 * 2**failures, _RECHECK_S)
-                log.warning(
-                    "cancel requests unheard (%s: %s); subscribing again in %.1f s",
+                # Once per outage: a retry every 2 s would fill the log with one fact.
+                log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "cancel requests unheard (%s: %s); subscribing again every %.1f s or less",
                     type(e).__name__,
                     e,
-                    delay_s,
+                    _RECHECK_S,
                 )
                 await asyncio.sleep(delay_s)
 

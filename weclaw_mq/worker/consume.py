@@ -45,7 +45,7 @@ from ..publishing.connection import (
     when_lost,
 )
 from ..publishing.producer import Publisher
-from ..settings import BROKER_CONSUMER_TIMEOUT_S
+from ..settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
 from ..topology import declare
 from ..undecodable import tolerant_properties
 from .cancel import Cancels
@@ -87,6 +87,12 @@ class Worker:
         self.shutdown_grace_s = (
             shutdown_grace_s if shutdown_grace_s is not None else app.settings.shutdown_grace_s
         )
+        floor, ceiling = duration_bounds("shutdown_grace_s") or (0.0, 0.0)
+        if not floor <= self.shutdown_grace_s <= ceiling:  # a NaN fails both
+            raise ConfigurationError(
+                f"shutdown_grace_s must be a number of seconds from {floor:g} to {ceiling:g}, "
+                f"got {self.shutdown_grace_s!r}"
+            )
         self.specs = self._select(app, queues)
         self.ready = asyncio.Event()  # set while consuming; tests and health checks wait on it
         self._stop = asyncio.Event()
@@ -108,9 +114,11 @@ class Worker:
         for spec in self.specs:
             app.metrics.count_in_flight(spec.queue, self._in_flight.of(spec.queue).__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
-        # For health(), read from the metrics server's thread: the session's connection, and
-        # the queues whose consumer the broker cancelled and that are not consumed again yet.
+        # For health(), read from the metrics server's thread: the session's connections
+        # (consuming, publishing), and the queues whose consumer the broker cancelled and
+        # that are not consumed again yet.
         self._conn: AbstractConnection | None = None
+        self._publishing: AbstractConnection | None = None
         self._recovering: set[str] = set()
         # Decided here, not at the first session: WECLAW_MQ_OTEL=on without the extra is a
         # configuration error before anything connects.
@@ -140,8 +148,9 @@ class Worker:
     def health(self) -> WorkerHealth:
         """Is this worker doing its job now: broker connection open, every queue consumed?
         Safe to call from another thread (the metrics server's)."""
-        conn = self._conn
-        session = self.ready.is_set() and conn is not None and not conn.is_closed
+        conn, publishing = self._conn, self._publishing
+        both_open = all(c is not None and not c.is_closed for c in (conn, publishing))
+        session = self.ready.is_set() and both_open
         queues: dict[str, QueueState] = {}
         for spec in self.specs:
             circuit = self._circuits.get(spec.queue)
@@ -151,7 +160,7 @@ class Worker:
                 queues[spec.queue] = QueueState.PAUSED
             else:
                 queues[spec.queue] = QueueState.CONSUMING
-        return WorkerHealth(broker_open=conn is not None and not conn.is_closed, queues=queues)
+        return WorkerHealth(broker_open=both_open, queues=queues)
 
     @property
     def abandoned(self) -> int:
@@ -168,18 +177,50 @@ class Worker:
         store = self.app.store
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
+        announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
         try:
             with tolerant_properties():
                 await self._run()
         finally:
-            if listener is not None:
-                listener.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await listener
+            for task in (listener, announcer):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    async def _say_if_redis_is_away(self) -> None:
+        """Once, at start: a Redis that does not answer, and what the worker does meanwhile
+        (it consumes, and the log would otherwise look healthy); then once when it answers."""
+        wait_s = self.settings.redis_timeout_s + 1.0  # a refused connect fails well before
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.cancels.listening.wait(), wait_s)
+            return
+        meanwhile = []
+        if any(s.idempotent for s in self.specs):
+            if self.settings.guard_on_redis_down == "run_unguarded":
+                meanwhile.append("guarded tasks run UNGUARDED (GUARD_ON_REDIS_DOWN=run_unguarded)")
+            else:
+                meanwhile.append("guarded tasks wait in their delay queues, never run unguarded")
+        if self.app.results is not None:
+            meanwhile.append(
+                "results cannot be stored (a finished task goes back to its queue after "
+                f"{self.settings.result_store_patience_s:g} s)"
+            )
+        meanwhile.append("cancel requests go unheard")
+        log.warning(
+            "Redis at %s does not answer (no reply within %.0f s): the worker consumes, but "
+            "until Redis answers %s",
+            self.settings.redis_url_redacted(),
+            wait_s,
+            "; ".join(meanwhile),
+        )
+        await self.cancels.listening.wait()
+        log.info("Redis answers now: guarded tasks run, cancel requests are heard")
 
     async def _run(self) -> None:
         failures = 0
         conn: AbstractConnection | None = None
+        publishing: AbstractConnection | None = None
         if any(s.limits for s in self.specs):
             self._limiter = Limiter.open(self.settings)
         try:
@@ -187,12 +228,19 @@ class Worker:
                 conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)
                 if conn is None:
                     break
+                # Its own connection: under a memory or disk alarm RabbitMQ blocks a connection
+                # that publishes, and the acks on it would wait too (RabbitMQ's advice).
+                publishing = await self.app.broker.connect_with_retry(
+                    name=f"{self._name}-publish", stop=self._stop
+                )
+                if publishing is None:
+                    break
                 if failures:
                     self.app.metrics.reconnects.labels("worker").inc()
                     log.info("reconnected to the broker")
                 try:
-                    await self._session(conn)
-                    break  # it returns only when stopping: the connection stays open to drain
+                    await self._session(conn, publishing)
+                    break  # it returns only when stopping: the connections stay open to drain
                 except LINK_ERRORS as e:
                     failures += 1
                     log.warning("broker connection lost (%s: %s)", type(e).__name__, e)
@@ -202,8 +250,8 @@ class Worker:
                     failures += 1
                     log.warning("broker connection lost (aiormq cancelled the session)")
                 self.ready.clear()
-                await _close(conn)
-                conn = None
+                await asyncio.gather(_close(conn), _close(publishing))
+                conn = publishing = None
                 if not self._stop.is_set():
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(
@@ -216,22 +264,22 @@ class Worker:
             await self._drain()
         finally:
             self.ready.clear()
-            if conn is not None:
-                await _close(conn)
+            await asyncio.gather(*(_close(c) for c in (conn, publishing) if c is not None))
             if self._limiter is not None:
                 limiter, self._limiter = self._limiter, None
                 await limiter.close()
 
-    async def _session(self, conn: AbstractConnection) -> None:
-        """Consume on one connection until it dies (raises) or ``stop`` is called (returns)."""
-        self._conn = conn
+    async def _session(self, conn: AbstractConnection, publishing: AbstractConnection) -> None:
+        """Consume on ``conn`` and publish (retries, dead letters, notifications) on
+        ``publishing`` until either dies (raises) or ``stop`` is called (returns)."""
+        self._conn, self._publishing = conn, publishing
         try:
-            await self._consume(conn)
+            await self._consume(conn, publishing)
         finally:
-            self._conn = None
+            self._conn = self._publishing = None
             self._recovering.clear()
 
-    async def _consume(self, conn: AbstractConnection) -> None:
+    async def _consume(self, conn: AbstractConnection, publishing: AbstractConnection) -> None:
         declare_channel = await conn.channel()
         await declare(declare_channel, [s.queue_spec() for s in self.specs])
         await declare_channel.close()
@@ -254,7 +302,9 @@ class Worker:
                 bulk_channel = await conn.channel(publisher_confirms=False)
                 await bulk_channel.set_qos(prefetch_count=self.concurrency + 1)
         schedulers: list[LaneScheduler] = []
-        publisher = Publisher(self.app.broker, self.app.metrics, name=self._name, connection=conn)
+        publisher = Publisher(
+            self.app.broker, self.app.metrics, name=self._name, connection=publishing
+        )
         runtime = Runtime(
             app=self.app,
             settings=self.settings,
@@ -313,6 +363,7 @@ class Worker:
             # A breaker's watch returns only when it could not change the consumers.
             _first(
                 when_lost(conn),
+                when_lost(publishing),
                 channel.closed(),
                 lane_channel.closed(),
                 (bulk_channel or channel).closed(),

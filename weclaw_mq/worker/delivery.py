@@ -33,6 +33,7 @@ from ..errors import (
     HandlerTimeout,
     InvalidPayload,
     ResultNotStored,
+    StateCommandError,
     TaskExpired,
     UndecodableBody,
     UnserialisableResult,
@@ -378,6 +379,10 @@ async def _pass_guard(
     running = _state(delivery, spec, _RUNNING) if rt.results is not None else None
     try:
         claim = await store.claim(spec.queue, delivery.task_id, owner, running=running)
+    except StateCommandError as e:  # Redis is up and said no: never run unguarded for it
+        log.error("the task store refused the claim: %s", e)
+        await _defer(message, delivery, spec, rt, "the task store refused the claim")
+        return _Gate.SETTLED
     except Exception as e:  # the store unreachable or failing: the same answer either way
         if rt.settings.guard_on_redis_down == "run_unguarded":
             log.warning("task store unavailable (%s); running UNGUARDED as configured", e)
@@ -416,6 +421,11 @@ async def _within_limits(
     except InvalidPayload as e:
         await _release(rt, spec, delivery, held)
         await _dead_letter(message, delivery, spec, rt, DeadLetterReason.INVALID_PAYLOAD, e)
+        return None
+    except StateCommandError as e:  # as for the guard
+        log.error("the limits' store refused the admission: %s", e)
+        await _release(rt, spec, delivery, held)
+        await _defer(message, delivery, spec, rt, "Redis refused the limits' command")
         return None
     except Exception as e:  # Redis unreachable or failing: as for the guard
         if rt.settings.guard_on_redis_down == "run_unguarded":

@@ -1,8 +1,9 @@
 """What a worker reports on ``/healthz`` (``metrics_http``): is it doing its job right now?
 
-Healthy means both: its broker connection is open, and every handler queue it serves is being
-consumed. A queue whose circuit breaker is open is ``paused`` on purpose, waiting for its
-upstream, and counts as healthy: restarting the worker would not bring the upstream back.
+Healthy means both: its broker connections (consuming, publishing) are open, and every
+handler queue it serves is being consumed. A queue whose circuit breaker is open is
+``paused`` on purpose, waiting for its upstream, and counts as healthy: restarting the worker
+would not bring the upstream back.
 A queue is ``down`` while there is no session (connecting, reconnecting, stopping) and while
 the broker has cancelled its consumer and the worker has not consumed it again yet.
 """
