@@ -109,7 +109,7 @@ class Settings(EnvSettings):
     # OpenTelemetry spans per publish and per handler run (weclaw_mq.otel): "auto" opens them
     # when the process has set a TracerProvider, "on" requires opentelemetry-api, "off" never.
     otel: Literal["auto", "on", "off"] = "auto"
-    # The worker's event loop: "uvloop" needs the extra weclaw_mq[uvloop] (cli/event_loop.py).
+    # The worker's event loop: "uvloop" needs the extra weclaw_mq[uvloop] (worker/event_loop.py).
     event_loop: Literal["asyncio", "uvloop"] = "asyncio"
 
     # Idempotency guard and result store (Redis).
@@ -133,7 +133,7 @@ class Settings(EnvSettings):
     # key, which lives this long and is renewed every third of it; a claim whose worker's key
     # lapsed (the worker died) is free at once, without waiting out guard_lease_s. A worker
     # whose event loop stalls longer than this looks dead to the others.
-    guard_heartbeat_ttl_s: float = Field(default=5.0, ge=0.5, le=300.0)
+    guard_heartbeat_ttl_s: float = seconds(5.0, floor=0.5, ceiling=300.0)
 
     # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
     # the broker unreachable, or whose outcome is unknown, are stored there and relayed.

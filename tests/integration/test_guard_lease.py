@@ -162,7 +162,7 @@ async def test_a_finish_by_an_attempt_that_lost_its_claim_stores_first_and_a_lat
     # The first attempt's lease lapses (its holder renews nothing: no ``holding``); a second
     # attempt claims the task and runs. The first to finish stores its result; the second is
     # told the task is done, and its result is not written over the first.
-    first = open_redis_store(_settings(redis_url, guard_lease_s=0.3))
+    first = open_redis_store(_settings(redis_url, guard_lease_s=0.5))
     task_id, early, late = str(uuid.uuid4()), new_owner(), new_owner()
 
     def state(status: TaskStatus, result: Any = None) -> TaskState:
