@@ -41,7 +41,7 @@ from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .limits import Limit, as_limits
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
-from .naming import delay_queue_name, validate_session_id
+from .naming import delay_queue_name, validate_queue_name, validate_session_id
 from .notification import notify_target
 from .otel import Spans, spans_for
 from .priority import (
@@ -57,6 +57,7 @@ from .retry import RetryPolicy
 from .settings import Settings
 from .state import (
     Cancellation,
+    CancelOutcome,
     TaskState,
     TaskStatus,
     TaskStore,
@@ -69,6 +70,7 @@ from .state.reuse import FingerprintStore, payload_fingerprint
 from .streaming import Inbox, StreamEvent, StreamStore
 from .streaming.events import check_event_id
 from .streaming.reading import task_events
+from .task_ids import check_task_id
 from .topology import declare
 from .tracing import current, new_trace_id
 
@@ -753,7 +755,9 @@ class App:
             block_s=self._read_block_s(),
         )
 
-    async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+    async def cancel(
+        self, task_id: str, *, queue: str | None = None, pending: bool = True
+    ) -> Cancellation:
         """Cancel a task that has not finished: queued or retrying, it is acked unrun when
         next delivered; running, its handler is cancelled within about a second on whichever
         worker runs it, and never retried. Its status becomes ``cancelled`` (final).
@@ -761,17 +765,31 @@ class App:
         Without ``queue``, the task's latest record decides, and every queue of the task id is
         cancelled (all stages of a pipeline). A finished task is left alone: the answer's
         ``outcome`` is ``finished`` (``changed`` False), with its record. A task not known yet
-        is cancelled when it arrives (``pending``), for as long as a record is kept
-        (``result_ttl_s``). ``StateUnavailableError`` when the store fails. See
-        ``weclaw_mq.state.cancel``.
+        (in ``queue``, when given) is cancelled when it arrives (``pending``), for as long as
+        a record is kept (``result_ttl_s``); with ``pending=False`` it is left alone
+        (``unknown``). Either way, a task with no record in ``queue`` but one in another
+        queue keeps that record and its status; the answer's ``elsewhere`` is that record.
+        ``ConfigurationError`` for a task id no task can have or an invalid queue name;
+        ``StateUnavailableError`` when the store fails. See ``weclaw_mq.state.cancel``.
         """
+        check_task_id(task_id)
+        if queue is not None:
+            validate_queue_name(queue)
         store = self.store
         if store is None:
             raise ConfigurationError(
                 "cancelling needs the task store: turn results on (WECLAW_MQ_RESULTS_ENABLED) "
                 "or guard a handler (idempotent=True)"
             )
-        return await store.cancel(task_id, queue=queue)
+        try:
+            if not pending and await store.get(task_id, queue=queue) is None:
+                latest = await store.get(task_id) if queue is not None else None
+                return Cancellation(task_id, CancelOutcome.UNKNOWN, None, latest)
+            return await store.cancel(task_id, queue=queue)
+        except Exception as e:  # a custom store on redis-py, unwrapped
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:

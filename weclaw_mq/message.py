@@ -77,12 +77,7 @@ def check_encodable(queue: str, task_id: object, extra: HeadersType | None) -> N
     hot path for nothing.
     """
     _check_short_string("queue name", queue)
-    _check_short_string("task id", task_id)
-    if isinstance(task_id, str) and not task_id.isprintable():
-        # It goes into log lines and Redis keys: a newline there forges the next log line.
-        raise MessageEncodingError(
-            f"the task id {task_id[:40]!r} holds control or line characters; use printable text"
-        )
+    check_task_id_encodable(task_id)
     if not extra:
         return
     _check_field_names(extra, "headers")
@@ -96,6 +91,16 @@ def check_encodable(queue: str, task_id: object, extra: HeadersType | None) -> N
             f"a header cannot be encoded in AMQP ({detail}); header values may be str, int, "
             "float, bool, None, Decimal, datetime, bytearray, and lists or dicts of those"
         ) from e
+
+
+def check_task_id_encodable(task_id: object) -> None:
+    """``MessageEncodingError`` unless ``task_id`` can be a message id: what ``publish`` takes."""
+    _check_short_string("task id", task_id)
+    if isinstance(task_id, str) and not task_id.isprintable():
+        # It goes into log lines and Redis keys: a newline there forges the next log line.
+        raise MessageEncodingError(
+            f"the task id {task_id[:40]!r} holds control or line characters; use printable text"
+        )
 
 
 def _check_short_string(what: str, value: object) -> None:

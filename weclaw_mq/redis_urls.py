@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
@@ -43,6 +43,17 @@ class RedisTopology:
 def is_multi_node(url: str) -> bool:
     """Whether ``url`` names a Redis Cluster or a Sentinel set (not one server)."""
     return url.partition("://")[0].lower() in CLUSTER_SCHEMES + SENTINEL_SCHEMES
+
+
+def check_database(url: str, shown: str) -> None:
+    """``ValueError`` unless a ``redis://`` or ``rediss://`` URL's path is empty or a database
+    number: redis-py reads any other path (``/abc``, ``/1/2``) silently as database 0."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("redis", "rediss"):
+        return  # unix:// names its database in ?db=, and its path is the socket's
+    path = unquote(parts.path).strip("/")
+    if path and not path.isdigit():
+        raise ValueError(f"the URL {shown} has database {path!r}, which is not a number")
 
 
 def parse_topology(url: str, shown: str) -> RedisTopology:

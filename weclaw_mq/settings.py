@@ -20,7 +20,7 @@ from pydantic import (
 
 from .env_settings import EnvSettings
 from .lifetime import DEFAULT_TTL_S
-from .redis_urls import RedisTopology, is_multi_node, parse_topology
+from .redis_urls import RedisTopology, check_database, is_multi_node, parse_topology
 from .retry import RetryPolicy
 from .tls import Service, TlsOptions, setting_name
 
@@ -194,6 +194,7 @@ class Settings(EnvSettings):
             parse_topology(url, redact_url(url))
         else:
             _check_url(url, ("redis", "rediss", "unix", *_MULTI_NODE), need_host=False)
+            check_database(url, redact_url(url))
         return value
 
     @model_validator(mode="after")

@@ -274,3 +274,79 @@ async def test_a_handler_that_ignores_its_cancel_is_left_behind_and_the_task_ack
     assert completed == [True]
     state = await app.status(task_id)
     assert state is not None and state.status is TaskStatus.CANCELLED and state.result is None
+
+
+async def test_a_cancel_into_the_wrong_queue_says_where_the_task_runs_and_stops_nothing(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    broker_url: str,
+    redis_url: str,
+    qname: str,
+) -> None:
+    app = make_app()
+    started: dict[str, Context] = {}
+    release = asyncio.Event()
+
+    @app.handler(qname)
+    async def handle(task: dict[str, str], ctx: Context) -> str:
+        started[task["id"]] = ctx
+        await asyncio.wait_for(release.wait(), 30)
+        return task["id"]
+
+    await app.declare()
+    await start_worker(app, concurrency=2)
+    wrong, right = str(uuid.uuid4()), str(uuid.uuid4())
+    for task_id in (wrong, right):
+        await app.publish(qname, {"id": task_id}, task_id=task_id)
+    await wait_until(lambda: len(started) == 2, 10, what="both handlers running")
+    env = settings_env(settings_for(broker_url, redis_url))
+    typo = f"{qname}-typo"
+
+    refused = await run_cli("cancel", wrong, "--queue", typo, env=env)
+    assert refused.code == 1, refused
+    line = one_error_line(refused)
+    assert f"no record in queue {typo}" in line and f"queue {qname} (running)" in line, line
+    assert "nothing was cancelled" in line
+    marked = await run_cli("cancel", wrong, "--queue", typo, "--pending", env=env)
+    assert marked.code == 0, marked.stderr
+    assert f"queue {qname} (running), left as it is" in marked.stdout, marked.stdout
+    state = await app.status(wrong)
+    assert state is not None and state.queue == qname and state.status is TaskStatus.RUNNING
+
+    # The right queue still cancels. Its request follows the wrong ones on the one channel
+    # the worker hears, so once it landed, the wrong ones had been heard too.
+    done = await run_cli("cancel", right, "--queue", qname, env=env)
+    assert done.code == 0, done.stderr
+    await _acked_as_cancelled(app, qname)
+    assert not started[wrong].cancelled
+    release.set()
+    final = await app.result(wrong, timeout_s=10)
+    assert final.status is TaskStatus.SUCCEEDED and final.result == wrong
+
+
+async def test_cancel_of_an_unknown_task_fails_unless_a_pending_cancel_is_asked_for(
+    make_app: Callable[..., App], broker_url: str, redis_url: str, qname: str
+) -> None:
+    app = make_app()
+
+    @app.handler(qname)
+    async def handle(task: dict[str, int]) -> None:
+        raise AssertionError("no worker runs in this test")
+
+    await app.declare()
+    env = settings_env(settings_for(broker_url, redis_url))
+    task_id = str(uuid.uuid4())
+
+    unknown = await run_cli("cancel", task_id, env=env)
+    assert unknown.code == 1
+    assert one_error_line(unknown) == (
+        f"weclaw-mq: error: task {task_id} is not known: nothing was cancelled "
+        "(--pending cancels it for when it arrives)"
+    )
+    assert not await app.store.is_cancelled(qname, task_id)  # type: ignore[union-attr]
+
+    pending = await run_cli("cancel", task_id, "--pending", env=env)
+    assert pending.code == 0, pending.stderr
+    assert "cancelled in every queue for when it arrives" in pending.stdout
+    await app.publish(qname, {"n": 1}, task_id=task_id)  # its keys are then cleaned up with q's
+    assert await app.store.is_cancelled(qname, task_id)  # type: ignore[union-attr]

@@ -160,3 +160,22 @@ async def test_watchers_hear_each_cancel_request(store: TaskStore, task_id: str)
         watching.cancel()
         with pytest.raises(asyncio.CancelledError):
             await watching
+
+
+async def test_a_cancel_in_a_queue_without_its_record_leaves_the_record_elsewhere_alone(
+    store: TaskStore, task_id: str
+) -> None:
+    a, b = QUEUES
+    await store.record(_state(task_id, TaskStatus.RUNNING, attempt=1))
+
+    answer = await store.cancel(task_id, queue=b)
+
+    assert answer.outcome is CancelOutcome.PENDING and answer.state is None
+    assert answer.elsewhere is not None and answer.elsewhere.queue == a
+    assert answer.elsewhere.status is TaskStatus.RUNNING
+    # status() still answers with the record in a: no cancelled record in b became the latest.
+    state = await store.get(task_id)
+    assert state is not None and state.queue == a and state.status is TaskStatus.RUNNING
+    assert await store.get(task_id, queue=b) is None
+    # Only b's deliveries are stopped.
+    assert await store.is_cancelled(b, task_id) and not await store.is_cancelled(a, task_id)

@@ -8,20 +8,27 @@ and Redis are never touched. The README's exit-code table lists these mistakes.
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
 import signal
+import subprocess
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import typer
+import yarl
 from pydantic import BaseModel
 
 from tests.conftest import settings_for
 from tests.integration.dead_endpoints import closed_port, silent_server
 from tests.integration.processes import (
     FIXTURE_APP,
+    REPO_ROOT,
     CliResult,
+    cli_executable,
     finish_cli,
     one_error_line,
     run_cli,
@@ -142,6 +149,45 @@ MISTAKES: list[Mistake] = [
         "--task-id",
         id="task-id-invalid",
     ),
+    Mistake(
+        ["publish", "some-queue", "--data", "1" + "0" * 5000],
+        BROKER_DOWN,
+        ExitCode.USAGE,
+        "a number of 5001 digits",
+        id="data-number-past-the-digit-limit",
+    ),
+    Mistake(
+        ["publish", "some-queue", "--data", "NaN"],
+        BROKER_DOWN,
+        ExitCode.USAGE,
+        "NaN is not a JSON value",
+        id="data-nan",
+    ),
+    Mistake(
+        ["dlq", "list", "some-queue", "--since", "99999999d"],
+        BROKER_DOWN,
+        ExitCode.USAGE,
+        "--since",
+        id="since-before-year-1",
+    ),
+    Mistake(["cancel", ""], REDIS_DOWN, ExitCode.USAGE, "task id is empty", id="cancel-empty-id"),
+    Mistake(
+        ["cancel", "a\nb"], REDIS_DOWN, ExitCode.USAGE, "control or line", id="cancel-id-newline"
+    ),
+    Mistake(
+        ["cancel", "some-task", "--queue", ""],
+        REDIS_DOWN,
+        ExitCode.USAGE,
+        "queue name '' must be 1 to",
+        id="cancel-queue-empty",
+    ),
+    Mistake(
+        ["cancel", "some-task", "--queue", "no such/queue"],
+        REDIS_DOWN,
+        ExitCode.USAGE,
+        "may hold only letters",
+        id="cancel-queue-invalid",
+    ),
     # 3: configuration
     Mistake(["worker", "nomodule"], {}, ExitCode.CONFIG, "MODULE:APP", id="app-no-colon"),
     Mistake(
@@ -205,6 +251,13 @@ MISTAKES: list[Mistake] = [
         ExitCode.CONFIG,
         "WECLAW_MQ_REDIS_URL",
         id="redis-url-wrong-scheme",
+    ),
+    Mistake(
+        ["status", "some-task"],
+        {"WECLAW_MQ_REDIS_URL": f"redis://:{SECRET}@127.0.0.1:{closed_port()}/abc"},
+        ExitCode.CONFIG,
+        "has database 'abc', which is not a number",
+        id="redis-url-database-not-a-number",
     ),
     Mistake(
         ["health"],
@@ -393,3 +446,72 @@ def test_one_line_joins_lines_and_redacts_every_url_password() -> None:
     text = f"first\n  amqp://guest:{SECRET}@h:5672/ and redis://:{SECRET}@r:6379/0\nlast"
 
     assert one_line(text) == "first amqp://guest:***@h:5672/ and redis://:***@r:6379/0 last"
+
+
+# Room for the interpreter and its imports, far below what reading without a bound takes.
+MEMORY_BOUND_BYTES = 1024**3
+
+
+def _memory_bound() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BOUND_BYTES, MEMORY_BOUND_BYTES))
+
+
+@pytest.mark.parametrize("source", ["file", "stdin"])
+def test_publish_reads_an_endless_data_source_up_to_the_size_limit_only(source: str) -> None:
+    args = ["publish", "some-queue", "--data", "@/dev/urandom" if source == "file" else "-"]
+    with open("/dev/urandom", "rb") as endless:
+        done = subprocess.run(
+            [cli_executable(), *args],
+            cwd=REPO_ROOT,
+            env={**os.environ, **BROKER_DOWN, "WECLAW_MQ_MAX_MESSAGE_BYTES": "4096"},
+            stdin=endless if source == "stdin" else subprocess.DEVNULL,
+            capture_output=True,
+            preexec_fn=_memory_bound,
+            timeout=60,
+        )
+    result = CliResult(done.returncode, done.stdout.decode(), done.stderr.decode())
+
+    line = one_error_line(result)
+    assert result.code == ExitCode.USAGE, (result.code, line)
+    assert "holds more than 4096 bytes, the message size limit" in line, line
+
+
+async def test_a_handshake_that_never_finishes_says_what_to_check() -> None:
+    async with silent_server() as port:
+        url = f"amqp://guest:{SECRET}@127.0.0.1:{port}/"
+        result = await run_cli(
+            "dlq",
+            "list",
+            "some-queue",
+            env={"WECLAW_MQ_AMQP_URL": url, "WECLAW_MQ_HEARTBEAT_S": "2"},
+        )
+
+    line = one_error_line(result)
+    assert result.code == ExitCode.BROKER_UNAVAILABLE, (result.code, line)
+    assert "the AMQP handshake did not finish within 8 s" in line, line
+    assert "rabbitmqctl status" in line and not line.endswith("TimeoutError:"), line
+    assert_one_line(result.stderr)
+
+
+async def test_an_unknown_vhost_is_named_with_what_to_check(broker_url: str) -> None:
+    vhost = f"nope-{uuid.uuid4().hex[:8]}"
+    url = str(yarl.URL(broker_url).with_path(f"/{vhost}"))
+
+    result = await run_cli("dlq", "list", "some-queue", env={"WECLAW_MQ_AMQP_URL": url})
+
+    line = one_error_line(result)
+    assert result.code == ExitCode.BROKER_UNAVAILABLE, (result.code, line)
+    assert f"the broker refused vhost '{vhost}'" in line, line
+    assert "rabbitmqctl list_vhosts" in line and "object at 0x" not in line, line
+
+
+async def test_a_cluster_url_on_a_plain_redis_is_a_configuration_error(redis_url: str) -> None:
+    # CLUSTER SLOTS, refused by a Redis without cluster mode, is all the shared Redis is asked.
+    where = yarl.URL(redis_url)
+    url = f"redis+cluster://{where.host}:{where.port or 6379}"
+
+    result = await run_cli("status", "some-task", env={"WECLAW_MQ_REDIS_URL": url})
+
+    line = one_error_line(result)
+    assert result.code == ExitCode.CONFIG, (result.code, line)
+    assert "is a Redis without cluster mode: use a redis:// URL" in line, line

@@ -10,7 +10,9 @@ at its delivery limit.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -256,6 +258,32 @@ async def test_a_damaged_export_imports_nothing_and_says_which_line(
 
     assert "line 3" in one_error_line(result) and result.code == 2
     assert await queue_depth(amqp, dlq_name(mixed.queue)) == 5
+
+
+async def test_properties_the_broker_would_refuse_import_nothing_and_the_fixed_file_imports_once(
+    mixed: MixedDlq, amqp: AbstractChannel, tmp_path: Path
+) -> None:
+    path = tmp_path / "dead.jsonl"
+    assert await dlq.export(mixed.app, mixed.queue, path, limit=2) == 2
+    good = path.read_text()
+    damaged = json.loads(good.splitlines()[0])
+    # A headers table with a field type RabbitMQ does not know: it closes the connection
+    # (INTERNAL_ERROR) on such a publish, after the lines before it went in.
+    table = b"\x01kZ"
+    raw = struct.pack(">H", 0x2000) + struct.pack(">I", len(table)) + table
+    damaged["amqp_properties"] = base64.b64encode(raw).decode()
+    path.write_text(good + json.dumps(damaged) + "\n")
+
+    refused = await run_cli("dlq", "import", mixed.queue, str(path), env=mixed.env)
+
+    line = one_error_line(refused)
+    assert refused.code == 2, (refused.code, line)
+    assert "line 3" in line and "field type b'Z'" in line and "nothing imported" in line, line
+    assert await queue_depth(amqp, dlq_name(mixed.queue)) == 5
+    path.write_text(good)
+    fixed = await run_cli("dlq", "import", mixed.queue, str(path), env=mixed.env)
+    assert fixed.code == 0, fixed.stderr
+    assert await queue_depth(amqp, dlq_name(mixed.queue)) == 7  # each good line once
 
 
 async def test_stats_without_app_finds_the_lanes_and_delay_queues_of_a_limited_handler(

@@ -42,6 +42,13 @@ def test_a_url_of_one_redis_has_no_topology() -> None:
 
 
 @pytest.mark.parametrize(
+    "url", ["redis://h", "redis://h/", "redis://h:6379/15", "unix:///run/redis.sock?db=2"]
+)
+def test_a_url_of_one_redis_with_no_database_or_a_number_is_taken(url: str) -> None:
+    assert Settings(redis_url=url).redis_url_plain() == url
+
+
+@pytest.mark.parametrize(
     ("url", "says"),
     [
         (f"redis+sentinel://:{SECRET}@s1:26379", "must end with /service_name"),
@@ -53,6 +60,10 @@ def test_a_url_of_one_redis_has_no_topology() -> None:
         (f"redis+cluster://:{SECRET}@n1,,n2", "an empty host"),
         (f"redis+cluster://:{SECRET}@n1?ssl=true", "take no ?options"),
         (f"cluster://:{SECRET}@n1", "redis+cluster:// or redis+sentinel://"),
+        # redis-py would read these as database 0, silently.
+        (f"redis://:{SECRET}@h/abc", "database 'abc', which is not a number"),
+        (f"rediss://:{SECRET}@h:6380/1/2", "database '1/2', which is not a number"),
+        (f"redis://:{SECRET}@h/-1", "database '-1', which is not a number"),
     ],
 )
 def test_a_malformed_url_is_refused_saying_why_and_never_showing_its_password(

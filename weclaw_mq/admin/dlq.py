@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 import aiormq
+import yarl
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
@@ -58,6 +59,10 @@ from .dlq_message import (
 log = logging.getLogger("weclaw_mq.dlq")
 
 UNREADABLE_REASON = "unreadable"
+
+
+# aio-pika logs in as guest when the URL names no user.
+DEFAULT_USER = "guest"
 
 
 def _read(message: DeliveredMessage) -> DeadLetter:
@@ -340,7 +345,9 @@ async def import_records(app: App, queue: str, lines: Iterable[str]) -> int:
     """Publish each record of an export (JSON lines) to ``Q.dlq`` with a confirm, body and
     properties byte for byte as exported; how many. Every line is read and checked before the
     first publish: a damaged file publishes nothing (``PayloadError`` naming the line)."""
-    messages = [_record_message(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    # The broker refuses a user_id that is not the user this import connects as.
+    user = yarl.URL(app.settings.amqp_urls()[0]).user or DEFAULT_USER
+    messages = [_record_message(n, line, user) for n, line in enumerate(lines, 1) if line.strip()]
     async with _pass(app, queue, "import") as dlq:
         dlq.budget = 0  # nothing is taken: the pass only lends its confirmed channel
         for body, properties in messages:
@@ -348,12 +355,17 @@ async def import_records(app: App, queue: str, lines: Iterable[str]) -> int:
     return len(messages)
 
 
-def _record_message(line_number: int, line: str) -> tuple[bytes, Basic.Properties]:
+def _record_message(line_number: int, line: str, user: str) -> tuple[bytes, Basic.Properties]:
     try:
         record = json.loads(line)
         if not isinstance(record, dict):
             raise ValueError("not a JSON object")
-        return record_body(record), record_properties(record)
+        return record_body(record), record_properties(record, user=user)
+    except RecursionError:
+        raise PayloadError(
+            f"line {line_number} is nested too deeply to be a 'weclaw-mq dlq export' record; "
+            "nothing imported"
+        ) from None
     except (ValueError, binascii.Error) as e:
         raise PayloadError(
             f"line {line_number} is not a 'weclaw-mq dlq export' record: {e}; nothing imported"

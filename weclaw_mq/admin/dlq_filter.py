@@ -39,7 +39,12 @@ def parse_time(text: str, *, now: datetime) -> datetime:
     relative = _RELATIVE.match(text)
     if relative:
         seconds = float(relative["n"]) * _UNIT_S[relative["unit"]]
-        return now - timedelta(seconds=seconds)
+        try:
+            return now - timedelta(seconds=seconds)
+        except OverflowError:  # before year 1, or more days than timedelta holds
+            raise ConfigurationError(
+                f"{text!r} reaches before the year 1: give a shorter duration or an ISO-8601 time"
+            ) from None
     try:
         when = datetime.fromisoformat(text.strip())
     except ValueError:

@@ -33,6 +33,7 @@ from ..failures import stable_error_type
 from ..lifetime import renewed
 from ..message import CONTENT_TYPE
 from ..undecodable import raw_properties, undecodable
+from .dlq_properties import check_properties
 
 # Our record of a failure: dropped from a requeued copy, so its next failure is told afresh.
 # The carried return count goes too: an operator requeues a crash-looping task after fixing
@@ -316,17 +317,18 @@ def record_body(record: Mapping[str, Any]) -> bytes:
     raise ValueError(f"body_encoding {encoding!r} with a body of type {type(body).__name__}")
 
 
-def record_properties(record: Mapping[str, Any]) -> Basic.Properties:
-    """The AMQP properties an export record was written from, to be published byte for byte;
-    ``ValueError`` if the record has none (a record from before ``amqp_properties``)."""
+def record_properties(record: Mapping[str, Any], *, user: str | None = None) -> Basic.Properties:
+    """The AMQP properties an export record was written from, to be published byte for byte
+    by ``user`` (None: not checked); ``ValueError`` if the record has none (a record from
+    before ``amqp_properties``) or the broker would refuse them (``dlq_properties``)."""
     encoded = record.get("amqp_properties")
     if not isinstance(encoded, str):
         raise ValueError("no amqp_properties (only exports of this version can be imported)")
     raw = base64.b64decode(encoded, validate=True)
-    # Not decoded: a dead letter whose properties no client decodes (undecodable_properties)
-    # is exported and imported as the same bytes, like every look keeps it.
-    if len(raw) < 2:
-        raise ValueError("amqp_properties is shorter than its 2 flag bytes")
+    # Published as the same bytes: a dead letter whose properties no client decodes
+    # (undecodable_properties) is exported and imported unchanged, like every look keeps it.
+    decodable = record.get("reason") != UNDECODABLE_PROPERTIES_REASON
+    check_properties(raw, decodable=decodable, user=user)
     return raw_properties(raw)
 
 

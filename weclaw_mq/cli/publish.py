@@ -34,25 +34,58 @@ def _task_id(value: str | None) -> str | None:
         raise typer.BadParameter(str(e)) from None
 
 
-def read_data(data: str) -> Any:
-    """The payload ``--data`` names: a JSON document, ``@FILE`` holding one, or ``-`` (stdin)."""
+def read_data(data: str, *, limit_bytes: int) -> Any:
+    """The payload ``--data`` names: a JSON document, ``@FILE`` holding one, or ``-`` (stdin).
+
+    A file or stdin is read up to ``limit_bytes`` + 1 only: a task over the message size
+    limit is refused, so ``@/dev/urandom`` costs one limit of memory, not all of it."""
     if data == STDIN:
-        text, source = sys.stdin.read(), "stdin"
+        raw, source = sys.stdin.buffer.read(limit_bytes + 1), "stdin"
     elif data.startswith(FROM_FILE):
         path = Path(data[len(FROM_FILE) :])
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise typer.BadParameter(f"cannot read {path}: {reason}", param_hint="--data") from e
+            with path.open("rb") as f:
+                raw = f.read(limit_bytes + 1)
+        except OSError as e:
+            raise typer.BadParameter(
+                f"cannot read {path}: {e.strerror or e}", param_hint="--data"
+            ) from e
         source = str(path)
     else:
-        text, source = data, ""
+        return _json(data, "")
+    if len(raw) > limit_bytes:
+        raise typer.BadParameter(
+            f"{source} holds more than {limit_bytes} bytes, the message size limit "
+            "(WECLAW_MQ_MAX_MESSAGE_BYTES); nothing was sent",
+            param_hint="--data",
+        )
     try:
-        return json.loads(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise typer.BadParameter(f"cannot read {source}: {e}", param_hint="--data") from e
+    return _json(text, source)
+
+
+def _no_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON (RFC 8259); the encoder would send them as null.
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _int(digits: str) -> int:
+    limit = sys.get_int_max_str_digits()
+    if limit and len(digits.lstrip("-")) > limit:
+        raise ValueError(f"a number of {len(digits)} digits (Python reads at most {limit})")
+    return int(digits)
+
+
+def _json(text: str, source: str) -> Any:
+    where = f" in {source}" if source else ""
+    try:
+        return json.loads(text, parse_constant=_no_constant, parse_int=_int)
     except json.JSONDecodeError as e:
-        where = f" in {source}" if source else ""
         raise typer.BadParameter(f"not valid JSON{where}: {e}", param_hint="--data") from e
+    except ValueError as e:  # a number past Python's digit limit, NaN, Infinity
+        raise typer.BadParameter(f"cannot take this JSON{where}: {e}", param_hint="--data") from e
 
 
 def publish(
@@ -86,7 +119,6 @@ def publish(
 ) -> None:
     """Publish one task and print its id once the broker confirmed it."""
     configure_logging("WARNING")
-    payload = read_data(data)
     if app_path is None:
         app = App("weclaw-mq-cli")
     else:
@@ -94,6 +126,7 @@ def publish(
         if queue not in app.handlers:
             known = ", ".join(app.handlers) or "none"
             raise ConfigurationError(f"{app_path} has no handler for {queue!r} (known: {known})")
+    payload = read_data(data, limit_bytes=app.settings.max_message_bytes)
 
     async def send() -> str:
         async with app:

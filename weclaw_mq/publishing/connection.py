@@ -16,6 +16,7 @@ import ssl
 
 import aio_pika
 import aiormq
+import yarl
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from ..broker_version import ServerVersion, parse_server_version
@@ -83,8 +84,7 @@ class BrokerEndpoints:
                     ssl_context=self._tls(url),
                 )
             except (TimeoutError, OSError, aio_pika.exceptions.AMQPError) as e:
-                why = describe_refusal(e, "amqp")
-                problems.append(f"{redact_url(url)}: {why or f'{type(e).__name__}: {e}'}")
+                problems.append(f"{redact_url(url)}: {connect_problem(e, url, timeout_s)}")
                 continue
             except asyncio.CancelledError:
                 if cancelled_by_caller():
@@ -123,6 +123,37 @@ class BrokerEndpoints:
                     return None
                 except TimeoutError:
                     continue
+
+
+def connect_problem(e: BaseException, url: str, timeout_s: float) -> str:
+    """Why a connect to ``url`` failed and what to check, in one line (never the password)."""
+    refused = describe_refusal(e, "amqp")
+    if refused is not None:
+        return refused
+    if isinstance(e, aiormq.exceptions.ProbableAuthenticationError):
+        return (
+            f"the broker refused the login ({e}); check the user and password in "
+            "WECLAW_MQ_AMQP_URL (RabbitMQ lets 'guest' in from localhost only)"
+        )
+    if isinstance(e, aiormq.exceptions.InvalidFrameError) and "Connection.Close" in str(e):
+        # aiormq keeps only the frame's repr: RabbitMQ closes at Connection.Open for a vhost
+        # that does not exist, one the user has no permission on, or one at its limit.
+        parsed = yarl.URL(url)
+        vhost = parsed.path[1:] or "/"
+        return (
+            f"the broker refused vhost {vhost!r} to user {parsed.user or 'guest'!r} (it does "
+            "not exist, the user has no permissions on it, or it is at its connection limit); "
+            f"check the vhost in WECLAW_MQ_AMQP_URL: rabbitmqctl list_vhosts, "
+            f"rabbitmqctl list_permissions -p {vhost}"
+        )
+    if isinstance(e, TimeoutError) and not str(e):
+        return (
+            f"the TCP connection opened but the AMQP handshake did not finish within "
+            f"{timeout_s:g} s (a broker out of file handles or memory, a TLS port reached "
+            "without amqps://, or a stalled TLS peer); check rabbitmqctl status and the "
+            "broker's log"
+        )
+    return f"{type(e).__name__}: {e}"
 
 
 def cancelled_by_caller() -> bool:

@@ -23,6 +23,13 @@ the stages of a pipeline that share a task id never run after it. A cancel of a 
 no record exists yet (``PENDING``) writes a ``cancelled`` record only when it names the
 queue; without one there is nowhere to write it, and ``status()`` reads ``queued`` once the
 task is published, until a worker acks it unrun and records ``cancelled``.
+
+A cancel that names a queue where the task has no record while it has one in another queue
+(a typo, or a later stage of a pipeline) writes no record at all: a ``cancelled`` record there
+would become the task's latest and ``status()`` would answer ``cancelled`` for a task that
+runs on. It only leaves the marker for that queue, and its answer (``PENDING``) names the
+other record (``Cancellation.elsewhere``). ``App.cancel(..., pending=False)`` (the CLI's
+default) changes nothing for a task with no record where it looks: ``UNKNOWN``.
 """
 
 from __future__ import annotations
@@ -48,21 +55,25 @@ class CancelOutcome(StrEnum):
     CANCELLED = "cancelled"  # its record now reads cancelled; it will not run to completion
     PENDING = "pending"  # no record of it yet: the marker stops it when it is delivered
     FINISHED = "finished"  # it had already ended: nothing was changed
+    UNKNOWN = "unknown"  # no record where it looked, and no pending cancel asked: unchanged
 
 
 @dataclass(frozen=True)
 class Cancellation:
     """The answer to a cancel: what happened, and the task's record afterwards (the
-    ``cancelled`` one, the finished one that stays, or None when no record exists)."""
+    ``cancelled`` one, the finished one that stays, or None when no record exists).
+    ``elsewhere``: when the cancel named a queue where the task has no record, its latest
+    record in another queue (left as it was), else None."""
 
     task_id: str
     outcome: CancelOutcome
     state: TaskState | None
+    elsewhere: TaskState | None = None
 
     @property
     def changed(self) -> bool:
-        """False for a no-op: the task had already finished."""
-        return self.outcome is not CancelOutcome.FINISHED
+        """False for a no-op: the task had already finished, or is not known."""
+        return self.outcome not in (CancelOutcome.FINISHED, CancelOutcome.UNKNOWN)
 
 
 def scope_of(queue: str | None) -> str:
@@ -82,23 +93,38 @@ def finished(state: TaskState | None, at: datetime) -> TaskState | None:
     return seen if seen is not None and seen.status.terminal else None
 
 
-def cancelled_record(
-    state: TaskState | None, task_id: str, queue: str | None, at: datetime
+def other_record(
+    state: TaskState | None, latest: TaskState | None, queue: str | None
 ) -> TaskState | None:
-    """The record a cancel writes over ``state`` (None: none to write, no queue known)."""
+    """The task's latest record when a cancel names ``queue`` and finds no record there."""
+    if queue is None or state is not None or latest is None or latest.queue == queue:
+        return None
+    return latest
+
+
+def cancelled_record(
+    state: TaskState | None,
+    task_id: str,
+    queue: str | None,
+    at: datetime,
+    *,
+    other: TaskState | None = None,
+) -> TaskState | None:
+    """The record a cancel writes over ``state`` (None: none to write: no queue known, or the
+    task's latest record, ``other``, is in another queue and must stay its latest)."""
     if state is not None:
         return state.model_copy(
             update={"status": TaskStatus.CANCELLED, "result": None, "updated_at": at}
         )
-    if queue is None:
+    if queue is None or other is not None:
         return None
     return TaskState(task_id=task_id, queue=queue, status=TaskStatus.CANCELLED, updated_at=at)
 
 
-def answer(task_id: str, written: TaskState | None) -> Cancellation:
+def answer(task_id: str, written: TaskState | None, other: TaskState | None = None) -> Cancellation:
     """The answer once the cancel is stored."""
     if written is None:
-        return Cancellation(task_id, CancelOutcome.PENDING, None)
+        return Cancellation(task_id, CancelOutcome.PENDING, None, other)
     return Cancellation(task_id, CancelOutcome.CANCELLED, written)
 
 

@@ -31,6 +31,7 @@ from .cancel import (
     cancelled_record,
     covers,
     finished,
+    other_record,
     scope_of,
 )
 from .expiry import record_ttl_s
@@ -233,6 +234,7 @@ class MemoryTaskStore:
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
         # No await from the read to the writes: the whole cancel is one step, as in Redis.
         state = self._read(task_id, queue)
+        other = other_record(state, self._read(task_id, None), queue)
         now = datetime.now(UTC)
         done = finished(state, now)
         if done is not None:
@@ -242,12 +244,12 @@ class MemoryTaskStore:
             marker = self._markers[task_id] = _Marker(0.0)
         marker.scopes.add(scope_of(queue))
         marker.expires_at = self._clock() + self._ttl_s
-        written = cancelled_record(state, task_id, queue, now)
+        written = cancelled_record(state, task_id, queue, now, other=other)
         if written is not None:
             self._write(written, only_if_new=False)
         for on_cancel in list(self._cancel_watchers):
             on_cancel(task_id, queue)
-        return answer(task_id, written)
+        return answer(task_id, written, other)
 
     def _is_cancelled(self, queue: str, task_id: str) -> bool:
         marker = self._markers.get(task_id)

@@ -21,6 +21,7 @@ from .cancel import (
     cancelled_record,
     covers,
     finished,
+    other_record,
     read_request,
     request_message,
     scope_of,
@@ -28,14 +29,21 @@ from .cancel import (
 from .protocol import TaskState
 from .redis_clients import StateClient
 
-# The record a cancel decides on, in one round trip. KEYS: latest[, record]. Returns
-# {record key, state JSON}, '' for what does not exist. The key the pointer names is not in
-# KEYS: on one Redis that is fine, and under a cluster the hash tag keeps it on this node.
+# The records a cancel decides on, in one round trip. KEYS: latest[, record]. Returns
+# {record key, state JSON, latest pointer, latest state JSON}, '' for what does not exist
+# (the latest ones only when the record named is absent: state.cancel.other_record). The key
+# the pointer names is not in KEYS: on one Redis that is fine, and under a cluster the hash
+# tag keeps it on this node.
 _READ = """
-local key = KEYS[2]
-if not key then key = redis.call('GET', KEYS[1]) end
-if not key then return {'', ''} end
-return {key, redis.call('HGET', key, 'state') or ''}
+local latest = redis.call('GET', KEYS[1]) or ''
+local key = KEYS[2] or latest
+if key == '' then return {'', '', '', ''} end
+local state = redis.call('HGET', key, 'state') or ''
+local other = ''
+if state == '' and latest ~= '' and latest ~= key then
+  other = redis.call('HGET', latest, 'state') or ''
+end
+return {key, state, latest, other}
 """
 
 # The cancel, if the record is still the one read (compare and set): marker, cancelled
@@ -80,19 +88,24 @@ class RedisCancels:
     async def cancel(self, task_id: str, queue: str | None) -> Cancellation:
         for _ in range(CANCEL_ATTEMPTS):
             record_keys = [state_key(queue, task_id)] if queue is not None else []
-            key, raw = (
+            key, raw, latest, raw_other = (
                 _text(v) for v in await self._read(keys=[latest_key(task_id), *record_keys])
             )
             state = TaskState.model_validate_json(raw) if raw else None
+            other = other_record(
+                state, TaskState.model_validate_json(raw_other) if raw_other else None, queue
+            )
             now = datetime.now(UTC)
             done = finished(state, now)
             if done is not None:
                 return Cancellation(task_id, CancelOutcome.FINISHED, done)
-            written = cancelled_record(state, task_id, queue, now)
+            written = cancelled_record(state, task_id, queue, now, other=other)
             args: list[str | int] = [
                 scope_of(queue),
                 raw,
-                "-" if queue is not None else key,
+                # With a queue and no record there, the pointer too: nothing was recorded
+                # elsewhere since the read (other_record decided on it).
+                "-" if queue is not None and state is not None else latest,
                 written.model_dump_json() if written is not None else "",
                 self._ttl_ms,
                 done_channel(task_id),
@@ -102,7 +115,7 @@ class RedisCancels:
             ]
             keys = [cancel_key(task_id), latest_key(task_id), *([key] if key else [])]
             if await self._cancel(keys=keys, args=args):
-                return answer(task_id, written)
+                return answer(task_id, written, other)
         raise StateUnavailableError(
             f"the record of task {task_id} changed under {CANCEL_ATTEMPTS} cancels in a row; "
             "try again"

@@ -19,7 +19,10 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, R
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 
+from ..errors import ConfigurationError
 from ..settings import Settings
 from ..tls import TlsOptions, client_context
 
@@ -141,6 +144,22 @@ class _Cluster(RedisCluster):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.script_texts: dict[str, Any] = {}
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> _Cluster:
+        # redis-py's one exception type outside RedisError says two things: the seeds are a
+        # plain Redis (a setting to change), or none answered (an outage, retried as one).
+        nodes = self.nodes_manager.startup_nodes.values()
+        seeds = ", ".join(f"{n.host}:{n.port}" for n in nodes)
+        try:
+            await super().initialize(*args, **kwargs)
+        except RedisClusterException as e:
+            if "Cluster mode is not enabled" in str(e):
+                raise ConfigurationError(
+                    f"WECLAW_MQ_REDIS_URL names a Redis Cluster, but {seeds} is a Redis "
+                    "without cluster mode: use a redis:// URL for it"
+                ) from e
+            raise RedisConnectionError(str(e)) from e
+        return self
 
     # redis-py annotates the sync Script for every client; RedisCluster's is AsyncScript.
     def register_script(self, script: Any) -> AsyncScript:  # type: ignore[override]
