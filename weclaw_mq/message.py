@@ -6,6 +6,7 @@ headers from ``weclaw_mq.headers``.
 
 from __future__ import annotations
 
+import math
 import struct
 import uuid
 from dataclasses import dataclass
@@ -122,7 +123,13 @@ def _check_utf8_size(what: str, value: str, limit: int) -> None:
 
 
 def _check_field_names(value: object, path: str) -> None:
-    """Every table field name, at any depth, is a str of at most 128 UTF-8 bytes."""
+    """Every table field name, at any depth, is a str of at most 128 UTF-8 bytes, and no
+    float is NaN or infinite (pamqp encodes those; RabbitMQ's parser then closes the whole
+    connection)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise MessageEncodingError(
+            f"{path}: {value!r} is not a value RabbitMQ accepts in a header; send a string"
+        )
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):

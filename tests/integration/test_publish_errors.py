@@ -57,6 +57,9 @@ BAD_HEADERS: dict[str, dict[Any, Any]] = {
     "names of mixed types": {7: "seven", "x-eight": 8},
     "a lone surrogate": {"x-text": "\udc80"},
     "a NaN decimal": {"x-d": decimal.Decimal("NaN")},
+    # pamqp encodes these; RabbitMQ then closes the whole connection (INTERNAL_ERROR).
+    "a NaN float": {"x-f": float("nan")},
+    "an infinite float, nested": {"x-outer": [1.0, {"x-inf": float("-inf")}]},
 }
 
 
