@@ -112,6 +112,8 @@ class Worker:
         # the queues whose consumer the broker cancelled and that are not consumed again yet.
         self._conn: AbstractConnection | None = None
         self._recovering: set[str] = set()
+        # The lane schedulers of the current session (each owns its consumers: worker.lanes).
+        self._schedulers: list[LaneScheduler] = []
         # Decided here, not at the first session: WECLAW_MQ_OTEL=on without the extra is a
         # configuration error before anything connects.
         self._spans = app.spans
@@ -230,6 +232,11 @@ class Worker:
         finally:
             self._conn = None
             self._recovering.clear()
+            # Its lane schedulers end with it: none starts a task or adopts a delivery of a
+            # session that is gone (a stop has already stopped them).
+            for scheduler in self._schedulers:
+                scheduler.retire()
+            self._schedulers = []
 
     async def _consume(self, conn: AbstractConnection) -> None:
         declare_channel = await conn.channel()
@@ -254,6 +261,7 @@ class Worker:
                 bulk_channel = await conn.channel(publisher_confirms=False)
                 await bulk_channel.set_qos(prefetch_count=self.concurrency + 1)
         schedulers: list[LaneScheduler] = []
+        self._schedulers = schedulers
         publisher = Publisher(self.app.broker, self.app.metrics, name=self._name, connection=conn)
         runtime = Runtime(
             app=self.app,
@@ -379,6 +387,8 @@ class Worker:
             give_back=give_back,
             redeclare=redeclare,
             bulk_channel=bulk_channel,
+            held_bound_s=self.settings.held_delivery_s,
+            on_held=lambda: self.app.metrics.held_deliveries.labels(spec.queue).inc(),
         )
 
     async def _consume_again(
