@@ -419,7 +419,7 @@ class LanesModel(RuleBasedStateMachine):
 
 
 LanesModel.TestCase.settings = settings(
-    max_examples=80,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     derandomize=True,

@@ -722,17 +722,27 @@ class LaneScheduler:
         # (_on_message) and this method agree on which of them stops counting it as opening.
         tag = f"{LANE_TAG}{uuid.uuid4().hex}"
         self._opening_tags.add(tag)
+        opened = False
         try:
             if self._stopping or self._paused:
                 return
             await self._subscribe(self._queues[lane], self._deliveries[lane], consumer_tag=tag)
+            opened = True
         finally:
+            # Counted as live before it stops counting as opening: in between, the unserved
+            # lanes served below would see room that is not there (the cap + 1 consumers).
+            if opened:
+                self._register(tag, lane)
             if tag in self._opening_tags:  # else an early delivery did it
                 self._opening_tags.discard(tag)
                 self._opening[lane] -= 1
             if lane in self._pending:
                 self._expect(lane, timed=True)
             self._serve_unserved()
+
+    def _register(self, tag: str, lane: str) -> None:
+        """The consume of ``tag`` completed: a live consumer of ``lane`` (idle unless its
+        first delivery came already), unless it was cancelled meanwhile."""
         if tag in self._cancelled:
             return
         self._lane_of[tag] = lane  # also when stopping: stop() cancels every one it knows
