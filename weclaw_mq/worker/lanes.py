@@ -37,6 +37,12 @@ consumer can only be opened while the lowest lane holds nothing (a consumer's pr
 fixed when it is created), and waiting for idle costs no throughput, unlike draining a busy
 lane to make room. The circuit breaker's pause and the broker's cancel of the bulk consumer
 also end bulk mode.
+
+One owner per consumer: a scheduler counts every consumer it opens from before its consume is
+sent; a delivery on any other consumer is never adopted (that consumer is cancelled, the task
+given back), and a scheduler whose session ended (``retire``) starts nothing. The net behind
+that: a sweep every ``held_bound_s / 2`` gives back a delivery held unstarted that long while
+a slot is free. ``tests/unit/test_lanes_model.py`` checks these rules on a model broker.
 """
 
 from __future__ import annotations
