@@ -212,6 +212,13 @@ class Metrics:
             "Times a handler queue's circuit breaker opened (failed probes included).",
             ["queue"],
         )
+        # Priority lanes (worker.lanes): deliveries held unstarted while a slot was free, past
+        # WECLAW_MQ_HELD_DELIVERY_S, and given back (a stall the lanes must never have).
+        self.held_deliveries = _counter(
+            "weclaw_mq_held_deliveries",
+            "Deliveries held unstarted past the bound while a slot was free, given back.",
+            ["queue"],
+        )
         # In the order they are exported (prometheus_client's: the order of creation).
         self._families: tuple[Family[Count] | Family[Level] | Family[Timing], ...] = (
             self.published,
@@ -227,6 +234,7 @@ class Metrics:
             self.notifications,
             self.breaker_state,
             self.breaker_opened,
+            self.held_deliveries,
         )
         self._registry: CollectorRegistry | None = None
         if registry is not None:  # the caller's: prometheus_client is loaded already

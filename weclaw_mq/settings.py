@@ -76,6 +76,9 @@ class Settings(EnvSettings):
     # Priority lanes (README "Priorities"): a lane with a task waiting is passed over by at
     # most this many starts from higher lanes in a row; then its task starts next.
     priority_starvation_limit: int = Field(default=8, ge=1, le=10_000)
+    # Priority lanes: a task delivered to the worker and not started for this long while a
+    # slot is free is logged, counted (weclaw_mq_held_deliveries) and given back.
+    held_delivery_s: float = seconds(30.0, floor=0.1, ceiling=3600.0)
     # The policy of a handler given no ``retry=``; defaults from RetryPolicy (retry.py).
     max_retries: int = Field(default=_DEFAULT_RETRY.max_retries, ge=0, le=100)
     retry_delay_s: float = seconds(_DEFAULT_RETRY.delay_s, floor=0.001, ceiling=_WEEK_S)

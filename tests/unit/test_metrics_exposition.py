@@ -95,6 +95,12 @@ def prometheus_clients() -> str:
         ["queue"],
         registry=r,
     )
+    Counter(
+        "weclaw_mq_held_deliveries",
+        "Deliveries held unstarted past the bound while a slot was free, given back.",
+        ["queue"],
+        registry=r,
+    )
     messages.labels("q", "acked").inc(2)
     messages.labels("r", "retried").inc(3)
     published.labels("q", "confirmed").inc()

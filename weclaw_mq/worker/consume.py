@@ -120,6 +120,8 @@ class Worker:
         self._conn: AbstractConnection | None = None
         self._publishing: AbstractConnection | None = None
         self._recovering: set[str] = set()
+        # The lane schedulers of the current session (each owns its consumers: worker.lanes).
+        self._schedulers: list[LaneScheduler] = []
         # Decided here, not at the first session: WECLAW_MQ_OTEL=on without the extra is a
         # configuration error before anything connects.
         self._spans = app.spans
@@ -278,6 +280,11 @@ class Worker:
         finally:
             self._conn = self._publishing = None
             self._recovering.clear()
+            # Its lane schedulers end with it: none starts a task or adopts a delivery of a
+            # session that is gone (a stop has already stopped them).
+            for scheduler in self._schedulers:
+                scheduler.retire()
+            self._schedulers = []
 
     async def _consume(self, conn: AbstractConnection, publishing: AbstractConnection) -> None:
         declare_channel = await conn.channel()
@@ -302,6 +309,7 @@ class Worker:
                 bulk_channel = await conn.channel(publisher_confirms=False)
                 await bulk_channel.set_qos(prefetch_count=self.concurrency + 1)
         schedulers: list[LaneScheduler] = []
+        self._schedulers = schedulers
         publisher = Publisher(
             self.app.broker, self.app.metrics, name=self._name, connection=publishing
         )
@@ -430,6 +438,8 @@ class Worker:
             give_back=give_back,
             redeclare=redeclare,
             bulk_channel=bulk_channel,
+            held_bound_s=self.settings.held_delivery_s,
+            on_held=lambda: self.app.metrics.held_deliveries.labels(spec.queue).inc(),
         )
 
     async def _consume_again(

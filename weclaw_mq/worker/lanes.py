@@ -37,6 +37,12 @@ consumer can only be opened while the lowest lane holds nothing (a consumer's pr
 fixed when it is created), and waiting for idle costs no throughput, unlike draining a busy
 lane to make room. The circuit breaker's pause and the broker's cancel of the bulk consumer
 also end bulk mode.
+
+One owner per consumer: a scheduler counts every consumer it opens from before its consume is
+sent; a delivery on any other consumer is never adopted (that consumer is cancelled, the task
+given back), and a scheduler whose session ended (``retire``) starts nothing. The net behind
+that: a sweep every ``held_bound_s / 2`` gives back a delivery held unstarted that long while
+a slot is free. ``tests/unit/test_lanes_model.py`` checks these rules on a model broker.
 """
 
 from __future__ import annotations
@@ -70,6 +76,12 @@ BULK_QUIET_S = 1.0
 # Tags of our bulk consumers (unique, so a delivery tells which channel it came on).
 BULK_TAG = "weclaw-bulk-"
 LANE_TAG = "weclaw-lane-"
+# A delivery held unstarted this long while a slot is free is given back (settings:
+# WECLAW_MQ_HELD_DELIVERY_S): no state of ours should ever allow it, so it is a bug's net.
+HELD_BOUND_S = 30.0
+
+# Subscribes ``callback`` to a queue with our consumer tag; returns the tag (incoming.consume).
+Subscribe = Callable[..., Awaitable[str]]
 
 
 def pick(
@@ -117,8 +129,13 @@ class LaneScheduler:
         give_back: Callable[[AbstractIncomingMessage, str], Awaitable[object]],
         redeclare: Callable[[], Awaitable[None]],
         bulk_channel: AbstractChannel | None = None,
+        subscribe: Subscribe = consume,
+        held_bound_s: float = HELD_BOUND_S,
+        on_held: Callable[[], None] | None = None,
     ) -> None:
         self.channel = channel
+        # How a consumer is subscribed (incoming.consume; the lanes' model test gives its own)
+        self._subscribe = subscribe
         # The channel of the bulk consumer (prefetch concurrency + 1), None: no bulk mode.
         self.bulk_channel = bulk_channel
         self.lanes = list(lanes)  # highest first
@@ -170,6 +187,14 @@ class LaneScheduler:
         self._entering_bulk = False
         self._upper_seen = -BULK_QUIET_S  # loop time of the latest upper-lane delivery
         self._bulk_timer: asyncio.TimerHandle | None = None
+        # Surplus waiting tasks being given back to make room (see _make_room).
+        self._leaving = 0
+        # The held-delivery sweep (see _sweep): id of each waiting delivery -> the loop time
+        # a sweep first saw it waiting; rebuilt by every sweep, untouched per delivery.
+        self.held_bound_s = held_bound_s
+        self._on_held = on_held
+        self._seen_waiting: dict[int, float] = {}
+        self._sweep_timer: asyncio.TimerHandle | None = None
 
     # -- what the worker calls ------------------------------------------------------------
     def owns(self, message: AbstractIncomingMessage) -> bool:
@@ -183,7 +208,7 @@ class LaneScheduler:
     def consumers(self) -> int:
         """Messages we may hold, counted as consumers (opening ones included; the bulk
         consumer counts its prefetch, a cancelled one its running tasks): never over ``cap``."""
-        held = len(self._lane_of) + sum(self._opening.values())
+        held = len(self._lane_of) + sum(self._opening.values()) + self._leaving
         if self._bulk_mode:
             return held + self.concurrency + 1
         return held + len(self._bulk_running)
@@ -193,7 +218,16 @@ class LaneScheduler:
         """The lowest lane is served by one prefetch-(C + 1) consumer (see the module doc)."""
         return self._bulk_mode
 
+    def schedules(self, tag: str) -> bool:
+        """``tag`` is one of our consumers, live or being opened (one owner per consumer)."""
+        return tag in self._lane_of or tag == self._bulk or tag in self._opening_tags
+
+    def pending_lanes(self) -> list[str]:
+        """Lanes whose next task may be on its way, so lower lanes wait (``pick``'s pending)."""
+        return list(self._pending)
+
     async def start(self) -> None:
+        self._arm_sweep()
         for lane in self.lanes:
             self._queues[lane] = await self.channel.get_queue(lane, ensure=False)
         if self.bulk_channel is not None:
@@ -291,11 +325,25 @@ class LaneScheduler:
                 return message
         return None
 
+    def retire(self) -> None:
+        """Our session ended without a stop (its connection is lost or being closed): start
+        nothing any more, and give back what still reaches us. The waiting deliveries are
+        forgotten, not nacked: the closing connection returns them all at once."""
+        self._stopping = True
+        self._stop_timers()
+        for waiting in self._waiting.values():
+            waiting.clear()
+
+    def _stop_timers(self) -> None:
+        for timer in (self._bulk_timer, self._sweep_timer):
+            if timer is not None:
+                timer.cancel()
+        self._bulk_timer = self._sweep_timer = None
+
     async def stop(self) -> None:
         """Take no new messages: cancel every consumer, give back the waiting ones."""
         self._stopping = True
-        if self._bulk_timer is not None:
-            self._bulk_timer.cancel()
+        self._stop_timers()
         if self._background:
             # Not cancelled: aiormq closes the channel under a cancelled consume RPC, and the
             # running tasks still need it for their acks.
@@ -333,7 +381,12 @@ class LaneScheduler:
             # opening, or the cap would count it twice and hold back a lane's spare.
             self._opening_tags.discard(tag)
             self._opening[lane] -= 1
-        self._lane_of.setdefault(tag, lane)
+            self._lane_of[tag] = lane
+        elif tag not in self._lane_of:
+            # A consumer we do not schedule: never adopted (the cap would not count it);
+            # cancelled so that it takes nothing more, and its delivery goes back.
+            await self._disown(tag, self._queues[lane], message)
+            return
         self._idle[lane].discard(tag)
         self._pending.pop(lane, None)
         if lane != self._lowest:
@@ -342,12 +395,74 @@ class LaneScheduler:
         self._fill()
 
     async def _on_bulk(self, message: AbstractIncomingMessage) -> None:
-        if self._stopping or message.consumer_tag != self._bulk:
+        tag = message.consumer_tag or ""
+        if self._stopping or tag in self._cancelled:
             why = "the worker is stopping" if self._stopping else "its consumer was cancelled"
             await self._give_back(message, why)
             return
+        if tag != self._bulk:
+            assert self._bulk_queue is not None
+            await self._disown(tag, self._bulk_queue, message)
+            return
         self._waiting[self._lowest].append(message)
         self._fill()
+
+    async def _disown(
+        self, tag: str, queue: AbstractQueue, message: AbstractIncomingMessage
+    ) -> None:
+        """One owner per consumer: a delivery on a consumer tag we do not schedule cancels
+        that consumer (once) and goes back."""
+        log.warning(
+            "a delivery of %s came on consumer %s, which no lane scheduler owns; cancelling "
+            "it and giving the task back",
+            queue.name,
+            tag,
+        )
+        self._cancelled.add(tag)
+        self._spawn(self._cancel_on(queue, tag))
+        await self._give_back(message, "its consumer is not ours")
+
+    def _arm_sweep(self) -> None:
+        if not self._stopping:
+            loop = asyncio.get_running_loop()
+            self._sweep_timer = loop.call_later(self.held_bound_s / 2, self._sweep)
+
+    def _sweep(self) -> None:
+        """The held-delivery net: a delivery waiting unstarted for ``held_bound_s`` while a
+        slot is free (which no state of ours should allow) is logged, counted, given back.
+        Every ``held_bound_s / 2``, over the waiting ones only (at most the cap)."""
+        self._sweep_timer = None
+        now = asyncio.get_running_loop().time()
+        seen, self._seen_waiting = self._seen_waiting, {}
+        free = len(self._running) + len(self._bulk_running) < self.concurrency
+        for lane, waiting in self._waiting.items():
+            for message in list(waiting):
+                since = seen.get(id(message), now)
+                if not (free and now - since >= self.held_bound_s):
+                    self._seen_waiting[id(message)] = since
+                    continue
+                waiting.remove(message)
+                log.warning(
+                    "task %s of %s was held %.0f s without starting while a slot was free; "
+                    "giving it back",
+                    message.message_id,
+                    lane,
+                    now - since,
+                )
+                if self._on_held is not None:
+                    self._on_held()
+                self._spawn(self._give_back_one(message, "held without starting"))
+                tag = message.consumer_tag or ""
+                if tag in self._lane_of:  # re-armed by the nack (a bulk consumer's window stays)
+                    self._idle[lane].add(tag)
+        self._fill()
+        self._arm_sweep()
+
+    def _pop_idle(self, lane: str) -> str:
+        # The oldest tag, not set.pop()'s: the same choice on every run (a replayable model).
+        tag = min(self._idle[lane])
+        self._idle[lane].discard(tag)
+        return tag
 
     def _lookahead(self, lane: str) -> int:
         """Consumers of ``lane`` that are not running a task."""
@@ -431,6 +546,8 @@ class LaneScheduler:
                 self._unserved.discard(lane)
 
     def _make_room(self) -> bool:
+        if self._leaving:
+            return False  # a surplus task is on its way back: that is the room
         # 1. the consumer of the task being released (cancelled before its ack), if its
         #    lane keeps another look-ahead
         if self._ending is not None and not self._cancel_ending:
@@ -444,7 +561,7 @@ class LaneScheduler:
         # 2. an armed idle consumer of a lane that keeps another look-ahead
         for lane in reversed(self.lanes):
             if self._idle[lane] and self._lookahead(lane) >= 2:
-                tag = self._idle[lane].pop()
+                tag = self._pop_idle(lane)
                 self._spawn(self._cancel(tag, lane))
                 self._lane_of.pop(tag, None)
                 self._cancelled.add(tag)
@@ -456,15 +573,22 @@ class LaneScheduler:
                 tag = message.consumer_tag or ""
                 self._lane_of.pop(tag, None)
                 self._cancelled.add(tag)
+                # Counted until it is given back (after its consumer's cancel-ok): the room
+                # is there only then, and the unserved lane is served from there.
+                self._leaving += 1
                 self._spawn(self._give_back_surplus(message, tag, lane))
-                return True
+                return False
         return False
 
     async def _give_back_surplus(
         self, message: AbstractIncomingMessage, tag: str, lane: str
     ) -> None:
-        await self._cancel(tag, lane)
-        await self._give_back(message, "room for a higher lane's look-ahead")
+        try:
+            await self._cancel(tag, lane)
+            await self._give_back(message, "room for a higher lane's look-ahead")
+        finally:
+            self._leaving -= 1
+        self._serve_unserved()
 
     def _drop(self, tag: str) -> None:
         """Forget a consumer that will not be re-armed (cancelled in the background)."""
@@ -481,9 +605,11 @@ class LaneScheduler:
     # -- bulk mode --------------------------------------------------------------------------
     async def _open_bulk(self) -> None:
         assert self._bulk_queue is not None
+        if self._bulk is not None:
+            return  # one bulk consumer at a time: a second would be nobody's
         tag = f"{BULK_TAG}{uuid.uuid4().hex}"
         self._bulk = tag  # before the consume: deliveries may come before its consume-ok
-        await consume(self._bulk_queue, self._on_bulk, consumer_tag=tag)
+        await self._subscribe(self._bulk_queue, self._on_bulk, consumer_tag=tag)
 
     def _leave_bulk(self, *, renew: bool) -> None:
         """Cancel the bulk consumer: its waiting tasks go back, its running ones finish (and
@@ -491,6 +617,7 @@ class LaneScheduler:
         self._bulk_mode = False
         tag, self._bulk = self._bulk, None
         if tag is not None and self._bulk_queue is not None:
+            self._cancelled.add(tag)
             self._spawn(self._cancel_on(self._bulk_queue, tag))
         waiting = self._waiting[self._lowest]
         while waiting:
@@ -539,7 +666,7 @@ class LaneScheduler:
             for lane in self.lanes:
                 keep = 0 if lane == self._lowest else 1
                 while len(self._idle[lane]) > keep:
-                    tag = self._idle[lane].pop()
+                    tag = self._pop_idle(lane)
                     self._lane_of.pop(tag, None)
                     self._cancelled.add(tag)
                     cancels.append(self._cancel(tag, lane))
@@ -572,6 +699,9 @@ class LaneScheduler:
     async def _cancel_on(self, queue: AbstractQueue, tag: str) -> None:
         with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
             await asyncio.wait_for(queue.cancel(tag), CLOSE_TIMEOUT_S)
+        # Deliveries sent before the cancel-ok are behind us by now; the tag is kept a while
+        # longer for one still being dispatched, then forgotten (no growth with time).
+        asyncio.get_running_loop().call_later(CANCELLED_MEMORY_S, self._cancelled.discard, tag)
 
     def _ended(self, message: AbstractIncomingMessage, _: object) -> None:
         if (message.delivery_tag or 0) in self._running:
@@ -598,17 +728,27 @@ class LaneScheduler:
         # (_on_message) and this method agree on which of them stops counting it as opening.
         tag = f"{LANE_TAG}{uuid.uuid4().hex}"
         self._opening_tags.add(tag)
+        opened = False
         try:
             if self._stopping or self._paused:
                 return
-            await consume(self._queues[lane], self._deliveries[lane], consumer_tag=tag)
+            await self._subscribe(self._queues[lane], self._deliveries[lane], consumer_tag=tag)
+            opened = True
         finally:
+            # Counted as live before it stops counting as opening: in between, the unserved
+            # lanes served below would see room that is not there (the cap + 1 consumers).
+            if opened:
+                self._register(tag, lane)
             if tag in self._opening_tags:  # else an early delivery did it
                 self._opening_tags.discard(tag)
                 self._opening[lane] -= 1
             if lane in self._pending:
                 self._expect(lane, timed=True)
             self._serve_unserved()
+
+    def _register(self, tag: str, lane: str) -> None:
+        """The consume of ``tag`` completed: a live consumer of ``lane`` (idle unless its
+        first delivery came already), unless it was cancelled meanwhile."""
         if tag in self._cancelled:
             return
         self._lane_of[tag] = lane  # also when stopping: stop() cancels every one it knows
@@ -623,11 +763,7 @@ class LaneScheduler:
             self._idle[lane].add(tag)
 
     async def _cancel(self, tag: str, lane: str) -> None:
-        with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
-            await asyncio.wait_for(self._queues[lane].cancel(tag), CLOSE_TIMEOUT_S)
-        # Deliveries sent before the cancel-ok are behind us by now; the tag is kept a while
-        # longer for one still being dispatched, then forgotten (no growth with time).
-        asyncio.get_running_loop().call_later(CANCELLED_MEMORY_S, self._cancelled.discard, tag)
+        await self._cancel_on(self._queues[lane], tag)
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
