@@ -69,6 +69,32 @@ async def test_sigterm_drains_every_child_and_the_supervisor_exits_0(
         assert await all_empty(broker_url, [qname]), "a message was left on the queue"
 
 
+def _command_line(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+async def test_children_are_forked_from_the_supervisor_that_loaded_the_app(
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+) -> None:
+    async with worker_fleet(
+        queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
+    ) as fleet:
+        supervisor = await _start_supervised(fleet, 2, concurrency=2)
+        children = children_of(supervisor.pid)
+        assert len(children) == 2, children
+        # Forked, not exec'd: a child is the supervisor's interpreter, app loaded (a fresh
+        # `python -m weclaw_mq.cli worker ... --processes 1` imported everything again).
+        for pid in children:
+            assert _command_line(pid) == _command_line(supervisor.pid), pid
+        # Each child has its own broker connection: both take tasks and finish them.
+        ids = [await fleet.app.publish(qname, Job(text=f"t{i}")) for i in range(4)]
+        for task_id in ids:
+            state = await fleet.app.result(task_id, timeout_s=30)
+            assert state.status is TaskStatus.SUCCEEDED, state
+        supervisor.signal(signal.SIGTERM)
+        assert await supervisor.wait_exit(30) == 0, supervisor.describe()
+
+
 async def test_a_killed_child_is_started_again_and_nothing_is_lost(
     broker_url: str, redis_url: str, qname: str, tmp_path: Path
 ) -> None:
