@@ -10,6 +10,7 @@ the node that serves the channel's slot, the node whose script publishes.
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Generator, Mapping
 from typing import Any, TypeAlias
@@ -33,6 +34,8 @@ _HEALTH_CHECK_S = 30
 def open_client(settings: Settings) -> StateClient:
     """A client for the task state at ``settings.redis_url``, sized by its pool settings."""
     common: dict[str, Any] = {
+        # CLIENT LIST tells this process's connections from others' (one name per process).
+        "client_name": client_name(),
         "socket_connect_timeout": settings.redis_timeout_s,
         "socket_timeout": settings.redis_timeout_s,
         "health_check_interval": _HEALTH_CHECK_S,
@@ -80,6 +83,11 @@ def open_client(settings: Settings) -> StateClient:
     )
     primary.weclaw_sentinels = sentinel
     return primary
+
+
+def client_name() -> str:
+    """The name this process's Redis connections carry (``CLIENT SETNAME``)."""
+    return f"weclaw_mq-{os.getpid()}"
 
 
 class _TlsConnection(SSLConnection):

@@ -1,0 +1,79 @@
+"""A guarded worker's Redis connections do not grow with its concurrency (issue 25, item 7).
+
+Every command of a delivery's path shares a bounded number of pooled connections: the store's
+claims, finishes, records and lease renewals go through its auto-pipeline (one round trip at
+a time), cancel requests through one subscription, ``ctx.emit``'s writes through at most
+``streaming.redis.WRITES_IN_FLIGHT`` at once. So concurrency 2,000 runs on a handful.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tests.conftest import wait_until
+from weclaw_mq import App, Context, TaskStatus, Worker
+from weclaw_mq.state.redis_clients import client_name
+
+CONCURRENCY = 2000
+MAX_CONNECTIONS = 64
+
+
+async def _connections_named(redis_url: str, name: str) -> int:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        clients = await client.client_list()
+    finally:
+        await client.aclose()
+    return sum(1 for c in clients if c.get("name") == name)
+
+
+async def test_a_guarded_worker_at_concurrency_2000_holds_at_most_64_redis_connections(
+    make_app: Callable[..., App], qname: str, redis_url: str
+) -> None:
+    app = make_app("conns")
+    release = asyncio.Event()
+    started = 0
+
+    @app.handler(qname, idempotent=True)
+    async def handle(task: dict[str, Any], ctx: Context) -> dict[str, int]:
+        nonlocal started
+        started += 1
+        await ctx.emit("thinking")  # the stream store's write, too
+        await release.wait()
+        return {"n": task["n"]}
+
+    worker = Worker(app, concurrency=CONCURRENCY)
+    running = asyncio.create_task(worker.run())
+    try:
+        await wait_until(worker.ready.is_set, 30, "the worker to consume")
+        ids = await app.publish_many(qname, [{"n": i} for i in range(CONCURRENCY)])
+        await wait_until(
+            lambda: started == CONCURRENCY and worker.in_flight == CONCURRENCY,
+            120,
+            f"{CONCURRENCY} handlers in flight",
+        )
+        # Every handler in flight has claimed, written its "running" record and emitted.
+        used = await _connections_named(redis_url, client_name())
+        assert 0 < used <= MAX_CONNECTIONS, f"{used} Redis connections at {CONCURRENCY} in flight"
+        release.set()
+
+        async def all_succeeded() -> bool:
+            states = await asyncio.gather(*(app.status(t, queue=qname) for t in ids))
+            return all(s is not None and s.status is TaskStatus.SUCCEEDED for s in states)
+
+        deadline = asyncio.get_running_loop().time() + 120
+        while not await all_succeeded():
+            assert asyncio.get_running_loop().time() < deadline, "not every task succeeded"
+            await asyncio.sleep(0.5)
+        used = await _connections_named(redis_url, client_name())
+        assert used <= MAX_CONNECTIONS, f"{used} Redis connections after {CONCURRENCY} finishes"
+    finally:
+        release.set()
+        worker.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, 60)
