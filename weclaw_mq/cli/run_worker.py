@@ -92,6 +92,8 @@ class _Stopper:
         self.loop = loop
         self.signalled = False
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        # A forked child of the supervisor starts with them blocked: they come in here now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

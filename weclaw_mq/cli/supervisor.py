@@ -144,8 +144,11 @@ def forking(run: Callable[[int], int]) -> Launcher:
                 stream.flush()
         read_fd, write_fd = os.pipe()
         parent = os.getpid()
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
-        if pid == 0:  # the child: never returns into the supervisor's frames
+        if pid:  # a signal that came meanwhile reaches our handler now
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        else:  # the child: never returns into the supervisor's frames
             code: int = ExitCode.FAILED
             try:
                 _become_child(parent, read_fd, write_fd, inherited)
@@ -169,8 +172,11 @@ def forking(run: Callable[[int], int]) -> Launcher:
 def _become_child(parent: int, read_fd: int, write_fd: int, inherited: Sequence[int]) -> None:
     """A forked child's first steps: its own signal handling, the parent-death signal, its
     stderr into its pipe, no stdin, and none of the supervisor's pipes of other children."""
-    for sig in STOP_SIGNALS:  # until its worker runs (which handles them): stop at once
-        signal.signal(sig, _stop_before_start)
+    # A fresh interpreter's handlers, not the supervisor's (which signal the children). The
+    # stop signals stay blocked (since before the fork) until the worker's own handlers are
+    # in place (run_worker): one sent meanwhile then stops it cleanly, never mid-start.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _die_with_parent()
     if os.getppid() != parent:  # the supervisor died before the kernel was asked
         os._exit(ExitCode.FAILED)
@@ -183,11 +189,6 @@ def _become_child(parent: int, read_fd: int, write_fd: int, inherited: Sequence[
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-
-
-def _stop_before_start(signum: int, frame: FrameType | None) -> None:
-    # No connection and no task yet: nothing to drain, so a stop before the start is clean.
-    raise SystemExit(ExitCode.OK)
 
 
 class _Forked:
