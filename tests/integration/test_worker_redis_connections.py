@@ -3,7 +3,8 @@
 Every command of a delivery's path shares a bounded number of pooled connections: the store's
 claims, finishes, records and lease renewals go through its auto-pipeline (one round trip at
 a time), cancel requests through one subscription, ``ctx.emit``'s writes through at most
-``streaming.redis.WRITES_IN_FLIGHT`` at once. So concurrency 2,000 runs on a handful.
+``streaming.redis.WRITES_IN_FLIGHT`` at once, a limit's admissions and releases through at
+most ``worker.limiting.ROUND_TRIPS_IN_FLIGHT``. So concurrency 2,000 runs on a handful.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
-from weclaw_mq import App, Context, TaskStatus, Worker
+from weclaw_mq import App, Context, Limit, TaskStatus, Worker
 from weclaw_mq.state.redis_clients import client_name
 
 CONCURRENCY = 2000
@@ -32,14 +34,17 @@ async def _connections_named(redis_url: str, name: str) -> int:
     return sum(1 for c in clients if c.get("name") == name)
 
 
+@pytest.mark.parametrize("limited", [False, True], ids=["no-limit", "keyed-limit"])
 async def test_a_guarded_worker_at_concurrency_2000_holds_at_most_64_redis_connections(
-    make_app: Callable[..., App], qname: str, redis_url: str
+    make_app: Callable[..., App], qname: str, redis_url: str, limited: bool
 ) -> None:
     app = make_app("conns")
     release = asyncio.Event()
     started = 0
+    # 50 keys of 40 tasks each, every one admitted: 2,000 admissions and releases.
+    limit = Limit(key=lambda task: task["n"] % 50, concurrency=100) if limited else None
 
-    @app.handler(qname, idempotent=True)
+    @app.handler(qname, idempotent=True, limit=limit)
     async def handle(task: dict[str, Any], ctx: Context) -> dict[str, int]:
         nonlocal started
         started += 1
