@@ -20,9 +20,13 @@ import redis.asyncio as aioredis
 from tests.conftest import wait_until
 from weclaw_mq import App, Context, Limit, TaskStatus, Worker
 from weclaw_mq.state.redis_clients import client_name
+from weclaw_mq.worker.consume import REDIS_CONNECTIONS_NEEDED
 
 CONCURRENCY = 2000
+# The target; and what the worker's three pools (task store, stream store, limiter)
+# may take at most by the bound it checks at start.
 MAX_CONNECTIONS = 64
+POOLS_BOUND = 3 * REDIS_CONNECTIONS_NEEDED
 
 
 async def _connections_named(redis_url: str, name: str) -> int:
@@ -34,17 +38,22 @@ async def _connections_named(redis_url: str, name: str) -> int:
     return sum(1 for c in clients if c.get("name") == name)
 
 
-@pytest.mark.parametrize("limited", [False, True], ids=["no-limit", "keyed-limit"])
-async def test_a_guarded_worker_at_concurrency_2000_holds_at_most_64_redis_connections(
-    make_app: Callable[..., App], qname: str, redis_url: str, limited: bool
+@pytest.mark.parametrize(
+    ("limited", "guarded"),
+    [(False, True), (True, True), (False, False)],
+    ids=["guarded", "guarded-keyed-limit", "unguarded-results-on"],
+)
+async def test_a_worker_at_concurrency_2000_holds_at_most_64_redis_connections(
+    make_app: Callable[..., App], qname: str, redis_url: str, limited: bool, guarded: bool
 ) -> None:
+    # Unguarded with results on, each delivery reads the cancel marker instead of claiming.
     app = make_app("conns")
     release = asyncio.Event()
     started = 0
     # 50 keys of 40 tasks each, every one admitted: 2,000 admissions and releases.
     limit = Limit(key=lambda task: task["n"] % 50, concurrency=100) if limited else None
 
-    @app.handler(qname, idempotent=True, limit=limit)
+    @app.handler(qname, idempotent=guarded, limit=limit)
     async def handle(task: dict[str, Any], ctx: Context) -> dict[str, int]:
         nonlocal started
         started += 1
@@ -62,9 +71,10 @@ async def test_a_guarded_worker_at_concurrency_2000_holds_at_most_64_redis_conne
             120,
             f"{CONCURRENCY} handlers in flight",
         )
-        # Every handler in flight has claimed, written its "running" record and emitted.
+        # Every handler in flight has claimed (or read its cancel marker), written its
+        # "running" record and emitted.
         used = await _connections_named(redis_url, client_name())
-        assert 0 < used <= MAX_CONNECTIONS, f"{used} Redis connections at {CONCURRENCY} in flight"
+        assert 0 < used <= min(MAX_CONNECTIONS, POOLS_BOUND), f"{used} connections in flight"
         release.set()
 
         async def all_succeeded() -> bool:
@@ -76,7 +86,7 @@ async def test_a_guarded_worker_at_concurrency_2000_holds_at_most_64_redis_conne
             assert asyncio.get_running_loop().time() < deadline, "not every task succeeded"
             await asyncio.sleep(0.5)
         used = await _connections_named(redis_url, client_name())
-        assert used <= MAX_CONNECTIONS, f"{used} Redis connections after {CONCURRENCY} finishes"
+        assert used <= min(MAX_CONNECTIONS, POOLS_BOUND), f"{used} connections at the end"
     finally:
         release.set()
         worker.stop()
