@@ -146,7 +146,8 @@ bench-start: install
 # The I/O-bound case at 512 and 2,000 in flight: raw, guard off, guard on (a few minutes;
 # IO_HIGH_ARGS=--smoke for 512 only, tiny). Peers are not in it: the project's .venv serves.
 bench-io-high: install
-	$(BIN)/python -m benchmarks.bench --cases io-high --skip-peers --repeats 3 $(IO_HIGH_ARGS)
+	$(BIN)/python -m benchmarks.bench --cases io-high --skip-peers --repeats 3 \
+		--out benchmarks/results/io-high $(IO_HIGH_ARGS)
 
 bench-rss: install
 	@# with bytecode, as a deployed worker has it (see benchmarks/run.sh)
