@@ -5,7 +5,7 @@ cores runs more worker processes. The supervisor loads the app once (its imports
 what a worker will import lazily: ``run_worker.preload``), then forks the N children before
 any event loop, connection, thread or Redis client exists: each child starts from the loaded
 app and opens its own connections, as a single worker does. A fresh interpreter per child
-imported everything again (about a second before the first delivery on a busy 2-core machine).
+imported everything again, which `make bench-start` measures.
 
 - SIGTERM or SIGINT is forwarded to every child, each drains as a single worker does (in-flight
   tasks get the shutdown grace, then give their messages back), and the supervisor exits once
