@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits bench-rss bench-redis-client compose-check clean \
+	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-start bench-io-high compose-check clean \
 	distclean services-up services-down services-status soak fuzz
 
 help:
@@ -41,6 +41,8 @@ help:
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
+	@echo "make bench-start    a cold worker's time to first delivery, 1 and 2 processes"
+	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"
 	@echo "make bench-redis-client  the store's Redis calls alone vs auto-pipelined (and hiredis if installed)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
@@ -120,6 +122,8 @@ bench:
 	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
 	$(MAKE) --no-print-directory bench-outbox
 	$(MAKE) --no-print-directory bench-redis-client
+	$(MAKE) --no-print-directory bench-start
+	$(MAKE) --no-print-directory bench-io-high
 
 # The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
@@ -132,6 +136,18 @@ bench-outbox: install
 # redis-py's parser and hiredis when installed (.venv/bin/pip install hiredis to compare).
 bench-redis-client: install
 	$(BIN)/python -m benchmarks.redis_client $(REDIS_CLIENT_BENCH_ARGS)
+
+# spawn -> first handler start of 'weclaw-mq worker', 1 and 2 processes (README "Processes").
+bench-start: install
+	@# with bytecode, as a deployed worker has it (see benchmarks/run.sh)
+	@$(BIN)/python -m compileall -q weclaw_mq benchmarks >/dev/null
+	$(BIN)/python -m benchmarks.start_time $(START_BENCH_ARGS)
+
+# The I/O-bound case at 512 and 2,000 in flight: raw, guard off, guard on (a few minutes;
+# IO_HIGH_ARGS=--smoke for 512 only, tiny). Peers are not in it: the project's .venv serves.
+bench-io-high: install
+	$(BIN)/python -m benchmarks.bench --cases io-high --skip-peers --repeats 3 \
+		--out benchmarks/results/io-high $(IO_HIGH_ARGS)
 
 bench-rss: install
 	@# with bytecode, as a deployed worker has it (see benchmarks/run.sh)

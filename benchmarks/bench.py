@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .cases import CASES, FULL, OURS_AND_BASELINES, SMOKE, Bench, log, notes
+from .cases import CASES, EXTRA_CASES, FULL, OURS_AND_BASELINES, SMOKE, Bench, log, notes
 from .costs import explain_misses
 from .infra import ROOT, Children, Infra, machine_info, package_versions
 from .machine_cpu import CpuWindow
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--cases",
         default=",".join(CASES),
-        help=f"comma-separated subset of {','.join(CASES)}",
+        help=f"comma-separated subset of {','.join(CASES)} (or {','.join(EXTRA_CASES)})",
     )
     p.add_argument("--skip-peers", action="store_true", help="leave FastStream and Dramatiq out")
     p.add_argument(
@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.out is None:
         args.out = RESULTS_DIR / "smoke" if args.smoke else RESULTS_DIR
-    unknown = set(args.cases.split(",")) - set(CASES)
+    unknown = set(args.cases.split(",")) - set(CASES) - set(EXTRA_CASES)
     if unknown:
         p.error(f"unknown case(s): {', '.join(sorted(unknown))}")
     return args

@@ -102,6 +102,9 @@ class Counts:
     consume: dict[int, int]  # concurrency -> messages
     io_concurrency: tuple[int, ...]
     io_waves: int  # messages = concurrency * waves: about waves * 50 ms per run
+    # The "io-high" case (make bench-io-high, which make bench runs): thousands in flight.
+    io_high_concurrency: tuple[int, ...]
+    io_high_waves: int
     publish: int
     publish_many_batches: int  # of 100 messages
     rss: int
@@ -116,6 +119,8 @@ class Counts:
             consume={c: s(n, 50) for c, n in self.consume.items()},
             io_concurrency=self.io_concurrency,
             io_waves=s(self.io_waves, 3),
+            io_high_concurrency=self.io_high_concurrency,
+            io_high_waves=s(self.io_high_waves, 2),
             publish=s(self.publish, 50),
             publish_many_batches=s(self.publish_many_batches, 2),
             rss=self.rss,
@@ -128,6 +133,8 @@ FULL = Counts(
     consume={1: 1500, 10: 6000, 100: 8000},
     io_concurrency=(8, 32, 128),
     io_waves=40,
+    io_high_concurrency=(512, 2000),
+    io_high_waves=5,
     publish=2000,
     publish_many_batches=50,
     rss=50,
@@ -138,6 +145,8 @@ SMOKE = Counts(
     consume={10: 200},
     io_concurrency=(8,),
     io_waves=4,
+    io_high_concurrency=(512,),
+    io_high_waves=2,
     publish=100,
     publish_many_batches=3,
     rss=20,
@@ -145,6 +154,8 @@ SMOKE = Counts(
     e2e_interval_s=0.005,
 )
 CASES = ("consume", "processes", "io", "publish", "rss", "e2e")
+# Run only when asked for (--cases io-high): make bench runs them through their own target.
+EXTRA_CASES = ("io-high",)
 OURS_AND_BASELINES = frozenset(
     {
         "raw",
@@ -469,8 +480,16 @@ class Bench:
         await self._case(case_id, contenders, run)
 
     async def io_cases(self) -> None:
+        await self._io(self.counts.io_concurrency, self.counts.io_waves, target=True)
+
+    async def io_high_cases(self) -> None:
+        # No efficiency target: at thousands in flight the bound (c / 50 ms) is past what one
+        # process consumes at all; the rows say what a guarded worker does there.
+        await self._io(self.counts.io_high_concurrency, self.counts.io_high_waves, target=False)
+
+    async def _io(self, concurrencies: tuple[int, ...], waves: int, *, target: bool) -> None:
         contenders = [RAW, WECLAW, WECLAW_GUARD]
-        for concurrency in self.counts.io_concurrency:
+        for concurrency in concurrencies:
             case_id = f"io-c{concurrency}"
             label = f"I/O 50 ms handler, c={concurrency}"
             bound = concurrency / SLEEP_S
@@ -482,7 +501,7 @@ class Bench:
                     "efficiency",
                     f"x bound ({bound:,.0f}/s)",
                     baseline=None if c is RAW else RAW,
-                    target=None if c is RAW else Target("min", 0.9),
+                    target=None if c is RAW or not target else Target("min", 0.9),
                     decimals=3,
                 )
 
@@ -491,7 +510,7 @@ class Bench:
                     f"io-c{k}",
                     c,
                     r,
-                    count=k * self.counts.io_waves,
+                    count=k * waves,
                     concurrency=k,
                     sleep_s=SLEEP_S,
                 )
@@ -610,11 +629,12 @@ class Bench:
             "consume": self.consume_cases,
             "processes": self.processes_case,
             "io": self.io_cases,
+            "io-high": self.io_high_cases,
             "publish": self.publish_cases,
             "rss": self.rss_case,
             "e2e": self.e2e_case,
         }
-        for name in CASES:
+        for name in (*CASES, *EXTRA_CASES):
             if name in self.cases:
                 await steps[name]()
 

@@ -618,11 +618,14 @@ class App:
     def store(self) -> TaskStore | None:
         """The task store (claims and records), or None when nothing needs one: results are
         off and no handler is guarded."""
-        if self._store is None and (
-            self.settings.results_enabled or any(s.idempotent for s in self._handlers.values())
-        ):
+        if self._store is None and self.needs_store:
             self._store = open_store(self.settings)
         return self._store
+
+    @property
+    def needs_store(self) -> bool:
+        """Whether ``store`` opens one (nothing is opened to answer)."""
+        return self.settings.results_enabled or any(s.idempotent for s in self._handlers.values())
 
     @property
     def results(self) -> TaskStore | None:

@@ -45,11 +45,11 @@ class Slot:
     """
 
     def __init__(self, folder: Path) -> None:
+        self._folder = folder
         self._go = folder / GO_FILE
-        path = folder / f"{os.getpid()}.slot"
-        path.write_bytes(b"\0" * SLOT.size)
-        self._file = path.open("r+b")
-        self._map = mmap.mmap(self._file.fileno(), SLOT.size)
+        # Made in the child that writes it: the app is loaded once, in the supervisor, and
+        # its children are forked from there (cli.supervisor).
+        self._map: mmap.mmap | None = None
         self.acked = self.holding = self.last_ns = 0
         self.first_cpu = self.last_cpu = 0.0
         self._gate: asyncio.Event | None = None
@@ -79,6 +79,11 @@ class Slot:
         self._write()
 
     def _write(self) -> None:
+        if self._map is None:
+            path = self._folder / f"{os.getpid()}.slot"
+            path.write_bytes(b"\0" * SLOT.size)
+            with path.open("r+b") as file:
+                self._map = mmap.mmap(file.fileno(), SLOT.size)
         self._map[:] = SLOT.pack(
             self.acked, self.holding, self.last_ns, self.first_cpu, self.last_cpu
         )

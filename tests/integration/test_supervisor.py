@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tests.conftest import wait_until
 from tests.integration.fixture_apps.worker_app import Job
 from tests.integration.processes import (
     CONSUMING_MARK,
+    FIXTURE_APP,
     WorkerFleet,
     WorkerProcess,
     all_empty,
@@ -27,7 +29,7 @@ from tests.integration.processes import (
 )
 from tests.private_servers import children_of, running
 from weclaw_mq import TaskStatus
-from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, parse_processes
+from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, parse_processes, spawning
 
 
 async def _start_supervised(fleet: WorkerFleet, processes: int, **kwargs: object) -> WorkerProcess:
@@ -67,6 +69,32 @@ async def test_sigterm_drains_every_child_and_the_supervisor_exits_0(
         assert await all_empty(broker_url, [qname]), "a message was left on the queue"
 
 
+def _command_line(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+async def test_children_are_forked_from_the_supervisor_that_loaded_the_app(
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+) -> None:
+    async with worker_fleet(
+        queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
+    ) as fleet:
+        supervisor = await _start_supervised(fleet, 2, concurrency=2)
+        children = children_of(supervisor.pid)
+        assert len(children) == 2, children
+        # Forked, not exec'd: a child is the supervisor's interpreter, app loaded (a fresh
+        # `python -m weclaw_mq.cli worker ... --processes 1` imported everything again).
+        for pid in children:
+            assert _command_line(pid) == _command_line(supervisor.pid), pid
+        # Each child has its own broker connection: both take tasks and finish them.
+        ids = [await fleet.app.publish(qname, Job(text=f"t{i}")) for i in range(4)]
+        for task_id in ids:
+            state = await fleet.app.result(task_id, timeout_s=30)
+            assert state.status is TaskStatus.SUCCEEDED, state
+        supervisor.signal(signal.SIGTERM)
+        assert await supervisor.wait_exit(30) == 0, supervisor.describe()
+
+
 async def test_a_killed_child_is_started_again_and_nothing_is_lost(
     broker_url: str, redis_url: str, qname: str, tmp_path: Path
 ) -> None:
@@ -98,13 +126,39 @@ async def test_a_killed_child_is_started_again_and_nothing_is_lost(
         assert await all_empty(broker_url, [qname])
 
 
-async def test_a_child_that_cannot_start_ends_the_supervisor_with_its_error() -> None:
+async def test_an_app_that_cannot_be_loaded_ends_the_supervisor_before_any_child() -> None:
+    # The supervisor loads the app once, before it forks: the load error is its own.
     result = await run_cli("worker", "no_such_module_here:app", "--processes", "2")
     assert result.code == 3, result
     assert "Traceback" not in result.stderr
+    assert "worker process" not in result.stderr, result.stderr  # no child was started
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("weclaw-mq: error: worker process "), result.stderr
+    assert last.startswith("weclaw-mq: error: cannot import "), result.stderr
     assert "no_such_module_here" in last, last
+
+
+async def test_a_child_that_cannot_start_ends_the_supervisor_with_its_error(
+    tmp_path: Path,
+) -> None:
+    # Child 0's metrics port is taken (child 1 gets the next one): a setting to fix, exit 3.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = await run_cli(
+            "worker",
+            FIXTURE_APP,
+            "--processes",
+            "2",
+            "--metrics-port",
+            str(port),
+            env={"TEST_QUEUE": "never-declared", "TEST_RECORD_DIR": str(tmp_path)},
+        )
+    assert result.code == 3, result
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("weclaw-mq: error: worker process 0 failed (exit 3): "), result.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in last, last
 
 
 def test_a_child_that_keeps_dying_ends_the_supervisor_non_zero() -> None:
@@ -116,7 +170,7 @@ def test_a_child_that_keeps_dying_ends_the_supervisor_non_zero() -> None:
     )
     out = io.StringIO()
     supervisor = Supervisor(
-        lambda i: [sys.executable, "-c", script], 1, stderr=out, first_backoff_s=0.01
+        spawning(lambda i: [sys.executable, "-c", script]), 1, stderr=out, first_backoff_s=0.01
     )
     with pytest.raises(SupervisorError) as raised:
         supervisor.run()

@@ -83,3 +83,47 @@ def test_the_worker_command_loads_no_redis_outbox_health_check_nor_rich() -> Non
 def test_a_store_loads_redis_when_the_configuration_asks_for_it() -> None:
     modules = loaded(results=True)
     assert {"redis", "weclaw_mq.state.redis", "weclaw_mq.state.pipelining"} <= modules
+
+
+# What the supervisor of ``--processes N`` holds when it forks: the app loaded and what its
+# workers import at their start, and nothing open (cli.supervisor).
+BEFORE_FORK_PROBE = """
+import json, os, sys, threading
+from weclaw_mq import App, Settings
+from weclaw_mq.cli.run_worker import preload
+
+app = App("forking", settings=Settings(_env_file=None))
+
+@app.handler("fork-q")
+async def handle(task: dict) -> None:
+    return None
+
+preload(app, loop="asyncio", metrics=True)
+fds = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+    except FileNotFoundError:  # the listing's own, closed since
+        pass
+print(json.dumps({
+    "threads": threading.active_count(),
+    "sockets": [fd for fd in fds if fd.startswith(("socket:", "anon_inode:"))],
+    "loaded": sorted(m for m in ("redis", "weclaw_mq.state.redis", "prometheus_client")
+                     if m in sys.modules),
+}))
+"""
+
+
+def test_the_supervisor_preloads_a_workers_imports_and_opens_nothing_before_it_forks() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", BEFORE_FORK_PROBE],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    seen = json.loads(out.stdout)
+    assert seen["loaded"] == ["prometheus_client", "redis", "weclaw_mq.state.redis"], seen
+    # No connection, no event loop (its selector and self-pipe), no thread: a forked child
+    # shares none of them.
+    assert seen == {**seen, "threads": 1, "sockets": []}, seen

@@ -5,13 +5,13 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 
 from weclaw_mq import tracing
-from weclaw_mq.cli.supervisor import child_command
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.otel import spans_for
 from weclaw_mq.settings import Settings
@@ -68,17 +68,35 @@ def test_the_text_format_redacts_passwords_too() -> None:
     assert formatter("text").format(record).endswith("at redis://:***@h/0")
 
 
+# A supervisor whose one forked child logs a line, then fails as a bad setting would (exit 3).
+FORKED_CHILD_LOGS = """
+import logging, sys
+from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, forking
+from weclaw_mq.tracing import configure_logging
+
+configure_logging("INFO", "json")
+
+def child(index: int) -> int:
+    logging.getLogger("weclaw_mq.worker").info("child %d here", index)
+    print("weclaw-mq: error: a bad setting", file=sys.stderr)
+    return 3
+
+try:
+    Supervisor(forking(child), 1).run()
+except SupervisorError as e:
+    print(e.exit_code, e, file=sys.stderr)
+"""
+
+
 def test_the_supervisor_hands_its_log_format_to_every_child() -> None:
-    command = child_command(
-        "m:app",
-        concurrency=None,
-        queues=None,
-        metrics_port=None,
-        log_level="INFO",
-        log_format="json",
+    # Forked after the supervisor configured its logging: the child logs as it was told to.
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_CHILD_LOGS], capture_output=True, text=True, timeout=60
     )
-    args = command(1)
-    assert args[args.index("--log-format") + 1] == "json"
+    lines = done.stderr.splitlines()
+    logged = [json.loads(line) for line in lines if line.startswith("{")]
+    assert any(e["message"] == "child 0 here" for e in logged), done.stderr
+    assert lines[-1] == "3 worker process 0 failed (exit 3): a bad setting", done.stderr
 
 
 def test_otel_on_without_opentelemetry_installed_is_a_configuration_error(

@@ -15,12 +15,12 @@ from ..settings import Settings
 from ..tracing import LogFormat, configure_logging
 from ..worker import event_loop
 from ..worker.event_loop import EVENT_LOOPS, EventLoopName
-from .failures import ExitCode, fail
+from .failures import ExitCode, classify, fail, report
 from .loading import load_app
 from .options import AppPath, LogFormatOption, LogLevel
 from .publish import publish
-from .run_worker import run_worker
-from .supervisor import Supervisor, SupervisorError, child_command, parse_processes
+from .run_worker import preload, run_worker
+from .supervisor import Supervisor, SupervisorError, forking, parse_processes
 
 cli = typer.Typer(
     name="weclaw-mq",
@@ -72,29 +72,38 @@ def _processes(value: str | int) -> int:
 
 
 def _supervise(
-    app_path: str,
+    app: App,
     processes: int,
     concurrency: int | None,
     queues: list[str] | None,
     metrics_port: int | None,
-    log_level: str,
-    log_format: str,
-    loop: str | None,
+    loop: EventLoopName,
 ) -> None:
     # Each child reads the same settings; a port from them would be taken by all, so the
     # supervisor hands out port + i itself.
-    port = metrics_port if metrics_port is not None else Settings().metrics_port
-    command = child_command(
-        app_path,
-        concurrency=concurrency,
-        queues=queues,
-        metrics_port=port,
-        log_level=log_level,
-        log_format=log_format,
-        loop=loop,
-    )
+    port = metrics_port if metrics_port is not None else app.settings.metrics_port
+    preload(app, loop=loop, metrics=port is not None)
+
+    def child(index: int) -> int:
+        """One forked worker process: runs as ``--processes 1`` does, exits as it would."""
+        try:
+            main = run_worker(
+                app,
+                concurrency=concurrency,
+                queues=queues,
+                metrics_port=None if port is None else port + index,
+            )
+            event_loop.run(main, loop)
+        except KeyboardInterrupt:
+            return ExitCode.INTERRUPTED
+        except Exception as e:  # the CLI's one boundary, as in weclaw_mq.cli.main
+            code, message = classify(e)
+            report(message)
+            return code
+        return ExitCode.OK
+
     try:
-        code = Supervisor(command, processes).run()
+        code = Supervisor(forking(child), processes).run()
     except SupervisorError as e:
         fail(str(e), ExitCode(e.exit_code))
     if code:
@@ -161,13 +170,13 @@ def worker(
     """Run a worker: declare queues, consume, ack only after success; SIGTERM stops cleanly."""
     fmt: LogFormat = "json" if log_format == "json" else "text"
     configure_logging(log_level, fmt)
-    if processes > 1:
-        _supervise(app_path, processes, concurrency, queue, metrics_port, log_level, fmt, loop)
-        return
     app = load_app(app_path)
     loop_name: EventLoopName = (
         "uvloop" if (loop or app.settings.event_loop) == "uvloop" else "asyncio"
     )
+    if processes > 1:
+        _supervise(app, processes, concurrency, queue or None, metrics_port, loop_name)
+        return
     main = run_worker(app, concurrency=concurrency, queues=queue or None, metrics_port=metrics_port)
     event_loop.run(main, loop_name)
 

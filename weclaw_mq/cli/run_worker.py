@@ -15,11 +15,14 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
+from importlib import import_module
 from types import FrameType
 
 from ..app import App
 from ..errors import ConfigurationError
+from ..worker import event_loop
 from ..worker.consume import Worker
+from ..worker.event_loop import EventLoopName
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -29,6 +32,18 @@ HARD_EXIT_MARGIN_S = 10.0
 # Exit status of a stop the watchdog (or a second signal) had to force.
 FORCED_EXIT_CODE = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def preload(app: App, *, loop: EventLoopName, metrics: bool) -> None:
+    """Import now what a worker of ``app`` imports when it starts (the Redis store, the
+    metrics server, uvloop), opening nothing: the supervisor does it once, before it forks
+    its children (``cli.supervisor``). A missing uvloop is its one-line error here."""
+    event_loop.loop_factory(loop)
+    if app.needs_store or any(s.limits for s in app.handlers.values()):
+        import_module("weclaw_mq.state.redis")
+        import_module("weclaw_mq.streaming.redis")
+    if metrics:
+        import_module("weclaw_mq.metrics_http")
 
 
 async def run_worker(
@@ -77,6 +92,8 @@ class _Stopper:
         self.loop = loop
         self.signalled = False
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        # A forked child of the supervisor starts with them blocked: they come in here now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

@@ -1,22 +1,29 @@
 """``weclaw-mq worker --processes N``: N worker processes under one supervisor.
 
 One event loop saturates one core long before the broker or Redis do, so a machine with more
-cores runs more worker processes. The supervisor itself imports no app and opens no connection:
-it starts ``weclaw-mq worker ... --processes 1`` N times and watches them.
+cores runs more worker processes. The supervisor loads the app once (its imports done, and
+what a worker will import lazily: ``run_worker.preload``), then forks the N children before
+any event loop, connection, thread or Redis client exists: each child starts from the loaded
+app and opens its own connections, as a single worker does. A fresh interpreter per child
+imported everything again, which `make bench-start` measures.
 
 - SIGTERM or SIGINT is forwarded to every child, each drains as a single worker does (in-flight
   tasks get the shutdown grace, then give their messages back), and the supervisor exits once
   all have ended: 0 if every child stopped cleanly.
-- A child that dies while nobody asked it to stop is started again after a backoff (1 s,
-  doubling, at most ``MAX_BACKOFF_S``). Its messages went back to the queue when its connection
-  closed, so nothing is lost; the guard absorbs the duplicate runs.
-- A child that exits with a usage or configuration error (exit 2 or 3: a bad app path, a bad
-  setting) would fail the same way again: the supervisor stops the others and exits with that
-  code and the child's error line. So does a child that keeps dying (more than
-  ``MAX_DEATHS`` deaths within ``DEATH_WINDOW_S``), with exit 1.
+- A child that dies while nobody asked it to stop is forked again after a backoff (1 s,
+  doubling, at most ``MAX_BACKOFF_S``), from the supervisor, which still holds the loaded app
+  and nothing else. Its messages went back to the queue when its connection closed, so
+  nothing is lost; the guard absorbs the duplicate runs.
+- A child that exits with a usage or configuration error (exit 2 or 3: a bad setting) would
+  fail the same way again: the supervisor stops the others and exits with that code and the
+  child's error line. So does a child that keeps dying (more than ``MAX_DEATHS`` deaths
+  within ``DEATH_WINDOW_S``), with exit 1.
 - If the supervisor itself is killed, the kernel sends each child SIGTERM (Linux's parent-death
   signal), so no worker is left orphaned: they drain and exit.
 - Metrics: child i (0-based) serves on the metrics port + i, when a port is set.
+- Each child's stderr (its log) is a pipe the supervisor copies to its own stderr, keeping the
+  last lines for its error message; read in the supervisor's one thread (a selector), since a
+  fork must not happen while another thread may hold a lock the child would need.
 """
 
 from __future__ import annotations
@@ -26,15 +33,16 @@ import contextlib
 import ctypes
 import logging
 import os
+import selectors
 import signal
 import subprocess
 import sys
-import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO
+from typing import IO, Protocol
 
 from .failures import ExitCode
 from .run_worker import STOP_SIGNALS
@@ -83,17 +91,143 @@ def parse_processes(value: str) -> int:
 
 
 def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: ask the kernel for SIGTERM when the supervisor
-    # dies, however it dies (SIGKILL included). Not available off Linux: then nothing is asked.
+    # Runs in the child before it does anything else: ask the kernel for SIGTERM when the
+    # supervisor dies, however it dies (SIGKILL included). Not available off Linux: then
+    # nothing is asked.
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class ChildProcess(Protocol):
+    """A running child as the supervisor watches it: a pid, its exit, its stderr pipe."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+    def send_signal(self, sig: int) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# Starts child ``i``: its process, and the read end of its stderr pipe.
+Launcher = Callable[[int, Sequence[int]], tuple[ChildProcess, int]]
+
+
+def spawning(command: Callable[[int], Sequence[str]]) -> Launcher:
+    """Children that run ``command(i)``, a program of their own (the tests' crash loops)."""
+
+    def launch(index: int, inherited: Sequence[int]) -> tuple[ChildProcess, int]:
+        popen = subprocess.Popen(
+            list(command(index)),
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+        )
+        assert popen.stderr is not None
+        fd = os.dup(popen.stderr.fileno())  # read unbuffered, as a forked child's pipe is
+        popen.stderr.close()
+        return popen, fd
+
+    return launch
+
+
+def forking(run: Callable[[int], int]) -> Launcher:
+    """Children forked from this process that call ``run(i)`` and exit with what it returns.
+
+    Fork before any event loop, connection or thread exists here: the child has only what
+    was imported and built, and ``run`` opens its own connections."""
+
+    def launch(index: int, inherited: Sequence[int]) -> tuple[ChildProcess, int]:
+        # Nothing buffered in this process may be written a second time by the child.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        read_fd, write_fd = os.pipe()
+        parent = os.getpid()
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        pid = os.fork()
+        if pid:  # a signal that came meanwhile reaches our handler now
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        else:  # the child: never returns into the supervisor's frames
+            code: int = ExitCode.FAILED
+            try:
+                _become_child(parent, read_fd, write_fd, inherited)
+                code = run(index)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else ExitCode.FAILED
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
+                logging.shutdown()
+                os._exit(int(code))
+        os.close(write_fd)
+        return _Forked(pid), read_fd
+
+    return launch
+
+
+def _become_child(parent: int, read_fd: int, write_fd: int, inherited: Sequence[int]) -> None:
+    """A forked child's first steps: its own signal handling, the parent-death signal, its
+    stderr into its pipe, no stdin, and none of the supervisor's pipes of other children."""
+    # A fresh interpreter's handlers, not the supervisor's (which signal the children). The
+    # stop signals stay blocked (since before the fork) until the worker's own handlers are
+    # in place (run_worker): one sent meanwhile then stops it cleanly, never mid-start.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _die_with_parent()
+    if os.getppid() != parent:  # the supervisor died before the kernel was asked
+        os._exit(ExitCode.FAILED)
+    os.close(read_fd)
+    for fd in inherited:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+class _Forked:
+    """A forked child, with ``subprocess.Popen``'s ``poll``, ``send_signal`` and ``wait``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped already (cannot happen: ours alone)
+                self.returncode = ExitCode.FAILED
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(POLL_S / 10)
+        return code
+
+
 @dataclass
 class _Child:
     index: int
-    popen: subprocess.Popen[bytes] | None = None
+    process: ChildProcess | None = None
+    stderr_fd: int | None = None  # the read end of its stderr pipe, until its EOF
+    partial: bytes = b""  # the start of a line not ended yet
     tail: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=TAIL_LINES)
     )
@@ -109,23 +243,24 @@ class _Child:
 
 
 class Supervisor:
-    """Runs ``command(i)`` for i in 0..processes-1 and keeps them running until a stop signal."""
+    """Starts child i for i in 0..processes-1 with ``launch`` and keeps them running until a
+    stop signal."""
 
     def __init__(
         self,
-        command: Callable[[int], Sequence[str]],
+        launch: Launcher,
         processes: int,
         *,
         stderr: IO[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         first_backoff_s: float = FIRST_BACKOFF_S,
     ) -> None:
-        self.command = command
+        self.launch = launch
         self.children = [_Child(i, backoff_s=first_backoff_s) for i in range(processes)]
         self.stderr = stderr if stderr is not None else sys.stderr
         self.clock = clock
-        self.stopping = threading.Event()
-        self._write_lock = threading.Lock()
+        self.stopping = False
+        self._selector = selectors.DefaultSelector()
 
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
@@ -136,60 +271,97 @@ class Supervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            for child in self.children:
+                self._close_output(child)
+            self._selector.close()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # A second signal is forwarded too: each child then ends at once, as a lone worker does.
-        self.stopping.set()
+        self.stopping = True
         self._signal_all(signal.Signals(signum))
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for child in self.children:
-            if child.popen is not None and child.popen.poll() is None:
+            if child.process is not None and child.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    child.popen.send_signal(sig)
+                    child.process.send_signal(sig)
 
     def _start(self, child: _Child) -> None:
         child.restart_at = None
-        child.popen = subprocess.Popen(
-            list(self.command(child.index)),
-            stdin=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
-        )
-        log.info("worker process %d started (pid %d)", child.index, child.popen.pid)
-        assert child.popen.stderr is not None
-        threading.Thread(
-            target=self._forward, args=(child, child.popen.stderr), daemon=True
-        ).start()
+        self._close_output(child)
+        # Ours alone: a child holds none of the other children's pipes, nor our selector.
+        inherited = [c.stderr_fd for c in self.children if c.stderr_fd is not None]
+        inherited.append(self._selector.fileno())
+        child.process, fd = self.launch(child.index, inherited)
+        os.set_blocking(fd, False)
+        child.stderr_fd = fd
+        self._selector.register(fd, selectors.EVENT_READ, child)
+        log.info("worker process %d started (pid %d)", child.index, child.process.pid)
 
-    def _forward(self, child: _Child, stream: IO[bytes]) -> None:
-        """Copies a child's stderr (its log) to ours, keeping its last lines for errors."""
-        for raw in stream:
-            line = raw.decode(errors="replace").rstrip("\n")
+    def _read_output(self, timeout_s: float) -> None:
+        """Copies what the children wrote to their stderr (their log) to ours, waiting up to
+        ``timeout_s`` for some; a signal cuts the wait short (its handler runs at once)."""
+        if not self._selector.get_map():
+            time.sleep(timeout_s)
+            return
+        for key, _ in self._selector.select(timeout_s):
+            self._drain(key.data)
+
+    def _drain(self, child: _Child) -> None:
+        """Reads what ``child``'s pipe holds now, without waiting."""
+        while child.stderr_fd is not None:
+            try:
+                data = os.read(child.stderr_fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # EOF: the child (and whatever shared its stderr) ended
+                self._close_output(child)
+                return
+            self._copy(child, data)
+
+    def _copy(self, child: _Child, data: bytes) -> None:
+        *lines, child.partial = (child.partial + data).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
             child.tail.append(line)
-            with self._write_lock, contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError):
                 self.stderr.write(line + "\n")
-                self.stderr.flush()
+        with contextlib.suppress(OSError, ValueError):
+            self.stderr.flush()
+
+    def _close_output(self, child: _Child) -> None:
+        fd, child.stderr_fd = child.stderr_fd, None
+        if fd is None:
+            return
+        if child.partial:
+            self._copy(child, b"\n")
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(fd)
+        os.close(fd)
 
     def _watch(self) -> int:
         while True:
             running = 0
             for child in self.children:
                 running += self._look_at(child)
-            if self.stopping.is_set() and running == 0:
-                failed = [c for c in self.children if c.popen is not None and c.popen.returncode]
+            if self.stopping and running == 0:
+                failed = [c for c in self.children if c.process is not None and c.process.poll()]
                 return ExitCode.FAILED if failed else ExitCode.OK
-            time.sleep(POLL_S)  # a signal interrupts it: its handler runs at once
+            self._read_output(POLL_S)
 
     def _look_at(self, child: _Child) -> int:
         """1 if ``child`` is running (or due to be started again), else 0."""
-        popen = child.popen
-        if popen is None:
+        process = child.process
+        if process is None:
             return 0
-        code = popen.poll()
+        code = process.poll()
         if code is None:
             return 1
-        if self.stopping.is_set():
+        # Its last lines (its error) are in the pipe already: read them before deciding.
+        self._drain(child)
+        if self.stopping:
             return 0
         if child.restart_at is None:
             self._died(child, code)
@@ -221,38 +393,13 @@ class Supervisor:
         child.backoff_s = min(child.backoff_s * 2, MAX_BACKOFF_S)
 
     def _give_up(self, message: str, exit_code: int) -> None:
-        self.stopping.set()
+        self.stopping = True
         self._signal_all(signal.SIGTERM)
+        end = time.monotonic() + 60
         for child in self.children:
-            if child.popen is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.popen.wait(timeout=60)
+            while child.process is not None and child.process.poll() is None:
+                if time.monotonic() >= end:
+                    break
+                self._read_output(POLL_S)  # their last lines still reach our stderr
+            self._drain(child)
         raise SupervisorError(message, exit_code)
-
-
-def child_command(
-    app_path: str,
-    *,
-    concurrency: int | None,
-    queues: Sequence[str] | None,
-    metrics_port: int | None,
-    log_level: str,
-    log_format: str = "text",
-    loop: str | None = None,
-) -> Callable[[int], list[str]]:
-    """The ``weclaw-mq worker`` command line of child ``i`` (same interpreter, same options)."""
-
-    def command(index: int) -> list[str]:
-        args = [sys.executable, "-m", "weclaw_mq.cli", "worker", app_path, "--processes", "1"]
-        args += ["--log-level", log_level, "--log-format", log_format]
-        if concurrency is not None:
-            args += ["--concurrency", str(concurrency)]
-        for queue in queues or ():
-            args += ["--queue", queue]
-        if metrics_port is not None:
-            args += ["--metrics-port", str(metrics_port + index)]
-        if loop is not None:
-            args += ["--loop", loop]
-        return args
-
-    return command

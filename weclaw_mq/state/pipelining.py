@@ -159,6 +159,9 @@ class LeanSender:
     def pack_hget(self, key: Any, field: Any) -> bytes:
         return b"*3\r\n$4\r\nHGET\r\n" + self._bulk(key) + self._bulk(field)
 
+    def pack_smembers(self, key: Any) -> bytes:
+        return b"*2\r\n$8\r\nSMEMBERS\r\n" + self._bulk(key)
+
     async def execute(self, packed: list[bytes]) -> list[Any] | None:
         """Each command's reply, or its ``ResponseError`` as a value; None when the
         connection retries commands (then redis-py's own path must send them)."""
@@ -257,6 +260,12 @@ class AutoPipeline:
         lean = self._lean
         packed = lean.pack_hget(key, field) if lean is not None else b""
         return self._queue("hget", (key, field), None, packed)
+
+    def smembers(self, key: str) -> asyncio.Future[Any]:
+        """The members (a set, or a list on the lean path: callers iterate them)."""
+        lean = self._lean
+        packed = lean.pack_smembers(key) if lean is not None else b""
+        return self._queue("smembers", (key,), None, packed)
 
     def _queue(
         self, command: str, args: tuple[Any, ...], script: Script | None, packed: bytes

@@ -289,7 +289,9 @@ class RedisTaskStore:
         self._keep_fingerprint = Script.of(_KEEP_FINGERPRINT)
         # One script call for a whole batch of new records (publish_many).
         self._record_new_many = client.register_script(_RECORD_NEW_MANY)
-        self._cancels = RedisCancels(client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA)
+        self._cancels = RedisCancels(
+            client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA, pipe=self._pipe
+        )
         self._held: dict[str, str] = {}  # guard key -> its value, while its attempt holds it
         self._renewer: asyncio.Task[None] | None = None
         # This worker: every claim's value names it, and holds while its heartbeat key lives.

@@ -26,6 +26,7 @@ from .cancel import (
     request_message,
     scope_of,
 )
+from .pipelining import AutoPipeline
 from .protocol import TaskState
 from .redis_clients import StateClient
 
@@ -77,10 +78,19 @@ def _text(value: Any) -> str:
 
 class RedisCancels:
     """``record_write_lua``: the store's shared record-write rule, which the cancel script
-    uses to write the cancelled record (passed in: that rule lives with the store)."""
+    uses to write the cancelled record (passed in: that rule lives with the store).
+    ``pipe``: the store's auto-pipeline, for the marker read on a delivery's path."""
 
-    def __init__(self, client: StateClient, *, ttl_ms: int, record_write_lua: str) -> None:
+    def __init__(
+        self,
+        client: StateClient,
+        *,
+        ttl_ms: int,
+        record_write_lua: str,
+        pipe: AutoPipeline | None = None,
+    ) -> None:
         self._redis = client
+        self._pipe = pipe
         self._ttl_ms = ttl_ms
         self._read = client.register_script(_READ)
         self._cancel = client.register_script(record_write_lua + _CANCEL)
@@ -122,7 +132,11 @@ class RedisCancels:
         )
 
     async def is_cancelled(self, queue: str, task_id: str) -> bool:
-        members = await self._redis.smembers(cancel_key(task_id))
+        key = cancel_key(task_id)
+        # Through the pipeline: read per delivery of an unguarded handler, so concurrent
+        # reads share one connection instead of taking one each.
+        pipe = self._pipe
+        members = await (pipe.smembers(key) if pipe is not None else self._redis.smembers(key))
         return covers({_text(m) for m in members}, queue)
 
     async def listen(

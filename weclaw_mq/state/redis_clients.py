@@ -10,6 +10,7 @@ the node that serves the channel's slot, the node whose script publishes.
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Generator, Mapping
 from typing import Any, TypeAlias
@@ -40,13 +41,17 @@ def open_client(settings: Settings) -> StateClient:
         "socket_timeout": settings.redis_timeout_s,
         "health_check_interval": _HEALTH_CHECK_S,
     }
+    # CLIENT LIST tells this process's connections from others' (one name per process; the
+    # data nodes' connections only, not the Sentinels').
+    named = {**common, "client_name": client_name()}
     topology = settings.redis_topology()
     if topology is None:
         # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us per
-        # command (measured). The worker sizes its concurrency to fit this pool. A pool
+        # command (measured). A worker takes a bounded number of its connections at any
+        # concurrency (worker.consume, REDIS_CONNECTIONS_NEEDED). A pool
         # passed in: its connections retry nothing, so the store's auto-pipeline sends its
         # hot commands on them itself (state.pipelining's lean path; so for Sentinel's).
-        options: dict[str, Any] = {**common, **parse_url(settings.redis_url_plain())}
+        options: dict[str, Any] = {**named, **parse_url(settings.redis_url_plain())}
         if options.get("connection_class") is SSLConnection:  # rediss://
             options["connection_class"] = _TlsConnection
             options["weclaw_ssl_context"] = client_context(settings.tls("redis"))
@@ -61,7 +66,7 @@ def open_client(settings: Settings) -> StateClient:
             # Per node: a worker's commands spread over the primaries.
             max_connections=settings.redis_max_connections,
             **auth,
-            **common,
+            **named,
         )
     assert topology.service_name is not None  # parse_topology requires it for Sentinel
     # The Sentinels are asked only where the primary is; they get the timeouts, not the
@@ -79,10 +84,15 @@ def open_client(settings: Settings) -> StateClient:
         db=topology.db,
         max_connections=settings.redis_max_connections,
         **auth,
-        **common,
+        **named,
     )
     primary.weclaw_sentinels = sentinel
     return primary
+
+
+def client_name() -> str:
+    """The name this process's Redis connections carry (``CLIENT SETNAME``)."""
+    return f"weclaw_mq-{os.getpid()}"
 
 
 class _TlsConnection(SSLConnection):

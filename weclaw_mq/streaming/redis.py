@@ -13,6 +13,7 @@ AOF nor RDB snapshots, nothing.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,6 +120,11 @@ requeue, ends with a new one); either way return the id of the final it ends wit
 KEYS: stream. ARGV: JSON, ttl_ms."""
 
 
+# Writes (chunks, final events, inbox deliveries) on Redis at once, per store: each takes a
+# pooled connection, so a worker's emitting tasks share this many whatever its concurrency.
+WRITES_IN_FLIGHT = 8
+
+
 class RedisStreamStore:
     """``StreamStore`` on Redis; ``owns_client``: ``close`` closes the client too."""
 
@@ -139,6 +145,7 @@ class RedisStreamStore:
         self._deliver = client.register_script(_DELIVER)
         self._expire = client.register_script(_EXPIRE)
         self._end = client.register_script(_END)
+        self._writing = asyncio.Semaphore(WRITES_IN_FLIGHT)
 
     def _deliver_args(self, entries: Sequence[Entry]) -> list[Any]:
         args: list[Any] = [self._inbox_max, self._inbox_ttl_ms]
@@ -153,7 +160,7 @@ class RedisStreamStore:
         try:
             # One round trip: the task's stream and the inbox are on different hash tags, so
             # a pipeline rather than one script (a cluster could not run that script).
-            async with self._redis.pipeline(transaction=False) as pipe:
+            async with self._writing, self._redis.pipeline(transaction=False) as pipe:
                 for entry in entries:
                     pipe.xadd(key, {"k": entry.kind, "e": entry.body})
                 pipe.pexpire(key, self._ttl_ms)
@@ -169,7 +176,10 @@ class RedisStreamStore:
 
     async def end(self, task_id: str, final: Entry) -> str:
         try:
-            final_id = await self._end(keys=[stream_key(task_id)], args=[final.body, self._ttl_ms])
+            async with self._writing:
+                final_id = await self._end(
+                    keys=[stream_key(task_id)], args=[final.body, self._ttl_ms]
+                )
             return final_id.decode() if isinstance(final_id, bytes) else str(final_id)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
@@ -194,10 +204,11 @@ class RedisStreamStore:
 
     async def deliver(self, session_id: str, entries: Sequence[Entry]) -> int:
         try:
-            dropped = await self._deliver(
-                keys=[inbox_key(session_id), inbox_trace_key(session_id)],
-                args=self._deliver_args(entries),
-            )
+            async with self._writing:
+                dropped = await self._deliver(
+                    keys=[inbox_key(session_id), inbox_trace_key(session_id)],
+                    args=self._deliver_args(entries),
+                )
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
         return int(dropped)

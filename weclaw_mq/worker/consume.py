@@ -69,6 +69,12 @@ LANES_BULK = os.environ.get("WECLAW_MQ_LANES_BULK", "1") != "0"
 # After the grace, cancelled handlers get this long to give their messages back.
 DRAIN_CANCEL_S = 5.0
 
+# The most connections one of a worker's Redis pools takes, whatever its concurrency: the
+# store's auto-pipeline (one round trip at a time), its cancel subscription and one lone
+# command (state.redis); the stream store's writes (streaming.redis.WRITES_IN_FLIGHT); the
+# limiter's round trips (worker.limiting.ROUND_TRIPS_IN_FLIGHT) and its renewer.
+REDIS_CONNECTIONS_NEEDED = 8
+
 
 class Worker:
     def __init__(
@@ -547,12 +553,11 @@ class Worker:
     def _check_redis_pool(self) -> None:
         if self.app.store is None:
             return
-        needed = 2 * self.concurrency * len(self.specs) + 8
-        if needed > self.settings.redis_max_connections:
+        if self.settings.redis_max_connections < REDIS_CONNECTIONS_NEEDED:
             raise ConfigurationError(
-                f"concurrency {self.concurrency} on {len(self.specs)} queue(s) needs about "
-                f"{needed} Redis connections, over WECLAW_MQ_REDIS_MAX_CONNECTIONS="
-                f"{self.settings.redis_max_connections}; raise it or lower the concurrency"
+                f"a worker needs up to {REDIS_CONNECTIONS_NEEDED} Redis connections per pool, "
+                f"over WECLAW_MQ_REDIS_MAX_CONNECTIONS={self.settings.redis_max_connections}; "
+                "raise it"
             )
 
     def _warn_about_consumer_timeout(self) -> None:

@@ -97,6 +97,9 @@ HOLD_EWMA_WEIGHT = 0.2
 RELEASE_BATCH_S = 0.005
 # How long close() waits for the last releases (past it, they lapse with their leases).
 CLOSE_FLUSH_S = 1.0
+# Round trips to Redis at once (admissions, take-backs, releases, renewals): each takes a
+# pooled connection, so a worker's connections stay this many whatever its concurrency.
+ROUND_TRIPS_IN_FLIGHT = 4
 
 
 # A handler's limit: (its queue, its index in the handler's limits).
@@ -178,6 +181,7 @@ class Limiter:
         # Admission script calls waiting for this loop turn's batch: (keys, args, answer).
         self._asked: list[tuple[list[str], list[str | int], asyncio.Future[Any]]] = []
         self._asking: asyncio.Task[None] | None = None
+        self._round_trips = asyncio.Semaphore(ROUND_TRIPS_IN_FLIGHT)
 
     @classmethod
     def open(cls, settings: Settings) -> Limiter:
@@ -254,11 +258,12 @@ class Limiter:
         # Releases waiting for their batch ride along: no round trip of their own.
         releases, self._releases = self._releases, []
         try:
-            if len(batch) == 1 and not releases:  # Script reloads a script Redis forgot
-                keys, args, _ = batch[0]
-                results = [await self._admit(keys=keys, args=args)]
-            else:
-                results = (await self._pipelined(batch, releases))[len(releases) :]
+            async with self._round_trips:
+                if len(batch) == 1 and not releases:  # Script reloads a script Redis forgot
+                    keys, args, _ = batch[0]
+                    results = [await self._admit(keys=keys, args=args)]
+                else:
+                    results = (await self._pipelined(batch, releases))[len(releases) :]
         except BaseException as e:  # every asker gets the failure (a cancel included)
             if releases:
                 log.warning("could not release %d limit slot(s) (%s)", len(releases), describe(e))
@@ -301,7 +306,7 @@ class Limiter:
         if not admitted:
             return
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
+            async with self._round_trips, self._redis.pipeline(transaction=False) as pipe:
                 for _, _, slots, starts in admitted:
                     pipe.zrem(slots, holder)
                     pipe.zrem(starts, holder)
@@ -327,13 +332,14 @@ class Limiter:
         while self._releases:
             batch, self._releases = self._releases, []
             try:
-                if len(batch) == 1:
-                    await self._redis.zrem(*batch[0])
-                else:
-                    async with self._redis.pipeline(transaction=False) as pipe:
-                        for key, holder in batch:
-                            pipe.zrem(key, holder)
-                        await pipe.execute()
+                async with self._round_trips:
+                    if len(batch) == 1:
+                        await self._redis.zrem(*batch[0])
+                    else:
+                        async with self._redis.pipeline(transaction=False) as pipe:
+                            for key, holder in batch:
+                                pipe.zrem(key, holder)
+                            await pipe.execute()
             except Exception as e:  # a Redis blip: the slots lapse with their leases
                 log.warning("could not release %d limit slot(s) (%s)", len(batch), describe(e))
         # No await between the emptiness check and this: a later release starts a new flusher.
@@ -347,7 +353,7 @@ class Limiter:
                 return
             held = list(self._held)
             try:
-                async with self._redis.pipeline(transaction=False) as pipe:
+                async with self._round_trips, self._redis.pipeline(transaction=False) as pipe:
                     for key, holder in held:
                         await self._renew(
                             keys=[key],
