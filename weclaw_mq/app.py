@@ -708,8 +708,7 @@ class App:
         return self._streams
 
     def _read_block_s(self) -> float:
-        # A blocking read returns within the socket timeout, or redis-py takes it for a
-        # dead connection.
+        # How long one read waits (woken by a write) before the reader's loop takes its turn.
         return self.settings.redis_timeout_s / 2
 
     def stream(
