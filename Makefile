@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits bench-rss bench-redis-client compose-check clean \
+	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-waiters compose-check clean \
 	distclean services-up services-down services-status soak fuzz
 
 help:
@@ -42,6 +42,7 @@ help:
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
 	@echo "make bench-redis-client  the store's Redis calls alone vs auto-pipelined (and hiredis if installed)"
+	@echo "make bench-waiters  10,000 result() waiters in one process: connections, memory, publish latency"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -120,6 +121,7 @@ bench:
 	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
 	$(MAKE) --no-print-directory bench-outbox
 	$(MAKE) --no-print-directory bench-redis-client
+	$(MAKE) --no-print-directory bench-waiters
 
 # The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
@@ -132,6 +134,11 @@ bench-outbox: install
 # redis-py's parser and hiredis when installed (.venv/bin/pip install hiredis to compare).
 bench-redis-client: install
 	$(BIN)/python -m benchmarks.redis_client $(REDIS_CLIENT_BENCH_ARGS)
+
+# 10,000 result() waiters in one process (~30 s): the Redis connections they use, memory per
+# waiter, publish and status() latency meanwhile. WAITERS_BENCH_ARGS=--smoke for tiny counts.
+bench-waiters: install
+	$(BIN)/python -m benchmarks.waiters $(WAITERS_BENCH_ARGS)
 
 bench-rss: install
 	@# with bytecode, as a deployed worker has it (see benchmarks/run.sh)
