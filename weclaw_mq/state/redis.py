@@ -286,7 +286,7 @@ class RedisTaskStore:
         self._extend = Script.of(_EXTEND)
         self._keep_fingerprint = Script.of(_KEEP_FINGERPRINT)
         # One script call for a whole batch of new records (publish_many).
-        self._record_new_many = client.register_script(_RECORD_NEW_MANY)
+        self._record_new_many = Script.of(_RECORD_NEW_MANY)
         self._cancels = RedisCancels(client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA)
         self._held: dict[str, str] = {}  # guard key -> its value, while its attempt holds it
         self._renewer: asyncio.Task[None] | None = None
@@ -507,6 +507,12 @@ class RedisTaskStore:
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
+    def record_soon(self, state: TaskState, *, only_if_new: bool = False) -> asyncio.Future[Any]:
+        over = _only_over_arg(narrowing(only_if_new, None))
+        return self._pipe.script(
+            self._record, self._record_keys(state), self._record_args(state, over)
+        )
+
     async def record_many(
         self,
         states: Sequence[TaskState],
@@ -536,7 +542,7 @@ class RedisTaskStore:
             for st in states:
                 keys += self._record_keys(st)
                 args += [st.status.value, st.model_dump_json()]
-            await self._record_new_many(keys=keys, args=args)
+            await self._pipe.script(self._record_new_many, keys, args)
             return
         # Queued together in this loop iteration: one pipeline (up to the batch bound).
         over = _only_over_arg(only_over)
