@@ -286,7 +286,7 @@ class RedisTaskStore:
         self._extend = Script.of(_EXTEND)
         self._keep_fingerprint = Script.of(_KEEP_FINGERPRINT)
         # One script call for a whole batch of new records (publish_many).
-        self._record_new_many = Script.of(_RECORD_NEW_MANY)
+        self._record_new_many = client.register_script(_RECORD_NEW_MANY)
         self._cancels = RedisCancels(client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA)
         self._held: dict[str, str] = {}  # guard key -> its value, while its attempt holds it
         self._renewer: asyncio.Task[None] | None = None
@@ -542,7 +542,7 @@ class RedisTaskStore:
             for st in states:
                 keys += self._record_keys(st)
                 args += [st.status.value, st.model_dump_json()]
-            await self._pipe.script(self._record_new_many, keys, args)
+            await self._record_new_many(keys=keys, args=args)
             return
         # Queued together in this loop iteration: one pipeline (up to the batch bound).
         over = _only_over_arg(only_over)
