@@ -173,3 +173,46 @@ async def test_two_thousand_stream_readers_share_a_few_connections_and_each_gets
             r.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
         await client.aclose()
+
+
+async def test_waiters_outlive_their_subscription_connection_being_killed(
+    named_app: tuple[App, str], qname: str, redis_url: str
+) -> None:
+    app, name = named_app
+    store = app.results
+    assert store is not None
+    ids = [uuid.uuid4().hex for _ in range(50)]
+    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=10)
+    waiters = [asyncio.ensure_future(app.result(t, queue=qname, timeout_s=60)) for t in ids]
+    try:
+
+        async def subscriber() -> int | None:
+            found = [
+                int(c["id"])
+                for c in await client.client_list()
+                if c.get("name") == name and int(c.get("sub", 0)) > 0
+            ]
+            return found[0] if found else None
+
+        await wait_until(subscriber, 30, "the waiters' subscription")
+        killed = await subscriber()
+        await client.execute_command("CLIENT", "KILL", "ID", str(killed))
+        # Written while (or right after) the subscription is gone: each waiter still answers,
+        # woken by the lost connection's re-read, its re-subscription or its poll.
+        await store.record_many(
+            [TaskState(task_id=t, queue=qname, status=TaskStatus.SUCCEEDED) for t in ids]
+        )
+        states = await asyncio.wait_for(asyncio.gather(*waiters), 30)
+        assert {s.status for s in states} == {TaskStatus.SUCCEEDED}
+        # And a waiter after that is woken by a subscription made again.
+        late = uuid.uuid4().hex
+        waiter = asyncio.ensure_future(app.result(late, queue=qname, timeout_s=60))
+        await wait_until(subscriber, 30, "a new subscription")
+        assert (await subscriber()) != killed
+        await store.record(TaskState(task_id=late, queue=qname, status=TaskStatus.SUCCEEDED))
+        assert (await asyncio.wait_for(waiter, 30)).status is TaskStatus.SUCCEEDED
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        await client.aclose()
