@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-start bench-io-high compose-check clean \
+	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
 	distclean services-up services-down services-status soak fuzz
 
 help:
@@ -44,6 +44,7 @@ help:
 	@echo "make bench-start    a cold worker's time to first delivery, 1 and 2 processes"
 	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"
 	@echo "make bench-redis-client  the store's Redis calls alone vs auto-pipelined (and hiredis if installed)"
+	@echo "make bench-waiters  10,000 result() waiters in one process: connections, memory, publish latency"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -124,6 +125,7 @@ bench:
 	$(MAKE) --no-print-directory bench-redis-client
 	$(MAKE) --no-print-directory bench-start
 	$(MAKE) --no-print-directory bench-io-high
+	$(MAKE) --no-print-directory bench-waiters
 
 # The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
@@ -148,6 +150,11 @@ bench-start: install
 bench-io-high: install
 	$(BIN)/python -m benchmarks.bench --cases io-high --skip-peers --repeats 3 \
 		--out benchmarks/results/io-high $(IO_HIGH_ARGS)
+
+# 10,000 result() waiters in one process (~30 s): the Redis connections they use, memory per
+# waiter, publish and status() latency meanwhile. WAITERS_BENCH_ARGS=--smoke for tiny counts.
+bench-waiters: install
+	$(BIN)/python -m benchmarks.waiters $(WAITERS_BENCH_ARGS)
 
 bench-rss: install
 	@# with bytecode, as a deployed worker has it (see benchmarks/run.sh)

@@ -16,7 +16,7 @@ from collections.abc import (
 )
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import aio_pika
 from aio_pika.abc import HeadersType
@@ -58,6 +58,7 @@ from .settings import Settings
 from .state import (
     Cancellation,
     CancelOutcome,
+    RecordsSoon,
     TaskState,
     TaskStatus,
     TaskStore,
@@ -144,7 +145,9 @@ class App:
         self._owns_streams = streams is None
         # Queued-record writes that outlived their publish: held here so they are not
         # garbage-collected mid-write, and awaited (briefly) on close.
-        self._record_writes: set[asyncio.Task[Any]] = set()
+        self._record_writes: set[asyncio.Future[Any]] = set()
+        # The store the queued records are written to, and whether it is RecordsSoon.
+        self._soon: tuple[TaskStore, bool] | None = None
         # OpenTelemetry spans (weclaw_mq.otel): decided on first use, once; False until then.
         self._spans: Spans | bool | None = False
         # The local outbox and its relay, when WECLAW_MQ_OUTBOX_PATH names a file.
@@ -459,12 +462,7 @@ class App:
             return message.message_id
         # The "queued" record is written beside the confirm, not after it (no added latency),
         # and only if the task has no record yet, so it can never hide a later status.
-        queued = self._record_in_background(
-            store.record(
-                _queued(message, queue),
-                only_if_new=True,
-            )
-        )
+        queued = self._write_queued(store, _queued(message, queue))
         refused: list[str] = []
         try:
             await self._get_publisher().publish(target, message, exchange=exchange)
@@ -566,6 +564,19 @@ class App:
             raise BatchPublishError(queue, ids, failed)
         return ids
 
+    def _write_queued(self, store: TaskStore, state: TaskState) -> asyncio.Future[Any]:
+        """The "queued" record's write, started: at once where the store can (``RecordsSoon``:
+        it leaves before the publish's frame, with no task to schedule), else as a task."""
+        soon = self._soon
+        if soon is None or soon[0] is not store:  # decided once per store
+            soon = self._soon = (store, isinstance(store, RecordsSoon))
+        if not soon[1]:
+            return self._record_in_background(store.record(state, only_if_new=True))
+        write = asyncio.ensure_future(cast(RecordsSoon, store).record_soon(state, only_if_new=True))
+        self._record_writes.add(write)
+        write.add_done_callback(self._record_write_ended)
+        return write
+
     def _record_in_background(self, write: Coroutine[Any, Any, object]) -> asyncio.Task[Any]:
         """Run a best-effort state write as a task we hold until it ends (the loop itself
         keeps only a weak reference), and log its failure whoever waited for it."""
@@ -574,7 +585,7 @@ class App:
         task.add_done_callback(self._record_write_ended)
         return task
 
-    def _record_write_ended(self, task: asyncio.Task[Any]) -> None:
+    def _record_write_ended(self, task: asyncio.Future[Any]) -> None:
         self._record_writes.discard(task)
         # The task is safe in the broker whatever happens here: a missing "queued" record only
         # means status() answers None until a worker picks the task up.
@@ -582,7 +593,7 @@ class App:
             log.warning("could not record the queued status (%s: %s)", type(e).__name__, e)
 
     async def _settle_queued(
-        self, queued: asyncio.Task[Any], queue: str, refused: list[str]
+        self, queued: asyncio.Future[Any], queue: str, refused: list[str]
     ) -> None:
         """Wait for the "queued" write, then drop the records of ``refused`` tasks, both within
         ``QUEUED_RECORD_WAIT_S`` in all; what is left goes on in the background."""
@@ -599,7 +610,7 @@ class App:
             await asyncio.wait({forgetting}, timeout=left)
 
     async def _forget_after(
-        self, queued: asyncio.Task[Any], queue: str, refused: list[str]
+        self, queued: asyncio.Future[Any], queue: str, refused: list[str]
     ) -> None:
         # Only once the write ended: a forget that overtook it would leave a "queued" record
         # for a task the broker does not hold.
@@ -714,8 +725,7 @@ class App:
         return self._streams
 
     def _read_block_s(self) -> float:
-        # A blocking read returns within the socket timeout, or redis-py takes it for a
-        # dead connection.
+        # How long one read waits (woken by a write) before the reader's loop takes its turn.
         return self.settings.redis_timeout_s / 2
 
     def stream(

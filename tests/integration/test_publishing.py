@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import aio_pika
 import pytest
@@ -25,6 +26,7 @@ from weclaw_mq import (
     PayloadValidationError,
     PublishFailedError,
     PublishNackedError,
+    TaskStatus,
     UnroutableError,
     WeclawMQError,
 )
@@ -293,3 +295,40 @@ async def test_publish_reaches_a_queue_the_app_has_no_handler_for(
 )
 def test_every_publish_error_is_a_weclaw_mq_error(error: type[Exception]) -> None:
     assert issubclass(error, WeclawMQError)
+
+
+async def test_the_queued_record_of_a_publish_is_started_with_no_task_of_its_own(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    """With results on, the "queued" record leaves with the store's next pipeline batch, not
+    from a task scheduled for it (a loop iteration later, often after the broker's confirm,
+    which the publish then waited past): at most the pipeline's own send per publish."""
+    plain = await _app_with_prompt_handler(make_app, qname, results_enabled=False)
+    with_results = await _app_with_prompt_handler(make_app, qname, results_enabled=True)
+    loop = asyncio.get_running_loop()
+    created: list[str] = []
+
+    def counting(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        created.append(getattr(coro, "__qualname__", "?"))
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    async def tasks_per_publish(app: App, n: int = 20) -> float:
+        await app.publish(qname, Prompt(text="warm"))  # connections, scripts
+        del created[:]
+        loop.set_task_factory(counting)
+        try:
+            ids = [await app.publish(qname, Prompt(text=str(i))) for i in range(n)]
+        finally:
+            loop.set_task_factory(None)
+        if app is with_results:  # the rule holds: a returned publish has its record
+            for task_id in ids:
+                state = await app.status(task_id, queue=qname)
+                assert state is not None and state.status is TaskStatus.QUEUED
+        return len(created) / n
+
+    base = await tasks_per_publish(plain)
+    results_on = await tasks_per_publish(with_results)
+    assert results_on - base <= 1, (
+        f"a publish with results on made {results_on - base:.1f} more tasks than one with "
+        f"results off: {sorted(set(created))}"
+    )

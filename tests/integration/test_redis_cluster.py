@@ -240,3 +240,43 @@ async def test_a_task_whose_id_starts_with_a_brace_is_claimed_finished_and_cance
     assert await store.claim(QUEUE, doomed, "me") is Claim.CANCELLED
     assert await store.keep_fingerprint(QUEUE, doomed, "first", 60) == "first"
     assert await store.keep_fingerprint(QUEUE, doomed, "second", 60) == "first"
+
+
+async def test_a_thousand_waiters_on_every_node_fit_a_pool_of_four_per_node(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    # Each waiter used to hold a pub/sub connection of its node's pool; now they share one.
+    small = _store(redis_cluster.url, redis_max_connections=4)
+    ids = _ids_on_every_node(redis_cluster, 334)
+    waiters = [asyncio.ensure_future(small.wait(t, 60, queue=QUEUE)) for t in ids]
+    try:
+        # Confirmed by Redis: the last waiter's channel is subscribed on some node (classic
+        # pub/sub counts subscribers per node), or some waiter failed.
+        probes = [aioredis.Redis(host="127.0.0.1", port=node.port) for node in redis_cluster.nodes]
+        try:
+
+            async def subscribed() -> bool:
+                if any(w.done() for w in waiters):
+                    return True
+                counts = [
+                    await p.execute_command("PUBSUB", "NUMSUB", done_channel(ids[-1]))
+                    for p in probes
+                ]
+                return sum(int(c[1]) for c in counts) >= 1
+
+            await wait_until(subscribed, 30, "the last waiter's subscription")
+        finally:
+            for p in probes:
+                await p.aclose()
+        failed = [w for w in waiters if w.done()]
+        assert not failed, f"{len(failed)} waiters ended early: {failed[0].exception()!r}"
+        for task_id in ids:
+            await small.record(TaskState(task_id=task_id, queue=QUEUE, status=TaskStatus.SUCCEEDED))
+        states = await asyncio.wait_for(asyncio.gather(*waiters), 60)
+        assert [s.task_id for s in states] == ids
+        assert {s.status for s in states} == {TaskStatus.SUCCEEDED}
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        await small.close()

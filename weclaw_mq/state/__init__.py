@@ -17,7 +17,7 @@ from ..settings import Settings
 from ..tls import describe_refusal
 from .cancel import Cancellation, CancelOutcome
 from .memory import MemoryTaskStore
-from .protocol import Claim, Finish, TaskState, TaskStatus, TaskStore, new_owner
+from .protocol import Claim, Finish, RecordsSoon, TaskState, TaskStatus, TaskStore, new_owner
 
 if TYPE_CHECKING:
     from .redis import REDIS_FAILURES, RedisTaskStore
@@ -98,6 +98,7 @@ __all__ = [
     "Claim",
     "Finish",
     "MemoryTaskStore",
+    "RecordsSoon",
     "RedisTaskStore",
     "TaskState",
     "TaskStatus",

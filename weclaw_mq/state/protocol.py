@@ -26,11 +26,11 @@ rules in one process (for tests). A store that fails or does not answer raises
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
@@ -194,4 +194,16 @@ class TaskStore(Protocol):
 
     async def close(self) -> None:
         """Stop renewing leases and release what the store opened."""
+        ...
+
+
+@runtime_checkable
+class RecordsSoon(Protocol):
+    """A ``TaskStore`` that can start a record write at once, with no task of its own (the
+    Redis store: its auto-pipeline sends it with the next batch). ``publish`` starts its
+    "queued" record so, before the broker's confirm, and a round trip sooner."""
+
+    def record_soon(self, state: TaskState, *, only_if_new: bool = False) -> Awaitable[Any]:
+        """``record`` started now: a future that answers whether it was written, or fails
+        with the store's error (unwrapped: the caller only logs it)."""
         ...

@@ -53,6 +53,8 @@ from .protocol import Claim, Finish, TaskState, TaskStatus
 from .redis_cancel import RedisCancels
 from .redis_clients import StateClient, is_cluster
 from .redis_clients import open_client as open_client  # its former home: still importable here
+from .redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
+from .redis_wakeups import Wakeups
 from .transitions import TRANSITIONS, narrowing
 
 log = logging.getLogger("weclaw_mq.state")
@@ -229,10 +231,6 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return ARGV[1]
 """
 
-# Waiters re-read the record this often even without a notification, so a notification
-# missed across a reconnect costs at most this much delay.
-_RECHECK_S = 2.0
-
 
 # Every answer the claim script gives, as str and as bytes (decode_responses or not).
 _CLAIMS: dict[str | bytes, Claim] = {
@@ -305,6 +303,7 @@ class RedisTaskStore:
         self._beating: asyncio.Future[Any] | None = None  # the beat the claims wait for
         self._beat = Script.of(_BEAT)
         self._alive = Script.of(_ALIVE)
+        self._wakeups: Wakeups | None = None
 
     # -- the guard ----------------------------------------------------------------------
     async def claim(
@@ -510,6 +509,12 @@ class RedisTaskStore:
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
+    def record_soon(self, state: TaskState, *, only_if_new: bool = False) -> asyncio.Future[Any]:
+        over = _only_over_arg(narrowing(only_if_new, None))
+        return self._pipe.script(
+            self._record, self._record_keys(state), self._record_args(state, over)
+        )
+
     async def record_many(
         self,
         states: Sequence[TaskState],
@@ -584,30 +589,35 @@ class RedisTaskStore:
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
+    def wakeups(self) -> Wakeups:
+        """This store's one subscription on the running loop (``state.redis_wakeups``),
+        shared by every waiter; made again on a new loop (the old one died with its loop)."""
+        loop = asyncio.get_running_loop()
+        wakeups = self._wakeups
+        if wakeups is None or wakeups.loop is not loop:
+            wakeups = self._wakeups = Wakeups(self._redis)
+        return wakeups
+
     async def _wait(self, task_id: str, timeout_s: float, queue: str | None) -> TaskState:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        pubsub = self._redis.pubsub()
-        # Subscribe before the first read: a result stored in between still wakes us. The
-        # channel is per task id; a wake-up for another queue's record costs one re-read.
+        # Watched before the first read, which waits for the subscription: a result stored
+        # in between still wakes us. The channel is per task id; a wake-up for another
+        # queue's record costs one re-read.
+        wakeups = self.wakeups()
+        watch = wakeups.watch(done_channel(task_id))
         try:
-            await pubsub.subscribe(done_channel(task_id))
             while True:
+                left = deadline - loop.time()
+                # Unsubscribed (not yet, or the connection was lost): re-read on a beat.
+                await watch.wait(left if watch.subscribed else min(left, _RECHECK_S))
                 state = await self.get(task_id, queue=queue)
                 if state is not None and state.status.terminal:
                     return state
-                left = deadline - loop.time()
-                if left <= 0:
+                if deadline - loop.time() <= 0:
                     raise ResultTimeoutError(task_id, timeout_s, state)
-                await pubsub.get_message(
-                    ignore_subscribe_messages=True, timeout=min(left, _RECHECK_S)
-                )
         finally:
-            # aclose alone: it drops the subscription with the connection and is the one call
-            # that returns the connection to the pool. An unsubscribe first would fail on a
-            # Redis that just went away and skip it, leaking a connection per waiter.
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            wakeups.unwatch(watch)
 
     # -- cancellation (state.cancel, state.redis_cancel) ----------------------------------
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
@@ -658,6 +668,9 @@ class RedisTaskStore:
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
+        wakeups, self._wakeups = self._wakeups, None
+        if wakeups is not None and wakeups.loop is asyncio.get_running_loop():
+            await wakeups.close()
         await self._pipe.close()
         if self._owns_client:
             await self._redis.aclose()

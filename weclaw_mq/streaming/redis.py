@@ -20,8 +20,10 @@ from typing import Any
 from ..naming import inbox_key, inbox_trace_key, stream_key
 from ..settings import Settings
 from ..state import state_unavailable
+from ..state.pipelining import AutoPipeline, Script
 from ..state.redis import REDIS_FAILURES, open_client
 from ..state.redis_clients import StateClient
+from ..state.redis_wakeups import RECHECK_S, Wakeups
 from .events import Entry, StreamEvent, decode, next_id
 from .protocol import READ_BATCH
 
@@ -87,11 +89,13 @@ end
 local keep = 2 * tonumber(ARGV[2])
 redis.call('PEXPIRE', KEYS[1], keep)
 if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('PEXPIRE', KEYS[2], keep) end
+redis.call('PUBLISH', KEYS[1], '')
 return over
 """
 )
-"""Append to an inbox, oldest-first bounded. KEYS: inbox, trace. ARGV: max entries, ttl_ms,
-then kind, JSON for each entry. Returns how many oldest entries were dropped."""
+"""Append to an inbox, oldest-first bounded, and wake its readers (the inbox's key names its
+channel). KEYS: inbox, trace. ARGV: max entries, ttl_ms, then kind, JSON for each entry.
+Returns how many oldest entries were dropped."""
 
 _EXPIRE = (
     _EXPIRE_LUA
@@ -111,6 +115,7 @@ if last then
 end
 local id = redis.call('XADD', KEYS[1], '*', 'k', 'final', 'e', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PUBLISH', KEYS[1], '')
 return id
 """
 )
@@ -119,9 +124,27 @@ it derive the same JSON from the same state; a task run again after its final, b
 requeue, ends with a new one); either way return the id of the final it ends with.
 KEYS: stream. ARGV: JSON, ttl_ms."""
 
+# After a task's stream is written: its TTL, and a wake-up for its readers (a stream's key
+# names its channel too). A script, as a cluster pipeline refuses PUBLISH. KEYS: stream.
+# ARGV: ttl_ms.
+_WROTE = """
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PUBLISH', KEYS[1], '')
+return 1
+"""
 
-# Writes (chunks, final events, inbox deliveries) on Redis at once, per store: each takes a
-# pooled connection, so a worker's emitting tasks share this many whatever its concurrency.
+# A read that never blocks, so it can share the store's pipelined connections (a blocking
+# XREAD would hold one per reader). KEYS: stream. ARGV: after, count.
+_READ = "return redis.call('XREAD', 'COUNT', ARGV[2], 'STREAMS', KEYS[1], ARGV[1])"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# Chunk writes on Redis at once, per store: each takes a pooled connection, so a worker's
+# emitting tasks share this many whatever its concurrency (ends, reads and lone deliveries go
+# through the store's auto-pipeline instead).
 WRITES_IN_FLIGHT = 8
 
 
@@ -143,8 +166,14 @@ class RedisStreamStore:
         self._inbox_ttl_ms = int(inbox_ttl_s * 1000)
         self._inbox_max = inbox_max_entries
         self._deliver = client.register_script(_DELIVER)
-        self._expire = client.register_script(_EXPIRE)
-        self._end = client.register_script(_END)
+        # Readers (and their ends: every reader of a task may race to write its final) are
+        # woken through one subscription and share one auto-pipeline's connections.
+        self._pipe = AutoPipeline(client)
+        self._expire = Script.of(_EXPIRE)
+        self._end = Script.of(_END)
+        self._deliver_alone = Script.of(_DELIVER)
+        self._read_script = Script.of(_READ)
+        self._wakeups: Wakeups | None = None
         self._writing = asyncio.Semaphore(WRITES_IN_FLIGHT)
 
     def _deliver_args(self, entries: Sequence[Entry]) -> list[Any]:
@@ -163,7 +192,9 @@ class RedisStreamStore:
             async with self._writing, self._redis.pipeline(transaction=False) as pipe:
                 for entry in entries:
                     pipe.xadd(key, {"k": entry.kind, "e": entry.body})
-                pipe.pexpire(key, self._ttl_ms)
+                # By its text: a registered script would make redis-py's pipeline ask
+                # SCRIPT EXISTS first, a round trip per write.
+                pipe.execute_command("EVAL", _WROTE, 1, key, self._ttl_ms)
                 if session_id is not None:
                     await self._deliver(
                         keys=[inbox_key(session_id), inbox_trace_key(session_id)],
@@ -176,23 +207,51 @@ class RedisStreamStore:
 
     async def end(self, task_id: str, final: Entry) -> str:
         try:
-            async with self._writing:
-                final_id = await self._end(
-                    keys=[stream_key(task_id)], args=[final.body, self._ttl_ms]
-                )
+            final_id = await self._pipe.script(
+                self._end, [stream_key(task_id)], [final.body, self._ttl_ms]
+            )
             return final_id.decode() if isinstance(final_id, bytes) else str(final_id)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
-    async def _read(self, key: str, after: str, timeout_s: float, count: int) -> list[StreamEvent]:
-        # BLOCK 0 would wait forever; a reader wants its turn back to check on the task.
-        block = max(1, int(timeout_s * 1000)) if timeout_s > 0 else None
-        # RESP2 (redis-py's default): [[key, [(id, {field: value}), ...]]]; typed loosely.
-        answer: Any = await self._redis.xread({key: after}, count=count, block=block)
+    def _wakeups_here(self) -> Wakeups:
+        loop = asyncio.get_running_loop()
+        wakeups = self._wakeups
+        if wakeups is None or wakeups.loop is not loop:
+            wakeups = self._wakeups = Wakeups(self._redis)
+        return wakeups
+
+    async def _read_now(self, key: str, after: str, count: int) -> list[StreamEvent]:
+        # RESP2: [[key, [[id, [field, value, ...]], ...]]], or None; typed loosely.
+        answer: Any = await self._pipe.script(self._read_script, [key], [after, count])
         if not answer:
             return []
-        entries: list[tuple[bytes, dict[bytes, bytes]]] = answer[0][1]
-        return [decode(event_id.decode(), fields[b"e"]) for event_id, fields in entries]
+        events = []
+        for event_id, flat in answer[0][1]:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            events.append(decode(_text(event_id), fields[b"e"]))
+        return events
+
+    async def _read(self, key: str, after: str, timeout_s: float, count: int) -> list[StreamEvent]:
+        if timeout_s <= 0:
+            return await self._read_now(key, after, count)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        # Watched before the first read, which waits for the subscription: an entry written
+        # in between still wakes us.
+        wakeups = self._wakeups_here()
+        watch = wakeups.watch(key)
+        try:
+            while True:
+                left = deadline - loop.time()
+                # A read ends with one more look at its deadline, woken or not: a writer of an
+                # older version wakes nobody.
+                await watch.wait(left if watch.subscribed else min(left, RECHECK_S))
+                events = await self._read_now(key, after, count)
+                if events or deadline - loop.time() <= 0:
+                    return events
+        finally:
+            wakeups.unwatch(watch)
 
     async def read(
         self, task_id: str, after: str, timeout_s: float, *, count: int = READ_BATCH
@@ -204,11 +263,11 @@ class RedisStreamStore:
 
     async def deliver(self, session_id: str, entries: Sequence[Entry]) -> int:
         try:
-            async with self._writing:
-                dropped = await self._deliver(
-                    keys=[inbox_key(session_id), inbox_trace_key(session_id)],
-                    args=self._deliver_args(entries),
-                )
+            dropped = await self._pipe.script(
+                self._deliver_alone,
+                [inbox_key(session_id), inbox_trace_key(session_id)],
+                self._deliver_args(entries),
+            )
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
         return int(dropped)
@@ -225,7 +284,7 @@ class RedisStreamStore:
         key = inbox_key(session_id)
         try:
             if expire:
-                await self._expire(keys=[key], args=[self._inbox_ttl_ms])
+                await self._pipe.script(self._expire, [key], [self._inbox_ttl_ms])
             return await self._read(key, after, timeout_s, count)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
@@ -244,13 +303,17 @@ class RedisStreamStore:
         return int(raw) if raw is not None else 0
 
     async def close(self) -> None:
+        wakeups, self._wakeups = self._wakeups, None
+        if wakeups is not None and wakeups.loop is asyncio.get_running_loop():
+            await wakeups.close()
+        await self._pipe.close()
         if self._owns_client:
             await self._redis.aclose()
 
 
 def open_redis_streams(settings: Settings) -> RedisStreamStore:
-    """The default stream store, on its own connection pool: readers block on a connection
-    each (``XREAD BLOCK``), which must not starve the worker's claims and results."""
+    """The default stream store, on its own connection pool: its readers share one
+    subscription and one auto-pipeline of it (``state.redis_wakeups``)."""
     return RedisStreamStore(
         open_client(settings),
         ttl_s=settings.result_ttl_s,
