@@ -95,7 +95,7 @@ def down_and_up(
             "outbox_relay_in_app": False,
         }
         common.update(overrides)
-        return dead_app(**common), with_handler(make_app("up", **common), qname)
+        return dead_app(**common), with_handler(make_app("up", **common), qname, priorities=True)
 
     return build
 

@@ -35,7 +35,6 @@ from ..broker_version import ServerVersion
 from ..errors import ConfigurationError
 from ..failures import describe
 from ..handler import HandlerSpec
-from ..priority import plan_priorities
 from ..publishing.connection import (
     CLOSE_TIMEOUT_S,
     LINK_ERRORS,
@@ -237,7 +236,7 @@ class Worker:
         await declare_channel.close()
 
         version = server_version(conn)
-        laned = [s for s in self.specs if plan_priorities(version, s.queue_type).mode == "lanes"]
+        laned = [s for s in self.specs if len(s.queue_spec().lane_queues(version)) > 1]
         single = [s for s in self.specs if s not in laned]
         channel = await conn.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.concurrency)
