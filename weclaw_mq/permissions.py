@@ -17,9 +17,10 @@ get, purge). What each of our roles does (checked on RabbitMQ 3.10 by
 Every publish of ours goes through the default exchange, or (a task parked for a delay)
 through the fanout exchange of one of the vhost's shared delay queues
 (``topology.delay_exchanges``, named as the queue). RabbitMQ checks a publish against the
-exchange alone (``amq.default``), never the queue the routing key names: a user who may publish may publish to ANY queue of
-the vhost (a delay queue's exchange, too, dead-letters by the routing key to any queue). Reads
-are limited per queue here; writes are limited only by giving each app (or each trust
+exchange alone (``amq.default``), never the queue the routing key names: a user who may
+publish may publish to ANY queue of the vhost (a delay queue's exchange, too, dead-letters by
+the routing key to any queue bound to the return exchange). Reads are limited per queue
+here; writes are limited only by giving each app (or each trust
 domain) its own vhost.
 """
 

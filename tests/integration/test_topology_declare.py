@@ -27,7 +27,6 @@ from weclaw_mq.naming import (
 )
 from weclaw_mq.topology import delay_queue_arguments
 
-
 PARKING = parking_queue_name()
 
 

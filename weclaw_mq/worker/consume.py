@@ -31,6 +31,7 @@ from aio_pika.abc import (
 
 from ..app import App
 from ..breaker import CircuitState
+from ..broker_load import read_broker_load
 from ..broker_version import ServerVersion
 from ..errors import ConfigurationError
 from ..failures import describe
@@ -167,14 +168,25 @@ class Worker:
         store = self.app.store
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
+        # Off the start's path: rabbitmqctl takes about a second (weclaw_mq.broker_load).
+        load_check = asyncio.create_task(self._warn_about_broker_load())
         try:
             with tolerant_properties():
                 await self._run()
         finally:
-            if listener is not None:
-                listener.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await listener
+            for task in (listener, load_check):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    async def _warn_about_broker_load(self) -> None:
+        """One line at start when the broker is within 10 % of its file-handle or memory
+        limit, where that can be read at all (``broker_load``)."""
+        url = self.settings.amqp_urls()[0]
+        load = await asyncio.to_thread(read_broker_load, url)
+        if load is not None and (warning := load.warning()) is not None:
+            log.warning("%s", warning)
 
     async def _run(self) -> None:
         failures = 0
