@@ -15,6 +15,7 @@ from tests.broker_ctl import broker_ctl
 from tests.conftest import get_message, queue_depth, wait_until
 from weclaw_mq import App, Limit, RetryPolicy, TopologyConflictError
 from weclaw_mq.admin import queue_stats
+from weclaw_mq.admin.migrate import migrate
 from weclaw_mq.delays import STEP_DELAYS_MS
 from weclaw_mq.naming import (
     RETURN_EXCHANGE,
@@ -25,7 +26,7 @@ from weclaw_mq.naming import (
     parking_queue_name,
     retry_queue_name,
 )
-from weclaw_mq.topology import delay_queue_arguments
+from weclaw_mq.topology import work_queue_arguments
 
 PARKING = parking_queue_name()
 
@@ -149,7 +150,8 @@ async def test_a_handler_costs_two_quorum_queues_and_four_with_priorities_on_3x(
     for i in range(5):
         _register(more, f"{qname}-more{i}")
     await more.declare()
-    added = set(await asyncio.to_thread(_list_queues)) - before
+    # (Other suites may declare queues of their own meanwhile: only ours are counted.)
+    added = {n for n in set(await asyncio.to_thread(_list_queues)) - before if qname in n}
     assert added == {n for i in range(5) for n in (f"{qname}-more{i}", f"{qname}-more{i}.dlq")}
 
 
@@ -269,39 +271,92 @@ async def test_a_conflict_does_not_stop_the_app_from_declaring_again(
     assert qname in await old.declare()
 
 
-async def test_an_older_versions_per_lane_delay_queue_keeps_returning_to_its_lane_after_upgrade(
-    make_app: Callable[..., App], qname: str, amqp: AbstractChannel
+def _old_delay_arguments(delay_ms: int, lane: str | None = None) -> dict[str, Any]:
+    """A delay queue as versions before the shared ladder declared it: dead-lettering through
+    the default exchange, by the message's routing key (per handler) or to ``lane``
+    (per lane, older still)."""
+    args: dict[str, Any] = {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+        "x-message-ttl": delay_ms,
+    }
+    if lane is not None:
+        args["x-dead-letter-routing-key"] = lane
+    return args
+
+
+async def test_an_upgrade_from_per_handler_delay_queues_and_lanes_loses_nothing(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    amqp: AbstractChannel,
 ) -> None:
-    """An upgraded deployment: a per-lane delay queue of a version before the shared ones
-    still holds a task. Declaring today's topology meets no conflict, the old queue hands its
-    task back to its lane as before, and ``weclaw-mq stats`` lists it while it exists."""
+    """Issue 25, item 3. The previous version's topology, rebuilt by name and arguments (a
+    handler with lanes and its own delay queues), holds tasks: parked in Q.retry.lanes.1s for
+    Q and for its HIGH lane, in an even older per-lane delay queue, waiting in the HIGH lane.
+    This version's worker (no priorities: no lanes) runs every one of them: the old delay
+    queues hand theirs back by name, ``weclaw-mq migrate`` moves the lane's to Q and deletes
+    each old queue once empty (never a non-empty one), and stats lists them while they exist."""
     app = make_app()
-    _register(app, qname, retry=RetryPolicy(max_retries=1, delay_s=0.2))
+    ran: list[str] = []
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=1, delay_s=0.2))
+    async def handle(task: dict[str, str]) -> None:
+        ran.append(task["text"])
+
     high = lane_queue_name(qname, "high")
-    old = retry_queue_name(high, 200)
-    # As versions before declared it: dead-lettering to its lane by name.
-    old_arguments = {**delay_queue_arguments(200), "x-dead-letter-routing-key": high}
-    await amqp.declare_queue(old, durable=True, arguments=old_arguments)
+    per_handler = delay_queue_name(qname, 1000)
+    per_lane = retry_queue_name(high, 200)
+    old = [high, lane_queue_name(qname, "urgent"), per_handler, per_lane]
     try:
-        await app.declare()  # the lanes exist, as they did before the upgrade
-        message = aio_pika.Message(b'{"n": 1}', message_id=f"old-{qname}")
-        await amqp.default_exchange.publish(message, routing_key=old)  # as the old worker did
-
-        await wait_until(
-            lambda: _depth_is(amqp, high, 1), 10, "the old delay queue's task back in its lane"
+        await app.declare()  # Q and Q.dlq are declared as the old version did
+        for lane in old[:2]:
+            await amqp.declare_queue(
+                lane, durable=True, arguments=work_queue_arguments(app.handlers[qname].queue_spec())
+            )
+        await amqp.declare_queue(per_handler, durable=True, arguments=_old_delay_arguments(1000))
+        exchange = await amqp.declare_exchange(per_handler, aio_pika.ExchangeType.FANOUT)
+        await (await amqp.get_queue(per_handler, ensure=False)).bind(exchange, routing_key="")
+        await amqp.declare_queue(
+            per_lane, durable=True, arguments=_old_delay_arguments(200, lane=high)
         )
-        back = await get_message(amqp, high)
-        assert back is not None and back.message_id == f"old-{qname}"
-        assert back.headers["x-death"][0]["queue"] == old
+        # As the old worker parked and routed them.
+        await exchange.publish(app.prepare(qname, {"text": "parked-q"}), routing_key=qname)
+        await exchange.publish(app.prepare(qname, {"text": "parked-high"}), routing_key=high)
+        await amqp.default_exchange.publish(
+            app.prepare(qname, {"text": "per-lane"}), routing_key=per_lane
+        )
+        await amqp.default_exchange.publish(
+            app.prepare(qname, {"text": "in-high"}), routing_key=high
+        )
 
-        assert await app.declare()  # again: still no conflict with the old queue
-        got = await queue_stats.stats(app, qname, retry_delays_ms=(200,))
-        listed = [(c.name, c.role, c.exists) for c in got.retries]
-        assert listed == [(delay_queue_name(qname, 200), "retry", True), (old, "retry", True)]
-        found = await queue_stats.discover(app, qname)
-        assert (old, "retry", True) in [(c.name, c.role, c.exists) for c in found.retries]
+        got = await queue_stats.stats(app, qname, retry_delays_ms=(1000, 200))
+        listed = {c.name: c.role for c in got.old}
+        assert listed == {per_handler: "old", per_lane: "old", old[0]: "old", old[1]: "old"}
+
+        summary = await migrate(app)  # while the old delay queues still hold tasks
+        assert per_handler in {k.name for k in summary.kept}
+        assert per_handler not in summary.deleted and high not in summary.deleted
+
+        await start_worker(app)
+        await wait_until(lambda: "parked-q" in ran, 15, "the old delay queue's task for Q")
+        await wait_until(
+            lambda: _depth_is(amqp, per_handler, 0), 15, "the old delay queue to empty"
+        )
+        await wait_until(lambda: _depth_is(amqp, per_lane, 0), 15, "the per-lane one too")
+
+        summary = await migrate(app)
+        assert {per_handler, per_lane, *old[:2]} <= set(summary.deleted)
+        assert summary.moved == {high: 3}  # in-high, parked-high, per-lane
+        await wait_until(lambda: len(ran) == 4, 15, "every old task to run")
+        assert sorted(ran) == ["in-high", "parked-high", "parked-q", "per-lane"]
+        assert (await queue_stats.stats(app, qname, retry_delays_ms=(1000, 200))).old == ()
     finally:
-        await amqp.queue_delete(old)
+        for name in old:
+            await amqp.queue_delete(name)
+        await amqp.exchange_delete(per_handler)
 
 
 async def _depth_is(amqp: AbstractChannel, queue: str, n: int) -> bool:

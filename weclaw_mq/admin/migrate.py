@@ -7,9 +7,12 @@ with ``priorities=True``. What the old queues hold is not lost: an old delay que
 dead-letters each task back to its lane by name when its delay ends, and a worker of this
 version consumes it there. So migrating is only deleting, and only what is empty:
 
-- an old delay queue is deleted when empty and unused (``queue.delete`` with ``if-empty`` and
-  ``if-unused``: the broker itself refuses a queue that is not, so a task arriving meanwhile
-  is never deleted with it); one that still holds tasks is kept, and said so;
+- an old delay queue is deleted when it holds no message and has no consumer; one that still
+  holds tasks is kept, and said so. Quorum queues refuse ``queue.delete`` with ``if-empty``,
+  so the count is read just before the delete: a per-handler delay queue's only way in, its
+  fanout exchange, is deleted first; the per-lane ones and the lanes were published to by
+  name, so run migrate once no worker or producer of an older version runs (one that still
+  writes between the count and the delete is logged as an error with the count);
 - an old lane of a handler that takes no priorities is consumed by no worker of this version:
   its tasks are moved to Q (each published with a confirm, then acked: a crash in between
   leaves a duplicate, which the idempotency guard absorbs, never a loss), then it is deleted
@@ -55,23 +58,37 @@ class MigrateSummary:
 
 
 async def _delete_if_empty(conn: AbstractConnection, name: str) -> bool:
-    """Delete ``name`` if the broker finds it empty and unused; False when it refused."""
+    """Delete ``name`` if it has no consumer and no message; False when not. Quorum queues
+    refuse ``if-empty`` and ``if-unused``, so the counts are read just before; the fanout
+    exchange in front of a per-handler delay queue (its only way in) goes first."""
+    await _delete_exchange(conn, name)
+    counts = await ready_count(conn, name)
+    if counts is None or counts != (0, 0):
+        return False
     channel = await conn.channel()
     try:
-        await channel.queue_delete(name, if_unused=True, if_empty=True)
-    except aiormq.exceptions.ChannelPreconditionFailed:
-        return False
+        deleted = await channel.queue_delete(name)
     finally:
         if not channel.is_closed:
             await channel.close()
-    # The per-handler delay queue's fanout exchange of the same name (none: no error).
+    if deleted.message_count:  # published between the count and the delete: say so
+        log.error(
+            "%s received %d message(s) while migrate deleted it: a worker or producer of "
+            "an older version is still running (stop them before migrating)",
+            name,
+            deleted.message_count,
+        )
+    return True
+
+
+async def _delete_exchange(conn: AbstractConnection, name: str) -> None:
+    """The per-handler delay queue's fanout exchange of the same name (none: no error)."""
     channel = await conn.channel()
     try:
         await channel.exchange_delete(name)
     finally:
         if not channel.is_closed:
             await channel.close()
-    return True
 
 
 async def _move_all(conn: AbstractConnection, source: str, target: str) -> int:
