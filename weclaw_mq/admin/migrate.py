@@ -26,7 +26,6 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-import aiormq
 from aio_pika.abc import AbstractConnection
 from pamqp.commands import Basic
 
