@@ -71,7 +71,9 @@ async def dead_app(redis_url: str, qname: str) -> AsyncIterator[Callable[..., Ap
 
     def build(**overrides: Any) -> App:
         app = with_handler(
-            App("down", settings=settings_for(DEAD_URL, redis_url, **overrides)), qname
+            App("down", settings=settings_for(DEAD_URL, redis_url, **overrides)),
+            qname,
+            priorities=True,
         )
         apps.append(app)
         return app
