@@ -209,7 +209,13 @@ def test_declaration_arguments_are_fresh_dicts_each_call() -> None:
 # the default ulimit -n 1024): the queues per handler are what a broker can host. Before the
 # vhost shared one delay ladder, a handler declared 13 (18 with limit=); before the lanes
 # shared their delay queues, 31 (46).
-QUORUM_QUEUES_PER_HANDLER = {ServerVersion(3, 10, 8): 4, ServerVersion(4, 3, 0): 2}
+QUORUM_QUEUES_PER_HANDLER = {
+    ServerVersion(3, 10, 8): 4,
+    ServerVersion(3, 13, 7): 4,
+    ServerVersion(4, 0, 5): 4,
+    ServerVersion(4, 2, 0): 4,
+    ServerVersion(4, 3, 0): 2,
+}
 
 
 def _quorum_queue_count(app: App, queue: str, version: ServerVersion) -> int:

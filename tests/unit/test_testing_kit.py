@@ -21,6 +21,7 @@ from weclaw_mq import (
     App,
     ConfigurationError,
     Context,
+    InvalidPriorityError,
     Priority,
     Retry,
     RetryPolicy,
@@ -175,6 +176,42 @@ async def test_higher_priorities_run_first() -> None:
         await app.publish(Q, {"n": 2}, priority=Priority.URGENT)
         await broker.run_until_idle()
     assert order == [2, 1, 0]
+
+
+async def test_a_priority_for_a_handler_without_priorities_is_refused_before_anything_is_sent() -> (
+    None
+):
+    """Lanes are opt-in (issue 25): a handler without ``priorities=True`` has none, so its app
+    refuses a HIGH task at once rather than publish it to a lane that does not exist."""
+    app = offline_app()
+
+    @app.handler(Q)
+    async def record(job: Job) -> None: ...
+
+    async with TestBroker(app) as broker:
+        with pytest.raises(InvalidPriorityError, match=r"takes no priorities.*priorities=True"):
+            await app.publish(Q, {"n": 1}, priority="high")
+        assert broker.depth(Q) == 0
+        assert sorted(broker.memory.queues) == sorted(
+            [Q, f"{Q}.dlq", *(n for n, _ in ladder_declarations([app.handlers[Q].queue_spec()]))]
+        )
+        await app.publish(Q, {"n": 2}, priority="normal")  # NORMAL is every handler's
+        assert broker.depth(Q) == 1
+
+
+async def test_a_delayed_task_whose_queue_is_gone_is_parked_not_dropped() -> None:
+    clock = VirtualClock()
+    memory = MemoryBroker(clock)
+    spec = QueueSpec(name=Q, retry_delays_ms=(5000,), delivery_limit=2)
+    for name, arguments in ladder_declarations([spec]):
+        memory.declare(name, arguments)
+    for exchange in delay_exchanges(spec):
+        memory.declare_fanout(exchange, exchange)
+    memory.publish(Q, aio_pika.Message(b"{}", message_id="t-3"), exchange="weclaw_mq.delay.5s")
+    clock.advance(5.0)
+    memory.expire_due()
+    parked = memory.deliver("weclaw_mq.unroutable.dlq")
+    assert parked is not None and parked.message_id == "t-3" and parked.routing_key == Q
 
 
 async def test_a_pipeline_over_two_apps_runs_to_its_last_stage() -> None:
