@@ -32,7 +32,6 @@ from weclaw_mq import headers as wh
 from weclaw_mq.topology import (
     QueueSpec,
     declare,
-    delay_exchanges,
     queue_declarations,
     work_queue_arguments,
 )
@@ -93,10 +92,6 @@ async def delete_app_queues(amqp_url: str, app: App) -> None:
                 channel = await conn.channel()
                 await channel.queue_delete(name)
                 await channel.close()
-            channel = await conn.channel()
-            for exchange in delay_exchanges(spec.queue_spec()):
-                await channel.exchange_delete(exchange)
-            await channel.close()
     finally:
         await conn.close()
 
@@ -172,11 +167,6 @@ class Infra:
                 await (await self.channel()).queue_delete(name)
             except Exception as e:  # keep deleting the others; the final sweep retries
                 print(f"bench: could not delete queue {name}: {e}", file=sys.stderr)
-        for exchange in delay_exchanges(weclaw_spec(queue)):
-            try:
-                await (await self.channel()).exchange_delete(exchange)
-            except Exception as e:
-                print(f"bench: could not delete exchange {exchange}: {e}", file=sys.stderr)
         for attempt in range(3):
             try:
                 await self.delete_keys(f"*{queue}*")

@@ -43,7 +43,7 @@ import aio_pika
 
 from weclaw_mq import App, Settings
 from weclaw_mq.outbox.relay import Relay
-from weclaw_mq.topology import delay_exchanges, queue_declarations
+from weclaw_mq.topology import queue_declarations
 
 from .common import make_payload
 
@@ -110,8 +110,6 @@ class Bench:
             for spec in self.up.handlers.values():
                 for name, _ in queue_declarations(spec.queue_spec()):
                     await channel.queue_delete(name)
-                for exchange in delay_exchanges(spec.queue_spec()):
-                    await channel.exchange_delete(exchange)
         finally:
             await conn.close()
 

@@ -41,8 +41,6 @@ from typing import Any
 import aio_pika
 
 from weclaw_mq import App, Context, Settings, Worker
-from weclaw_mq.broker_version import ServerVersion
-from weclaw_mq.priority import plan_priorities
 from weclaw_mq.worker import consume
 
 from .infra import delete_app_queues
@@ -53,20 +51,6 @@ THROUGHPUT_TARGET = 0.95
 
 def _settings(amqp_url: str) -> Settings:
     return Settings(amqp_url=amqp_url, results_enabled=False, _env_file=None)  # type: ignore[call-arg,arg-type]
-
-
-@contextlib.contextmanager
-def one_queue_plan() -> Iterator[None]:
-    """The worker consumes Q alone with one prefetch-C consumer: what it does on a broker
-    with native priorities (4.3), here on the same 3.10 quorum queue, as the baseline."""
-    real = consume.plan_priorities
-    consume.plan_priorities = lambda version, queue_type="quorum": plan_priorities(  # type: ignore[assignment]
-        ServerVersion(4, 3, 0), queue_type
-    )
-    try:
-        yield
-    finally:
-        consume.plan_priorities = real  # type: ignore[assignment]
 
 
 async def urgent_run(
@@ -80,7 +64,7 @@ async def urgent_run(
     busy = asyncio.Event()  # every slot taken and the look-ahead filled
     marker: asyncio.Future[tuple[int, float]] = asyncio.get_running_loop().create_future()
 
-    @app.handler(queue, idempotent=False)
+    @app.handler(queue, idempotent=False, priorities=True)
     async def work(task: dict[str, Any], ctx: Context) -> None:
         nonlocal done
         if task.get("marker") and not marker.done():
@@ -131,7 +115,9 @@ async def throughput_run(
     done = 0
     all_done = asyncio.Event()
 
-    @app.handler(queue, idempotent=False)
+    # Without priorities the worker consumes Q alone with one prefetch-C consumer: what it
+    # does on a broker with native priorities (4.3), here on the same queue type, the baseline.
+    @app.handler(queue, idempotent=False, priorities=lanes)
     async def work(task: dict[str, Any]) -> None:
         nonlocal done
         done += 1
@@ -142,8 +128,7 @@ async def throughput_run(
         await app.declare()
         for start in range(0, n, 1000):
             await app.publish_many(queue, [{"n": i} for i in range(start, min(n, start + 1000))])
-        plan = contextlib.nullcontext() if lanes else one_queue_plan()
-        with plan, contextlib.nullcontext() if bulk else per_consumer_lanes():
+        with contextlib.nullcontext() if bulk else per_consumer_lanes():
             worker = Worker(app, concurrency=concurrency)
             began = time.perf_counter()
             running = asyncio.create_task(worker.run())

@@ -51,7 +51,7 @@ from weclaw_mq.naming import (
     stream_key,
     task_keys,
 )
-from weclaw_mq.topology import delay_exchanges, queue_declarations
+from weclaw_mq.topology import queue_declarations
 
 EMIT_BOUND_MS = 5.0
 LATENCY_BOUND_MS = 10.0
@@ -154,10 +154,6 @@ async def cleanup(app: App, redis_url: str, queue: str) -> None:
             channel = await conn.channel()
             await channel.queue_delete(name)
             await channel.close()
-        channel = await conn.channel()
-        for exchange in delay_exchanges(spec):
-            await channel.exchange_delete(exchange)
-        await channel.close()
     finally:
         await conn.close()
     client = aioredis.Redis.from_url(redis_url)

@@ -31,6 +31,7 @@ from .errors import (
     ConfigurationError,
     IdempotencyConflictError,
     InvalidPayload,
+    InvalidPriorityError,
     PayloadTooLargeError,
     PayloadValidationError,
     ResultTimeoutError,
@@ -41,7 +42,7 @@ from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from .limits import Limit, as_limits
 from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
 from .metrics import Metrics
-from .naming import delay_queue_name, validate_queue_name, validate_session_id
+from .naming import ladder_queue_name, validate_queue_name, validate_session_id
 from .notification import notify_target
 from .otel import Spans, spans_for
 from .priority import (
@@ -178,6 +179,7 @@ class App:
         ttl_s: float | None = None,
         notify: bool | str = False,
         priority: Priority | str = Priority.NORMAL,
+        priorities: bool = False,
         queue_type: str = QUORUM,
         limit: Limit | Sequence[Limit] | None = None,
         breaker: Breaker | None = None,
@@ -190,7 +192,10 @@ class App:
         ``notify=True`` publishes each task's final state to ``<queue>.results`` (a name: to
         that queue) before the task is acked or dead-lettered (see ``notification``).
 
-        ``priority`` is the default of tasks published to ``queue`` without one;
+        ``priorities=True`` lets tasks of ``queue`` carry a priority above NORMAL (on a
+        broker without usable priorities that costs two lane queues; a default ``priority``
+        above NORMAL implies it); ``priority`` is the default of tasks published to
+        ``queue`` without one;
         ``queue_type="classic"`` declares Q as a classic queue with native priorities
         (not replicated: see the README's "Priorities").
 
@@ -223,6 +228,7 @@ class App:
                 queue_type=queue_type,
                 limits=limits,
                 breaker=breaker,
+                priorities=priorities,
             )
             return func
 
@@ -326,15 +332,22 @@ class App:
         return max(1, round(ttl * 1000))
 
     def _priority_of(self, queue: str, priority: Priority | str | None) -> Priority:
-        if priority is not None:
-            return parse_priority(priority)
         spec = self._handlers.get(queue)
-        return spec.priority if spec is not None else Priority.NORMAL
+        if priority is None:
+            return spec.priority if spec is not None else Priority.NORMAL
+        level = parse_priority(priority)
+        if level is not Priority.NORMAL and spec is not None and not spec.priorities:
+            # Its lanes do not exist: refused here, before anything is sent or recorded.
+            raise InvalidPriorityError(
+                f"handler {queue!r} takes no priorities: register it with priorities=True "
+                f"to publish {level.value.upper()} tasks to it"
+            )
+        return level
 
     async def _route(self, queue: str, message: aio_pika.Message) -> tuple[str, str]:
         """Where ``message`` goes, as (exchange, routing key): its lane (``_lane``) through
-        the default exchange, or, before its not-before time, one of Q's step delay queues
-        through its exchange, with the lane as routing key: the delay queue dead-letters it
+        the default exchange, or, before its not-before time, one of the vhost's step delay
+        queues through its exchange, with the lane as routing key: the delay queue dead-letters it
         back by that key (``delays``, ``topology``). They are declared with the handler's
         queues; where they are not (no worker of this version declared them yet), the
         publish is refused as unroutable and nothing is sent."""
@@ -343,7 +356,7 @@ class App:
         left = None if due is None else due - now_ms()
         if left is None or left <= 0:  # no delay, or a delay that passed in the outbox
             return "", lane
-        return delay_queue_name(queue, next_hop_ms(left, STEP_DELAYS_MS)), lane
+        return ladder_queue_name(next_hop_ms(left, STEP_DELAYS_MS)), lane
 
     async def _lane(self, queue: str, message: aio_pika.Message) -> str:
         """The lane of ``message`` (or Q with the AMQP priority property where the broker,

@@ -43,6 +43,9 @@ class HandlerSpec:
     notify: NotifyTarget | None = None
     # The priority of a task published to this queue without one.
     priority: Priority = Priority.NORMAL
+    # Takes priorities above NORMAL (``priorities=True``, or a default above NORMAL): only
+    # such a handler gets lanes where the broker has no usable priorities (``topology``).
+    priorities: bool = False
     queue_type: str = QUORUM
     # Per-key concurrency and rate limits (``limit=``; weclaw_mq.limits).
     limits: tuple[Limit, ...] = ()
@@ -68,6 +71,7 @@ class HandlerSpec:
             max_length=self.max_length,
             results=None if self.notify is None else self.notify.queue_spec(),
             queue_type=self.queue_type,
+            priorities=self.priorities,
         )
 
     def parse(self, body: bytes) -> Any:
@@ -112,6 +116,7 @@ def build_spec(
     queue_type: str = QUORUM,
     limits: tuple[Limit, ...] = (),
     breaker: Breaker | None = None,
+    priorities: bool = False,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -133,6 +138,8 @@ def build_spec(
     if max_length is not None and max_length < 1:
         raise ConfigurationError(f"max_length for {queue!r} must be >= 1")
     check_ttl(ttl_s, f"ttl_s for {queue!r}")
+    if not isinstance(priorities, bool):
+        raise ConfigurationError(f"priorities for {queue!r} must be True or False")
     if breaker is not None and not isinstance(breaker, Breaker):
         raise ConfigurationError(f"breaker for {queue!r} must be a Breaker, got {breaker!r}")
     try:
@@ -160,6 +167,7 @@ def build_spec(
         ttl_s=float(ttl_s),
         notify=notify,
         priority=parse_priority(priority),
+        priorities=priorities or parse_priority(priority) is not Priority.NORMAL,
         queue_type=check_queue_type(queue_type),
         limits=limits,
         breaker=breaker,

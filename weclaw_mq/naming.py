@@ -38,6 +38,21 @@ HEARTBEAT_KEY_PREFIX = f"{REDIS_PREFIX}:alive"
 # subscription, not one per task it runs, and a PUBLISH reaches every node of a cluster.
 CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
 
+# The broker names shared by every handler of a vhost (``topology.ladder_declarations``):
+#
+#     weclaw_mq.delay.<delay>     a delay queue (x-message-ttl) and the fanout exchange in front
+#     weclaw_mq.return            the direct exchange a delay queue dead-letters to; every work
+#                                 queue (and lane) is bound to it by its own name
+#     weclaw_mq.unroutable        its alternate exchange (fanout), bound to the parking queue
+#     weclaw_mq.unroutable.dlq    the parking queue: a delayed task whose queue is gone; read
+#                                 and requeued by the DLQ tools as the DLQ of "weclaw_mq.unroutable"
+#
+# No handler queue may start with "weclaw_mq.", so none of these is a handler's name.
+SHARED_PREFIX = "weclaw_mq."
+LADDER_INFIX = "delay."
+RETURN_EXCHANGE = f"{SHARED_PREFIX}return"
+UNROUTABLE = f"{SHARED_PREFIX}unroutable"
+
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
 _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")
@@ -52,6 +67,11 @@ def validate_queue_name(name: str) -> str:
         raise ConfigurationError(
             f"queue name {name!r} may hold only letters, digits and '_.:-', "
             "and must start with a letter or digit"
+        )
+    if name.startswith(SHARED_PREFIX):
+        raise ConfigurationError(
+            f"queue name {name!r}: names starting with '{SHARED_PREFIX}' are weclaw_mq's "
+            "shared queues (the delay ladder, the parking queue); pick another name"
         )
     if name.endswith(DLQ_SUFFIX) or RETRY_INFIX in name or LANE_INFIX in name:
         raise ConfigurationError(
@@ -72,25 +92,39 @@ def delay_label(delay_ms: int) -> str:
     return f"{delay_ms}ms"
 
 
+def ladder_queue_name(delay_ms: int) -> str:
+    """The vhost's shared delay queue for ``delay_ms``, and the fanout exchange in front of
+    it: a task is parked there with its lane as routing key and dead-letters back by it
+    through ``RETURN_EXCHANGE`` (``topology.delay_queue_arguments``)."""
+    return f"{SHARED_PREFIX}{LADDER_INFIX}{delay_label(delay_ms)}"
+
+
+def parking_queue_name() -> str:
+    """Where the shared ladder puts a task whose queue is gone: the DLQ of ``UNROUTABLE``."""
+    return dlq_name(UNROUTABLE)
+
+
 def retry_queue_name(queue: str, delay_ms: int) -> str:
     """The per-lane delay queue of ``queue`` (a handler queue or one of its lanes) of
-    versions before the shared ones (``delay_queue_name``): it dead-letters back to ``queue``
-    by its x-dead-letter-routing-key. No longer declared nor published to; one left from an
-    older version keeps returning what it holds, and ``weclaw-mq stats`` still shows it."""
+    versions before the per-handler ones (``delay_queue_name``): it dead-letters back to
+    ``queue`` by its x-dead-letter-routing-key. No longer declared nor published to; one left
+    from an older version keeps returning what it holds, ``weclaw-mq stats`` still shows it
+    and ``weclaw-mq migrate`` deletes it once empty."""
     return f"{queue}{RETRY_INFIX}{delay_label(delay_ms)}"
 
 
-# The delay queues of handler queue Q shared by all its lanes: ``Q.retry.lanes.<delay>``
-# (a queue and a fanout exchange of that name). ".retry." is already reserved in handler
-# names, so these can be no other handler's names, nor a per-lane ``<lane>.retry.<delay>``
-# (a delay label holds no dot).
+# The delay queues of handler queue Q shared by all its lanes, of the version before the
+# vhost's shared ladder: ``Q.retry.lanes.<delay>`` (a queue and a fanout exchange of that
+# name). ".retry." is reserved in handler names, so these can be no other handler's names,
+# nor a per-lane ``<lane>.retry.<delay>`` (a delay label holds no dot).
 SHARED_DELAY_INFIX = f"{RETRY_INFIX}lanes."
 
 
 def delay_queue_name(queue: str, delay_ms: int) -> str:
-    """The delay queue of handler queue ``queue`` for ``delay_ms``, shared by its lanes, and
-    the fanout exchange that routes to it: a message is published there with its lane as
-    routing key, and dead-letters back by that key (``topology.delay_queue_arguments``)."""
+    """The previous version's delay queue of handler queue ``queue`` for ``delay_ms`` (shared
+    by its lanes; a fanout exchange of that name in front). No longer declared nor published
+    to: it dead-letters what it still holds back by the task's routing key through the default
+    exchange, ``weclaw-mq stats`` shows it and ``weclaw-mq migrate`` deletes it once empty."""
     return f"{queue}{SHARED_DELAY_INFIX}{delay_label(delay_ms)}"
 
 

@@ -15,11 +15,12 @@ get, purge). What each of our roles does (checked on RabbitMQ 3.10 by
 - producer: publishes only.
 
 Every publish of ours goes through the default exchange, or (a task parked for a delay)
-through the fanout exchange of one of the handler's delay queues (``topology.delay_exchanges``,
-named as the queue). RabbitMQ checks a publish against the exchange alone (``amq.default``),
-never the queue the routing key names: a user who may publish may publish to ANY queue of the
-vhost (a delay queue's exchange, too, dead-letters by the routing key to any queue). Reads
-are limited per queue here; writes are limited only by giving each app (or each trust
+through the fanout exchange of one of the vhost's shared delay queues
+(``topology.delay_exchanges``, named as the queue). RabbitMQ checks a publish against the
+exchange alone (``amq.default``), never the queue the routing key names: a user who may
+publish may publish to ANY queue of the vhost (a delay queue's exchange, too, dead-letters by
+the routing key to any queue bound to the return exchange). Reads are limited per queue
+here; writes are limited only by giving each app (or each trust
 domain) its own vhost.
 """
 
@@ -33,7 +34,8 @@ from enum import StrEnum
 from urllib.parse import unquote, urlsplit
 
 from .handler import HandlerSpec
-from .topology import delay_exchanges, queue_declarations
+from .naming import RETURN_EXCHANGE, UNROUTABLE
+from .topology import delay_exchanges, ladder_declarations, queue_declarations
 
 # The default exchange's name in permission checks.
 DEFAULT_EXCHANGE_RESOURCE = "amq.default"
@@ -74,7 +76,11 @@ def grant(role: Role, specs: Iterable[HandlerSpec]) -> Grant:
         return Grant(configure=NOTHING, write=publish, read=NOTHING)
     if role is Role.WORKER:
         return Grant(configure=NOTHING, write=publish, read=any_of(work))
+    # The vhost's shared ladder too: its queues, their exchanges, the return exchange and its
+    # alternate exchange (declared, bound and dead-lettered to by ``weclaw-mq declare``).
     every = [name for s in specs for name, _ in queue_declarations(s.queue_spec())]
+    every += [name for name, _ in ladder_declarations(s.queue_spec() for s in specs)]
+    every += [RETURN_EXCHANGE, UNROUTABLE]
     return Grant(
         configure=any_of(every),
         write=any_of([DEFAULT_EXCHANGE_RESOURCE, *every]),

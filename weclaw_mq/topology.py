@@ -1,45 +1,60 @@
-"""The queues of one handler and their arguments, declared idempotently.
+"""The queues of one handler, the vhost's shared delay ladder, and their arguments, declared
+idempotently.
 
 For a handler queue ``Q`` (names from ``naming``):
 
 | queue                 | type   | arguments                                                |
 |-----------------------|--------|----------------------------------------------------------|
 | Q                     | quorum | dead-letter to Q.dlq (at-least-once, reject-publish),    |
-|                       |        | delivery limit, optional max length                      |
-| Q.retry.lanes.<delay> | quorum | x-message-ttl = delay, dead-letter to the default        |
-|                       |        | exchange by the message's OWN routing key (at-least-once)|
-|                       |        | one per policy delay and per step of                     |
-|                       |        | ``delays.STEP_DELAYS_MS``; a fanout exchange of the same |
-|                       |        | name is bound to it                                      |
+|                       |        | delivery limit, optional max length; bound to the return |
+|                       |        | exchange by its own name                                 |
 | Q.dlq                 | quorum | nothing expires or overflows there; from RabbitMQ 4.0 on,|
 |                       |        | the default delivery limit turned off (x-delivery-limit  |
 |                       |        | -1)                                                      |
 
-Priorities (``priority.plan_priorities``): where the broker has none usable, the HIGH and
-URGENT levels get lanes ``Q.lane.high`` / ``Q.lane.urgent``, each declared like Q (dead-letter
-to the one Q.dlq). The lanes SHARE Q's delay queues: a task is parked by publishing it to the
-delay queue's fanout exchange with its lane as routing key; the fanout ignores the key, and
-the delay queue, declared without x-dead-letter-routing-key, dead-letters it through the
-default exchange by that same key: back to its lane. So a handler has 1 + levels + delays
-quorum queues (13 by default on RabbitMQ 3.x, 18 with ``limit=``), not levels x (1 + delays)
-+ 1 (31 and 46): each quorum queue holds ~3 of the broker's file handles (measured on 3.10.8),
-and a broker at ``ulimit -n 1024`` has 927, past which it accepts no new connection. The
-number stays fixed whatever delays ``Retry(after_s=)`` and ``publish(delay_s=)`` ask for
-(``weclaw_mq.delays``).
+Priorities are opt-in (``priorities=True``, or a default priority above NORMAL): only such a
+handler gets, where the broker has none usable (``priority.plan_priorities``), the lanes
+``Q.lane.high`` / ``Q.lane.urgent``, each declared and bound like Q (dead-letter to the one
+Q.dlq). Opt-in rather than on a first HIGH publish: a producer's first URGENT task must not
+need a queue that no one has declared yet. A plain handler is 2 quorum queues on every
+version, one with priorities 4 on 3.x - 4.2 and 2 on 4.3.
 
-Why per handler, not one set per vhost: a quorum queue's at-least-once dead-lettering keeps a
-message whose target queue no longer exists in the source queue and retries it forever
-(measured on 3.10.8: it stayed there, never cleaned). A vhost-wide delay queue would collect
-the tasks of every deleted handler; a handler's own ones go with it.
+Shared by every handler of the vhost (``ladder_declarations``):
 
-Versions before these kept one set of delay queues per lane (``Q.retry.<delay>``,
-``Q.lane.high.retry.<delay>``, dead-lettering to their lane by x-dead-letter-routing-key).
-They are no longer declared nor published to; what an upgraded deployment still holds in
-them comes back to its lane as before (``naming.retry_queue_name``).
+| name                       | kind            | what                                         |
+|----------------------------|-----------------|----------------------------------------------|
+| weclaw_mq.delay.<delay>    | quorum + fanout | x-message-ttl = delay; dead-letters (at-     |
+|                            |                 | least-once) to weclaw_mq.return WITHOUT a    |
+|                            |                 | dead-letter routing key: by the task's own   |
+| weclaw_mq.return           | direct exchange | each work queue and lane bound by its name;  |
+|                            |                 | alternate exchange weclaw_mq.unroutable      |
+| weclaw_mq.unroutable       | fanout exchange | bound to the parking queue                   |
+| weclaw_mq.unroutable.dlq   | quorum          | the parking queue, read by the DLQ tools     |
+
+A retried, deferred or delayed task is published to the fanout exchange of the delay queue
+with its lane as routing key (``worker.settle``, ``App._route``); on expiry it is
+dead-lettered through the return exchange by that key, back to its lane. One delay queue per
+delay value on the vhost (the step queues of ``delays.STEP_DELAYS_MS``, the limits' deferral
+ladder, and each distinct retry-policy delay), whatever the number of handlers: RabbitMQ
+expires messages only at the head of a queue, so one delay needs one queue, but not one per
+handler. Each quorum queue holds ~3 of the broker's file handles (measured on 3.10.8).
+
+Why the return exchange and its alternate exchange: a quorum queue's at-least-once
+dead-lettering keeps a message whose target no longer exists in the source and retries it
+forever (measured on 3.10.8). Routed through an exchange, a task whose queue was deleted
+matches no binding and goes to the alternate exchange: it lands in the parking queue, where
+``weclaw-mq dlq list weclaw_mq.unroutable`` shows it (measured on 3.10.8: at-least-once
+dead-lettering honours the alternate exchange; ``tests/drills/test_file_handles_drill.py``).
+
+Older versions kept delay queues per handler (``Q.retry.lanes.<delay>``) or per lane
+(``Q.retry.<delay>``), dead-lettering through the default exchange. They are no longer
+declared nor published to; what an upgraded deployment still holds in them comes back to its
+lane as before, ``weclaw-mq stats`` shows them and ``weclaw-mq migrate`` deletes them once
+empty (``admin.migrate``).
 
 A ``queue_type="classic"`` handler queue is classic with ``x-max-priority`` (classic queues
 refuse ``x-delivery-limit`` and the at-least-once dead-letter strategy, so it has neither);
-its delay queues and DLQ stay quorum.
+its DLQ stays quorum.
 
 What differs by broker version is decided in ``broker_version.dlq_plan``.
 
@@ -56,6 +71,7 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import aiormq
 from aio_pika import ExchangeType
@@ -63,7 +79,15 @@ from aio_pika.abc import AbstractChannel
 
 from .broker_version import ServerVersion, dlq_plan
 from .errors import ConfigurationError, TopologyConflictError
-from .naming import delay_queue_name, dlq_name, lane_queue_name
+from .naming import (
+    DLQ_SUFFIX,
+    RETURN_EXCHANGE,
+    UNROUTABLE,
+    dlq_name,
+    ladder_queue_name,
+    lane_queue_name,
+    parking_queue_name,
+)
 from .priority import CLASSIC, QUORUM, plan_priorities
 from .publishing.connection import channel_server_version
 
@@ -85,20 +109,28 @@ class QueueSpec:
     # The handler's results queue (notify=), declared with default handler-queue arguments.
     results: QueueSpec | None = None
     queue_type: str = QUORUM
+    # Takes priorities (``priorities=True``): lanes where the broker has none usable.
+    priorities: bool = False
 
     def lane_queues(self, version: ServerVersion | None) -> list[str]:
-        """Q and its lane queues on ``version``, highest priority first."""
+        """Q and its lane queues on ``version``, highest priority first (Q alone for a
+        handler without priorities)."""
+        if not self.priorities:
+            return [self.name]
         plan = plan_priorities(version, self.queue_type)
         return [lane_queue_name(self.name, level.value) for level in plan.lanes]
 
 
 def _quorum_dead_lettering(target: str | None) -> dict[str, object]:
-    """Dead-lettering through the default exchange to ``target``, or (None) to the queue the
-    message's own routing key names."""
+    """Dead-lettering through the default exchange to ``target``, or (None) through the
+    return exchange by the message's own routing key."""
     return {
         "x-queue-type": "quorum",
-        "x-dead-letter-exchange": DEFAULT_EXCHANGE,
-        **({} if target is None else {"x-dead-letter-routing-key": target}),
+        **(
+            {"x-dead-letter-exchange": RETURN_EXCHANGE}
+            if target is None
+            else {"x-dead-letter-exchange": DEFAULT_EXCHANGE, "x-dead-letter-routing-key": target}
+        ),
         # at-least-once keeps the message in the source until the target confirmed it;
         # RabbitMQ requires reject-publish overflow for that strategy.
         "x-dead-letter-strategy": "at-least-once",
@@ -124,19 +156,39 @@ def work_queue_arguments(spec: QueueSpec) -> dict[str, object]:
 
 
 def delay_queue_arguments(delay_ms: int) -> dict[str, object]:
-    """A delay queue shared by a handler's lanes. One queue per delay: RabbitMQ expires
+    """A delay queue of the vhost's shared ladder. One queue per delay: RabbitMQ expires
     messages only at the head of a queue, so mixed per-message delays in one queue would hold
     short delays behind long ones. No x-dead-letter-routing-key: an expired message goes back
-    by the routing key it was published with, its lane (``Settler``, ``App._route``)."""
+    through the return exchange by the routing key it was published with, its lane
+    (``Settler``, ``App._route``); a lane that is gone matches no binding and the return
+    exchange's alternate exchange parks the task."""
     args = _quorum_dead_lettering(None)
     args["x-message-ttl"] = delay_ms
     return args
 
 
 def delay_exchanges(spec: QueueSpec) -> list[str]:
-    """The fanout exchanges of ``spec``'s delay queues, each named as (and bound to) its
-    queue; exchanges hold no file handle on the broker."""
-    return [delay_queue_name(spec.name, d) for d in spec.retry_delays_ms]
+    """The fanout exchanges of the shared delay queues ``spec`` publishes to, each named as
+    (and bound to) its queue; exchanges hold no file handle on the broker. Shared by every
+    handler of the vhost: never deleted with one."""
+    return [ladder_queue_name(d) for d in spec.retry_delays_ms]
+
+
+def ladder_delays_ms(specs: Iterable[QueueSpec]) -> list[int]:
+    """Every delay (ms) the shared ladder needs for ``specs``, shortest first."""
+    return sorted({d for spec in specs for d in spec.retry_delays_ms})
+
+
+def ladder_declarations(
+    specs: Iterable[QueueSpec], version: ServerVersion | None = None
+) -> list[tuple[str, dict[str, object]]]:
+    """The shared queues ``specs`` need: the parking queue first, then one delay queue per
+    delay. The same names and arguments for every app of a vhost, so declaring is no
+    conflict; nobody deletes them per handler."""
+    decls: list[tuple[str, dict[str, object]]] = [(parking_queue_name(), dlq_arguments(version))]
+    for delay_ms in ladder_delays_ms(specs):
+        decls.append((ladder_queue_name(delay_ms), delay_queue_arguments(delay_ms)))
+    return decls
 
 
 def dlq_arguments(version: ServerVersion | None = None) -> dict[str, object]:
@@ -155,11 +207,9 @@ def _own_declarations(
     spec: QueueSpec, version: ServerVersion | None
 ) -> list[tuple[str, dict[str, object]]]:
     decls: list[tuple[str, dict[str, object]]] = [(dlq_name(spec.name), dlq_arguments(version))]
-    # Q first (the NORMAL lane), then the higher lanes, then the delay queues they share.
+    # Q first (the NORMAL lane), then the higher lanes (the delay queues are the vhost's).
     for lane in reversed(spec.lane_queues(version)):
         decls.append((lane, work_queue_arguments(spec)))
-    for delay_ms in spec.retry_delays_ms:
-        decls.append((delay_queue_name(spec.name, delay_ms), delay_queue_arguments(delay_ms)))
     return decls
 
 
@@ -193,23 +243,24 @@ async def declare(
     version = server_version or await channel_server_version(channel)
     specs = list(specs)
     declared: list[str] = []
+    # The shared ladder first: the exchanges the handlers' queues are bound to.
+    await _declare_exchange(channel, UNROUTABLE, ExchangeType.FANOUT)
+    await _declare_exchange(channel, RETURN_EXCHANGE, ExchangeType.DIRECT, alternate=UNROUTABLE)
+    for name, args in ladder_declarations(specs, version):
+        await _declare_queue(channel, name, args, version)
+        declared.append(name)
+    await _bind(channel, parking_queue_name(), UNROUTABLE, "")
+    for delay_ms in ladder_delays_ms(specs):
+        name = ladder_queue_name(delay_ms)
+        await _declare_exchange(channel, name, ExchangeType.FANOUT)
+        # A fanout ignores the binding's key: "" says so.
+        await _bind(channel, name, name, "")
     for spec in specs:
         for name, args in _own_declarations(spec, version):
-            try:
-                await channel.declare_queue(name, durable=True, arguments=args)  # type: ignore[arg-type]
-            except aiormq.exceptions.ChannelAccessRefused:
-                await _check_exists(channel, name)
-            except aiormq.exceptions.ChannelPreconditionFailed as e:
-                text = str(e)
-                match = _INEQUIVALENT_ARG.search(text)
-                argument = match.group(1) if match else None
-                if name == dlq_name(spec.name) and argument in dlq_plan(version).extra_arguments:
-                    await _declare_older_dlq(channel, name, version)
-                else:
-                    raise TopologyConflictError(name, argument, text) from e
+            await _declare_queue(channel, name, args, version)
             declared.append(name)
-        for exchange in delay_exchanges(spec):
-            await _declare_delay_exchange(channel, exchange)
+        for lane in spec.lane_queues(version):
+            await _bind(channel, lane, RETURN_EXCHANGE, lane)
     # Results queues last: one that is also a handler queue here was declared above with that
     # handler's own options, which win over the defaults.
     for spec in specs:
@@ -220,26 +271,53 @@ async def declare(
     return declared
 
 
-async def _declare_delay_exchange(channel: AbstractChannel, name: str) -> None:
-    """The fanout exchange in front of delay queue ``name``, bound to it. Without configure
-    permission (a least-privilege worker) it must exist already: an operator's
-    ``weclaw-mq declare`` made it, and its binding."""
+async def _declare_queue(
+    channel: AbstractChannel, name: str, args: dict[str, object], version: ServerVersion | None
+) -> None:
+    """Declare one queue of ours; a DLQ of an older broker is kept, any other conflict is a
+    ``TopologyConflictError``."""
     try:
-        exchange = await channel.declare_exchange(name, ExchangeType.FANOUT, durable=True)
+        await channel.declare_queue(name, durable=True, arguments=args)  # type: ignore[arg-type]
+    except aiormq.exceptions.ChannelAccessRefused:
+        await _check_exists(channel, name)
+    except aiormq.exceptions.ChannelPreconditionFailed as e:
+        text = str(e)
+        match = _INEQUIVALENT_ARG.search(text)
+        argument = match.group(1) if match else None
+        if name.endswith(DLQ_SUFFIX) and argument in dlq_plan(version).extra_arguments:
+            await _declare_older_dlq(channel, name, version)
+        else:
+            raise TopologyConflictError(name, argument, text) from e
+
+
+async def _declare_exchange(
+    channel: AbstractChannel, name: str, kind: ExchangeType, *, alternate: str | None = None
+) -> None:
+    """Declare a durable exchange of ours. Without configure permission (a least-privilege
+    worker) it must exist already: an operator's ``weclaw-mq declare`` made it."""
+    arguments: dict[str, Any] = {} if alternate is None else {"alternate-exchange": alternate}
+    try:
+        await channel.declare_exchange(name, kind, durable=True, arguments=arguments)
     except aiormq.exceptions.ChannelAccessRefused:
         await channel.reopen()
         try:
-            await channel.declare_exchange(name, ExchangeType.FANOUT, passive=True)
+            await channel.declare_exchange(name, kind, passive=True)
         except aiormq.exceptions.ChannelNotFoundEntity as e:
+            await channel.reopen()
             raise ConfigurationError(
                 f"exchange {name!r} does not exist and this user may not declare it (no "
                 "configure permission): run 'weclaw-mq declare MODULE:APP' as an operator first"
             ) from e
-        return
-    # Binding again is a no-op (the queue was declared just before, under the same name). A
-    # fanout ignores the binding's key: "" says so.
-    queue = await channel.get_queue(name, ensure=False)
-    await queue.bind(exchange, routing_key="")
+
+
+async def _bind(channel: AbstractChannel, queue: str, exchange: str, key: str) -> None:
+    """Bind ``queue`` to ``exchange`` by ``key`` (again: a no-op). A least-privilege worker
+    may not bind: an operator's ``weclaw-mq declare`` did."""
+    try:
+        await (await channel.get_underlay_channel()).queue_bind(queue, exchange, routing_key=key)
+    except aiormq.exceptions.ChannelAccessRefused:
+        await channel.reopen()
+        log.debug("binding %s to %s left to an operator (no permission)", queue, exchange)
 
 
 async def _check_exists(channel: AbstractChannel, name: str) -> None:

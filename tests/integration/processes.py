@@ -265,7 +265,7 @@ class WorkerFleet:
 
 
 def queue_names(app: App) -> list[str]:
-    """Every queue of every handler of ``app`` (Q, Q.dlq, Q.retry.*)."""
+    """Every queue of every handler of ``app`` (Q, Q.dlq, lanes; not the vhost's ladder)."""
     return sorted(
         {n for spec in app.handlers.values() for n, _ in queue_declarations(spec.queue_spec())}
     )

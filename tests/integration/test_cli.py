@@ -81,6 +81,33 @@ async def test_publish_prints_the_task_id_of_a_message_now_in_the_queue(
     assert json.loads(message.body) == {"text": "hi"}
 
 
+async def test_declare_says_how_many_queues_and_what_the_broker_carries(
+    fixture_queue: FixtureQueue,
+) -> None:
+    """Issue 25, item 4: after the names, on stderr, how many queues (the handler's own and
+    the vhost's shared ones) and, the broker being on this machine, its file-handle and memory
+    use against their limits; then migrate finds nothing of an older version to delete."""
+    declared = await run_cli("declare", FIXTURE_APP, env=fixture_queue.env)
+
+    assert declared.code == 0, declared.stderr
+    names = declared.stdout.split()
+    shared = [n for n in names if n.startswith("weclaw_mq.")]
+    # The fixture's handler takes priorities: Q, its two lanes and its DLQ on 3.x.
+    assert len(names) - len(shared) == 4 and "weclaw_mq.unroutable.dlq" in shared
+    lines = [line for line in declared.stderr.splitlines() if line.strip()]
+    assert (
+        f"declared {len(names)} queues: 4 for 1 handler(s), {len(shared)} shared by the vhost "
+        "(the delay ladder, the parking queue)"
+    ) in lines
+    load = next(line for line in lines if line.startswith("broker file handles:"))
+    used, limit = (int(n) for n in re.findall(r"(\d+) of (\d+) in use", load)[0])
+    assert 0 < used < limit
+
+    migrated = await run_cli("migrate", FIXTURE_APP, env=fixture_queue.env)
+    assert migrated.code == 0, migrated.stderr
+    assert migrated.stdout.strip() == "nothing to migrate: no queue of an older version found"
+
+
 async def test_health_prints_ok_lines_when_broker_and_redis_answer(
     broker_url: str, redis_url: str
 ) -> None:

@@ -330,6 +330,7 @@ def test_each_mistake_ends_as_one_error_line_and_its_exit_code(
 EVERY_COMMAND = {
     "worker": ["worker", DEMO_APP],
     "declare": ["declare", DEMO_APP],
+    "migrate": ["migrate", DEMO_APP],
     "permissions": ["permissions", DEMO_APP],
     "publish": ["publish", "some-queue", "--data", "{}"],
     "status": ["status", "some-task"],

@@ -14,10 +14,12 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import next_message, outcome_count, queue_depth, wait_until
-from weclaw_mq import App, Context, Retry, RetryPolicy, TaskStatus, UnroutableError, retry_after_s
+from tests.conftest import get_message, next_message, outcome_count, queue_depth, wait_until
+from weclaw_mq import App, Context, Retry, RetryPolicy, TaskStatus, retry_after_s
 from weclaw_mq import headers as h
-from weclaw_mq.naming import delay_queue_name, dlq_name, lane_queue_name
+from weclaw_mq.admin import dlq
+from weclaw_mq.admin.dlq_filter import DlqFilter
+from weclaw_mq.naming import UNROUTABLE, dlq_name, ladder_queue_name, lane_queue_name
 
 
 class Prompt(BaseModel):
@@ -114,7 +116,7 @@ async def test_delayed_publish_is_delivered_no_earlier_than_asked_on_its_lane(
     returned_by: dict[str, list[Any]] = {}  # the routing keys of each task's last return
     follow_up = f"{qname}-follow"
 
-    @app.handler(qname)
+    @app.handler(qname, priorities=True)
     async def handle(task: Prompt, ctx: Context) -> None:
         started[task.text] = time.time()
         if deaths := ctx.headers.get(h.X_DEATH):
@@ -134,9 +136,11 @@ async def test_delayed_publish_is_delivered_no_earlier_than_asked_on_its_lane(
     await app.publish_many(
         qname, [Prompt(text="high-0"), Prompt(text="high-1")], delay_s=1.5, priority="high"
     )
-    # Parked in Q's step queue (shared by the lanes: "late" waits there too), not in the
-    # lane; its routing key, the lane, brings it back there (a priority survives the delay).
-    assert await queue_depth(amqp, delay_queue_name(qname, 1_000)) == 3
+    # Parked in the vhost's step queue (shared: "late" waits there too, and maybe tasks of
+    # other tests), not in the lane; its routing key, the lane, brings it back there (a
+    # priority survives the delay).
+    assert await queue_depth(amqp, ladder_queue_name(1_000)) >= 3
+    assert await queue_depth(amqp, lane_queue_name(qname, "high")) == 0
     await app.publish(qname, Prompt(text="parent"))
     await wait_until(lambda: len(started) == 5, 15, "all five tasks to run")
 
@@ -175,15 +179,37 @@ async def test_a_retry_after_past_the_tasks_lifetime_expires_it_at_once(
     assert state is not None and state.status is TaskStatus.EXPIRED
 
 
-async def test_a_delayed_publish_without_its_delay_queues_is_refused_and_nothing_is_sent(
+async def test_a_task_whose_queue_is_gone_while_it_waits_in_the_shared_ladder_is_parked(
     make_app: Callable[..., App], qname: str, amqp: AbstractChannel
 ) -> None:
-    # A producer-only App: Q exists (declared by an older worker, say), its step queues not.
-    await amqp.declare_queue(qname, durable=True, arguments={"x-queue-type": "quorum"})
+    """Issue 25, item 2: the ladder is the vhost's, so a handler's queue may be deleted while
+    its tasks wait there. At-least-once dead-lettering to a queue that is gone would keep them
+    in the delay queue for good; through the return exchange they go to its alternate
+    exchange: the parking queue, where the DLQ tools list them and requeue them once the
+    queue is back."""
+    app = make_app()
+
+    @app.handler(qname, priorities=True)
+    async def handle(task: Prompt) -> None: ...
+
+    await app.declare()
+    normal = await app.publish(qname, Prompt(text="normal"), delay_s=1)
+    urgent = await app.publish(qname, Prompt(text="urgent"), delay_s=1, priority="urgent")
+    # Deleted while both wait in the shared step queue: no binding routes them back.
+    for queue in app.handlers[qname].queue_spec().lane_queues(None):
+        await amqp.queue_delete(queue)
+
+    async def both_parked() -> bool:
+        looked = await dlq.look(app, UNROUTABLE, where=DlqFilter.of(task_ids=[normal, urgent]))
+        return looked.matched == 2
+
     try:
-        app = make_app()
-        with pytest.raises(UnroutableError, match=r"retry\.lanes\.1s.*declare"):
-            await app.publish(qname, Prompt(text="x"), delay_s=1)
-        assert await queue_depth(amqp, qname) == 0
+        await wait_until(both_parked, 15, "both tasks in the parking queue")
+        await app.declare()  # the handler is back: a requeue takes each to its own lane
+        moved = await dlq.requeue(app, UNROUTABLE, task_ids=[normal, urgent])
+        assert moved == 2
+        for lane, task_id in ((qname, normal), (lane_queue_name(qname, "urgent"), urgent)):
+            message = await get_message(amqp, lane)
+            assert message is not None and message.message_id == task_id
     finally:
-        await amqp.queue_delete(qname)
+        await dlq.purge_matching(app, UNROUTABLE, where=DlqFilter.of(task_ids=[normal, urgent]))

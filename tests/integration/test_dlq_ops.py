@@ -20,7 +20,7 @@ from weclaw_mq import App, Context, RetryPolicy, TaskStatus
 from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq, queue_stats
 from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.naming import delay_queue_name, dlq_name, lane_queue_name
+from weclaw_mq.naming import dlq_name, ladder_queue_name, lane_queue_name
 
 FAIL_ONCE_MORE = RetryPolicy(max_retries=1, delay_s=0.05)  # attempts 1 and 2, then the DLQ
 
@@ -222,16 +222,13 @@ async def test_stats_counts_the_queue_its_delay_queues_and_its_dlq_and_reports_m
 
     assert got.work.exists and got.work.messages == 0
     assert got.work.consumers is not None and got.work.consumers >= 1  # the running worker
-    # Q's delay queues, which its priority lanes (3.x: lanes) share; no per-lane ones of an
-    # older version here, so none listed.
-    assert [(c.name, c.exists) for c in got.retries] == [
-        (delay_queue_name(dead.queue, 50), True),
-        (delay_queue_name(dead.queue, 86_400_000), False),
+    # The vhost's shared delay queues its tasks wait in; no lanes (no priorities) and no
+    # queue of an older version here, so none listed.
+    assert [(c.name, c.role, c.exists) for c in got.retries] == [
+        (ladder_queue_name(50), "ladder", True),
+        (ladder_queue_name(86_400_000), "ladder", False),
     ]
-    assert [(c.name, c.role, c.exists) for c in got.lanes] == [
-        (lane_queue_name(dead.queue, "high"), "lane", True),
-        (lane_queue_name(dead.queue, "urgent"), "lane", True),
-    ]
+    assert got.lanes == () and got.old == ()
     assert got.retries[1].messages is None
     assert got.dlq.exists and got.dlq.messages == 3 and got.dlq.consumers == 0
     # The policy's delay, then the step queues that serve any other delay (weclaw_mq.delays).
@@ -338,18 +335,23 @@ async def test_cli_stats_prints_the_queue_the_apps_delay_queues_and_the_dlq(
 
     assert result.code == 0, result.stderr
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.strip().splitlines()[1:]}
-    # The running worker consumes Q and each lane (prefetch-1 consumers: at least one each).
-    consumers = {name: int(row.pop()) for name, row in rows.items()}
+    # The running worker (the fixture's handler, which takes no priorities) consumes Q; the
+    # app given takes priorities, so its lanes are listed, absent.
+    consumers = {name: row.pop() for name, row in rows.items()}
     high, urgent = lane_queue_name(q, "high"), lane_queue_name(q, "urgent")
-    assert rows == {
+    # The shared ladder's counts are every handler's (other tests' too): role only.
+    ladder = {ladder_queue_name(delay) for delay in (50, *STEP_DELAYS_MS)}
+    assert {name: row[0] for name, row in rows.items() if name in ladder} == dict.fromkeys(
+        ladder, "ladder"
+    )
+    assert {name: row for name, row in rows.items() if name not in ladder} == {
         q: ["work", "0"],
-        high: ["lane", "0"],
-        urgent: ["lane", "0"],
-        **{delay_queue_name(q, delay): ["retry", "0"] for delay in (50, *STEP_DELAYS_MS)},
+        high: ["lane", "absent"],
+        urgent: ["lane", "absent"],
         dlq_name(q): ["dlq", "3"],
     }
-    assert consumers[q] >= 1 and consumers[high] >= 1 and consumers[urgent] >= 1
-    assert consumers[dlq_name(q)] == 0
+    assert int(consumers[q]) >= 1 and consumers[high] == consumers[urgent] == "-"
+    assert consumers[dlq_name(q)] == "0"
 
     unknown = await run_cli("stats", "t-no-such-queue-for-stats", "--app", FIXTURE_APP, env=env)
     assert "has no handler" in one_error_line(unknown)

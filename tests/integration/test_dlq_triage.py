@@ -32,6 +32,7 @@ from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_filter import DlqFilter
 from weclaw_mq.naming import dlq_name
+from weclaw_mq.topology import ladder_declarations
 
 
 class Prompt(BaseModel):
@@ -304,10 +305,16 @@ async def test_stats_without_app_finds_the_lanes_and_delay_queues_of_a_limited_h
     document: dict[str, Any] = json.loads(result.stdout)
     assert document["queue"] == qname
     found = {q["name"]: q for q in document["queues"]}
-    # Exactly the queues the library declared for this handler: none missed, none invented.
-    assert sorted(found) == queue_names(app)
-    assert {q["role"] for q in found.values()} == {"work", "lane", "retry", "dlq"}
-    assert all(q["exists"] and q["ready"] == 0 and q["consumers"] == 0 for q in found.values())
+    # Exactly the queues the library declared for this handler (no priorities: no lanes) and
+    # the vhost's delay queues it uses: none missed, none invented.
+    spec = app.handlers[qname].queue_spec()
+    ladder = [name for name, _ in ladder_declarations([spec])][1:]  # not the parking queue
+    assert sorted(found) == sorted([*queue_names(app), *ladder])
+    assert {q["role"] for q in found.values()} == {"work", "ladder", "dlq"}
+    assert all(q["exists"] for q in found.values())
+    # The shared ones count other tests' tasks too: only the handler's own are ours.
+    own = [found[name] for name in queue_names(app)]
+    assert all(q["ready"] == 0 and q["consumers"] == 0 for q in own)
 
     missing = await run_cli("stats", f"{qname}-absent", env=env)
     assert "no queue named" in one_error_line(missing)

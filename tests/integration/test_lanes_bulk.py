@@ -50,7 +50,7 @@ async def test_bulk_mode_holds_the_bound_and_an_urgent_task_starts_at_the_next_c
     finished: list[tuple[str, int]] = []
     tokens: asyncio.Queue[None] = asyncio.Queue()
 
-    @app.handler(qname)
+    @app.handler(qname, priorities=True)
     async def work(task: Job) -> None:
         level = "urgent" if task.n >= 1000 else "normal"
         started.append((level, task.n))
@@ -118,7 +118,7 @@ async def test_a_connection_lost_in_bulk_mode_loses_no_task(
     finished: set[int] = set()
     gate = asyncio.Event()
 
-    @app.handler(qname)
+    @app.handler(qname, priorities=True)
     async def work(task: Job) -> None:
         await gate.wait()
         finished.add(task.n)

@@ -73,7 +73,9 @@ async def dead_app(redis_url: str, qname: str) -> AsyncIterator[Callable[..., Ap
 
     def build(**overrides: Any) -> App:
         app = with_handler(
-            App("down", settings=settings_for(DEAD_URL, redis_url, **overrides)), qname
+            App("down", settings=settings_for(DEAD_URL, redis_url, **overrides)),
+            qname,
+            priorities=True,
         )
         apps.append(app)
         return app
@@ -97,7 +99,7 @@ def down_and_up(
             "outbox_relay_in_app": False,
         }
         common.update(overrides)
-        return dead_app(**common), with_handler(make_app("up", **common), qname)
+        return dead_app(**common), with_handler(make_app("up", **common), qname, priorities=True)
 
     return build
 

@@ -23,11 +23,12 @@ from tests.conftest import outcome_count, queue_depth, wait_until
 from tests.integration.raw_amqp import publish_undecodable
 from weclaw_mq import App, RetryPolicy, TaskStatus
 from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import delay_queue_name, dlq_name
+from weclaw_mq.naming import dlq_name, ladder_queue_name
 
 # A message_id whose bytes are not UTF-8 once patched in: its properties cannot be decoded.
 # Long enough that a deferred copy comes back after its twin finished (it then is a duplicate).
-DELAY = RetryPolicy(max_retries=1, delay_s=1.0)
+# A delay no other test uses: its shared delay queue is deleted below (and at the end).
+DELAY = RetryPolicy(max_retries=1, delay_s=1.013)
 
 
 class Job(BaseModel):
@@ -112,7 +113,7 @@ async def test_every_settled_delivery_is_counted_once_as_the_broker_saw_it(
 
     # given back when its move fails (no delay queue to retry through), then retried and
     # dead-lettered once the delay queue is back.
-    await amqp.queue_delete(delay_queue_name(qname, DELAY.delay_ms(1)))
+    await amqp.queue_delete(ladder_queue_name(DELAY.delay_ms(1)))
     unmovable = await app.publish(qname, Job(kind="unmovable"), task_id="unmovable-1")
     await wait_until(lambda: count(Outcome.REQUEUED) == 1, 10, "the failed move's give back")
     await app.declare()

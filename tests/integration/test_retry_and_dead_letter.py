@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from tests.conftest import next_message, outcome_count, queue_depth, wait_until
 from weclaw_mq import App, Context, Reject, RetryPolicy
 from weclaw_mq import headers as h
-from weclaw_mq.naming import delay_queue_name, dlq_name
+from weclaw_mq.naming import dlq_name
 from weclaw_mq.tracing import TraceLogFilter
 
 FAST = RetryPolicy(max_retries=2, delay_s=0.05, multiplier=1)
@@ -158,7 +158,6 @@ async def test_failed_handler_lands_in_dlq_after_max_retries_with_the_failure_he
     assert calls[2].started_at <= last <= failed_at
     # nothing is left behind anywhere else
     assert await queue_depth(amqp, qname) == 0
-    assert await queue_depth(amqp, delay_queue_name(qname, 50)) == 0
     await wait_until(
         lambda: outcome_count(app, qname, "dead_lettered") == 1, 5, "the DLQ move to ack"
     )

@@ -234,10 +234,10 @@ async def test_a_handler_that_keeps_failing_is_dead_lettered_with_its_error_type
     # The broker's record of the two hops through the delay queues, most recent first.
     deaths = [(d["reason"], d["queue"], d["count"]) for d in dead.headers["x-death"]]
     assert deaths == [
-        ("expired", f"{qname}.retry.lanes.100ms", 1),
-        ("expired", f"{qname}.retry.lanes.50ms", 1),
+        ("expired", "weclaw_mq.delay.100ms", 1),
+        ("expired", "weclaw_mq.delay.50ms", 1),
     ]
-    assert dead.headers["x-first-death-queue"] == f"{qname}.retry.lanes.50ms"
+    assert dead.headers["x-first-death-queue"] == "weclaw_mq.delay.50ms"
 
 
 async def test_a_body_the_model_refuses_is_dead_lettered_as_invalid_payload_unrun(

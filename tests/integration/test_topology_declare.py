@@ -13,11 +13,22 @@ from aio_pika.abc import AbstractChannel
 
 from tests.broker_ctl import broker_ctl
 from tests.conftest import get_message, queue_depth, wait_until
-from weclaw_mq import App, RetryPolicy, TopologyConflictError
+from weclaw_mq import App, Limit, RetryPolicy, TopologyConflictError
 from weclaw_mq.admin import queue_stats
+from weclaw_mq.admin.migrate import migrate
 from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.naming import delay_label, delay_queue_name, lane_queue_name, retry_queue_name
-from weclaw_mq.topology import delay_queue_arguments
+from weclaw_mq.naming import (
+    RETURN_EXCHANGE,
+    UNROUTABLE,
+    delay_queue_name,
+    ladder_queue_name,
+    lane_queue_name,
+    parking_queue_name,
+    retry_queue_name,
+)
+from weclaw_mq.topology import work_queue_arguments
+
+PARKING = parking_queue_name()
 
 
 def _list_queues() -> dict[str, dict[str, Any]]:
@@ -38,9 +49,10 @@ async def _queues_named(prefix: str) -> dict[str, dict[str, Any]]:
     return {n: q for n, q in everything.items() if n == prefix or n.startswith(f"{prefix}.")}
 
 
-def _steps(queue: str) -> list[str]:
-    """The step delay queues every handler has beside its policy's (weclaw_mq.delays)."""
-    return [f"{queue}.retry.lanes.{delay_label(d)}" for d in STEP_DELAYS_MS]
+def _ladder(*delays_ms: int) -> list[str]:
+    """The vhost's shared delay queues of ``delays_ms`` and of the steps every handler has
+    beside its policy's (weclaw_mq.delays)."""
+    return [ladder_queue_name(d) for d in sorted({*delays_ms, *STEP_DELAYS_MS})]
 
 
 def _list_bindings() -> set[tuple[str, str, str]]:
@@ -63,7 +75,7 @@ def _register(app: App, queue: str, **options: Any) -> None:
     app.handler(queue, **options)(summarise)
 
 
-async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_delay(
+async def test_declare_creates_the_work_queue_its_dlq_and_the_vhosts_shared_ladder(
     make_app: Callable[..., App], qname: str
 ) -> None:
     app = make_app()
@@ -76,16 +88,15 @@ async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_de
 
     names = await app.declare()
 
-    # Q, its delay queues and DLQ, and (3.x: no quorum priorities) a lane per higher level,
-    # sharing Q's delay queues.
-    lanes = [f"{qname}.lane.high", f"{qname}.lane.urgent"]
-    delays = [f"{qname}.retry.lanes.200ms", f"{qname}.retry.lanes.400ms", *_steps(qname)]
-    assert sorted(names) == sorted([qname, f"{qname}.dlq", *lanes, *delays])
+    # Q and its DLQ of its own (no priorities: no lanes); the ladder is the vhost's.
+    ladder = _ladder(200, 400)
+    assert sorted(names) == sorted([qname, f"{qname}.dlq", PARKING, *ladder])
     queues = await _queues_named(qname)
-    assert set(queues) == set(names)
-    for q in queues.values():
-        assert q["type"] == "quorum"
-        assert q["durable"] is True
+    assert set(queues) == {qname, f"{qname}.dlq"}
+    everything = await asyncio.to_thread(_list_queues)
+    for name in names:
+        assert everything[name]["type"] == "quorum"
+        assert everything[name]["durable"] is True
     assert queues[qname]["arguments"] == {
         "x-queue-type": "quorum",
         "x-dead-letter-exchange": "",
@@ -94,20 +105,54 @@ async def test_declare_creates_the_work_queue_its_dlq_and_one_retry_queue_per_de
         "x-overflow": "reject-publish",
         "x-delivery-limit": 4,
     }
-    # Each delay queue dead-letters by the message's own routing key (its lane): no
-    # x-dead-letter-routing-key.
-    for name, delay_ms in ((delays[0], 200), (delays[1], 400), (f"{qname}.retry.lanes.1s", 1000)):
-        assert queues[name]["arguments"] == {
+    # Each shared delay queue dead-letters through the return exchange by the message's own
+    # routing key (its lane): no x-dead-letter-routing-key.
+    for delay_ms in (200, 400, 1000):
+        assert everything[ladder_queue_name(delay_ms)]["arguments"] == {
             "x-queue-type": "quorum",
-            "x-dead-letter-exchange": "",
+            "x-dead-letter-exchange": RETURN_EXCHANGE,
             "x-dead-letter-strategy": "at-least-once",
             "x-overflow": "reject-publish",
             "x-message-ttl": delay_ms,
         }
-    # ... behind a fanout exchange of its own name, bound to it.
+    # ... behind a fanout exchange of its own name, bound to it; Q is bound to the return
+    # exchange by its name, and the parking queue to the return exchange's alternate.
     bindings = await asyncio.to_thread(_list_bindings)
-    assert {(d, d, "") for d in delays} <= bindings
+    assert {(d, d, "") for d in ladder} <= bindings
+    assert (RETURN_EXCHANGE, qname, qname) in bindings
+    assert (UNROUTABLE, PARKING, "") in bindings
     assert queues[f"{qname}.dlq"]["arguments"] == {"x-queue-type": "quorum"}
+
+
+async def _quorum_queues_of(handler_queue: str) -> int:
+    return sum(q["type"] == "quorum" for q in (await _queues_named(handler_queue)).values())
+
+
+async def test_a_handler_costs_two_quorum_queues_and_four_with_priorities_on_3x(
+    make_app: Callable[..., App], qname: str
+) -> None:
+    """Issue 25: the queues a handler adds to the broker (each ~3 file handles), counted by
+    the broker itself. 3.x has no quorum priorities: lanes, only for a handler that asks."""
+    app = make_app()
+    plain, limited, ranked = qname, f"{qname}-lim", f"{qname}-pri"
+    _register(app, plain)
+    _register(app, limited, limit=Limit(key=lambda t: t["text"], concurrency=1))
+    _register(app, ranked, priorities=True)
+
+    await app.declare()
+
+    assert await _quorum_queues_of(plain) == 2
+    assert await _quorum_queues_of(limited) == 2
+    assert await _quorum_queues_of(ranked) == 4
+    # A second app with more handlers adds their own queues and no delay queue.
+    before = set(await asyncio.to_thread(_list_queues))
+    more = make_app(name="more")
+    for i in range(5):
+        _register(more, f"{qname}-more{i}")
+    await more.declare()
+    # (Other suites may declare queues of their own meanwhile: only ours are counted.)
+    added = {n for n in set(await asyncio.to_thread(_list_queues)) - before if qname in n}
+    assert added == {n for i in range(5) for n in (f"{qname}-more{i}", f"{qname}-more{i}.dlq")}
 
 
 async def test_capped_delays_share_one_retry_queue(
@@ -121,20 +166,11 @@ async def test_capped_delays_share_one_retry_queue(
         max_length=50,
     )
 
-    await app.declare()
+    names = await app.declare()
 
     queues = await _queues_named(qname)
-    lanes = [f"{qname}.lane.high", f"{qname}.lane.urgent"]
-    assert sorted(queues) == sorted(
-        [
-            qname,
-            f"{qname}.dlq",
-            f"{qname}.retry.lanes.100ms",
-            f"{qname}.retry.lanes.200ms",
-            *lanes,
-            *_steps(qname),
-        ]
-    )
+    assert sorted(queues) == sorted([qname, f"{qname}.dlq"])
+    assert sorted(n for n in names if n.startswith("weclaw_mq.delay.")) == sorted(_ladder(100, 200))
     assert queues[qname]["arguments"]["x-max-length"] == 50
 
 
@@ -145,21 +181,19 @@ async def test_declare_covers_every_handler_of_the_app(
     other = f"{qname}-b"
     policy = RetryPolicy(max_retries=1, delay_s=0.05)
     _register(app, qname, retry=policy)
-    _register(app, other, retry=policy)
+    _register(app, other, retry=policy, priorities=True)
 
     names = await app.declare()
 
     assert set(names) == {
-        name
-        for q in (qname, other)
-        for name in (
-            q,
-            f"{q}.dlq",
-            f"{q}.retry.lanes.50ms",
-            f"{q}.lane.high",
-            f"{q}.lane.urgent",
-            *_steps(q),
-        )
+        qname,
+        f"{qname}.dlq",
+        other,
+        f"{other}.dlq",
+        f"{other}.lane.high",
+        f"{other}.lane.urgent",
+        PARKING,
+        *_ladder(50),
     }
     assert set(names) <= set(await asyncio.to_thread(_list_queues))
 
@@ -237,39 +271,92 @@ async def test_a_conflict_does_not_stop_the_app_from_declaring_again(
     assert qname in await old.declare()
 
 
-async def test_an_older_versions_per_lane_delay_queue_keeps_returning_to_its_lane_after_upgrade(
-    make_app: Callable[..., App], qname: str, amqp: AbstractChannel
+def _old_delay_arguments(delay_ms: int, lane: str | None = None) -> dict[str, Any]:
+    """A delay queue as versions before the shared ladder declared it: dead-lettering through
+    the default exchange, by the message's routing key (per handler) or to ``lane``
+    (per lane, older still)."""
+    args: dict[str, Any] = {
+        "x-queue-type": "quorum",
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish",
+        "x-message-ttl": delay_ms,
+    }
+    if lane is not None:
+        args["x-dead-letter-routing-key"] = lane
+    return args
+
+
+async def test_an_upgrade_from_per_handler_delay_queues_and_lanes_loses_nothing(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    amqp: AbstractChannel,
 ) -> None:
-    """An upgraded deployment: a per-lane delay queue of a version before the shared ones
-    still holds a task. Declaring today's topology meets no conflict, the old queue hands its
-    task back to its lane as before, and ``weclaw-mq stats`` lists it while it exists."""
+    """Issue 25, item 3. The previous version's topology, rebuilt by name and arguments (a
+    handler with lanes and its own delay queues), holds tasks: parked in Q.retry.lanes.1s for
+    Q and for its HIGH lane, in an even older per-lane delay queue, waiting in the HIGH lane.
+    This version's worker (no priorities: no lanes) runs every one of them: the old delay
+    queues hand theirs back by name, ``weclaw-mq migrate`` moves the lane's to Q and deletes
+    each old queue once empty (never a non-empty one), and stats lists them while they exist."""
     app = make_app()
-    _register(app, qname, retry=RetryPolicy(max_retries=1, delay_s=0.2))
+    ran: list[str] = []
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=1, delay_s=0.2))
+    async def handle(task: dict[str, str]) -> None:
+        ran.append(task["text"])
+
     high = lane_queue_name(qname, "high")
-    old = retry_queue_name(high, 200)
-    # As versions before declared it: dead-lettering to its lane by name.
-    old_arguments = {**delay_queue_arguments(200), "x-dead-letter-routing-key": high}
-    await amqp.declare_queue(old, durable=True, arguments=old_arguments)
+    per_handler = delay_queue_name(qname, 1000)
+    per_lane = retry_queue_name(high, 200)
+    old = [high, lane_queue_name(qname, "urgent"), per_handler, per_lane]
     try:
-        await app.declare()  # the lanes exist, as they did before the upgrade
-        message = aio_pika.Message(b'{"n": 1}', message_id=f"old-{qname}")
-        await amqp.default_exchange.publish(message, routing_key=old)  # as the old worker did
-
-        await wait_until(
-            lambda: _depth_is(amqp, high, 1), 10, "the old delay queue's task back in its lane"
+        await app.declare()  # Q and Q.dlq are declared as the old version did
+        for lane in old[:2]:
+            await amqp.declare_queue(
+                lane, durable=True, arguments=work_queue_arguments(app.handlers[qname].queue_spec())
+            )
+        await amqp.declare_queue(per_handler, durable=True, arguments=_old_delay_arguments(1000))
+        exchange = await amqp.declare_exchange(per_handler, aio_pika.ExchangeType.FANOUT)
+        await (await amqp.get_queue(per_handler, ensure=False)).bind(exchange, routing_key="")
+        await amqp.declare_queue(
+            per_lane, durable=True, arguments=_old_delay_arguments(200, lane=high)
         )
-        back = await get_message(amqp, high)
-        assert back is not None and back.message_id == f"old-{qname}"
-        assert back.headers["x-death"][0]["queue"] == old
+        # As the old worker parked and routed them.
+        await exchange.publish(app.prepare(qname, {"text": "parked-q"}), routing_key=qname)
+        await exchange.publish(app.prepare(qname, {"text": "parked-high"}), routing_key=high)
+        await amqp.default_exchange.publish(
+            app.prepare(qname, {"text": "per-lane"}), routing_key=per_lane
+        )
+        await amqp.default_exchange.publish(
+            app.prepare(qname, {"text": "in-high"}), routing_key=high
+        )
 
-        assert await app.declare()  # again: still no conflict with the old queue
-        got = await queue_stats.stats(app, qname, retry_delays_ms=(200,))
-        listed = [(c.name, c.role, c.exists) for c in got.retries]
-        assert listed == [(delay_queue_name(qname, 200), "retry", True), (old, "retry", True)]
-        found = await queue_stats.discover(app, qname)
-        assert (old, "retry", True) in [(c.name, c.role, c.exists) for c in found.retries]
+        got = await queue_stats.stats(app, qname, retry_delays_ms=(1000, 200))
+        listed = {c.name: c.role for c in got.old}
+        assert listed == {per_handler: "old", per_lane: "old", old[0]: "old", old[1]: "old"}
+
+        summary = await migrate(app)  # while the old delay queues still hold tasks
+        assert per_handler in {k.name for k in summary.kept}
+        assert per_handler not in summary.deleted and high not in summary.deleted
+
+        await start_worker(app)
+        await wait_until(lambda: "parked-q" in ran, 15, "the old delay queue's task for Q")
+        await wait_until(
+            lambda: _depth_is(amqp, per_handler, 0), 15, "the old delay queue to empty"
+        )
+        await wait_until(lambda: _depth_is(amqp, per_lane, 0), 15, "the per-lane one too")
+
+        summary = await migrate(app)
+        assert {per_handler, per_lane, *old[:2]} <= set(summary.deleted)
+        assert summary.moved == {high: 3}  # in-high, parked-high, per-lane
+        await wait_until(lambda: len(ran) == 4, 15, "every old task to run")
+        assert sorted(ran) == ["in-high", "parked-high", "parked-q", "per-lane"]
+        assert (await queue_stats.stats(app, qname, retry_delays_ms=(1000, 200))).old == ()
     finally:
-        await amqp.queue_delete(old)
+        for name in old:
+            await amqp.queue_delete(name)
+        await amqp.exchange_delete(per_handler)
 
 
 async def _depth_is(amqp: AbstractChannel, queue: str, n: int) -> bool:

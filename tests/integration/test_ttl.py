@@ -19,7 +19,7 @@ from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_message import DeadLetter
 from weclaw_mq.lifetime import as_datetime, deadline_ms, now_ms
-from weclaw_mq.naming import delay_queue_name, dlq_name, lane_queue_name
+from weclaw_mq.naming import dlq_name, ladder_queue_name, lane_queue_name
 
 # Where a task is published: extra publish arguments per variant. Priority lanes add theirs
 # here (e.g. pytest.param({"priority": "urgent"}, id="urgent")), and every test below then
@@ -68,7 +68,9 @@ async def test_a_task_nobody_consumes_expires_at_the_head_of_q_into_the_dlq(
 ) -> None:
     app = make_app()
 
-    @app.handler(qname, ttl_s=SHORT_TTL_S if by == "handler_default" else LONG_TTL_S)
+    @app.handler(
+        qname, priorities=True, ttl_s=SHORT_TTL_S if by == "handler_default" else LONG_TTL_S
+    )
     async def never_runs(task: dict[str, int]) -> None:
         raise AssertionError("no worker consumes in this test")
 
@@ -98,7 +100,7 @@ async def test_a_task_whose_retry_would_come_after_its_deadline_expires_at_once(
     app = make_app()
     attempts: list[int] = []
 
-    @app.handler(qname, retry=SLOW_RETRY)
+    @app.handler(qname, priorities=True, retry=SLOW_RETRY)
     async def fails(task: dict[str, int]) -> None:
         attempts.append(1)
         raise RuntimeError("the model is down")
@@ -114,7 +116,6 @@ async def test_a_task_whose_retry_would_come_after_its_deadline_expires_at_once(
     assert dead.error_type == "weclaw_mq.TaskExpired"
     assert dead.error_message is not None and "the model is down" in dead.error_message
     assert attempts == [1]
-    assert await queue_depth(amqp, delay_queue_name(qname, 5000)) == 0
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -131,7 +132,7 @@ async def test_a_task_that_expires_in_a_delay_queue_is_expired_by_the_worker_on_
     app = make_app()
     ran: list[str] = []
 
-    @app.handler(qname, retry=SLOW_RETRY)
+    @app.handler(qname, priorities=True, retry=SLOW_RETRY)
     async def handle(task: dict[str, int]) -> None:
         ran.append("ran")
 
@@ -147,7 +148,7 @@ async def test_a_task_that_expires_in_a_delay_queue_is_expired_by_the_worker_on_
         TaskState(task_id=task_id, queue=qname, status=TaskStatus.QUEUED, expires_at=deadline)
     )
     # Through the delay queue's exchange, with its lane as routing key, as a worker parks it.
-    delay_queue = delay_queue_name(qname, 5000)
+    delay_queue = ladder_queue_name(5000)
     exchange = await amqp.get_exchange(delay_queue, ensure=False)
     await exchange.publish(message, routing_key=_lane(qname, route))
 
@@ -172,7 +173,7 @@ async def test_a_worker_that_receives_a_task_past_its_deadline_dead_letters_it_u
     app = make_app()
     ran: list[str] = []
 
-    @app.handler(qname)
+    @app.handler(qname, priorities=True)
     async def handle(task: dict[str, int]) -> None:
         ran.append("ran")
 
@@ -201,7 +202,7 @@ async def test_a_requeued_expired_task_gets_a_fresh_lifetime_and_runs(
     app = make_app()
     ran: list[int] = []
 
-    @app.handler(qname, ttl_s=SHORT_TTL_S)
+    @app.handler(qname, priorities=True, ttl_s=SHORT_TTL_S)
     async def handle(task: dict[str, int]) -> int:
         ran.append(task["n"])
         return task["n"]
@@ -232,7 +233,7 @@ async def test_a_task_within_its_lifetime_is_retried_and_keeps_its_deadline(
     app = make_app()
     deadlines: list[object] = []
 
-    @app.handler(qname, retry=RetryPolicy(max_retries=1, delay_s=0.05))
+    @app.handler(qname, priorities=True, retry=RetryPolicy(max_retries=1, delay_s=0.05))
     async def flaky(task: dict[str, int], ctx: Context) -> str:
         deadlines.append(ctx.headers.get(h.EXPIRES_AT))
         if ctx.attempt == 1:
@@ -252,7 +253,7 @@ async def test_publish_many_gives_every_task_the_lifetime_and_a_deadline_in_its_
 ) -> None:
     app = make_app()
 
-    @app.handler(qname)
+    @app.handler(qname, priorities=True)
     async def never_runs(task: dict[str, int]) -> None:
         raise AssertionError("no worker consumes in this test")
 
@@ -272,7 +273,7 @@ async def test_a_task_a_worker_took_in_time_runs_past_its_deadline_and_never_rea
     started = asyncio.Event()
     go_on = asyncio.Event()
 
-    @app.handler(qname, idempotent=idempotent)
+    @app.handler(qname, priorities=True, idempotent=idempotent)
     async def slow(task: dict[str, int]) -> str:
         started.set()
         await go_on.wait()

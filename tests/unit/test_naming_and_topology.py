@@ -6,10 +6,13 @@ import pytest
 
 from weclaw_mq import App, ConfigurationError, Limit
 from weclaw_mq.broker_version import ServerVersion
+from weclaw_mq.limits import DEFER_LADDER_MS
 from weclaw_mq.naming import (
+    RETURN_EXCHANGE,
     delay_label,
     delay_queue_name,
     dlq_name,
+    ladder_queue_name,
     retry_queue_name,
     validate_queue_name,
 )
@@ -18,6 +21,7 @@ from weclaw_mq.topology import (
     delay_exchanges,
     delay_queue_arguments,
     dlq_arguments,
+    ladder_declarations,
     queue_declarations,
     work_queue_arguments,
 )
@@ -38,6 +42,9 @@ def test_delay_label_reads_as_seconds_when_whole_and_milliseconds_otherwise(
 
 
 def test_delay_queue_names_carry_the_readable_delay() -> None:
+    assert ladder_queue_name(5_000) == "weclaw_mq.delay.5s"
+    assert ladder_queue_name(250) == "weclaw_mq.delay.250ms"
+    # The per-handler names of the previous version (found by 'weclaw-mq stats' / migrate).
     assert delay_queue_name("summarise", 5_000) == "summarise.retry.lanes.5s"
     assert delay_queue_name("summarise", 250) == "summarise.retry.lanes.250ms"
     # The per-lane names of older versions (still found by 'weclaw-mq stats').
@@ -65,6 +72,7 @@ def test_ordinary_queue_names_are_accepted_unchanged(name: str) -> None:
         ("", "1 to 200 bytes"),
         ("x" * 201, "1 to 200 bytes"),
         ("amq.work", "reserved"),
+        ("weclaw_mq.delay.5s", "shared queues"),
         ("has space", "letters, digits"),
         ("-leading-dash", "start with a letter or digit"),
         (".hidden", "start with a letter or digit"),
@@ -118,7 +126,8 @@ def test_work_queue_has_a_max_length_only_when_asked() -> None:
 def test_delay_queue_expires_after_its_delay_back_by_the_messages_own_routing_key() -> None:
     args = delay_queue_arguments(250)
     assert args["x-message-ttl"] == 250
-    assert args["x-dead-letter-exchange"] == ""
+    # Through the return exchange (its alternate exchange parks a task whose queue is gone).
+    assert args["x-dead-letter-exchange"] == RETURN_EXCHANGE
     # No routing key of its own: a message goes back to the lane it was published with.
     assert "x-dead-letter-routing-key" not in args
     assert args["x-dead-letter-strategy"] == "at-least-once"
@@ -135,23 +144,27 @@ def test_dlq_holds_messages_forever() -> None:
         assert never not in args
 
 
-def test_declarations_list_the_dlq_first_then_the_work_queue_then_each_delay() -> None:
-    spec = _spec(retry_delays_ms=(100, 200, 5_000))
+def test_a_handler_declares_its_dlq_and_queue_the_delays_are_the_vhosts() -> None:
+    spec = _spec(retry_delays_ms=(100, 200, 5_000), priorities=True)
     # 4.3 has native priorities: no lanes.
     decls = queue_declarations(spec, ServerVersion(4, 3, 0))
-    assert [name for name, _ in decls] == [
-        "work.dlq",
-        "work",
-        "work.retry.lanes.100ms",
-        "work.retry.lanes.200ms",
-        "work.retry.lanes.5s",
-    ]
+    assert [name for name, _ in decls] == ["work.dlq", "work"]
     by_name = dict(decls)
     assert by_name["work.dlq"] == dlq_arguments(ServerVersion(4, 3, 0))
     assert by_name["work"] == work_queue_arguments(spec)
-    assert by_name["work.retry.lanes.5s"] == delay_queue_arguments(5_000)
+    shared = ladder_declarations([spec, _spec(name="other", retry_delays_ms=(5_000, 7))])
+    # The parking queue, then one delay queue per delay of ANY handler, shortest first.
+    assert [n for n, _ in shared] == [
+        "weclaw_mq.unroutable.dlq",
+        "weclaw_mq.delay.7ms",
+        "weclaw_mq.delay.100ms",
+        "weclaw_mq.delay.200ms",
+        "weclaw_mq.delay.5s",
+    ]
+    assert dict(shared)["weclaw_mq.delay.5s"] == delay_queue_arguments(5_000)
+    assert dict(shared)["weclaw_mq.unroutable.dlq"] == dlq_arguments()
     # Each delay queue has its fanout exchange of the same name.
-    assert delay_exchanges(spec) == [n for n, _ in decls if ".retry." in n]
+    assert delay_exchanges(spec) == [ladder_queue_name(d) for d in (100, 200, 5_000)]
 
 
 def test_declarations_without_retries_are_just_the_dlq_and_the_work_queue() -> None:
@@ -161,26 +174,23 @@ def test_declarations_without_retries_are_just_the_dlq_and_the_work_queue() -> N
     ]
 
 
-def test_on_a_lane_plan_each_lane_is_declared_like_q_and_the_lanes_share_the_delays() -> None:
-    spec = _spec(retry_delays_ms=(100,))
+def test_on_a_lane_plan_each_lane_is_declared_like_q_only_with_priorities() -> None:
+    spec = _spec(retry_delays_ms=(100,), priorities=True)
     decls = dict(queue_declarations(spec, ServerVersion(3, 10, 8)))
-    assert list(decls) == [
-        "work.dlq",
-        "work",
-        "work.lane.high",
-        "work.lane.urgent",
-        "work.retry.lanes.100ms",
-    ]
+    assert list(decls) == ["work.dlq", "work", "work.lane.high", "work.lane.urgent"]
     # Q is unchanged (no upgrade conflict); every lane dead-letters to the one Q.dlq.
     assert decls["work"] == work_queue_arguments(spec)
     assert decls["work.lane.urgent"] == decls["work"]
-    assert decls["work.retry.lanes.100ms"] == delay_queue_arguments(100)
+    # Without priorities (the default) no lanes, on every version.
+    plain = _spec(retry_delays_ms=(100,))
+    for version in (ServerVersion(3, 10, 8), ServerVersion(4, 0, 0), None):
+        assert [n for n, _ in queue_declarations(plain, version)] == ["work.dlq", "work"]
 
 
 def test_a_classic_handler_queue_has_native_priorities_and_no_quorum_only_arguments() -> None:
     spec = _spec(retry_delays_ms=(100,), queue_type="classic")
     decls = dict(queue_declarations(spec, ServerVersion(3, 10, 8)))
-    assert list(decls) == ["work.dlq", "work", "work.retry.lanes.100ms"]
+    assert list(decls) == ["work.dlq", "work"]
     assert decls["work"]["x-queue-type"] == "classic"
     assert decls["work"]["x-max-priority"] == 2
     assert "x-delivery-limit" not in decls["work"]
@@ -197,13 +207,19 @@ def test_declaration_arguments_are_fresh_dicts_each_call() -> None:
 
 # Each quorum queue holds ~3 of RabbitMQ's file handles (measured on 3.10.8; 927 handles at
 # the default ulimit -n 1024): the queues per handler are what a broker can host. Before the
-# lanes shared their delay queues, a handler declared 31 (46 with limit=).
-QUORUM_QUEUES_PER_HANDLER = 13
-QUORUM_QUEUES_PER_LIMITED_HANDLER = 18
+# vhost shared one delay ladder, a handler declared 13 (18 with limit=); before the lanes
+# shared their delay queues, 31 (46).
+QUORUM_QUEUES_PER_HANDLER = {
+    ServerVersion(3, 10, 8): 4,
+    ServerVersion(3, 13, 7): 4,
+    ServerVersion(4, 0, 5): 4,
+    ServerVersion(4, 2, 0): 4,
+    ServerVersion(4, 3, 0): 2,
+}
 
 
-def _quorum_queue_count(app: App, queue: str) -> int:
-    decls = queue_declarations(app.handlers[queue].queue_spec(), ServerVersion(3, 10, 8))
+def _quorum_queue_count(app: App, queue: str, version: ServerVersion) -> int:
+    decls = queue_declarations(app.handlers[queue].queue_spec(), version)
     return sum(args.get("x-queue-type") == "quorum" for _, args in decls)
 
 
@@ -216,12 +232,17 @@ def test_a_handler_declares_a_bounded_number_of_quorum_queues_on_a_lane_plan() -
     @app.handler("limited", limit=Limit(key=lambda t: t["user"], concurrency=2))
     async def limited(task: dict[str, int]) -> None: ...
 
-    plain_delays = len(app.handlers["plain"].queue_spec().retry_delays_ms)
-    limited_delays = len(app.handlers["limited"].queue_spec().retry_delays_ms)
-    # The DLQ, three lanes (RabbitMQ 3.x: no quorum priorities), ONE set of delay queues.
-    assert _quorum_queue_count(app, "plain") == 1 + 3 + plain_delays
-    assert _quorum_queue_count(app, "limited") == 1 + 3 + limited_delays
-    assert _quorum_queue_count(app, "plain") <= QUORUM_QUEUES_PER_HANDLER
-    assert _quorum_queue_count(app, "limited") <= QUORUM_QUEUES_PER_LIMITED_HANDLER
-    # Versions before gave each lane its own delay queues: 1 + 3 x (1 + delays).
-    assert (1 + 3 * (1 + plain_delays), 1 + 3 * (1 + limited_delays)) == (31, 46)
+    @app.handler("ranked", priorities=True, limit=Limit(key=lambda t: t["user"], concurrency=2))
+    async def ranked(task: dict[str, int]) -> None: ...
+
+    for version, most in QUORUM_QUEUES_PER_HANDLER.items():
+        # Q and its DLQ; lanes (3.x: no quorum priorities) only for the one with priorities.
+        assert _quorum_queue_count(app, "plain", version) == 2
+        assert _quorum_queue_count(app, "limited", version) == 2
+        assert _quorum_queue_count(app, "ranked", version) == most
+    # The delay ladder is the vhost's: a fixed set whatever the number of handlers.
+    specs = [s.queue_spec() for s in app.handlers.values()]
+    shared = ladder_declarations(specs)
+    assert len(shared) == 1 + len(
+        {*app.handlers["plain"].queue_spec().retry_delays_ms, *DEFER_LADDER_MS}
+    )

@@ -21,6 +21,7 @@ from weclaw_mq import (
     App,
     ConfigurationError,
     Context,
+    InvalidPriorityError,
     Priority,
     Retry,
     RetryPolicy,
@@ -34,7 +35,7 @@ from weclaw_mq.admin.dlq_message import read_dead_letter
 from weclaw_mq.delays import STEP_DELAYS_MS
 from weclaw_mq.testing import TestBroker, VirtualClock, outcome_counts, services
 from weclaw_mq.testing.queues import MemoryBroker
-from weclaw_mq.topology import QueueSpec, delay_exchanges, queue_declarations
+from weclaw_mq.topology import QueueSpec, delay_exchanges, ladder_declarations, queue_declarations
 
 Q = "kit-q"
 
@@ -87,11 +88,11 @@ async def test_a_held_clock_leaves_a_retry_parked_until_moved() -> None:
         await broker.run_until_idle(advance_clock=False)
         state = await app.status(task_id)
         assert state is not None and state.status is TaskStatus.RETRYING
-        assert (broker.depth(f"{Q}.retry.lanes.30s"), calls) == (1, [1])
+        assert (broker.depth("weclaw_mq.delay.30s"), calls) == (1, [1])
 
         broker.advance(29.0)
         await broker.run_until_idle(advance_clock=False)
-        assert (broker.depth(f"{Q}.retry.lanes.30s"), calls) == (1, [1])
+        assert (broker.depth("weclaw_mq.delay.30s"), calls) == (1, [1])
 
         broker.advance(1.0)
         await broker.run_until_idle(advance_clock=False)
@@ -165,7 +166,7 @@ async def test_higher_priorities_run_first() -> None:
     app = offline_app(concurrency=1)
     order: list[int] = []
 
-    @app.handler(Q)
+    @app.handler(Q, priorities=True)
     async def record(job: Job) -> None:
         order.append(job.n)
 
@@ -175,6 +176,42 @@ async def test_higher_priorities_run_first() -> None:
         await app.publish(Q, {"n": 2}, priority=Priority.URGENT)
         await broker.run_until_idle()
     assert order == [2, 1, 0]
+
+
+async def test_a_priority_for_a_handler_without_priorities_is_refused_before_anything_is_sent() -> (
+    None
+):
+    """Lanes are opt-in (issue 25): a handler without ``priorities=True`` has none, so its app
+    refuses a HIGH task at once rather than publish it to a lane that does not exist."""
+    app = offline_app()
+
+    @app.handler(Q)
+    async def record(job: Job) -> None: ...
+
+    async with TestBroker(app) as broker:
+        with pytest.raises(InvalidPriorityError, match=r"takes no priorities.*priorities=True"):
+            await app.publish(Q, {"n": 1}, priority="high")
+        assert broker.depth(Q) == 0
+        assert sorted(broker.memory.queues) == sorted(
+            [Q, f"{Q}.dlq", *(n for n, _ in ladder_declarations([app.handlers[Q].queue_spec()]))]
+        )
+        await app.publish(Q, {"n": 2}, priority="normal")  # NORMAL is every handler's
+        assert broker.depth(Q) == 1
+
+
+async def test_a_delayed_task_whose_queue_is_gone_is_parked_not_dropped() -> None:
+    clock = VirtualClock()
+    memory = MemoryBroker(clock)
+    spec = QueueSpec(name=Q, retry_delays_ms=(5000,), delivery_limit=2)
+    for name, arguments in ladder_declarations([spec]):
+        memory.declare(name, arguments)
+    for exchange in delay_exchanges(spec):
+        memory.declare_fanout(exchange, exchange)
+    memory.publish(Q, aio_pika.Message(b"{}", message_id="t-3"), exchange="weclaw_mq.delay.5s")
+    clock.advance(5.0)
+    memory.expire_due()
+    parked = memory.deliver("weclaw_mq.unroutable.dlq")
+    assert parked is not None and parked.message_id == "t-3" and parked.routing_key == Q
 
 
 async def test_a_pipeline_over_two_apps_runs_to_its_last_stage() -> None:
@@ -282,14 +319,14 @@ def test_a_message_handed_back_past_the_delivery_limit_is_dead_lettered_by_the_b
 def test_a_delay_queue_hands_its_message_back_when_its_ttl_is_over() -> None:
     clock = VirtualClock()
     memory = MemoryBroker(clock)
-    spec = QueueSpec(name=Q, retry_delays_ms=(5000,), delivery_limit=2)
-    for name, arguments in queue_declarations(spec):
+    spec = QueueSpec(name=Q, retry_delays_ms=(5000,), delivery_limit=2, priorities=True)
+    for name, arguments in [*ladder_declarations([spec]), *queue_declarations(spec)]:
         memory.declare(name, arguments)
     for exchange in delay_exchanges(spec):
         memory.declare_fanout(exchange, exchange)
     # Through the delay queue's exchange, with the lane it goes back to as routing key.
     lane = f"{Q}.lane.high"
-    memory.publish(lane, aio_pika.Message(b"{}", message_id="t-2"), exchange=f"{Q}.retry.lanes.5s")
+    memory.publish(lane, aio_pika.Message(b"{}", message_id="t-2"), exchange="weclaw_mq.delay.5s")
 
     assert memory.deliver(lane) is None
     clock.advance(4.9)
@@ -302,10 +339,10 @@ def test_a_delay_queue_hands_its_message_back_when_its_ttl_is_over() -> None:
     [death] = message.headers["x-death"]
     assert (death["reason"], death["queue"], death["count"]) == (
         "expired",
-        f"{Q}.retry.lanes.5s",
+        "weclaw_mq.delay.5s",
         1,
     )
-    assert (death["exchange"], death["routing-keys"]) == (f"{Q}.retry.lanes.5s", [lane])
+    assert (death["exchange"], death["routing-keys"]) == ("weclaw_mq.delay.5s", [lane])
 
 
 async def test_two_apps_with_a_handler_on_one_queue_are_refused_and_given_back() -> None:

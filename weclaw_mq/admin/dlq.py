@@ -40,7 +40,7 @@ from ..errors import (
     WeclawMQError,
 )
 from ..lifetime import as_datetime, deadline_ms, now_ms
-from ..naming import dlq_name
+from ..naming import UNROUTABLE, dlq_name, handler_queue_of
 from ..priority import priority_from_header, route
 from ..state import TaskState, TaskStatus, TaskStore
 from ..undecodable import tolerant_properties, undecodable
@@ -383,16 +383,20 @@ class _QueuedStatus:
         self._store = store
         self._queue = queue
 
-    async def mark(self, task_id: str, expires_at: datetime | None) -> TaskState | None:
-        """Record "queued"; returns the record it replaced, to restore if the move fails."""
+    async def mark(
+        self, task_id: str, expires_at: datetime | None, queue: str | None = None
+    ) -> TaskState | None:
+        """Record "queued" (in ``queue``, else the one this pass moves to); returns the record
+        it replaced, to restore if the move fails."""
         if self._store is None or not task_id:
             return None
+        queue = queue or self._queue
         try:
-            before = await self._store.get(task_id, queue=self._queue)
+            before = await self._store.get(task_id, queue=queue)
             await self._store.record(
                 TaskState(
                     task_id=task_id,
-                    queue=self._queue,
+                    queue=queue,
                     status=TaskStatus.QUEUED,
                     expires_at=expires_at,
                 )
@@ -555,11 +559,17 @@ async def _move_back(
     headers = properties.headers if isinstance(properties.headers, Mapping) else {}
     version = parse_server_version(dlq.channel.connection.server_properties.get("version"))
     target, _ = route(queue, priority_from_header(headers.get(h.PRIORITY)), version, queue_type)
+    owner = None
+    if queue == UNROUTABLE:
+        # The parking queue: back to the lane the shared ladder was returning it to, once
+        # that queue exists again.
+        target = parked_for(headers) or target
+        owner = handler_queue_of(target)
     # "queued" is written BEFORE the copy exists: a worker's running/succeeded/dead_lettered
     # record then always lands after it, and a waiter never sees a stale final state.
     copy = requeued_properties(properties, at_ms=now_ms())
     before = await statuses.mark(
-        copy.message_id or "", as_datetime(deadline_ms(copy.headers or {}))
+        copy.message_id or "", as_datetime(deadline_ms(copy.headers or {})), owner
     )
     try:
         await dlq.publish(target, message.body, copy)
@@ -575,6 +585,19 @@ async def _move_back(
     # Acked only after the confirm: a crash in between leaves a duplicate, never a loss.
     await dlq.ack(message)
     return True
+
+
+def parked_for(headers: Mapping[str, object]) -> str | None:
+    """The lane a parked task was on its way back to: the routing key of its latest death
+    (the delay queue's expiry), which a look's rotation keeps, unlike the routing key."""
+    deaths = headers.get(h.X_DEATH)
+    if not isinstance(deaths, list) or not deaths or not isinstance(deaths[0], Mapping):
+        return None
+    keys = deaths[0].get("routing-keys")
+    if isinstance(keys, list) and keys and isinstance(keys[0], (str, bytes)):
+        key = keys[0]
+        return key.decode() if isinstance(key, bytes) else key
+    return None
 
 
 async def purge(app: App, queue: str) -> int:

@@ -1,5 +1,5 @@
-"""Queue depths: ready messages and consumers of a handler queue, its priority lanes, their
-delay queues and the DLQ.
+"""Queue depths: ready messages and consumers of a handler queue, its priority lanes, the
+shared delay queues it uses, the queues an older version left, and the DLQ.
 
 Two ways to know which queues a handler has: from its spec (``--app``: ``stats`` with the
 handler's own delays), or from the broker alone (``discover``). AMQP 0-9-1 cannot list
@@ -9,10 +9,12 @@ queue (``weclaw_mq.naming``): its lanes, and the delay queues of the step delays
 policy the ``WECLAW_MQ_*`` settings give; those that exist are the handler's. A delay queue of
 a handler's own ``RetryPolicy`` outside those sets is only found with ``--app``.
 
-Delay queues: Q's shared ones (``Q.retry.lanes.<delay>``), then the per-lane ones of older
-versions (``Q.retry.<delay>``, ``Q.lane.high.retry.<delay>``, ...) where an upgraded
-deployment still has them: those are listed only when they exist (what they hold still comes
-back to its lane).
+Roles: ``work``, ``lane``, ``ladder`` (a delay queue of the vhost's shared ladder: its count is
+every handler's tasks waiting there), ``old`` (a queue of an older version: the per-handler
+``Q.retry.lanes.<delay>``, the per-lane ``Q.retry.<delay>`` / ``Q.lane.high.retry.<delay>``,
+or a lane of a handler that no longer takes priorities; listed only while it exists, what
+it holds still comes back to its lane, and ``weclaw-mq migrate`` deletes it once empty) and
+``dlq``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from ..app import App
 from ..delays import STEP_DELAYS_MS
 from ..errors import ConfigurationError
 from ..limits import DEFER_LADDER_MS
-from ..naming import delay_queue_name, dlq_name, lane_queue_name, retry_queue_name
+from ..naming import (
+    delay_queue_name,
+    dlq_name,
+    ladder_queue_name,
+    lane_queue_name,
+    retry_queue_name,
+)
 from ..priority import Priority, route
 from ..publishing.connection import server_version
 from .dlq import connected, ready_count
@@ -33,7 +41,7 @@ from .dlq import connected, ready_count
 @dataclass(frozen=True)
 class QueueCount:
     name: str
-    role: str  # "work", "lane", "retry" or "dlq"
+    role: str  # "work", "lane", "ladder", "old" or "dlq"
     exists: bool
     messages: int | None  # ready only: messages a consumer holds unacked are not counted
     consumers: int | None
@@ -45,13 +53,15 @@ class QueueStats:
     work: QueueCount
     retries: tuple[QueueCount, ...]
     dlq: QueueCount
-    # The HIGH and URGENT lanes (none where the broker has native priorities). ``retries``:
-    # Q's delay queues (shared by its lanes), then any per-lane one of an older version.
+    # The HIGH and URGENT lanes (none without priorities or where the broker has native
+    # ones). ``retries``: the shared delay queues Q's tasks wait in.
     lanes: tuple[QueueCount, ...] = ()
+    # What an older version left: delay queues per handler or per lane, unused lanes.
+    old: tuple[QueueCount, ...] = ()
 
     @property
     def all(self) -> tuple[QueueCount, ...]:
-        return (self.work, *self.lanes, *self.retries, self.dlq)
+        return (self.work, *self.lanes, *self.retries, *self.old, self.dlq)
 
     def as_json(self) -> dict[str, object]:
         """``stats --json``: stable keys, one entry per queue in ``all``'s order."""
@@ -77,10 +87,20 @@ def _missing(queue: str) -> ConfigurationError:
     )
 
 
+def older_delay_queues(queue: str, delays_ms: Iterable[int]) -> list[str]:
+    """Every delay queue an older version may have given handler queue ``queue`` for these
+    delays: the per-handler ``Q.retry.lanes.<delay>``, then the per-lane ones."""
+    delays = list(dict.fromkeys(delays_ms))
+    lanes = [queue, *(lane_queue_name(queue, p.value) for p in (Priority.HIGH, Priority.URGENT))]
+    names = [delay_queue_name(queue, d) for d in delays]
+    return names + [retry_queue_name(lane, d) for lane in lanes for d in delays]
+
+
 async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) -> QueueStats:
-    """Message and consumer counts of ``Q``, its lanes, each ``Q.retry.lanes.<delay>`` and
-    ``Q.dlq``; a queue that does not exist is reported absent (passive declares never create
-    anything). An older version's per-lane delay queue is listed where it exists."""
+    """Message and consumer counts of ``Q``, its lanes, the shared delay queues of
+    ``retry_delays_ms`` and ``Q.dlq``; a queue that does not exist is reported absent
+    (passive declares never create anything). An older version's queue is listed (``old``)
+    where it exists."""
     async with connected(app, "stats") as conn:
         if await ready_count(conn, queue) is None:
             raise _missing(queue)
@@ -92,23 +112,23 @@ async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) ->
             return QueueCount(name, role, exists=True, messages=counts[0], consumers=counts[1])
 
         version = server_version(conn)
+        spec = app.handlers.get(queue)
+        takes = spec is None or spec.priorities
         lane_names = [
             route(queue, level, version, app.queue_type_of(queue))[0]
             for level in (Priority.HIGH, Priority.URGENT)
         ]
-        lane_names = [name for name in lane_names if name != queue]
+        lane_names = [name for name in lane_names if name != queue] if takes else []
         work = await count(queue, "work")
         lanes = [await count(name, "lane") for name in lane_names]
         delays = list(dict.fromkeys(retry_delays_ms))
-        retries = [await count(delay_queue_name(queue, d), "retry") for d in delays]
-        retries += [
-            old
-            for lane in (queue, *lane_names)
-            for d in delays
-            if (old := await count(retry_queue_name(lane, d), "retry")).exists
-        ]
+        retries = [await count(ladder_queue_name(d), "ladder") for d in delays]
+        old_names = older_delay_queues(queue, delays)
+        if not takes:  # lanes of a handler that no longer takes priorities
+            old_names += [lane_queue_name(queue, p.value) for p in (Priority.HIGH, Priority.URGENT)]
+        old = [c for name in old_names if (c := await count(name, "old")).exists]
         dlq = await count(dlq_name(queue), "dlq")
-    return QueueStats(queue, work, tuple(retries), dlq, tuple(lanes))
+    return QueueStats(queue, work, tuple(retries), dlq, tuple(lanes), tuple(old))
 
 
 def handler_retry_delays_ms(app: App, queue: str) -> tuple[int, ...]:
@@ -149,10 +169,13 @@ async def discover(app: App, queue: str) -> QueueStats:
             for level in (Priority.HIGH, Priority.URGENT)
             if (lane := await found(lane_queue_name(queue, level.value), "lane")) is not None
         ]
-        names = [delay_queue_name(queue, d) for d in delays]
-        names += [retry_queue_name(source.name, d) for source in (work, *lanes) for d in delays]
-        retries = [retry for name in names if (retry := await found(name, "retry")) is not None]
+        retries = [
+            ladder
+            for d in delays
+            if (ladder := await found(ladder_queue_name(d), "ladder")) is not None
+        ]
+        old = [c for name in older_delay_queues(queue, delays) if (c := await found(name, "old"))]
         dlq = await found(dlq_name(queue), "dlq") or QueueCount(
             dlq_name(queue), "dlq", exists=False, messages=None, consumers=None
         )
-    return QueueStats(queue, work, tuple(retries), dlq, tuple(lanes))
+    return QueueStats(queue, work, tuple(retries), dlq, tuple(lanes), tuple(old))

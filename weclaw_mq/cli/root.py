@@ -10,7 +10,11 @@ from typing import Annotated
 
 import typer
 
+from ..admin.migrate import MigrateSummary
+from ..admin.migrate import migrate as run_migrate
 from ..app import App
+from ..broker_load import BROKER_LOAD_UNREADABLE, read_broker_load
+from ..naming import SHARED_PREFIX
 from ..settings import Settings
 from ..tracing import LogFormat, configure_logging
 from ..worker import event_loop
@@ -183,11 +187,45 @@ def worker(
 
 @cli.command()
 def declare(app_path: AppPath, log_level: LogLevel = "WARNING") -> None:
-    """Declare every queue of the app's handlers (idempotent); prints their names."""
+    """Declare every queue of the app's handlers (idempotent); prints their names, then (on
+    stderr) how many, and what AMQP can say of the broker's load."""
     configure_logging(log_level)
     app = load_app(app_path)
-    for name in asyncio.run(app.declare()):
+    names = asyncio.run(app.declare())
+    for name in names:
         typer.echo(name)
+    shared = sum(name.startswith(SHARED_PREFIX) for name in names)
+    typer.echo(
+        f"declared {len(names)} queues: {len(names) - shared} for {len(app.handlers)} "
+        f"handler(s), {shared} shared by the vhost (the delay ladder, the parking queue)",
+        err=True,
+    )
+    load = read_broker_load(app.settings.amqp_urls()[0])
+    typer.echo(BROKER_LOAD_UNREADABLE if load is None else load.summary(), err=True)
+    if load is not None and (warning := load.warning()) is not None:
+        typer.echo(warning, err=True)
+
+
+@cli.command()
+def migrate(app_path: AppPath, log_level: LogLevel = "WARNING") -> None:
+    """Delete the queues an older version left for the app's handlers (per-handler delay
+    queues, unused lanes) once empty; says what it deleted, moved and kept, and why."""
+    configure_logging(log_level)
+    app = load_app(app_path)
+
+    async def go() -> MigrateSummary:
+        async with app:
+            return await run_migrate(app)
+
+    summary = asyncio.run(go())
+    for lane, moved in summary.moved.items():
+        typer.echo(f"moved {moved} task(s) from {lane} to its handler queue")
+    for name in summary.deleted:
+        typer.echo(f"deleted {name}")
+    for kept in summary.kept:
+        typer.echo(f"kept {kept.name} ({kept.messages} ready): {kept.why}")
+    if not (summary.deleted or summary.kept or summary.moved):
+        typer.echo("nothing to migrate: no queue of an older version found")
 
 
 cli.command("publish")(publish)

@@ -44,7 +44,7 @@ from ..naming import dlq_name
 from ..publishing.producer import Publisher
 from ..state import MemoryTaskStore
 from ..streaming import MemoryStreamStore
-from ..topology import delay_exchanges, queue_declarations
+from ..topology import delay_exchanges, ladder_declarations, queue_declarations
 from ..worker.cancel import Cancels
 from ..worker.deadlines import Deadlines
 from ..worker.delivery import Runtime
@@ -134,6 +134,9 @@ class TestBroker:
         try:
             for app in self.apps:
                 self._attach(app)
+            shared = [s.queue_spec() for app in self.apps for s in app.handlers.values()]
+            for name, arguments in ladder_declarations(shared):
+                self.memory.declare(name, arguments)
             for app in self.apps:
                 for spec in app.handlers.values():
                     for name, arguments in queue_declarations(spec.queue_spec()):
@@ -296,7 +299,7 @@ class TestBroker:
         return {k: n - before.get(k, 0) for k, n in now.items() if n != before.get(k, 0)}
 
     def depth(self, queue: str) -> int:
-        """Messages ready in ``queue`` (any queue: ``Q``, ``Q.dlq``, ``Q.retry.lanes.5s``, ...)."""
+        """Messages ready in ``queue`` (``Q``, ``Q.dlq``, ``weclaw_mq.delay.5s``, ...)."""
         return len(self._queue(queue).messages)
 
     def messages(self, queue: str) -> list[aio_pika.Message]:
@@ -314,8 +317,12 @@ class TestBroker:
     def waits(self, queue: str) -> list[float]:
         """The delay-queue hops of ``queue``'s tasks so far, in seconds, in order: a task
         retried twice under the default policy shows ``[5.0, 10.0]``."""
-        prefixes = (f"{queue}.retry.", f"{queue}.lane.")
-        return [ms / 1000 for name, ms in self.memory.parked if name.startswith(prefixes)]
+        # The ladder is shared: a hop is ``queue``'s when it returns to Q or one of its lanes.
+        return [
+            ms / 1000
+            for lane, ms in self.memory.parked
+            if lane == queue or lane.startswith(f"{queue}.lane.")
+        ]
 
     def _queue(self, name: str) -> MemoryQueue:
         queue = self.memory.queues.get(name)

@@ -10,6 +10,8 @@ What is modelled, because the worker's behaviour depends on it:
   ``expired``, and RabbitMQ's rule that a dead-lettered message loses its ``expiration``;
 - a fanout exchange bound to one queue (a delay queue's, ``topology.delay_exchanges``): a
   message published there goes to that queue whatever its routing key, and keeps the key;
+- the shared ladder's return exchange (``topology``): a delay queue dead-letters by the
+  message's routing key, and a message whose queue is gone goes to the parking queue;
 - ``x-dead-letter-routing-key``: expired, rejected (``nack(requeue=False)``) and over-limit
   messages move there (without it, to the queue the message's own routing key names, as
   RabbitMQ dead-letters to the default exchange by the key it was published with) with an
@@ -45,6 +47,7 @@ from pamqp.header import ContentHeader
 
 from .. import headers as h
 from ..errors import MessageEncodingError, PublishNackedError, UnroutableError
+from ..naming import RETURN_EXCHANGE, parking_queue_name
 from .clock import VirtualClock
 
 EXPIRED = "expired"
@@ -150,7 +153,8 @@ class MemoryBroker:
         # Fanout exchange -> the one queue bound to it.
         self.exchanges: dict[str, str] = {}
         self.arrived = asyncio.Event()
-        # Every hop into a delay queue (x-message-ttl): (queue, its TTL in ms), in order.
+        # Every hop into a delay queue (x-message-ttl): (the lane it returns to by its routing
+        # key, the queue's TTL in ms), in order.
         self.parked: list[tuple[str, int]] = []
         self._tags = itertools.count(1)
         self._unsettled: dict[int, tuple[MemoryQueue, Stored]] = {}
@@ -204,7 +208,7 @@ class MemoryBroker:
     def _enqueue(self, queue: MemoryQueue, message: Stored) -> None:
         queue.messages.append(message)
         if queue.ttl_ms is not None:
-            self.parked.append((queue.name, queue.ttl_ms))
+            self.parked.append((message.routing_key, queue.ttl_ms))
         self.arrived.set()
 
     # -- time -----------------------------------------------------------------------------
@@ -275,6 +279,9 @@ class MemoryBroker:
     def _dead_letter(self, queue: MemoryQueue, stored: Stored, reason: str) -> None:
         routed_by = queue.dead_letter_to(stored)
         target = self.queues.get(routed_by or "")
+        if target is None and queue.arguments.get("x-dead-letter-exchange") == RETURN_EXCHANGE:
+            # The return exchange's alternate exchange: the parking queue (topology).
+            target = self.queues.get(parking_queue_name())
         if target is None:
             # Dropped here. RabbitMQ drops it too without dead-lettering; with at-least-once
             # dead-lettering to a queue that is gone, it holds it in the source for good.

@@ -31,11 +31,11 @@ from aio_pika.abc import (
 
 from ..app import App
 from ..breaker import CircuitState
+from ..broker_load import read_broker_load
 from ..broker_version import ServerVersion
 from ..errors import ConfigurationError
 from ..failures import describe
 from ..handler import HandlerSpec
-from ..priority import plan_priorities
 from ..publishing.connection import (
     CLOSE_TIMEOUT_S,
     LINK_ERRORS,
@@ -186,11 +186,13 @@ class Worker:
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
         announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
+        # Off the start's path: rabbitmqctl takes about a second (weclaw_mq.broker_load).
+        load_check = asyncio.create_task(self._warn_about_broker_load())
         try:
             with tolerant_properties():
                 await self._run()
         finally:
-            for task in (listener, announcer):
+            for task in (listener, announcer, load_check):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -224,6 +226,14 @@ class Worker:
         )
         await self.cancels.listening.wait()
         log.info("Redis answers now: guarded tasks run, cancel requests are heard")
+
+    async def _warn_about_broker_load(self) -> None:
+        """One line at start when the broker is within 10 % of its file-handle or memory
+        limit, where that can be read at all (``broker_load``)."""
+        url = self.settings.amqp_urls()[0]
+        load = await asyncio.to_thread(read_broker_load, url)
+        if load is not None and (warning := load.warning()) is not None:
+            log.warning("%s", warning)
 
     async def _run(self) -> None:
         failures = 0
@@ -298,7 +308,7 @@ class Worker:
         await declare_channel.close()
 
         version = server_version(conn)
-        laned = [s for s in self.specs if plan_priorities(version, s.queue_type).mode == "lanes"]
+        laned = [s for s in self.specs if len(s.queue_spec().lane_queues(version)) > 1]
         single = [s for s in self.specs if s not in laned]
         channel = await conn.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.concurrency)

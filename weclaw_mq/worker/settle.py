@@ -30,7 +30,7 @@ from ..failures import describe, error_class, error_type, safe_text, traceback_t
 from ..lifetime import now_ms
 from ..message import Delivery, build_message
 from ..metrics import Metrics, Outcome
-from ..naming import delay_queue_name, dlq_name, source_lane
+from ..naming import dlq_name, ladder_queue_name, source_lane
 from ..publishing.connection import cancelled_by_caller
 from ..publishing.producer import Publisher
 from .deadlines import Deadline, Deadlines
@@ -90,10 +90,10 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
 
 
 def _delay_target(message: AbstractIncomingMessage, queue: str, delay_ms: int) -> tuple[str, str]:
-    """(the delay queue's exchange, the routing key) to park the message: the routing key is
-    the lane it came from, which the delay queue dead-letters it back to, so a retried or
-    deferred task keeps its priority (``topology.delay_queue_arguments``)."""
-    return delay_queue_name(queue, delay_ms), source_lane(message.routing_key, queue)
+    """(the shared delay queue's exchange, the routing key) to park the message: the routing
+    key is the lane it came from, which the delay queue dead-letters it back to, so a retried
+    or deferred task keeps its priority (``topology.delay_queue_arguments``)."""
+    return ladder_queue_name(delay_ms), source_lane(message.routing_key, queue)
 
 
 # An ack or nack is one frame handed to the connection's writer. After the writer died,

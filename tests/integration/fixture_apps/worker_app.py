@@ -83,7 +83,7 @@ def build_app(
 ) -> App:
     app = App("fixture", settings=settings)
 
-    @app.handler(queue, limit=limit)
+    @app.handler(queue, limit=limit, priorities=True)
     async def work(task: Job, ctx: Context) -> dict[str, str]:
         record(record_dir, "started", ctx)
         if crash_on is not None and task.text == crash_on:
