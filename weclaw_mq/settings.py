@@ -116,8 +116,9 @@ class Settings(EnvSettings):
     event_loop: Literal["asyncio", "uvloop"] = "asyncio"
 
     # Idempotency guard and result store (Redis).
-    # Per process. A worker needs about two per handler in flight (claim or result write,
-    # and a status write beside it); past the limit a command fails like an outage.
+    # Per pool (the task store's, the stream store's, the limiter's), per process. A worker
+    # needs a fixed few whatever its concurrency (worker.consume.REDIS_CONNECTIONS_NEEDED:
+    # commands share the auto-pipeline); past the limit a command fails like an outage.
     redis_max_connections: int = Field(default=1024, ge=4)
     redis_timeout_s: float = seconds(5.0, floor=0.01, ceiling=600)
     results_enabled: bool = True
