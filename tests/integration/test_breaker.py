@@ -66,6 +66,7 @@ async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters
         retry=RetryPolicy(max_retries=2, delay_s=0.3, multiplier=1.0),
         breaker=BREAKER,
         queue_type=queue_type,
+        priorities=queue_type == "quorum",  # lanes exist only for handlers that take priorities
     )
     async def call_model(task: Job, ctx: Context) -> int:
         if not recovered_at:

@@ -46,7 +46,7 @@ async def test_a_bulk_consumer_no_scheduler_owns_is_cancelled_and_its_tasks_run(
     app = make_app()
     done: set[int] = set()
 
-    @app.handler(qname)
+    @app.handler(qname, priorities=True)
     async def work(task: Job) -> None:
         done.add(task.n)
 
@@ -75,7 +75,7 @@ async def test_a_delivery_held_unstarted_while_a_slot_is_free_is_given_back(
     app = make_app(held_delivery_s=0.5)
     done: set[int] = set()
 
-    @app.handler(qname)
+    @app.handler(qname, priorities=True)
     async def work(task: Job) -> None:
         done.add(task.n)
 

@@ -46,7 +46,7 @@ async def test_a_full_run_never_shows_the_password(
     seen: list[str] = []
     operator = make_app("fixture")  # the queues' names, and their removal at teardown
 
-    @operator.handler(qname)
+    @operator.handler(qname, priorities=True)  # as the fixture app's: its lanes are granted
     async def work(task: dict[str, str]) -> None:
         return None
 

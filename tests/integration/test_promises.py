@@ -444,7 +444,7 @@ class TestNoAckBeforeTheResultIsStored:
         finish = asyncio.Event()
         returned: list[str] = []
 
-        @app.handler(qname)
+        @app.handler(qname, priorities=True)  # the lanes' look-ahead, counted below
         async def work(task: Job, ctx: Context) -> dict[str, int]:
             await finish.wait()
             returned.append(ctx.task_id)

@@ -235,7 +235,8 @@ class TestResultWaitersAcrossARedisRestart:
             asyncio.create_task(app.result(f"{qname}-never-{n}", queue=qname, timeout_s=60))
             for n in range(3)
         ]
-        await wait_until(lambda: len(pool._in_use_connections) >= 3, 10, "3 subscriptions")
+        # The three share the store's one subscription (state.redis_wakeups), not one each.
+        await wait_until(lambda: len(pool._in_use_connections) >= 1, 10, "the subscription")
 
         private_redis.stop()
         for waiter in waiters:
@@ -243,5 +244,6 @@ class TestResultWaitersAcrossARedisRestart:
                 await asyncio.wait_for(waiter, 30)
         private_redis.start()
 
-        assert len(pool._in_use_connections) == 0, "a waiter kept its pub/sub connection"
+        # At most the shared subscription, subscribing again: no waiter kept a connection.
+        assert len(pool._in_use_connections) <= 1, "a waiter kept its pub/sub connection"
         assert await app.status(f"{qname}-never-0", queue=qname) is None  # the store works again
