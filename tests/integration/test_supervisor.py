@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
-from tests.integration.fixture_apps.worker_app import Job
+from tests.conftest import delete_queues, settings_for, wait_until
+from tests.integration.fixture_apps.worker_app import Job, build_app
 from tests.integration.processes import (
     CONSUMING_MARK,
     FIXTURE_APP,
     WorkerFleet,
     WorkerProcess,
     all_empty,
+    queue_names,
     run_cli,
     worker_fleet,
 )
@@ -138,7 +139,7 @@ async def test_an_app_that_cannot_be_loaded_ends_the_supervisor_before_any_child
 
 
 async def test_a_child_that_cannot_start_ends_the_supervisor_with_its_error(
-    tmp_path: Path,
+    tmp_path: Path, qname: str, broker_url: str, redis_url: str
 ) -> None:
     # Child 0's metrics port is taken (child 1 gets the next one): a setting to fix, exit 3.
     with socket.socket() as taken:
@@ -152,8 +153,11 @@ async def test_a_child_that_cannot_start_ends_the_supervisor_with_its_error(
             "2",
             "--metrics-port",
             str(port),
-            env={"TEST_QUEUE": "never-declared", "TEST_RECORD_DIR": str(tmp_path)},
+            env={"TEST_QUEUE": qname, "TEST_RECORD_DIR": str(tmp_path)},
         )
+    # Child 1 (the next port is free) may have declared its queues before the stop.
+    declared = build_app(qname, settings=settings_for(broker_url, redis_url), record_dir=tmp_path)
+    await delete_queues(broker_url, queue_names(declared))
     assert result.code == 3, result
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
