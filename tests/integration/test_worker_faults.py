@@ -158,7 +158,7 @@ async def test_task_not_started_at_sigterm_stays_queued_for_the_next_worker(
     # Held as the NORMAL lane's look-ahead, it was given back at the stop; the queue applies
     # a return asynchronously, so it shows as ready a moment later.
     await wait_until(
-        lambda: ready_count_is(broker_url, fleet.queue, 1), 10, "the second task in the queue"
+        lambda: ready_count_is(broker_url, fleet.queue, 1), 30, "the second task in the queue"
     )
     await fleet.start_consuming(concurrency=1, sleep_s=0.0)
     await wait_until(
