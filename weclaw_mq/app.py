@@ -164,6 +164,7 @@ class App:
                 name=name,
                 queue_type_of=self.queue_type_of,
                 unavailable=lambda: self._get_publisher().unavailable(),
+                reached=lambda: self._get_publisher().broker_reached(),
             )
 
     # -- registration -------------------------------------------------------------------

@@ -180,6 +180,22 @@ async def test_a_refused_broker_connection_counts_as_an_unavailable_publish(
         assert _published(app, qname, "unavailable") == 2
 
 
+async def test_the_relay_reaching_the_broker_ends_the_publishers_backoff_step(
+    redis_url: str, qname: str
+) -> None:
+    # The outbox relay connected while the app's publisher still backed off: without the
+    # word, the next publish went to the outbox instead of to the broker that answers.
+    url = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
+    settings = settings_for(url, redis_url).model_copy(update={"reconnect_max_delay_s": 60.0})
+    async with App("t", settings=settings) as app:
+        with pytest.raises(BrokerUnavailableError):
+            await app.publish(qname, {"text": "hi"}, task_id="refused-2")
+        publisher = app._get_publisher()
+        assert publisher.unavailable() is not None, "a connect just failed: the next waits"
+        publisher.broker_reached()
+        assert publisher.unavailable() is None
+
+
 # Far below the Redis socket timeout (5 s) that a publish waited out before, and generous
 # for a loaded 2-core machine: a publish to the real broker takes milliseconds.
 PUBLISH_BOUND_S = 2.5

@@ -66,6 +66,7 @@ class LocalFallback:
         name: str,
         queue_type_of: Callable[[str], str] | None = None,
         unavailable: Callable[[], BrokerUnavailableError | None] = lambda: None,
+        reached: Callable[[], None] = lambda: None,
     ) -> None:
         assert settings.outbox_path is not None
         self.settings = settings
@@ -84,6 +85,7 @@ class LocalFallback:
         # The producer's word that the broker is down and no connect is due yet
         # (Publisher.unavailable): a publish then goes straight to the outbox.
         self._unavailable = unavailable
+        self._reached = reached  # the relay connected: Publisher.broker_reached
         self._outage_stored = 0  # tasks stored since the broker last answered (its outage)
 
     async def open(self) -> Outbox:
@@ -104,6 +106,7 @@ class LocalFallback:
                         store=self._results(),
                         name=f"{self._name}-relay",
                         queue_type_of=self._queue_type_of,
+                        reached=self._reached,
                     )
                     self._stop = asyncio.Event()
                     self._relay_task = asyncio.create_task(self.relay.run(self._stop))

@@ -70,8 +70,12 @@ class Relay:
         store: TaskStore | None = None,
         name: str = "weclaw-mq-outbox-relay",
         queue_type_of: Callable[[str], str] | None = None,
+        reached: Callable[[], None] = lambda: None,
     ) -> None:
         self.outbox = outbox
+        # Called when this relay connects: the App's publisher, backing off since its own
+        # connect failed, tries at its next publish instead of storing it too.
+        self._reached = reached
         # A standalone relay knows no handler: it takes Q for a default (quorum) handler
         # queue, as a producer-only App does.
         self.queue_type_of = queue_type_of or (lambda queue: QUORUM)
@@ -217,6 +221,7 @@ class Relay:
         self._channel = await self._connection.channel(
             publisher_confirms=True, on_return_raises=True
         )
+        self._reached()
         return self._channel
 
     async def _send_window(

@@ -136,6 +136,12 @@ class Publisher:
             f"{outage.retry_at - asyncio.get_running_loop().time():.1f} s); nothing was sent"
         )
 
+    def broker_reached(self) -> None:
+        """Another connection of ours (the outbox relay's) reached the broker: the next
+        publish tries at once rather than waiting out this outage's backoff step."""
+        if self._outage is not None:
+            self._outage.retry_at = asyncio.get_running_loop().time()
+
     async def _connect(self) -> AbstractConnection:
         """Our connection, one attempt per backoff step while the broker is unreachable: an
         outage that fails later publishes is logged once then, and once when it ends."""
