@@ -62,7 +62,7 @@ def _service_url(
 ) -> str:
     if url in _answered:
         return _answered[url]
-    wait_s = 0.0 if url in _failed else services.SERVICE_WAIT_S
+    wait_s = 0.0 if url in _failed else services.service_wait_s()
     problem = problem_at(url, wait_s=wait_s)
     if problem is None:
         _failed.discard(url)

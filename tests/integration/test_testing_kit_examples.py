@@ -82,7 +82,13 @@ def test_the_service_fixtures_fail_with_how_to_get_a_broker(tmp_path: Path) -> N
     (tmp_path / "test_services.py").write_text(SERVICES_TEST)
     nowhere = f"amqp://guest:secret-word@127.0.0.1:{closed_port()}/"
 
-    run = run_pytest(tmp_path, WECLAW_MQ_AMQP_URL=nowhere, WECLAW_MQ_REDIS_URL=REDIS_URL)
+    # A short wait: the closed port never opens, and the default 30 s is this test's cost.
+    run = run_pytest(
+        tmp_path,
+        WECLAW_MQ_AMQP_URL=nowhere,
+        WECLAW_MQ_REDIS_URL=REDIS_URL,
+        WECLAW_MQ_SERVICE_WAIT_S="1",
+    )
 
     assert run.returncode == 1, run.stdout + run.stderr
     # The failure is its one line (pytest repeats it in its summary), nothing chained to it.

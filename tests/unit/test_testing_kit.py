@@ -438,3 +438,19 @@ def test_a_rejected_message_is_dead_lettered_by_the_broker_as_rejected() -> None
     [stored] = memory.queues[f"{Q}.dlq"].messages
     dead = read_dead_letter(stored.task_id, stored.headers, stored.body)
     assert (dead.task_id, dead.reason, dead.original_queue) == ("t-3", "rejected", Q)
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan", "1e9"])
+def test_a_service_wait_that_is_not_seconds_says_so(
+    raw: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(services.SERVICE_WAIT_ENV, raw)
+    with pytest.raises(services.ServiceMissing, match=services.SERVICE_WAIT_ENV):
+        services.service_wait_s()
+
+
+def test_the_service_wait_is_the_default_or_the_one_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(services.SERVICE_WAIT_ENV, raising=False)
+    assert services.service_wait_s() == services.SERVICE_WAIT_S
+    monkeypatch.setenv(services.SERVICE_WAIT_ENV, "2.5")
+    assert services.service_wait_s() == 2.5

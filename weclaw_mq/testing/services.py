@@ -57,8 +57,27 @@ class ServiceMissing(Exception):
 # Between attempts while waiting for a service: a bad moment (a broker restarting, a burst of
 # load) is waited out instead of failing every test of the session.
 RETRY_EVERY_S = 1.0
-# How long the fixtures wait for a service that does not answer yet before failing.
+# How long the fixtures wait for a service that does not answer yet before failing;
+# WECLAW_MQ_SERVICE_WAIT_S changes it (0 fails at the first refusal).
 SERVICE_WAIT_S = 30.0
+SERVICE_WAIT_ENV = "WECLAW_MQ_SERVICE_WAIT_S"
+
+
+def service_wait_s() -> float:
+    """``WECLAW_MQ_SERVICE_WAIT_S`` (seconds, 0 to 3600) or ``SERVICE_WAIT_S``; a value that
+    is not one is a ``ServiceMissing`` naming it, not a wait of some other length."""
+    raw = os.environ.get(SERVICE_WAIT_ENV, "").strip()
+    if not raw:
+        return SERVICE_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 3600.0:  # NaN fails this too
+        raise ServiceMissing(
+            f"{SERVICE_WAIT_ENV}={raw!r} is not a number of seconds from 0 to 3600"
+        )
+    return value
 
 
 async def _retried(attempt: Callable[[], Awaitable[str | None]], wait_s: float) -> str | None:
@@ -184,7 +203,7 @@ def _service(
             yield url
         return
     url = named or local_url
-    problem = problem_at(url, wait_s=SERVICE_WAIT_S)
+    problem = problem_at(url, wait_s=service_wait_s())
     if problem is not None:
         where = f"at {env}" if named else f"at {local_url} (the default; {env} is not set)"
         # The problem text, never the URL: it may hold a password.
