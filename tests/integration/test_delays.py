@@ -63,7 +63,7 @@ async def model_api() -> AsyncIterator[ModelAPI]:
         await api.server.wait_closed()
 
 
-async def test_a_429_with_retry_after_3_retries_at_3_to_4_s_with_one_attempt_while_others_flow(
+async def test_a_429_with_retry_after_3_retries_at_3_to_4_5_s_with_one_attempt_while_others_flow(
     make_app: Callable[..., App],
     start_worker: Callable[..., Any],
     qname: str,
@@ -93,7 +93,8 @@ async def test_a_429_with_retry_after_3_retries_at_3_to_4_s_with_one_attempt_whi
     retried = [(attempt, at) for text, attempt, at in runs if text == "busy"]
     assert [attempt for attempt, _ in retried] == [1, 2]  # one attempt spent, not more
     waited = retried[1][1] - failed_at
-    assert 3.0 <= waited <= 4.0, f"retried {waited:.3f} s after the 429 with Retry-After: 3"
+    # The same 1.5 s of slack as a delayed publish: 4.014 s once on a loaded 2-core machine.
+    assert 3.0 <= waited <= 4.5, f"retried {waited:.3f} s after the 429 with Retry-After: 3"
     # The others ran while it waited, through the one slot.
     other_starts = [at for text, _, at in runs if text.startswith("other-")]
     assert len(other_starts) == len(others) and max(other_starts) < retried[1][1]

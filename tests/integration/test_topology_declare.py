@@ -271,6 +271,9 @@ async def test_a_conflict_does_not_stop_the_app_from_declaring_again(
     assert qname in await old.declare()
 
 
+PARKED_MS = 4000  # a delay older versions declared (STEP_DELAYS_MS, DEFER_LADDER_MS)
+
+
 def _old_delay_arguments(delay_ms: int, lane: str | None = None) -> dict[str, Any]:
     """A delay queue as versions before the shared ladder declared it: dead-lettering through
     the default exchange, by the message's routing key (per handler) or to ``lane``
@@ -307,8 +310,10 @@ async def test_an_upgrade_from_per_handler_delay_queues_and_lanes_loses_nothing(
         ran.append(task["text"])
 
     high = lane_queue_name(qname, "high")
-    per_handler = delay_queue_name(qname, 1000)
-    per_lane = retry_queue_name(high, 200)
+    # Parked for 4 s: the first migrate must find both still holding their task (at 200 ms
+    # one had expired under load and been deleted as empty before the test looked).
+    per_handler = delay_queue_name(qname, PARKED_MS)
+    per_lane = retry_queue_name(high, PARKED_MS)
     old = [high, lane_queue_name(qname, "urgent"), per_handler, per_lane]
     try:
         await app.declare()  # Q and Q.dlq are declared as the old version did
@@ -316,11 +321,13 @@ async def test_an_upgrade_from_per_handler_delay_queues_and_lanes_loses_nothing(
             await amqp.declare_queue(
                 lane, durable=True, arguments=work_queue_arguments(app.handlers[qname].queue_spec())
             )
-        await amqp.declare_queue(per_handler, durable=True, arguments=_old_delay_arguments(1000))
+        await amqp.declare_queue(
+            per_handler, durable=True, arguments=_old_delay_arguments(PARKED_MS)
+        )
         exchange = await amqp.declare_exchange(per_handler, aio_pika.ExchangeType.FANOUT)
         await (await amqp.get_queue(per_handler, ensure=False)).bind(exchange, routing_key="")
         await amqp.declare_queue(
-            per_lane, durable=True, arguments=_old_delay_arguments(200, lane=high)
+            per_lane, durable=True, arguments=_old_delay_arguments(PARKED_MS, lane=high)
         )
         # As the old worker parked and routed them.
         await exchange.publish(app.prepare(qname, {"text": "parked-q"}), routing_key=qname)
@@ -332,7 +339,7 @@ async def test_an_upgrade_from_per_handler_delay_queues_and_lanes_loses_nothing(
             app.prepare(qname, {"text": "in-high"}), routing_key=high
         )
 
-        got = await queue_stats.stats(app, qname, retry_delays_ms=(1000, 200))
+        got = await queue_stats.stats(app, qname, retry_delays_ms=(PARKED_MS,))
         listed = {c.name: c.role for c in got.old}
         assert listed == {per_handler: "old", per_lane: "old", old[0]: "old", old[1]: "old"}
 
@@ -352,7 +359,7 @@ async def test_an_upgrade_from_per_handler_delay_queues_and_lanes_loses_nothing(
         assert summary.moved == {high: 3}  # in-high, parked-high, per-lane
         await wait_until(lambda: len(ran) == 4, 15, "every old task to run")
         assert sorted(ran) == ["in-high", "parked-high", "parked-q", "per-lane"]
-        assert (await queue_stats.stats(app, qname, retry_delays_ms=(1000, 200))).old == ()
+        assert (await queue_stats.stats(app, qname, retry_delays_ms=(PARKED_MS,))).old == ()
     finally:
         for name in old:
             await amqp.queue_delete(name)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.broker_ctl import abroker_ctl
 from tests.conftest import wait_until
 from tests.integration.processes import (
     WorkerFleet,
@@ -157,9 +158,16 @@ async def test_task_not_started_at_sigterm_stays_queued_for_the_next_worker(
     assert second not in fleet.task_ids("started")
     # Held as the NORMAL lane's look-ahead, it was given back at the stop; the queue applies
     # a return asynchronously, so it shows as ready a moment later.
-    await wait_until(
-        lambda: ready_count_is(broker_url, fleet.queue, 1), 30, "the second task in the queue"
-    )
+    try:
+        await wait_until(
+            lambda: ready_count_is(broker_url, fleet.queue, 1), 30, "the second task in the queue"
+        )
+    except AssertionError as e:  # where it is instead: the broker's counts and the worker's log
+        counts = await abroker_ctl(
+            "list_queues", "name", "messages_ready", "messages_unacknowledged", "consumers"
+        )
+        mine = [line for line in counts.splitlines() if fleet.queue in line]
+        raise AssertionError(f"{e}; broker: {mine}; {worker.describe()}") from e
     await fleet.start_consuming(concurrency=1, sleep_s=0.0)
     await wait_until(
         lambda: fleet.task_ids("finished") == {first, second}, 10, "the next worker to finish it"
