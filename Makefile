@@ -96,7 +96,7 @@ test: install tools
 	@ops/dev-services.sh up
 	@status=0; \
 	$(MAKE) --no-print-directory lint || status=1; \
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile tests || status=1; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests || status=1; \
 	if [ $$status -ne 0 ]; then echo "make test: FAILED (see lint and pytest output above)"; fi; \
 	exit $$status
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# 'make drill': every fault drill, the cluster failover one included, then the table of counts
+# 'make drill': every fault drill, the cluster failover one included, and the tests marked
+# slow (a minute or more each, left out of 'make test'), then the table of counts
 # (published, confirmed, processed, lost, duplicated) from these very runs.
 #
 #   tests/drills/run_drills.sh                 all drills, the cluster drill 5 times in a row
@@ -19,4 +20,5 @@ export WECLAW_CLUSTER_DRILL=1
 # The README's claim is "5 runs in a row": the default here (tests/drills/bounds.py says so too).
 export WECLAW_CLUSTER_DRILL_RUNS=${WECLAW_CLUSTER_DRILL_RUNS:-5}
 
-exec "$PYTEST" -m drill tests/drills -q -rfE -p no:cacheprovider "$@"
+# With the slow tests 'make test' leaves out (the benchmark's smoke run, the recovery race).
+exec "$PYTEST" -m "drill or slow" tests/drills tests/integration -q -rfE -p no:cacheprovider "$@"

@@ -125,6 +125,7 @@ async def _drain_with_kills(
 
 
 @pytest.mark.drill
+@pytest.mark.slow  # 67 s: ten kills and two drains, a ratio of the two ('make drill')
 async def test_a_guarded_queue_recovers_from_kill9s_about_as_fast_as_an_unguarded_one(
     broker_url: str, redis_url: str, tmp_path: Path, drill_report: DrillReport
 ) -> None:

@@ -16,6 +16,7 @@ MEASURED_BY_US = {"raw", "raw-redis", "weclaw", "weclaw-guard"}
 
 # A clean checkout creates the benchmark's own venv (the peers) first: the run's own 420 s
 # bound, not the suite's default per-test timeout, is what this test waits for.
+@pytest.mark.slow  # 210 s in a full run: 'make drill' runs it, 'make test' does not
 @pytest.mark.timeout(480)
 def test_benchmark_smoke_run_measures_weclaw_and_its_baselines(tmp_path: Path) -> None:
     proc = subprocess.run(
