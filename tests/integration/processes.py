@@ -30,8 +30,8 @@ from tests.conftest import (
     settings_for,
     wait_until,
 )
-from tests.integration.fixture_apps.worker_app import Event, build_app, read_events
-from weclaw_mq import App, Settings
+from tests.integration.fixture_apps.worker_app import Event, Job, build_app, read_events
+from weclaw_mq import App, Settings, TaskStatus
 from weclaw_mq.topology import queue_declarations
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -249,6 +249,16 @@ class WorkerFleet:
         worker = self.start(**kwargs)
         await worker.wait_consuming()
         return worker
+
+    async def publish_jobs(self, n: int) -> list[str]:
+        """Publish ``n`` tasks ``t0``..``t<n-1>`` to the fleet's queue; their ids, in order."""
+        return [await self.app.publish(self.queue, Job(text=f"t{i}")) for i in range(n)]
+
+    async def assert_all_succeed(self, ids: Sequence[str], timeout_s: float = 30.0) -> None:
+        """Each task's stored result says it succeeded (waiting for it up to ``timeout_s``)."""
+        for task_id in ids:
+            state = await self.app.result(task_id, timeout_s=timeout_s)
+            assert state.status is TaskStatus.SUCCEEDED, state
 
     def events(self, kind: str | None = None) -> list[Event]:
         return [e for e in read_events(self.record_dir) if kind is None or e.kind == kind]

@@ -6,9 +6,7 @@ import signal
 from pathlib import Path
 
 from tests.conftest import wait_until
-from tests.integration.fixture_apps.worker_app import Job
 from tests.integration.processes import one_error_line, run_cli, worker_fleet
-from weclaw_mq import TaskStatus
 from weclaw_mq.worker import event_loop
 
 
@@ -21,10 +19,8 @@ async def test_a_worker_on_uvloop_runs_tasks_to_their_result(
         worker = fleet.start(concurrency=4, extra_args=["--loop", "uvloop"])
         await worker.wait_consuming()
         assert "event loop: uvloop" in worker.log()
-        ids = [await fleet.app.publish(qname, Job(text=f"t{i}")) for i in range(8)]
-        for task_id in ids:
-            state = await fleet.app.result(task_id, timeout_s=30)
-            assert state.status is TaskStatus.SUCCEEDED, state
+        ids = await fleet.publish_jobs(8)
+        await fleet.assert_all_succeed(ids)
         worker.signal(signal.SIGTERM)
         assert await worker.wait_exit(30) == 0, worker.describe()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import delete_queues, settings_for, wait_until
-from tests.integration.fixture_apps.worker_app import Job, build_app
+from tests.integration.fixture_apps.worker_app import build_app
 from tests.integration.processes import (
     CONSUMING_MARK,
     FIXTURE_APP,
@@ -54,7 +54,7 @@ async def test_sigterm_drains_every_child_and_the_supervisor_exits_0(
         queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
     ) as fleet:
         supervisor = await _start_supervised(fleet, 2, concurrency=2, sleep_s=1.5)
-        ids = [await fleet.app.publish(qname, Job(text=f"t{i}")) for i in range(4)]
+        ids = await fleet.publish_jobs(4)
         await wait_until(lambda: len(fleet.events("started")) == 4, 20, "4 tasks started")
         # Two processes share the work: prefetch 2 each, so neither can hold all 4.
         assert len({e.pid for e in fleet.events("started")}) == 2, fleet.events()
@@ -88,10 +88,8 @@ async def test_children_are_forked_from_the_supervisor_that_loaded_the_app(
         for pid in children:
             assert _command_line(pid) == _command_line(supervisor.pid), pid
         # Each child has its own broker connection: both take tasks and finish them.
-        ids = [await fleet.app.publish(qname, Job(text=f"t{i}")) for i in range(4)]
-        for task_id in ids:
-            state = await fleet.app.result(task_id, timeout_s=30)
-            assert state.status is TaskStatus.SUCCEEDED, state
+        ids = await fleet.publish_jobs(4)
+        await fleet.assert_all_succeed(ids)
         supervisor.signal(signal.SIGTERM)
         assert await supervisor.wait_exit(30) == 0, supervisor.describe()
 
@@ -108,7 +106,7 @@ async def test_a_killed_child_is_started_again_and_nothing_is_lost(
         guard_lease_s=2.0,
     ) as fleet:
         supervisor = await _start_supervised(fleet, 2, concurrency=2, sleep_s=0.5)
-        ids = [await fleet.app.publish(qname, Job(text=f"t{i}")) for i in range(12)]
+        ids = await fleet.publish_jobs(12)
         await wait_until(lambda: len(fleet.events("started")) >= 2, 20, "tasks started")
         victim = fleet.events("started")[0].pid
         os.kill(victim, signal.SIGKILL)  # a child of the supervisor this test started
