@@ -300,6 +300,7 @@ async def crash_fleet(
         yield fleet
 
 
+@pytest.mark.timeout(240)
 async def test_the_carried_return_count_ends_a_crash_loop_that_hops_through_the_delay_queue(
     crash_fleet: WorkerFleet, broker_url: str
 ) -> None:
@@ -322,7 +323,11 @@ async def test_the_carried_return_count_ends_a_crash_loop_that_hops_through_the_
             workers.append(fleet.start(crash_on=CRASH))
         return False
 
-    await wait_until(ended, 60, "the crash loop to end")
+    # Each round starts a worker process: 12 s in all alone, over 60 s in a loaded full run.
+    try:
+        await wait_until(ended, 150, "the crash loop to end")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; {len(workers)} worker(s) started") from e
     state = await _status(fleet.app, task_id)
     assert state.reason == "delivery_limit", state
     await _assert_broker_end_state(fleet.app, broker_url, {dlq_name(fleet.queue): 1})
