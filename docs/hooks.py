@@ -172,7 +172,34 @@ def configuration_page() -> str:
             f"| {variable} | `{_type_name(field.annotation)}` | {_setting_default(field.default)}"
             f" | {bounds} | {description} |"
         )
+    lines += _cli_variables()
     return "\n".join(lines) + "\n"
+
+
+def _cli_variables() -> list[str]:
+    """The variables the CLI's options read (``envvar=``), which are not ``Settings`` fields."""
+    command = typer.main.get_command(cli)
+    users: dict[str, list[str]] = {}
+    helps: dict[str, str] = {}
+    for path, sub in walk_commands(command, ("weclaw-mq",)):
+        for opt in sub.params:
+            if opt.param_type_name == "option" and isinstance(opt.envvar, str):
+                users.setdefault(opt.envvar, []).append(f"`{' '.join(path)} {opt.opts[0]}`")
+                helps[opt.envvar] = opt.help or ""
+    if not users:
+        return []
+    lines = [
+        "",
+        "## Read by the CLI only",
+        "",
+        "Options of `weclaw-mq` that take their default from a variable; not `Settings` fields.",
+        "",
+        "| variable | options | help |",
+        "|---|---|---|",
+    ]
+    for variable, options in users.items():
+        lines.append(f"| `{variable}` | {', '.join(options)} | {_cell(helps[variable])} |")
+    return lines
 
 
 def field_comments(source: Path) -> dict[str, str]:
@@ -214,10 +241,17 @@ def _bounds(metadata: list[Any]) -> str:
         for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             value = getattr(item, attr, None)
             if value is not None:
-                parts.append(f"{sign} {value:g}" if isinstance(value, float) else f"{sign} {value}")
+                parts.append(f"{sign} {_number(value)}")
         if getattr(item, "min_length", None):
             parts.append(f"length >= {item.min_length}")
     return ", ".join(parts)
+
+
+def _number(value: Any) -> str:
+    """A bound as written in settings.py would read: 31536000, not 3.1536e+07."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 # -- task states ---------------------------------------------------------------------------

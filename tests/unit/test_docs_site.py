@@ -78,6 +78,12 @@ def test_the_configuration_page_names_every_settings_environment_variable(site: 
     variables = [f"{Settings.env_prefix}{name.upper()}" for name in Settings.model_fields]
     missing = [v for v in variables if v not in text]
     assert not missing, f"operations/configuration.md names no {missing}"
+    # Each row's last cell is the comment above the field in settings.py: none is empty.
+    raw = (site / "operations/configuration.html").read_text(encoding="utf-8")
+    rows = re.findall(r"<tr>\s*<td><code>(WECLAW_MQ_\w+)</code></td>(.*?)</tr>", raw, re.S)
+    cells = {name: re.findall(r"<td>(.*?)</td>", rest, re.S) for name, rest in rows}
+    undescribed = [v for v in variables if not cells.get(v) or not cells[v][-1].strip()]
+    assert not undescribed, f"settings.py has no comment above {undescribed}"
 
 
 # user:password@ in a URL, unless the password is redact_url's ***.
