@@ -78,11 +78,8 @@ def test_the_configuration_page_names_every_settings_environment_variable(site: 
     variables = [f"{Settings.env_prefix}{name.upper()}" for name in Settings.model_fields]
     missing = [v for v in variables if v not in text]
     assert not missing, f"operations/configuration.md names no {missing}"
-    # Each row's last cell is the comment above the field in settings.py: none is empty.
-    raw = (site / "operations/configuration.html").read_text(encoding="utf-8")
-    rows = re.findall(r"<tr>\s*<td><code>(WECLAW_MQ_\w+)</code></td>(.*?)</tr>", raw, re.S)
-    cells = {name: re.findall(r"<td>(.*?)</td>", rest, re.S) for name, rest in rows}
-    undescribed = [v for v in variables if not cells.get(v) or not cells[v][-1].strip()]
+    # Each setting's text is the comment above its field in settings.py.
+    undescribed = [v for v in variables if re.search(rf"{v}\W*\s+No description", text)]
     assert not undescribed, f"settings.py has no comment above {undescribed}"
 
 
@@ -112,6 +109,8 @@ def test_the_state_diagram_names_every_status_of_the_transition_table(site: Path
     for current, allowed in TRANSITIONS.items():  # each arrow is in the table, and back
         source = "[*]" if current is None else current.value
         drawn = set(re.findall(rf"^\s*{re.escape(source)} --> (\w+)$", diagram, re.M))
+        if current is None and allowed == frozenset(TaskStatus) and not drawn:
+            continue  # "no record -> any status" is said in words, not drawn
         assert drawn == {s.value for s in allowed if s is not current}, source
 
 
