@@ -86,7 +86,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/mypy consumers producers
+	$(BIN)/mypy consumers producers docs/hooks.py docs/examples
 
 format: install
 	$(BIN)/ruff format .
