@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import typer
 
+import weclaw_mq
 from weclaw_mq import Settings, TaskStatus
 from weclaw_mq.cli.root import cli
 from weclaw_mq.state.transitions import TRANSITIONS
@@ -112,6 +113,15 @@ def test_the_state_diagram_names_every_status_of_the_transition_table(site: Path
         if current is None and allowed == frozenset(TaskStatus) and not drawn:
             continue  # "no record -> any status" is said in words, not drawn
         assert drawn == {s.value for s in allowed if s is not current}, source
+
+
+def test_the_api_reference_documents_every_public_name(site: Path) -> None:
+    raw = (site / "reference/api.html").read_text(encoding="utf-8")
+    documented = set(re.findall(r'id="weclaw_mq\.(\w+)"', raw))
+    # ResultStore is TaskStore under its former name: the page says so in words.
+    missing = [n for n in weclaw_mq.__all__ if n not in documented and n != "ResultStore"]
+    assert not missing, f"reference/api.md has no '::: weclaw_mq.NAME' for {missing}"
+    assert "ResultStore" in page_text(site, "reference/api.html")
 
 
 def test_the_tutorial_includes_its_example_files(site: Path) -> None:
