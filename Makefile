@@ -18,7 +18,7 @@ TEST_WORKERS ?= 3
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
 	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
-	distclean services-up services-down services-status soak fuzz
+	distclean docs docs-serve services-up services-down services-status soak fuzz
 
 help:
 	@echo "make demo           install, start RabbitMQ + Redis if needed, run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
@@ -45,6 +45,8 @@ help:
 	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"
 	@echo "make bench-redis-client  the store's Redis calls alone vs auto-pipelined (and hiredis if installed)"
 	@echo "make bench-waiters  10,000 result() waiters in one process: connections, memory, publish latency"
+	@echo "make docs           build the documentation site into site/ (mkdocs build --strict)"
+	@echo "make docs-serve     serve the site at http://127.0.0.1:8000/, rebuilt on every save"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -84,7 +86,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/mypy consumers producers
+	$(BIN)/mypy consumers producers docs/hooks.py docs/examples
 
 format: install
 	$(BIN)/ruff format .
@@ -198,6 +200,14 @@ fuzz: install
 	WECLAW_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) WECLAW_FUZZ_RANDOM=1 $(BIN)/pytest -q -p no:cacheprovider \
 		tests/unit/test_hostile_input.py tests/integration/test_hostile_input.py
 
+# The CLI, configuration and task-state pages are generated from the code by docs/hooks.py;
+# --strict turns every warning (a broken link, a docstring that does not resolve) into a failure.
+docs: install
+	$(BIN)/mkdocs build --strict -d site
+
+docs-serve: install
+	$(BIN)/mkdocs serve
+
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \
 		echo "docker-compose -f docker-compose.yml config -q"; \
@@ -207,7 +217,7 @@ compose-check:
 	fi
 
 clean:
-	rm -rf .mypy_cache .ruff_cache .pytest_cache build dist *.egg-info
+	rm -rf .mypy_cache .ruff_cache .pytest_cache build dist site *.egg-info
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean

@@ -63,15 +63,25 @@ class Settings(EnvSettings):
 
     # TLS (amqps://, rediss://): what each setting means is in tls.py. Hostname verification
     # is on unless turned off here (and then logged as a warning).
+
+    # PEM file of the CA(s) the broker's certificate must chain to; unset: the system's CAs.
     amqp_tls_ca_file: str | None = None
+    # PEM client certificate, for a broker that asks for one (mutual TLS).
     amqp_tls_cert_file: str | None = None
+    # Its private key (unset: the key is in the certificate file).
     amqp_tls_key_file: str | None = None
+    # False accepts a trusted certificate for any host (logged as a warning).
     amqp_tls_verify_hostname: bool = True
+    # PEM file of the CA(s) Redis's certificate must chain to; unset: the system's CAs.
     redis_tls_ca_file: str | None = None
+    # PEM client certificate, for a Redis that asks for one (mutual TLS).
     redis_tls_cert_file: str | None = None
+    # Its private key (unset: the key is in the certificate file).
     redis_tls_key_file: str | None = None
+    # False accepts a trusted certificate for any host (logged as a warning).
     redis_tls_verify_hostname: bool = True
 
+    # Handlers in flight per queue (the prefetch too); 'worker --concurrency' overrides it.
     concurrency: int = Field(default=1, ge=1, le=10_000)
     # Priority lanes (README "Priorities"): a lane with a task waiting is passed over by at
     # most this many starts from higher lanes in a row; then its task starts next.
@@ -81,11 +91,13 @@ class Settings(EnvSettings):
     held_delivery_s: float = seconds(30.0, floor=0.1, ceiling=3600.0)
     # The policy of a handler given no ``retry=``; defaults from RetryPolicy (retry.py).
     max_retries: int = Field(default=_DEFAULT_RETRY.max_retries, ge=0, le=100)
+    # The first retry's delay; each next one is multiplied by retry_multiplier.
     retry_delay_s: float = seconds(_DEFAULT_RETRY.delay_s, floor=0.001, ceiling=_WEEK_S)
     # Capped: delay_s * multiplier ** attempt must stay a float (a huge one overflows).
     retry_multiplier: float = Field(
         default=_DEFAULT_RETRY.multiplier, ge=1.0, le=100.0, allow_inf_nan=False
     )
+    # The cap of a retry delay.
     retry_max_delay_s: float = seconds(_DEFAULT_RETRY.max_delay_s, floor=0.001, ceiling=_WEEK_S)
     # Crash loops (worker dies on a message every time) end in the DLQ after this many returns.
     delivery_limit: int = Field(default=10, ge=1)
@@ -94,17 +106,23 @@ class Settings(EnvSettings):
     # the task ends in Q.dlq with reason "expired" (see weclaw_mq.lifetime).
     task_ttl_s: float = seconds(DEFAULT_TTL_S, floor=0.001, ceiling=_YEAR_S)
 
+    # A larger payload is refused before sending; a larger body that arrives is
+    # dead-lettered unparsed (invalid_payload).
     max_message_bytes: int = Field(default=1024 * 1024, ge=1)
+    # How long a publish waits for the broker's confirm.
     confirm_timeout_s: float = seconds(10.0, floor=0.1, ceiling=_HOUR_S)
     # Well below the broker's consumer_timeout: a stuck model call must fail here first.
     handler_timeout_s: float = seconds(300.0, floor=0.001, ceiling=_WEEK_S)
     # A handler still running this long after its timeout's cancel is abandoned (it ignores
     # cancellation): its attempt fails, the worker serves on. See process._ending_without.
     handler_cancel_grace_s: float = seconds(10.0, floor=0.01, ceiling=_HOUR_S)
+    # The time in-flight tasks get after SIGTERM; the process exits within this plus 10 s.
     shutdown_grace_s: float = seconds(30.0, floor=0, ceiling=_DAY_S)
+    # The cap of the reconnect backoff.
     reconnect_max_delay_s: float = seconds(10.0, floor=0.1, ceiling=_HOUR_S)
     # A dead peer (paused broker, blackholed link) is noticed within (heartbeat_s + 1) * 3 s.
     heartbeat_s: int = seconds(10, floor=0, ceiling=600)
+    # Serve Prometheus /metrics and /healthz from the worker on this port; unset: off.
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     # Where the metrics port (/metrics, /healthz) listens: this host only, unless opened on
     # purpose ("0.0.0.0" for a Prometheus or a kubelet on another host).
@@ -120,10 +138,15 @@ class Settings(EnvSettings):
     # needs a fixed few whatever its concurrency (worker.consume.REDIS_CONNECTIONS_NEEDED:
     # commands share the auto-pipeline); past the limit a command fails like an outage.
     redis_max_connections: int = Field(default=1024, ge=4)
+    # Redis connect, socket and pool-wait timeout.
     redis_timeout_s: float = seconds(5.0, floor=0.01, ceiling=600)
+    # Keep task states and results in Redis (and guard handlers with it).
     results_enabled: bool = True
+    # The lease of a running task's guard key, renewed while it runs and stores its result.
     guard_lease_s: float = seconds(30.0, floor=0.5, ceiling=_DAY_S)
+    # How long a finished task id is remembered as done (a redelivered copy is acked unrun).
     done_ttl_s: float = seconds(_DAY_S, floor=1, ceiling=_YEAR_S)
+    # How long a task's state and result are kept.
     result_ttl_s: float = seconds(_DAY_S, floor=1, ceiling=_YEAR_S)
     # When Redis does not answer: "defer" parks the task in a delay queue until it does
     # (never run unguarded); "run_unguarded" is the explicit best-effort choice of users
@@ -142,7 +165,9 @@ class Settings(EnvSettings):
     # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
     # the broker unreachable, or whose outcome is unknown, are stored there and relayed.
     outbox_path: str | None = None
+    # The outbox's bound in rows: past it, publish raises OutboxFullError.
     outbox_max_rows: int = Field(default=100_000, ge=1)
+    # The outbox's bound in bytes (bodies and properties).
     outbox_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
     # How often an idle relay looks for rows, and waits after a failed pass.
     outbox_relay_interval_s: float = seconds(1.0, floor=0.01, ceiling=_HOUR_S)
@@ -156,10 +181,12 @@ class Settings(EnvSettings):
     # Streamed partial output (ctx.emit): a chunk's JSON size, and chunks per attempt; over
     # either, emit raises StreamLimitError in the handler. Streams live for result_ttl_s.
     stream_max_chunk_bytes: int = Field(default=64 * 1024, ge=1)
+    # The most chunks one attempt may emit.
     stream_max_chunks: int = Field(default=10_000, ge=1)
     # Per-session inbox: pending (unconfirmed) entries expire after inbox_ttl_s, leaving an
     # "expired" record; past inbox_max_entries the oldest are dropped (and counted).
     inbox_ttl_s: float = seconds(_WEEK_S, floor=0.1, ceiling=_YEAR_S)
+    # The most entries a session's inbox holds; past it the oldest are dropped.
     inbox_max_entries: int = Field(default=10_000, ge=1)
 
     @field_validator("*", mode="wrap")

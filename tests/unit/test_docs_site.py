@@ -1,0 +1,156 @@
+"""The documentation site builds under ``mkdocs build --strict``, and its generated pages
+(docs/hooks.py) name everything the code has: every CLI command, every setting's
+environment variable, every task status of the transition table. The tutorial's included
+handler runs as the page says."""
+
+from __future__ import annotations
+
+import html
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import typer
+
+import weclaw_mq
+from weclaw_mq import Settings, TaskStatus
+from weclaw_mq.cli.root import cli
+from weclaw_mq.state.transitions import TRANSITIONS
+from weclaw_mq.testing import TestBroker
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    # mkdocs-material prints a banner about its successor on every build otherwise.
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
+            cwd=ROOT,  # the snippets' base_path and mkdocs.yml are the repository root's
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"mkdocs build --strict took over {BUILD_TIMEOUT_S} s:\n{e.stderr!r}")
+    assert run.returncode == 0, (
+        f"mkdocs build --strict failed (exit {run.returncode}); without mkdocs: "
+        f"pip install -e '.[dev]'\n--- stdout\n{run.stdout}\n--- stderr\n{run.stderr}"
+    )
+    return out
+
+
+def page_text(site: Path, page: str) -> str:
+    """A built page's text with tags removed and entities decoded."""
+    raw = (site / page).read_text(encoding="utf-8")
+    return html.unescape(re.sub(r"<[^>]+>", "", raw))
+
+
+def command_paths(command: Any, path: tuple[str, ...]) -> Iterator[str]:
+    if getattr(command, "hidden", False):
+        return
+    yield " ".join(path)
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from command_paths(sub, (*path, name))
+
+
+def test_the_cli_page_names_every_command_of_the_typer_app(site: Path) -> None:
+    text = page_text(site, "operations/cli.html")
+    commands = list(command_paths(typer.main.get_command(cli), ("weclaw-mq",)))
+    assert len(commands) > 10  # the walk reached the subcommands of dlq and outbox
+    missing = [c for c in commands if c not in text]
+    assert not missing, f"operations/cli.md names no {missing}"
+
+
+def test_the_configuration_page_names_every_settings_environment_variable(site: Path) -> None:
+    text = page_text(site, "operations/configuration.html")
+    variables = [f"{Settings.env_prefix}{name.upper()}" for name in Settings.model_fields]
+    missing = [v for v in variables if v not in text]
+    assert not missing, f"operations/configuration.md names no {missing}"
+    # Each setting's text is the comment above its field in settings.py.
+    undescribed = [v for v in variables if re.search(rf"{v}\W*\s+No description", text)]
+    assert not undescribed, f"settings.py has no comment above {undescribed}"
+
+
+# user:password@ in a URL, unless the password is redact_url's ***.
+URL_PASSWORD = re.compile(r"://[^/\s:@]*:(?!\*\*\*@)[^/\s@]+@")
+
+
+def test_the_generated_pages_show_no_password(site: Path) -> None:
+    for page in ("operations/configuration.html", "operations/cli.html"):
+        shown = URL_PASSWORD.findall(page_text(site, page))
+        assert not shown, f"{page} shows a URL's password: {shown}"
+    # The default AMQP URL carries guest's password; the page shows it redacted.
+    assert "amqp://guest:***@localhost" in page_text(site, "operations/configuration.html")
+
+
+def test_the_state_diagram_names_every_status_of_the_transition_table(site: Path) -> None:
+    raw = (site / "design/task-states.html").read_text(encoding="utf-8")
+    diagrams = re.findall(r'<pre class="mermaid"><code>(.*?)</code></pre>', raw, re.S)
+    assert len(diagrams) == 1, "design/task-states.md has no Mermaid diagram"
+    diagram = html.unescape(diagrams[0])
+    assert diagram.startswith("stateDiagram-v2")
+    statuses = {s for s in TRANSITIONS if s is not None}
+    statuses |= {s for allowed in TRANSITIONS.values() for s in allowed}
+    assert statuses == set(TaskStatus)
+    missing = [s.value for s in TaskStatus if not re.search(rf"\b{s.value}\b", diagram)]
+    assert not missing, f"the state diagram names no {missing}"
+    for current, allowed in TRANSITIONS.items():  # each arrow is in the table, and back
+        source = "[*]" if current is None else current.value
+        drawn = set(re.findall(rf"^\s*{re.escape(source)} --> (\w+)$", diagram, re.M))
+        if current is None and allowed == frozenset(TaskStatus) and not drawn:
+            continue  # "no record -> any status" is said in words, not drawn
+        assert drawn == {s.value for s in allowed if s is not current}, source
+
+
+def test_the_api_reference_documents_every_public_name(site: Path) -> None:
+    raw = (site / "reference/api.html").read_text(encoding="utf-8")
+    documented = set(re.findall(r'id="weclaw_mq\.(\w+)"', raw))
+    # ResultStore is TaskStore under its former name: the page says so in words.
+    missing = [n for n in weclaw_mq.__all__ if n not in documented and n != "ResultStore"]
+    assert not missing, f"reference/api.md has no '::: weclaw_mq.NAME' for {missing}"
+    assert "ResultStore" in page_text(site, "reference/api.html")
+
+
+def test_the_tutorial_includes_its_example_files(site: Path) -> None:
+    text = page_text(site, "tutorial/index.html")
+    for example in ("first_handler.py", "publish_first.py"):
+        source = (ROOT / "docs" / "examples" / example).read_text(encoding="utf-8")
+        # Highlighting splits the code into spans; every source line survives as text.
+        missing = [line for line in source.splitlines() if line.strip() and line not in text]
+        assert not missing, f"tutorial/index.md shows {example} without {missing[:3]}"
+
+
+def load_first_handler() -> ModuleType:
+    path = ROOT / "docs" / "examples" / "first_handler.py"
+    spec = importlib.util.spec_from_file_location("docs_first_handler", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_the_tutorials_handler_replies_and_rejects_an_empty_prompt() -> None:
+    example = load_first_handler()
+    async with TestBroker(example.app) as broker:
+        ok = await example.app.publish("ai-replies", example.Prompt(text="Write a haiku"))
+        empty = await example.app.publish("ai-replies", {"text": "  "})
+        await broker.run_until_idle()
+        done = await example.app.status(ok)
+        rejected = await example.app.status(empty)
+    assert done is not None and done.status is TaskStatus.SUCCEEDED
+    assert done.result == {"reply": "echo: Write a haiku"}
+    assert rejected is not None and rejected.status is TaskStatus.DEAD_LETTERED
+    assert rejected.reason == "rejected"
