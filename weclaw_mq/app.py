@@ -164,7 +164,8 @@ class App:
                 name=name,
                 queue_type_of=self.queue_type_of,
                 unavailable=lambda: self._get_publisher().unavailable(),
-                reached=lambda: self._get_publisher().broker_reached(),
+                # Only a publisher that exists can be backing off: none is made for it.
+                reached=lambda: self._publisher.broker_reached() if self._publisher else None,
             )
 
     # -- registration -------------------------------------------------------------------

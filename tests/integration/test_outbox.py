@@ -362,8 +362,14 @@ async def test_the_apps_own_relay_sends_what_is_stored_and_reports_it_in_metrics
         await wait_until(lambda: outbox_rows(Path(str(up.settings.outbox_path))) == [], 10)
         sample = relaying.metrics.registry.get_sample_value
 
+        # The rows leave the file before the relay counts them (its delete is awaited first),
+        # and the gauge reads 0 before its first update: wait for the count, then the gauge.
+        await wait_until(
+            lambda: sample("weclaw_mq_outbox_relayed_total", {"queue": qname}) == len(ids),
+            10,
+            "the relayed count",
+        )
         await wait_until(lambda: sample("weclaw_mq_outbox_rows") == 0, 10, "the gauge")
-        assert sample("weclaw_mq_outbox_relayed_total", {"queue": qname}) == len(ids)
         assert await queue_depth(amqp, qname) == len(ids)
     finally:
         await relaying.close()
