@@ -32,6 +32,7 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
+from tests.broker_ctl import abroker_ctl
 from tests.conftest import close_connections, consuming_connection, wait_until
 from tests.integration.processes import (
     QueueCounts,
@@ -300,6 +301,11 @@ async def crash_fleet(
         yield fleet
 
 
+# Slow and timing-bound: its scenario needs each worker restart to take less than
+# CRASH_LEASE_S; on a loaded machine (3.4 s) the claim lapses first, the broker's delivery limit
+# dead-letters the task and the loop it tests never happens. 'make drill' runs it until the
+# scenario is built without the race (see the session 8 note).
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_the_carried_return_count_ends_a_crash_loop_that_hops_through_the_delay_queue(
     crash_fleet: WorkerFleet, broker_url: str
@@ -327,7 +333,15 @@ async def test_the_carried_return_count_ends_a_crash_loop_that_hops_through_the_
     try:
         await wait_until(ended, 150, "the crash loop to end")
     except AssertionError as e:
-        raise AssertionError(f"{e}; {len(workers)} worker(s) started") from e
+        logs = "\n".join(w.describe() for w in workers)
+        state = await fleet.app.status(task_id)
+        counts = await abroker_ctl(
+            "list_queues", "name", "messages_ready", "messages_unacknowledged", "consumers"
+        )
+        held = [ln for ln in counts.splitlines() if fleet.queue in ln or "weclaw_mq." in ln]
+        raise AssertionError(
+            f"{e}; {len(workers)} worker(s) started; {state}; broker: {held}\n{logs}"
+        ) from e
     state = await _status(fleet.app, task_id)
     assert state.reason == "delivery_limit", state
     await _assert_broker_end_state(fleet.app, broker_url, {dlq_name(fleet.queue): 1})
