@@ -134,14 +134,14 @@ bench:
 bench-outbox: install
 	$(BIN)/python -m benchmarks.outbox $(OUTBOX_BENCH_ARGS)
 
-# The README's "own work per delivery": process() against a bare handler call (needs only
+# docs/design/performance.md, "own work per delivery": process() against a bare handler call (needs only
 # the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.
 # The store's Redis path in isolation (~20 s): CPU per command alone vs auto-pipelined, with
 # redis-py's parser and hiredis when installed (.venv/bin/pip install hiredis to compare).
 bench-redis-client: install
 	$(BIN)/python -m benchmarks.redis_client $(REDIS_CLIENT_BENCH_ARGS)
 
-# spawn -> first handler start of 'weclaw-mq worker', 1 and 2 processes (README "Processes").
+# spawn -> first handler start of 'weclaw-mq worker', 1 and 2 processes (docs/operations/workers-and-cli.md).
 bench-start: install
 	@# with bytecode, as a deployed worker has it (see benchmarks/run.sh)
 	@$(BIN)/python -m compileall -q weclaw_mq benchmarks >/dev/null
@@ -175,7 +175,7 @@ bench-notify: install
 bench-stream: install
 	$(BIN)/python -m benchmarks.stream_cost $(STREAM_BENCH_ARGS)
 # URGENT behind 1000 NORMAL tasks, and lanes against one queue at concurrency 10 and 100 (the
-# README's "Priorities"); also run by 'make bench' (benchmarks/run.sh). PRIORITY_ARGS=--smoke.
+# docs/how-to/priorities.md); also run by 'make bench' (benchmarks/run.sh). PRIORITY_ARGS=--smoke.
 bench-priority: install
 	$(BIN)/python -m benchmarks.priority $(PRIORITY_ARGS)
 

@@ -199,7 +199,7 @@ class App:
         above NORMAL implies it); ``priority`` is the default of tasks published to
         ``queue`` without one;
         ``queue_type="classic"`` declares Q as a classic queue with native priorities
-        (not replicated: see the README's "Priorities").
+        (not replicated: see docs/how-to/priorities.md).
 
         ``limit=Limit(key=..., concurrency=..., rate=..., per_s=...)`` (or a list of them):
         tasks over a limit are deferred without spending an attempt (see ``limits``).
@@ -404,9 +404,9 @@ class App:
         ``session_id`` (a user or a conversation: letters, digits, ``_.:@-``), the task's
         streamed chunks and final reply also go to that session's inbox. ``priority``
         (default: the handler's, else NORMAL) is ``Priority.HIGH`` or ``"high"`` and so on;
-        see the README's "Priorities". ``delay_s``: the task is delivered no earlier than
+        see docs/how-to/priorities.md. ``delay_s``: the task is delivered no earlier than
         that many seconds from now (at most ~1 s later; its status meanwhile is ``queued``);
-        see the README's "Delays".
+        see docs/how-to/delays.md.
 
         A ``task_id`` of yours is an idempotency key: published again, it is the same task
         (the guard runs it once, the first body wins). With ``refuse_other_body=True`` another

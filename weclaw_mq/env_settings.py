@@ -1,7 +1,7 @@
 """A pydantic model read from environment variables and a ``.env`` file (``EnvSettings``).
 
 What ``Settings`` needs of pydantic-settings, without it: that package and python-dotenv
-cost an idle worker about 4 MiB of RSS (README "Performance"). The rules are
+cost an idle worker about 4 MiB of RSS (docs/design/performance.md). The rules are
 pydantic-settings' own, so configurations keep working unchanged:
 
 - a field ``foo`` is read from ``<prefix>FOO``, the name matched in any case;

@@ -83,7 +83,7 @@ class Settings(EnvSettings):
 
     # Handlers in flight per queue (the prefetch too); 'worker --concurrency' overrides it.
     concurrency: int = Field(default=1, ge=1, le=10_000)
-    # Priority lanes (README "Priorities"): a lane with a task waiting is passed over by at
+    # Priority lanes (docs/how-to/priorities.md): a lane with a task waiting is passed over by at
     # most this many starts from higher lanes in a row; then its task starts next.
     priority_starvation_limit: int = Field(default=8, ge=1, le=10_000)
     # Priority lanes: a task delivered to the worker and not started for this long while a

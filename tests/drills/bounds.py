@@ -1,6 +1,6 @@
-"""The bounds the drills assert, one constant each, and the words the README quotes them in.
+"""The bounds the drills assert, one constant each, and the words docs/design/guarantees.md quotes them in.
 
-The README's drill table states these very numbers (see ``bound_texts``, which ``make drill``
+The drill table of docs/design/guarantees.md states these very numbers (see ``bound_texts``, which ``make drill``
 prints with the table): a bound changes here, in the assertion and in the report at once.
 """
 
@@ -33,7 +33,7 @@ ALARM_SLACK_S = 1.5
 ALARM_PUBLISH_BOUND_S = ALARM_CONFIRM_TIMEOUT_S + ALARM_SLACK_S
 
 # Connection cuts: the exception types a publish during a cut may raise (by class name; the
-# README names them).
+# docs/design/guarantees.md names them).
 CUT_ERROR_TYPES = ("ConnectionLostError",)
 
 # Redis Sentinel failover (kill -9 of the primary): the Sentinels declare the primary down

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.." || exit 1
 
 PYTEST=${PYTEST:-.venv/bin/pytest}
 export WECLAW_CLUSTER_DRILL=1
-# The README's claim is "5 runs in a row": the default here (tests/drills/bounds.py says so too).
+# docs/design/guarantees.md's claim is "5 runs in a row": the default here (tests/drills/bounds.py says so too).
 export WECLAW_CLUSTER_DRILL_RUNS=${WECLAW_CLUSTER_DRILL_RUNS:-5}
 
 # With the slow tests 'make test' leaves out (the benchmark's smoke run, the recovery race).

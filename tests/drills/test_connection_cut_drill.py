@@ -97,7 +97,7 @@ async def test_every_publish_during_connection_cuts_is_stored_or_raises(
 
         assert not outcomes.hung, f"{len(outcomes.hung)} publish(es) neither returned nor raised"
         assert not outcomes.foreign, f"raised outside WeclawMQError: {outcomes.foreign}"
-        # The README names the errors a publish during a cut raises: no others.
+        # docs/design/guarantees.md names the errors a publish during a cut raises: no others.
         unnamed = {
             t: type(e).__name__
             for t, e in outcomes.failed.items()

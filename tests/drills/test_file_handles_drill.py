@@ -161,7 +161,7 @@ async def test_a_node_at_ulimit_1024_takes_new_connections_with_many_handlers_de
         "handlers in all"
     )
     assert used < limit
-    assert 2.5 <= per_queue <= 3.5  # the README's "about 3"
+    assert 2.5 <= per_queue <= 3.5  # docs/design/topology.md's "about 3"
 
 
 async def _held_for_dead_lettering(node: RabbitNode, queue: str) -> int:

@@ -25,6 +25,8 @@ from weclaw_mq.testing.services import RABBITMQ_IMAGE
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
+# The setting-up page states the pin and the compose Redis URL.
+SETUP_PAGE = REPO / "docs" / "operations" / "local-services.md"
 # ${NAME:-default} or ${NAME-default}, as compose interpolates them.
 VARIABLE = re.compile(r"\$\{(\w+)(:?-)([^}]*)\}")
 
@@ -63,7 +65,7 @@ async def test_rabbitmq_is_pinned_to_the_version_these_tests_run_against(broker_
     assert repository == "rabbitmq" and re.fullmatch(r"\d+\.\d+\.\d+", version), (
         f"{image}: pin an exact release, not a moving tag"
     )
-    assert f"RabbitMQ is pinned to {version}" in (REPO / "README.md").read_text()
+    assert f"RabbitMQ is pinned to {version}" in SETUP_PAGE.read_text()
     # The test kit's containers start the same release (weclaw_mq.testing.services).
     assert f"rabbitmq:{version}" == RABBITMQ_IMAGE
     assert running == parse_server_version(version), (
@@ -88,12 +90,12 @@ def test_redis_requires_a_password_by_default_and_the_documented_url_carries_it(
     redis = compose()["services"]["redis"]
     variable, password = redis_password_default()
     url = f"redis://:{password}@localhost:6379/0"
-    readme = (REPO / "README.md").read_text()
+    setup_page = SETUP_PAGE.read_text()
 
     assert variable == "WECLAW_REDIS_PASSWORD" and password
     assert redis["environment"][variable] == f"${{{variable}-{password}}}"
     assert f'WECLAW_MQ_REDIS_URL="{url}"' in COMPOSE.read_text()
-    assert url in readme, "README's Quick start shows WECLAW_MQ_REDIS_URL for the compose Redis"
+    assert url in setup_page, f"{SETUP_PAGE.name} shows WECLAW_MQ_REDIS_URL for the compose Redis"
 
 
 def run_healthcheck(redis: PrivateRedis, password: str, folder: Path) -> int:

@@ -151,7 +151,7 @@ async def test_delayed_publish_is_delivered_no_earlier_than_asked_on_its_lane(
     assert returned_by["high-0"] == returned_by["high-1"] == [high]
     assert returned_by["late"] == [qname]
     assert started["child"] - started["parent"] >= 1.2
-    # At most 1 s late (the README's bound), with room for a busy shared machine.
+    # At most 1 s late (docs/how-to/delays.md's bound), with room for a busy shared machine.
     assert started["late"] - at < 2.5 + 1.0 + 0.5
     assert started["child"] - started["parent"] < 1.2 + 1.0 + 0.5
 

@@ -1,6 +1,6 @@
 """The error type on a dead letter is the documented stable name, whatever raised it.
 
-``x-weclaw-error-type`` is part of the wire format (README, "Stable error names"): an
+``x-weclaw-error-type`` is part of the wire format (docs/reference/errors.md): an
 operator's filter on it must keep matching after our modules move. Each kind below is
 dead-lettered by a real worker and read back from the broker's ``Q.dlq``.
 """
@@ -36,7 +36,7 @@ class Unstorable:
     """A return value that is not JSON."""
 
 
-# kind -> the error type its dead letter must carry (README's table; our names start with
+# kind -> the error type its dead letter must carry (docs/reference/errors.md's table; our names start with
 # "weclaw_mq.", a user's exception is its class __name__).
 EXPECTED = {
     "user-error": "RuntimeError",

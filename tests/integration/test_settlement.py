@@ -233,7 +233,7 @@ async def test_consumer_cancelled_by_the_broker_is_re_established_and_serves_aga
     # Deleting the queue makes the broker send basic.cancel to its consumer; the worker
     # declares the queue again and consumes it. (Declared again by someone else within
     # milliseconds, before the broker told the consumer, a quorum queue on 3.10.8 keeps the
-    # old consumer attached and delivering nowhere: see the README's Guarantees.)
+    # old consumer attached and delivering nowhere: see docs/design/guarantees.md.)
     caplog.set_level(logging.INFO, logger="weclaw_mq.worker")
     await amqp.queue_delete(qname)
     await wait_until(

@@ -1,7 +1,7 @@
 """The error types written into ``x-weclaw-error-type``: a pinned, documented list.
 
-These names are part of the wire format (README, "Stable error names"): operators filter dead
-letters on them. Changing one here means changing the README and telling operators; moving
+These names are part of the wire format (docs/reference/errors.md): operators filter dead
+letters on them. Changing one here means changing docs/reference/errors.md and telling operators; moving
 or renaming a class must not change any.
 """
 
@@ -17,7 +17,7 @@ from weclaw_mq.control_flow import Reject, Retry
 from weclaw_mq.errors import ConfigurationError, HandlerTimeout, WeclawMQError
 from weclaw_mq.failures import error_class, error_type, stable_error_type
 
-# The README's table, in its order.
+# docs/reference/errors.md's table, in its order.
 DOCUMENTED = [
     "weclaw_mq.Reject",
     "weclaw_mq.Retry",

@@ -163,15 +163,14 @@ def test_the_pod_outlasts_the_workers_stop_bound() -> None:
     grace = env_of(worker_container()).get("WECLAW_MQ_SHUTDOWN_GRACE_S")
     grace_s = float(grace["value"]) if grace is not None else Settings().shutdown_grace_s
 
-    # README "Stopping has a hard bound": the worker exits within its grace + the margin.
+    # docs/design/guarantees.md, "Stopping has a hard bound": the worker exits within its grace + the margin.
     assert spec["terminationGracePeriodSeconds"] > grace_s + HARD_EXIT_MARGIN_S
     # No replicas in the Deployment: KEDA's autoscaler owns the count.
     assert "replicas" not in the_deployment()["spec"]
 
 
-def test_the_readme_says_what_the_files_hold() -> None:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### Deploying", 1)[1].split("\n## ", 1)[0]
+def test_the_deploying_page_says_what_the_files_hold() -> None:
+    section = (REPO / "docs" / "how-to" / "deploy.md").read_text()
     (scaled,) = of_kind("ScaledObject")
     spec = scaled["spec"]
     pod = the_deployment()["spec"]["template"]["spec"]

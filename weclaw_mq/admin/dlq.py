@@ -541,7 +541,7 @@ async def redrive(
     if summary.skipped:
         log.warning(
             "left %d message(s) in %s whose properties the client cannot decode (listed as "
-            "undecodable_properties); see the README's DLQ section",
+            "undecodable_properties); see docs/operations/dlq.md",
             summary.skipped,
             dlq_name(queue),
         )

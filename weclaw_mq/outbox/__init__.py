@@ -1,5 +1,5 @@
 """The local outbox: tasks the broker could not take (or not confirm) wait in a SQLite file,
-and a relay sends them once it answers. See the README, "When the broker is down"."""
+and a relay sends them once it answers. See docs/how-to/outbox.md."""
 
 from __future__ import annotations
 

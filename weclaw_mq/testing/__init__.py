@@ -3,7 +3,7 @@
 ``TestBroker`` (see ``broker``) replaces RabbitMQ and Redis for one test, in milliseconds;
 the pytest plugin (``pytest_plugin``, loaded by pytest once weclaw_mq is installed) gives the
 fixtures ``weclaw_test_broker``, ``weclaw_rabbitmq_url`` and ``weclaw_redis_url``. The
-README's "Testing your handlers" shows a whole test.
+docs/how-to/testing.md shows a whole test.
 """
 
 from ..admin.dlq_message import DeadLetter
