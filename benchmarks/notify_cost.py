@@ -11,7 +11,8 @@ confirmed publish (to ``Q.results``, which nobody consumes here) between storing
 its ack. Printed: tasks/s and the process's CPU per task, the median and min-max over rounds,
 and the ratio notify / off paired per round (both ran under the same machine load).
 
-No target is asserted: the figures say what the notification costs, for docs/how-to/notifications.md.
+No target is asserted: the figures say what the notification costs
+(docs/how-to/notifications.md).
 """
 
 from __future__ import annotations

@@ -322,7 +322,10 @@ async def main(count: int) -> int:
     started = time.monotonic()
     say(f"demo: one streamed reply through a worker crash, then {count} task(s) on {QUEUE!r}")
     if await run_cli(["declare", APP_PATH]) != 0:
-        say("demo: could not declare the queues; is RabbitMQ running? (see docs/operations/local-services.md)")
+        say(
+            "demo: could not declare the queues; is RabbitMQ running? "
+            "(see docs/operations/local-services.md)"
+        )
         return 1
     workers: list[WorkerProcess] = []
     task_ids: list[str] = []

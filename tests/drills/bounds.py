@@ -1,7 +1,8 @@
-"""The bounds the drills assert, one constant each, and the words docs/design/guarantees.md quotes them in.
+"""The bounds the drills assert, one constant each, and the words the docs quote them in.
 
-The drill table of docs/design/guarantees.md states these very numbers (see ``bound_texts``, which ``make drill``
-prints with the table): a bound changes here, in the assertion and in the report at once.
+The drill table of docs/design/guarantees.md states these very numbers (see ``bound_texts``,
+which ``make drill`` prints with the table): a bound changes here, in the assertion and in the
+report at once.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ Two ways down, on the private node: the RabbitMQ application stopped and started
 (``rabbitmqctl stop_app`` / ``start_app``), and the whole VM killed with SIGKILL and started
 again. 500 tasks are queued first; then a worker process (slow on purpose, so most of them
 are still queued at the restart) and a publisher run through the restart. The publisher
-does what docs/design/guarantees.md tells a caller to do: a publish that raised is published again with the
-same task id, until confirmed. Afterwards every confirmed task has run, each once (a copy the
-worker held at the restart, or a republished copy the broker had in fact stored, is absorbed
-by the guard), and the broker reports nothing unacked and nothing left in any queue.
+does what docs/design/guarantees.md tells a caller to do: a publish that raised is published
+again with the same task id, until confirmed. Afterwards every confirmed task has run, each
+once (a copy the worker held at the restart, or a republished copy the broker had in fact
+stored, is absorbed by the guard), and the broker reports nothing unacked and nothing left in
+any queue.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ node URLs. The queue's leader node is killed with SIGKILL. Then:
 
 Runs alternate which client sits on the doomed node: odd runs the producer, even runs the
 worker. The drill runs ``WECLAW_CLUSTER_DRILL_RUNS`` times in a row, 5 by default as the
-docs/design/guarantees.md claims (``tests/drills/bounds.py``). Only collected with ``WECLAW_CLUSTER_DRILL=1``
-(see ``conftest.py``).
+docs/design/guarantees.md claims (``tests/drills/bounds.py``). Only collected with
+``WECLAW_CLUSTER_DRILL=1`` (see ``conftest.py``).
 """
 
 from __future__ import annotations

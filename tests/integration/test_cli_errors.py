@@ -2,7 +2,8 @@
 
 Each mistake runs the installed ``weclaw-mq`` script as a real process. "Down" services are
 URLs to a port nothing listens on (or a private server that never answers): the shared broker
-and Redis are never touched. The exit-code table of docs/operations/workers-and-cli.md lists these mistakes.
+and Redis are never touched. The exit-code table of docs/operations/workers-and-cli.md lists
+these mistakes.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ class Unstorable:
     """A return value that is not JSON."""
 
 
-# kind -> the error type its dead letter must carry (docs/reference/errors.md's table; our names start with
-# "weclaw_mq.", a user's exception is its class __name__).
+# kind -> the error type its dead letter must carry (docs/reference/errors.md's table; our
+# names start with "weclaw_mq.", a user's exception is its class __name__).
 EXPECTED = {
     "user-error": "RuntimeError",
     "user-subclass": "UsersOwnError",

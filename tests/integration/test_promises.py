@@ -1,4 +1,5 @@
-"""The documented promises (docs/design/guarantees.md) about a task's state and its settlement, each one tested here.
+"""The promises of docs/design/guarantees.md about a task's state and its settlement, each
+one tested here.
 
 Real RabbitMQ and Redis, the App-level API (``publish``, ``status``, ``result``) and real
 workers; what the broker holds is read from the broker (``rabbitmqctl list_queues``), never

@@ -1,5 +1,6 @@
 """The soak (`make soak`) still runs end to end, with tiny counts: its verdict on 50,000 tasks
-is in docs/design/security.md; here only that it publishes, samples, checks every outcome and cleans up."""
+is in docs/design/security.md; here only that it publishes, samples, checks every outcome and
+cleans up."""
 
 from __future__ import annotations
 

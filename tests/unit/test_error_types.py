@@ -1,8 +1,8 @@
 """The error types written into ``x-weclaw-error-type``: a pinned, documented list.
 
 These names are part of the wire format (docs/reference/errors.md): operators filter dead
-letters on them. Changing one here means changing docs/reference/errors.md and telling operators; moving
-or renaming a class must not change any.
+letters on them. Changing one here means changing docs/reference/errors.md and telling
+operators; moving or renaming a class must not change any.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def test_the_pod_outlasts_the_workers_stop_bound() -> None:
     grace = env_of(worker_container()).get("WECLAW_MQ_SHUTDOWN_GRACE_S")
     grace_s = float(grace["value"]) if grace is not None else Settings().shutdown_grace_s
 
-    # docs/design/guarantees.md, "Stopping has a hard bound": the worker exits within its grace + the margin.
+    # docs/design/guarantees.md, "Stopping has a hard bound": the worker exits within its grace
+    # + the margin.
     assert spec["terminationGracePeriodSeconds"] > grace_s + HARD_EXIT_MARGIN_S
     # No replicas in the Deployment: KEDA's autoscaler owns the count.
     assert "replicas" not in the_deployment()["spec"]
