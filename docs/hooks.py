@@ -6,6 +6,11 @@
   variable, with type, default, bounds and the comment written above it in ``settings.py``.
 - ``design/task-states.md``: a Mermaid state diagram and a table of
   ``weclaw_mq.state.transitions.TRANSITIONS``.
+- ``reference/wire.md``: the wire contract: every AMQP header (``weclaw_mq.headers``), the
+  broker names and Redis keys of one handler (``weclaw_mq.naming``), computed for an example.
+- In ``reference/errors.md``, the marker ``<!-- generated: error-tree -->`` becomes the tree of
+  ``weclaw_mq.errors`` with each class's stable name, and ``<!-- generated: dlq-reasons -->``
+  the table of ``DeadLetterReason``.
 
 Registered under ``hooks:`` in ``mkdocs.yml``. No secret reaches a page: a URL default is
 shown with its password redacted, a ``SecretStr`` only through ``redact_url``.
@@ -34,8 +39,12 @@ import typer  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 
 import weclaw_mq  # noqa: E402
+from weclaw_mq import errors, headers, naming  # noqa: E402
+from weclaw_mq.breaker import UpstreamDown  # noqa: E402
 from weclaw_mq.cli.options import name_placeholders  # noqa: E402
 from weclaw_mq.cli.root import cli  # noqa: E402
+from weclaw_mq.control_flow import Reject, Retry  # noqa: E402
+from weclaw_mq.retry import DeadLetterReason  # noqa: E402
 from weclaw_mq.settings import Settings, redact_url  # noqa: E402
 from weclaw_mq.state import transitions  # noqa: E402
 from weclaw_mq.state.protocol import TaskStatus  # noqa: E402
@@ -47,6 +56,10 @@ if not Path(weclaw_mq.__file__).resolve().is_relative_to(ROOT):
 CLI_PAGE = "operations/cli.md"
 CONFIGURATION_PAGE = "operations/configuration.md"
 STATES_PAGE = "design/task-states.md"
+WIRE_PAGE = "reference/wire.md"
+ERRORS_PAGE = "reference/errors.md"
+ERROR_TREE_MARKER = "<!-- generated: error-tree -->"
+REASONS_MARKER = "<!-- generated: dlq-reasons -->"
 
 # Option names whose default is never printed, whatever it holds.
 _SECRET_WORDS = ("password", "secret", "token", "credential")
@@ -61,9 +74,21 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
         (CLI_PAGE, cli_page()),
         (CONFIGURATION_PAGE, configuration_page()),
         (STATES_PAGE, states_page()),
+        (WIRE_PAGE, wire_page()),
     ):
         files.append(File.generated(config, path, content=content))
     return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: MkDocsConfig, files: Files) -> str:
+    """Fill the generated parts of hand-written pages; a page that lost a marker fails."""
+    if page.file.src_uri != ERRORS_PAGE:
+        return markdown
+    for marker, content in ((ERROR_TREE_MARKER, error_tree()), (REASONS_MARKER, reasons_table())):
+        if marker not in markdown:
+            raise ValueError(f"{ERRORS_PAGE} has lost its marker {marker}")
+        markdown = markdown.replace(marker, content)
+    return markdown
 
 
 # -- the CLI -------------------------------------------------------------------------------
@@ -319,6 +344,174 @@ def mermaid_lines(table: Mapping[TaskStatus | None, frozenset[TaskStatus]]) -> l
         if current is not None and not allowed:
             lines.append(f"{current.value} --> [*]")
     return lines
+
+
+# -- errors and dead-letter reasons --------------------------------------------------------
+
+
+def error_tree() -> str:
+    """``WeclawMQError`` and every subclass in ``weclaw_mq.errors``, as a nested list."""
+    lines: list[str] = []
+
+    def visit(cls: type[Exception], depth: int) -> None:
+        lines.append(f"{'    ' * depth}- {_error_line(cls)}")
+        subs = [c for c in cls.__subclasses__() if c.__module__ == errors.__name__]
+        for sub in sorted(subs, key=_source_line):
+            visit(sub, depth + 1)
+
+    visit(errors.WeclawMQError, 0)
+    lines += ["", "Raised by a handler as decisions, not faults, and outside the tree:", ""]
+    lines += [f"- {_error_line(cls)}" for cls in (Reject, Retry, UpstreamDown)]
+    return "\n".join(lines)
+
+
+def _error_line(cls: type) -> str:
+    doc = " ".join(inspect.cleandoc(cls.__doc__ or "").split())
+    stable = getattr(cls, "error_type", None)
+    head = f"**`{cls.__name__}`** (`{stable}`)"
+    return f"{head}: {doc}" if doc else head
+
+
+def _source_line(cls: type) -> int:
+    return inspect.getsourcelines(cls)[1]
+
+
+def reasons_table() -> str:
+    """Every ``DeadLetterReason``, with the comment above it in ``retry.py``."""
+    comments = constant_comments(Path(inspect.getfile(DeadLetterReason)), DeadLetterReason.__name__)
+    lines = ["| `x-weclaw-dead-letter-reason` | why |", "|---|---|"]
+    for reason in DeadLetterReason:
+        lines.append(f"| `{reason.value}` | {_cell(comments.get(reason.name, ''))} |")
+    return "\n".join(lines)
+
+
+# -- the wire contract ---------------------------------------------------------------------
+
+# The example the wire page computes every name for.
+EXAMPLE_QUEUE = "ai-replies"
+EXAMPLE_TASK = "T"
+EXAMPLE_SESSION = "S"
+EXAMPLE_DELAY_MS = 5_000
+
+
+def wire_page() -> str:
+    header_comments = constant_comments(Path(inspect.getfile(headers)), None)
+    naming_comments = constant_comments(Path(inspect.getfile(naming)), None)
+    lines = [
+        _GENERATED,
+        "# The wire contract",
+        "",
+        "What another producer, consumer or operator script may rely on: the AMQP headers",
+        "weclaw_mq reads and writes (`weclaw_mq/headers.py`, the only module that spells a",
+        "header), and every broker name and Redis key of one handler (`weclaw_mq/naming.py`,",
+        "the only module that builds one). The names below are computed by that code when",
+        f"the site is built, for the handler queue `{EXAMPLE_QUEUE}`, task id `{EXAMPLE_TASK}`,",
+        f"session `{EXAMPLE_SESSION}` and a {EXAMPLE_DELAY_MS // 1000} s delay.",
+        "",
+        "## AMQP headers",
+        "",
+        "| header | constant | what it holds |",
+        "|---|---|---|",
+    ]
+    for name, value in vars(headers).items():
+        if name.isupper() and isinstance(value, str) and name != "PREFIX":
+            lines.append(f"| `{value}` | `{name}` | {_cell(header_comments.get(name, ''))} |")
+    prefixes = ", ".join(f"`{p}*`" for p in headers.BROKER_DEATH_PREFIXES)
+    lines += [
+        "",
+        f"Headers starting with {prefixes} are RabbitMQ's own, set when it dead-letters.",
+        f"An error message is cut to {headers.ERROR_MESSAGE_MAX_CHARS:,} characters, a",
+        f"traceback to {headers.TRACEBACK_MAX_CHARS:,}.",
+        "",
+        "## Broker names",
+        "",
+        "| name | what it is |",
+        "|---|---|",
+        f"| `{EXAMPLE_QUEUE}` | the handler's queue (quorum) |",
+        f"| `{naming.dlq_name(EXAMPLE_QUEUE)}` | its dead-letter queue |",
+        f"| `{naming.results_queue_name(EXAMPLE_QUEUE)}` | where a handler with `notify=True` "
+        "announces final states |",
+    ]
+    for level in ("high", "urgent"):
+        lines.append(
+            f"| `{naming.lane_queue_name(EXAMPLE_QUEUE, level)}` | the {level} lane "
+            "(`priorities=True` only) |"
+        )
+    lines += [
+        f"| `{naming.ladder_queue_name(EXAMPLE_DELAY_MS)}` | the delay queue of one delay, "
+        "shared by every handler of the vhost |",
+        f"| `{naming.RETURN_EXCHANGE}` | the exchange a delay queue dead-letters into: every "
+        "work queue is bound to it by its own name |",
+        f"| `{naming.UNROUTABLE}` | its alternate exchange |",
+        f"| `{naming.parking_queue_name()}` | a delayed task whose queue is gone waits here |",
+        "",
+        _cell(naming_comments.get("LANE_INFIX", "")),
+        "",
+        "## Redis keys",
+        "",
+        "A task's keys carry the task id as a hash tag (`{...}`), so every key of one task",
+        "lands in one Redis Cluster slot; the number before the queue name is that name's",
+        "length in bytes, so a queue name holding `:` cannot be mistaken for another.",
+        "",
+        "| key | what it holds |",
+        "|---|---|",
+    ]
+    q, t = EXAMPLE_QUEUE, EXAMPLE_TASK
+    slots, starts = naming.limit_keys(q, 0, "user-1")
+    for key, what in (
+        (naming.guard_key(q, t), "the idempotency guard's claim, then the done marker"),
+        (naming.state_key(q, t), "the task's record in that queue: status, attempt, result"),
+        (naming.latest_key(t), "which queue's record of the task was written last"),
+        (naming.body_key(q, t), _doc(naming.body_key)),
+        (naming.done_channel(t), _doc(naming.done_channel)),
+        (naming.stream_key(t), _doc(naming.stream_key)),
+        (naming.cancel_key(t), _doc(naming.cancel_key)),
+        (naming.heartbeat_key("W"), _doc(naming.heartbeat_key) + " (`W`: the worker's id)"),
+        (naming.CANCEL_CHANNEL, naming_comments.get("CANCEL_CHANNEL", "")),
+        (naming.inbox_key(EXAMPLE_SESSION), "the session's pending events (a Redis Stream)"),
+        (naming.inbox_trace_key(EXAMPLE_SESSION), "what the inbox dropped when it was full"),
+        (slots, "a per-key limit's running holders (limit 0 of the handler, key `user-1`)"),
+        (starts, "the same limit's recent starts"),
+    ):
+        lines.append(f"| `{key}` | {_cell(what)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _doc(func: Any) -> str:
+    return " ".join(inspect.cleandoc(func.__doc__ or "").split())
+
+
+def constant_comments(source: Path, class_name: str | None) -> dict[str, str]:
+    """The ``#`` lines right above each ``NAME = ...`` (of a class, or at module level), or
+    the comment at the end of its line."""
+    text = source.read_text(encoding="utf-8")
+    above_at: dict[int, str] = {}
+    trailing_at: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            target = above_at if token.line.strip().startswith("#") else trailing_at
+            target[token.start[0]] = token.string.lstrip("#").strip()
+    body: list[ast.stmt] = ast.parse(text).body
+    if class_name is not None:
+        body = next(n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    found: dict[str, str] = {}
+    group, group_end = "", -1  # a comment speaks for the assignments right below it
+    for item in body:
+        if isinstance(item, ast.Assign) and isinstance(item.targets[0], ast.Name):
+            above: list[str] = []
+            line = item.lineno - 1
+            while line in above_at:
+                above.insert(0, above_at[line])
+                line -= 1
+            if above:
+                group = " ".join(above)
+            elif item.lineno != group_end + 1:
+                group = ""
+            group_end = item.end_lineno or item.lineno
+            words = trailing_at.get(item.lineno) or group
+            if words:
+                found[item.targets[0].id] = words
+    return found
 
 
 # -- shared --------------------------------------------------------------------------------

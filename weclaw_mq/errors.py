@@ -72,6 +72,8 @@ class WeclawMQError(Exception):
 
 
 class ConfigurationError(WeclawMQError):
+    """A handler, queue name, setting or option that cannot work."""
+
     error_type: ClassVar[str] = "weclaw_mq.ConfigurationError"
 
 
@@ -82,10 +84,14 @@ class InvalidPriorityError(ConfigurationError, ValueError):
 
 
 class PayloadError(WeclawMQError):
+    """The task was refused before anything was sent."""
+
     error_type: ClassVar[str] = "weclaw_mq.PayloadError"
 
 
 class PayloadTooLargeError(PayloadError):
+    """The body is over ``max_message_bytes``."""
+
     error_type: ClassVar[str] = "weclaw_mq.PayloadTooLargeError"
 
     def __init__(self, queue: str, size: int, limit: int) -> None:
@@ -98,6 +104,8 @@ class PayloadTooLargeError(PayloadError):
 
 
 class PayloadValidationError(PayloadError):
+    """The body fails the handler's pydantic model."""
+
     error_type: ClassVar[str] = "weclaw_mq.PayloadValidationError"
 
 
@@ -123,6 +131,8 @@ class IdempotencyConflictError(PayloadError):
 
 
 class TopologyConflictError(WeclawMQError):
+    """A queue exists with other arguments (the broker's PRECONDITION_FAILED)."""
+
     error_type: ClassVar[str] = "weclaw_mq.TopologyConflictError"
 
     def __init__(self, queue: str, argument: str | None, detail: str) -> None:
@@ -161,22 +171,32 @@ class BrokerUnavailableError(PublishFailedError):
 
 
 class PublishNackedError(PublishFailedError):
+    """The broker refused the message (e.g. a full queue with ``reject-publish``)."""
+
     error_type: ClassVar[str] = "weclaw_mq.PublishNackedError"
 
 
 class UnroutableError(PublishFailedError):
+    """No queue is bound for the routing key (the mandatory message came back)."""
+
     error_type: ClassVar[str] = "weclaw_mq.UnroutableError"
 
 
 class ConfirmTimeoutError(PublishFailedError):
+    """No confirm within ``confirm_timeout_s``: the outcome is unknown."""
+
     error_type: ClassVar[str] = "weclaw_mq.ConfirmTimeoutError"
 
 
 class ConnectionLostError(PublishFailedError):
+    """The connection or channel died before the confirm: the outcome is unknown."""
+
     error_type: ClassVar[str] = "weclaw_mq.ConnectionLostError"
 
 
 class ResultTimeoutError(WeclawMQError):
+    """``App.result`` saw no final state in time."""
+
     error_type: ClassVar[str] = "weclaw_mq.ResultTimeoutError"
 
     def __init__(self, task_id: str, timeout_s: float, last: object | None) -> None:
@@ -235,6 +255,9 @@ class StreamWriteError(WeclawMQError):
 
 
 class BatchPublishError(PublishFailedError):
+    """Part of a ``publish_many`` batch failed: ``failed`` maps each failed index to its
+    error; the rest are confirmed."""
+
     error_type: ClassVar[str] = "weclaw_mq.BatchPublishError"
 
     def __init__(self, queue: str, task_ids: list[str], failed: dict[int, Exception]) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 PREFIX = "x-weclaw-"
 
+# The trace id that follows a task through its retries and follow-up tasks (weclaw_mq.tracing).
 TRACE_ID = f"{PREFIX}trace-id"
 TRACEPARENT = "traceparent"  # W3C trace context, passed through where present
 # The session (a user or a conversation) whose inbox receives the task's events.
 SESSION_ID = f"{PREFIX}session-id"
 # Our own count: never derived from x-death (3.13+ stops counting republished messages there).
 ATTEMPT = f"{PREFIX}attempt"
+# The handler queue a failed copy came from: a delay queue or the DLQ sends it back by it.
 ORIGINAL_QUEUE = f"{PREFIX}original-queue"
 # Times the task went back to its queue unsettled (its worker died or lost the connection),
 # summed across hops: each hop starts the broker's x-delivery-count afresh, and a task that
@@ -35,10 +37,13 @@ REQUEUED_AT = f"{PREFIX}requeued-at"
 # module path beside it is for people only and changes when code moves.
 ERROR_TYPE = f"{PREFIX}error-type"
 ERROR_CLASS = f"{PREFIX}error-class"
+# The last failure's message and traceback, cut to the lengths below.
 ERROR_MESSAGE = f"{PREFIX}error-message"
 ERROR_TRACEBACK = f"{PREFIX}error-traceback"
+# When the task first failed, and when it last did (ISO-8601, UTC).
 FIRST_FAILURE_AT = f"{PREFIX}first-failure-at"
 LAST_FAILURE_AT = f"{PREFIX}last-failure-at"
+# Why the task is in the DLQ (weclaw_mq.retry.DeadLetterReason).
 DEAD_LETTER_REASON = f"{PREFIX}dead-letter-reason"
 
 # Set by RabbitMQ itself.

@@ -10,10 +10,18 @@ from .errors import ConfigurationError
 
 
 class DeadLetterReason(StrEnum):
+    """Why a task is in ``Q.dlq``: the ``x-weclaw-dead-letter-reason`` header, part of the
+    wire format (filters and alerts match on it)."""
+
+    # The body is not UTF-8 JSON: no handler ran.
     UNDECODABLE = "undecodable"
+    # The body fails the handler's model, or is over max_message_bytes: no handler ran.
     INVALID_PAYLOAD = "invalid_payload"
+    # The handler raised Reject: no retry can fix it.
     REJECTED = "rejected"
+    # The handler failed (raised, timed out, was abandoned) on its last allowed attempt.
     RETRIES_EXHAUSTED = "retries_exhausted"
+    # The handler returned something that is not JSON: storing it can never succeed.
     INVALID_RESULT = "invalid_result"
     # The broker's own name for it: a task whose worker died on it too often.
     DELIVERY_LIMIT = "delivery_limit"

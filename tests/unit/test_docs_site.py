@@ -20,8 +20,9 @@ import pytest
 import typer
 
 import weclaw_mq
-from weclaw_mq import Settings, TaskStatus
+from weclaw_mq import Settings, TaskStatus, errors, headers, naming
 from weclaw_mq.cli.root import cli
+from weclaw_mq.retry import DeadLetterReason
 from weclaw_mq.state.transitions import TRANSITIONS
 from weclaw_mq.testing import TestBroker
 
@@ -154,3 +155,36 @@ async def test_the_tutorials_handler_replies_and_rejects_an_empty_prompt() -> No
     assert done.result == {"reply": "echo: Write a haiku"}
     assert rejected is not None and rejected.status is TaskStatus.DEAD_LETTERED
     assert rejected.reason == "rejected"
+
+
+def test_the_errors_page_lists_every_error_and_dead_letter_reason(site: Path) -> None:
+    text = page_text(site, "reference/errors.html")
+    ours = [
+        c
+        for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, Exception) and c.__module__ == errors.__name__
+    ]
+    assert len(ours) > 30
+    missing = [c.__name__ for c in ours if f"{c.__name__} ({c.error_type})" not in text]
+    assert not missing, f"reference/errors.md's generated tree has no {missing}"
+    assert "<!-- generated:" not in text
+    absent = [r.value for r in DeadLetterReason if not re.search(rf"\b{r.value}\b", text)]
+    assert not absent, f"reference/errors.md names no dead-letter reason {absent}"
+
+
+def test_the_wire_page_shows_every_header_and_the_names_the_code_derives(site: Path) -> None:
+    text = page_text(site, "reference/wire.html")
+    values = [v for k, v in vars(headers).items() if k.isupper() and isinstance(v, str)]
+    missing = [v for v in values if v != headers.PREFIX and v not in text]
+    assert not missing, f"reference/wire.md has no header {missing}"
+    for name in (
+        naming.dlq_name("ai-replies"),
+        naming.lane_queue_name("ai-replies", "urgent"),
+        naming.ladder_queue_name(5_000),
+        naming.parking_queue_name(),
+        naming.guard_key("ai-replies", "T"),
+        naming.state_key("ai-replies", "T"),
+        naming.stream_key("T"),
+        naming.inbox_key("S"),
+    ):
+        assert name in text, f"reference/wire.md does not show {name}"
