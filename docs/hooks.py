@@ -60,6 +60,8 @@ WIRE_PAGE = "reference/wire.md"
 ERRORS_PAGE = "reference/errors.md"
 ERROR_TREE_MARKER = "<!-- generated: error-tree -->"
 REASONS_MARKER = "<!-- generated: dlq-reasons -->"
+TOPOLOGY_PAGE = "design/topology.md"
+TOPOLOGY_MARKER = "<!-- generated: topology-diagram -->"
 
 # Option names whose default is never printed, whatever it holds.
 _SECRET_WORDS = ("password", "secret", "token", "credential")
@@ -82,11 +84,13 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 def on_page_markdown(markdown: str, page: Any, config: MkDocsConfig, files: Files) -> str:
     """Fill the generated parts of hand-written pages; a page that lost a marker fails."""
-    if page.file.src_uri != ERRORS_PAGE:
-        return markdown
-    for marker, content in ((ERROR_TREE_MARKER, error_tree()), (REASONS_MARKER, reasons_table())):
+    parts = {
+        ERRORS_PAGE: ((ERROR_TREE_MARKER, error_tree()), (REASONS_MARKER, reasons_table())),
+        TOPOLOGY_PAGE: ((TOPOLOGY_MARKER, topology_diagram()),),
+    }.get(page.file.src_uri, ())
+    for marker, content in parts:
         if marker not in markdown:
-            raise ValueError(f"{ERRORS_PAGE} has lost its marker {marker}")
+            raise ValueError(f"{page.file.src_uri} has lost its marker {marker}")
         markdown = markdown.replace(marker, content)
     return markdown
 
@@ -475,6 +479,33 @@ def wire_page() -> str:
     ):
         lines.append(f"| `{key}` | {_cell(what)} |")
     return "\n".join(lines) + "\n"
+
+
+def topology_diagram() -> str:
+    """One handler's queues and the vhost's shared names, as ``weclaw_mq.naming`` builds them."""
+    q = EXAMPLE_QUEUE
+    delay = naming.ladder_queue_name(EXAMPLE_DELAY_MS)
+    return "\n".join(
+        [
+            f"One handler queue, `{q}`, with a {EXAMPLE_DELAY_MS // 1000} s retry delay (names",
+            "computed by `weclaw_mq/naming.py` when the site is built; exchanges are hexagons):",
+            "",
+            "```mermaid",
+            "flowchart LR",
+            "    P[producer] -->|publish, confirmed| Q",
+            f'    Q["{q}"] -->|deliver| W[worker]',
+            "    W -->|result, then ack| R[(Redis)]",
+            f'    W -->|failed: copy, then ack| D{{{{"{delay}"}}}}',
+            f'    D --> DQ["{delay}"]',
+            f'    DQ -->|TTL: dead-letter| X{{{{"{naming.RETURN_EXCHANGE}"}}}}',
+            "    X -->|by its name| Q",
+            f'    X -.->|queue gone| U{{{{"{naming.UNROUTABLE}"}}}}',
+            f'    U --> UQ["{naming.parking_queue_name()}"]',
+            f'    W -->|cannot succeed| DLQ["{naming.dlq_name(q)}"]',
+            "    Q -.->|delivery limit, expired| DLQ",
+            "```",
+        ]
+    )
 
 
 def _doc(func: Any) -> str:

@@ -188,3 +188,18 @@ def test_the_wire_page_shows_every_header_and_the_names_the_code_derives(site: P
         naming.inbox_key("S"),
     ):
         assert name in text, f"reference/wire.md does not show {name}"
+
+
+def test_the_topology_page_draws_the_names_the_code_derives(site: Path) -> None:
+    raw = (site / "design/topology.html").read_text(encoding="utf-8")
+    diagrams = re.findall(r'<pre class="mermaid"><code>(.*?)</code></pre>', raw, re.S)
+    assert len(diagrams) == 1, "design/topology.md has no generated Mermaid diagram"
+    diagram = html.unescape(diagrams[0])
+    for name in (
+        "ai-replies",
+        naming.dlq_name("ai-replies"),
+        naming.ladder_queue_name(5_000),
+        naming.RETURN_EXCHANGE,
+        naming.parking_queue_name(),
+    ):
+        assert f'"{name}"' in diagram, f"the topology diagram does not draw {name}"
