@@ -18,7 +18,7 @@ try:  # recent typer carries its own copy of click, whose errors are not click's
 except ImportError:  # pragma: no cover - older typer on the real click
     from click.exceptions import UsageError  # type: ignore[assignment]
 
-from .failures import ExitCode, classify, report
+from .failures import ExitCode, classify, report, where_of
 from .options import name_placeholders
 from .root import cli
 
@@ -29,7 +29,8 @@ _UNAWAITED_CLOSE = "coroutine 'Connection.close' was never awaited"
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: every failure ends as one line on stderr and a documented exit code."""
+    """Entry point: every failure ends as one line on stderr and a documented exit code (a bug
+    in the user's own module adds the lines of its last frames: file, line, code)."""
     warnings.filterwarnings("ignore", message=_UNAWAITED_CLOSE, category=RuntimeWarning)
     command = typer.main.get_command(cli)
     name_placeholders(command)
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         code = ExitCode.INTERRUPTED
     except Exception as e:  # the one boundary: no traceback ever reaches the operator
         exit_code, message = classify(e)
-        report(message)
+        report(message, where_of(e))
         sys.exit(exit_code)
     if code == ExitCode.INTERRUPTED:  # recent typer turns Ctrl-C into a silent exit 130
         report("interrupted")

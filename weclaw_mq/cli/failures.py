@@ -56,8 +56,18 @@ def one_line(text: str) -> str:
     return _URL_PASSWORD.sub(r"\g<head>:***@", flat)
 
 
-def report(message: str) -> None:
+def report(message: str, where: list[str] | tuple[str, ...] = ()) -> None:
+    """The error line, then (for a bug in the user's code) the lines that say where it is."""
     print(f"{PROG}: error: {one_line(message)}", file=sys.stderr)
+    for line in where:  # a frame's "File ..." line, and its code indented below it
+        indent = "  " if line.startswith("File ") else "    "
+        print(f"{indent}{one_line(line)}", file=sys.stderr)
+
+
+def where_of(e: BaseException) -> list[str]:
+    """The user's frames of an error raised by their own module, else nothing."""
+    where = getattr(e, "where", None)
+    return list(where) if isinstance(where, list) else []
 
 
 def fail(message: str, code: ExitCode = ExitCode.FAILED) -> NoReturn:

@@ -5,11 +5,44 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
+from pathlib import Path
 
 import pydantic
 
 from ..app import App
 from ..errors import ConfigurationError
+
+# The user's frames shown under an import error: the bug is in the last ones.
+USER_FRAMES = 3
+_LIBRARY = Path(__file__).resolve().parents[1]
+
+
+class UserCodeError(ConfigurationError):
+    """The user's module raised while it was imported; ``where`` holds the lines of its
+    last frames (file, line, code), the library's and importlib's own left out."""
+
+    def __init__(self, message: str, where: list[str]) -> None:
+        super().__init__(message)
+        self.where = where
+
+
+def user_frames(error: BaseException) -> list[str]:
+    """The last ``USER_FRAMES`` frames of ``error``'s traceback that are the user's code, as
+    ``File "...", line N, in NAME`` and the source line below it."""
+    lines: list[str] = []
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not frame.filename.startswith("<")  # importlib's frozen bootstrap
+        and not Path(frame.filename).resolve().is_relative_to(_LIBRARY)
+        and not Path(frame.filename).resolve().is_relative_to(Path(importlib.__file__).parent)
+    ]
+    for frame in frames[-USER_FRAMES:]:
+        lines.append(f'File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+        if frame.line:
+            lines.append(f"  {frame.line.strip()}")
+    return lines
 
 
 def load_app(path: str) -> App:
@@ -22,19 +55,26 @@ def load_app(path: str) -> App:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise ConfigurationError(f"cannot import {module_name!r}: {e}") from e
+        if e.name is not None and (module_name + ".").startswith(e.name + "."):
+            raise ConfigurationError(f"cannot import {module_name!r}: {e}") from e
+        # The module exists and imports something that does not: the user's line says which.
+        raise UserCodeError(
+            f"importing {module_name!r} failed: {type(e).__name__}: {e}", user_frames(e)
+        ) from e
     except pydantic.ValidationError:
         raise  # the App's Settings(): an invalid WECLAW_MQ_* value, said as such by the CLI
-    except Exception as e:  # the user's module failed while importing: say where, not how
-        raise ConfigurationError(
-            f"importing {module_name!r} failed: {type(e).__name__}: {e}"
+    except Exception as e:  # the user's module failed while importing: show where
+        raise UserCodeError(
+            f"importing {module_name!r} failed: {type(e).__name__}: {e}", user_frames(e)
         ) from e
     try:  # a module's __getattr__ may build the App lazily, and fail doing so
         app = getattr(module, attr, None)
     except pydantic.ValidationError:
         raise
     except Exception as e:
-        raise ConfigurationError(f"loading {path!r} failed: {type(e).__name__}: {e}") from e
+        raise UserCodeError(
+            f"loading {path!r} failed: {type(e).__name__}: {e}", user_frames(e)
+        ) from e
     if not isinstance(app, App):
         raise ConfigurationError(
             f"{path!r} is {type(app).__name__}, not a weclaw_mq.App"

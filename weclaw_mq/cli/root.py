@@ -19,7 +19,7 @@ from ..settings import Settings
 from ..tracing import LogFormat, configure_logging
 from ..worker import event_loop
 from ..worker.event_loop import EVENT_LOOPS, EventLoopName
-from .failures import ExitCode, classify, fail, report
+from .failures import ExitCode, classify, fail, report, where_of
 from .loading import load_app
 from .options import AppPath, LogFormatOption, LogLevel
 from .publish import publish
@@ -102,7 +102,7 @@ def _supervise(
             return ExitCode.INTERRUPTED
         except Exception as e:  # the CLI's one boundary, as in weclaw_mq.cli.main
             code, message = classify(e)
-            report(message)
+            report(message, where_of(e))
             return code
         return ExitCode.OK
 
