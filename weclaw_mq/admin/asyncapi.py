@@ -1,0 +1,370 @@
+"""An App's contract as an AsyncAPI 3.0.0 document: read from its handlers, no I/O.
+
+What a foreign producer or consumer needs, per handler queue ``Q``:
+
+- channel ``Q`` (the queue, through the default exchange with routing key ``Q``): the task
+  message, its payload the handler's first annotation as JSON Schema, its headers
+  (``asyncapi_headers``); operations ``Q.send`` (producers publish) and ``Q.receive`` (the
+  app's worker consumes, its reply the task's record in Redis);
+- channel ``Q.result`` (Redis, no fixed address): the record ``App.result`` and
+  ``weclaw-mq status`` read, whose ``result`` is the handler's return annotation;
+- channel ``Q.dlq`` and operation ``Q.deadLetter``: the dead letter and its headers;
+- ``<Q>.results`` (``notify=``): the ``TaskNotification`` the worker publishes;
+- ``Q.stream`` (Redis; handlers that take a context, so may call ``ctx.emit``): the events.
+
+Schemas are pydantic's (JSON Schema 2020-12); for plain objects, lists, strings and numbers
+that is the same as the AsyncAPI Schema format (a superset of draft 07). Every model lands in
+``components.schemas`` once, named by pydantic (which keeps two models of one name apart).
+Servers come from the settings' URLs with any password masked (``***``).
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import TypeAdapter
+
+from ..app import App
+from ..handler import HandlerSpec
+from ..message import CONTENT_TYPE
+from ..naming import dlq_name
+from ..notification import TaskNotification
+from ..permissions import vhost_of
+from ..settings import Settings, redact_url
+from ..state import TaskState
+from ..streaming import StreamEvent
+from . import asyncapi_headers as hd
+
+ASYNCAPI_VERSION = "3.0.0"
+AMQP_BINDING_VERSION = "0.3.0"
+REF = "#/components/schemas/{model}"
+TASK_HEADERS = "TaskHeaders"
+DEAD_LETTER_HEADERS = "DeadLetterHeaders"
+_NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]")
+
+# What aio-pika sets on every task message (weclaw_mq.message.build_message).
+AMQP_PROPERTIES = {
+    "message_id": "the task id (a uuid4 unless the producer gives one): printable, at most "
+    "255 bytes; publishing the same id again is the same task (the idempotency guard)",
+    "content_type": CONTENT_TYPE,
+    "delivery_mode": "2 (persistent)",
+    "timestamp": "when the task was published",
+    "expiration": "the task's lifetime in ms (x-weclaw-ttl-ms): RabbitMQ dead-letters it to "
+    "Q.dlq past it",
+}
+
+
+def key(queue: str) -> str:
+    """A queue name as a component key (letters, digits, ``_.-``): ``:`` becomes ``_``."""
+    return _NOT_A_KEY.sub("_", queue)
+
+
+def build_document(app: App, *, version: str = "1.0.0") -> dict[str, Any]:
+    """The AsyncAPI 3.0.0 document of ``app`` (plain JSON data); ``version`` is info.version."""
+    specs = list(app.handlers.values())
+    schemas, types = _schemas(specs)
+    d = _Parts(types, vhost_of(app.settings.amqp_urls()[0]), app.settings.results_enabled)
+    for spec in specs:
+        _add_handler(spec, d)
+    schemas[TASK_HEADERS] = hd.headers_schema(TASK_HEADERS, (*hd.TASK, *hd.FAILURE))
+    schemas[DEAD_LETTER_HEADERS] = hd.headers_schema(
+        DEAD_LETTER_HEADERS, (*hd.TASK, *hd.FAILURE, *hd.DEAD_LETTER)
+    )
+    return {
+        "asyncapi": ASYNCAPI_VERSION,
+        "info": {
+            "title": app.name,
+            "version": version,
+            "description": f"The task queues of the weclaw_mq app {app.name!r}: "
+            f"{len(specs)} handler(s).",
+        },
+        "defaultContentType": CONTENT_TYPE,
+        "servers": servers(app.settings),
+        "channels": d.channels,
+        "operations": d.operations,
+        "components": {"schemas": schemas, "messages": d.messages},
+    }
+
+
+def servers(settings: Settings) -> dict[str, Any]:
+    """One server per AMQP URL (failover list: ``rabbitmq``, ``rabbitmq-2``...) and Redis."""
+    out: dict[str, Any] = {}
+    for i, url in enumerate(settings.amqp_urls(), start=1):
+        parts = urlsplit(url)
+        out["rabbitmq" if i == 1 else f"rabbitmq-{i}"] = {
+            "host": parts.netloc.rpartition("@")[2],
+            "protocol": parts.scheme,
+            "protocolVersion": "0.9.1",
+            "pathname": vhost_of(url),
+            "description": f"RabbitMQ (WECLAW_MQ_AMQP_URL: {redact_url(url)}); the pathname "
+            "is the vhost.",
+        }
+    redis = settings.redis_url_plain()
+    parts = urlsplit(redis)
+    out["redis"] = {
+        "host": parts.netloc.rpartition("@")[2],
+        "protocol": "redis",
+        "description": f"Redis: task records and streams (WECLAW_MQ_REDIS_URL: "
+        f"{redact_url(redis)}).",
+    }
+    return out
+
+
+def _return_annotation(spec: HandlerSpec) -> Any:
+    # Resolved once already (build_spec), so this cannot fail on a forward reference.
+    return typing.get_type_hints(spec.func).get("return", Any)
+
+
+def _adapter(annotation: Any) -> TypeAdapter[Any]:
+    """A TypeAdapter whose JSON Schema can be made: ``Any`` for a type that has none."""
+    try:
+        adapter = annotation if isinstance(annotation, TypeAdapter) else TypeAdapter(annotation)
+        adapter.json_schema()
+    except Exception:  # pydantic validates it, but has no JSON Schema for it
+        return TypeAdapter(Any)
+    return adapter
+
+
+def _schemas(specs: list[HandlerSpec]) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
+    """``components.schemas`` and, per (queue, "payload"|"result"), the schema or its $ref.
+
+    One pydantic run over every type, so a model used by two handlers is one component and
+    two models of one name get two."""
+    inputs: list[tuple[tuple[str, str], Any, TypeAdapter[Any]]] = [
+        (("", "TaskState"), "serialization", TypeAdapter(TaskState)),
+        (("", "TaskNotification"), "serialization", TypeAdapter(TaskNotification)),
+        (("", "StreamEvent"), "serialization", TypeAdapter(StreamEvent)),
+    ]
+    for spec in specs:
+        inputs.append(((spec.queue, "payload"), "validation", _adapter(spec.adapter)))
+        inputs.append(((spec.queue, "result"), "serialization", _adapter(_return_annotation(spec))))
+    by_key, defs = TypeAdapter.json_schemas(inputs, ref_template=REF)
+    types = {k: schema for (k, _mode), schema in by_key.items()}
+    return dict(defs.get("$defs", {})), types
+
+
+def _ref(*path: str) -> dict[str, str]:
+    return {"$ref": "#/" + "/".join(p.replace("~", "~0").replace("/", "~1") for p in path)}
+
+
+def _amqp_queue(name: str, vhost: str) -> dict[str, Any]:
+    queue = {"name": name, "durable": True, "exclusive": False, "autoDelete": False}
+    return {
+        "amqp": {
+            "is": "queue",
+            "queue": {**queue, "vhost": vhost},
+            "bindingVersion": AMQP_BINDING_VERSION,
+        }
+    }
+
+
+def _handler_extension(spec: HandlerSpec) -> dict[str, Any]:
+    r = spec.retry
+    return {
+        "handler": spec.name,
+        "retry": {
+            "max_retries": r.max_retries,
+            "delay_s": r.delay_s,
+            "multiplier": r.multiplier,
+            "max_delay_s": r.max_delay_s,
+        },
+        "timeout_s": spec.timeout_s,
+        "delivery_limit": spec.delivery_limit,
+        "ttl_s": spec.ttl_s,
+        "idempotent": spec.idempotent,
+        "priority": spec.priority.value,
+        "priorities": spec.priorities,
+        "queue_type": spec.queue_type,
+        "max_length": spec.max_length,
+    }
+
+
+@dataclass
+class _Parts:
+    """The document's maps, filled handler by handler."""
+
+    types: dict[tuple[str, str], Any]  # (queue, "payload" | "result") -> schema or $ref
+    vhost: str
+    stores_results: bool
+    channels: dict[str, Any] = field(default_factory=dict)
+    operations: dict[str, Any] = field(default_factory=dict)
+    messages: dict[str, Any] = field(default_factory=dict)
+
+
+def _add_handler(spec: HandlerSpec, d: _Parts) -> None:
+    q, k = spec.queue, key(spec.queue)
+    payload = d.types[(q, "payload")]
+    channels, operations, messages = d.channels, d.operations, d.messages
+    messages[f"{k}.task"] = {
+        "name": "task",
+        "title": f"A task of {q}",
+        "contentType": CONTENT_TYPE,
+        "headers": _ref("components", "schemas", TASK_HEADERS),
+        "payload": payload,
+        "x-weclaw-amqp-properties": AMQP_PROPERTIES,
+        "bindings": {"amqp": {"bindingVersion": AMQP_BINDING_VERSION}},
+    }
+    channels[k] = {
+        "address": q,
+        "title": q,
+        "description": f"The work queue of {spec.name} ({spec.queue_type}). Publish through "
+        f"the default exchange with routing key {q!r}.",
+        "servers": [_ref("servers", "rabbitmq")],
+        "messages": {"task": _ref("components", "messages", f"{k}.task")},
+        "bindings": _amqp_queue(q, d.vhost),
+    }
+    task_message = [_ref("channels", k, "messages", "task")]
+    operations[f"{k}.send"] = {
+        "action": "send",
+        "title": f"Publish a task to {q}",
+        "description": "A producer publishes with confirms; the body must fit the payload.",
+        "channel": _ref("channels", k),
+        "messages": task_message,
+        "bindings": {
+            "amqp": {
+                "deliveryMode": 2,
+                "mandatory": True,
+                "timestamp": True,
+                "bindingVersion": AMQP_BINDING_VERSION,
+            }
+        },
+    }
+    receive: dict[str, Any] = {
+        "action": "receive",
+        "title": f"Run {spec.name}",
+        "description": "The worker acks a task only after its result is stored; a failure "
+        "retries it through a delay queue, then dead-letters it to the DLQ channel.",
+        "channel": _ref("channels", k),
+        "messages": task_message,
+        "bindings": {"amqp": {"ack": True, "bindingVersion": AMQP_BINDING_VERSION}},
+        "x-weclaw-handler": _handler_extension(spec),
+    }
+    if d.stores_results:
+        _add_result(spec, d)
+        receive["reply"] = {
+            "channel": _ref("channels", f"{k}.result"),
+            "messages": [_ref("channels", f"{k}.result", "messages", "result")],
+        }
+    operations[f"{k}.receive"] = receive
+    _add_dead_letters(spec, d)
+    if spec.notify is not None:
+        _add_notifications(spec, spec.notify.queue, d)
+    if spec.takes_context:
+        _add_stream(spec, d)
+
+
+def _with_result(base: str, result: Any) -> dict[str, Any]:
+    """``base`` (a record schema) whose ``result`` is ``result`` (or null: not succeeded)."""
+    return {
+        "allOf": [
+            _ref("components", "schemas", base),
+            {"properties": {"result": {"anyOf": [result, {"type": "null"}]}}},
+        ]
+    }
+
+
+def _add_result(spec: HandlerSpec, d: _Parts) -> None:
+    k, result = key(spec.queue), d.types[(spec.queue, "result")]
+    d.messages[f"{k}.result"] = {
+        "name": "result",
+        "title": f"The record of a task of {spec.queue}",
+        "summary": "Its result is the handler's return value once the status is succeeded "
+        "(null before, and for any other end).",
+        "contentType": CONTENT_TYPE,
+        "payload": _with_result("TaskState", result),
+    }
+    d.channels[f"{k}.result"] = {
+        "address": None,
+        "title": f"{spec.queue} results",
+        "description": "Not a queue: the task's record in Redis, one per (queue, task id), "
+        "read with App.result(task_id) or 'weclaw-mq status TASK_ID'.",
+        "servers": [_ref("servers", "redis")],
+        "messages": {"result": _ref("components", "messages", f"{k}.result")},
+    }
+
+
+def _add_dead_letters(spec: HandlerSpec, d: _Parts) -> None:
+    dlq, k = dlq_name(spec.queue), key(dlq_name(spec.queue))
+    payload, message = d.types[(spec.queue, "payload")], f"{key(spec.queue)}.deadLetter"
+    d.messages[message] = {
+        "name": "deadLetter",
+        "title": f"A dead letter of {spec.queue}",
+        "contentType": CONTENT_TYPE,
+        "headers": _ref("components", "schemas", DEAD_LETTER_HEADERS),
+        # The body is moved as it came: one that failed the model is here too.
+        "payload": {
+            "description": "The task's body byte for byte: the task's payload, or (reason "
+            "undecodable or invalid_payload) a body that fails it.",
+            "anyOf": [payload, {}],
+        },
+    }
+    d.channels[k] = {
+        "address": dlq,
+        "title": dlq,
+        "description": f"Where tasks of {spec.queue} end when they cannot succeed; nothing "
+        "expires here. Inspect and requeue with 'weclaw-mq dlq'.",
+        "servers": [_ref("servers", "rabbitmq")],
+        "messages": {"deadLetter": _ref("components", "messages", message)},
+        "bindings": _amqp_queue(dlq, d.vhost),
+    }
+    d.operations[message] = {
+        "action": "send",
+        "title": f"Dead-letter a task of {spec.queue}",
+        "channel": _ref("channels", k),
+        "messages": [_ref("channels", k, "messages", "deadLetter")],
+    }
+
+
+def _add_notifications(spec: HandlerSpec, target: str, d: _Parts) -> None:
+    k, result = key(target), d.types[(spec.queue, "result")]
+    message = f"{key(spec.queue)}.notification"
+    d.messages[message] = {
+        "name": "notification",
+        "title": f"The final state of a task of {spec.queue}",
+        "contentType": CONTENT_TYPE,
+        "payload": _with_result("TaskNotification", result),
+    }
+    d.channels[k] = {
+        "address": target,
+        "title": target,
+        "description": "notify=: each task's final state, published with a confirm before "
+        "the task is acked or dead-lettered. The message id is the notification id.",
+        "servers": [_ref("servers", "rabbitmq")],
+        "messages": {"notification": _ref("components", "messages", message)},
+        "bindings": _amqp_queue(target, d.vhost),
+    }
+    d.operations[f"{key(spec.queue)}.notify"] = {
+        "action": "send",
+        "channel": _ref("channels", k),
+        "messages": [_ref("channels", k, "messages", "notification")],
+    }
+
+
+def _add_stream(spec: HandlerSpec, d: _Parts) -> None:
+    k = key(spec.queue)
+    d.messages[f"{k}.stream"] = {
+        "name": "streamEvent",
+        "title": f"An event of a task of {spec.queue}",
+        "summary": "kind attempt (a run starts: drop the partial text of an earlier one), "
+        "chunk (data: what the handler emitted, str or any JSON) or final.",
+        "contentType": CONTENT_TYPE,
+        "payload": _ref("components", "schemas", "StreamEvent"),
+    }
+    d.channels[f"{k}.stream"] = {
+        "address": None,
+        "title": f"{spec.queue} streams",
+        "description": "Not a queue: the task's Redis Stream, whose events App.stream(task_id) "
+        "yields. "
+        "Written only when the handler calls ctx.emit (it takes a context, so it may).",
+        "servers": [_ref("servers", "redis")],
+        "messages": {"streamEvent": _ref("components", "messages", f"{k}.stream")},
+    }
+    d.operations[f"{k}.emit"] = {
+        "action": "send",
+        "channel": _ref("channels", f"{k}.stream"),
+        "messages": [_ref("channels", f"{k}.stream", "messages", "streamEvent")],
+    }
