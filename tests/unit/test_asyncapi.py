@@ -9,8 +9,12 @@ what the app's handler gets and returns, what ``App.prepare`` and the worker put
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -23,11 +27,13 @@ from weclaw_mq import Settings, TaskState, TaskStatus
 from weclaw_mq import headers as h
 from weclaw_mq.admin import asyncapi_headers
 from weclaw_mq.admin.asyncapi import build_document
+from weclaw_mq.cli.failures import ExitCode
 from weclaw_mq.errors import HandlerTimeout
 from weclaw_mq.message import Delivery
 from weclaw_mq.retry import DeadLetterReason
 from weclaw_mq.worker.settle import failure_headers
 
+ROOT = Path(__file__).resolve().parents[2]
 AMQP_SECRET = "amqp-s3cret"
 REDIS_SECRET = "redis-s3cret"
 AMQP_URL = f"amqp://alice:{AMQP_SECRET}@rabbit.example:5673/prod"
@@ -35,6 +41,7 @@ REDIS_URL = f"redis://:{REDIS_SECRET}@cache.example:6380/2"
 DOC_URI = "urn:weclaw-mq:asyncapi-test"
 # Keys of components (AsyncAPI 3.0.0, "Components Object").
 COMPONENT_KEY = re.compile(r"^[a-zA-Z0-9.\-_]+$")
+CLI_TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +286,61 @@ def test_with_results_off_the_worker_operation_has_no_reply() -> None:
     assert "reply" not in document["operations"]["summaries.receive"]
     assert "summaries.result" not in document["channels"]
 
+
+# -- the command ---------------------------------------------------------------------------
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``weclaw-mq`` of this tree (not an installed copy) in a child process."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WECLAW_MQ_")}
+    return subprocess.run(
+        [sys.executable, "-m", "weclaw_mq.cli", *args],
+        cwd=ROOT,
+        env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
+
+
+def test_the_command_writes_the_document_without_a_broker_or_redis(tmp_path: Path) -> None:
+    # Port 9 (discard) on loopback: nothing answers there, and nothing is asked.
+    env = {
+        "WECLAW_MQ_AMQP_URL": f"amqp://alice:{AMQP_SECRET}@127.0.0.1:9/",
+        "WECLAW_MQ_REDIS_URL": f"redis://:{REDIS_SECRET}@127.0.0.1:9/0",
+    }
+    out = tmp_path / "asyncapi.json"
+    run = run_cli("asyncapi", "tests.unit.asyncapi_app:app", "--output", str(out), env=env)
+    assert run.returncode == ExitCode.OK, run.stderr
+    assert AMQP_SECRET not in run.stderr + run.stdout
+    text = out.read_text(encoding="utf-8")
+    assert AMQP_SECRET not in text and REDIS_SECRET not in text
+    document = json.loads(text)
+    assert document["asyncapi"] == "3.0.0"
+    assert document["servers"]["rabbitmq"]["host"] == "127.0.0.1:9"
+    printed = run_cli("asyncapi", "tests.unit.asyncapi_app:app", env=env)
+    assert printed.returncode == ExitCode.OK, printed.stderr
+    assert json.loads(printed.stdout) == document
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "complaint"),
+    [
+        (["nomodule"], ExitCode.CONFIG, "expected MODULE:APP"),
+        (["no_such_module_for_weclaw_tests:app"], ExitCode.CONFIG, "cannot import"),
+        (["tests.unit.asyncapi_app:Article"], ExitCode.CONFIG, "not a weclaw_mq.App"),
+        (["tests.unit.asyncapi_app:app", "--format", "yaml"], ExitCode.USAGE, "--format"),
+        (["tests.unit.asyncapi_app:app", "--api-version", ""], ExitCode.USAGE, "--api-version"),
+        (["tests.unit.asyncapi_app:app", "-o", "/"], ExitCode.USAGE, "--output"),
+    ],
+    ids=["no-colon", "no-module", "not-an-app", "no-yaml", "empty-version", "output-dir"],
+)
+def test_a_bad_argument_ends_in_one_line_and_its_exit_code(
+    args: list[str], code: ExitCode, complaint: str
+) -> None:
+    run = run_cli("asyncapi", *args)
+    assert run.returncode == code, run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weclaw-mq: error: "), run.stderr
+    assert complaint in lines[0]
+    assert run.stdout == ""
