@@ -344,3 +344,31 @@ def test_a_bad_argument_ends_in_one_line_and_its_exit_code(
     assert len(lines) == 1 and lines[0].startswith("weclaw-mq: error: "), run.stderr
     assert complaint in lines[0]
     assert run.stdout == ""
+
+
+# -- the documentation's excerpt -----------------------------------------------------------
+
+EXCERPT = ROOT / "docs" / "examples" / "asyncapi_excerpt.json"
+TUTORIAL_APP = "docs.examples.first_handler:app"
+
+
+def excerpt(document: dict[str, Any]) -> dict[str, Any]:
+    """What docs/reference/asyncapi.md shows of the tutorial app's document, paths kept."""
+    q = "ai-replies"
+    return {
+        "channels": {q: document["channels"][q]},
+        "operations": {f"{q}.receive": document["operations"][f"{q}.receive"]},
+        "components": {
+            "messages": {f"{q}.task": document["components"]["messages"][f"{q}.task"]},
+            "schemas": {"Prompt": document["components"]["schemas"]["Prompt"]},
+        },
+    }
+
+
+def test_the_docs_excerpt_is_what_the_command_prints_for_the_tutorial_app() -> None:
+    run = run_cli("asyncapi", TUTORIAL_APP)  # default settings: no WECLAW_MQ_* variables
+    assert run.returncode == ExitCode.OK, run.stderr
+    text = json.dumps(excerpt(json.loads(run.stdout)), indent=2, ensure_ascii=False) + "\n"
+    if not EXCERPT.exists() or EXCERPT.read_text(encoding="utf-8") != text:
+        EXCERPT.write_text(text, encoding="utf-8")
+        pytest.fail(f"{EXCERPT.relative_to(ROOT)} was out of date and is rewritten: commit it")
