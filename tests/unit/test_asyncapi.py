@@ -19,11 +19,13 @@ from typing import Any
 
 import jsonschema
 import pytest
+from pydantic import BaseModel
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
 from tests.unit.asyncapi_app import Article, Summary, Tag, build_app
-from weclaw_mq import Settings, TaskState, TaskStatus
+from weclaw_mq import App, Settings, TaskNotification, TaskStatus
+from weclaw_mq import TaskState as Record
 from weclaw_mq import headers as h
 from weclaw_mq.admin import asyncapi_headers
 from weclaw_mq.admin.asyncapi import build_document
@@ -181,7 +183,7 @@ def test_the_reply_is_the_task_record_whose_result_is_the_return_model(
     doc: dict[str, Any],
 ) -> None:
     payload = "#/components/messages/summaries.result/payload"
-    done = TaskState(
+    done = Record(
         task_id="t-1",
         queue="summaries",
         status=TaskStatus.SUCCEEDED,
@@ -189,7 +191,7 @@ def test_the_reply_is_the_task_record_whose_result_is_the_return_model(
         result=Summary(text="s", tokens=2).model_dump(mode="json"),
     ).model_dump(mode="json")
     assert accepts(doc, payload, done)
-    queued = TaskState(task_id="t-1", queue="summaries", status=TaskStatus.QUEUED)
+    queued = Record(task_id="t-1", queue="summaries", status=TaskStatus.QUEUED)
     assert accepts(doc, payload, queued.model_dump(mode="json"))
     assert not accepts(doc, payload, {**done, "result": {"text": "s"}})  # tokens missing
     assert not accepts(doc, payload, {**done, "status": "pondering"})
@@ -218,7 +220,7 @@ def test_task_headers_accept_what_publish_writes(doc: dict[str, Any]) -> None:
     message = app.prepare(
         "summaries", Article(title="t", words=1), session_id="user-7", delay_s=5, ttl_s=60
     )
-    schema = "#/components/schemas/TaskHeaders"
+    schema = "#/components/schemas/weclaw_mq.TaskHeaders"
     headers = dict(message.headers)
     assert {h.TRACE_ID, h.ATTEMPT, h.TTL_MS, h.EXPIRES_AT, h.NOT_BEFORE, h.SESSION_ID} <= set(
         headers
@@ -234,10 +236,10 @@ def test_dead_letter_headers_accept_what_the_worker_writes(doc: dict[str, Any]) 
     delivery = Delivery("t-1", "trace-1", None, 3, 0, {}, b"{}", False, None, "summaries")
     headers = failure_headers(delivery, "summaries", HandlerTimeout("ran past 120 s"))
     headers[h.DEAD_LETTER_REASON] = DeadLetterReason.RETRIES_EXHAUSTED.value
-    schema = "#/components/schemas/DeadLetterHeaders"
+    schema = "#/components/schemas/weclaw_mq.DeadLetterHeaders"
     assert accepts(doc, schema, headers)
     assert not accepts(doc, schema, {**headers, h.DEAD_LETTER_REASON: "bored"})
-    props = doc["components"]["schemas"]["DeadLetterHeaders"]["properties"]
+    props = doc["components"]["schemas"]["weclaw_mq.DeadLetterHeaders"]["properties"]
     assert props[h.DEAD_LETTER_REASON]["enum"] == [r.value for r in DeadLetterReason]
     assert "weclaw_mq.HandlerTimeout" in props[h.ERROR_TYPE]["examples"]
     assert props[h.ERROR_TYPE]["readOnly"] is True
@@ -253,7 +255,7 @@ def test_every_header_weclaw_mq_defines_is_documented_or_deliberately_left_out(
         if name.isupper() and isinstance(value, str) and value.startswith(("x-", "traceparent"))
     }
     defined.discard(h.PREFIX)
-    documented = set(doc["components"]["schemas"]["DeadLetterHeaders"]["properties"])
+    documented = set(doc["components"]["schemas"]["weclaw_mq.DeadLetterHeaders"]["properties"])
     assert defined - documented == asyncapi_headers.NOT_DOCUMENTED
     assert documented <= defined
 
@@ -285,6 +287,66 @@ def test_with_results_off_the_worker_operation_has_no_reply() -> None:
     document = build_document(build_app(settings, notify=False))
     assert "reply" not in document["operations"]["summaries.receive"]
     assert "summaries.result" not in document["channels"]
+
+
+class TaskState(BaseModel):  # a user's model of the same name as weclaw_mq's record
+    note: str
+
+
+class Opaque:  # pydantic has no JSON Schema for it
+    pass
+
+
+def odd_app() -> App:
+    """Names that meet in a key, a notify= queue that is a handler of the app, a model named
+    like ours, a return type without a JSON Schema, and a handler with priorities."""
+    app = App("odd", settings=Settings(_env_file=None))
+
+    @app.handler("a:b", notify="notes", priorities=True)
+    async def colon(task: TaskState) -> Opaque:
+        return Opaque()
+
+    @app.handler("a_b")
+    async def underscore(task: int) -> None:
+        return None
+
+    @app.handler("a_b.result")  # a queue named like a_b's result channel
+    async def dotted(task: str) -> str:
+        return task
+
+    @app.handler("notes")
+    async def notes(task: TaskNotification) -> None:
+        return None
+
+    return app
+
+
+def test_names_that_meet_in_a_key_each_keep_their_channel() -> None:
+    document = json.loads(json.dumps(build_document(odd_app())))
+    addresses = [c["address"] for c in document["channels"].values()]
+    for queue in ("a:b", "a_b", "a_b.result", "notes", "a:b.dlq", "a_b.dlq"):
+        assert addresses.count(queue) == 1, queue
+    for ref in refs(document):
+        resolve(document, ref)
+    # a:b's notifications go to the task channel of the handler on "notes".
+    notify = document["operations"]["a_b.notify"]
+    assert resolve(document, notify["channel"]["$ref"])["address"] == "notes"
+    assert "lane.high" in document["channels"]["a_b"]["description"]
+    assert "lane.high" not in resolve(document, "#/channels/a_b-2")["description"]
+
+
+def test_a_model_named_like_ours_and_a_type_without_schema_are_both_described() -> None:
+    document = json.loads(json.dumps(build_document(odd_app())))
+    schemas = document["components"]["schemas"]
+    assert len([name for name in schemas if "TaskState" in name]) == 2  # named apart
+    task = "#/components/messages/a_b.task/payload"
+    assert accepts(document, task, {"note": "n"})
+    assert not accepts(document, task, {"status": "queued"})
+    result = resolve(document, "#/components/messages/a_b.result/payload")
+    record = resolve(document, result["allOf"][0]["$ref"])
+    assert "status" in record["properties"]  # weclaw_mq's record, not the user's model
+    opaque = result["allOf"][1]["properties"]["result"]["anyOf"][0]
+    assert "no JSON Schema" in opaque["description"]
 
 
 # -- the command ---------------------------------------------------------------------------

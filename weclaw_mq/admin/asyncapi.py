@@ -20,6 +20,7 @@ Servers come from the settings' URLs with any password masked (``***``).
 
 from __future__ import annotations
 
+import inspect
 import re
 import typing
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from pydantic import TypeAdapter
 from ..app import App
 from ..handler import HandlerSpec
 from ..message import CONTENT_TYPE
-from ..naming import dlq_name
+from ..naming import dlq_name, lane_queue_name
 from ..notification import TaskNotification
 from ..permissions import vhost_of
 from ..settings import Settings, redact_url
@@ -42,8 +43,9 @@ from . import asyncapi_headers as hd
 ASYNCAPI_VERSION = "3.0.0"
 AMQP_BINDING_VERSION = "0.3.0"
 REF = "#/components/schemas/{model}"
-TASK_HEADERS = "TaskHeaders"
-DEAD_LETTER_HEADERS = "DeadLetterHeaders"
+# Ours, beside pydantic's names (which never hold a "."), so no model of yours meets them.
+TASK_HEADERS = "weclaw_mq.TaskHeaders"
+DEAD_LETTER_HEADERS = "weclaw_mq.DeadLetterHeaders"
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]")
 
 # What aio-pika sets on every task message (weclaw_mq.message.build_message).
@@ -67,9 +69,18 @@ def build_document(app: App, *, version: str = "1.0.0") -> dict[str, Any]:
     """The AsyncAPI 3.0.0 document of ``app`` (plain JSON data); ``version`` is info.version."""
     specs = list(app.handlers.values())
     schemas, types = _schemas(specs)
-    d = _Parts(types, vhost_of(app.settings.amqp_urls()[0]), app.settings.results_enabled)
+    hosts = servers(app.settings)
+    d = _Parts(
+        types,
+        vhost=vhost_of(app.settings.amqp_urls()[0]),
+        brokers=[_ref("servers", name) for name in hosts if name != "redis"],
+        stores_results=app.settings.results_enabled,
+    )
     for spec in specs:
         _add_handler(spec, d)
+    for spec in specs:  # after every handler: a notify= queue may be one of them
+        if spec.notify is not None:
+            _add_notifications(spec, spec.notify.queue, d)
     schemas[TASK_HEADERS] = hd.headers_schema(TASK_HEADERS, (*hd.TASK, *hd.FAILURE))
     schemas[DEAD_LETTER_HEADERS] = hd.headers_schema(
         DEAD_LETTER_HEADERS, (*hd.TASK, *hd.FAILURE, *hd.DEAD_LETTER)
@@ -83,7 +94,7 @@ def build_document(app: App, *, version: str = "1.0.0") -> dict[str, Any]:
             f"{len(specs)} handler(s).",
         },
         "defaultContentType": CONTENT_TYPE,
-        "servers": servers(app.settings),
+        "servers": hosts,
         "channels": d.channels,
         "operations": d.operations,
         "components": {"schemas": schemas, "messages": d.messages},
@@ -114,36 +125,52 @@ def servers(settings: Settings) -> dict[str, Any]:
     return out
 
 
-def _return_annotation(spec: HandlerSpec) -> Any:
-    # Resolved once already (build_spec), so this cannot fail on a forward reference.
-    return typing.get_type_hints(spec.func).get("return", Any)
+def _annotations(spec: HandlerSpec) -> tuple[Any, Any]:
+    """The handler's task and return annotations (``Any`` where there is none). Resolved
+    once already (``build_spec``), so no forward reference can fail here."""
+    hints = typing.get_type_hints(spec.func)
+    task = next(iter(inspect.signature(spec.func).parameters))
+    return hints.get(task, Any), hints.get("return", Any)
 
 
-def _adapter(annotation: Any) -> TypeAdapter[Any]:
-    """A TypeAdapter whose JSON Schema can be made: ``Any`` for a type that has none."""
+def _adapter(annotation: Any) -> TypeAdapter[Any] | None:
+    """A TypeAdapter of ``annotation`` if pydantic can write its JSON Schema, else None."""
     try:
-        adapter = annotation if isinstance(annotation, TypeAdapter) else TypeAdapter(annotation)
+        adapter: TypeAdapter[Any] = TypeAdapter(annotation)
         adapter.json_schema()
-    except Exception:  # pydantic validates it, but has no JSON Schema for it
-        return TypeAdapter(Any)
+    except Exception:  # pydantic validates it (or not), but has no JSON Schema for it
+        return None
     return adapter
 
 
 def _schemas(specs: list[HandlerSpec]) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
-    """``components.schemas`` and, per (queue, "payload"|"result"), the schema or its $ref.
+    """``components.schemas`` and, per (queue, "payload" | "result"), the schema or its $ref;
+    ours under ("", class name).
 
     One pydantic run over every type, so a model used by two handlers is one component and
-    two models of one name get two."""
+    two models of one name get two names (then ours are renamed too: always use the $ref
+    given here)."""
+    types: dict[tuple[str, str], Any] = {}
     inputs: list[tuple[tuple[str, str], Any, TypeAdapter[Any]]] = [
         (("", "TaskState"), "serialization", TypeAdapter(TaskState)),
         (("", "TaskNotification"), "serialization", TypeAdapter(TaskNotification)),
         (("", "StreamEvent"), "serialization", TypeAdapter(StreamEvent)),
     ]
     for spec in specs:
-        inputs.append(((spec.queue, "payload"), "validation", _adapter(spec.adapter)))
-        inputs.append(((spec.queue, "result"), "serialization", _adapter(_return_annotation(spec))))
+        task, returns = _annotations(spec)
+        for part, mode, annotation in (
+            ("payload", "validation", task),
+            ("result", "serialization", returns),
+        ):
+            adapter = _adapter(annotation)
+            if adapter is not None:
+                inputs.append(((spec.queue, part), mode, adapter))
+            else:
+                types[(spec.queue, part)] = {
+                    "description": f"Any JSON: pydantic has no JSON Schema for {annotation!r}."
+                }
     by_key, defs = TypeAdapter.json_schemas(inputs, ref_template=REF)
-    types = {k: schema for (k, _mode), schema in by_key.items()}
+    types.update({k: schema for (k, _mode), schema in by_key.items()})
     return dict(defs.get("$defs", {})), types
 
 
@@ -187,38 +214,57 @@ def _handler_extension(spec: HandlerSpec) -> dict[str, Any]:
 class _Parts:
     """The document's maps, filled handler by handler."""
 
-    types: dict[tuple[str, str], Any]  # (queue, "payload" | "result") -> schema or $ref
+    types: dict[tuple[str, str], Any]  # from _schemas
     vhost: str
+    brokers: list[dict[str, str]]  # $refs of the RabbitMQ servers
     stores_results: bool
     channels: dict[str, Any] = field(default_factory=dict)
     operations: dict[str, Any] = field(default_factory=dict)
     messages: dict[str, Any] = field(default_factory=dict)
+    task_channels: dict[str, str] = field(default_factory=dict)  # handler queue -> its key
+
+    def claim(self, space: dict[str, Any], wanted: str) -> str:
+        """``wanted``, or ``wanted-2``, ``-3``...: queue names may meet in a key ("a:b" and
+        "a_b"; a handler queue "q.result" and q's result channel), never overwrite."""
+        name, n = wanted, 1
+        while name in space:
+            n += 1
+            name = f"{wanted}-{n}"
+        space[name] = None  # taken; the caller fills it
+        return name
 
 
 def _add_handler(spec: HandlerSpec, d: _Parts) -> None:
-    q, k = spec.queue, key(spec.queue)
-    payload = d.types[(q, "payload")]
-    channels, operations, messages = d.channels, d.operations, d.messages
-    messages[f"{k}.task"] = {
+    q = spec.queue
+    k = d.task_channels[q] = d.claim(d.channels, key(q))
+    message = d.claim(d.messages, f"{key(q)}.task")
+    d.messages[message] = {
         "name": "task",
         "title": f"A task of {q}",
         "contentType": CONTENT_TYPE,
         "headers": _ref("components", "schemas", TASK_HEADERS),
-        "payload": payload,
+        "payload": d.types[(q, "payload")],
         "x-weclaw-amqp-properties": AMQP_PROPERTIES,
         "bindings": {"amqp": {"bindingVersion": AMQP_BINDING_VERSION}},
     }
-    channels[k] = {
+    lanes = (
+        f" With priorities=True, a high or urgent task goes to {lane_queue_name(q, 'high')} / "
+        f"{lane_queue_name(q, 'urgent')} where the broker has no usable priorities, else to "
+        "this queue with the AMQP priority property (App.publish decides by broker version)."
+        if spec.priorities
+        else ""
+    )
+    d.channels[k] = {
         "address": q,
         "title": q,
         "description": f"The work queue of {spec.name} ({spec.queue_type}). Publish through "
-        f"the default exchange with routing key {q!r}.",
-        "servers": [_ref("servers", "rabbitmq")],
-        "messages": {"task": _ref("components", "messages", f"{k}.task")},
+        f"the default exchange with routing key {q!r}.{lanes}",
+        "servers": d.brokers,
+        "messages": {"task": _ref("components", "messages", message)},
         "bindings": _amqp_queue(q, d.vhost),
     }
     task_message = [_ref("channels", k, "messages", "task")]
-    operations[f"{k}.send"] = {
+    d.operations[d.claim(d.operations, f"{key(q)}.send")] = {
         "action": "send",
         "title": f"Publish a task to {q}",
         "description": "A producer publishes with confirms; the body must fit the payload.",
@@ -244,52 +290,52 @@ def _add_handler(spec: HandlerSpec, d: _Parts) -> None:
         "x-weclaw-handler": _handler_extension(spec),
     }
     if d.stores_results:
-        _add_result(spec, d)
+        result = _add_result(spec, d)
         receive["reply"] = {
-            "channel": _ref("channels", f"{k}.result"),
-            "messages": [_ref("channels", f"{k}.result", "messages", "result")],
+            "channel": _ref("channels", result),
+            "messages": [_ref("channels", result, "messages", "result")],
         }
-    operations[f"{k}.receive"] = receive
+    d.operations[d.claim(d.operations, f"{key(q)}.receive")] = receive
     _add_dead_letters(spec, d)
-    if spec.notify is not None:
-        _add_notifications(spec, spec.notify.queue, d)
     if spec.takes_context:
         _add_stream(spec, d)
 
 
-def _with_result(base: str, result: Any) -> dict[str, Any]:
-    """``base`` (a record schema) whose ``result`` is ``result`` (or null: not succeeded)."""
+def _with_result(base: Any, result: Any) -> dict[str, Any]:
+    """``base`` (a record schema's $ref) whose ``result`` is ``result`` (or null: any other
+    end than succeeded)."""
     return {
-        "allOf": [
-            _ref("components", "schemas", base),
-            {"properties": {"result": {"anyOf": [result, {"type": "null"}]}}},
-        ]
+        "allOf": [base, {"properties": {"result": {"anyOf": [result, {"type": "null"}]}}}],
     }
 
 
-def _add_result(spec: HandlerSpec, d: _Parts) -> None:
-    k, result = key(spec.queue), d.types[(spec.queue, "result")]
-    d.messages[f"{k}.result"] = {
+def _add_result(spec: HandlerSpec, d: _Parts) -> str:
+    """The channel of the task's record in Redis; returns its key."""
+    k = d.claim(d.channels, f"{key(spec.queue)}.result")
+    message = d.claim(d.messages, f"{key(spec.queue)}.result")
+    d.messages[message] = {
         "name": "result",
         "title": f"The record of a task of {spec.queue}",
         "summary": "Its result is the handler's return value once the status is succeeded "
         "(null before, and for any other end).",
         "contentType": CONTENT_TYPE,
-        "payload": _with_result("TaskState", result),
+        "payload": _with_result(d.types[("", "TaskState")], d.types[(spec.queue, "result")]),
     }
-    d.channels[f"{k}.result"] = {
+    d.channels[k] = {
         "address": None,
         "title": f"{spec.queue} results",
         "description": "Not a queue: the task's record in Redis, one per (queue, task id), "
         "read with App.result(task_id) or 'weclaw-mq status TASK_ID'.",
         "servers": [_ref("servers", "redis")],
-        "messages": {"result": _ref("components", "messages", f"{k}.result")},
+        "messages": {"result": _ref("components", "messages", message)},
     }
+    return k
 
 
 def _add_dead_letters(spec: HandlerSpec, d: _Parts) -> None:
-    dlq, k = dlq_name(spec.queue), key(dlq_name(spec.queue))
-    payload, message = d.types[(spec.queue, "payload")], f"{key(spec.queue)}.deadLetter"
+    dlq = dlq_name(spec.queue)
+    k = d.claim(d.channels, key(dlq))
+    message = d.claim(d.messages, f"{key(spec.queue)}.deadLetter")
     d.messages[message] = {
         "name": "deadLetter",
         "title": f"A dead letter of {spec.queue}",
@@ -299,7 +345,7 @@ def _add_dead_letters(spec: HandlerSpec, d: _Parts) -> None:
         "payload": {
             "description": "The task's body byte for byte: the task's payload, or (reason "
             "undecodable or invalid_payload) a body that fails it.",
-            "anyOf": [payload, {}],
+            "anyOf": [d.types[(spec.queue, "payload")], {}],
         },
     }
     d.channels[k] = {
@@ -307,11 +353,11 @@ def _add_dead_letters(spec: HandlerSpec, d: _Parts) -> None:
         "title": dlq,
         "description": f"Where tasks of {spec.queue} end when they cannot succeed; nothing "
         "expires here. Inspect and requeue with 'weclaw-mq dlq'.",
-        "servers": [_ref("servers", "rabbitmq")],
+        "servers": d.brokers,
         "messages": {"deadLetter": _ref("components", "messages", message)},
         "bindings": _amqp_queue(dlq, d.vhost),
     }
-    d.operations[message] = {
+    d.operations[d.claim(d.operations, f"{key(spec.queue)}.deadLetter")] = {
         "action": "send",
         "title": f"Dead-letter a task of {spec.queue}",
         "channel": _ref("channels", k),
@@ -320,24 +366,38 @@ def _add_dead_letters(spec: HandlerSpec, d: _Parts) -> None:
 
 
 def _add_notifications(spec: HandlerSpec, target: str, d: _Parts) -> None:
-    k, result = key(target), d.types[(spec.queue, "result")]
-    message = f"{key(spec.queue)}.notification"
+    """The ``notify=`` queue: its own channel, or the task channel of the handler on it."""
+    operation = d.claim(d.operations, f"{key(spec.queue)}.notify")
+    description = (
+        "notify=: each task's final state, published with a confirm before the task is acked "
+        "or dead-lettered. The message id is the notification id."
+    )
+    if target in d.task_channels:  # a handler of this app consumes them: its task message
+        k = d.task_channels[target]
+        d.operations[operation] = {
+            "action": "send",
+            "description": description,
+            "channel": _ref("channels", k),
+            "messages": [_ref("channels", k, "messages", "task")],
+        }
+        return
+    k = d.claim(d.channels, key(target))
+    message = d.claim(d.messages, f"{key(spec.queue)}.notification")
     d.messages[message] = {
         "name": "notification",
         "title": f"The final state of a task of {spec.queue}",
         "contentType": CONTENT_TYPE,
-        "payload": _with_result("TaskNotification", result),
+        "payload": _with_result(d.types[("", "TaskNotification")], d.types[(spec.queue, "result")]),
     }
     d.channels[k] = {
         "address": target,
         "title": target,
-        "description": "notify=: each task's final state, published with a confirm before "
-        "the task is acked or dead-lettered. The message id is the notification id.",
-        "servers": [_ref("servers", "rabbitmq")],
+        "description": description,
+        "servers": d.brokers,
         "messages": {"notification": _ref("components", "messages", message)},
         "bindings": _amqp_queue(target, d.vhost),
     }
-    d.operations[f"{key(spec.queue)}.notify"] = {
+    d.operations[operation] = {
         "action": "send",
         "channel": _ref("channels", k),
         "messages": [_ref("channels", k, "messages", "notification")],
@@ -345,26 +405,26 @@ def _add_notifications(spec: HandlerSpec, target: str, d: _Parts) -> None:
 
 
 def _add_stream(spec: HandlerSpec, d: _Parts) -> None:
-    k = key(spec.queue)
-    d.messages[f"{k}.stream"] = {
+    k = d.claim(d.channels, f"{key(spec.queue)}.stream")
+    message = d.claim(d.messages, f"{key(spec.queue)}.stream")
+    d.messages[message] = {
         "name": "streamEvent",
         "title": f"An event of a task of {spec.queue}",
         "summary": "kind attempt (a run starts: drop the partial text of an earlier one), "
         "chunk (data: what the handler emitted, str or any JSON) or final.",
         "contentType": CONTENT_TYPE,
-        "payload": _ref("components", "schemas", "StreamEvent"),
+        "payload": d.types[("", "StreamEvent")],
     }
-    d.channels[f"{k}.stream"] = {
+    d.channels[k] = {
         "address": None,
         "title": f"{spec.queue} streams",
         "description": "Not a queue: the task's Redis Stream, whose events App.stream(task_id) "
-        "yields. "
-        "Written only when the handler calls ctx.emit (it takes a context, so it may).",
+        "yields. Written only when the handler calls ctx.emit (it takes a context, so it may).",
         "servers": [_ref("servers", "redis")],
-        "messages": {"streamEvent": _ref("components", "messages", f"{k}.stream")},
+        "messages": {"streamEvent": _ref("components", "messages", message)},
     }
-    d.operations[f"{k}.emit"] = {
+    d.operations[d.claim(d.operations, f"{key(spec.queue)}.emit")] = {
         "action": "send",
-        "channel": _ref("channels", f"{k}.stream"),
-        "messages": [_ref("channels", f"{k}.stream", "messages", "streamEvent")],
+        "channel": _ref("channels", k),
+        "messages": [_ref("channels", k, "messages", "streamEvent")],
     }
