@@ -352,12 +352,14 @@ def test_a_model_named_like_ours_and_a_type_without_schema_are_both_described() 
 # -- the command ---------------------------------------------------------------------------
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
     """``weclaw-mq`` of this tree (not an installed copy) in a child process."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WECLAW_MQ_")}
     return subprocess.run(
         [sys.executable, "-m", "weclaw_mq.cli", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
         capture_output=True,
         text=True,
@@ -427,8 +429,9 @@ def excerpt(document: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def test_the_docs_excerpt_is_what_the_command_prints_for_the_tutorial_app() -> None:
-    run = run_cli("asyncapi", TUTORIAL_APP)  # default settings: no WECLAW_MQ_* variables
+def test_the_docs_excerpt_is_what_the_command_prints_for_the_tutorial_app(tmp_path: Path) -> None:
+    # Default settings: no WECLAW_MQ_* variables, and no .env file where it runs.
+    run = run_cli("asyncapi", TUTORIAL_APP, cwd=tmp_path)
     assert run.returncode == ExitCode.OK, run.stderr
     text = json.dumps(excerpt(json.loads(run.stdout)), indent=2, ensure_ascii=False) + "\n"
     if not EXCERPT.exists() or EXCERPT.read_text(encoding="utf-8") != text:

@@ -129,7 +129,11 @@ def _annotations(spec: HandlerSpec) -> tuple[Any, Any]:
     """The handler's task and return annotations (``Any`` where there is none). Resolved
     once already (``build_spec``), so no forward reference can fail here."""
     hints = typing.get_type_hints(spec.func)
-    task = next(iter(inspect.signature(spec.func).parameters))
+    task = next(
+        p.name
+        for p in inspect.signature(spec.func).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
     return hints.get(task, Any), hints.get("return", Any)
 
 
