@@ -265,7 +265,8 @@ def test_the_document_names_the_servers_without_their_passwords(doc: dict[str, A
     assert AMQP_SECRET not in text and REDIS_SECRET not in text
     rabbit, redis = doc["servers"]["rabbitmq"], doc["servers"]["redis"]
     assert rabbit["host"] == "rabbit.example:5673"
-    assert rabbit["pathname"] == "prod"
+    assert rabbit["pathname"] == "/prod"
+    assert "vhost 'prod'" in rabbit["description"]
     assert "amqp://alice:***@rabbit.example:5673/prod" in rabbit["description"]
     assert redis["host"] == "cache.example:6380"
     assert "redis://:***@cache.example:6380/2" in redis["description"]

@@ -110,9 +110,9 @@ def servers(settings: Settings) -> dict[str, Any]:
             "host": parts.netloc.rpartition("@")[2],
             "protocol": parts.scheme,
             "protocolVersion": "0.9.1",
-            "pathname": vhost_of(url),
-            "description": f"RabbitMQ (WECLAW_MQ_AMQP_URL: {redact_url(url)}); the pathname "
-            "is the vhost.",
+            "pathname": parts.path or "/",
+            "description": f"RabbitMQ, vhost {vhost_of(url)!r} (WECLAW_MQ_AMQP_URL: "
+            f"{redact_url(url)}).",
         }
     redis = settings.redis_url_plain()
     parts = urlsplit(redis)
