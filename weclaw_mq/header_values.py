@@ -27,7 +27,7 @@ log = logging.getLogger("weclaw_mq.worker")
 
 TRACE_ID_MAX_CHARS = 128
 # W3C trace context, version 00 and later versions' leading fields.
-_TRACEPARENT = re.compile(
+TRACEPARENT_RE = re.compile(
     r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[0-9a-zA-Z.=-]{0,64})?"
 )
 # Counters: a task cannot have been tried more often than this (RabbitMQ's own limits and ours
@@ -98,7 +98,7 @@ def _session_id(value: object) -> bool:
 
 
 def _traceparent(value: object) -> bool:
-    return isinstance(value, str) and _TRACEPARENT.fullmatch(value) is not None
+    return isinstance(value, str) and TRACEPARENT_RE.fullmatch(value) is not None
 
 
 # Our headers whose values the worker reads, and what a valid one is. One that fails is

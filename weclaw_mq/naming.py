@@ -230,13 +230,13 @@ def stream_key(task_id: str) -> str:
 #     weclaw_mq:inbox-trace:{S}    what the inbox lost: entries dropped when it was full
 #
 # Hash-tagged on the session id S like a task's keys on T: one script touches both.
-_SESSION_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,200}")
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,200}")
 
 
 def validate_session_id(session_id: object) -> str:
     """A session id names Redis keys and travels in an AMQP header: 1 to 200 of letters,
     digits and ``_.:@-`` (no braces, which would break the key's hash tag)."""
-    if not isinstance(session_id, str) or not _SESSION_ID_RE.fullmatch(session_id):
+    if not isinstance(session_id, str) or not SESSION_ID_RE.fullmatch(session_id):
         raise ConfigurationError(
             f"session id {session_id!r} must be 1 to 200 of letters, digits and '_.:@-'"
         )

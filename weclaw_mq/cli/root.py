@@ -319,3 +319,7 @@ cli.command("cancel")(cancel)
 from .permissions import permissions  # noqa: E402
 
 cli.command("permissions")(permissions)
+
+from .asyncapi import asyncapi  # noqa: E402
+
+cli.command("asyncapi")(asyncapi)
