@@ -1,0 +1,179 @@
+"""The tutorial (docs/tutorial/) runs as its pages say, on the real RabbitMQ and Redis.
+
+Every file its pages include from docs/examples/ is run here as it is: the handlers by a
+Worker in this event loop (step 3: by the installed ``weclaw-mq worker``), the FastAPI apps by
+uvicorn on a free port, read over HTTP with httpx, and step 5's test file by pytest in a
+process of its own, as a user runs it. The commands step 3's page shows are run as the
+installed script, and what the page says they print is asserted; a command the test runs
+that the page does not show fails the test.
+
+The example files read ``TUTORIAL_QUEUE`` (their default queue name otherwise), so each test
+runs them on a queue of its own, deleted with its Redis keys at teardown.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import delete_queues, forget_task_keys
+from tests.integration.live_server import serving
+from weclaw_mq import App
+from weclaw_mq.topology import queue_declarations
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "docs" / "examples"
+TUTORIAL = EXAMPLES / "tutorial"
+PAGES = ROOT / "docs" / "tutorial"
+# The tutorial's modules, imported by name as the pages' files import each other.
+MODULES = (
+    "first_handler",
+    "publish_first",
+    "replies_api",
+    "flaky_handler",
+    "stream_handler",
+    "stream_api",
+)
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+@dataclass
+class Tutorial:
+    """The tutorial's files on this test's queue (``TUTORIAL_QUEUE``) and services."""
+
+    queue: str
+    env: dict[str, str]  # for child processes: the settings, the queue, the files' folders
+    loaded: list[ModuleType] = field(default_factory=list)
+
+    def load(self, name: str) -> ModuleType:
+        """Import a tutorial module by name, fresh (with this test's queue)."""
+        module = importlib.import_module(name)
+        self.loaded.append(module)
+        return module
+
+    def load_copy(self, name: str) -> ModuleType:
+        """A second, independent copy of a module: the worker's process has its own App."""
+        path = next(p for p in (EXAMPLES / f"{name}.py", TUTORIAL / f"{name}.py") if p.exists())
+        spec = importlib.util.spec_from_file_location(f"worker_{name}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        self.loaded.append(module)
+        return module
+
+    def apps(self) -> list[App]:
+        return [m.app for m in self.loaded if isinstance(getattr(m, "app", None), App)]
+
+
+def forget_modules() -> None:
+    for name in MODULES:
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+async def tutorial(
+    monkeypatch: pytest.MonkeyPatch, qname: str, broker_url: str, redis_url: str
+) -> AsyncIterator[Tutorial]:
+    env = {
+        "TUTORIAL_QUEUE": qname,
+        "WECLAW_MQ_AMQP_URL": broker_url,
+        "WECLAW_MQ_REDIS_URL": redis_url,
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MODEL_API_KEY", raising=False)
+    folders = [str(EXAMPLES), str(TUTORIAL)]
+    for folder in reversed(folders):
+        monkeypatch.syspath_prepend(folder)
+    path = os.pathsep.join([*folders, *filter(None, [os.environ.get("PYTHONPATH")])])
+    forget_modules()
+    tut = Tutorial(qname, {**env, "PYTHONPATH": path})
+    try:
+        yield tut
+    finally:
+        forget_modules()
+        names: set[str] = set()
+        for app in tut.apps():
+            await app.close()
+            for spec in app.handlers.values():
+                names.update(n for n, _ in queue_declarations(spec.queue_spec()))
+        await delete_queues(broker_url, sorted(names))
+        await forget_task_keys(redis_url, [qname])
+
+
+def page(name: str) -> str:
+    return (PAGES / name).read_text(encoding="utf-8")
+
+
+# -- step 1: a handler, a worker, a publish, a result --------------------------------------
+
+
+async def test_step_1_publish_first_prints_the_task_id_and_the_reply(
+    tutorial: Tutorial, start_worker: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    worker_side = tutorial.load_copy("first_handler")
+    publish_first = tutorial.load("publish_first")
+    await worker_side.app.declare()
+    await start_worker(worker_side.app)
+
+    await publish_first.main()
+
+    printed = capsys.readouterr().out
+    assert re.fullmatch(rf"{UUID} succeeded \{{'reply': 'echo: Write a haiku'\}}\n", printed)
+    assert "succeeded {'reply': 'echo: Write a haiku'}" in page("index.md")
+
+
+# -- step 2: publish from FastAPI, read the status ------------------------------------------
+
+
+async def test_step_2_post_answers_202_at_once_and_get_reads_the_status_then_the_reply(
+    tutorial: Tutorial, start_worker: Callable[..., Any]
+) -> None:
+    replies_api = tutorial.load("replies_api")
+    worker_side = tutorial.load_copy("first_handler")
+
+    async with serving(replies_api.api) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        # No worker runs yet: the answer does not wait for one.
+        posted = await client.post("/replies", json={"text": "Write a haiku"})
+        task_id = posted.json()["task_id"]
+        queued = await client.get(f"/replies/{task_id}")
+        not_a_prompt = await client.post("/replies", json={"prompt": "Write a haiku"})
+        unknown = await client.get("/replies/no-such-task")
+
+        await start_worker(worker_side.app)
+        await replies_api.mq.result(task_id, queue=tutorial.queue, timeout_s=30)
+        done = await client.get(f"/replies/{task_id}")
+
+    assert posted.status_code == 202, posted.text
+    assert posted.json() == {"task_id": task_id} and re.fullmatch(UUID, task_id)
+    assert queued.json() == {
+        "task_id": task_id,
+        "status": "queued",
+        "attempt": 0,
+        "result": None,
+        "error": None,
+    }
+    assert done.json() == {
+        "task_id": task_id,
+        "status": "succeeded",
+        "attempt": 1,
+        "result": {"reply": "echo: Write a haiku"},
+        "error": None,
+    }
+    assert not_a_prompt.status_code == 422
+    assert unknown.status_code == 404
+    assert unknown.json() == {"detail": "no task no-such-task"}
+    text = page("02-fastapi.md")
+    for answer in (queued, done, unknown):
+        assert answer.text.replace(task_id, "TASK_ID") in text, answer.text
