@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -27,8 +29,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import delete_queues, forget_task_keys
+from tests.conftest import delete_queues, forget_task_keys, settings_for
 from tests.integration.live_server import serving
+from tests.integration.processes import CliResult, WorkerProcess, run_cli, spawn_cli_worker
 from weclaw_mq import App
 from weclaw_mq.topology import queue_declarations
 
@@ -177,3 +180,143 @@ async def test_step_2_post_answers_202_at_once_and_get_reads_the_status_then_the
     text = page("02-fastapi.md")
     for answer in (queued, done, unknown):
         assert answer.text.replace(task_id, "TASK_ID") in text, answer.text
+
+
+# -- step 3: retries, the DLQ, requeue after the fix ----------------------------------------
+
+
+@dataclass
+class Shell:
+    """Runs the page's commands as the installed script, keeping each as the page writes it:
+    the queue under its default name, the task id as $TASK_ID."""
+
+    tutorial: Tutorial
+    ran: list[str] = field(default_factory=list)
+    task_id: str = "$TASK_ID"
+
+    async def run(self, *args: str, expect_code: int = 0) -> CliResult:
+        result = await run_cli(*args, env=self.tutorial.env)
+        self.ran.append(self.as_on_page(args))
+        assert result.code == expect_code, f"{args}: {result.stdout}{result.stderr}"
+        return result
+
+    def as_on_page(self, args: tuple[str, ...]) -> str:
+        words = ["weclaw-mq"]
+        for arg in args:
+            arg = arg.replace(self.tutorial.queue, "ai-flaky").replace(self.task_id, "$TASK_ID")
+            words.append(f"'{arg}'" if " " in arg else arg)
+        return " ".join(words)
+
+    def worker(self, log: Path, **env: str) -> WorkerProcess:
+        self.ran.append("weclaw-mq worker flaky_handler:app")
+        settings = settings_for(
+            self.tutorial.env["WECLAW_MQ_AMQP_URL"], self.tutorial.env["WECLAW_MQ_REDIS_URL"]
+        )
+        return spawn_cli_worker(
+            "flaky_handler:app",
+            settings=settings,
+            app_env={**self.tutorial.env, **env},
+            log_path=log,
+        )
+
+
+def json_fields(state: dict[str, Any], queue: str) -> list[str]:
+    """The lines ``weclaw-mq status`` prints for ``state``'s fields that do not change from
+    run to run (not the id, the times, or the nested result), as a page shows them."""
+    fixed = {
+        k: "ai-flaky" if k == "queue" else v
+        for k, v in state.items()
+        if k not in ("task_id", "result", "expires_at", "updated_at")
+    }
+    assert state["queue"] == queue
+    return [line.removesuffix(",") for line in json.dumps(fixed, indent=2).splitlines()[1:-1]]
+
+
+def table(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.strip()]
+
+
+async def test_step_3_a_failing_task_is_retried_dead_lettered_and_requeued_after_the_fix(
+    tutorial: Tutorial, tmp_path: Path
+) -> None:
+    tutorial.load("flaky_handler")  # its queues are deleted at teardown
+    queue = tutorial.queue
+    sh = Shell(tutorial)
+    workers: list[WorkerProcess] = []
+    try:
+        declared = await sh.run("declare", "flaky_handler:app")
+        delay_queues = {"weclaw_mq.delay.1s", "weclaw_mq.delay.2s"}
+        assert {queue, f"{queue}.dlq", *delay_queues} <= set(declared.stdout.split())
+        workers.append(sh.worker(tmp_path / "worker-1.log"))  # MODEL_API_KEY is not set
+        await workers[0].wait_consuming()
+
+        published = await sh.run("publish", queue, "--data", '{"text": "Write a haiku"}')
+        sh.task_id = task_id = published.stdout.strip()
+        failed = json.loads((await sh.run("status", task_id, "--wait", "30")).stdout)
+        listed = await sh.run("dlq", "list", queue)
+        shown = await sh.run("dlq", "show", queue, task_id)
+
+        workers[0].signal(signal.SIGINT)  # Ctrl-C; the fix: a worker started with the key
+        assert await workers[0].wait_exit() == 0, workers[0].describe()
+        workers.append(sh.worker(tmp_path / "worker-2.log", MODEL_API_KEY="sk-tutorial"))
+        await workers[1].wait_consuming()
+        dry_run = await sh.run("dlq", "requeue", queue, "--dry-run")
+        requeued = await sh.run("dlq", "requeue", queue)
+        fixed = json.loads((await sh.run("status", task_id, "--wait", "30")).stdout)
+        left = await sh.run("dlq", "list", queue)
+    finally:
+        for worker in workers:
+            worker.kill()
+
+    text = page("03-retries.md")
+    error = "ModelUnavailable: 401 from the model: MODEL_API_KEY is not set"
+    assert {k: failed[k] for k in ("status", "attempt", "reason", "error", "result")} == {
+        "status": "dead_lettered",
+        "attempt": 3,
+        "reason": "retries_exhausted",
+        "error": error,
+        "result": None,
+    }
+    # The worker's log: the schedule of the retry policy, then the DLQ.
+    log = workers[0].log()
+    for line in (
+        f"retried: attempt 1 failed ({error}); retrying in 1 s",
+        f"retried: attempt 2 failed ({error}); retrying in 2 s",
+        f"dead_lettered: dead-lettered after attempt 3: retries_exhausted ({error})",
+    ):
+        assert line in log, log
+        assert line in text, line
+    rows = table(listed.stdout)
+    assert rows[0] == ["TASK_ID", "REASON", "ERROR_TYPE", "ATTEMPTS", "LAST_FAILURE"]
+    assert [row[:4] for row in rows[1:]] == [
+        [task_id, "retries_exhausted", "ModelUnavailable", "3"]
+    ]
+    assert table(dry_run.stdout)[:2] == rows[:2]
+    # Every field of the dead letter: its body, the error and its traceback.
+    assert f"task_id: {task_id}" in shown.stdout
+    assert 'body: {"text": "Write a haiku"}' in shown.stdout
+    assert f"error_message: {error.split(': ', 1)[1]}" in shown.stdout
+    traceback = shown.stdout.split("traceback:\n", 1)[1]
+    assert traceback.startswith("Traceback") and error in traceback
+    for said in (
+        dry_run.stdout.splitlines()[-1],
+        requeued.stdout.strip(),
+    ):
+        assert said.replace(queue, "ai-flaky") in text, said
+    assert requeued.stdout.strip() == (
+        f"moved 1 message(s) from {queue}.dlq to {queue}; skipped 0, failed 0, left 0"
+    )
+    assert {k: fixed[k] for k in ("status", "attempt", "reason", "error", "result")} == {
+        "status": "succeeded",
+        "attempt": 1,
+        "reason": None,
+        "error": None,
+        "result": {"reply": "echo: Write a haiku"},
+    }
+    assert table(left.stdout) == [rows[0]]
+    # The page's two JSON documents: these fields as status printed them.
+    for state in (failed, fixed):
+        missing_fields = [f for f in json_fields(state, queue) if f not in text]
+        assert not missing_fields, missing_fields
+    missing = [command for command in sh.ran if command not in text]
+    assert not missing, f"03-retries.md does not show {missing}"
