@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from tests.conftest import delete_queues, forget_task_keys, settings_for
-from tests.integration.live_server import serving
+from tests.integration.live_server import read_events, serving
 from tests.integration.processes import CliResult, WorkerProcess, run_cli, spawn_cli_worker
 from weclaw_mq import App
 from weclaw_mq.topology import queue_declarations
@@ -320,3 +320,38 @@ async def test_step_3_a_failing_task_is_retried_dead_lettered_and_requeued_after
         assert not missing_fields, missing_fields
     missing = [command for command in sh.ran if command not in text]
     assert not missing, f"03-retries.md does not show {missing}"
+
+
+# -- step 4: a reply streamed to a web page -------------------------------------------------
+
+
+async def test_step_4_the_reply_streams_as_server_sent_events_and_ends_with_its_final_event(
+    tutorial: Tutorial, start_worker: Callable[..., Any]
+) -> None:
+    stream_api = tutorial.load("stream_api")
+    worker_side = tutorial.load_copy("stream_handler")
+
+    async with serving(stream_api.api) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        html = await client.get("/")
+        await start_worker(worker_side.app)
+        posted = await client.post("/replies", json={"text": "Write a haiku"})
+        task_id = posted.json()["task_id"]
+        url = f"/replies/{task_id}/events"
+        events = await read_events(client, url)  # until the response ends
+        # A reconnecting EventSource sends the last id it saw: the events after it, no more.
+        resumed = await read_events(client, url, headers={"Last-Event-ID": events[2].id})
+        again = await read_events(client, url)
+
+    assert posted.status_code == 202, posted.text
+    assert [e.event for e in events] == ["attempt", *["chunk"] * 4, "final"]
+    assert events[0].data == {"attempt": 1}
+    assert [e.data for e in events if e.event == "chunk"] == ["echo: ", "Write ", "a ", "haiku "]
+    assert events[-1].data == {"status": "succeeded", "result": {"reply": "echo: Write a haiku"}}
+    assert resumed == events[3:]
+    assert again == events
+    assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+    assert html.text == (TUTORIAL / "stream_page.html").read_text(encoding="utf-8")
+    text = page("04-streaming.md")
+    for frame in events:
+        shown = f"event: {frame.event}\ndata: {json.dumps(frame.data)}"
+        assert shown in text, shown
