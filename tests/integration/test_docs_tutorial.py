@@ -18,7 +18,9 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ import httpx
 import pytest
 
 from tests.conftest import delete_queues, forget_task_keys, settings_for
+from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_server import read_events, serving
 from tests.integration.processes import CliResult, WorkerProcess, run_cli, spawn_cli_worker
 from weclaw_mq import App
@@ -355,3 +358,52 @@ async def test_step_4_the_reply_streams_as_server_sent_events_and_ends_with_its_
     for frame in events:
         shown = f"event: {frame.event}\ndata: {json.dumps(frame.data)}"
         assert shown in text, shown
+
+
+# -- step 5: the handler's tests, with the test kit ------------------------------------------
+
+# This venv's plugins that a user's run does not have and that are slow to load.
+QUIET_PLUGINS = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:xdist")
+
+
+def test_step_5_the_pages_test_file_passes_under_pytest_as_a_user_runs_it(tmp_path: Path) -> None:
+    # The user's folder: step 1's handler and the page's test file, nothing of this repository
+    # (no conftest, no pytest settings).
+    for source in (EXAMPLES / "first_handler.py", TUTORIAL / "test_first_handler.py"):
+        shutil.copy(source, tmp_path / source.name)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("WECLAW_MQ_") and k != "TUTORIAL_QUEUE"
+    }
+    # Nothing answers at either URL: the tests need no RabbitMQ and no Redis.
+    env["WECLAW_MQ_AMQP_URL"] = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
+    env["WECLAW_MQ_REDIS_URL"] = f"redis://127.0.0.1:{closed_port()}/0"
+
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", *QUIET_PLUGINS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = re.search(r"^3 passed in ([0-9.]+)s", run.stdout, re.M)
+    assert summary is not None, run.stdout
+    # The retries' 35 s of delays are not waited (the page says "well under a second").
+    assert float(summary[1]) < 5, run.stdout
+    assert "3 passed in " in page("05-testing.md")
+
+
+def test_every_file_of_the_tutorials_examples_is_on_a_page() -> None:
+    included = set(
+        re.findall(
+            r'--8<-- "docs/examples/([^"]+)"',
+            "".join(p.read_text(encoding="utf-8") for p in PAGES.glob("*.md")),
+        )
+    )
+    files = {str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*") if p.is_file()}
+    files = {f for f in files if "__pycache__" not in f}
+    assert files == included
