@@ -1,11 +1,11 @@
 """The tutorial (docs/tutorial/) runs as its pages say, on the real RabbitMQ and Redis.
 
 Every file its pages include from docs/examples/ is run here as it is: the handlers by a
-Worker in this event loop (step 3: by the installed ``weclaw-mq worker``), the FastAPI apps by
-uvicorn on a free port, read over HTTP with httpx, and step 5's test file by pytest in a
-process of its own, as a user runs it. The commands step 3's page shows are run as the
-installed script, and what the page says they print is asserted; a command the test runs
-that the page does not show fails the test.
+Worker in this event loop (step 3: by the installed ``weclaw-mq worker``), the FastAPI apps
+by uvicorn on a free port, read over HTTP with httpx (step 4's page also in headless
+Chromium), and step 5's test file by pytest in a process of its own, as a user runs it. The
+commands step 3's page shows are run as the installed script, and what the page says they
+print is asserted; a command the test runs that the page does not show fails the test.
 
 The example files read ``TUTORIAL_QUEUE`` (their default queue name otherwise), so each test
 runs them on a queue of its own, deleted with its Redis keys at teardown.
@@ -13,6 +13,7 @@ runs them on a queue of its own, deleted with its Redis keys at teardown.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import json
@@ -30,8 +31,11 @@ from typing import Any
 
 import httpx
 import pytest
+from selenium import webdriver
+from selenium.webdriver.common.by import By
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for
+from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
+from tests.integration.browser import chromium  # noqa: F401
 from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_server import read_events, serving
 from tests.integration.processes import CliResult, WorkerProcess, run_cli, spawn_cli_worker
@@ -358,6 +362,38 @@ async def test_step_4_the_reply_streams_as_server_sent_events_and_ends_with_its_
     for frame in events:
         shown = f"event: {frame.event}\ndata: {json.dumps(frame.data)}"
         assert shown in text, shown
+
+
+PAGE_JS = """return [document.getElementById("reply").textContent,
+document.getElementById("status").textContent];"""
+
+
+async def test_step_4_the_page_shows_the_reply_growing_then_its_status_in_a_browser(
+    tutorial: Tutorial,
+    start_worker: Callable[..., Any],
+    chromium: webdriver.Chrome,  # noqa: F811
+) -> None:
+    stream_api = tutorial.load("stream_api")
+    worker_side = tutorial.load_copy("stream_handler")
+    await start_worker(worker_side.app)
+    reply = "echo: Write a haiku about queues "  # the words, each with the space after it
+    shown: list[tuple[str, str]] = []
+
+    async def succeeded() -> bool:
+        text, status = await asyncio.to_thread(chromium.execute_script, PAGE_JS)
+        shown.append((text, status))
+        assert reply.startswith(text), shown  # never a word twice, none missing
+        return bool(status == "succeeded")
+
+    async with serving(stream_api.api) as base_url:
+        await asyncio.to_thread(chromium.get, f"{base_url}/")
+        await asyncio.to_thread(chromium.find_element(By.CSS_SELECTOR, "#ask button").click)
+        await wait_until(succeeded, timeout_s=20, what="the page to show the final status")
+
+    assert shown[-1] == (reply, "succeeded")
+    # Word by word: the page showed part of the reply while the worker was writing it.
+    partial = [text for text, _ in shown if 0 < len(text) < len(reply)]
+    assert partial, shown
 
 
 # -- step 5: the handler's tests, with the test kit ------------------------------------------
