@@ -37,7 +37,7 @@ from selenium.webdriver.common.by import By
 from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
 from tests.integration.browser import chromium  # noqa: F401
 from tests.integration.dead_endpoints import closed_port
-from tests.integration.live_server import read_events, serving
+from tests.integration.live_server import frames, read_events, serving
 from tests.integration.processes import CliResult, WorkerProcess, run_cli, spawn_cli_worker
 from weclaw_mq import App
 from weclaw_mq.topology import queue_declarations
@@ -302,6 +302,7 @@ async def test_step_3_a_failing_task_is_retried_dead_lettered_and_requeued_after
     # Every field of the dead letter: its body, the error and its traceback.
     assert f"task_id: {task_id}" in shown.stdout
     assert 'body: {"text": "Write a haiku"}' in shown.stdout
+    assert "error_type: ModelUnavailable" in shown.stdout
     assert f"error_message: {error.split(': ', 1)[1]}" in shown.stdout
     traceback = shown.stdout.split("traceback:\n", 1)[1]
     assert traceback.startswith("Traceback") and error in traceback
@@ -348,6 +349,16 @@ async def test_step_4_the_reply_streams_as_server_sent_events_and_ends_with_its_
         # A reconnecting EventSource sends the last id it saw: the events after it, no more.
         resumed = await read_events(client, url, headers={"Last-Event-ID": events[2].id})
         again = await read_events(client, url)
+        # Asked for before its task exists: the response waits for it.
+        early_id = f"early-{task_id}"
+        async with (
+            asyncio.timeout(20),
+            client.stream("GET", f"/replies/{early_id}/events") as response,
+        ):
+            assert response.status_code == 200  # the endpoint answered: the task is unknown
+            assert await stream_api.mq.status(early_id) is None
+            await stream_api.mq.publish(tutorial.queue, {"text": "Write a haiku"}, task_id=early_id)
+            early = [frame async for frame in frames(response)]
 
     assert posted.status_code == 202, posted.text
     assert [e.event for e in events] == ["attempt", *["chunk"] * 4, "final"]
@@ -356,6 +367,7 @@ async def test_step_4_the_reply_streams_as_server_sent_events_and_ends_with_its_
     assert events[-1].data == {"status": "succeeded", "result": {"reply": "echo: Write a haiku"}}
     assert resumed == events[3:]
     assert again == events
+    assert [(e.event, e.data) for e in early] == [(e.event, e.data) for e in events]
     assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
     assert html.text == (TUTORIAL / "stream_page.html").read_text(encoding="utf-8")
     text = page("04-streaming.md")
@@ -428,7 +440,7 @@ def test_step_5_the_pages_test_file_passes_under_pytest_as_a_user_runs_it(tmp_pa
     assert run.returncode == 0, run.stdout + run.stderr
     summary = re.search(r"^3 passed in ([0-9.]+)s", run.stdout, re.M)
     assert summary is not None, run.stdout
-    # The retries' 35 s of delays are not waited (the page says "well under a second").
+    # The retries' 35 s of delays are not waited (the page: "in far less than those 35 s").
     assert float(summary[1]) < 5, run.stdout
     assert "3 passed in " in page("05-testing.md")
 
