@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from first_handler import Prompt, app
+from first_handler import QUEUE, Prompt, app
 
 
 async def main() -> None:
     await app.declare()  # idempotent: the queues must exist before the first publish
     async with app:
-        task_id = await app.publish("ai-replies", Prompt(text="Write a haiku"))  # confirmed
+        task_id = await app.publish(QUEUE, Prompt(text="Write a haiku"))  # confirmed
         final = await app.result(task_id, timeout_s=120)
         print(task_id, final.status, final.result)
 
