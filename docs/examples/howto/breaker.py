@@ -1,7 +1,7 @@
 """docs/how-to/breaker.md shows the section of this file.
 
 ``call_model`` is the page's context: a stand-in for the model API that answers 503 while
-``UPSTREAM["down"]`` is true. tests/integration/test_docs_howto_examples.py takes the
+``UPSTREAM.down`` is true. tests/integration/test_docs_howto_examples.py takes the
 upstream down and runs a worker on the real broker: after 5 failures the worker stops taking
 the queue's tasks.
 """
@@ -23,7 +23,15 @@ async def reply(task: dict[str, str]) -> str:
     # --8<-- [end:example]
 
 
-UPSTREAM = {"down": False}
+@dataclass
+class Upstream:
+    """The stand-in model API: down or up, and how many 503s it answered."""
+
+    down: bool = False
+    failures: int = 0
+
+
+UPSTREAM = Upstream()
 
 
 @dataclass
@@ -33,6 +41,7 @@ class ModelResponse:
 
 
 async def call_model(prompt: str) -> ModelResponse:
-    if UPSTREAM["down"]:
+    if UPSTREAM.down:
+        UPSTREAM.failures += 1
         return ModelResponse(503, "Service Unavailable")
     return ModelResponse(200, f"echo: {prompt}")
