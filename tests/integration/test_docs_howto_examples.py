@@ -41,7 +41,7 @@ from tests.conftest import delete_queues, forget_task_keys, next_message, wait_u
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, CancelOutcome, TaskStatus, Worker
 from weclaw_mq import headers as h
-from weclaw_mq.naming import dlq_name, inbox_key, inbox_trace_key
+from weclaw_mq.naming import LIMIT_KEY_PREFIX, dlq_name, inbox_key, inbox_trace_key
 from weclaw_mq.topology import queue_declarations
 
 HOWTO = Path(__file__).resolve().parents[2] / "docs" / "examples" / "howto"
@@ -108,12 +108,16 @@ class Examples:
             sys.modules.pop(module.__name__, None)
         await delete_queues(self.broker_url, sorted(set(declared)))
         await forget_task_keys(self.redis_url, queues)
-        if self.redis_keys:
-            client = aioredis.Redis.from_url(self.redis_url)
-            try:
-                await client.delete(*self.redis_keys)
-            finally:
-                await client.aclose()
+        client = aioredis.Redis.from_url(self.redis_url)
+        try:
+            keys = list(self.redis_keys)
+            for queue in queues:  # per-key limits' slots and starts (they expire, but later)
+                pattern = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:*"
+                keys += [k.decode() async for k in client.scan_iter(pattern)]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
 
 
 @pytest.fixture
