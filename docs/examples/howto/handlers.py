@@ -41,9 +41,9 @@ async def main() -> None:
     async with app:
         task_id = await app.publish("ai-replies", Prompt(text="Write a haiku"))  # confirmed
         state = await app.status(task_id)  # TaskState or None: queued, running, retrying, ...
-        # A final status: succeeded, dead_lettered, expired or cancelled.
-        final = await app.result(task_id, timeout_s=120)
+        print(task_id, state.status if state else "no record yet")
+        final = await app.result(task_id, timeout_s=120)  # succeeded, dead_lettered, ...
+        print(task_id, final.status, final.result)
         # A task id that several queues share (pipeline stages) has one record per queue:
         # app.result(task_id, queue="ai-review", timeout_s=120) waits for that queue's.
-        print(task_id, state and state.status, final.status, final.result)
         # --8<-- [end:publish]
