@@ -10,7 +10,8 @@ A ```python block of docs/**/*.md is either
   tests/integration/test_testing_kit_examples.py writes into a folder and runs pytest on.
 
 A ```python block of README.md starts with ``# NAME.py`` and is docs/examples/NAME.py without
-its module docstring (GitHub shows no includes, so the README holds a copy, checked here).
+its module docstring (GitHub shows no includes, so the README holds a copy, checked here),
+or is an include as above.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def readme_block_problem(block: Block, root: Path = ROOT) -> str | None:
     """Why a README block is not a copy of docs/examples/NAME.py named on its first line."""
     named = _NAMED.match(block.lines[0].strip()) if block.lines else None
     if named is None:
+        if include_problem(block, root) is None:
+            return None  # an include works on the site, though GitHub shows the bare line
         return f"{block.where()}: the first line is not '# NAME.py' naming docs/examples/NAME.py"
     example = root / "docs" / "examples" / named["name"]
     if not example.is_file():
@@ -224,6 +227,7 @@ def test_a_docs_block_passes_only_as_an_include_of_an_existing_file_and_section(
         ("```python\n# x.py\nx = 1\n```", "differs from docs/examples/x.py"),
         ("```python\n# y.py\nx = 1\n```", "does not exist"),
         ("```python\nx = 1\n```", "is not '# NAME.py'"),
+        ('```python\n--8<-- "docs/examples/x.py:one"\n```', None),
     ],
 )
 def test_a_readme_block_passes_only_as_a_copy_of_the_named_example_without_its_docstring(
