@@ -1,4 +1,5 @@
-"""The README's "Testing your handlers" runs as a user would run it: its files are written
+"""The page "Testing your handlers" (docs/how-to/testing.md) runs as a user would run it: its
+two code blocks that name their file (``# summaries.py``, ``# test_summaries.py``) are written
 into an empty folder and pytest is started there, in its own process, finding the plugin
 through the installed entry point (nothing of this repository's conftest applies). The
 plugin's service fixtures are run the same way: against the shared RabbitMQ and Redis named
@@ -20,8 +21,7 @@ from tests.conftest import AMQP_URL, REDIS_URL
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq.testing import pytest_plugin, services
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "## Testing your handlers"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "testing.md"
 # A code block whose first line names its file: "# summaries.py".
 _NAMED_BLOCK = re.compile(r"```python\n# (\w+\.py)\n(.*?)```", re.DOTALL)
 
@@ -44,11 +44,9 @@ async def test_the_services_answer(weclaw_rabbitmq_url, weclaw_redis_url):
 """
 
 
-def readme_files() -> dict[str, str]:
-    text = README.read_text()
-    start = text.index(SECTION)
-    end = text.index("\n## ", start + len(SECTION))
-    return {name: body for name, body in _NAMED_BLOCK.findall(text[start:end])}
+def page_files() -> dict[str, str]:
+    """The page's code blocks that name their file, by name (the whole page is read)."""
+    return dict(_NAMED_BLOCK.findall(PAGE.read_text(encoding="utf-8")))
 
 
 def run_pytest(folder: Path, **env: str | None) -> subprocess.CompletedProcess[str]:
@@ -64,8 +62,8 @@ def run_pytest(folder: Path, **env: str | None) -> subprocess.CompletedProcess[s
     )
 
 
-def test_the_readme_example_passes_as_a_users_test_run(tmp_path: Path) -> None:
-    files = readme_files()
+def test_the_testing_pages_example_passes_as_a_users_test_run(tmp_path: Path) -> None:
+    files = page_files()
     assert sorted(files) == ["summaries.py", "test_summaries.py"]
     for name, body in files.items():
         (tmp_path / name).write_text(body)

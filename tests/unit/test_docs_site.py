@@ -203,3 +203,32 @@ def test_the_topology_page_draws_the_names_the_code_derives(site: Path) -> None:
         naming.parking_queue_name(),
     ):
         assert f'"{name}"' in diagram, f"the topology diagram does not draw {name}"
+
+
+# The how-to pages' includes of a file's section: --8<-- "docs/examples/howto/x.py:name".
+_SECTION_INCLUDE = re.compile(r'^--8<-- "(docs/examples/howto/[\w/]+\.py):([\w-]+)"$', re.M)
+
+
+def section_lines(path: Path, name: str) -> list[str]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = lines.index(next(ln for ln in lines if ln.strip() == f"# --8<-- [start:{name}]"))
+    end = lines.index(next(ln for ln in lines if ln.strip() == f"# --8<-- [end:{name}]"))
+    return lines[start + 1 : end]
+
+
+def test_the_how_to_pages_show_their_example_sections_whole_and_at_the_margin(
+    site: Path,
+) -> None:
+    shown = 0
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        built = page.relative_to(ROOT / "docs").with_suffix(".html")
+        for file, name in _SECTION_INCLUDE.findall(page.read_text(encoding="utf-8")):
+            text = page_text(site, built.as_posix())
+            lines = [ln for ln in section_lines(ROOT / file, name) if ln.strip()]
+            margin = min(len(ln) - len(ln.lstrip()) for ln in lines)
+            # dedent_subsections: a section inside a function shows at the left margin.
+            missing = [ln for ln in lines if "\n" + ln[margin:] not in "\n" + text]
+            assert not missing, f"{built} shows {file}:{name} without {missing[:3]}"
+            assert "--8<--" not in text, f"{built} shows a snippet marker"
+            shown += 1
+    assert shown >= 14

@@ -1,0 +1,542 @@
+"""The how-to pages' code runs as the pages say, against the real broker and Redis.
+
+Each page's Python block is a section of a file in docs/examples/howto/, included by
+pymdownx.snippets; here each file is loaded as a module and its scenario run with a Worker
+in this event loop (the ``start_worker`` fixture). The files build their ``App`` as a user's
+module does, from the WECLAW_MQ_* environment, so the test sets WECLAW_MQ_AMQP_URL and
+WECLAW_MQ_REDIS_URL to the test's services before it loads one.
+
+Queue names: a file writes them as literal strings, as a user writes them and as the page
+shows them (module-level constants would make the shown code read ``@app.handler(QUEUE)``).
+Two runs of the suite on one machine share the broker and Redis, and would consume each
+other's tasks under fixed names. So the loader parses the file and replaces every string
+constant that is one of the file's queue names by that name behind a prefix unique to the
+test, then executes the result: whole constants only (never a comment, never part of
+another string), and the prefix keeps derived names right (``notify=True`` announces to
+"<queue>.results", which maps like "ai-replies.results" itself). Paths such as the outbox
+file are replaced the same way by temporary ones. Line numbers are the file's own. At
+teardown every App a loaded module holds is closed, and its queues and Redis keys deleted.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import json
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from aio_pika.abc import AbstractChannel
+
+from tests.conftest import delete_queues, forget_task_keys, next_message, wait_until
+from tests.integration.dead_endpoints import closed_port
+from weclaw_mq import App, CancelOutcome, TaskStatus, Worker
+from weclaw_mq import headers as h
+from weclaw_mq.naming import LIMIT_KEY_PREFIX, dlq_name, inbox_key, inbox_trace_key
+from weclaw_mq.topology import queue_declarations
+
+HOWTO = Path(__file__).resolve().parents[2] / "docs" / "examples" / "howto"
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, names: Mapping[str, str]) -> None:
+        self.names = names
+
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        if isinstance(node.value, str) and node.value in self.names:
+            return ast.copy_location(ast.Constant(self.names[node.value]), node)
+        return node
+
+
+class Examples:
+    """Loads docs/examples/howto/ files with this test's queue names and services."""
+
+    def __init__(self, broker_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.broker_url = broker_url
+        self.redis_url = redis_url
+        self.monkeypatch = monkeypatch
+        self.prefix = f"t-docs-{uuid.uuid4().hex[:8]}-"
+        self.modules: list[ModuleType] = []
+        self.redis_keys: list[str] = []
+
+    def queue(self, name: str) -> str:
+        """The name the loaded files use for the queue a page calls ``name``."""
+        return self.prefix + name
+
+    def load(
+        self,
+        file: str,
+        *,
+        queues: Iterable[str],
+        paths: Mapping[str, str] | None = None,
+        amqp_url: str | None = None,
+    ) -> ModuleType:
+        names = {q: self.queue(q) for q in queues} | dict(paths or {})
+        self.monkeypatch.setenv("WECLAW_MQ_AMQP_URL", amqp_url or self.broker_url)
+        self.monkeypatch.setenv("WECLAW_MQ_REDIS_URL", self.redis_url)
+        path = HOWTO / file
+        tree = ast.fix_missing_locations(_Rename(names).visit(ast.parse(path.read_text())))
+        name = f"docs_howto_{path.stem}_{len(self.modules)}_{self.prefix[7:15]}"
+        module = ModuleType(name)
+        module.__file__ = str(path)
+        sys.modules[name] = module  # dataclasses and pydantic look their module up there
+        self.modules.append(module)
+        exec(compile(tree, str(path), "exec"), module.__dict__)
+        return module
+
+    async def close(self) -> None:
+        declared: list[str] = []
+        queues: set[str] = set()
+        for module in self.modules:
+            for value in list(vars(module).values()):
+                if isinstance(value, App):
+                    await value.close()
+                    for spec in value.handlers.values():
+                        declared += [n for n, _ in queue_declarations(spec.queue_spec())]
+                        queues.add(spec.queue)
+                elif isinstance(value, httpx.AsyncClient):
+                    await value.aclose()
+            sys.modules.pop(module.__name__, None)
+        await delete_queues(self.broker_url, sorted(set(declared)))
+        await forget_task_keys(self.redis_url, queues)
+        client = aioredis.Redis.from_url(self.redis_url)
+        try:
+            keys = list(self.redis_keys)
+            for queue in queues:  # per-key limits' slots and starts (they expire, but later)
+                pattern = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:*"
+                keys += [k.decode() async for k in client.scan_iter(pattern)]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+
+@pytest.fixture
+async def examples(
+    broker_url: str, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Examples]:
+    # Requested before start_worker, so torn down after the workers stopped.
+    loaded = Examples(broker_url, redis_url, monkeypatch)
+    try:
+        yield loaded
+    finally:
+        await loaded.close()
+
+
+def recording(target: Any, method: str, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Wrap ``target.method`` (a publish, sync or async) so that what it returns is kept, in
+    call order."""
+    returned: list[Any] = []
+    original = getattr(target, method)
+
+    async def kept(pending: Awaitable[Any]) -> Any:
+        value = await pending
+        returned.append(value)
+        return value
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        value = original(*args, **kwargs)
+        if inspect.isawaitable(value):
+            return kept(value)
+        returned.append(value)
+        return value
+
+    monkeypatch.setattr(target, method, wrapper)
+    return returned
+
+
+async def consumer_count(channel: AbstractChannel, queue: str) -> int:
+    declared = await channel.declare_queue(queue, passive=True)
+    return declared.declaration_result.consumer_count or 0
+
+
+# -- handlers.md ----------------------------------------------------------------------------
+
+
+async def test_handlers_page_module_replies_and_its_main_prints_the_final_result(
+    examples: Examples, start_worker: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two processes in real life: `weclaw-mq worker mymodule:app` and a script running main().
+    worker_side = examples.load("handlers.py", queues=["ai-replies"])
+    await start_worker(worker_side.app)
+    script = examples.load("handlers.py", queues=["ai-replies"])
+
+    await script.main()
+
+    out = capsys.readouterr().out
+    assert "succeeded {'reply': 'echo: Write a haiku'}" in out, out
+    empty = await worker_side.app.publish(examples.queue("ai-replies"), {"text": "  "})
+    final = await worker_side.app.result(empty, timeout_s=15)
+    assert (final.status, final.reason, final.attempt) == (TaskStatus.DEAD_LETTERED, "rejected", 1)
+
+
+# -- priorities.md --------------------------------------------------------------------------
+
+
+async def test_priorities_page_send_starts_its_urgent_task_ahead_of_a_normal_backlog(
+    examples: Examples, start_worker: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = examples.load("priorities.py", queues=["ai-replies"])
+    app, queue = example.app, examples.queue("ai-replies")
+    await app.declare()  # the backlog waits for the worker
+    backlog = [await app.publish(queue, {"prompt": f"n{i}"}, priority="normal") for i in range(8)]
+    default = await app.publish(queue, {"prompt": "no priority given"})  # the handler's: high
+    sent = recording(app, "publish", monkeypatch)
+    sent_many = recording(app, "publish_many", monkeypatch)
+    await example.send()
+    (urgent,), ((weekly,),) = sent, sent_many
+
+    # One slot: tasks end in the order they start.
+    await start_worker(app, concurrency=1)
+    ids = [*backlog, default, urgent, weekly]
+    finals = [await app.result(t, timeout_s=20) for t in ids]
+    assert all(f.status is TaskStatus.SUCCEEDED for f in finals)
+    order = [f.task_id for f in sorted(finals, key=lambda f: f.updated_at)]
+    # The page: every URGENT task starts before all but concurrency + 2 of the others, every
+    # HIGH one before all but concurrency + 2 NORMAL ones.
+    assert order.index(urgent) <= 3, order
+    assert len([t for t in order[: order.index(default)] if t != urgent]) <= 3, order
+    assert order.index(weekly) > order.index(urgent)
+
+
+# -- delays.md ------------------------------------------------------------------------------
+
+
+class ModelAPI:
+    """A real HTTP server standing in for a rate-limited model API: the first request for
+    the prompt "busy" answers 429 with ``Retry-After: 2``; every other one 200 with a text.
+    Each request's prompt and time (the loop's clock) is kept."""
+
+    RETRY_AFTER_S = 2
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, float]] = []
+        self.url = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        prompt = json.loads(await reader.readexactly(length))["prompt"]
+        first_busy = prompt == "busy" and all(p != "busy" for p, _ in self.requests)
+        self.requests.append((prompt, asyncio.get_running_loop().time()))
+        if first_busy:
+            status, extra, body = "429 Too Many Requests", f"Retry-After: {self.RETRY_AFTER_S}", b""
+        else:
+            status, extra = "200 OK", "Content-Type: application/json"
+            body = json.dumps({"text": f"{prompt} done"}).encode()
+        writer.write(
+            f"HTTP/1.1 {status}\r\n{extra}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    def times(self, prompt: str) -> list[float]:
+        return [at for p, at in self.requests if p == prompt]
+
+
+@pytest.fixture
+async def model_api() -> AsyncIterator[ModelAPI]:
+    api = ModelAPI()
+    server = await asyncio.start_server(api.serve, "127.0.0.1", 0)
+    api.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/complete"
+    try:
+        yield api
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_delays_page_retries_a_429_after_its_retry_after_and_runs_a_delayed_task_later(
+    examples: Examples,
+    start_worker: Callable[..., Any],
+    model_api: ModelAPI,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MODEL_URL", model_api.url)
+    example = examples.load("delays.py", queues=["ai-replies"])
+    await start_worker(example.app)
+    loop = asyncio.get_running_loop()
+
+    busy = await example.app.publish(examples.queue("ai-replies"), example.Prompt(text="busy"))
+    published_later = loop.time()
+    later = await example.later()
+    busy_final = await example.app.result(busy, timeout_s=20)
+    later_final = await example.app.result(later, timeout_s=20)
+
+    assert (busy_final.status, busy_final.attempt) == (TaskStatus.SUCCEEDED, 2)
+    assert busy_final.result == {"reply": "busy done"}
+    first, second = model_api.times("busy")
+    # Never earlier than asked, at most 1 s later plus the lane's wait (an idle worker here).
+    assert 2.0 <= second - first <= 3.5, f"retried {second - first:.2f} s after the 429"
+    assert (later_final.status, later_final.attempt) == (TaskStatus.SUCCEEDED, 1)
+    (ran,) = model_api.times("later")
+    assert 2.0 <= ran - published_later <= 3.5, f"ran {ran - published_later:.2f} s after"
+
+
+# -- ttl.md ---------------------------------------------------------------------------------
+
+
+async def test_ttl_page_gives_each_task_its_lifetime_and_an_expired_one_lands_in_the_dlq(
+    examples: Examples, amqp: AbstractChannel
+) -> None:
+    example = examples.load("ttl.py", queues=["ai-replies", "ai-reports"])
+    app = example.app
+    replies, reports = examples.queue("ai-replies"), examples.queue("ai-reports")
+    await app.declare()  # no worker: the tasks stay in their queues to be read back
+
+    before = time.time()
+    asked = await example.ask(example.Prompt(text="hi"))
+    report = await app.publish(reports, example.Report(week="48"))  # the handler's ttl_s
+
+    for queue, task_id, ttl_s in ((replies, asked, 600), (reports, report, 3 * 24 * 3600)):
+        message = await next_message(amqp, queue)
+        assert message.message_id == task_id
+        assert message.headers[h.TTL_MS] == ttl_s * 1000
+        assert message.expiration is not None  # RabbitMQ's own per-message TTL
+        state = await app.status(task_id)
+        assert state is not None and state.expires_at is not None
+        assert abs(state.expires_at.timestamp() - (before + ttl_s)) < 5
+
+    # A reply nobody collected within its lifetime leaves a trace: Q.dlq, reason expired.
+    short = await app.publish(replies, example.Prompt(text="too late"), ttl_s=0.5)
+    dead = await next_message(amqp, dlq_name(replies), timeout_s=10)
+    assert dead.message_id == short
+    deaths = dead.headers["x-death"]
+    assert isinstance(deaths, list) and isinstance(deaths[0], dict)
+    assert deaths[0]["reason"] == "expired"
+    state = await app.status(short)
+    assert state is not None and state.status is TaskStatus.EXPIRED
+
+
+# -- outbox.md ------------------------------------------------------------------------------
+
+
+async def test_outbox_page_publish_stores_locally_while_the_broker_is_down_then_it_is_relayed(
+    examples: Examples, start_worker: Callable[..., Any], tmp_path: Path
+) -> None:
+    paths = {"/var/lib/myapi/outbox.db": str(tmp_path / "outbox.db")}
+    dead = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
+    down = examples.load("outbox.py", queues=["summaries"], paths=paths, amqp_url=dead)
+
+    state = await down.accept()
+
+    assert state is not None and state.status is TaskStatus.STORED_LOCALLY
+    await down.app.close()
+    # The same program started again once the broker answers: its relay sends the file's row.
+    up = examples.load("outbox.py", queues=["summaries"], paths=paths)
+    await start_worker(up.app)
+    await up.app.start_outbox()
+    final = await up.app.result(state.task_id, timeout_s=20)
+    assert (final.status, final.result) == (TaskStatus.SUCCEEDED, {"summary": "..."})
+    assert not await up.app.stored_locally(state.task_id)
+
+
+async def test_outbox_page_task_added_in_your_own_transaction_is_sent_after_the_commit(
+    examples: Examples,
+    start_worker: Callable[..., Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shop = tmp_path / "shop.db"
+    example = examples.load(
+        "outbox_transaction.py", queues=["invoices"], paths={"/var/lib/shop/shop.db": str(shop)}
+    )
+    await start_worker(example.app)
+    await example.app.start_outbox()  # creates the outbox's tables in shop.db
+    example.create_tables()
+    added = recording(example.app, "add_to_outbox", monkeypatch)
+
+    example.place_order()
+
+    (task_id,) = added
+    final = await example.app.result(task_id, timeout_s=20)
+    assert (final.status, final.result) == (TaskStatus.SUCCEEDED, {"invoice": "for book"})
+
+
+# -- cancel.md ------------------------------------------------------------------------------
+
+
+async def test_cancel_page_stops_a_running_task_and_says_too_late_for_an_ended_one(
+    examples: Examples, start_worker: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = examples.load("cancel.py", queues=["generate"])
+    app = example.app
+    await start_worker(app)
+    words = " ".join(f"word{i}" for i in range(30))  # 30 s of generating, 1 s a word
+    task_id = await app.publish(examples.queue("generate"), {"text": words})
+
+    async def running() -> bool:
+        state = await app.status(task_id)
+        return state is not None and state.status is TaskStatus.RUNNING
+
+    await wait_until(running, 15, what="the task running")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    answer = await example.stop_generating(task_id)
+
+    assert answer.changed and answer.outcome is CancelOutcome.CANCELLED
+    final = await app.result(task_id, timeout_s=10)
+    assert final.status is TaskStatus.CANCELLED
+    assert loop.time() - started < 5  # the handler was stopped, not run to its end
+    assert capsys.readouterr().out == ""
+
+    again = await example.stop_generating(task_id)
+
+    assert not again.changed and again.outcome is CancelOutcome.FINISHED
+    assert capsys.readouterr().out == "too late: it already ended (cancelled)\n"
+
+
+# -- notifications.md -----------------------------------------------------------------------
+
+
+async def test_notifications_page_tells_the_user_of_a_reply_and_of_a_failure(
+    examples: Examples, start_worker: Callable[..., Any]
+) -> None:
+    example = examples.load("notifications.py", queues=["ai-replies", "ai-replies.results"])
+    await start_worker(example.app)
+    queue = examples.queue("ai-replies")
+
+    ok = await example.app.publish(queue, {"text": "hi"})
+    rejected = await example.app.publish(queue, {"text": " "})
+
+    await wait_until(lambda: len(example.PUSHED) >= 2, 20, what="two notifications handled")
+    assert sorted(example.PUSHED) == sorted(
+        [
+            (ok, "result", {"reply": "echo: hi"}),
+            (rejected, "failure", ("rejected", "Reject: empty prompt")),
+        ]
+    )
+
+
+# -- streaming.md ---------------------------------------------------------------------------
+
+
+async def test_streaming_page_watch_prints_the_chunks_in_order_then_final_and_deliver_confirms(
+    examples: Examples, start_worker: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = examples.load("streaming.py", queues=["chat"])
+    app = example.app
+    session = f"user-{examples.prefix}"
+    examples.redis_keys += [inbox_key(session), inbox_trace_key(session)]
+    await start_worker(app)
+    text = "queues that survive crashes"
+
+    task_id = await app.publish(examples.queue("chat"), {"text": text}, session_id=session)
+    await asyncio.wait_for(example.watch(task_id, None), 20)
+
+    events = [line.split(" ", 2) for line in capsys.readouterr().out.splitlines()]
+    assert [kind for _, kind, _ in events] == ["attempt", *["chunk"] * 4, "final"]
+    assert [data for _, kind, data in events if kind == "chunk"] == text.split()
+    ids = [tuple(map(int, event_id.split("-"))) for event_id, _, _ in events]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    # Resumed after the last chunk: only the final.
+    await asyncio.wait_for(example.watch(task_id, events[-2][0]), 20)
+    assert [line.split(" ", 2)[1] for line in capsys.readouterr().out.splitlines()] == ["final"]
+
+    printed: list[str] = []
+    deliver = asyncio.create_task(example.deliver(session))
+    try:
+
+        def final_delivered() -> bool:
+            printed.extend(capsys.readouterr().out.splitlines())
+            return any(line.split(" ", 2)[1] == "final" for line in printed)
+
+        await wait_until(final_delivered, 20, what="the final reply in the session's inbox")
+    finally:
+        deliver.cancel()
+        await asyncio.gather(deliver, return_exceptions=True)
+    assert printed[-1] == f"{task_id} final {{'text': '{text}'}}"
+    assert [line.split(" ", 2)[1] for line in printed].count("chunk") == 4
+    assert await app.inbox(session).pending() == []  # each confirmed: the inbox is empty
+
+
+# -- limits.md ------------------------------------------------------------------------------
+
+
+async def test_limits_page_holds_one_users_replies_to_two_at_once_without_spending_attempts(
+    examples: Examples, start_worker: Callable[..., Any]
+) -> None:
+    example = examples.load("limits.py", queues=["ai-replies", "embeddings"])
+    app = example.app
+    await start_worker(app, concurrency=6)  # slots enough for all six at once
+
+    replies = [
+        await app.publish(examples.queue("ai-replies"), {"text": f"p{i}", "user_id": "u1"})
+        for i in range(6)
+    ]
+    embedded = await app.publish(examples.queue("embeddings"), {"text": "abc", "user_id": "u1"})
+
+    finals = [await app.result(t, timeout_s=30) for t in replies]
+    assert all(f.status is TaskStatus.SUCCEEDED for f in finals)
+    assert [f.attempt for f in finals] == [1] * 6  # a deferral spends no attempt
+    assert example.PEAK["u1"] == 2, example.PEAK  # reached, never exceeded
+    assert (await app.result(embedded, timeout_s=10)).result == [3.0]
+
+
+# -- breaker.md -----------------------------------------------------------------------------
+
+
+async def test_breaker_page_pauses_the_queue_after_five_failures(
+    examples: Examples, start_worker: Callable[..., Any], amqp: AbstractChannel
+) -> None:
+    example = examples.load("breaker.py", queues=["chat"])
+    app, queue = example.app, examples.queue("chat")
+    example.UPSTREAM.down = True
+    await app.declare()
+    await app.publish_many(queue, [{"prompt": f"p{i}"} for i in range(8)])
+    # One slot: the bound is failures + concurrency - 1 = 5 failed attempts before the pause.
+    await start_worker(app, concurrency=1)
+
+    async def paused() -> bool:
+        return await consumer_count(amqp, queue) == 0
+
+    await wait_until(paused, 10, what="the breaker cancelling the worker's consumer")
+    state = app.metrics.registry.get_sample_value(
+        "weclaw_mq_breaker_state", {"queue": queue, "state": "open"}
+    )
+    assert state == 1
+    assert example.UPSTREAM.failures == 5
+    await asyncio.sleep(1)  # open for cooldown_s (20 s): nothing more is taken meanwhile
+    assert example.UPSTREAM.failures == 5
+    assert await consumer_count(amqp, queue) == 0
+
+
+# -- reference/task-store.md ----------------------------------------------------------------
+
+
+async def test_task_store_page_app_keeps_its_records_in_the_memory_store_and_closes_both(
+    examples: Examples,
+) -> None:
+    example = examples.load("task_store.py", queues=["tests"])
+    app, store = example.app, example.store
+    # The worker shares the process with whoever reads the results, as the page says.
+    worker = Worker(app)
+    run = asyncio.create_task(worker.run())
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 20)
+        task_id = await app.publish(examples.queue("tests"), {"n": 21})
+        final = await app.result(task_id, timeout_s=15)
+        assert (final.status, final.result) == (TaskStatus.SUCCEEDED, 42)
+        in_store = await store.get(task_id)
+        assert in_store is not None and in_store.result == 42
+    finally:
+        worker.stop()
+        await asyncio.wait_for(run, 30)
+
+    await example.shutdown()

@@ -1,0 +1,244 @@
+"""Every Python code block of the docs is code that a test runs.
+
+A ```python block of docs/**/*.md is either
+
+- a snippet include (``--8<-- "docs/examples/....py"`` or ``...py:section``, pymdownx.snippets)
+  of a file that exists, with that section marked in it: the files under docs/examples/howto/
+  are run by tests/integration/test_docs_howto_examples.py, the tutorial's by
+  tests/unit/test_docs_site.py; or
+- one of the blocks run by name (RUN_BY_NAME): the testing page's two files, which
+  tests/integration/test_testing_kit_examples.py writes into a folder and runs pytest on.
+
+A ```python block of README.md starts with ``# NAME.py`` and is docs/examples/NAME.py without
+its module docstring (GitHub shows no includes, so the README holds a copy, checked here),
+or is an include as above.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HOWTO = ROOT / "docs" / "examples" / "howto"
+HOWTO_TEST = ROOT / "tests" / "integration" / "test_docs_howto_examples.py"
+
+# (page, first line of the block): blocks a test executes as they are on the page.
+RUN_BY_NAME = {
+    ("docs/how-to/testing.md", "# summaries.py"),
+    ("docs/how-to/testing.md", "# test_summaries.py"),
+}
+
+_FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*python\b.*$")
+_INCLUDE = re.compile(r'^-+8<-+\s+"(?P<path>[^":]+)(?::(?P<section>[\w-]+))?"$')
+_NAMED = re.compile(r"^# (?P<name>\w+\.py)$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str  # relative to the repository root
+    line: int  # of the opening fence, 1-based
+    lines: tuple[str, ...]  # the block's lines, without the fences and their indent
+
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def python_blocks(page: Path, root: Path = ROOT) -> list[Block]:
+    """The ```python blocks of a Markdown page (also inside lists: indented fences)."""
+    blocks: list[Block] = []
+    lines = page.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        opened = _FENCE_OPEN.match(lines[i])
+        if opened is None:
+            i += 1
+            continue
+        indent, fence = opened["indent"], opened["fence"]
+        close = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        body: list[str] = []
+        j = i + 1
+        while j < len(lines) and not close.match(lines[j]):
+            body.append(lines[j].removeprefix(indent))
+            j += 1
+        blocks.append(Block(page.relative_to(root).as_posix(), i + 1, tuple(body)))
+        i = j + 1
+    return blocks
+
+
+def include_problem(block: Block, root: Path = ROOT) -> str | None:
+    """Why a docs block is not a snippet include of an existing file (and section); None if
+    it is one (a block may include several sections, blank lines between them)."""
+    includes = [line for line in block.lines if line.strip()]
+    if not includes:
+        return f"{block.where()}: an empty python block"
+    for line in includes:
+        m = _INCLUDE.match(line.strip())
+        if m is None:
+            return (
+                f"{block.where()}: inline code ({line.strip()[:50]!r}); put it in a file under "
+                'docs/examples/ that a test runs and include it: --8<-- "docs/examples/...py:name"'
+            )
+        path = root / m["path"]
+        if not path.is_file():
+            return f"{block.where()}: includes {m['path']}, which does not exist"
+        section = m["section"]
+        if section is not None:
+            text = path.read_text(encoding="utf-8")
+            for end in ("start", "end"):
+                if f"--8<-- [{end}:{section}]" not in text:
+                    return f"{block.where()}: {m['path']} has no '# --8<-- [{end}:{section}]'"
+    return None
+
+
+def docs_block_problem(block: Block, root: Path = ROOT) -> str | None:
+    if block.lines and (block.page, block.lines[0].strip()) in RUN_BY_NAME:
+        return None
+    return include_problem(block, root)
+
+
+def without_docstring(source: str) -> str:
+    """``source`` after its module docstring (and the blank lines after it)."""
+    body = ast.parse(source).body
+    first = body[0] if body else None
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        source = "\n".join(source.splitlines()[first.end_lineno or 0 :])
+    return source.strip("\n")
+
+
+def readme_block_problem(block: Block, root: Path = ROOT) -> str | None:
+    """Why a README block is not a copy of docs/examples/NAME.py named on its first line."""
+    named = _NAMED.match(block.lines[0].strip()) if block.lines else None
+    if named is None:
+        if include_problem(block, root) is None:
+            return None  # an include works on the site, though GitHub shows the bare line
+        return f"{block.where()}: the first line is not '# NAME.py' naming docs/examples/NAME.py"
+    example = root / "docs" / "examples" / named["name"]
+    if not example.is_file():
+        return f"{block.where()}: docs/examples/{named['name']} does not exist"
+    shown = "\n".join(block.lines[1:]).strip("\n")
+    if shown != without_docstring(example.read_text(encoding="utf-8")):
+        return (
+            f"{block.where()}: differs from docs/examples/{named['name']} without its "
+            "docstring; copy the file into the block"
+        )
+    return None
+
+
+def docs_pages(root: Path = ROOT) -> list[Path]:
+    return sorted((root / "docs").rglob("*.md"))
+
+
+def test_every_python_block_of_the_docs_is_an_included_file_or_run_by_name() -> None:
+    blocks = [b for page in docs_pages() for b in python_blocks(page)]
+    assert len(blocks) >= 15  # the walk found the how-to pages' blocks
+    problems = [p for b in blocks if (p := docs_block_problem(b)) is not None]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_blocks_run_by_name_are_on_their_pages() -> None:
+    found = {
+        (b.page, b.lines[0].strip())
+        for page in docs_pages()
+        for b in python_blocks(page)
+        if b.lines
+    }
+    assert found >= RUN_BY_NAME, RUN_BY_NAME - found
+
+
+def test_every_howto_example_file_is_included_by_a_page_and_run_by_the_integration_test() -> None:
+    included = {
+        m["path"]
+        for page in docs_pages()
+        for b in python_blocks(page)
+        for line in b.lines
+        if (m := _INCLUDE.match(line.strip()))
+    }
+    runner = HOWTO_TEST.read_text(encoding="utf-8")
+    files = sorted(HOWTO.glob("*.py"))
+    assert files
+    for file in files:
+        assert file.relative_to(ROOT).as_posix() in included, f"no page includes {file.name}"
+        assert f'"{file.name}"' in runner, f"{HOWTO_TEST.name} never loads {file.name}"
+
+
+def test_every_python_block_of_the_readme_is_a_named_docs_example() -> None:
+    blocks = python_blocks(ROOT / "README.md")
+    problems = [p for b in blocks if (p := readme_block_problem(b)) is not None]
+    assert not problems, "\n".join(problems)
+
+
+# -- the rules themselves, on a repository of their own ---------------------------------------
+
+
+def write(root: Path, path: str, text: str) -> Path:
+    file = root / path
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(text, encoding="utf-8")
+    return file
+
+
+EXAMPLE = '"""The docstring."""\n\n# --8<-- [start:one]\nx = 1\n# --8<-- [end:one]\n'
+
+
+@pytest.mark.parametrize(
+    ("block", "problem"),
+    [
+        ('```python\n--8<-- "docs/examples/x.py"\n```', None),
+        ('```python\n--8<-- "docs/examples/x.py:one"\n\n--8<-- "docs/examples/x.py"\n```', None),
+        ('  ```python\n  --8<-- "docs/examples/x.py:one"\n  ```', None),  # in a list item
+        ('```python title="x.py"\n--8<-- "docs/examples/x.py"\n```', None),
+        ('```python\n--8<-- "docs/examples/y.py"\n```', "does not exist"),
+        ('```python\n--8<-- "docs/examples/x.py:two"\n```', "has no '# --8<-- [start:two]'"),
+        ("```python\nx = 1\n```", "inline code"),
+        ('```python\n--8<-- "docs/examples/x.py"\nx = 1\n```', "inline code"),
+        ("```python\n```", "an empty python block"),
+        ("```python\n# summaries.py\nx = 1\n```", "inline code"),  # run by name only on its page
+    ],
+)
+def test_a_docs_block_passes_only_as_an_include_of_an_existing_file_and_section(
+    tmp_path: Path, block: str, problem: str | None
+) -> None:
+    write(tmp_path, "docs/examples/x.py", EXAMPLE)
+    page = write(tmp_path, "docs/how-to/page.md", f"# A page\n\n{block}\n\nText.\n")
+
+    (found,) = python_blocks(page, tmp_path)
+    answer = docs_block_problem(found, tmp_path)
+
+    if problem is None:
+        assert answer is None
+    else:
+        assert answer is not None and problem in answer, answer
+
+
+@pytest.mark.parametrize(
+    ("block", "problem"),
+    [
+        ("```python\n# x.py\n# --8<-- [start:one]\nx = 1\n# --8<-- [end:one]\n```", None),
+        ("```python\n# x.py\nx = 1\n```", "differs from docs/examples/x.py"),
+        ("```python\n# y.py\nx = 1\n```", "does not exist"),
+        ("```python\nx = 1\n```", "is not '# NAME.py'"),
+        ('```python\n--8<-- "docs/examples/x.py:one"\n```', None),
+    ],
+)
+def test_a_readme_block_passes_only_as_a_copy_of_the_named_example_without_its_docstring(
+    tmp_path: Path, block: str, problem: str | None
+) -> None:
+    write(tmp_path, "docs/examples/x.py", EXAMPLE)
+    readme = write(tmp_path, "README.md", f"# Project\n\n{block}\n")
+
+    (found,) = python_blocks(readme, tmp_path)
+    answer = readme_block_problem(found, tmp_path)
+
+    if problem is None:
+        assert answer is None
+    else:
+        assert answer is not None and problem in answer, answer
