@@ -19,7 +19,7 @@ import io
 import sys
 import tokenize
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # The pages describe this tree's code, not another checkout installed in the venv.
 sys.path.insert(0, str(ROOT))
 
-import typer  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 
 import weclaw_mq  # noqa: E402
-from weclaw_mq.cli.options import name_placeholders  # noqa: E402
-from weclaw_mq.cli.root import cli  # noqa: E402
+from weclaw_mq.cli.tree import built_command, walk_commands  # noqa: E402
 from weclaw_mq.settings import Settings, redact_url  # noqa: E402
 from weclaw_mq.state import transitions  # noqa: E402
 from weclaw_mq.state.protocol import TaskStatus  # noqa: E402
@@ -70,8 +68,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 
 def cli_page() -> str:
-    command = typer.main.get_command(cli)
-    name_placeholders(command)  # the placeholders 'weclaw-mq --help' shows (cli.main does it)
+    command = built_command()  # with the placeholders 'weclaw-mq --help' shows
     lines = [
         _GENERATED,
         "# CLI reference",
@@ -81,18 +78,9 @@ def cli_page() -> str:
         "unavailable; 5 state store (Redis) unavailable; 130 interrupted.",
         "",
     ]
-    for path, sub in walk_commands(command, ("weclaw-mq",)):
+    for path, sub in walk_commands(command):
         lines += _command_section(path, sub)
     return "\n".join(lines) + "\n"
-
-
-def walk_commands(command: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """``command`` and every subcommand below it, depth first, in their declared order."""
-    if getattr(command, "hidden", False):
-        return
-    yield path, command
-    for name, sub in getattr(command, "commands", {}).items():
-        yield from walk_commands(sub, (*path, name))
 
 
 def _command_section(path: tuple[str, ...], command: Any) -> list[str]:
@@ -188,10 +176,10 @@ def configuration_page() -> str:
 
 def _cli_variables() -> list[str]:
     """The variables the CLI's options read (``envvar=``), which are not ``Settings`` fields."""
-    command = typer.main.get_command(cli)
+    command = built_command()
     users: dict[str, list[str]] = {}
     helps: dict[str, str] = {}
-    for path, sub in walk_commands(command, ("weclaw-mq",)):
+    for path, sub in walk_commands(command):
         for opt in sub.params:
             if opt.param_type_name == "option" and isinstance(opt.envvar, str):
                 users.setdefault(opt.envvar, []).append(f"`{' '.join(path)} {opt.opts[0]}`")

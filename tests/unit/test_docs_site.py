@@ -11,17 +11,14 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
-import typer
 
 import weclaw_mq
 from weclaw_mq import Settings, TaskStatus
-from weclaw_mq.cli.root import cli
+from weclaw_mq.cli.tree import built_command, walk_commands
 from weclaw_mq.state.transitions import TRANSITIONS
 from weclaw_mq.testing import TestBroker
 
@@ -58,17 +55,9 @@ def page_text(site: Path, page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", raw))
 
 
-def command_paths(command: Any, path: tuple[str, ...]) -> Iterator[str]:
-    if getattr(command, "hidden", False):
-        return
-    yield " ".join(path)
-    for name, sub in getattr(command, "commands", {}).items():
-        yield from command_paths(sub, (*path, name))
-
-
 def test_the_cli_page_names_every_command_of_the_typer_app(site: Path) -> None:
     text = page_text(site, "operations/cli.html")
-    commands = list(command_paths(typer.main.get_command(cli), ("weclaw-mq",)))
+    commands = [" ".join(path) for path, _ in walk_commands(built_command())]
     assert len(commands) > 10  # the walk reached the subcommands of dlq and outbox
     missing = [c for c in commands if c not in text]
     assert not missing, f"operations/cli.md names no {missing}"
