@@ -11,10 +11,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import yaml
 
 import weclaw_mq
 from weclaw_mq import Settings, TaskStatus
@@ -143,3 +146,69 @@ async def test_the_tutorials_handler_replies_and_rejects_an_empty_prompt() -> No
     assert done.result == {"reply": "echo: Write a haiku"}
     assert rejected is not None and rejected.status is TaskStatus.DEAD_LETTERED
     assert rejected.reason == "rejected"
+
+
+class _NavLoader(yaml.SafeLoader):
+    """mkdocs.yml as plain data: its ``!!python/name:`` tags (the mermaid fence) read as None."""
+
+
+_NavLoader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+
+
+def nav_pages() -> list[str]:
+    """Every page of mkdocs.yml's nav (its markdown path), in order."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=_NavLoader)
+
+    def walk(item: Any) -> Iterator[str]:
+        if isinstance(item, str):
+            if item.endswith(".md"):
+                yield item
+        elif isinstance(item, list):
+            for child in item:
+                yield from walk(child)
+        elif isinstance(item, dict):
+            for child in item.values():
+                yield from walk(child)
+
+    return list(walk(config["nav"]))
+
+
+LLMS_LINK = re.compile(r"^- \[(?P<title>[^\]]+)\]\((?P<path>[^)]+)\)(?::\s*(?P<about>.*))?$", re.M)
+
+
+def test_llms_txt_links_every_nav_page_to_its_markdown_with_a_description(site: Path) -> None:
+    text = (site / "llms.txt").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    # llmstxt.org: the name as the one H1, then a blockquote summary, then H2 file lists.
+    assert lines[0] == "# weclaw_mq"
+    assert next(line for line in lines[1:] if line.strip()).startswith("> ")
+    assert [line for line in lines if line.startswith("# ")] == ["# weclaw_mq"]
+    assert any(line.startswith("## ") for line in lines)
+    links = {m["path"]: m for m in LLMS_LINK.finditer(text)}
+    pages = nav_pages()
+    assert len(pages) >= 8
+    missing = [p for p in pages if p not in links]
+    assert not missing, f"llms.txt links no {missing}"
+    for path, link in links.items():
+        assert (site / path).is_file(), f"llms.txt links {path}, which the built site lacks"
+        assert (site / path).with_suffix(".html").is_file(), f"{path} has no HTML page beside it"
+        about = link["about"] or ""
+        assert len(about) > 15 and "\n" not in about, f"llms.txt: {path} has no description"
+    # The generated pages' markdown is what the site shows, not a placeholder.
+    assert "# CLI reference" in (site / "operations/cli.md").read_text(encoding="utf-8")
+
+
+def test_llms_full_txt_holds_every_pages_markdown_snippets_included(site: Path) -> None:
+    full = (site / "llms-full.txt").read_text(encoding="utf-8")
+    for page in nav_pages():
+        marker = f"<!-- {page} -->"
+        assert marker in full, f"llms-full.txt has no {page}"
+        copy = (site / page).read_text(encoding="utf-8").strip()
+        assert copy in full, f"llms-full.txt holds another text of {page} than {page} in the site"
+    assert "stateDiagram-v2" in full  # the generated task-states page, as rendered markdown
+    assert "# Configuration reference" in full
+    # Snippets are included as the site shows them: the tutorial's handler, the changelog.
+    handler = (ROOT / "docs" / "examples" / "first_handler.py").read_text(encoding="utf-8")
+    assert handler.strip().splitlines()[-1] in full
+    assert "--8<--" not in full
+    assert "## [Unreleased]" in full
