@@ -18,8 +18,12 @@ from typing import Any
 
 import pytest
 import yaml
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.support.ui import WebDriverWait
 
 import weclaw_mq
+from tests.integration.browser import chromium  # noqa: F401  (the fixture)
 from weclaw_mq import Settings, TaskStatus
 from weclaw_mq.cli.tree import built_command, walk_commands
 from weclaw_mq.state.transitions import TRANSITIONS
@@ -212,3 +216,68 @@ def test_llms_full_txt_holds_every_pages_markdown_snippets_included(site: Path) 
     assert handler.strip().splitlines()[-1] in full
     assert "--8<--" not in full
     assert "## [Unreleased]" in full
+
+
+# mkdocs-material draws each diagram into a closed shadow root; opened here (before the page's
+# scripts run) so the test can read the SVG. Nothing else of the page changes.
+OPEN_SHADOW_ROOTS_JS = """
+const attach = Element.prototype.attachShadow;
+Element.prototype.attachShadow = function (init) {
+  return attach.call(this, {...init, mode: "open"});
+};
+"""
+DIAGRAM_SVG_TEXT_JS = """
+const host = document.querySelector("div.mermaid");
+const svg = host && host.shadowRoot && host.shadowRoot.querySelector("svg");
+return svg ? svg.textContent : null;
+"""
+# Every script the page holds, the ones mkdocs-material adds later (its unpkg.com loader) too.
+LOADED_SCRIPTS_JS = "return [...document.scripts].map((s) => s.src).filter((src) => src);"
+MERMAID_RENDER_WAIT_S = 30
+SCREENSHOT = Path("/tmp/docsdrift_states.png")
+
+
+def test_the_state_diagram_renders_offline_with_the_local_mermaid(
+    site: Path,
+    chromium: webdriver.Chrome,  # noqa: F811
+) -> None:
+    local = site / "javascripts" / "mermaid.min.js"
+    if not local.is_file():
+        pytest.fail(
+            "the site has no javascripts/mermaid.min.js, so its diagrams would load mermaid from "
+            "unpkg.com: run 'make tools' (npm pack mermaid into .tools/mermaid/), then the test",
+            pytrace=False,
+        )
+    page = site / "design" / "task-states.html"
+    assert "javascripts/mermaid.min.js" in page.read_text(encoding="utf-8")
+    # Offline as a user without internet is: a CDN request fails instead of being answered.
+    chromium.execute_cdp_cmd("Network.enable", {})
+    chromium.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*unpkg.com*", "*jsdelivr.net*"]})
+    chromium.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument", {"source": OPEN_SHADOW_ROOTS_JS}
+    )
+    chromium.set_window_size(1000, 1300)
+    chromium.get(page.as_uri())
+    try:
+        text = WebDriverWait(chromium, MERMAID_RENDER_WAIT_S, poll_frequency=0.1).until(
+            lambda driver: driver.execute_script(DIAGRAM_SVG_TEXT_JS)
+        )
+    except TimeoutException:
+        source = chromium.execute_script(
+            "const p = document.querySelector('pre.mermaid'); return p && p.textContent;"
+        )
+        pytest.fail(
+            f"no Mermaid SVG within {MERMAID_RENDER_WAIT_S} s on {page}; the diagram is still "
+            f"source: {source!r}; scripts loaded: {chromium.execute_script(LOADED_SCRIPTS_JS)}"
+        )
+    missing = [s.value for s in TaskStatus if s.value not in text]
+    assert not missing, f"the rendered state diagram names no {missing}: {text!r}"
+    loaded = chromium.execute_script(LOADED_SCRIPTS_JS)
+    assert any(name.endswith("/javascripts/mermaid.min.js") for name in loaded), loaded
+    assert not [name for name in loaded if "unpkg.com" in name], "mermaid came from the CDN"
+    # The whole diagram in the picture, below the page's fixed header.
+    chromium.execute_script(
+        "const top = document.querySelector('div.mermaid').getBoundingClientRect().top;"
+        "window.scrollTo(0, window.scrollY + top - 70);"
+    )
+    chromium.save_screenshot(str(SCREENSHOT))
