@@ -1,7 +1,8 @@
 """mkdocs hook: pages generated from the code at build time, so they cannot drift from it.
 
 - ``operations/cli.md``: every command of the typer app (``weclaw_mq.cli.root.cli``), walked
-  through the click command typer builds, with each option's type, default and help.
+  through the click command typer builds (``weclaw_mq.cli.tree``), with each option's type,
+  default and help.
 - ``operations/configuration.md``: every field of ``weclaw_mq.Settings`` as its environment
   variable, with type, default, bounds and the comment written above it in ``settings.py``.
 - ``design/task-states.md``: a Mermaid state diagram and a table of

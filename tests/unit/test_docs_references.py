@@ -373,7 +373,7 @@ def findings(path: str, text: str) -> list[Finding]:
 
 def test_every_name_the_docs_mention_exists_in_the_code() -> None:
     files = doc_files()
-    assert {"README.md", "RUNBOOK.md"} <= {f.name for f in files}
+    assert ROOT / "README.md" in files and len(files) > 5
     found = []
     for file in files:
         found += findings(str(file.relative_to(ROOT)), file.read_text(encoding="utf-8"))
