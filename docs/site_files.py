@@ -12,15 +12,22 @@
   load mermaid from.
 
 Registered under ``hooks:`` in ``mkdocs.yml``, after ``docs/hooks.py``. A page's markdown is
-taken as mkdocs hands it to the renderer: mkdocstrings' ``::: name`` lines stay as written.
+what mkdocs hands the renderer, with what the renderer would add written out as markdown:
+each snippet's file, and for mkdocstrings' ``::: name`` the object's signature and docstring
+(a class's public methods and properties too, unless its options say ``members: false``).
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 import re
 import shutil
+import sys
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure import StructureItem
@@ -29,6 +36,9 @@ from mkdocs.structure.nav import Navigation, Section
 from mkdocs.structure.pages import Page
 
 ROOT = Path(__file__).resolve().parent.parent
+# The API text is this tree's docstrings (docs/hooks.py, loaded first, checks the same).
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 # Where 'make tools' puts mermaid.js (see the Makefile's MERMAID_VERSION), and where the site
 # serves it from.
 MERMAID_SOURCE = ROOT / ".tools" / "mermaid" / "mermaid.min.js"
@@ -77,7 +87,7 @@ def _nav_pages(item: StructureItem) -> list[tuple[str, str]]:
 
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
-    _markdown[page.file.src_uri] = with_snippets(markdown)
+    _markdown[page.file.src_uri] = with_api_text(with_snippets(markdown))
     return markdown
 
 
@@ -177,3 +187,89 @@ def with_snippets(markdown: str) -> str:
         return "\n".join(indent + line if line else line for line in text.split("\n"))
 
     return _SNIPPET.sub(include, markdown)
+
+
+# -- mkdocstrings' ::: lines ---------------------------------------------------------------
+
+# "::: weclaw_mq.App" and the indented options below it.
+_DIRECTIVE = re.compile(r"^::: (?P<name>[\w.]+)[ \t]*\n(?P<options>(?:[ \t]+\S.*(?:\n|$))*)", re.M)
+
+
+def with_api_text(markdown: str) -> str:
+    """``markdown`` with each ``::: name`` written out: the object's signature and docstring."""
+
+    def document(match: re.Match[str]) -> str:
+        found = _resolve(match.group("name"))
+        if found is None:
+            return match.group(0)  # mkdocstrings fails the build on it
+        members = not re.search(r"^\s*members:\s*false\s*$", match.group("options"), re.M)
+        return "\n".join(_api_text(match.group("name"), found, members=members)) + "\n"
+
+    return _DIRECTIVE.sub(document, markdown)
+
+
+def _resolve(dotted: str) -> Any:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                found = getattr(found, attr)
+        except AttributeError:
+            return None
+        return found
+    return None
+
+
+def _api_text(dotted: str, found: Any, *, members: bool) -> list[str]:
+    name = dotted.rpartition(".")[2]
+    kind = "class " if inspect.isclass(found) else "def " if callable(found) else ""
+    lines = [f"### `{name}`", "", "```python", f"{kind}{name}{_signature(found)}", "```", ""]
+    if inspect.isclass(found):
+        # Its own docstring only: inspect.getdoc gives a class with none its base class's.
+        doc = inspect.cleandoc(vars(found).get("__doc__") or "")
+    else:
+        doc = inspect.getdoc(found) or ""
+    if doc:
+        lines += [doc, ""]
+    if inspect.isclass(found) and issubclass(found, Enum):
+        lines += ["Members: " + ", ".join(f"`{m.name}` (`{m.value!r}`)" for m in found), ""]
+    if members and inspect.isclass(found):
+        for attr, value in vars(found).items():
+            function = (
+                value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            )
+            if attr.startswith("_") or not inspect.isfunction(function):
+                continue
+            shown = "" if isinstance(value, property) else _signature(function)
+            lines += [f"#### `{name}.{attr}`", "", "```python", f"{name}.{attr}{shown}", "```", ""]
+            method_doc = inspect.getdoc(function)
+            if method_doc:
+                lines += [method_doc, ""]
+    return lines
+
+
+def _signature(found: Any) -> str:
+    """As mkdocstrings shows it: no ``self``, no ``-> None`` on a class, annotations unquoted."""
+    if not callable(found):
+        return ""
+    if inspect.isclass(found) and (
+        "__init__" not in vars(found) or getattr(found, "_is_protocol", False)
+    ):
+        return ""  # an inherited constructor (an enum, a pydantic model) or a Protocol's: noise
+    try:
+        signature = inspect.signature(found)
+    except (TypeError, ValueError):  # a builtin, or an enum, without one
+        return ""
+    params = list(signature.parameters.values())
+    if params and params[0].name in ("self", "cls") and not inspect.isclass(found):
+        signature = signature.replace(parameters=params[1:])
+    if inspect.isclass(found):
+        signature = signature.replace(return_annotation=inspect.Signature.empty)
+    # With postponed annotations each one is a string: 'str' reads as str.
+    return re.sub(
+        r"(?<=: )'([^']*)'|(?<=-> )'([^']*)'", lambda m: m.group(1) or m.group(2), str(signature)
+    )

@@ -216,6 +216,13 @@ def test_llms_full_txt_holds_every_pages_markdown_snippets_included(site: Path) 
     assert handler.strip().splitlines()[-1] in full
     assert "--8<--" not in full
     assert "## [Unreleased]" in full
+    # The API page's mkdocstrings lines as the objects' signatures and docstrings.
+    assert not re.search(r"^::: ", full, re.M)
+    assert "#### `App.publish`" in full
+    assert weclaw_mq.App.publish.__doc__ is not None
+    first_line = weclaw_mq.App.publish.__doc__.strip().splitlines()[0]
+    assert first_line in full
+    assert not re.search(r" at 0x[0-9a-f]+", full), "a default shown by its address"
 
 
 # mkdocs-material draws each diagram into a closed shadow root; opened here (before the page's
