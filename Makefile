@@ -85,16 +85,23 @@ tools: tools-mermaid
 # mermaid.js for the docs site: docs/site_files.py copies it into the built site, so its
 # diagrams render offline (mkdocs-material would load it from unpkg.com when viewed) and the
 # docs test can check in Chromium that they do. Fetched once per version from the npm
-# registry (npm pack checks the tarball's integrity); kept in .tools/, never committed.
+# registry (npm pack checks the tarball's integrity; npm itself is installed as root with
+# apt-get, like the tools above, else we say how); kept in .tools/, never committed.
 MERMAID_VERSION ?= 11.12.1
 MERMAID_DIR := .tools/mermaid
 
 tools-mermaid:
 	@if [ "$$(cat $(MERMAID_DIR)/VERSION 2>/dev/null)" != "$(MERMAID_VERSION)" ]; then \
 		if ! command -v npm >/dev/null 2>&1; then \
-			echo "the docs need mermaid.js from the npm registry, and npm is missing:" \
-				"install it (Debian: 'apt-get install npm' as root), then run 'make tools' again"; \
-			exit 1; \
+			if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+				echo "installing: npm (apt-get), to fetch mermaid.js"; \
+				apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+					--no-install-recommends npm >/dev/null || exit 1; \
+			else \
+				echo "the docs need mermaid.js from the npm registry, and npm is missing:" \
+					"install it (Debian: 'apt-get install npm' as root), then run 'make tools' again"; \
+				exit 1; \
+			fi; \
 		fi; \
 		tmp=$$(mktemp -d); \
 		if (cd $$tmp && npm pack --silent mermaid@$(MERMAID_VERSION) >/dev/null) && \
