@@ -122,7 +122,10 @@ def llms_txt(
         "Each link is a page's markdown; llms-full.txt holds all of them in one file.",
         "",
     ]
-    for title, pages in sections:
+    in_nav = {src_uri for _, pages in sections for _, src_uri in pages}
+    # A page the nav leaves out is still a page of the site: listed last, by its heading.
+    others = [(_heading(markdown[uri]) or uri, uri) for uri in sorted(set(markdown) - in_nav)]
+    for title, pages in [*sections, *([("Other pages", others)] if others else [])]:
         lines += [f"## {title}", ""]
         for page_title, src_uri in pages:
             about = description(markdown.get(src_uri, ""))
@@ -148,6 +151,11 @@ _COMMENT = re.compile(r"<!--.*?-->", re.S)
 _LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
 # A line that does not start a paragraph of prose.
 _NOT_PROSE = re.compile(r"^\s*(#|```|~~~|\||:::|!!!|\?\?\?|-{1,}8<|<|>|[-*+] |\d+\. |---)")
+
+
+def _heading(markdown: str) -> str | None:
+    found = re.search(r"^# (.+)$", _COMMENT.sub("", markdown), re.M)
+    return found.group(1).strip() if found else None
 
 
 def description(markdown: str) -> str:
