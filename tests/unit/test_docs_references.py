@@ -262,18 +262,20 @@ def invocation_problem(tokens: list[str]) -> str | None:
         token = re.sub(r"[\])}.,:;`'\"]+$", "", re.sub(r"^[\[({`'\"]+", "", raw))
         if reason_next:
             reason_next = False
-            if token and not token.isupper() and token not in DEAD_LETTER_REASONS:
+            if not reason_known(token):
                 return (
                     f"--reason {token}: not a DLQ reason ({', '.join(sorted(DEAD_LETTER_REASONS))})"
                 )
         if take_value:
             take_value = False
             continue
-        if not token or token == "-":
+        if token in ("", "-", "--"):
             continue
         if token.startswith("-") and not token[1].isdigit():
             for option in re.split(r"[/|]", token):
-                name = option.split("=", 1)[0]
+                name, _, value = option.partition("=")
+                if name in ("--reason", "-r") and value and not reason_known(value):
+                    return f"{option}: not a DLQ reason ({', '.join(sorted(DEAD_LETTER_REASONS))})"
                 if not name.startswith("-") or name == "--help":
                     continue
                 options = option_names(tree[at])
@@ -296,6 +298,11 @@ def invocation_problem(tokens: list[str]) -> str | None:
             known = ", ".join(group)
             return f"'{' '.join(at)}' has no command '{token}' (it has: {known})"
     return None
+
+
+def reason_known(value: str) -> bool:
+    """A DLQ reason, or a placeholder for one (``R``, ``REASON``)."""
+    return not value or value.isupper() or value in DEAD_LETTER_REASONS
 
 
 ENV_NAME = re.compile(r"\bWECLAW_MQ_[A-Z0-9_]+")
@@ -456,6 +463,11 @@ def test_a_page_that_names_only_what_exists_passes(tmp_path: Path) -> None:
         ),
         ("| reason | x |\n|---|---|\n| `gremlins` | y |", "`gremlins`", "not a DLQ reason"),
         ("It ends with reason `gremlins`.", "`gremlins`", "not a DLQ reason"),
+        (
+            "`weclaw-mq dlq list Q --reason=gremlins`",
+            "`weclaw-mq dlq list Q --reason=gremlins`",
+            "--reason=gremlins: not a DLQ reason",
+        ),
         (
             "`weclaw-mq dlq list Q --reason gremlins`",
             "`weclaw-mq dlq list Q --reason gremlins`",

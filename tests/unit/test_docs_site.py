@@ -1,7 +1,9 @@
 """The documentation site builds under ``mkdocs build --strict``, and its generated pages
 (docs/hooks.py) name everything the code has: every CLI command, every setting's
 environment variable, every task status of the transition table. The tutorial's included
-handler runs as the page says."""
+handler runs as the page says. The site carries llms.txt, llms-full.txt and each page's
+markdown (docs/site_files.py), and its Mermaid diagram renders in headless Chromium from the
+site's own mermaid.js, with the CDN blocked."""
 
 from __future__ import annotations
 
