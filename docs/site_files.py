@@ -106,6 +106,10 @@ def on_post_build(config: MkDocsConfig) -> None:
         target = site / MERMAID_SITE_PATH
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(MERMAID_SOURCE, target)
+        # mermaid is MIT-licensed: its notice travels with the copy.
+        notice = MERMAID_SOURCE.with_name("LICENSE")
+        if notice.is_file():
+            shutil.copyfile(notice, target.with_name("mermaid.LICENSE.txt"))
 
 
 # -- llms.txt ------------------------------------------------------------------------------
