@@ -16,7 +16,7 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
+.PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
 	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
 	distclean docs docs-serve services-up services-down services-status soak fuzz
 
@@ -27,7 +27,7 @@ help:
 	@echo "make services-down  stop what services-up started (never a server it found running)"
 	@echo "make services-status  what answers, and what services-up started"
 	@echo "make install        create .venv and pip install -e '.[dev]' (skipped when up to date)"
-	@echo "make tools          install promtool and Chromium + its driver (as root with apt-get) for the tests"
+	@echo "make tools          install promtool and Chromium + its driver (as root with apt-get), fetch mermaid.js (npm) for the tests"
 	@echo "make lint           ruff check, ruff format --check, mypy"
 	@echo "make format         ruff format and ruff check --fix"
 	@echo "make drill          every fault drill (private RabbitMQ nodes, 3-node cluster) and its table"
@@ -66,7 +66,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # example web page's test drives headless Chromium through its Debian driver (never a
 # downloaded browser). As root with apt-get (a fresh machine, CI) they are installed here;
 # elsewhere we say how.
-tools:
+tools: tools-mermaid
 	@missing=""; \
 	command -v promtool >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
@@ -82,11 +82,43 @@ tools:
 		fi; \
 	fi
 
+# mermaid.js for the docs site: docs/site_files.py copies it into the built site, so its
+# diagrams render offline (mkdocs-material would load it from unpkg.com when viewed) and the
+# docs test can check in Chromium that they do. Fetched once per version from the npm
+# registry (npm pack checks the tarball's integrity; npm itself is installed as root with
+# apt-get, like the tools above, else we say how); kept in .tools/, never committed.
+MERMAID_VERSION ?= 11.12.1
+MERMAID_DIR := .tools/mermaid
+
+tools-mermaid:
+	@if [ "$$(cat $(MERMAID_DIR)/VERSION 2>/dev/null)" != "$(MERMAID_VERSION)" ]; then \
+		if ! command -v npm >/dev/null 2>&1; then \
+			if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+				echo "installing: npm (apt-get), to fetch mermaid.js"; \
+				apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+					--no-install-recommends npm >/dev/null || exit 1; \
+			else \
+				echo "the docs need mermaid.js from the npm registry, and npm is missing:" \
+					"install it (Debian: 'apt-get install npm' as root), then run 'make tools' again"; \
+				exit 1; \
+			fi; \
+		fi; \
+		tmp=$$(mktemp -d); \
+		if (cd $$tmp && npm pack --silent mermaid@$(MERMAID_VERSION) >/dev/null) && \
+			tar -xzf $$tmp/mermaid-$(MERMAID_VERSION).tgz -C $$tmp package/dist/mermaid.min.js package/LICENSE; then \
+			mkdir -p $(MERMAID_DIR) && mv $$tmp/package/dist/mermaid.min.js $$tmp/package/LICENSE $(MERMAID_DIR)/ && \
+			echo $(MERMAID_VERSION) > $(MERMAID_DIR)/VERSION && rm -rf $$tmp && \
+			echo "mermaid.js $(MERMAID_VERSION) is in $(MERMAID_DIR)/"; \
+		else \
+			rm -rf $$tmp; echo "npm pack mermaid@$(MERMAID_VERSION) failed (see above)"; exit 1; \
+		fi; \
+	fi
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/mypy consumers producers docs/hooks.py docs/examples
+	$(BIN)/mypy consumers producers docs/hooks.py docs/site_files.py docs/examples
 
 format: install
 	$(BIN)/ruff format .
@@ -221,4 +253,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) .tools

@@ -1,7 +1,8 @@
 """mkdocs hook: pages generated from the code at build time, so they cannot drift from it.
 
 - ``operations/cli.md``: every command of the typer app (``weclaw_mq.cli.root.cli``), walked
-  through the click command typer builds, with each option's type, default and help.
+  through the click command typer builds (``weclaw_mq.cli.tree``), with each option's type,
+  default and help.
 - ``operations/configuration.md``: every field of ``weclaw_mq.Settings`` as its environment
   variable, with type, default, bounds and the comment written above it in ``settings.py``.
 - ``design/task-states.md``: a Mermaid state diagram and a table of
@@ -24,7 +25,7 @@ import io
 import sys
 import tokenize
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # The pages describe this tree's code, not another checkout installed in the venv.
 sys.path.insert(0, str(ROOT))
 
-import typer  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 
 import weclaw_mq  # noqa: E402
 from weclaw_mq import errors, headers, naming  # noqa: E402
 from weclaw_mq.breaker import UpstreamDown  # noqa: E402
-from weclaw_mq.cli.options import name_placeholders  # noqa: E402
-from weclaw_mq.cli.root import cli  # noqa: E402
+from weclaw_mq.cli.tree import built_command, walk_commands  # noqa: E402
 from weclaw_mq.control_flow import Reject, Retry  # noqa: E402
 from weclaw_mq.retry import DeadLetterReason  # noqa: E402
 from weclaw_mq.settings import Settings, redact_url  # noqa: E402
@@ -99,8 +98,7 @@ def on_page_markdown(markdown: str, page: Any, config: MkDocsConfig, files: File
 
 
 def cli_page() -> str:
-    command = typer.main.get_command(cli)
-    name_placeholders(command)  # the placeholders 'weclaw-mq --help' shows (cli.main does it)
+    command = built_command()  # with the placeholders 'weclaw-mq --help' shows
     lines = [
         _GENERATED,
         "# CLI reference",
@@ -110,18 +108,9 @@ def cli_page() -> str:
         "unavailable; 5 state store (Redis) unavailable; 130 interrupted.",
         "",
     ]
-    for path, sub in walk_commands(command, ("weclaw-mq",)):
+    for path, sub in walk_commands(command):
         lines += _command_section(path, sub)
     return "\n".join(lines) + "\n"
-
-
-def walk_commands(command: Any, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """``command`` and every subcommand below it, depth first, in their declared order."""
-    if getattr(command, "hidden", False):
-        return
-    yield path, command
-    for name, sub in getattr(command, "commands", {}).items():
-        yield from walk_commands(sub, (*path, name))
 
 
 def _command_section(path: tuple[str, ...], command: Any) -> list[str]:
@@ -217,10 +206,10 @@ def configuration_page() -> str:
 
 def _cli_variables() -> list[str]:
     """The variables the CLI's options read (``envvar=``), which are not ``Settings`` fields."""
-    command = typer.main.get_command(cli)
+    command = built_command()
     users: dict[str, list[str]] = {}
     helps: dict[str, str] = {}
-    for path, sub in walk_commands(command, ("weclaw-mq",)):
+    for path, sub in walk_commands(command):
         for opt in sub.params:
             if opt.param_type_name == "option" and isinstance(opt.envvar, str):
                 users.setdefault(opt.envvar, []).append(f"`{' '.join(path)} {opt.opts[0]}`")

@@ -50,6 +50,21 @@ def error_type(error: BaseException) -> str:
     return own if isinstance(own, str) else safe_text(kind.__name__)
 
 
+def stable_error_types() -> frozenset[str]:
+    """Every stable name ours may write into ``x-weclaw-error-type`` (``weclaw_mq.<Name>``):
+    the ``error_type`` of each of our classes, read from the classes themselves."""
+    found: set[str] = set()
+    todo: list[type[BaseException]] = list(_OURS)
+    while todo:
+        kind = todo.pop()
+        todo.extend(kind.__subclasses__())
+        own = kind.__dict__.get("error_type")
+        # A user's subclass is named by its __name__, whatever attributes it has.
+        if isinstance(own, str) and kind.__module__.startswith(OUR_PREFIX):
+            found.add(own)
+    return frozenset(found)
+
+
 def error_class(error: BaseException) -> str:
     """``module.QualifiedName`` of the error's class: for people, not for filters."""
     kind = type(error)

@@ -1,7 +1,9 @@
 """The documentation site builds under ``mkdocs build --strict``, and its generated pages
 (docs/hooks.py) name everything the code has: every CLI command, every setting's
 environment variable, every task status of the transition table. The tutorial's included
-handler runs as the page says."""
+handler runs as the page says. The site carries llms.txt, llms-full.txt and each page's
+markdown (docs/site_files.py), and its Mermaid diagram renders in headless Chromium from the
+site's own mermaid.js, with the CDN blocked."""
 
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import typer
+import yaml
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.support.ui import WebDriverWait
 
 import weclaw_mq
+from tests.integration.browser import chromium  # noqa: F401  (the fixture)
 from weclaw_mq import Settings, TaskStatus, errors, headers, naming
-from weclaw_mq.cli.root import cli
+from weclaw_mq.cli.tree import built_command, walk_commands
 from weclaw_mq.retry import DeadLetterReason
 from weclaw_mq.state.transitions import TRANSITIONS
 from weclaw_mq.testing import TestBroker
@@ -59,17 +65,9 @@ def page_text(site: Path, page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", raw))
 
 
-def command_paths(command: Any, path: tuple[str, ...]) -> Iterator[str]:
-    if getattr(command, "hidden", False):
-        return
-    yield " ".join(path)
-    for name, sub in getattr(command, "commands", {}).items():
-        yield from command_paths(sub, (*path, name))
-
-
 def test_the_cli_page_names_every_command_of_the_typer_app(site: Path) -> None:
     text = page_text(site, "operations/cli.html")
-    commands = list(command_paths(typer.main.get_command(cli), ("weclaw-mq",)))
+    commands = [" ".join(path) for path, _ in walk_commands(built_command())]
     assert len(commands) > 10  # the walk reached the subcommands of dlq and outbox
     missing = [c for c in commands if c not in text]
     assert not missing, f"operations/cli.md names no {missing}"
@@ -232,3 +230,141 @@ def test_the_how_to_pages_show_their_example_sections_whole_and_at_the_margin(
             assert "--8<--" not in text, f"{built} shows a snippet marker"
             shown += 1
     assert shown >= 14
+
+
+class _NavLoader(yaml.SafeLoader):
+    """mkdocs.yml as plain data: its ``!!python/name:`` tags (the mermaid fence) read as None."""
+
+
+_NavLoader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+
+
+def nav_pages() -> list[str]:
+    """Every page of mkdocs.yml's nav (its markdown path), in order."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=_NavLoader)
+
+    def walk(item: Any) -> Iterator[str]:
+        if isinstance(item, str):
+            if item.endswith(".md"):
+                yield item
+        elif isinstance(item, list):
+            for child in item:
+                yield from walk(child)
+        elif isinstance(item, dict):
+            for child in item.values():
+                yield from walk(child)
+
+    return list(walk(config["nav"]))
+
+
+LLMS_LINK = re.compile(r"^- \[(?P<title>[^\]]+)\]\((?P<path>[^)]+)\)(?::\s*(?P<about>.*))?$", re.M)
+
+
+def test_llms_txt_links_every_nav_page_to_its_markdown_with_a_description(site: Path) -> None:
+    text = (site / "llms.txt").read_text(encoding="utf-8")
+    lines = text.splitlines()
+    # llmstxt.org: the name as the one H1, then a blockquote summary, then H2 file lists.
+    assert lines[0] == "# weclaw_mq"
+    assert next(line for line in lines[1:] if line.strip()).startswith("> ")
+    assert [line for line in lines if line.startswith("# ")] == ["# weclaw_mq"]
+    assert any(line.startswith("## ") for line in lines)
+    links = {m["path"]: m for m in LLMS_LINK.finditer(text)}
+    pages = nav_pages()
+    assert len(pages) >= 8
+    missing = [p for p in pages if p not in links]
+    assert not missing, f"llms.txt links no {missing}"
+    for path, link in links.items():
+        assert (site / path).is_file(), f"llms.txt links {path}, which the built site lacks"
+        assert (site / path).with_suffix(".html").is_file(), f"{path} has no HTML page beside it"
+        about = link["about"] or ""
+        assert len(about) > 15 and "\n" not in about, f"llms.txt: {path} has no description"
+    # The generated pages' markdown is what the site shows, not a placeholder.
+    assert "# CLI reference" in (site / "operations/cli.md").read_text(encoding="utf-8")
+
+
+def test_llms_full_txt_holds_every_pages_markdown_snippets_included(site: Path) -> None:
+    full = (site / "llms-full.txt").read_text(encoding="utf-8")
+    for page in nav_pages():
+        marker = f"<!-- {page} -->"
+        assert marker in full, f"llms-full.txt has no {page}"
+        copy = (site / page).read_text(encoding="utf-8").strip()
+        assert copy in full, f"llms-full.txt holds another text of {page} than {page} in the site"
+    assert "stateDiagram-v2" in full  # the generated task-states page, as rendered markdown
+    assert "# Configuration reference" in full
+    # Snippets are included as the site shows them: the tutorial's handler, the changelog.
+    handler = (ROOT / "docs" / "examples" / "first_handler.py").read_text(encoding="utf-8")
+    assert handler.strip().splitlines()[-1] in full
+    assert "--8<--" not in full
+    assert "## [Unreleased]" in full
+    # The API page's mkdocstrings lines as the objects' signatures and docstrings.
+    assert not re.search(r"^::: ", full, re.M)
+    assert "#### `App.publish`" in full
+    assert weclaw_mq.App.publish.__doc__ is not None
+    first_line = weclaw_mq.App.publish.__doc__.strip().splitlines()[0]
+    assert first_line in full
+    assert not re.search(r" at 0x[0-9a-f]+", full), "a default shown by its address"
+
+
+# mkdocs-material draws each diagram into a closed shadow root; opened here (before the page's
+# scripts run) so the test can read the SVG. Nothing else of the page changes.
+OPEN_SHADOW_ROOTS_JS = """
+const attach = Element.prototype.attachShadow;
+Element.prototype.attachShadow = function (init) {
+  return attach.call(this, {...init, mode: "open"});
+};
+"""
+DIAGRAM_SVG_TEXT_JS = """
+const host = document.querySelector("div.mermaid");
+const svg = host && host.shadowRoot && host.shadowRoot.querySelector("svg");
+return svg ? svg.textContent : null;
+"""
+# Every script the page holds, the ones mkdocs-material adds later (its unpkg.com loader) too.
+LOADED_SCRIPTS_JS = "return [...document.scripts].map((s) => s.src).filter((src) => src);"
+MERMAID_RENDER_WAIT_S = 30
+SCREENSHOT = Path("/tmp/docsdrift_states.png")
+
+
+def test_the_state_diagram_renders_offline_with_the_local_mermaid(
+    site: Path,
+    chromium: webdriver.Chrome,  # noqa: F811
+) -> None:
+    local = site / "javascripts" / "mermaid.min.js"
+    if not local.is_file():
+        pytest.fail(
+            "the site has no javascripts/mermaid.min.js, so its diagrams would load mermaid from "
+            "unpkg.com: run 'make tools' (npm pack mermaid into .tools/mermaid/), then the test",
+            pytrace=False,
+        )
+    page = site / "design" / "task-states.html"
+    assert "javascripts/mermaid.min.js" in page.read_text(encoding="utf-8")
+    # Offline as a user without internet is: a CDN request fails instead of being answered.
+    chromium.execute_cdp_cmd("Network.enable", {})
+    chromium.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*unpkg.com*", "*jsdelivr.net*"]})
+    chromium.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument", {"source": OPEN_SHADOW_ROOTS_JS}
+    )
+    chromium.set_window_size(1000, 1300)
+    chromium.get(page.as_uri())
+    try:
+        text = WebDriverWait(chromium, MERMAID_RENDER_WAIT_S, poll_frequency=0.1).until(
+            lambda driver: driver.execute_script(DIAGRAM_SVG_TEXT_JS)
+        )
+    except TimeoutException:
+        source = chromium.execute_script(
+            "const p = document.querySelector('pre.mermaid'); return p && p.textContent;"
+        )
+        pytest.fail(
+            f"no Mermaid SVG within {MERMAID_RENDER_WAIT_S} s on {page}; the diagram is still "
+            f"source: {source!r}; scripts loaded: {chromium.execute_script(LOADED_SCRIPTS_JS)}"
+        )
+    missing = [s.value for s in TaskStatus if s.value not in text]
+    assert not missing, f"the rendered state diagram names no {missing}: {text!r}"
+    loaded = chromium.execute_script(LOADED_SCRIPTS_JS)
+    assert any(name.endswith("/javascripts/mermaid.min.js") for name in loaded), loaded
+    assert not [name for name in loaded if "unpkg.com" in name], "mermaid came from the CDN"
+    # The whole diagram in the picture, below the page's fixed header.
+    chromium.execute_script(
+        "const top = document.querySelector('div.mermaid').getBoundingClientRect().top;"
+        "window.scrollTo(0, window.scrollY + top - 70);"
+    )
+    chromium.save_screenshot(str(SCREENSHOT))

@@ -15,7 +15,7 @@ from weclaw_mq.admin.dlq_message import read_dead_letter
 from weclaw_mq.breaker import UpstreamDown
 from weclaw_mq.control_flow import Reject, Retry
 from weclaw_mq.errors import ConfigurationError, HandlerTimeout, WeclawMQError
-from weclaw_mq.failures import error_class, error_type, stable_error_type
+from weclaw_mq.failures import error_class, error_type, stable_error_type, stable_error_types
 
 # docs/reference/errors.md's table, in its order.
 DOCUMENTED = [
@@ -63,6 +63,14 @@ def _ours() -> list[type[BaseException]]:
         v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, WeclawMQError)
     ]
     return [Reject, Retry, UpstreamDown, *tree]
+
+
+def test_stable_error_types_lists_ours_and_never_a_users_subclass() -> None:
+    class Mine(HandlerTimeout):
+        error_type = "mine.Timeout"  # a user's class, defined outside weclaw_mq
+
+    assert stable_error_types() == frozenset(DOCUMENTED)
+    assert "mine.Timeout" not in stable_error_types()
 
 
 def test_every_exception_of_ours_has_its_own_documented_error_type() -> None:

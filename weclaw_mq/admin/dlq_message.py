@@ -32,6 +32,7 @@ from .. import headers as h
 from ..failures import stable_error_type
 from ..lifetime import renewed
 from ..message import CONTENT_TYPE
+from ..retry import DeadLetterReason
 from ..undecodable import raw_properties, undecodable
 from .dlq_properties import check_properties
 
@@ -57,6 +58,12 @@ _FAILURE_HEADERS = frozenset(
 UNKNOWN_REASON = "unknown"
 # A message whose properties the client cannot decode (see weclaw_mq.undecodable).
 UNDECODABLE_PROPERTIES_REASON = "undecodable_properties"
+# Every reason the DLQ tools show: the worker's (DeadLetterReason; for what RabbitMQ itself
+# dead-letters here, delivery_limit and expired, its x-death uses the same words) and the tools'
+# own two, for a message whose reason or properties they cannot read.
+DEAD_LETTER_REASONS = frozenset(
+    {*(reason.value for reason in DeadLetterReason), UNKNOWN_REASON, UNDECODABLE_PROPERTIES_REASON}
+)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 import warnings
 
-import typer
 from typer import Abort
 
 try:  # recent typer carries its own copy of click, whose errors are not click's
@@ -19,8 +18,8 @@ except ImportError:  # pragma: no cover - older typer on the real click
     from click.exceptions import UsageError  # type: ignore[assignment]
 
 from .failures import ExitCode, classify, report, where_of
-from .options import name_placeholders
 from .root import cli
+from .tree import built_command
 
 # aio-pika's Connection.__del__ schedules a close() it cannot run once the loop has stopped;
 # a connection that failed mid-handshake is collected then (seen on 'publish' with the broker
@@ -32,8 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: every failure ends as one line on stderr and a documented exit code (a bug
     in the user's own module adds the lines of its last frames: file, line, code)."""
     warnings.filterwarnings("ignore", message=_UNAWAITED_CLOSE, category=RuntimeWarning)
-    command = typer.main.get_command(cli)
-    name_placeholders(command)
+    command = built_command()
     try:
         code = command.main(args=argv, prog_name="weclaw-mq", standalone_mode=False)
     except UsageError as e:
