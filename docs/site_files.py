@@ -199,9 +199,10 @@ def with_snippets(markdown: str) -> str:
         indent = match.group("indent")
         lines = path.read_text(encoding="utf-8").rstrip("\n").split("\n")
         if section:
-            lines = section_lines(lines, section)
-            if lines is None:
+            inside = section_lines(lines, section)
+            if inside is None:
                 return match.group(0)  # the build fails on it anyway
+            lines = inside
         text = "\n".join(line for line in lines if not _SECTION_MARK.search(line))
         if section:  # dedent_subsections: true in mkdocs.yml
             text = textwrap.dedent(text)
