@@ -3,7 +3,9 @@
 ``bench.py`` writes them next to ``latest.json`` at the end of every run; to draw them again
 from a saved run::
 
-    python -m benchmarks.plots benchmarks/results/latest.json --out DIR
+    python -m benchmarks.plots benchmarks/results/latest.json --out DIR [--table]
+
+(``--table`` also writes ``table.md``, the run's table under three lines on how it ran.)
 
 The rows are ``report.Results.row``'s dicts. Three charts:
 
@@ -34,17 +36,23 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
+from .report import docs_table
+
 WIDTH = 800
 FONT = "DejaVu Sans, Verdana, Arial, Helvetica, sans-serif"
 PLOT_X0 = 20.0  # a bar's zero
 PLOT_X1 = 640.0  # the axis maximum; the value text may run on to WIDTH - 10
 ROW_H = 34.0  # a label line above each bar
 GROUP_H = 28.0
+# A ratio axis ends here: one far outlier (Dramatiq's CLI at c=1, 4.7x with a whisker to 8x)
+# would otherwise squeeze 0.9x and 1x into a few pixels. A longer bar or whisker is cut at
+# the axis's end with an arrow; its text still says the whole value.
+RATIO_AXIS_CAP = 2.5
 
-# Okabe & Ito (2008), colour-blind safe; raw aio-pika, the baseline, in grey.
+# Okabe & Ito (2008), colour-blind safe; the two raw aio-pika baselines in greys.
 CONTENDER_COLOURS = {
     "raw": "#8c8c8c",
-    "raw-redis": "#000000",
+    "raw-redis": "#d0d0d0",
     "weclaw": "#0072B2",
     "weclaw-guard": "#56B4E9",
     "weclaw-results": "#56B4E9",
@@ -126,7 +134,7 @@ def _fmt(v: object) -> str:
 def nice_step(top: float, ticks: int = 8) -> float:
     """The smallest of 1, 2, 2.5, 5 x 10^k that divides [0, top] into at most ``ticks``."""
     raw = top / ticks
-    k = 10 ** math.floor(math.log10(raw))
+    k = 10.0 ** math.floor(math.log10(raw))
     return next(m * k for m in (1, 2, 2.5, 5, 10) if m * k >= raw)
 
 
@@ -143,6 +151,7 @@ def bar_chart(
     *,
     tick_text: str = "{:g}",
     reference: float | None = None,
+    cap: float | None = None,
     legend: Sequence[tuple[str, str]] = (),
     footer: Sequence[str] = (),
 ) -> str:
@@ -155,6 +164,8 @@ def bar_chart(
         if x is not None
     ]
     top = axis_max(extents)
+    if cap is not None:
+        top = min(top, cap)
     step = nice_step(top)
     scale = (PLOT_X1 - PLOT_X0) / top
 
@@ -208,7 +219,7 @@ def bar_chart(
         svg.text(PLOT_X0 - 12, gy + 18, g.title, 13, font_weight="bold")
         svg.add("line", x1=PLOT_X0 - 12, y1=gy + 23, x2=WIDTH - 10, y2=gy + 23, stroke="#bbbbbb")
         for i, b in enumerate(g.bars):
-            _bar(svg, b, gy + GROUP_H + i * ROW_H, x_of)
+            _bar(svg, b, gy + GROUP_H + i * ROW_H, x_of, top)
 
     y = plot_bottom + 34
     for line in footer:
@@ -217,7 +228,7 @@ def bar_chart(
     return svg.document(y + 4, title)
 
 
-def _bar(svg: Svg, b: Bar, y: float, x_of: Any) -> None:
+def _bar(svg: Svg, b: Bar, y: float, x_of: Any, top: float) -> None:
     svg.text(PLOT_X0, y + 11, b.label, 12)
     if b.note:
         svg.text(WIDTH - 10, y + 11, b.note, 11, text_anchor="end", fill="#333333")
@@ -227,11 +238,14 @@ def _bar(svg: Svg, b: Bar, y: float, x_of: Any) -> None:
         svg.text(PLOT_X0, mid + 4, b.value_text, 11.5, font_style="italic", fill="#555555")
         return
     data = {f"data_{k}": v for k, v in (b.data or {}).items()}
+    if b.value > top:
+        data["data_clipped"] = "1"
+    end = x_of(min(b.value, top))
     svg.add(
         "rect",
         x=PLOT_X0,
         y=by,
-        width=x_of(b.value) - PLOT_X0,
+        width=end - PLOT_X0,
         height=bh,
         fill=b.colour,
         stroke="#333333",
@@ -239,23 +253,25 @@ def _bar(svg: Svg, b: Bar, y: float, x_of: Any) -> None:
         class_="bar",
         **data,
     )
-    end = x_of(b.value)
+    if b.value > top:
+        _arrow(svg, end, mid, "#111111")
+        end += 8
     if b.low is not None and b.high is not None and b.high > b.low:
-        lo, hi = x_of(b.low), x_of(b.high)
+        lo, hi = x_of(min(b.low, top)), x_of(min(b.high, top))
+        svg.add("line", x1=lo, y1=mid, x2=hi, y2=mid, stroke="#111111", stroke_width=1.4)
+        svg.add("line", x1=lo, y1=by + 1, x2=lo, y2=by + bh - 1, stroke="#111111")
+        if b.high > top:
+            _arrow(svg, hi, mid, "#111111")
+            hi += 8
+        else:
+            svg.add("line", x1=hi, y1=by + 1, x2=hi, y2=by + bh - 1, stroke="#111111")
         end = max(end, hi)
-        # black on a white halo: visible on every bar colour, the black one included
-        for colour, width in (("#ffffff", 3.6), ("#111111", 1.3)):
-            svg.add("line", x1=lo, y1=mid, x2=hi, y2=mid, stroke=colour, stroke_width=width)
-            for x in (lo, hi):
-                svg.add(
-                    "line", x1=x, y1=by, x2=x, y2=by + bh, stroke=colour, stroke_width=width - 0.3
-                )
     if b.target is not None:
         x = x_of(b.target)
         svg.add(
             "line",
             x1=x,
-            y1=by - 3,
+            y1=by - 1,
             x2=x,
             y2=by + bh + 3,
             stroke="#111111",
@@ -265,6 +281,16 @@ def _bar(svg: Svg, b: Bar, y: float, x_of: Any) -> None:
         )
         end = max(end, x)
     svg.text(end + 6, mid + 4, b.value_text, 11.5)
+
+
+def _arrow(svg: Svg, x: float, y: float, colour: str) -> None:
+    """A value past the axis's end: a triangle pointing on."""
+    svg.add(
+        "path",
+        d=f"M{_fmt(x)},{_fmt(y - 5)} L{_fmt(x + 8)},{_fmt(y)} L{_fmt(x)},{_fmt(y + 5)} Z",
+        fill=colour,
+        class_="past-axis",
+    )
 
 
 # -- the charts ------------------------------------------------------------------------------
@@ -337,7 +363,9 @@ def cpu_groups(rows: Sequence[Mapping[str, Any]]) -> tuple[list[Group], list[tup
     for r in rows:
         if r["metric"] != "cpu_us":
             continue
-        name = r["case_label"].removeprefix(CPU_PREFIX)
+        name = r["case_label"].removeprefix(CPU_PREFIX).removeprefix("guard + results, ")
+        if r["case"] == "processes":
+            name += " (the --processes case)"
         colour = series.setdefault(name, SERIES_COLOURS[len(series) % len(SERIES_COLOURS)])
         _, bars = by_contender.setdefault(r["contender"], (r["contender_label"], []))
         if r["median"] is None:
@@ -376,8 +404,9 @@ def run_lines(header: Mapping[str, Any]) -> list[str]:
     versions = ", ".join(f"{k} {pk[k]}" for k in ("weclaw_mq", "aio-pika", "redis") if k in pk)
     return [
         f"Run {header.get('run_id', '?')}, {header.get('date', '?')}: {header.get('mode', '?')}, "
-        f"{header.get('repeats', '?')} repeats, interleaved; {m.get('nproc', '?')} CPUs{load}",
-        f"RabbitMQ {header.get('rabbitmq', '?')}, Redis {header.get('redis', '?')}, "
+        f"{header.get('repeats', '?')} repeats, interleaved",
+        f"{m.get('nproc', '?')} CPUs{load}; RabbitMQ {header.get('rabbitmq', '?')}, "
+        f"Redis {header.get('redis', '?')}",
         f"Python {header.get('python', '?')}; {versions}",
     ]
 
@@ -387,6 +416,8 @@ RATIO_FOOTER = (
     "same round).",
     "Whisker: their min-max. Dashed mark: a ratio target. Grey line: 1x, the baseline. "
     "Targets are met on the median.",
+    f"The axis ends at {RATIO_AXIS_CAP:g}x: an arrow marks a bar or whisker that goes on "
+    "(its text gives the value).",
 )
 
 
@@ -402,6 +433,7 @@ def render_all(payload: Mapping[str, Any]) -> dict[str, str]:
             ratio_groups(rows, THROUGHPUT_METRICS),
             tick_text="{:g}x",
             reference=1.0,
+            cap=RATIO_AXIS_CAP,
             footer=RATIO_FOOTER,
         ),
         "cost-ratios.svg": bar_chart(
@@ -410,6 +442,7 @@ def render_all(payload: Mapping[str, Any]) -> dict[str, str]:
             ratio_groups(rows, COST_METRICS),
             tick_text="{:g}x",
             reference=1.0,
+            cap=RATIO_AXIS_CAP,
             footer=RATIO_FOOTER,
         ),
         "cpu-per-message.svg": bar_chart(
@@ -440,10 +473,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.plots", description=__doc__)
     p.add_argument("results", type=Path, help="a run's JSON (benchmarks/results/latest.json)")
     p.add_argument("--out", type=Path, default=None, help="where the SVGs go (default: beside it)")
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="also write table.md there: the run's table under three lines saying when, how "
+        "and on what it ran (what the docs' performance page includes)",
+    )
     args = p.parse_args(argv)
     payload = json.loads(args.results.read_text(encoding="utf-8"))
-    for path in write_plots(payload, args.out or args.results.parent):
+    out = args.out or args.results.parent
+    for path in write_plots(payload, out):
         print(path)
+    if args.table:
+        (out / "table.md").write_text(docs_table(payload["header"], payload["rows"]))
+        print(out / "table.md")
     return 0
 
 

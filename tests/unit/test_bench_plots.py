@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks import plots
 from benchmarks.cases import DRAMATIQ, FASTSTREAM, RAW, RAW_REDIS, WECLAW, WECLAW_GUARD, Contender
-from benchmarks.report import Results, RowSpec, Target
+from benchmarks.report import Results, RowSpec, Target, markdown_table
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -97,14 +98,25 @@ def fixture_run() -> dict[str, Any]:
         "date": "2026-12-02 15:00 UTC",
         "mode": "scale 0.4",
         "repeats": 3,
-        "machine": {"nproc": 2, "loadavg_start": [0.5, 0.4, 0.3], "loadavg_end": [0.9, 0.6, 0.4]},
+        "machine": {
+            "nproc": 2,
+            "cpu": "Intel Xeon",
+            "ram_gib": 23.5,
+            "kernel": "6.1",
+            "loadavg_start": [0.5, 0.4, 0.3],
+            "loadavg_end": [0.9, 0.6, 0.4],
+        },
+        "wall_s": 362.4,
         "python": "3.11.7",
         "packages": {"weclaw_mq": "0.1.0", "aio-pika": "10.2.1", "redis": "8.1.0"},
         "rabbitmq": "3.10.8",
         "redis": "7.0.15",
     }
     # as bench.py writes it, through JSON
-    return json.loads(json.dumps({"header": header, "rows": results.rows(), "runs": []}))
+    run: dict[str, Any] = json.loads(
+        json.dumps({"header": header, "rows": results.rows(), "runs": []})
+    )
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +124,23 @@ def charts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ET.Element]:
     out = tmp_path_factory.mktemp("plots")
     src = out / "latest.json"
     src.write_text(json.dumps(fixture_run()))
-    assert plots.main([str(src), "--out", str(out / "svg")]) == 0
+    assert plots.main([str(src), "--out", str(out / "svg"), "--table"]) == 0
     return {name: ET.parse(out / "svg" / name).getroot() for name in plots.FILES}
+
+
+def test_the_docs_table_says_how_the_run_was_made_above_the_runs_table(
+    tmp_path: Path,
+) -> None:
+    run = fixture_run()
+    src = tmp_path / "latest.json"
+    src.write_text(json.dumps(run))
+    assert plots.main([str(src), "--table"]) == 0
+    lines = (tmp_path / "table.md").read_text().splitlines()
+    assert lines[0].startswith("- Run bench-1202150000-abcd, 2026-12-02 15:00 UTC: ")
+    assert "`benchmarks/run.sh --scale 0.4 --repeats 3`" in lines[0]
+    assert "load average (1 / 5 / 15 min) 0.50 / 0.40 / 0.30 at the start" in lines[1]
+    assert lines[2].startswith("- weclaw_mq 0.1.0; RabbitMQ 3.10.8")
+    assert "\n".join(lines[4:]) == markdown_table(run["rows"])
 
 
 def texts(root: ET.Element) -> list[str]:
@@ -153,6 +180,7 @@ def test_a_ratio_bar_is_as_long_as_its_ratio_and_the_targets_are_drawn(
     charts: dict[str, ET.Element],
 ) -> None:
     root = charts["throughput-ratios.svg"]
+    assert not [b for b in bars(root) if b.get("data-clipped")]
     per_unit = [float(b.get("width", 0)) / float(b.get("data-ratio", 0)) for b in bars(root)]
     assert len(per_unit) == 9  # 4 contenders x 2 consume cases, and the I/O row
     assert max(per_unit) - min(per_unit) < 0.01 * max(per_unit)
@@ -186,6 +214,22 @@ def test_cpu_chart_has_a_group_per_contender_and_a_bar_per_concurrency(
     per_us = [float(b.get("width", 0)) / float(b.get("data-value", 0)) for b in drawn.values()]
     assert max(per_us) - min(per_us) < 0.01 * max(per_us)
     assert float(drawn[("consume-c10", "raw")].get("data-value", 0)) == 142
+
+
+def test_a_ratio_past_the_axis_end_is_cut_there_with_an_arrow_and_its_text_says_it() -> None:
+    def arrows(root: ET.Element) -> int:
+        return len([p for p in root.iter(f"{SVG}path") if p.get("class") == "past-axis"])
+
+    run = fixture_run()
+    before = arrows(ET.fromstring(plots.render_all(run)["throughput-ratios.svg"]))
+    row = next(r for r in run["rows"] if r["metric"] == "rate" and r["contender"] == "faststream")
+    row.update(ratio=4.69, ratio_min=3.1, ratio_max=8.12, ratios=[3.1, 4.69, 8.12])
+    root = ET.fromstring(plots.render_all(run)["throughput-ratios.svg"])
+    (bar,) = [b for b in bars(root) if b.get("data-clipped")]
+    assert float(bar.get("x", 0)) + float(bar.get("width", 0)) == pytest.approx(plots.PLOT_X1)
+    assert arrows(root) == before + 2  # the bar's and its whisker's
+    assert "4.69x (3.10\u20138.12)" in texts(root)
+    assert "2.5x" in texts(root)  # the last tick: the axis stops at the cap
 
 
 def test_the_same_run_gives_the_same_bytes() -> None:
