@@ -4,7 +4,7 @@ Run it through ``benchmarks/run.sh`` (its own venv). Each measurement runs a con
 its own process (own event loop, own RSS); contenders are interleaved and each case repeated
 (median, min, max); a ratio pairs each repeat with its baseline's run in the same round.
 Consume cases time a pre-filled queue from the first delivery to the last ack. The table goes
-to stdout and, with the JSON, to ``benchmarks/results/``.
+to stdout and, with the JSON and its SVG charts (``plots.py``), to ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .cases import CASES, EXTRA_CASES, FULL, OURS_AND_BASELINES, SMOKE, Bench, l
 from .costs import explain_misses
 from .infra import ROOT, Children, Infra, machine_info, package_versions
 from .machine_cpu import CpuWindow
+from .plots import write_plots
 from .report import render
 
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -171,6 +172,9 @@ async def amain(args: argparse.Namespace) -> int:
     }
     (args.out / "latest.json").write_text(json.dumps(payload, indent=2) + "\n")
     log(f"wrote {args.out / 'latest.json'} and {args.out / 'README-table.md'}")
+    # The charts of the docs' performance page, from the same rows (benchmarks/plots.py).
+    svgs = write_plots(payload, args.out)
+    log(f"wrote {', '.join(p.name for p in svgs)} in {args.out}")
     # A peer that cannot run is a finding (its row says why); ours or the baseline not
     # running is a broken benchmark.
     broken = [r for r in rows if r["median"] is None and r["contender"] in OURS_AND_BASELINES]

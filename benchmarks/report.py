@@ -231,3 +231,32 @@ def render(header: dict[str, Any], rows: list[dict[str, Any]], notes: list[str])
         *[f"- {n}" for n in notes],
     ]
     return "\n".join(parts) + "\n"
+
+
+def run_command(header: Mapping[str, Any]) -> str:
+    """The ``benchmarks/run.sh`` call that made a run, from its header (mode and repeats)."""
+    mode = str(header["mode"])
+    if mode == "smoke":
+        return "benchmarks/run.sh --smoke"
+    args = [] if mode == "scale 1" else ["--scale", mode.removeprefix("scale ")]
+    return " ".join(["benchmarks/run.sh", *args, "--repeats", str(header["repeats"])])
+
+
+def docs_table(header: Mapping[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The run's table under three lines saying when, how and on what it was made (the docs'
+    performance page includes it, beside the charts of the same JSON)."""
+    m = header["machine"]
+    pk = header["packages"]
+    load = " / ".join(f"{x:.2f}" for x in m["loadavg_start"])
+    load_end = " / ".join(f"{x:.2f}" for x in m["loadavg_end"])
+    versions = ", ".join(f"{k} {v}" for k, v in pk.items() if k != "weclaw_mq")
+    lines = [
+        f"- Run {header['run_id']}, {header['date']}: `{run_command(header)}` ({header['mode']} "
+        f"of `make bench`'s counts, {header['repeats']} repeats interleaved; the comparison's "
+        f"wall time {header['wall_s']:.0f} s, then the feature benchmarks).",
+        f"- Machine: {m['nproc']} CPUs ({m['cpu']}), {m['ram_gib']} GiB RAM, shared with other "
+        f"work: load average (1 / 5 / 15 min) {load} at the start, {load_end} at the end.",
+        f"- weclaw_mq {pk.get('weclaw_mq', '?')}; RabbitMQ {header['rabbitmq']} (single node, "
+        f"quorum queues), Redis {header['redis']}; Python {header['python']}; {versions}.",
+    ]
+    return "\n".join([*lines, "", markdown_table(rows)]) + "\n"
