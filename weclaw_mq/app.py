@@ -814,8 +814,8 @@ class App:
                 record of the task id.
 
         Returns:
-            The record, or None if none is known. A queued or retrying record past the
-            task's deadline answers ``expired``. With a local outbox, when the store has no
+            The record, or None if none is known. A stored_locally, queued or retrying record
+            past the task's deadline answers ``expired``. With a local outbox, when the store has no
             record or does not answer, a task the outbox holds reads ``stored_locally``.
 
         Raises:

@@ -17,15 +17,18 @@ log = logging.getLogger(__name__)
 
 
 class Reject(Exception):
-    """Send this task to the dead-letter queue now: retrying cannot fix it.
+    """Send this task to the dead-letter queue now: retrying cannot fix it."""
 
-    Args:
-        reason: Why: the exception's message, in the task's error (``Reject: reason``).
-    """
-
+    # The class docstring stays one paragraph: docs/reference/errors.md shows it whole. The
+    # API page merges this __init__'s sections into the class.
     error_type: ClassVar[str] = "weclaw_mq.Reject"  # stable, as in ``errors``
 
     def __init__(self, reason: str = "rejected by handler") -> None:
+        """The handler's decision, with its reason.
+
+        Args:
+            reason: Why: the exception's message, in the task's error (``Reject: reason``).
+        """
         super().__init__(reason)
         self.reason = reason
 
@@ -35,23 +38,25 @@ class Retry(Exception):
     model's API said "busy, come back in 20 s": see ``retry_after_s``).
 
     It counts as one attempt, like a failure, so a task cannot ask for retries forever; it is
-    logged at INFO rather than as an error.
-
-    Args:
-        reason: Why: the exception's message, in the task's error (``Retry: reason``).
-        after_s: Seconds to wait instead of the policy's delay; None for the policy's. It
-            is served by the lane's bounded set of delay queues (``weclaw_mq.delays``):
-            never earlier, at most ~1 s later.
-
-    Raises:
-        ConfigurationError: An ``after_s`` that is not a number of seconds >= 0.
+    logged at INFO rather than as an error. An ``after_s`` delay is served by the lane's
+    bounded set of delay queues (``weclaw_mq.delays``): never earlier, at most ~1 s later.
     """
 
+    # As for Reject: the class docstring is the errors page's line, the sections are here.
     error_type: ClassVar[str] = "weclaw_mq.Retry"  # stable, as in ``errors``
 
     def __init__(
         self, reason: str = "retry requested by handler", *, after_s: float | None = None
     ) -> None:
+        """The handler's decision, with its reason and, if it has one, its delay.
+
+        Args:
+            reason: Why: the exception's message, in the task's error (``Retry: reason``).
+            after_s: Seconds to wait instead of the policy's delay; None for the policy's.
+
+        Raises:
+            ConfigurationError: An ``after_s`` that is not a number of seconds >= 0.
+        """
         super().__init__(reason)
         self.reason = reason
         # Checked here, in the handler's frame: a bad value fails loudly where it was written.
