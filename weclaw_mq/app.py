@@ -117,9 +117,11 @@ class App:
     """The handler registry and the publishing entry point: one per service.
 
     Args:
-        name: The application's name, in its connection names and log lines.
+        name: The application's name, in the names of its broker connections
+            (``<name>-producer``, ``<name>-worker-<host>-<pid>``).
         settings: Its settings; default ``Settings()`` (read from the environment).
-        registry: The Prometheus registry its metrics go to; default the global one.
+        registry: A Prometheus registry to export its metrics in; default a registry of
+            its own, made when first read (``Metrics.registry``).
         store: Replaces the default Redis ``TaskStore`` (claims and records). The caller
             closes it.
         result_store: The former name of ``store`` (a ``DeprecationWarning``).
@@ -206,9 +208,10 @@ class App:
             retry: The retry policy; default ``settings.retry_policy()``.
             timeout_s: How long one attempt may run before it is cancelled; default
                 ``settings.handler_timeout_s``.
-            delivery_limit: The broker's delivery limit of the queue (a task whose worker
-                died on it this often is dead-lettered); default ``settings.delivery_limit``.
-            max_length: The queue's length bound, if any.
+            delivery_limit: The quorum queue's ``x-delivery-limit``: a task whose worker died
+                on it this often is dead-lettered. Default ``settings.delivery_limit``.
+            max_length: The queue's length bound (``x-max-length``), if any: past it,
+                publishes are refused (``PublishNackedError``).
             idempotent: Guard the handler with the task store, so a redelivered task runs
                 once.
             ttl_s: The lifetime of a task this App publishes to ``queue`` without its own

@@ -74,6 +74,7 @@ class Context:
             The follow-up task's id.
 
         Raises:
+            ConfigurationError: As ``App.publish`` raises it (and its subclasses).
             PayloadError: As ``App.publish`` raises it (and its subclasses).
             PublishFailedError: As ``App.publish`` raises it (and its subclasses).
         """
