@@ -30,6 +30,8 @@ griffe = pytest.importorskip(
 ROOT = Path(__file__).resolve().parents[2]
 # Parameters no docstring lists: the instance and the class.
 IMPLICIT = frozenset({"self", "cls"})
+# The stores an App opens by default: not exported, but what the protocols' users run on.
+DEFAULT_STORES = ("state.redis.RedisTaskStore", "streaming.redis.RedisStreamStore")
 # Return annotations that mean "nothing to describe".
 NOTHING = frozenset({"None", "NoReturn", "Never"})
 
@@ -57,7 +59,7 @@ def _target(obj: Any) -> Any:
 def public_callables(package: Any) -> Iterator[tuple[str, Any]]:
     """(dotted name, griffe object) of every public function, class and method of the API."""
     seen: set[str] = set()
-    for name in weclaw_mq.__all__:
+    for name in [*weclaw_mq.__all__, *DEFAULT_STORES]:
         obj = _target(package[name])
         if obj.path in seen:
             continue
@@ -148,6 +150,7 @@ def test_the_walk_reaches_the_classes_methods_and_properties(package: Any) -> No
     names = {name for name, _ in public_callables(package)}
     assert {"App", "App.publish", "App.store", "Context.emit", "retry_after_s"} <= names
     assert {"TaskStore.claim", "Worker.run", "RetryPolicy.delay_ms"} <= names
+    assert {"state.redis.RedisTaskStore.claim", "streaming.redis.RedisStreamStore.read"} <= names
 
 
 # -- the checker itself, on docstrings written to break it ---------------------------------
