@@ -23,8 +23,10 @@ from .errors import ConfigurationError
 
 
 class UpstreamDown(Exception):
-    """Raise from a handler when the service it calls is down (a 5xx, a refused connection):
-    it fails the attempt like any error, and counts toward the handler's circuit breaker."""
+    """Raise from a handler when the service it calls is down (a 5xx, a refused connection).
+
+    It fails the attempt like any error, and counts toward the handler's circuit breaker.
+    """
 
     error_type: ClassVar[str] = "weclaw_mq.UpstreamDown"  # stable, as in ``errors``
 

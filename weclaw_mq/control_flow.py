@@ -34,9 +34,9 @@ class Reject(Exception):
 
 
 class Retry(Exception):
-    """Retry this task after the policy's next delay, or after ``after_s`` seconds (e.g. the
-    model's API said "busy, come back in 20 s": see ``retry_after_s``).
+    """Retry this task after the policy's next delay, or after ``after_s`` seconds.
 
+    For example when the model's API said "busy, come back in 20 s" (see ``retry_after_s``).
     It counts as one attempt, like a failure, so a task cannot ask for retries forever; it is
     logged at INFO rather than as an error. An ``after_s`` delay is served by the lane's
     bounded set of delay queues (``weclaw_mq.delays``): never earlier, at most ~1 s later.

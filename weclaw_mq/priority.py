@@ -36,8 +36,9 @@ QUEUE_TYPES = (QUORUM, CLASSIC)
 
 
 class Priority(enum.Enum):
-    """A task's priority; ``Priority("high")`` and ``parse_priority("high")`` read the wire
-    and user spelling.
+    """A task's priority: NORMAL, HIGH or URGENT.
+
+    ``Priority("high")`` and ``parse_priority("high")`` read the wire and user spelling.
 
     Attributes:
         NORMAL: The default; a task without a priority header is NORMAL.

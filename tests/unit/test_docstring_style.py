@@ -1,13 +1,14 @@
 """The public API's docstrings share one style, Google's, as the API page renders them.
 
 Every callable reachable from ``weclaw_mq.__all__`` (functions, classes and their public
-methods) is read with griffe, the parser mkdocstrings uses for docs/reference/api.md, and must
-have a docstring whose ``Args:`` section names exactly the parameters of its signature and,
-when it returns something, a ``Returns:`` or ``Yields:`` section. A class documents its
-constructor's parameters (a dataclass's fields) in its own docstring or in its
-``__init__``'s: the page merges the two (``merge_init_into_class``). Error classes are
-exempt from ``Args:``: one line each is enough (docs/reference/errors.md shows them), and
-their constructors are the library's to call.
+methods; the default Redis stores too) is read with griffe, the parser mkdocstrings uses for
+docs/reference/api.md. Each must have a docstring that opens with a one-line summary, whose
+``Args:`` section names exactly the parameters of its signature and which, when it returns
+something, has a ``Returns:`` or ``Yields:`` section. A class documents its constructor's
+parameters (a dataclass's fields) in its own docstring or in its ``__init__``'s: the page
+merges the two (``merge_init_into_class``). Error classes are exempt from ``Args:`` and may
+wrap their one sentence over two lines: docs/reference/errors.md shows them, and their
+constructors are the library's to call.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ def problems(obj: Any) -> list[str]:
     if not docstrings or obj.docstring is None:
         return ["no docstring"]
     found = []
+    summary = docstrings[0].value.strip().split("\n\n")[0]
+    if "\n" in summary and not _is_error(obj):
+        found.append("the summary is not one line")
     is_property = obj.is_attribute and "property" in obj.labels
     checks_args = obj.is_function or (obj.is_class and not _is_error(obj))
     if checks_args:
@@ -197,6 +201,12 @@ def undocumented(queue: str) -> None:
     pass
 
 
+def long_summary() -> None:
+    """Read some tasks, and go on
+    about it on the next line.
+    """
+
+
 class Options:
     """Some options.
 
@@ -230,6 +240,10 @@ def test_the_checker_finds_a_documented_parameter_the_signature_lacks(sample: An
 
 def test_the_checker_finds_a_return_value_left_undescribed(sample: Any) -> None:
     assert problems(sample["no_returns"]) == ["returns int but has no Returns: or Yields: section"]
+
+
+def test_the_checker_finds_a_summary_of_more_than_one_line(sample: Any) -> None:
+    assert problems(sample["long_summary"]) == ["the summary is not one line"]
 
 
 def test_the_checker_finds_a_missing_docstring(sample: Any) -> None:

@@ -83,11 +83,11 @@ async def task_events(
 
 
 class Inbox:
-    """A session's pending events: ``async for`` yields them oldest first, then live ones
-    (it never ends by itself); ``confirm`` removes what the client has received.
+    """A session's pending events, oldest first, then live ones.
 
-    A final reply written twice (a worker crashed between writing it and acking the task)
-    is yielded once per iteration. ``App.inbox`` makes one.
+    ``async for`` yields them (it never ends by itself); ``confirm`` removes what the client
+    has received. A final reply written twice (a worker crashed between writing it and
+    acking the task) is yielded once per iteration. ``App.inbox`` makes one.
 
     Args:
         streams: The stream store the inbox lives in.
