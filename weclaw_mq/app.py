@@ -114,6 +114,24 @@ def _state_of(last: object) -> TaskState | None:
 
 
 class App:
+    """The handler registry and the publishing entry point: one per service.
+
+    Args:
+        name: The application's name, in the names of its broker connections
+            (``<name>-producer``, ``<name>-worker-<host>-<pid>``).
+        settings: Its settings; default ``Settings()`` (read from the environment).
+        registry: A Prometheus registry to export its metrics in; default a registry of
+            its own, made when first read (``Metrics.registry``).
+        store: Replaces the default Redis ``TaskStore`` (claims and records). The caller
+            closes it.
+        result_store: The former name of ``store`` (a ``DeprecationWarning``).
+        streams: Replaces the default Redis ``StreamStore`` (task streams and session
+            inboxes). The caller closes it.
+
+    Raises:
+        ConfigurationError: Both ``store`` and ``result_store`` were given.
+    """
+
     def __init__(
         self,
         name: str,
@@ -124,9 +142,6 @@ class App:
         result_store: TaskStore | None = None,
         streams: StreamStore | None = None,
     ) -> None:
-        """``store`` replaces the default Redis ``TaskStore`` (claims and records; the caller
-        closes it). ``result_store`` is its former name. ``streams`` replaces the default
-        Redis ``StreamStore`` (task streams and session inboxes; the caller closes it)."""
         if result_store is not None:
             if store is not None:
                 raise ConfigurationError("pass the task store once, as store=")
@@ -188,24 +203,44 @@ class App:
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register an async handler for ``queue``; options left out come from settings.
 
-        ``ttl_s``: the lifetime of a task this App publishes to ``queue`` without its own
-        ``ttl_s`` (default ``settings.task_ttl_s``, 7 days).
+        Args:
+            queue: The handler queue; one handler per queue.
+            retry: The retry policy; default ``settings.retry_policy()``.
+            timeout_s: How long one attempt may run before it is cancelled; default
+                ``settings.handler_timeout_s``.
+            delivery_limit: The quorum queue's ``x-delivery-limit``: a task whose worker died
+                on it this often is dead-lettered. Default ``settings.delivery_limit``.
+            max_length: The queue's length bound (``x-max-length``), if any: past it,
+                publishes are refused (``PublishNackedError``).
+            idempotent: Guard the handler with the task store, so a redelivered task runs
+                once.
+            ttl_s: The lifetime of a task this App publishes to ``queue`` without its own
+                ``ttl_s``; default ``settings.task_ttl_s`` (7 days).
+            notify: ``True`` publishes each task's final state to ``<queue>.results``, a
+                queue name to that queue, before the task is acked or dead-lettered (see
+                ``notification``). Needs results on.
+            priority: The default priority of tasks published to ``queue`` without one. A
+                default above NORMAL implies ``priorities=True``.
+            priorities: Let tasks of ``queue`` carry a priority above NORMAL. On a broker
+                without usable priorities that costs two lane queues.
+            queue_type: ``"quorum"``, or ``"classic"`` for a classic queue with native
+                priorities (not replicated: see docs/how-to/priorities.md).
+            limit: A ``Limit(key=..., concurrency=..., rate=..., per_s=...)`` or a list of
+                them: tasks over a limit are deferred without spending an attempt (see
+                ``limits``).
+            breaker: A ``Breaker(...)`` pauses the queue in a worker after repeated failures
+                (``UpstreamDown`` by default) and probes it after a cool-down (see
+                ``breaker``).
 
-        ``notify=True`` publishes each task's final state to ``<queue>.results`` (a name: to
-        that queue) before the task is acked or dead-lettered (see ``notification``).
+        Returns:
+            The decorator, which registers the function and returns it unchanged.
 
-        ``priorities=True`` lets tasks of ``queue`` carry a priority above NORMAL (on a
-        broker without usable priorities that costs two lane queues; a default ``priority``
-        above NORMAL implies it); ``priority`` is the default of tasks published to
-        ``queue`` without one;
-        ``queue_type="classic"`` declares Q as a classic queue with native priorities
-        (not replicated: see docs/how-to/priorities.md).
-
-        ``limit=Limit(key=..., concurrency=..., rate=..., per_s=...)`` (or a list of them):
-        tasks over a limit are deferred without spending an attempt (see ``limits``).
-
-        ``breaker=Breaker(...)`` pauses the queue in a worker after repeated failures
-        (``UpstreamDown`` by default) and probes it after a cool-down (see ``breaker``).
+        Raises:
+            ConfigurationError: ``limit`` holds something that is not a ``Limit``; when the
+                decorator is applied, also a queue that already has a handler, or an option
+                that cannot work (a bad ``notify``, a bad queue name).
+            InvalidPriorityError: When the decorator is applied: an unknown ``priority`` or
+                ``queue_type``.
         """
         limits = as_limits(limit)
 
@@ -238,6 +273,7 @@ class App:
 
     @property
     def handlers(self) -> Mapping[str, HandlerSpec]:
+        """The registered handlers by queue name (read-only)."""
         return MappingProxyType(self._handlers)
 
     # -- tracing ------------------------------------------------------------------------
@@ -250,8 +286,13 @@ class App:
         return self._spans
 
     def trace_with(self, tracer_provider: Any) -> None:
-        """Open spans with this OpenTelemetry ``TracerProvider``, whatever ``settings.otel``
-        says (call before publishing or starting a worker)."""
+        """Open spans with this OpenTelemetry ``TracerProvider``, whatever ``settings.otel`` says.
+
+        Call it before publishing or starting a worker.
+
+        Args:
+            tracer_provider: An OpenTelemetry ``TracerProvider``.
+        """
         self._spans = Spans(tracer_provider)
 
     # -- publishing ---------------------------------------------------------------------
@@ -275,12 +316,38 @@ class App:
     ) -> aio_pika.Message:
         """Encode and check a task without sending it: size, and the handler's model if known.
 
-        Its lifetime is ``ttl_s``, else its handler's ``ttl_s`` (if registered in this App),
-        else ``settings.task_ttl_s``, counted from now (see ``weclaw_mq.lifetime``).
-        A priority above NORMAL (``priority``, else the handler's default) is written in the
-        ``x-weclaw-priority`` header; ``publish`` then routes the message by it. A
-        ``delay_s`` is written as the task's not-before time (``x-weclaw-not-before``), by
-        which ``publish`` parks it in a delay queue (``weclaw_mq.delays``)."""
+        Args:
+            queue: The handler queue the task is for.
+            payload: The task, JSON-serialisable (or an instance of the handler's model).
+            task_id: The task's id (an idempotency key); default a new one.
+            trace_id: The trace id; default the trace of the task being handled, else a new
+                one.
+            headers: Extra AMQP headers.
+            ttl_s: The task's lifetime, counted from now; default its handler's ``ttl_s`` (if
+                registered in this App), else ``settings.task_ttl_s`` (see
+                ``weclaw_mq.lifetime``).
+            session_id: The session (a user or a conversation) the task is for, written in
+                the ``x-weclaw-session-id`` header.
+            priority: The task's priority; default the handler's. Above NORMAL it is written
+                in the ``x-weclaw-priority`` header, by which ``publish`` routes the message.
+            delay_s: Written as the task's not-before time (``x-weclaw-not-before``), by which
+                ``publish`` parks it in a delay queue (``weclaw_mq.delays``).
+
+        Returns:
+            The message, ready for ``publish`` (its ``message_id`` is the task id).
+
+        Raises:
+            ConfigurationError: A ``ttl_s`` or ``delay_s`` that is not a valid number of
+                seconds, a ``delay_s`` not shorter than the task's lifetime, or an invalid
+                ``session_id``.
+            PayloadError: The payload is not JSON-serialisable.
+            PayloadTooLargeError: The body is over ``settings.max_message_bytes``.
+            PayloadValidationError: The payload fails the model of the handler registered
+                for ``queue`` in this App.
+            MessageEncodingError: AMQP cannot carry the task id, the queue name or a header.
+            InvalidPriorityError: An unknown ``priority``, or one above NORMAL for a handler
+                registered without ``priorities=True``.
+        """
         ttl_ms = self._ttl_ms(queue, ttl_s)
         delay_ms = 0 if delay_s is None else check_delay(delay_s, "delay_s")
         if delay_ms >= ttl_ms:
@@ -377,8 +444,15 @@ class App:
         return target
 
     def queue_type_of(self, queue: str) -> str:
-        """The type of ``queue`` as its handler here declares it; a queue without a handler
-        in this app is taken to be a default (quorum) handler queue."""
+        """The type of ``queue`` as its handler here declares it.
+
+        Args:
+            queue: A handler queue.
+
+        Returns:
+            ``"quorum"`` or ``"classic"``; a queue without a handler in this App is taken to
+            be a default (quorum) handler queue.
+        """
         spec = self._handlers.get(queue)
         return spec.queue_type if spec is not None else QUORUM
 
@@ -398,20 +472,59 @@ class App:
     ) -> str:
         """Publish one task and return its id once the broker confirmed it is stored.
 
-        The trace id is, in order: ``trace_id``, the trace of the task being handled, a new
-        one. ``ttl_s``: the task's lifetime (see ``prepare``); past it the task ends in
-        ``Q.dlq`` with reason ``expired`` and ``status()`` answers ``expired``. With
-        ``session_id`` (a user or a conversation: letters, digits, ``_.:@-``), the task's
-        streamed chunks and final reply also go to that session's inbox. ``priority``
-        (default: the handler's, else NORMAL) is ``Priority.HIGH`` or ``"high"`` and so on;
-        see docs/how-to/priorities.md. ``delay_s``: the task is delivered no earlier than
-        that many seconds from now (at most ~1 s later; its status meanwhile is ``queued``);
-        see docs/how-to/delays.md.
+        With a local outbox configured (``WECLAW_MQ_OUTBOX_PATH``), a task the broker did not
+        confirm for want of a broker (unavailable, no confirm in time, connection lost) is
+        stored in the outbox instead, and its id returned (``weclaw_mq.outbox``).
 
-        A ``task_id`` of yours is an idempotency key: published again, it is the same task
-        (the guard runs it once, the first body wins). With ``refuse_other_body=True`` another
-        body raises ``IdempotencyConflictError`` and nothing is sent (``state.reuse``; needs
-        results on). Off by default: the check is one Redis round trip before the publish.
+        Args:
+            queue: The handler queue.
+            payload: The task, JSON-serialisable (or an instance of the handler's model).
+            task_id: An idempotency key of yours: published again, it is the same task (the
+                guard runs it once, the first body wins). Default a new id.
+            trace_id: The trace id; default the trace of the task being handled, else a new
+                one.
+            headers: Extra AMQP headers.
+            ttl_s: The task's lifetime (see ``prepare``); past it the task ends in ``Q.dlq``
+                with reason ``expired`` and ``status()`` answers ``expired``.
+            session_id: A user or a conversation (letters, digits, ``_.:@-``): the task's
+                streamed chunks and final reply also go to that session's inbox.
+            priority: ``Priority.HIGH`` or ``"high"`` and so on; default the handler's, else
+                NORMAL (see docs/how-to/priorities.md).
+            delay_s: The task is delivered no earlier than that many seconds from now (at
+                most ~1 s later; its status meanwhile is ``queued``; see
+                docs/how-to/delays.md).
+            refuse_other_body: With a ``task_id``, refuse another body than the first one
+                published under it (``state.reuse``; needs results on). Off by default: the
+                check is one Redis round trip before the publish.
+
+        Returns:
+            The task id.
+
+        Raises:
+            ConfigurationError: A ``ttl_s`` or ``delay_s`` that is not a valid number of
+                seconds, a ``delay_s`` not shorter than the task's lifetime, or an invalid
+                ``session_id``.
+            PayloadError: The payload is not JSON-serialisable.
+            PayloadTooLargeError: The body is over ``settings.max_message_bytes``.
+            PayloadValidationError: The payload fails the model of the handler registered
+                for ``queue`` in this App.
+            MessageEncodingError: AMQP cannot carry the task id, the queue name or a header.
+            InvalidPriorityError: An unknown ``priority``, or one above NORMAL for a handler
+                registered without ``priorities=True``.
+            IdempotencyConflictError: With ``refuse_other_body=True``: the task id was
+                published to ``queue`` before with another body; nothing was sent.
+            BrokerUnavailableError: No broker answered; nothing was sent.
+            UnroutableError: No queue (or delay exchange) for the task: run
+                ``weclaw-mq declare`` or start a worker first.
+            PublishNackedError: The broker refused the message (a full queue); nothing was
+                stored.
+            ConfirmTimeoutError: No confirm within ``confirm_timeout_s``: the task may be
+                stored; republish with the same ``task_id``.
+            ConnectionLostError: The connection or channel died before the confirm: the task
+                may be stored; republish with the same ``task_id``.
+            OutboxFullError: With a local outbox, for a task it would take: the outbox is
+                at its bound; nothing was stored.
+            OutboxUnusableError: With a local outbox: its file cannot be opened or written.
         """
         message = self.prepare(
             queue,
@@ -501,10 +614,34 @@ class App:
         priority: Priority | str | None = None,
         delay_s: float | None = None,
     ) -> list[str]:
-        """Publish a batch over one channel with pipelined confirms; the task ids, in order.
+        """Publish a batch over one channel with pipelined confirms.
 
-        Every payload is checked before anything is sent. If some messages are not confirmed,
-        ``BatchPublishError`` says which (``.failed``) and which are stored (``.confirmed``).
+        Every payload is checked before anything is sent. The options apply to every task of
+        the batch, as in ``publish``.
+
+        Args:
+            queue: The handler queue.
+            payloads: The tasks, each as ``publish`` takes one.
+            task_ids: One id per payload, in order; default new ids.
+            trace_id: The trace id of every task (see ``publish``).
+            headers: Extra AMQP headers of every task.
+            ttl_s: The lifetime of every task (see ``prepare``).
+            session_id: The session of every task (see ``publish``).
+            priority: The priority of every task (see ``publish``).
+            delay_s: The delay of every task (see ``publish``).
+
+        Returns:
+            The task ids, in the order of ``payloads``.
+
+        Raises:
+            ConfigurationError: ``task_ids`` is not as long as ``payloads``; or as in
+                ``prepare``.
+            BatchPublishError: Some messages were not confirmed: ``.failed`` says which
+                (index -> error), ``.confirmed`` which are stored. With a local outbox, only
+                those the broker refused outright; the others are stored in it.
+            PayloadError: As in ``prepare`` (and its subclasses), before anything is sent.
+            InvalidPriorityError: As in ``prepare``, before anything is sent.
+            BrokerUnavailableError: No broker answered before the batch; nothing was sent.
         """
         items = list(payloads)
         if task_ids is not None and len(task_ids) != len(items):
@@ -642,8 +779,10 @@ class App:
     # -- results ------------------------------------------------------------------------
     @property
     def store(self) -> TaskStore | None:
-        """The task store (claims and records), or None when nothing needs one: results are
-        off and no handler is guarded."""
+        """The task store (claims and records), opened on first use.
+
+        None when nothing needs one: results are off and no handler is guarded.
+        """
         if self._store is None and self.needs_store:
             self._store = open_store(self.settings)
         return self._store
@@ -667,12 +806,25 @@ class App:
         return store
 
     async def status(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
-        """The task's recorded state in ``queue``, or None if none is known.
+        """The task's recorded state in ``queue``.
 
         A task has one record per queue it went through (pipeline stages may share a task
-        id). Without ``queue``, the most recently written record of the task id answers.
-        A queued or retrying record past the task's deadline answers ``expired``.
-        ``StateUnavailableError`` when the store fails or does not answer.
+        id).
+
+        Args:
+            task_id: The task's id.
+            queue: The queue whose record answers; without it, the most recently written
+                record of the task id.
+
+        Returns:
+            The record, or None if none is known. A stored_locally, queued or retrying record
+            past the task's deadline answers ``expired``. With a local outbox, when the store has no
+            record or does not answer, a task the outbox holds reads ``stored_locally``.
+
+        Raises:
+            ConfigurationError: Results are turned off (``WECLAW_MQ_RESULTS_ENABLED=false``).
+            StateUnavailableError: The store fails or does not answer.
+            StateCommandError: Redis answered the read with an error (not an outage).
         """
         if self._local is not None:
             return await self._local.status(
@@ -694,13 +846,27 @@ class App:
     async def result(
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
     ) -> TaskState:
-        """Wait (without polling in a loop) until the task's record in ``queue`` (without a
-        queue: its most recently written record) is succeeded, dead_lettered, expired or
-        cancelled.
+        """Wait until the task's record is final: succeeded, dead_lettered, expired or cancelled.
 
-        For a pipeline whose stages share a task id, pass the last stage's queue: without
-        it, an earlier stage's final record may answer before the next stage wrote its own.
-        ``ResultTimeoutError`` after ``timeout_s``; ``StateUnavailableError`` when the store fails.
+        It waits without polling in a loop: the store wakes it when the record is written.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue whose record answers; without it, the task's most recently
+                written record. For a pipeline whose stages share a task id, pass the last
+                stage's queue: without it, an earlier stage's final record may answer before
+                the next stage wrote its own.
+            timeout_s: How long to wait, in seconds.
+
+        Returns:
+            The final record.
+
+        Raises:
+            ResultTimeoutError: No final record within ``timeout_s`` (``.last`` holds the
+                last record seen).
+            ConfigurationError: Results are turned off (``WECLAW_MQ_RESULTS_ENABLED=false``).
+            StateUnavailableError: The store fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
         """
         store = self._require_results()
         loop = asyncio.get_running_loop()
@@ -748,12 +914,25 @@ class App:
     ) -> AsyncIterator[StreamEvent]:
         """The task's events, oldest first, then live, ending with its final event.
 
-        ``after``: the id of the last event already seen (resume: exactly the events after
-        it). Events are "attempt" (a run starts: drop the partial text so far), "chunk"
-        (``data``) and "final" (``status``, ``result``, ``reason``), which comes for every
-        terminal status as ``result()`` answers it for ``queue`` (without: the task's latest
-        record), ``expired`` included. A task that is not known yet is waited for; bound it with
-        ``asyncio.timeout``. ``StateUnavailableError`` when Redis fails.
+        Events are "attempt" (a run starts: drop the partial text so far), "chunk"
+        (``data``) and "final" (``status``, ``result``, ``reason``). A task that is not known
+        yet is waited for; bound it with ``asyncio.timeout``.
+
+        Args:
+            task_id: The task's id.
+            after: The id of the last event already seen: resume with exactly the events
+                after it.
+            queue: Whose final state ends the stream, as ``result()`` answers it; without
+                it, the task's latest record.
+
+        Returns:
+            An async iterator of the events. The final event comes for every terminal status,
+            ``expired`` included.
+
+        Raises:
+            ConfigurationError: Results are turned off, or ``after`` is not a stream event
+                id (raised here, not at the first event).
+            StateUnavailableError: While iterating: Redis fails.
         """
         self._require_results()
         if after is not None:
@@ -773,9 +952,23 @@ class App:
         )
 
     def inbox(self, session_id: str, *, after: str | None = None) -> Inbox:
-        """The session's inbox: ``async for`` its pending events (oldest first, then live;
-        from after ``after`` when given), ``await inbox.confirm(event_id)`` to remove what
-        the client received (up to and including that id)."""
+        """The session's inbox.
+
+        ``async for`` its pending events (oldest first, then live), and
+        ``await inbox.confirm(event_id)`` to remove what the client received (up to and
+        including that id).
+
+        Args:
+            session_id: The session (a user or a conversation).
+            after: Start after this event id; default the oldest pending event.
+
+        Returns:
+            The inbox.
+
+        Raises:
+            ConfigurationError: An invalid ``session_id``, or an ``after`` that is not a
+                stream event id.
+        """
         return Inbox(
             self.streams,
             validate_session_id(session_id),
@@ -786,19 +979,33 @@ class App:
     async def cancel(
         self, task_id: str, *, queue: str | None = None, pending: bool = True
     ) -> Cancellation:
-        """Cancel a task that has not finished: queued or retrying, it is acked unrun when
-        next delivered; running, its handler is cancelled within about a second on whichever
-        worker runs it, and never retried. Its status becomes ``cancelled`` (final).
+        """Cancel a task that has not finished.
 
-        Without ``queue``, the task's latest record decides, and every queue of the task id is
-        cancelled (all stages of a pipeline). A finished task is left alone: the answer's
-        ``outcome`` is ``finished`` (``changed`` False), with its record. A task not known yet
-        (in ``queue``, when given) is cancelled when it arrives (``pending``), for as long as
-        a record is kept (``result_ttl_s``); with ``pending=False`` it is left alone
-        (``unknown``). Either way, a task with no record in ``queue`` but one in another
-        queue keeps that record and its status; the answer's ``elsewhere`` is that record.
-        ``ConfigurationError`` for a task id no task can have or an invalid queue name;
-        ``StateUnavailableError`` when the store fails. See ``weclaw_mq.state.cancel``.
+        Queued or retrying, it is acked unrun when next delivered; running, its handler is
+        cancelled within about a second on whichever worker runs it, and never retried. Its
+        status becomes ``cancelled`` (final). A finished task is left alone. A task with no
+        record in ``queue`` but one in another queue keeps that record and its status. See
+        ``weclaw_mq.state.cancel``.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue to cancel it in. Without it, the task's latest record decides,
+                and every queue of the task id is cancelled (all stages of a pipeline).
+            pending: Cancel a task not known yet (in ``queue``, when given) when it
+                arrives, for as long as a record is kept (``result_ttl_s``). With
+                ``pending=False`` such a task is left alone.
+
+        Returns:
+            What happened: ``outcome`` is ``cancelled``; ``finished`` for a finished task
+            (``changed`` False, with its record); ``pending`` for a task not known yet;
+            ``unknown`` for one left alone with ``pending=False``. ``elsewhere`` is the
+            task's record in another queue when ``queue`` holds none.
+
+        Raises:
+            ConfigurationError: A task id no task can have, an invalid queue name, or no
+                task store (results off and no handler guarded).
+            StateUnavailableError: The store fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
         """
         check_task_id(task_id)
         if queue is not None:
@@ -821,7 +1028,15 @@ class App:
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:
-        """Declare every queue of every handler; returns their names."""
+        """Declare every queue of every handler.
+
+        Returns:
+            The names of the queues declared.
+
+        Raises:
+            BrokerUnavailableError: No broker answered.
+            TopologyConflictError: A queue exists with other arguments.
+        """
         conn = await self.broker.connect(name=f"{self.name}-declare")
         try:
             channel = await conn.channel()
@@ -832,8 +1047,14 @@ class App:
     # -- the local outbox (weclaw_mq.outbox) ----------------------------------------------
     async def start_outbox(self) -> Outbox:
         """Open the outbox file and start its relay now (otherwise: at the first publish).
-        ``OutboxUnusableError`` if the file is corrupt or cannot be written;
-        ``ConfigurationError`` if no outbox is configured."""
+
+        Returns:
+            The open outbox.
+
+        Raises:
+            OutboxUnusableError: The file is corrupt or cannot be written.
+            ConfigurationError: No outbox is configured (``WECLAW_MQ_OUTBOX_PATH``).
+        """
         return await self._require_outbox().open()
 
     def add_to_outbox(
@@ -846,9 +1067,25 @@ class App:
         trace_id: str | None = None,
         headers: HeadersType | None = None,
     ) -> str:
-        """Add a task to the outbox inside the caller's own SQLite transaction on ``conn``
-        (a connection to the outbox file): it is sent by the relay once the caller commits,
-        and never if the caller rolls back. Checked like ``publish``; returns the task id."""
+        """Add a task to the outbox inside the caller's own SQLite transaction on ``conn``.
+
+        The relay sends it once the caller commits, and never if the caller rolls back.
+
+        Args:
+            conn: A connection to the outbox file, inside the caller's transaction.
+            queue: The handler queue.
+            payload: The task, checked like ``publish`` checks it (``prepare``).
+            task_id: The task's id; default a new one.
+            trace_id: The trace id (see ``publish``).
+            headers: Extra AMQP headers.
+
+        Returns:
+            The task id.
+
+        Raises:
+            PayloadError: As in ``prepare`` (and its subclasses).
+            ConfigurationError: As in ``prepare``.
+        """
         from .outbox import add_message
 
         message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
@@ -856,8 +1093,14 @@ class App:
         return message.message_id or ""
 
     async def stored_locally(self, task_id: str) -> bool:
-        """Whether the outbox holds ``task_id`` now, i.e. it is not on the broker yet (False
-        when no outbox is configured)."""
+        """Whether the outbox holds the task now, i.e. it is not on the broker yet.
+
+        Args:
+            task_id: The task's id.
+
+        Returns:
+            True while the outbox holds it; False when no outbox is configured.
+        """
         return self._local is not None and await self._local.holds(task_id)
 
     def _require_outbox(self) -> LocalFallback:
@@ -866,6 +1109,12 @@ class App:
         return self._local
 
     async def close(self) -> None:
+        """Close what this App opened: the outbox relay, the publisher, and the stores.
+
+        Pending "queued" writes get up to ``QUEUED_RECORD_CLOSE_WAIT_S`` (1 s) first; what
+        Redis did not answer by then is dropped (logged). Stores passed in by the caller
+        are left open.
+        """
         if self._local is not None:
             await self._local.close()  # the relay first: its status writes use the store
         if self._record_writes:

@@ -23,8 +23,10 @@ from .errors import ConfigurationError
 
 
 class UpstreamDown(Exception):
-    """Raise from a handler when the service it calls is down (a 5xx, a refused connection):
-    it fails the attempt like any error, and counts toward the handler's circuit breaker."""
+    """Raise from a handler when the service it calls is down (a 5xx, a refused connection).
+
+    It fails the attempt like any error, and counts toward the handler's circuit breaker.
+    """
 
     error_type: ClassVar[str] = "weclaw_mq.UpstreamDown"  # stable, as in ``errors``
 
@@ -42,8 +44,18 @@ ErrorClasses = type[BaseException] | tuple[type[BaseException], ...]
 class Breaker:
     """``failures`` failures counted within ``window_s`` open the circuit for ``cooldown_s``.
 
-    ``on`` says which errors count: ``UpstreamDown`` by default, a class or a tuple of classes
-    of yours, or ``Exception`` for every failure. Other errors neither count nor reset."""
+    Args:
+        failures: How many counted failures open the circuit (at least 1).
+        window_s: The window the failures are counted in, in seconds.
+        cooldown_s: How long the circuit stays open before a probe, in seconds.
+        on: Which errors count: ``UpstreamDown`` by default, a class or a tuple of classes
+            of yours, or ``Exception`` for every failure. Other errors neither count nor
+            reset.
+
+    Raises:
+        ConfigurationError: ``failures`` under 1, a ``window_s`` or ``cooldown_s`` not over
+            0, or an ``on`` that is not an exception class or a tuple of them.
+    """
 
     failures: int = 5
     window_s: float = 30.0
@@ -64,12 +76,29 @@ class Breaker:
             )
 
     def counts(self, error: BaseException | None) -> bool:
+        """Whether a handler outcome counts toward opening the circuit.
+
+        Args:
+            error: What the handler raised; None when it returned.
+
+        Returns:
+            True for an instance of ``on``.
+        """
         return error is not None and isinstance(error, self.on)
 
     def attempts_bound(self, concurrency: int, outage_s: float) -> int:
-        """Failed attempts one worker spends on an outage of ``outage_s`` seconds (counted
-        from its first failure): ``failures`` trip it, ``concurrency - 1`` others may be
-        running then, and each cool-down lets one probe through."""
+        """Failed attempts one worker spends on an outage, at most.
+
+        ``failures`` trip it, ``concurrency - 1`` others may be running then, and each
+        cool-down lets one probe through.
+
+        Args:
+            concurrency: The worker's concurrency.
+            outage_s: The outage's length in seconds, counted from its first failure.
+
+        Returns:
+            The bound on failed attempts.
+        """
         return self.failures + concurrency - 1 + int(outage_s // self.cooldown_s) + 1
 
 

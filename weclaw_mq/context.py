@@ -17,6 +17,27 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Context:
+    """What a handler knows about the task it runs; the worker builds it.
+
+    Args:
+        task_id: The task's id.
+        trace_id: The task's trace id, inherited by the tasks it publishes.
+        queue: The handler queue.
+        attempt: This attempt's number (1 = the first run).
+        redelivered: Whether the broker delivered this message before.
+        headers: The message's AMQP headers.
+        app: The App that runs the handler.
+        logger: Every line logged through it (or any logger, via ``TraceLogFilter``)
+            carries the task's ids.
+        session_id: The session (user or conversation) the task was published for, if any:
+            its streamed chunks and final reply also go to that session's inbox.
+        emitter: Writes this run's chunks (``emit``); the worker sets it, and drains it
+            before storing the result.
+        cancel_requested: Set when the task is cancelled (``App.cancel``); the handler is
+            then cancelled too (a ``CancelledError`` at its next await), and may wait on
+            this in a task of its own.
+    """
+
     task_id: str
     trace_id: str
     queue: str
@@ -42,17 +63,41 @@ class Context:
         return self.cancel_requested.is_set()
 
     async def publish(self, queue: str, payload: Any, **kwargs: Any) -> str:
-        """Publish a follow-up task; it inherits this task's trace id."""
+        """Publish a follow-up task; it inherits this task's trace id.
+
+        Args:
+            queue: The handler queue of the follow-up task.
+            payload: The task.
+            **kwargs: The other options of ``App.publish`` (``trace_id`` excepted).
+
+        Returns:
+            The follow-up task's id.
+
+        Raises:
+            ConfigurationError: As ``App.publish`` raises it (and its subclasses).
+            PayloadError: As ``App.publish`` raises it (and its subclasses).
+            PublishFailedError: As ``App.publish`` raises it (and its subclasses).
+        """
         return await self.app.publish(queue, payload, trace_id=self.trace_id, **kwargs)
 
     async def emit(self, chunk: Any) -> None:
-        """Stream a piece of partial output (str or JSON data) to ``App.stream(task_id)``
-        readers, and to the session's inbox. Returns at once: chunks are written in order in
-        the background, all of them before the result is stored.
+        """Stream a piece of partial output to ``App.stream(task_id)`` readers and the inbox.
 
-        ``StreamLimitError`` for a chunk over ``stream_max_chunk_bytes`` (as JSON) or past
-        ``stream_max_chunks`` in this run; ``StreamWriteError`` once an earlier write failed
-        (let it fail the attempt: the retry streams again under a new "attempt" marker).
+        The session's inbox gets it too. Chunks are written in order in the background, all
+        of them before the result is stored. It returns at once, unless 1 MiB of earlier
+        chunks is still being written (``streaming.emitter.MAX_IN_FLIGHT_BYTES``): then it
+        waits for room.
+
+        Args:
+            chunk: A str or JSON data.
+
+        Raises:
+            TypeError: The chunk is neither a str nor JSON data.
+            StreamLimitError: The chunk is over ``stream_max_chunk_bytes`` (as JSON), or past
+                ``stream_max_chunks`` in this run.
+            StreamWriteError: An earlier write failed (let it fail the attempt: the retry
+                streams again under a new "attempt" marker), or this context has no stream
+                (it was not built by a worker).
         """
         if self.emitter is None:
             raise StreamWriteError("this context has no stream (it was not built by a worker)")

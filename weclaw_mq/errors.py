@@ -274,6 +274,7 @@ class BatchPublishError(PublishFailedError):
 
     @property
     def confirmed(self) -> list[str]:
+        """The task ids of the batch that did not fail, in order."""
         return [t for i, t in enumerate(self.task_ids) if i not in self.failed]
 
 

@@ -36,9 +36,17 @@ class LimitKind(StrEnum):
 class Limit:
     """At most ``concurrency`` tasks per key at once, and/or ``rate`` starts per ``per_s``.
 
-    ``key``: a function of the validated task (the handler's first argument) returning the
-    key as ``str`` or ``int``; ``None`` for a task means that task is not held by this limit.
-    Without ``key`` the limit is one global limit of the handler.
+    Args:
+        key: A function of the validated task (the handler's first argument) returning the
+            key as ``str`` or ``int``; ``None`` for a task means that task is not held by
+            this limit. Without ``key`` the limit is one global limit of the handler.
+        concurrency: At most this many tasks of one key run at once, across every worker.
+        rate: At most this many tasks of one key start in any window of ``per_s`` seconds.
+        per_s: The window of ``rate``, in seconds (at least 0.001).
+
+    Raises:
+        ConfigurationError: Neither ``concurrency`` nor ``rate`` is given, one is not an
+            int of at least 1, ``per_s`` is under 0.001, or ``key`` is not callable.
     """
 
     key: KeyFunc | None = None
@@ -61,6 +69,7 @@ class Limit:
 
     @property
     def period_ms(self) -> int:
+        """``per_s`` in milliseconds."""
         return round(self.per_s * 1000)
 
 

@@ -46,6 +46,20 @@ class TaskNotification(BaseModel):
     ``error`` and ``error_type``; an expired task too, with reason ``expired``) or
     ``cancelled`` (``App.cancel``: nothing but the ids and ``attempt``). Later versions may add
     final statuses: they read as plain strings, so handle what you do not know.
+
+    Attributes:
+        task_id: The task's id.
+        queue: The handler queue the task ran in.
+        status: The final status; one this version does not know reads as its plain string
+            (an older consumer must not dead-letter a newer worker's notification).
+        result: The handler's return value (succeeded).
+        error: ``ErrorName: message`` of the last failure (dead_lettered).
+        error_type: Its stable name, as in ``x-weclaw-error-type``.
+        reason: The dead-letter reason: ``retries_exhausted``, ``rejected``, ...
+        attempt: The attempt that ended the task (1 = the first run).
+        requeued: Times ops requeued the task from its DLQ before this end.
+        trace_id: The task's trace id.
+        finished_at: When the task ended (its final record's ``updated_at``).
     """
 
     task_id: str

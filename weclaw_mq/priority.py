@@ -36,8 +36,15 @@ QUEUE_TYPES = (QUORUM, CLASSIC)
 
 
 class Priority(enum.Enum):
-    """A task's priority; ``Priority("high")`` and ``parse_priority("high")`` read the wire
-    and user spelling."""
+    """A task's priority: NORMAL, HIGH or URGENT.
+
+    ``Priority("high")`` and ``parse_priority("high")`` read the wire and user spelling.
+
+    Attributes:
+        NORMAL: The default; a task without a priority header is NORMAL.
+        HIGH: Served before NORMAL.
+        URGENT: Served before HIGH.
+    """
 
     NORMAL = "normal"
     HIGH = "high"

@@ -36,6 +36,15 @@ class RetryPolicy:
     These defaults are the only statement of them: the ``WECLAW_MQ_MAX_RETRIES`` and
     ``WECLAW_MQ_RETRY_*`` settings take theirs from here. They are the production config of
     our design notes: 5 s, 10 s, 20 s, then the DLQ.
+
+    Args:
+        max_retries: Retries after the first attempt; 0 dead-letters the first failure.
+        delay_s: The first retry's delay, in seconds (at least 0.001).
+        multiplier: Each later delay is this many times the one before (at least 1).
+        max_delay_s: The cap of every delay, in seconds.
+
+    Raises:
+        ConfigurationError: A value out of those bounds.
     """
 
     max_retries: int = 3
@@ -54,12 +63,23 @@ class RetryPolicy:
             raise ConfigurationError("delay_s must be at least 0.001 (1 ms)")
 
     def delay_ms(self, failed_attempt: int) -> int:
-        """Delay before the attempt that follows ``failed_attempt`` (1-based)."""
+        """Delay before the attempt that follows ``failed_attempt``.
+
+        Args:
+            failed_attempt: The attempt that failed (1-based).
+
+        Returns:
+            The delay in milliseconds.
+        """
         raw = self.delay_s * self.multiplier ** max(failed_attempt - 1, 0)
         return round(min(raw, self.max_delay_s) * 1000)
 
     def delays_ms(self) -> tuple[int, ...]:
-        """Each distinct delay once: one delay queue is declared per entry."""
+        """Each distinct delay once: one delay queue is declared per entry.
+
+        Returns:
+            The delays in milliseconds, in the order the retries meet them.
+        """
         seen: dict[int, None] = {}
         for attempt in range(1, self.max_retries + 1):
             seen[self.delay_ms(attempt)] = None

@@ -49,6 +49,20 @@ _MULTI_NODE = ("redis+cluster", "redis+sentinel")
 
 
 class Settings(EnvSettings):
+    """Every knob of weclaw_mq, read from ``WECLAW_MQ_<FIELD>`` variables and ``.env``.
+
+    docs/operations/configuration.md lists the fields, from the comments above them.
+
+    Args:
+        _env_file: The ``.env`` file to read; default the class's ``env_file`` (``.env``);
+            None reads none.
+        **values: Fields set here, over the environment.
+
+    Raises:
+        pydantic.ValidationError: A value out of its bounds; the value itself is never
+            echoed back (it may be a URL with a password in it).
+    """
+
     # Read from WECLAW_MQ_<FIELD> (any case), then .env (env_settings.py: unknown keys are
     # ignored, a rejected value is never echoed back: it may be a URL with a password in it).
     env_prefix: ClassVar[str] = "WECLAW_MQ_"
@@ -256,7 +270,14 @@ class Settings(EnvSettings):
         return self
 
     def tls(self, service: Service) -> TlsOptions:
-        """The TLS settings for RabbitMQ (``amqp``) or Redis (``redis``)."""
+        """The TLS settings for RabbitMQ (``amqp``) or Redis (``redis``).
+
+        Args:
+            service: ``"amqp"`` or ``"redis"``.
+
+        Returns:
+            The service's CA, certificate and key files and hostname check.
+        """
         if service == "amqp":
             return TlsOptions(
                 service,
@@ -274,13 +295,24 @@ class Settings(EnvSettings):
         )
 
     def uses_tls(self, service: Service) -> bool:
-        """Whether the service's URL (any node of an AMQP list) asks for TLS."""
+        """Whether the service's URL (any node of an AMQP list) asks for TLS.
+
+        Args:
+            service: ``"amqp"`` or ``"redis"``.
+
+        Returns:
+            True for ``amqps://`` (RabbitMQ) or ``rediss`` (Redis).
+        """
         if service == "amqp":
             return any(u.lower().startswith("amqps://") for u in self.amqp_urls())
         return self.redis_url_plain().lower().startswith("rediss")
 
     def retry_policy(self) -> RetryPolicy:
-        """The retry policy of a handler registered without its own ``retry=``."""
+        """The retry policy of a handler registered without its own ``retry=``.
+
+        Returns:
+            The policy of ``max_retries`` and the ``retry_*`` settings.
+        """
         return RetryPolicy(
             max_retries=self.max_retries,
             delay_s=self.retry_delay_s,
@@ -289,23 +321,52 @@ class Settings(EnvSettings):
         )
 
     def amqp_url_plain(self) -> str:
+        """``amqp_url`` as written, password included: never log it.
+
+        Returns:
+            The URL, or the comma-separated list of a cluster's nodes.
+        """
         return self.amqp_url.get_secret_value()
 
     def amqp_urls(self) -> list[str]:
+        """The broker URLs, one per node, in the order clients try them.
+
+        Returns:
+            The URLs; the default local broker's when the list is empty.
+        """
         urls = [u.strip() for u in self.amqp_url_plain().split(",") if u.strip()]
         return urls or ["amqp://guest:guest@localhost:5672/"]
 
     def amqp_url_redacted(self) -> str:
+        """``amqp_url`` with every password replaced by ``***``, for logs.
+
+        Returns:
+            The redacted URLs, comma-separated.
+        """
         return ",".join(redact_url(u) for u in self.amqp_urls())
 
     def redis_url_plain(self) -> str:
+        """``redis_url`` as written, password included: never log it.
+
+        Returns:
+            The URL.
+        """
         return self.redis_url.get_secret_value()
 
     def redis_url_redacted(self) -> str:
+        """``redis_url`` with any password replaced by ``***``, for logs.
+
+        Returns:
+            The redacted URL.
+        """
         return redact_url(self.redis_url_plain())
 
     def redis_topology(self) -> RedisTopology | None:
-        """The Redis Cluster or Sentinel set the URL names; None for one Redis."""
+        """The Redis Cluster or Sentinel set the URL names.
+
+        Returns:
+            Its nodes and options; None for one Redis.
+        """
         url = self.redis_url_plain()
         return parse_topology(url, redact_url(url)) if is_multi_node(url) else None
 

@@ -52,6 +52,15 @@ CANCEL_ATTEMPTS = 10
 
 
 class CancelOutcome(StrEnum):
+    """What a cancel did (``Cancellation.outcome``).
+
+    Attributes:
+        CANCELLED: Its record now reads cancelled; it will not run to completion.
+        PENDING: No record of it yet: the marker stops it when it is delivered.
+        FINISHED: It had already ended: nothing was changed.
+        UNKNOWN: No record where it looked, and no pending cancel asked: unchanged.
+    """
+
     CANCELLED = "cancelled"  # its record now reads cancelled; it will not run to completion
     PENDING = "pending"  # no record of it yet: the marker stops it when it is delivered
     FINISHED = "finished"  # it had already ended: nothing was changed
@@ -60,10 +69,16 @@ class CancelOutcome(StrEnum):
 
 @dataclass(frozen=True)
 class Cancellation:
-    """The answer to a cancel: what happened, and the task's record afterwards (the
-    ``cancelled`` one, the finished one that stays, or None when no record exists).
-    ``elsewhere``: when the cancel named a queue where the task has no record, its latest
-    record in another queue (left as it was), else None."""
+    """The answer to a cancel: what happened, and the task's record afterwards.
+
+    Args:
+        task_id: The task's id.
+        outcome: What happened.
+        state: The task's record afterwards: the ``cancelled`` one, the finished one that
+            stays, or None when no record exists.
+        elsewhere: When the cancel named a queue where the task has no record, its latest
+            record in another queue (left as it was), else None.
+    """
 
     task_id: str
     outcome: CancelOutcome

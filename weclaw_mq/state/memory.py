@@ -54,7 +54,17 @@ class _Marker:
 
 
 class MemoryTaskStore:
-    """``clock`` (seconds, monotonic) lets tests make leases and TTLs lapse without waiting."""
+    """A ``TaskStore`` in one process, with the Redis store's rules (for tests).
+
+    Its methods do what ``TaskStore``'s say.
+
+    Args:
+        ttl_s: How long a record (and a cancel marker) is kept, in seconds; a record with a
+            deadline is kept past it as ``state.expiry`` says.
+        lease_s: A claim's lease, in seconds.
+        done_ttl_s: How long a task stays done (copies acked unrun), in seconds.
+        clock: Seconds, monotonic: lets tests make leases and TTLs lapse without waiting.
+    """
 
     def __init__(
         self,
@@ -92,6 +102,17 @@ class MemoryTaskStore:
     async def claim(
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
+        """Claim (queue, task id) for ``owner``: ``TaskStore.claim``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The attempt's token.
+            running: A record to write when the claim is granted.
+
+        Returns:
+            The answer, as ``TaskStore.claim`` gives it.
+        """
         if self._is_cancelled(queue, task_id):
             return Claim.CANCELLED
         key = (queue, task_id)
@@ -105,6 +126,16 @@ class MemoryTaskStore:
 
     @contextlib.contextmanager
     def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
+        """Keep ``owner``'s claim alive while the body runs: ``TaskStore.holding``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The claim's holder.
+
+        Returns:
+            A context manager; on exit the lease runs its full length from then.
+        """
         key = (queue, task_id)
         self._held[key] = owner
         try:
@@ -118,6 +149,13 @@ class MemoryTaskStore:
                     entry.expires_at = self._clock() + self._lease_s
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
+        """Drop the claim if ``owner`` still holds it: ``TaskStore.release``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The claim's holder.
+        """
         key = (queue, task_id)
         current = self._live(self._claims, key)
         if current is not None and current.value == owner:
@@ -126,6 +164,17 @@ class MemoryTaskStore:
     async def finish(
         self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
     ) -> Finish:
+        """Mark (queue, task id) done and write ``result``: ``TaskStore.finish``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            result: The final record, if any.
+            owner: The claim's holder, checked; None marks done whoever holds it.
+
+        Returns:
+            The answer, as ``TaskStore.finish`` gives it.
+        """
         key = (queue, task_id)
         current = self._live(self._claims, key)
         if current is not None and current.value == _DONE:
@@ -167,6 +216,16 @@ class MemoryTaskStore:
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> bool:
+        """Write ``state`` if its status may follow the stored one: ``TaskStore.record``.
+
+        Args:
+            state: The record to write.
+            only_if_new: Only where no record exists.
+            only_over: Only where none exists or it reads one of those statuses.
+
+        Returns:
+            True when written, False when refused.
+        """
         return self._write(state, only_if_new=only_if_new, only_over=only_over)
 
     async def record_many(
@@ -176,10 +235,23 @@ class MemoryTaskStore:
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> None:
+        """``record`` for each of ``states``: ``TaskStore.record_many``.
+
+        Args:
+            states: The records to write.
+            only_if_new: As in ``record``.
+            only_over: As in ``record``.
+        """
         for state in states:
             self._write(state, only_if_new=only_if_new, only_over=only_over)
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
+        """Drop the task's record if it reads ``queued``: ``TaskStore.forget_queued``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+        """
         key = (queue, task_id)
         current = self._live(self._records, key)
         if current is None:
@@ -194,6 +266,17 @@ class MemoryTaskStore:
     async def keep_fingerprint(
         self, queue: str, task_id: str, fingerprint: str, ttl_s: float
     ) -> str:
+        """Keep ``fingerprint`` unless one is kept already (``state.reuse.FingerprintStore``).
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            fingerprint: The body's fingerprint.
+            ttl_s: How long to keep it, in seconds.
+
+        Returns:
+            The fingerprint kept now (``fingerprint`` when none was).
+        """
         key = (queue, task_id)
         kept = self._live(self._fingerprints, key)
         if kept is not None:
@@ -211,9 +294,31 @@ class MemoryTaskStore:
         return TaskState.model_validate_json(entry.value) if entry is not None else None
 
     async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
+        """The task's record in ``queue``: ``TaskStore.get``.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue; without it, the task's latest record.
+
+        Returns:
+            The record, or None when none is kept.
+        """
         return self._read(task_id, queue)
 
     async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
+        """The record once terminal: ``TaskStore.wait``.
+
+        Args:
+            task_id: The task's id.
+            timeout_s: How long to wait, in seconds.
+            queue: As in ``get``.
+
+        Returns:
+            The terminal record.
+
+        Raises:
+            ResultTimeoutError: None within ``timeout_s``.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -232,6 +337,15 @@ class MemoryTaskStore:
 
     # -- cancellation (state.cancel) ------------------------------------------------------
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+        """Cancel the task unless its record is final: ``TaskStore.cancel``.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue; without it, the latest record and every queue.
+
+        Returns:
+            What happened.
+        """
         # No await from the read to the writes: the whole cancel is one step, as in Redis.
         state = self._read(task_id, queue)
         other = other_record(state, self._read(task_id, None), queue)
@@ -260,6 +374,15 @@ class MemoryTaskStore:
         )
 
     async def is_cancelled(self, queue: str, task_id: str) -> bool:
+        """Does a cancel marker cover (queue, task id)? ``TaskStore.is_cancelled``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+
+        Returns:
+            True when a cancel covers it.
+        """
         return self._is_cancelled(queue, task_id)
 
     async def watch_cancels(
@@ -267,6 +390,12 @@ class MemoryTaskStore:
         on_cancel: Callable[[str, str | None], None],
         on_subscribed: Callable[[], Awaitable[None]],
     ) -> None:
+        """Until cancelled, pass on each cancel to ``on_cancel``: ``TaskStore.watch_cancels``.
+
+        Args:
+            on_cancel: Called as ``on_cancel(task_id, queue or None for all)``.
+            on_subscribed: Awaited once, when watching starts.
+        """
         self._cancel_watchers.append(on_cancel)
         try:
             await on_subscribed()
@@ -275,4 +404,5 @@ class MemoryTaskStore:
             self._cancel_watchers.remove(on_cancel)
 
     async def close(self) -> None:
+        """Nothing to release: a no-op."""
         return None

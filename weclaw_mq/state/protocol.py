@@ -41,6 +41,19 @@ if TYPE_CHECKING:
 
 
 class TaskStatus(StrEnum):
+    """Where a task is in its life, as its record says (``state.transitions``).
+
+    Attributes:
+        STORED_LOCALLY: In the local outbox, not yet on the broker.
+        QUEUED: Published and confirmed; no worker has started it.
+        RUNNING: A worker runs its handler.
+        RETRYING: An attempt failed; it waits in a delay queue for the next.
+        SUCCEEDED: The handler returned and its result is stored (final).
+        DEAD_LETTERED: In ``Q.dlq``; the record's ``reason`` says why (final).
+        EXPIRED: Outlived its lifetime before a worker ran it (final).
+        CANCELLED: Cancelled by ``App.cancel`` before it finished (final).
+    """
+
     # In the local outbox (``WECLAW_MQ_OUTBOX_PATH``), not yet on the broker: the relay
     # sends it once the broker answers (weclaw_mq.outbox).
     STORED_LOCALLY = "stored_locally"
@@ -58,6 +71,7 @@ class TaskStatus(StrEnum):
 
     @property
     def terminal(self) -> bool:
+        """Whether the status is final: succeeded, dead_lettered, expired or cancelled."""
         return self in (
             TaskStatus.SUCCEEDED,
             TaskStatus.DEAD_LETTERED,
@@ -67,6 +81,21 @@ class TaskStatus(StrEnum):
 
 
 class TaskState(BaseModel):
+    """A task's record in one queue, as ``App.status`` and ``App.result`` answer it.
+
+    Attributes:
+        task_id: The task's id.
+        queue: The handler queue the record is for.
+        status: Where the task is.
+        attempt: The attempt that wrote the record (0 before the first run).
+        result: The handler's return value (succeeded).
+        error: ``ErrorName: message`` of the last failure.
+        reason: The dead-letter reason (dead_lettered, expired).
+        expires_at: The task's deadline (see ``weclaw_mq.lifetime``), or None: it lives until
+            a worker runs it.
+        updated_at: When the record was written.
+    """
+
     task_id: str
     queue: str
     status: TaskStatus
@@ -110,28 +139,66 @@ class TaskStore(Protocol):
     async def claim(
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
-        """Claim (queue, task id) for ``owner`` under a lease, never check-then-set. With
-        ``running``, write that record in the same step when the claim is granted.
-        ``Claim.CANCELLED`` (nothing claimed) when the task was cancelled in that queue."""
+        """Claim (queue, task id) for ``owner`` under a lease, never check-then-set.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The attempt's token (``new_owner``).
+            running: A record to write in the same step when the claim is granted.
+
+        Returns:
+            ``Claim.ACQUIRED`` (run it), ``Claim.DONE`` (finished before), ``Claim.BUSY``
+            (another attempt holds it), or ``Claim.CANCELLED`` (nothing claimed) when the task
+            was cancelled in that queue.
+        """
         ...
 
     def holding(self, queue: str, task_id: str, owner: str) -> AbstractContextManager[None]:
-        """Keep ``owner``'s lease alive while the body runs (the handler, then its ending:
-        a ``finish`` or ``release`` inside the body ends it)."""
+        """Keep ``owner``'s lease alive while the body runs.
+
+        The body is the handler, then its ending: a ``finish`` or ``release`` inside the body
+        ends it.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The claim's holder.
+
+        Returns:
+            A context manager around the body.
+        """
         ...
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
-        """Drop the claim if ``owner`` still holds it, so the next copy runs at once."""
+        """Drop the claim if ``owner`` still holds it, so the next copy runs at once.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The claim's holder.
+        """
         ...
 
     async def finish(
         self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
     ) -> Finish:
-        """Mark (queue, task id) done and write its final record ``result`` (if given),
-        together: a crash can never keep one without the other. Nothing is written when the
-        task is done already (``Finish.DONE``). ``owner``: the claim's holder, checked
-        (``Finish.TAKEN`` when another attempt held it); None marks done whoever holds it
-        (for a copy that found the task's result stored)."""
+        """Mark (queue, task id) done and write its final record, together.
+
+        A crash can never keep one without the other.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            result: The final record to write, if any.
+            owner: The claim's holder, checked; None marks done whoever holds it (for a copy
+                that found the task's result stored).
+
+        Returns:
+            ``Finish.FINISHED``; ``Finish.TAKEN`` when another attempt held the claim (done
+            and written all the same); ``Finish.DONE`` when the task was done already:
+            nothing is written.
+        """
         ...
 
     # -- the records --------------------------------------------------------------------
@@ -142,10 +209,19 @@ class TaskStore(Protocol):
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> bool:
-        """Write ``state`` as the record of (state.queue, state.task_id) if its status may
-        follow the stored one (``state.transitions``), checked in the same step as the write;
-        False when refused. ``only_if_new``: only where no record exists; ``only_over``: only
-        where none exists or it reads one of those statuses."""
+        """Write ``state`` as the record of (state.queue, state.task_id), if its status may follow.
+
+        Whether it may follow the stored one (``state.transitions``) is checked in the same
+        step as the write.
+
+        Args:
+            state: The record to write.
+            only_if_new: Only where no record exists.
+            only_over: Only where none exists or it reads one of those statuses.
+
+        Returns:
+            True when written, False when refused.
+        """
         ...
 
     async def record_many(
@@ -155,31 +231,81 @@ class TaskStore(Protocol):
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> None:
-        """``record`` for a batch, in as few round trips as the store allows."""
+        """``record`` for a batch, in as few round trips as the store allows.
+
+        Args:
+            states: The records to write.
+            only_if_new: As in ``record``, for each.
+            only_over: As in ``record``, for each.
+        """
         ...
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
-        """Drop a ``queued`` record whose publish the broker refused: that task never existed."""
+        """Drop a ``queued`` record whose publish the broker refused: that task never existed.
+
+        A record with another status is left alone.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+        """
         ...
 
     async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
-        """The record of ``task_id`` in ``queue``; without a queue, its latest record."""
+        """The record of ``task_id`` in ``queue``.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue; without it, the task's latest record.
+
+        Returns:
+            The record, or None when none is kept.
+        """
         ...
 
     async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
-        """That record once terminal, woken when it is written (not by polling);
-        ``ResultTimeoutError`` after ``timeout_s``."""
+        """That record once terminal, woken when it is written (not by polling).
+
+        Args:
+            task_id: The task's id.
+            timeout_s: How long to wait, in seconds.
+            queue: As in ``get``.
+
+        Returns:
+            The terminal record.
+
+        Raises:
+            ResultTimeoutError: None within ``timeout_s``.
+        """
         ...
 
     # -- cancellation (weclaw_mq.state.cancel) ------------------------------------------
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
-        """Cancel the task's record in ``queue`` (without: its latest record) unless it is
-        final, in one atomic step: write it ``cancelled``, leave the cancel marker that makes
-        every later claim answer ``Claim.CANCELLED``, and tell running workers."""
+        """Cancel the task unless its record is final, in one atomic step.
+
+        The step writes the record ``cancelled``, leaves the cancel marker that makes every
+        later claim answer ``Claim.CANCELLED``, and tells running workers.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue whose record is cancelled; without it, the latest record, and
+                the marker covers every queue.
+
+        Returns:
+            What happened (``state.cancel``).
+        """
         ...
 
     async def is_cancelled(self, queue: str, task_id: str) -> bool:
-        """Does the cancel marker cover (queue, task id)? For deliveries that do not claim."""
+        """Does the cancel marker cover (queue, task id)? For deliveries that do not claim.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+
+        Returns:
+            True when a cancel covers it.
+        """
         ...
 
     async def watch_cancels(
@@ -187,9 +313,16 @@ class TaskStore(Protocol):
         on_cancel: Callable[[str, str | None], None],
         on_subscribed: Callable[[], Awaitable[None]],
     ) -> None:
-        """Until cancelled: call ``on_cancel(task_id, queue or None for all)`` for each cancel
-        request, and ``on_subscribed()`` after each (re)subscription: a request sent while
-        unsubscribed is then found with ``is_cancelled``. Store failures are retried here."""
+        """Until cancelled, pass on each cancel request to ``on_cancel``.
+
+        Store failures are retried here.
+
+        Args:
+            on_cancel: Called as ``on_cancel(task_id, queue or None for all)`` for each
+                cancel request.
+            on_subscribed: Awaited after each (re)subscription: a request sent while
+                unsubscribed is then found with ``is_cancelled``.
+        """
         ...
 
     async def close(self) -> None:

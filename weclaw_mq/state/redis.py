@@ -251,9 +251,15 @@ def _only_over_arg(only_over: Collection[TaskStatus] | None) -> str:
 class RedisTaskStore:
     """``TaskStore`` on Redis; its failures surface as ``StateUnavailableError``.
 
-    ``owns_client``: ``close`` closes the client too (``open_store`` passes True).
-    ``max_batch``: the most commands one auto-pipeline sends together (``state.pipelining``).
-    ``heartbeat_ttl_s``: how long this worker's claims outlive it (its heartbeat key's TTL).
+    Args:
+        client: The redis-py client (one Redis, a Cluster or a Sentinel set).
+        ttl_s: How long a record (and a cancel marker) is kept, in seconds.
+        lease_s: A claim's lease, in seconds.
+        done_ttl_s: How long a task stays done (copies acked unrun), in seconds.
+        owns_client: ``close`` closes the client too (``open_store`` passes True).
+        max_batch: The most commands one auto-pipeline sends together
+            (``state.pipelining``).
+        heartbeat_ttl_s: How long this worker's claims outlive it (its heartbeat key's TTL).
     """
 
     def __init__(
@@ -309,6 +315,21 @@ class RedisTaskStore:
     async def claim(
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
+        """Claim (queue, task id) for ``owner``: ``TaskStore.claim``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The attempt's token.
+            running: A record to write when the claim is granted.
+
+        Returns:
+            The answer, as ``TaskStore.claim`` gives it.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         keys = [guard_key(queue, task_id), cancel_key(task_id)]
         args: list[str | int] = [_RUNNING + owner + self._of_worker, self._lease_ms, DONE, queue]
         if running is not None:
@@ -383,6 +404,18 @@ class RedisTaskStore:
 
     @contextlib.contextmanager
     def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
+        """Keep ``owner``'s claim alive while the body runs: ``TaskStore.holding``.
+
+        The store's renewer extends every held lease in one batch, every third of the lease.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The claim's holder.
+
+        Returns:
+            A context manager around the body.
+        """
         key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker
         self._held[key] = value
         self._renewing()
@@ -441,6 +474,17 @@ class RedisTaskStore:
                     )
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
+        """Drop the claim if ``owner`` still holds it: ``TaskStore.release``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            owner: The claim's holder.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker
         if self._held.get(key) == value:
             del self._held[key]  # given up: no renewal may find it gone and cry "lost"
@@ -452,6 +496,21 @@ class RedisTaskStore:
     async def finish(
         self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
     ) -> Finish:
+        """Mark (queue, task id) done and write ``result``: ``TaskStore.finish``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            result: The final record, if any.
+            owner: The claim's holder, checked; None marks done whoever holds it.
+
+        Returns:
+            The answer, as ``TaskStore.finish`` gives it.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         key = guard_key(queue, task_id)
         keys = [key]
         args: list[str | int] = [DONE, self._done_ttl_ms]
@@ -502,6 +561,20 @@ class RedisTaskStore:
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> bool:
+        """Write ``state`` if its status may follow the stored one: ``TaskStore.record``.
+
+        Args:
+            state: The record to write.
+            only_if_new: Only where no record exists.
+            only_over: Only where none exists or it reads one of those statuses.
+
+        Returns:
+            True when written, False when refused.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         over = _only_over_arg(narrowing(only_if_new, only_over))
         keys, args = self._record_keys(state), self._record_args(state, over)
         try:
@@ -510,6 +583,16 @@ class RedisTaskStore:
             raise state_unavailable(e) from e
 
     def record_soon(self, state: TaskState, *, only_if_new: bool = False) -> asyncio.Future[Any]:
+        """``record`` started now, sent with the auto-pipeline's next batch (``RecordsSoon``).
+
+        Args:
+            state: The record to write.
+            only_if_new: Only where no record exists.
+
+        Returns:
+            A future that answers whether it was written, or fails with redis-py's error
+            (unwrapped: the caller only logs it).
+        """
         over = _only_over_arg(narrowing(only_if_new, None))
         return self._pipe.script(
             self._record, self._record_keys(state), self._record_args(state, over)
@@ -522,6 +605,17 @@ class RedisTaskStore:
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> None:
+        """``record`` for each of ``states``: ``TaskStore.record_many``.
+
+        Args:
+            states: The records to write.
+            only_if_new: As in ``record``.
+            only_over: As in ``record``.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         if not states:
             return
         try:
@@ -556,6 +650,16 @@ class RedisTaskStore:
         )
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
+        """Drop the task's record if it reads ``queued``: ``TaskStore.forget_queued``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             await self._pipe.script(
                 self._forget_queued, [state_key(queue, task_id), latest_key(task_id)], []
@@ -566,6 +670,21 @@ class RedisTaskStore:
     async def keep_fingerprint(
         self, queue: str, task_id: str, fingerprint: str, ttl_s: float
     ) -> str:
+        """Keep ``fingerprint`` unless one is kept already (``state.reuse.FingerprintStore``).
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            fingerprint: The body's fingerprint.
+            ttl_s: How long to keep it, in seconds.
+
+        Returns:
+            The fingerprint kept now (``fingerprint`` when none was).
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         args = [fingerprint, max(1, int(ttl_s * 1000))]
         try:
             kept = await self._pipe.script(self._keep_fingerprint, [body_key(queue, task_id)], args)
@@ -574,6 +693,19 @@ class RedisTaskStore:
         return kept.decode() if isinstance(kept, bytes) else str(kept)
 
     async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
+        """The task's record in ``queue``: ``TaskStore.get``.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue; without it, the task's latest record.
+
+        Returns:
+            The record, or None when none is kept.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             if queue is None:
                 raw = await self._pipe.script(self._get_latest, [latest_key(task_id)], [])
@@ -584,14 +716,33 @@ class RedisTaskStore:
         return TaskState.model_validate_json(raw) if raw is not None else None
 
     async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
+        """The record once terminal: ``TaskStore.wait``.
+
+        Args:
+            task_id: The task's id.
+            timeout_s: How long to wait, in seconds.
+            queue: As in ``get``.
+
+        Returns:
+            The terminal record.
+
+        Raises:
+            ResultTimeoutError: None within ``timeout_s``.
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             return await self._wait(task_id, timeout_s, queue)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     def wakeups(self) -> Wakeups:
-        """This store's one subscription on the running loop (``state.redis_wakeups``),
-        shared by every waiter; made again on a new loop (the old one died with its loop)."""
+        """This store's one subscription on the running loop (``state.redis_wakeups``).
+
+        Returns:
+            The subscription, shared by every waiter; made again on a new loop (the old one
+            died with its loop).
+        """
         loop = asyncio.get_running_loop()
         wakeups = self._wakeups
         if wakeups is None or wakeups.loop is not loop:
@@ -621,12 +772,38 @@ class RedisTaskStore:
 
     # -- cancellation (state.cancel, state.redis_cancel) ----------------------------------
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+        """Cancel the task unless its record is final: ``TaskStore.cancel``.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue; without it, the latest record and every queue.
+
+        Returns:
+            What happened.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             return await self._cancels.cancel(task_id, queue)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def is_cancelled(self, queue: str, task_id: str) -> bool:
+        """Does a cancel marker cover (queue, task id)? ``TaskStore.is_cancelled``.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+
+        Returns:
+            True when a cancel covers it.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             return await self._cancels.is_cancelled(queue, task_id)
         except REDIS_FAILURES as e:
@@ -637,6 +814,14 @@ class RedisTaskStore:
         on_cancel: Callable[[str, str | None], None],
         on_subscribed: Callable[[], Awaitable[None]],
     ) -> None:
+        """Until cancelled, pass on each cancel to ``on_cancel``: ``TaskStore.watch_cancels``.
+
+        A failed subscription is logged (once per outage) and made again, with backoff.
+
+        Args:
+            on_cancel: Called as ``on_cancel(task_id, queue or None for all)``.
+            on_subscribed: Awaited after each (re)subscription.
+        """
         failures = 0
 
         async def subscribed() -> None:
@@ -663,6 +848,10 @@ class RedisTaskStore:
                 await asyncio.sleep(delay_s)
 
     async def close(self) -> None:
+        """Stop renewing leases, close the wake-up subscription and the auto-pipeline.
+
+        The client is closed too when the store owns it (``owns_client``).
+        """
         renewer, self._renewer = self._renewer, None
         if renewer is not None and renewer.get_loop() is asyncio.get_running_loop():
             renewer.cancel()

@@ -36,11 +36,24 @@ FIRST_ID = "0-0"
 class StreamEvent:
     """One event of a task's stream (or of a session's inbox, which mixes tasks).
 
-    ``id`` orders events (the Redis Stream entry id); pass the last one seen as ``after`` to
-    resume. ``attempt`` is the delivery attempt that wrote it (a redelivery after a crash
-    keeps the number, but still writes a new "attempt" marker). ``data`` is a chunk's value
-    (str or JSON data), or for "expired" ``{"tasks": [...], "entries": n}``. ``status``,
-    ``result``, ``reason`` (and ``error``) are set on "final" only.
+    ``status``, ``result``, ``reason`` (and ``error``) are set on "final" only.
+
+    Args:
+        id: Orders events (the Redis Stream entry id); pass the last one seen as ``after``
+            to resume.
+        kind: "attempt" (a run starts: its partial text replaces any earlier run's),
+            "chunk", "final", or "expired" (inbox only: pending entries went past the inbox
+            TTL unread).
+        task_id: The task that wrote it (empty for "expired").
+        attempt: The delivery attempt that wrote it (a redelivery after a crash keeps the
+            number, but still writes a new "attempt" marker).
+        data: A chunk's value (str or JSON data), or for "expired"
+            ``{"tasks": [...], "entries": n}``.
+        queue: The handler queue of the task ("final").
+        status: The task's final status ("final").
+        result: The handler's return value ("final", succeeded).
+        reason: The dead-letter reason ("final").
+        error: ``ErrorName: message`` of the last failure ("final").
     """
 
     id: str

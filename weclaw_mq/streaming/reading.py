@@ -83,11 +83,21 @@ async def task_events(
 
 
 class Inbox:
-    """A session's pending events: ``async for`` yields them oldest first, then live ones
-    (it never ends by itself); ``confirm`` removes what the client has received.
+    """A session's pending events, oldest first, then live ones.
 
-    A final reply written twice (a worker crashed between writing it and acking the task)
-    is yielded once per iteration.
+    ``async for`` yields them (it never ends by itself); ``confirm`` removes what the client
+    has received. A final reply written twice (a worker crashed between writing it and
+    acking the task) is yielded once per iteration. ``App.inbox`` makes one.
+
+    Args:
+        streams: The stream store the inbox lives in.
+        session_id: The session.
+        after: Start after this event id; None for the oldest pending event.
+        block_s: How long one read waits for a new event before the loop takes its turn,
+            in seconds.
+
+    Raises:
+        ConfigurationError: An ``after`` that is not a stream event id.
     """
 
     def __init__(
@@ -114,7 +124,11 @@ class Inbox:
                     yield event
 
     async def pending(self) -> list[StreamEvent]:
-        """Everything pending now (after ``after``), oldest first, without waiting."""
+        """Everything pending now (after ``after``), oldest first, without waiting.
+
+        Returns:
+            The pending events; a final reply written twice is listed once.
+        """
         last, out = self._after, []
         finals = RecentFinals()
         # Expired entries are removed once, before the first read: an "expired" record that
@@ -127,11 +141,22 @@ class Inbox:
         return out
 
     async def confirm(self, event_id: str) -> None:
-        """Remove every entry up to and including ``event_id``: the client has them."""
+        """Remove every entry up to and including ``event_id``: the client has them.
+
+        Args:
+            event_id: The id of the last event the client received.
+
+        Raises:
+            ConfigurationError: ``event_id`` is not a stream event id.
+        """
         await self._streams.confirm(self.session_id, check_event_id(event_id))
 
     async def dropped(self) -> int:
-        """How many entries this inbox dropped, oldest first, because it was full."""
+        """How many entries this inbox dropped, oldest first, because it was full.
+
+        Returns:
+            The number of entries dropped.
+        """
         return await self._streams.dropped(self.session_id)
 
 

@@ -149,7 +149,15 @@ WRITES_IN_FLIGHT = 8
 
 
 class RedisStreamStore:
-    """``StreamStore`` on Redis; ``owns_client``: ``close`` closes the client too."""
+    """``StreamStore`` on Redis (Redis Streams).
+
+    Args:
+        client: The redis-py client (one Redis, a Cluster or a Sentinel set).
+        ttl_s: How long a task's stream is kept, in seconds.
+        inbox_ttl_s: How long an inbox entry is kept unconfirmed, in seconds.
+        inbox_max_entries: The most entries an inbox holds; the oldest are dropped past it.
+        owns_client: ``close`` closes the client too.
+    """
 
     def __init__(
         self,
@@ -185,6 +193,17 @@ class RedisStreamStore:
     async def write(
         self, task_id: str, entries: Sequence[Entry], *, session_id: str | None
     ) -> None:
+        """Append to the task's stream and the inbox: ``StreamStore.write``.
+
+        Args:
+            task_id: The task's id.
+            entries: The events, encoded.
+            session_id: The session whose inbox gets them too, or None.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         key = stream_key(task_id)
         try:
             # One round trip: the task's stream and the inbox are on different hash tags, so
@@ -206,6 +225,19 @@ class RedisStreamStore:
             raise state_unavailable(e) from e
 
     async def end(self, task_id: str, final: Entry) -> str:
+        """Append ``final`` unless the stream ends with it already: ``StreamStore.end``.
+
+        Args:
+            task_id: The task's id.
+            final: The final event, encoded.
+
+        Returns:
+            The id of the final the stream ends with.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             final_id = await self._pipe.script(
                 self._end, [stream_key(task_id)], [final.body, self._ttl_ms]
@@ -256,12 +288,40 @@ class RedisStreamStore:
     async def read(
         self, task_id: str, after: str, timeout_s: float, *, count: int = READ_BATCH
     ) -> list[StreamEvent]:
+        """The task's events after ``after``: ``StreamStore.read``.
+
+        Args:
+            task_id: The task's id.
+            after: An event id; only later events are read.
+            timeout_s: How long to wait for one when there is none yet, in seconds.
+            count: At most this many.
+
+        Returns:
+            The events, oldest first; empty when none came in time.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             return await self._read(stream_key(task_id), after, timeout_s, count)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def deliver(self, session_id: str, entries: Sequence[Entry]) -> int:
+        """Append to the session's inbox only: ``StreamStore.deliver``.
+
+        Args:
+            session_id: The session.
+            entries: The events, encoded.
+
+        Returns:
+            How many of its oldest entries were dropped.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             dropped = await self._pipe.script(
                 self._deliver_alone,
@@ -281,6 +341,22 @@ class RedisStreamStore:
         expire: bool = True,
         count: int = READ_BATCH,
     ) -> list[StreamEvent]:
+        """``read`` for the session's inbox: ``StreamStore.read_inbox``.
+
+        Args:
+            session_id: The session.
+            after: An event id; only later events are read.
+            timeout_s: How long to wait for one when there is none yet, in seconds.
+            expire: Remove entries past ``inbox_ttl_s`` first.
+            count: At most this many.
+
+        Returns:
+            The events, oldest first; empty when none came in time.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         key = inbox_key(session_id)
         try:
             if expire:
@@ -290,12 +366,34 @@ class RedisStreamStore:
             raise state_unavailable(e) from e
 
     async def confirm(self, session_id: str, upto: str) -> None:
+        """Remove the entries up to and including ``upto``: ``StreamStore.confirm``.
+
+        Args:
+            session_id: The session.
+            upto: An event id.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             await self._redis.xtrim(inbox_key(session_id), minid=next_id(upto), approximate=False)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def dropped(self, session_id: str) -> int:
+        """How many entries the inbox dropped because it was full: ``StreamStore.dropped``.
+
+        Args:
+            session_id: The session.
+
+        Returns:
+            The number of entries dropped.
+
+        Raises:
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
         try:
             raw = await self._redis.hget(inbox_trace_key(session_id), "dropped")
         except REDIS_FAILURES as e:
@@ -303,6 +401,10 @@ class RedisStreamStore:
         return int(raw) if raw is not None else 0
 
     async def close(self) -> None:
+        """Close the wake-up subscription and the auto-pipeline.
+
+        The client is closed too when the store owns it (``owns_client``).
+        """
         wakeups, self._wakeups = self._wakeups, None
         if wakeups is not None and wakeups.loop is asyncio.get_running_loop():
             await wakeups.close()

@@ -77,6 +77,21 @@ REDIS_CONNECTIONS_NEEDED = 8
 
 
 class Worker:
+    """Consumes the handler queues of an App and runs their handlers.
+
+    Args:
+        app: The App whose handlers it runs.
+        concurrency: How many deliveries it runs at once; default
+            ``settings.concurrency``.
+        queues: The handler queues to consume; default every handler of ``app``.
+        shutdown_grace_s: How long a stop waits for in-flight deliveries; default
+            ``settings.shutdown_grace_s``.
+
+    Raises:
+        ConfigurationError: ``concurrency`` under 1, a ``shutdown_grace_s`` out of the
+            setting's bounds, an App with no handlers, or a queue with no handler.
+    """
+
     def __init__(
         self,
         app: App,
@@ -151,11 +166,17 @@ class Worker:
 
     @property
     def in_flight(self) -> int:
+        """How many deliveries are being processed now, across its queues."""
         return self._in_flight.count()
 
     def health(self) -> WorkerHealth:
         """Is this worker doing its job now: broker connection open, every queue consumed?
-        Safe to call from another thread (the metrics server's)."""
+
+        Safe to call from another thread (the metrics server's).
+
+        Returns:
+            The broker connections' state and each queue's.
+        """
         conn, publishing = self._conn, self._publishing
         both_open = all(c is not None and not c.is_closed for c in (conn, publishing))
         session = self.ready.is_set() and both_open
@@ -176,6 +197,12 @@ class Worker:
         return len(self._abandoned)
 
     async def run(self) -> None:
+        """Consume until ``stop``, reconnecting whenever the broker connection is lost.
+
+        Raises:
+            ConfigurationError: ``WECLAW_MQ_REDIS_MAX_CONNECTIONS`` is under what a worker
+                needs (``REDIS_CONNECTIONS_NEEDED``).
+        """
         self._warn_about_consumer_timeout()
         self._check_redis_pool()
         # Without it, one message whose properties pamqp cannot decode closes the whole
