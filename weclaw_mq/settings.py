@@ -103,6 +103,9 @@ class Settings(EnvSettings):
     # Priority lanes: a task delivered to the worker and not started for this long while a
     # slot is free is logged, counted (weclaw_mq_held_deliveries) and given back.
     held_delivery_s: float = seconds(30.0, floor=0.1, ceiling=3600.0)
+    # At start, a worker beside a local broker reads its file handles and memory with
+    # rabbitmqctl (about a second of CPU, run at low priority) and warns near a limit.
+    broker_load_check: bool = True
     # The policy of a handler given no ``retry=``; defaults from RetryPolicy (retry.py).
     max_retries: int = Field(default=_DEFAULT_RETRY.max_retries, ge=0, le=100)
     # The first retry's delay; each next one is multiplied by retry_multiplier.

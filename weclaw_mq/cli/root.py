@@ -96,6 +96,8 @@ def _supervise(
                 concurrency=concurrency,
                 queues=queues,
                 metrics_port=None if port is None else port + index,
+                # One child reads the broker's load: N Erlang CLIs at once would cost N seconds.
+                broker_load_check=None if index == 0 else False,
             )
             event_loop.run(main, loop)
         except KeyboardInterrupt:

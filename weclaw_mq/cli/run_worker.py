@@ -52,8 +52,11 @@ async def run_worker(
     concurrency: int | None,
     queues: Sequence[str] | None,
     metrics_port: int | None,
+    broker_load_check: bool | None = None,
 ) -> None:
-    worker = Worker(app, concurrency=concurrency, queues=queues)
+    worker = Worker(
+        app, concurrency=concurrency, queues=queues, broker_load_check=broker_load_check
+    )
     port = metrics_port if metrics_port is not None else app.settings.metrics_port
     server = None
     if port is not None:

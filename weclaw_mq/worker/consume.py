@@ -86,6 +86,8 @@ class Worker:
         queues: The handler queues to consume; default every handler of ``app``.
         shutdown_grace_s: How long a stop waits for in-flight deliveries; default
             ``settings.shutdown_grace_s``.
+        broker_load_check: Whether to read the broker's file-handle and memory use at start;
+            default ``settings.broker_load_check`` (``--processes N`` asks in one child).
 
     Raises:
         ConfigurationError: ``concurrency`` under 1, a ``shutdown_grace_s`` out of the
@@ -99,9 +101,13 @@ class Worker:
         concurrency: int | None = None,
         queues: Sequence[str] | None = None,
         shutdown_grace_s: float | None = None,
+        broker_load_check: bool | None = None,
     ) -> None:
         self.app = app
         self.settings = app.settings
+        self.broker_load_check = (
+            app.settings.broker_load_check if broker_load_check is None else broker_load_check
+        )
         self.concurrency = concurrency if concurrency is not None else app.settings.concurrency
         if self.concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {self.concurrency}")
@@ -214,7 +220,9 @@ class Worker:
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
         announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
         # Off the start's path: rabbitmqctl takes about a second (weclaw_mq.broker_load).
-        load_check = asyncio.create_task(self._warn_about_broker_load())
+        load_check = (
+            asyncio.create_task(self._warn_about_broker_load()) if self.broker_load_check else None
+        )
         try:
             with tolerant_properties():
                 await self._run()
