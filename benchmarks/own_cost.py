@@ -40,7 +40,8 @@ from weclaw_mq import App, Settings
 from weclaw_mq import headers as wh
 from weclaw_mq.handler import HandlerSpec
 from weclaw_mq.worker.deadlines import Deadlines
-from weclaw_mq.worker.delivery import Runtime, process
+from weclaw_mq.worker.delivery import process
+from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
 
 from .common import encode, make_payload

@@ -29,7 +29,7 @@ from weclaw_mq.priority import priority_from_header
 from weclaw_mq.retry import RetryPolicy
 from weclaw_mq.state import TaskStatus
 from weclaw_mq.undecodable import raw_properties, tolerant_properties, undecodable
-from weclaw_mq.worker.delivery import _state
+from weclaw_mq.worker.records import task_state
 from weclaw_mq.worker.settle import failure_headers
 
 
@@ -96,7 +96,7 @@ def test_any_delivery_reads_into_safe_values_and_publishable_copies(
     )
     tracing.leave(token)
     priority_from_header(delivery.headers.get(h.PRIORITY))  # the lane its retries go back to
-    _state(delivery, SPEC, TaskStatus.RUNNING).model_dump_json()  # a record Redis can hold
+    task_state(delivery, SPEC, TaskStatus.RUNNING).model_dump_json()  # a record Redis can hold
     # The copy a retry or dead letter publishes encodes (else the task would stay unsettled).
     copy = failure_headers(delivery, "fuzz", RuntimeError("boom"))
     copy[h.ATTEMPT] = delivery.attempt + 1

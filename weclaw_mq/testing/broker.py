@@ -47,8 +47,8 @@ from ..streaming import MemoryStreamStore
 from ..topology import delay_exchanges, ladder_declarations, queue_declarations
 from ..worker.cancel import Cancels
 from ..worker.deadlines import Deadlines
-from ..worker.delivery import Runtime
 from ..worker.in_flight import InFlight
+from ..worker.runtime import Runtime
 from ..worker.settle import Settler
 from .clock import VirtualClock
 from .queues import MemoryBroker, MemoryQueue

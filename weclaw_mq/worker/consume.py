@@ -48,15 +48,16 @@ from ..publishing.producer import Publisher
 from ..settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
 from ..topology import declare
 from ..undecodable import tolerant_properties
+from . import ends
 from .cancel import Cancels
 from .circuit import Pausable, QueueCircuit
 from .deadlines import Deadlines
-from .delivery import Runtime
 from .health import QueueState, WorkerHealth
 from .in_flight import InFlight
 from .incoming import consume
 from .lanes import LaneScheduler
 from .limiting import Limiter
+from .runtime import Runtime
 from .settle import Settler
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -473,7 +474,7 @@ class Worker:
         bulk_channel: AbstractChannel | None = None,
     ) -> LaneScheduler:
         async def give_back(message: AbstractIncomingMessage, why: str) -> None:
-            await runtime.settler.give_back(message, queue=spec.queue, why=why, level=logging.INFO)
+            await ends.give_back(message, spec, runtime, why, logging.INFO)
 
         async def redeclare() -> None:
             declaring = await conn.channel()
@@ -527,9 +528,7 @@ class Worker:
             if self._stop.is_set():
                 # Arrived after we decided to stop: given back now, so another worker can
                 # take it while this one drains (which may last the whole grace period).
-                await runtime.settler.give_back(
-                    message, queue=spec.queue, why="the worker is stopping", level=logging.INFO
-                )
+                await ends.give_back(message, spec, runtime, "the worker is stopping", logging.INFO)
                 return
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and

@@ -13,7 +13,9 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from ..failures import describe
 from ..handler import HandlerSpec
-from .delivery import Runtime, process
+from .delivery import process
+from .ends import GiveBack, carry_out
+from .runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -101,4 +103,4 @@ async def _give_back(
 ) -> None:
     if message.processed:
         return  # settled before the error: nothing is held
-    await rt.settler.give_back(message, queue=spec.queue, why=f"task {message.message_id}: {why}")
+    await carry_out(GiveBack(f"task {message.message_id}: {why}"), message, None, spec, rt)

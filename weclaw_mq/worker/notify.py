@@ -15,7 +15,7 @@ So no notification is lost, and a crash adds at most one copy of it per task it 
 
 A notification that cannot be published (the broker nacks it, its queue is missing or full,
 the connection is lost) must not let the task be acked. The task is parked in its first delay
-queue instead (``Settler.defer``: a copy with confirm, then the ack; no attempt used), comes
+queue instead (``ends.Defer``: a copy with confirm, then the ack; no attempt used), comes
 back, and tries again: a results queue that refuses keeps its tasks cycling through the delay
 queue, never in a hot loop of redeliveries that would end them in the DLQ as a crash loop.
 A succeeded task is not run again (the guard finds it done); a task on its way to the DLQ is
@@ -27,8 +27,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from aio_pika.abc import AbstractIncomingMessage
-
 from .. import headers as h
 from ..errors import WeclawMQError
 from ..failures import describe
@@ -39,28 +37,27 @@ from ..notification import TaskNotification
 from ..state import TaskState
 
 if TYPE_CHECKING:
-    from .delivery import Runtime
+    from .runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 
 
 async def announce(
-    message: AbstractIncomingMessage,
     delivery: Delivery,
     spec: HandlerSpec,
     rt: Runtime,
     final: TaskState,
     *,
     error_type: str | None = None,
-) -> bool:
+) -> str | None:
     """Publish ``final`` (the task's end) to the handler's results queue with a confirm.
 
-    True when the delivery may be settled now (confirmed, or the handler does not notify);
-    False when the publish failed and the delivery was parked for another try (settled here).
+    None when the delivery may be settled now (confirmed, or the handler does not notify);
+    else why the publish failed: the caller parks the delivery for another try.
     """
     target = spec.notify
     if target is None:
-        return True
+        return None
     note = TaskNotification(
         task_id=final.task_id,
         queue=final.queue,
@@ -93,49 +90,33 @@ async def announce(
             target.queue,
             why,
         )
-        await rt.settler.defer(
-            message,
-            delivery,
-            queue=spec.queue,
-            delay_ms=spec.retry.delay_ms(1),
-            why=f"its notification is not published yet ({why})",
-        )
-        return False
+        return f"its notification is not published yet ({why})"
     rt.metrics.notified(spec.queue, NotifyOutcome.PUBLISHED).inc()
-    return True
+    return None
 
 
-async def announce_again(
-    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
-) -> bool:
+async def announce_again(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> str | None:
     """A copy of a task that finished before: publish its notification again, from the stored
     record, before the copy is acked. The copy may be the one whose worker died between
     storing the result and the notification's confirm; which copy it is cannot be told, so
     every copy sends it (the notification handler's guard absorbs the repeats).
 
-    True when the copy may be acked now; False when it was parked for another try.
+    None when the copy may be acked now; else why not (the caller parks it for another try).
     """
     if spec.notify is None or rt.results is None:
-        return True
+        return None
     try:
         final = await rt.results.get(delivery.task_id, queue=spec.queue)
     except Exception as e:  # unknown: not acked until the notification is known to be out
         rt.metrics.notified(spec.queue, NotifyOutcome.FAILED).inc()
         log.error("could not read the stored result to notify again (%s)", describe(e))
-        await rt.settler.defer(
-            message,
-            delivery,
-            queue=spec.queue,
-            delay_ms=spec.retry.delay_ms(1),
-            why="its stored result could not be read to publish its notification",
-        )
-        return False
+        return "its stored result could not be read to publish its notification"
     if final is None or not final.status.terminal:
         # Its record expired (RESULT_TTL_S) before this copy came: the notification was sent
         # when the task finished, and what it said is gone.
         log.warning("a finished task's record is gone: its notification is not sent again")
-        return True
-    return await announce(message, delivery, spec, rt, final)
+        return None
+    return await announce(delivery, spec, rt, final)
 
 
 def requeued(delivery: Delivery) -> int:

@@ -1,0 +1,191 @@
+"""Running the handler: its context, its stream, its deadline, and the attempt's end when it
+ignores its cancellation.
+
+Anything the handler raises is its attempt's failure; ``call_handler`` answers with the
+result or the error (or None when the handler was abandoned and ``take_over`` ended the
+attempt without it), and ``ends.after_attempt`` decides what that becomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from .. import tracing
+from ..context import Context
+from ..errors import HandlerAbandoned, HandlerTimeout
+from ..failures import describe
+from ..handler import HandlerSpec
+from ..message import Delivery
+from ..publishing.connection import cancelled_by_caller
+from ..streaming.emitter import Emitter
+from .cancel import Watch
+from .deadlines import Deadline
+from .ends import AckCancelled, after_attempt, carry_out
+from .records import session_of
+from .runtime import Runtime
+
+log = logging.getLogger("weclaw_mq.worker")
+
+# How long a failed run's last chunks may take to reach its stream before the failure is
+# handled (retry or dead-letter); past it they are dropped.
+DRAIN_ON_FAILURE_S = 1.0
+
+
+async def call_handler(
+    spec: HandlerSpec,
+    task: Any,
+    delivery: Delivery,
+    rt: Runtime,
+    on_stuck: Callable[[asyncio.Task[Any]], None],
+    watch: Watch,
+) -> tuple[Any, BaseException | None] | None:
+    """Run the handler under its timeout: (its result, None), (None, the error), or None when
+    it ignored its cancellation and ``on_stuck`` ended the attempt without it.
+
+    Anything the handler raises is its attempt's failure, BaseExceptions included: a
+    ``SystemExit``, ``KeyboardInterrupt`` or ``CancelledError`` of its own fails that task and
+    never stops the worker (a worker stops on SIGTERM/SIGINT or ``Worker.stop``). Only a
+    cancel of this task from outside (the worker stopping hard) passes through.
+    """
+    args: tuple[Any, ...] = (task,)
+    emitter: Emitter | None = None
+    if spec.takes_context:
+        session_id = session_of(delivery)
+        app = rt.app
+        emitter = Emitter(
+            lambda: app.streams,
+            task_id=delivery.task_id,
+            attempt=delivery.attempt,
+            session_id=session_id,
+            max_chunk_bytes=rt.settings.stream_max_chunk_bytes,
+            max_chunks=rt.settings.stream_max_chunks,
+        )
+        ctx = Context(
+            task_id=delivery.task_id,
+            trace_id=delivery.trace_id,
+            queue=spec.queue,
+            attempt=delivery.attempt,
+            redelivered=delivery.redelivered,
+            headers=delivery.headers,
+            app=rt.app,
+            session_id=session_id,
+            emitter=emitter,
+            cancel_requested=watch.event(),
+        )
+        args = (task, ctx)
+    timing = rt.metrics.handler_timing(spec.queue)
+    started = time.perf_counter()
+    if emitter is not None:
+        on_stuck = _silencing(emitter, on_stuck)
+    deadline = Deadline(rt.deadlines, spec.timeout_s, on_stuck, rt.settings.handler_cancel_grace_s)
+    result: Any = None
+    error: BaseException | None = None
+    try:
+        with deadline:
+            watch.attach(deadline)
+            result = await spec.func(*args)
+            if emitter is not None:
+                # Every chunk written before the result is stored: a stream's final event
+                # must sort after its last chunk.
+                await emitter.drain()
+    except asyncio.CancelledError as e:
+        if cancelled_by_caller():
+            raise
+        error = e  # raised by the handler itself, not a cancel of this task
+    except GeneratorExit:
+        raise  # this coroutine is being closed: nothing can be awaited any more
+    except BaseException as e:
+        error = e
+    finally:
+        timing.observe(time.perf_counter() - started)
+    if emitter is not None:
+        if error is not None and not deadline.abandoned:
+            # A failed run's partial text still reaches readers, ahead of the next attempt's
+            # marker or the dead-letter's final event.
+            await emitter.wind_down(DRAIN_ON_FAILURE_S)
+        emitter.close()
+    if deadline.abandoned:
+        log.warning(
+            "a handler abandoned for ignoring its cancellation ended after all (%s); "
+            "its outcome is dropped: the task was already retried or dead-lettered",
+            "returned" if error is None else describe(error),
+        )
+        return None
+    if deadline.expired and error is not None:
+        # Whatever the handler made of our cancellation (re-raised, wrapped), it timed out.
+        timeout = HandlerTimeout(f"handler ran past its timeout of {spec.timeout_s} s")
+        timeout.__cause__ = error if not isinstance(error, TimeoutError) else None
+        return None, timeout
+    return result, error
+
+
+def _silencing(
+    emitter: Emitter, on_stuck: Callable[[asyncio.Task[Any]], None]
+) -> Callable[[asyncio.Task[Any]], None]:
+    """An abandoned handler may go on emitting: its chunks must not land after the retry's
+    attempt marker, so its stream is closed as the attempt is ended without it."""
+
+    def stuck(task: asyncio.Task[Any]) -> None:
+        emitter.close()
+        on_stuck(task)
+
+    return stuck
+
+
+def take_over(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+    watch: Watch,
+    stuck: asyncio.Task[Any],
+) -> None:
+    """What the deadline ticker calls (bound to a delivery by ``functools.partial``) when the
+    handler is still running ``grace`` after its cancellation: end the attempt as a failure in
+    a new task, so the message is retried or dead-lettered (acked, if the task was
+    cancelled), the claim released, and the worker's slot freed."""
+    ending = _end_abandoned(message, delivery, spec, rt, held, watch)
+    rt.take_over(message, spec, rt, stuck, ending)
+
+
+async def _end_abandoned(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    held: str | None,
+    watch: Watch,
+) -> None:
+    token = tracing.enter(delivery)
+    try:
+        grace_s = rt.settings.handler_cancel_grace_s
+        if watch.requested:
+            log.error(
+                "handler still running %.3g s after it was cancelled on request (it ignores "
+                "cancellation); ending the attempt without it",
+                grace_s,
+            )
+            await carry_out(AckCancelled(), message, delivery, spec, rt, held)
+            return
+        log.error(
+            "handler still running %.3g s after it was cancelled at its timeout of %.3g s "
+            "(it ignores cancellation); ending the attempt without it",
+            grace_s,
+            spec.timeout_s,
+        )
+        error = HandlerAbandoned(
+            f"handler ran past its timeout of {spec.timeout_s} s and ignored its cancellation "
+            f"for {grace_s} s"
+        )
+        await carry_out(
+            after_attempt(delivery, spec, None, error), message, delivery, spec, rt, held
+        )
+    finally:
+        tracing.leave(token)

@@ -1,0 +1,60 @@
+"""What a delivery needs from the worker that received it (or from the test kit's broker)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from ..handler import HandlerSpec
+from ..metrics import Metrics
+from ..settings import Settings
+from ..state import TaskStore
+from .cancel import Cancels
+from .circuit import QueueCircuit
+from .deadlines import Deadlines
+from .limiting import Limiter
+from .settle import Settler
+
+if TYPE_CHECKING:
+    from ..app import App
+    from ..otel import Spans
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a delivery needs from the worker that received it."""
+
+    app: App
+    settings: Settings
+    settler: Settler
+    deadlines: Deadlines
+    metrics: Metrics
+    # The task store, for claims; None when no handler is guarded and results are off.
+    store: TaskStore | None
+    # The same store when results are on (records are written), else None.
+    results: TaskStore | None
+    # take_over(message, spec, rt, stuck, ending) runs a delivery's ending in a new task in
+    # place of ``stuck``, whose handler ignored its cancellation; the worker counts the new
+    # task as in flight, not the old one, and settles the message if the ending fails.
+    take_over: Callable[
+        [
+            AbstractIncomingMessage,
+            HandlerSpec,
+            Runtime,
+            asyncio.Task[Any],
+            Coroutine[Any, Any, None],
+        ],
+        None,
+    ]
+    # Counts the handlers' limits in Redis; None when no handler has one.
+    limiter: Limiter | None = None
+    # The deliveries being processed, for cancel requests (worker.cancel).
+    cancels: Cancels = field(default_factory=Cancels)
+    # The circuit breaker of each handler queue that has one (``worker.circuit``).
+    circuits: Mapping[str, QueueCircuit] = field(default_factory=dict)
+    # OpenTelemetry spans (``weclaw_mq.otel``); None when off: one check per delivery.
+    spans: Spans | None = None
