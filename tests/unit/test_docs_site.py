@@ -368,3 +368,40 @@ def test_the_state_diagram_renders_offline_with_the_local_mermaid(
         "window.scrollTo(0, window.scrollY + top - 70);"
     )
     chromium.save_screenshot(str(SCREENSHOT))
+
+
+def rendered_diagram_text(chromium: webdriver.Chrome, page: Path) -> str:  # noqa: F811
+    """The text of ``page``'s first Mermaid diagram as Chromium draws it, offline."""
+    chromium.execute_cdp_cmd("Network.enable", {})
+    chromium.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*unpkg.com*", "*jsdelivr.net*"]})
+    chromium.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument", {"source": OPEN_SHADOW_ROOTS_JS}
+    )
+    chromium.get(page.as_uri())
+    try:
+        text: str = WebDriverWait(chromium, MERMAID_RENDER_WAIT_S, poll_frequency=0.1).until(
+            lambda driver: driver.execute_script(DIAGRAM_SVG_TEXT_JS)
+        )
+    except TimeoutException:
+        pytest.fail(f"no Mermaid SVG within {MERMAID_RENDER_WAIT_S} s on {page}", pytrace=False)
+    return text
+
+
+@pytest.mark.parametrize(
+    ("page", "names"),
+    [
+        ("design/topology.html", ("ai-replies.dlq", "weclaw_mq.delay.5s", "weclaw_mq.return")),
+        ("how-to/streaming.html", ("Browser", "RabbitMQ", "Worker", "Redis", "final event")),
+    ],
+)
+def test_the_topology_and_reply_path_diagrams_render_offline(
+    site: Path,
+    chromium: webdriver.Chrome,  # noqa: F811
+    page: str,
+    names: tuple[str, ...],
+) -> None:
+    if not (site / "javascripts" / "mermaid.min.js").is_file():
+        pytest.fail("the site has no local mermaid.js: run 'make tools'", pytrace=False)
+    text = rendered_diagram_text(chromium, site / page)
+    missing = [n for n in names if n not in text]
+    assert not missing, f"the rendered diagram of {page} shows no {missing}: {text!r}"
