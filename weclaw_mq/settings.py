@@ -106,6 +106,12 @@ class Settings(EnvSettings):
     # At start, a worker beside a local broker reads its file handles and memory with
     # rabbitmqctl (about a second of CPU, run at low priority) and warns near a limit.
     broker_load_check: bool = True
+    # The level of the line a failed attempt that is retried writes ("attempt N failed (...);
+    # retrying in ..."); a handler asking for a retry (Retry) is logged at INFO.
+    retry_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    # A retried or dead-lettered attempt's line carries the handler's traceback (its frames
+    # from the handler down, the worker's own left out).
+    failure_tracebacks: bool = True
     # The policy of a handler given no ``retry=``; defaults from RetryPolicy (retry.py).
     max_retries: int = Field(default=_DEFAULT_RETRY.max_retries, ge=0, le=100)
     # The first retry's delay; each next one is multiplied by retry_multiplier.

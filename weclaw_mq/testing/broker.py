@@ -193,7 +193,13 @@ class TestBroker:
         runtime = Runtime(
             app=app,
             settings=app.settings,
-            settler=Settler(publisher, self._deadlines, app.metrics),
+            settler=Settler(
+                publisher,
+                self._deadlines,
+                app.metrics,
+                retry_level=logging.getLevelName(app.settings.retry_log_level),
+                tracebacks=app.settings.failure_tracebacks,
+            ),
             deadlines=self._deadlines,
             metrics=app.metrics,
             store=app.store,

@@ -373,6 +373,8 @@ class Worker:
                 self._deadlines,
                 self.app.metrics,
                 before_settle=functools.partial(_release, schedulers) if laned else None,
+                retry_level=logging.getLevelName(self.settings.retry_log_level),
+                tracebacks=self.settings.failure_tracebacks,
             ),
             deadlines=self._deadlines,
             metrics=self.app.metrics,

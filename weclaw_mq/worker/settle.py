@@ -18,12 +18,14 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
 from .. import headers as h
-from ..control_flow import Retry
+from ..control_flow import Reject, Retry
 from ..delays import next_hop_ms, schedule
 from ..errors import WeclawMQError
 from ..failures import describe, error_class, error_type, safe_text, traceback_text
@@ -89,6 +91,23 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     return out
 
 
+_LIBRARY = str(Path(__file__).resolve().parents[1])
+
+ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
+
+
+def handler_frames(error: BaseException) -> ExcInfo | None:
+    """``error`` as a log record's ``exc_info``, its traceback starting at the first frame
+    outside weclaw_mq (the handler's own); None for an error that was never raised (a
+    decision of ours, a signal such as ``Reject``), whose line says all there is."""
+    tb = error.__traceback__
+    if tb is None or isinstance(error, (Reject, Retry)):
+        return None
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_LIBRARY):
+        tb = tb.tb_next
+    return type(error), error, tb or error.__traceback__
+
+
 def _delay_target(message: AbstractIncomingMessage, queue: str, delay_ms: int) -> tuple[str, str]:
     """(the shared delay queue's exchange, the routing key) to park the message: the routing
     key is the lane it came from, which the delay queue dead-letters it back to, so a retried
@@ -112,23 +131,38 @@ class Settler:
         metrics: Metrics,
         *,
         before_settle: Callable[[AbstractIncomingMessage], Awaitable[None]] | None = None,
+        retry_level: int = logging.WARNING,
+        tracebacks: bool = True,
     ) -> None:
         self.publisher = publisher
         self.deadlines = deadlines
         self.metrics = metrics
+        # settings.retry_log_level and settings.failure_tracebacks.
+        self.retry_level = retry_level
+        self.tracebacks = tracebacks
         # Called once the outcome is decided, before the ack/nack frame: priority lanes hand
         # the slot on and may cancel the message's consumer first (worker.lanes).
         self.before_settle = before_settle
 
-    def _ended(self, queue: str, outcome: Outcome, text: str, *, level: int | None = None) -> None:
-        """The outcome event: called exactly once per settled delivery, by every end below."""
+    def _ended(
+        self,
+        queue: str,
+        outcome: Outcome,
+        text: str,
+        *,
+        level: int | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """The outcome event: called exactly once per settled delivery, by every end below.
+        ``error``: the handler's, whose traceback the line carries (``tracebacks``)."""
         self.metrics.settled(queue, outcome).inc()
         if level is None:
             level = OUTCOME_LEVELS[outcome]
         # Asked first: an acked task's line is DEBUG, off in production, and ``log`` would
         # ask the same behind one more call.
         if outcome_log.isEnabledFor(level):
-            outcome_log.log(level, "%s: %s", outcome, text)
+            exc_info = handler_frames(error) if self.tracebacks and error is not None else None
+            outcome_log.log(level, "%s: %s", outcome, text, exc_info=exc_info)
 
     async def ack(
         self, message: AbstractIncomingMessage, *, queue: str, outcome: Outcome = Outcome.ACKED
@@ -191,7 +225,8 @@ class Settler:
             f"attempt {delivery.attempt} failed ({describe(error)}); retrying in "
             f"{delay_ms / 1000:.3g} s",
             # A handler asking for a retry (the model said "busy") is no failure to warn of.
-            level=logging.INFO if isinstance(error, Retry) else None,
+            level=logging.INFO if isinstance(error, Retry) else self.retry_level,
+            error=error,
         )
         return True
 
@@ -236,6 +271,7 @@ class Settler:
             queue,
             Outcome.DEAD_LETTERED,
             f"dead-lettered after attempt {delivery.attempt}: {reason} ({describe(error)})",
+            error=error,
         )
         return True
 

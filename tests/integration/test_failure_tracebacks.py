@@ -1,0 +1,98 @@
+"""A failed attempt's log line carries the handler's traceback, from the handler's own frames
+down (the worker's left out), at the level ``retry_log_level`` names; ``failure_tracebacks``
+turns the tracebacks off. A real worker on the real broker, a handler from a file of its own
+so the frames can be told apart."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from weclaw_mq import App, RetryPolicy, TaskStatus
+
+HANDLER = """def parse(text):
+    return int(text)  # the bug
+
+
+async def summarise(task: dict) -> None:
+    parse(task["text"])
+"""
+BUG_LINE = 2
+
+
+def load_handler(folder: Path) -> Any:
+    path = folder / "flaky_summaries.py"
+    path.write_text(HANDLER)
+    spec = importlib.util.spec_from_file_location("flaky_summaries", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def failure_records(caplog: pytest.LogCaptureFixture, outcome: str) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if r.name == "weclaw_mq.worker" and r.getMessage().startswith(f"{outcome}:")
+    ]
+
+
+async def run_until_dead_lettered(
+    app: App, start_worker: Callable[..., Any], queue: str, module: Any
+) -> None:
+    app.handler(queue, retry=RetryPolicy(max_retries=1, delay_s=0.2))(module.summarise)
+    await start_worker(app)
+    async with app:
+        task_id = await app.publish(queue, {"text": "not a number"})
+        final = await app.result(task_id, timeout_s=30)
+    assert final.status is TaskStatus.DEAD_LETTERED
+
+
+async def test_a_retried_and_a_dead_lettered_attempt_log_the_handlers_traceback(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    module = load_handler(tmp_path)
+    caplog.set_level(logging.INFO, logger="weclaw_mq.worker")
+
+    await run_until_dead_lettered(make_app("tracebacks"), start_worker, qname, module)
+
+    [retried] = failure_records(caplog, "retried")
+    [dead] = failure_records(caplog, "dead_lettered")
+    assert retried.levelno == logging.WARNING and dead.levelno == logging.ERROR
+    for record in (retried, dead):
+        assert record.exc_info is not None
+        text = logging.Formatter().formatException(record.exc_info)
+        assert f'File "{module.__file__}", line {BUG_LINE}, in parse' in text, text
+        assert "ValueError: invalid literal for int()" in text
+        # The worker's own frames are left out: the traceback starts in the handler.
+        assert "weclaw_mq" not in text.split("\n", 2)[1], text
+
+
+async def test_the_retry_line_takes_its_level_and_drops_the_traceback_when_told(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    module = load_handler(tmp_path)
+    caplog.set_level(logging.DEBUG, logger="weclaw_mq.worker")
+    app = make_app("quiet", retry_log_level="INFO", failure_tracebacks=False)
+
+    await run_until_dead_lettered(app, start_worker, qname, module)
+
+    [retried] = failure_records(caplog, "retried")
+    [dead] = failure_records(caplog, "dead_lettered")
+    assert retried.levelno == logging.INFO
+    assert retried.exc_info is None and dead.exc_info is None
+    assert "ValueError" in retried.getMessage()  # the line still names the error
