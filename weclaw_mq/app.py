@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import warnings
 from collections.abc import (
     AsyncIterator,
@@ -29,6 +30,7 @@ from .errors import (
     BatchPublishError,
     BrokerUnavailableError,
     ConfigurationError,
+    ConnectionLostError,
     IdempotencyConflictError,
     InvalidPayload,
     InvalidPriorityError,
@@ -36,6 +38,7 @@ from .errors import (
     PayloadValidationError,
     ResultTimeoutError,
     UndecodableBody,
+    UnroutableError,
 )
 from .handler import HandlerFunc, HandlerSpec, build_spec
 from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
@@ -127,6 +130,9 @@ class App:
         result_store: The former name of ``store`` (a ``DeprecationWarning``).
         streams: Replaces the default Redis ``StreamStore`` (task streams and session
             inboxes). The caller closes it.
+        declare: Declare this App's queues before its first publish to one of them (once
+            per event loop), for a producer that owns its queues; off by default, so a
+            least-privilege producer never declares.
 
     Raises:
         ConfigurationError: Both ``store`` and ``result_store`` were given.
@@ -141,6 +147,7 @@ class App:
         store: TaskStore | None = None,
         result_store: TaskStore | None = None,
         streams: StreamStore | None = None,
+        declare: bool = False,
     ) -> None:
         if result_store is not None:
             if store is not None:
@@ -155,6 +162,10 @@ class App:
         self.broker = BrokerEndpoints(self.settings)
         self._handlers: dict[str, HandlerSpec] = {}
         self._publisher: Publisher | None = None
+        self._declare_first = declare
+        self._declaring: asyncio.Future[list[str]] | None = None
+        # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
+        self._made_in: str | None = sys._getframe(1).f_globals.get("__name__")
         self._store = store
         self._owns_store = store is None  # ours to close, not the user's
         self._streams = streams
@@ -546,9 +557,50 @@ class App:
         return await self._send_or_store(queue, message)
 
     async def _send_or_store(self, queue: str, message: aio_pika.Message) -> str:
-        if self._local is not None:
-            return await self._local.publish(queue, message, self._send)
-        return await self._send(queue, message)
+        if self._declare_first and queue in self._handlers:
+            await self._declared()
+        try:
+            if self._local is not None:
+                return await self._local.publish(queue, message, self._send)
+            return await self._send(queue, message)
+        except UnroutableError as e:
+            raise self._unroutable(e) from e
+
+    async def _declared(self) -> None:
+        """Declare this App's queues once per event loop (``App(declare=True)``); a declare
+        that failed is tried again by the next publish. With an outbox, a broker that does
+        not answer is no error here: the task goes to the outbox."""
+        task = self._declaring
+        loop = asyncio.get_running_loop()
+        current = task is not None and task.get_loop() is loop
+        if current and task is not None and task.done():
+            if not task.cancelled() and task.exception() is None:
+                return  # declared
+            current = False  # it failed: declare again
+        if not current or task is None:
+            task = self._declaring = loop.create_task(self.declare())
+        try:
+            await asyncio.shield(task)
+        except (BrokerUnavailableError, ConnectionLostError):
+            if self._local is None:
+                raise
+
+    def _unroutable(self, error: UnroutableError) -> UnroutableError:
+        """``error`` with its hint naming this App's ``MODULE:APP`` where it can be found."""
+        where = self._module_path()
+        text = str(error)
+        if where is not None:
+            text = text.replace("'weclaw-mq declare'", f"'weclaw-mq declare {where}'")
+        text += "; or App(..., declare=True) to declare them at the first publish"
+        return UnroutableError(text, queue=error.queue, task_id=error.task_id)
+
+    def _module_path(self) -> str | None:
+        """``MODULE:NAME`` of this App in the module that made it, if it is held there."""
+        module = sys.modules.get(self._made_in or "")
+        if module is None or self._made_in == "__main__":
+            return None
+        name = next((n for n, v in vars(module).items() if v is self), None)
+        return None if name is None else f"{self._made_in}:{name}"
 
     async def _check_key_reuse(self, queue: str, message: aio_pika.Message) -> None:
         """``IdempotencyConflictError`` if the task id was published to ``queue`` with another
@@ -669,9 +721,22 @@ class App:
         return await self._send_many_or_store(queue, messages)
 
     async def _send_many_or_store(self, queue: str, messages: list[aio_pika.Message]) -> list[str]:
-        if self._local is not None and messages:
-            return await self._local.publish_many(queue, messages, self._send_many)
-        return await self._send_many(queue, messages)
+        if self._declare_first and queue in self._handlers and messages:
+            await self._declared()
+        try:
+            if self._local is not None and messages:
+                return await self._local.publish_many(queue, messages, self._send_many)
+            return await self._send_many(queue, messages)
+        except UnroutableError as e:
+            raise self._unroutable(e) from e
+        except BatchPublishError as e:
+            if not any(isinstance(f, UnroutableError) for f in e.failed.values()):
+                raise
+            failed: dict[int, Exception] = {
+                i: self._unroutable(f) if isinstance(f, UnroutableError) else f
+                for i, f in e.failed.items()
+            }
+            raise BatchPublishError(queue, e.task_ids, failed) from e
 
     async def _send_many(self, queue: str, messages: list[aio_pika.Message]) -> list[str]:
         ids = [m.message_id or "" for m in messages]

@@ -1,0 +1,109 @@
+"""The first publish, before any worker or ``declare`` ran: its ``UnroutableError`` names the
+exact command (``weclaw-mq declare MODULE:APP``), and an App made with ``declare=True``
+declares its queues itself, once, and publishes. Real broker and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import delete_queues, forget_task_keys, settings_for
+from weclaw_mq import App, BatchPublishError, TaskStatus, UnroutableError
+from weclaw_mq.topology import queue_declarations
+
+MODULE = """from weclaw_mq import App, Settings
+
+app = App("first-publish", settings=Settings(amqp_url={amqp!r}, redis_url={redis!r}))
+
+
+@app.handler({queue!r})
+async def reply(task: dict) -> dict:
+    return task
+"""
+
+
+@pytest.fixture
+async def cleanup(broker_url: str, redis_url: str) -> AsyncIterator[list[App]]:
+    apps: list[App] = []
+    yield apps
+    for app in apps:
+        await app.close()
+        names = [
+            n for spec in app.handlers.values() for n, _ in queue_declarations(spec.queue_spec())
+        ]
+        await delete_queues(broker_url, names)
+        await forget_task_keys(redis_url, list(app.handlers))
+
+
+def load(folder: Path, name: str, **values: str) -> Any:
+    path = folder / f"{name}.py"
+    path.write_text(MODULE.format(**values))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import of MODULE:APP leaves it
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_an_undeclared_queue_names_the_command_that_declares_it(
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path, cleanup: list[App]
+) -> None:
+    module_name = f"first_publish_{qname.replace('-', '_')}"
+    module = load(tmp_path, module_name, amqp=broker_url, redis=redis_url, queue=qname)
+    cleanup.append(module.app)
+    try:
+        async with module.app:
+            with pytest.raises(UnroutableError) as raised:
+                await module.app.publish(qname, {"text": "hi"})
+            with pytest.raises(BatchPublishError) as raised_many:
+                await module.app.publish_many(qname, [{"text": "hi"}])
+    finally:
+        del sys.modules[module_name]
+
+    [many] = raised_many.value.failed.values()
+    assert isinstance(many, UnroutableError)
+    for error in (raised.value, many):
+        assert f"run 'weclaw-mq declare {module_name}:app'" in str(error), str(error)
+        assert "App(..., declare=True)" in str(error)
+        assert error.queue == qname
+
+
+async def test_an_app_made_with_declare_declares_once_then_publishes(
+    broker_url: str,
+    redis_url: str,
+    qname: str,
+    cleanup: list[App],
+    start_worker: Callable[..., Any],
+) -> None:
+    app = App("owns-its-queues", settings=settings_for(broker_url, redis_url), declare=True)
+    cleanup.append(app)
+    declares = 0
+    declare = app.declare
+
+    async def counted() -> list[str]:
+        nonlocal declares
+        declares += 1
+        return await declare()
+
+    app.declare = counted  # type: ignore[method-assign]
+
+    @app.handler(qname)
+    async def reply(task: dict[str, str]) -> dict[str, str]:
+        return task
+
+    async with app:
+        # Three at once, before the queue exists: one declare serves them all.
+        ids = await asyncio.gather(*(app.publish(qname, {"n": str(i)}) for i in range(3)))
+        ids += await app.publish_many(qname, [{"n": "3"}])
+        await start_worker(app)
+        finals = [await app.result(task_id, timeout_s=30) for task_id in ids]
+
+    assert declares == 1
+    assert [f.status for f in finals] == [TaskStatus.SUCCEEDED] * 4
