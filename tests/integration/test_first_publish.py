@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import delete_queues, forget_task_keys, settings_for
+from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, BatchPublishError, TaskStatus, UnroutableError
 from weclaw_mq.topology import queue_declarations
 
@@ -107,3 +108,29 @@ async def test_an_app_made_with_declare_declares_once_then_publishes(
 
     assert declares == 1
     assert [f.status for f in finals] == [TaskStatus.SUCCEEDED] * 4
+
+
+async def test_with_the_outbox_a_broker_that_is_away_takes_the_task_there_instead(
+    redis_url: str, qname: str, tmp_path: Path
+) -> None:
+    settings = settings_for(
+        f"amqp://guest:guest@127.0.0.1:{closed_port()}/",
+        redis_url,
+        outbox_path=str(tmp_path / "outbox.db"),
+        confirm_timeout_s=2,
+    )
+    app = App("declares-offline", settings=settings, declare=True)
+
+    @app.handler(qname)
+    async def reply(task: dict[str, str]) -> dict[str, str]:
+        return task
+
+    try:
+        async with app:
+            task_id = await app.publish(qname, {"text": "while the broker is away"})
+            state = await app.status(task_id)
+    finally:
+        await app.close()
+        await forget_task_keys(redis_url, [qname])
+
+    assert state is not None and state.status is TaskStatus.STORED_LOCALLY
