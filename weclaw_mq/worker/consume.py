@@ -397,13 +397,18 @@ class Worker:
             )
         consumers: dict[str, tuple[HandlerSpec, AbstractQueue]] = {}
         watches: list[Coroutine[Any, Any, None]] = []
+        # The breaker-paused consumers of single handlers, by queue (their pause state).
+        pausable: dict[str, _SingleConsumer] = {}
         for spec in single:
             queue = await channel.get_queue(spec.queue, ensure=False)
             tag = await consume(queue, self._dispatcher(spec, runtime))
             consumers[tag] = (spec, queue)
             if spec.queue in self._circuits:
                 on_message = self._dispatcher(spec, runtime)
-                single_consumer = _SingleConsumer(spec, queue, on_message, consumers, self._stop)
+                single_consumer = _SingleConsumer(
+                    spec, queue, on_message, consumers, self._stop, self._recovering
+                )
+                pausable[spec.queue] = single_consumer
                 watches.append(self._watch(spec, runtime, single_consumer))
         for spec in laned:
             scheduler = self._lane_scheduler(
@@ -448,8 +453,14 @@ class Worker:
                     if tag in consumers:
                         spec, _ = consumers.pop(tag)
                         self._recovering.add(spec.queue)
-                        queue, tag = await self._consume_again(conn, channel, spec, runtime)
-                        consumers[tag] = (spec, queue)
+                        queue, new_tag = await self._consume_again(conn, channel, spec, runtime)
+                        paused = pausable.get(spec.queue)
+                        if paused is not None and paused.paused:
+                            # Its breaker opened while we subscribed again: the new consumer
+                            # would deliver beside the pause (resume() subscribes anew).
+                            await queue.cancel(new_tag)
+                        else:
+                            consumers[new_tag] = (spec, queue)
                         self._recovering.discard(spec.queue)
                     for scheduler in schedulers:
                         await scheduler.broker_cancelled(tag)
@@ -621,7 +632,13 @@ class Worker:
 
 class _SingleConsumer:
     """The consumer of a handler queue without lanes (in ``consumers``, the session's
-    tag -> (spec, queue) map), as its circuit breaker pauses and resumes it."""
+    tag -> (spec, queue) map), as its circuit breaker pauses and resumes it.
+
+    ``paused`` is the breaker's word, kept here because the session loop may be subscribing
+    the queue again (after the broker cancelled its consumer) when the breaker opens: it
+    finds no tag to cancel then, and the loop drops the consumer it made once it sees
+    ``paused``. Likewise a resume during that re-subscription adds nothing: the loop's new
+    consumer is the queue's one."""
 
     def __init__(
         self,
@@ -630,22 +647,31 @@ class _SingleConsumer:
         on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
         consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
         stopping: asyncio.Event,
+        recovering: set[str],
     ) -> None:
         self.spec = spec
         self.queue = queue
         self.on_message = on_message
         self.consumers = consumers
         self.stopping = stopping
+        self.recovering = recovering  # queues the session loop is subscribing again
+        self.paused = False
 
     async def pause(self) -> None:
+        self.paused = True
         for tag, (spec, queue) in list(self.consumers.items()):
             if spec is self.spec:
                 del self.consumers[tag]
                 await queue.cancel(tag)
 
     async def resume(self) -> None:
+        self.paused = False
         if self.stopping.is_set():
             return  # the stop cancels consumers: none is added behind it
+        if self.spec.queue in self.recovering:
+            return  # the session loop's re-subscription is the queue's consumer
+        if any(spec is self.spec for spec, _ in self.consumers.values()):
+            return  # consuming already: a second consumer would double the prefetch
         tag = await consume(self.queue, self.on_message)
         self.consumers[tag] = (self.spec, self.queue)
 
