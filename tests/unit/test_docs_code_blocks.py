@@ -242,3 +242,14 @@ def test_a_readme_block_passes_only_as_a_copy_of_the_named_example_without_its_d
         assert answer is None
     else:
         assert answer is not None and problem in answer, answer
+
+
+def test_every_relative_link_of_the_readme_names_a_file_of_the_repository() -> None:
+    # GitHub shows README.md from the repository: a link to a page the site generates
+    # (docs/hooks.py) would lead nowhere there.
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link and not link.startswith("mailto:")]
+    assert len(local) > 20
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README.md links to files the repository does not have: {missing}"
