@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
@@ -93,19 +93,22 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
 
 _LIBRARY = str(Path(__file__).resolve().parents[1])
 
-ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
 
-
-def handler_frames(error: BaseException) -> ExcInfo | None:
-    """``error`` as a log record's ``exc_info``, its traceback starting at the first frame
-    outside weclaw_mq (the handler's own); None for an error that was never raised (a
-    decision of ours, a signal such as ``Reject``), whose line says all there is."""
+def handler_traceback(error: BaseException) -> str | None:
+    """``error``'s traceback as text, starting at the first frame outside weclaw_mq (the
+    handler's own), always encodable (a lone surrogate in a message becomes ``\\ud800``);
+    None for an error that was never raised (a decision of ours, a signal such as
+    ``Reject``), whose line says all there is."""
     tb = error.__traceback__
     if tb is None or isinstance(error, (Reject, Retry)):
         return None
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_LIBRARY):
         tb = tb.tb_next
-    return type(error), error, tb or error.__traceback__
+    try:
+        lines = traceback.format_exception(type(error), error, tb or error.__traceback__)
+    except Exception:  # a pathological exception chain: the line's text still names it
+        return None
+    return safe_text("".join(lines).rstrip("\n"))
 
 
 def _delay_target(message: AbstractIncomingMessage, queue: str, delay_ms: int) -> tuple[str, str]:
@@ -161,8 +164,17 @@ class Settler:
         # Asked first: an acked task's line is DEBUG, off in production, and ``log`` would
         # ask the same behind one more call.
         if outcome_log.isEnabledFor(level):
-            exc_info = handler_frames(error) if self.tracebacks and error is not None else None
-            outcome_log.log(level, "%s: %s", outcome, text, exc_info=exc_info)
+            trace = handler_traceback(error) if self.tracebacks and error is not None else None
+            if trace is None:
+                outcome_log.log(level, "%s: %s", outcome, text)
+                return
+            # The traceback as finished text (exc_text), not the live exception: every
+            # formatter, ours or a test runner's, then shows text that always encodes.
+            record = outcome_log.makeRecord(
+                outcome_log.name, level, __file__, 0, "%s: %s", (outcome, text), None
+            )
+            record.exc_text = trace
+            outcome_log.handle(record)
 
     async def ack(
         self, message: AbstractIncomingMessage, *, queue: str, outcome: Outcome = Outcome.ACKED
