@@ -70,17 +70,27 @@ async def test_a_partly_full_queue_names_each_refused_message_and_stores_the_res
     make_app: Callable[..., App], qname: str, amqp: aio_pika.abc.AbstractChannel
 ) -> None:
     # A quorum queue's length limit is soft: a burst overshoots it before the leader refuses
-    # (measured: room for 50 took 62-77 of 100). 200 into room for 10 always ends refused.
+    # (measured: room for 50 took 62-77 of 100; once, in a loaded full run, room for 10 took
+    # a whole batch of 200). Batches go on until one is refused; each earlier one was whole.
     app = await _declared(make_app, qname, max_length=10)
-    with pytest.raises(BatchPublishError) as caught:
-        await app.publish_many(qname, [Prompt(text=f"p{i}") for i in range(200)])
-    error = caught.value
+    accepted: list[str] = []
+    error: BatchPublishError | None = None
+    for batch in range(5):
+        try:
+            accepted += await app.publish_many(
+                qname, [Prompt(text=f"b{batch}-p{i}") for i in range(200)]
+            )
+        except BatchPublishError as refused_batch:
+            error = refused_batch
+            break
+    assert error is not None, f"a queue of 10 took {len(accepted)} messages"
     assert error.failed, "a queue of 10 took 200 messages"
-    assert error.confirmed, "an empty queue refused everything"
+    assert error.confirmed or accepted, "an empty queue refused everything"
     assert all(isinstance(e, PublishNackedError) for e in error.failed.values())
     assert len(error.confirmed) + len(error.failed) == 200
     stored = await _drain_ids(amqp, qname)
-    assert sorted(stored) == sorted(error.confirmed), "confirmed and stored must be the same set"
+    confirmed = accepted + error.confirmed
+    assert sorted(stored) == sorted(confirmed), "confirmed and stored must be the same set"
     refused = [error.task_ids[i] for i in error.failed]
     assert not set(refused) & set(stored)
     # A refused task never existed: no status may claim it is queued.
