@@ -43,15 +43,26 @@ def failure_records(caplog: pytest.LogCaptureFixture, outcome: str) -> list[logg
     ]
 
 
-async def run_until_dead_lettered(
-    app: App, start_worker: Callable[..., Any], queue: str, module: Any
-) -> None:
+async def failure_lines(
+    app: App,
+    start_worker: Callable[..., Any],
+    queue: str,
+    folder: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> tuple[Any, logging.LogRecord, logging.LogRecord]:
+    """Run one task that fails twice to the DLQ; the handler's module and the retried and
+    dead-lettered lines the worker wrote."""
+    module = load_handler(folder)
+    caplog.set_level(logging.DEBUG, logger="weclaw_mq.worker")
     app.handler(queue, retry=RetryPolicy(max_retries=1, delay_s=0.2))(module.summarise)
     await start_worker(app)
     async with app:
         task_id = await app.publish(queue, {"text": "not a number"})
         final = await app.result(task_id, timeout_s=30)
     assert final.status is TaskStatus.DEAD_LETTERED
+    [retried] = failure_records(caplog, "retried")
+    [dead] = failure_records(caplog, "dead_lettered")
+    return module, retried, dead
 
 
 async def test_a_retried_and_a_dead_lettered_attempt_log_the_handlers_traceback(
@@ -61,13 +72,10 @@ async def test_a_retried_and_a_dead_lettered_attempt_log_the_handlers_traceback(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    module = load_handler(tmp_path)
-    caplog.set_level(logging.INFO, logger="weclaw_mq.worker")
+    app = make_app("tracebacks")
 
-    await run_until_dead_lettered(make_app("tracebacks"), start_worker, qname, module)
+    module, retried, dead = await failure_lines(app, start_worker, qname, tmp_path, caplog)
 
-    [retried] = failure_records(caplog, "retried")
-    [dead] = failure_records(caplog, "dead_lettered")
     assert retried.levelno == logging.WARNING and dead.levelno == logging.ERROR
     for record in (retried, dead):
         text = record.exc_text
@@ -85,14 +93,10 @@ async def test_the_retry_line_takes_its_level_and_drops_the_traceback_when_told(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    module = load_handler(tmp_path)
-    caplog.set_level(logging.DEBUG, logger="weclaw_mq.worker")
     app = make_app("quiet", retry_log_level="INFO", failure_tracebacks=False)
 
-    await run_until_dead_lettered(app, start_worker, qname, module)
+    _, retried, dead = await failure_lines(app, start_worker, qname, tmp_path, caplog)
 
-    [retried] = failure_records(caplog, "retried")
-    [dead] = failure_records(caplog, "dead_lettered")
     assert retried.levelno == logging.INFO
     assert retried.exc_text is None and dead.exc_text is None
     assert "ValueError" in retried.getMessage()  # the line still names the error
