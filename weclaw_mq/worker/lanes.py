@@ -164,6 +164,9 @@ class LaneScheduler:
         self._running: dict[int, tuple[str, str]] = {}
         self._skipped: dict[str, int] = dict.fromkeys(self.lanes, 0)
         self._stopping = False
+        # Set once a stop has cancelled every consumer of ours: from then on a delivery that
+        # still arrives is given back at once (before, it would come straight back to us).
+        self._consumers_cancelled = False
         # Paused by the circuit breaker: no consumer is opened; waiting tasks still start
         # (and are deferred by the breaker, ``delivery``).
         self._paused = False
@@ -330,6 +333,7 @@ class LaneScheduler:
         nothing any more, and give back what still reaches us. The waiting deliveries are
         forgotten, not nacked: the closing connection returns them all at once."""
         self._stopping = True
+        self._consumers_cancelled = True  # what still reaches us is given back, as before
         self._stop_timers()
         for waiting in self._waiting.values():
             waiting.clear()
@@ -354,6 +358,7 @@ class LaneScheduler:
         if self._bulk is not None and self._bulk_queue is not None:
             with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
                 await asyncio.wait_for(self._bulk_queue.cancel(self._bulk), CLOSE_TIMEOUT_S)
+        self._consumers_cancelled = True
         for waiting in self._waiting.values():
             while waiting:
                 await self._give_back(waiting.popleft(), "the worker is stopping")
@@ -367,8 +372,20 @@ class LaneScheduler:
 
         return on_message
 
+    def _parked_for_the_stop(self, lane: str, message: AbstractIncomingMessage) -> bool:
+        """While a stop has not cancelled our consumers yet, a delivery is held with the
+        waiting ones, which the stop gives back after the cancels: given back now, it would
+        be delivered straight back to a live consumer of ours, each return counting toward
+        the queue's delivery limit (a loop of them dead-lettered a task in a loaded run)."""
+        if not self._stopping or self._consumers_cancelled:
+            return False
+        self._waiting[lane].append(message)
+        return True
+
     async def _on_message(self, lane: str, message: AbstractIncomingMessage) -> None:
         tag = message.consumer_tag or ""
+        if self._parked_for_the_stop(lane, message):
+            return
         if self._stopping or tag in self._cancelled:
             # Stopping, or it reached a consumer we had just cancelled: given back, so
             # another worker (or our next look-ahead) takes it.
@@ -396,6 +413,8 @@ class LaneScheduler:
 
     async def _on_bulk(self, message: AbstractIncomingMessage) -> None:
         tag = message.consumer_tag or ""
+        if self._parked_for_the_stop(self._lowest, message):
+            return
         if self._stopping or tag in self._cancelled:
             why = "the worker is stopping" if self._stopping else "its consumer was cancelled"
             await self._give_back(message, why)
