@@ -9,12 +9,20 @@ would leave the delivery unsettled. Every failure text is made here, once, safe 
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 
 from .breaker import UpstreamDown
 from .control_flow import Reject, Retry
 from .errors import WeclawMQError
 
 _OURS = (WeclawMQError, Reject, Retry, UpstreamDown)
+# weclaw_mq's own folder: traceback frames from here are ours, not the user's.
+_LIBRARY = Path(__file__).resolve().parent
+
+
+def in_library(filename: str) -> bool:
+    """Whether a traceback frame's file is weclaw_mq's own code."""
+    return Path(filename).resolve().is_relative_to(_LIBRARY)
 
 
 def safe_text(value: object) -> str:
@@ -95,3 +103,19 @@ def traceback_text(error: BaseException) -> str:
     except Exception:  # a pathological exception chain: the type and message still help
         return describe(error)
     return safe_text(text)
+
+
+def handler_traceback(error: BaseException) -> str | None:
+    """``error``'s traceback as safe text, starting at the first frame outside weclaw_mq (the
+    handler's own); None for an error that was never raised (a decision of ours, a signal
+    such as ``Reject``), whose line says all there is."""
+    tb = error.__traceback__
+    if tb is None or isinstance(error, (Reject, Retry)):
+        return None
+    while tb is not None and in_library(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    try:
+        lines = traceback.format_exception(type(error), error, tb or error.__traceback__)
+    except Exception:  # a pathological exception chain: the line's text still names it
+        return None
+    return safe_text("".join(lines).rstrip("\n"))

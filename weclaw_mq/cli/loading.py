@@ -12,10 +12,10 @@ import pydantic
 
 from ..app import App
 from ..errors import ConfigurationError
+from ..failures import in_library
 
 # The user's frames shown under an import error: the bug is in the last ones.
 USER_FRAMES = 3
-_LIBRARY = Path(__file__).resolve().parents[1]
 
 
 class UserCodeError(ConfigurationError):
@@ -35,7 +35,7 @@ def user_frames(error: BaseException) -> list[str]:
         frame
         for frame in traceback.extract_tb(error.__traceback__)
         if not frame.filename.startswith("<")  # importlib's frozen bootstrap
-        and not Path(frame.filename).resolve().is_relative_to(_LIBRARY)
+        and not in_library(frame.filename)
         and not Path(frame.filename).resolve().is_relative_to(Path(importlib.__file__).parent)
     ]
     for frame in frames[-USER_FRAMES:]:

@@ -16,19 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import traceback
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
 from .. import headers as h
-from ..control_flow import Reject, Retry
+from ..control_flow import Retry
 from ..delays import next_hop_ms, schedule
 from ..errors import WeclawMQError
-from ..failures import describe, error_class, error_type, safe_text, traceback_text
+from ..failures import (
+    describe,
+    error_class,
+    error_type,
+    handler_traceback,
+    safe_text,
+    traceback_text,
+)
 from ..lifetime import now_ms
 from ..message import Delivery, build_message
 from ..metrics import Metrics, Outcome
@@ -89,26 +94,6 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     out[h.LAST_FAILURE_AT] = now
     out[h.TRACE_ID] = delivery.trace_id
     return out
-
-
-_LIBRARY = str(Path(__file__).resolve().parents[1])
-
-
-def handler_traceback(error: BaseException) -> str | None:
-    """``error``'s traceback as text, starting at the first frame outside weclaw_mq (the
-    handler's own), always encodable (a lone surrogate in a message becomes ``\\ud800``);
-    None for an error that was never raised (a decision of ours, a signal such as
-    ``Reject``), whose line says all there is."""
-    tb = error.__traceback__
-    if tb is None or isinstance(error, (Reject, Retry)):
-        return None
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_LIBRARY):
-        tb = tb.tb_next
-    try:
-        lines = traceback.format_exception(type(error), error, tb or error.__traceback__)
-    except Exception:  # a pathological exception chain: the line's text still names it
-        return None
-    return safe_text("".join(lines).rstrip("\n"))
 
 
 def _delay_target(message: AbstractIncomingMessage, queue: str, delay_ms: int) -> tuple[str, str]:
