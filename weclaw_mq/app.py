@@ -572,13 +572,11 @@ class App:
         not answer is no error here: the task goes to the outbox."""
         task = self._declaring
         loop = asyncio.get_running_loop()
-        current = task is not None and task.get_loop() is loop
-        if current and task is not None and task.done():
-            if not task.cancelled() and task.exception() is None:
-                return  # declared
-            current = False  # it failed: declare again
-        if not current or task is None:
+        failed = task is not None and task.done() and (task.cancelled() or task.exception())
+        if task is None or task.get_loop() is not loop or failed:
             task = self._declaring = loop.create_task(self.declare())
+        elif task.done():
+            return  # declared
         try:
             await asyncio.shield(task)
         except (BrokerUnavailableError, ConnectionLostError):
