@@ -233,23 +233,39 @@ def _cli_variables() -> list[str]:
 def field_comments(source: Path) -> dict[str, str]:
     """Each ``Settings`` field's comment: the ``#`` lines right above its declaration."""
     text = source.read_text(encoding="utf-8")
-    comment_at: dict[int, str] = {}
-    for token in tokenize.generate_tokens(io.StringIO(text).readline):
-        if token.type == tokenize.COMMENT and token.line.strip().startswith("#"):
-            comment_at[token.start[0]] = token.string.lstrip("#").strip()
+    above_at, _ = _comments(text)
     found: dict[str, str] = {}
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.ClassDef) and node.name == Settings.__name__:
-            for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                    above: list[str] = []
-                    line = item.lineno - 1
-                    while line in comment_at:
-                        above.insert(0, comment_at[line])
-                        line -= 1
-                    if above:
-                        found[item.target.id] = " ".join(above)
+    for item in _class_body(ast.parse(text).body, Settings.__name__):
+        if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
+            continue
+        if above := _comment_above(item.lineno, above_at):
+            found[item.target.id] = above
     return found
+
+
+def _comments(text: str) -> tuple[dict[int, str], dict[int, str]]:
+    """The comments of ``text`` by line: those alone on their line, and those after code."""
+    above_at: dict[int, str] = {}
+    trailing_at: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            target = above_at if token.line.strip().startswith("#") else trailing_at
+            target[token.start[0]] = token.string.lstrip("#").strip()
+    return above_at, trailing_at
+
+
+def _comment_above(lineno: int, above_at: dict[int, str]) -> str:
+    """The ``#`` lines right above line ``lineno``, joined."""
+    above: list[str] = []
+    line = lineno - 1
+    while line in above_at:
+        above.insert(0, above_at[line])
+        line -= 1
+    return " ".join(above)
+
+
+def _class_body(body: list[ast.stmt], class_name: str) -> list[ast.stmt]:
+    return next(n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name)
 
 
 def _setting_default(default: Any) -> str:
@@ -505,26 +521,16 @@ def constant_comments(source: Path, class_name: str | None) -> dict[str, str]:
     """The ``#`` lines right above each ``NAME = ...`` (of a class, or at module level), or
     the comment at the end of its line."""
     text = source.read_text(encoding="utf-8")
-    above_at: dict[int, str] = {}
-    trailing_at: dict[int, str] = {}
-    for token in tokenize.generate_tokens(io.StringIO(text).readline):
-        if token.type == tokenize.COMMENT:
-            target = above_at if token.line.strip().startswith("#") else trailing_at
-            target[token.start[0]] = token.string.lstrip("#").strip()
+    above_at, trailing_at = _comments(text)
     body: list[ast.stmt] = ast.parse(text).body
     if class_name is not None:
-        body = next(n.body for n in body if isinstance(n, ast.ClassDef) and n.name == class_name)
+        body = _class_body(body, class_name)
     found: dict[str, str] = {}
     group, group_end = "", -1  # a comment speaks for the assignments right below it
     for item in body:
         if isinstance(item, ast.Assign) and isinstance(item.targets[0], ast.Name):
-            above: list[str] = []
-            line = item.lineno - 1
-            while line in above_at:
-                above.insert(0, above_at[line])
-                line -= 1
-            if above:
-                group = " ".join(above)
+            if above := _comment_above(item.lineno, above_at):
+                group = above
             elif item.lineno != group_end + 1:
                 group = ""
             group_end = item.end_lineno or item.lineno
