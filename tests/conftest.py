@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import aio_pika
@@ -359,3 +363,15 @@ def close_connections(name: str, *, prefix: bool = False) -> int:
     for pid in pids:
         broker_ctl("-q", "close_connection", pid, "closed by a weclaw_mq test")
     return len(pids)
+
+
+def load_module(path: Path, name: str, *, register: bool = False) -> ModuleType:
+    """Import the file ``path`` as module ``name`` (a fresh copy each call); ``register``
+    leaves it in ``sys.modules``, as an import of ``MODULE:APP`` would."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -34,7 +34,7 @@ import pytest
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
+from tests.conftest import delete_queues, forget_task_keys, load_module, settings_for, wait_until
 from tests.integration.browser import chromium  # noqa: F401
 from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_server import frames, read_events, serving
@@ -75,10 +75,7 @@ class Tutorial:
     def load_copy(self, name: str) -> ModuleType:
         """A second, independent copy of a module: the worker's process has its own App."""
         path = next(p for p in (EXAMPLES / f"{name}.py", TUTORIAL / f"{name}.py") if p.exists())
-        spec = importlib.util.spec_from_file_location(f"worker_{name}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_module(path, f"worker_{name}")
         self.loaded.append(module)
         return module
 

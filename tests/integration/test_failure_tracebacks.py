@@ -5,7 +5,6 @@ so the frames can be told apart."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import load_module
 from weclaw_mq import App, RetryPolicy, TaskStatus
 
 HANDLER = """def parse(text):
@@ -28,11 +28,7 @@ BUG_LINE = 2
 def load_handler(folder: Path) -> Any:
     path = folder / "flaky_summaries.py"
     path.write_text(HANDLER)
-    spec = importlib.util.spec_from_file_location("flaky_summaries", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, "flaky_summaries")
 
 
 def failure_records(caplog: pytest.LogCaptureFixture, outcome: str) -> list[logging.LogRecord]:

@@ -5,7 +5,6 @@ declares its queues itself, once, and publishes. Real broker and Redis."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for
+from tests.conftest import delete_queues, forget_task_keys, load_module, settings_for
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, BatchPublishError, TaskStatus, UnroutableError
 from weclaw_mq.topology import queue_declarations
@@ -45,12 +44,7 @@ async def cleanup(broker_url: str, redis_url: str) -> AsyncIterator[list[App]]:
 def load(folder: Path, name: str, **values: str) -> Any:
     path = folder / f"{name}.py"
     path.write_text(MODULE.format(**values))
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # as an import of MODULE:APP leaves it
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, name, register=True)
 
 
 async def test_an_undeclared_queue_names_the_command_that_declares_it(

@@ -8,7 +8,6 @@ site's own mermaid.js, with the CDN blocked."""
 from __future__ import annotations
 
 import html
-import importlib.util
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.support.ui import WebDriverWait
 
 import weclaw_mq
+from tests.conftest import load_module
 from tests.integration.browser import chromium  # noqa: F401  (the fixture)
 from weclaw_mq import Settings, TaskStatus, errors, headers, naming
 from weclaw_mq.cli.tree import built_command, walk_commands
@@ -133,12 +133,7 @@ def test_the_tutorial_includes_its_example_files(site: Path) -> None:
 
 
 def load_first_handler() -> ModuleType:
-    path = ROOT / "docs" / "examples" / "first_handler.py"
-    spec = importlib.util.spec_from_file_location("docs_first_handler", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(ROOT / "docs" / "examples" / "first_handler.py", "docs_first_handler")
 
 
 async def test_the_tutorials_handler_replies_and_rejects_an_empty_prompt() -> None:
