@@ -667,9 +667,9 @@ def notes(counts: Counts, skip_peers: bool) -> list[str]:
         "the claim script (SET NX PX and the 'running' record) and the finish script (the "
         "result record and the done marker). 'raw aio-pika + Redis by hand' calls the very "
         "same two scripts (their text imported from weclaw_mq, registered with redis-py's "
-        "register_script, the same KEYS and ARGV, keys from weclaw_mq.naming), in the same "
-        "order, with a record JSON it builds by hand; it checks after the run that they stored "
-        "a succeeded record and the done marker. So Redis does the same work for both, and "
+        "register_script, the same KEYS and ARGV, keys from weclaw_mq.contract.naming), in the "
+        "same order, with a record JSON it builds by hand; it checks after the run that they "
+        "stored a succeeded record and the done marker. So Redis does the same work for both, and "
         "the difference between the two rows is weclaw_mq's own overhead.",
         "raw aio-pika does what weclaw_mq's worker does: one task per delivery, json.loads of "
         "the body, the handler, ack; its messages carry the same properties and headers. "

@@ -28,13 +28,8 @@ import redis.asyncio as aioredis
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from weclaw_mq import App, Settings
-from weclaw_mq import headers as wh
-from weclaw_mq.topology import (
-    QueueSpec,
-    declare,
-    queue_declarations,
-    work_queue_arguments,
-)
+from weclaw_mq.contract import headers as wh
+from weclaw_mq.wire.topology import QueueSpec, declare, queue_declarations, work_queue_arguments
 
 from .common import PROFILE_ENV, PROTOCOL_PREFIX, ChildConfig, encode, make_payload
 from .machine_cpu import CpuWindow

@@ -30,7 +30,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from weclaw_mq import App, Settings, Worker
-from weclaw_mq.naming import GUARD_KEY_PREFIX, STATE_KEY_PREFIX, queue_key_pattern
+from weclaw_mq.contract.naming import GUARD_KEY_PREFIX, STATE_KEY_PREFIX, queue_key_pattern
 
 from .infra import delete_app_queues
 

@@ -43,7 +43,7 @@ import aio_pika
 
 from weclaw_mq import App, Settings
 from weclaw_mq.outbox.relay import Relay
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 from .common import make_payload
 

@@ -37,8 +37,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from weclaw_mq import App, Settings
-from weclaw_mq import headers as wh
-from weclaw_mq.handler import HandlerSpec
+from weclaw_mq.contract import headers as wh
+from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.worker.deadlines import Deadlines
 from weclaw_mq.worker.delivery import process
 from weclaw_mq.worker.runtime import Runtime

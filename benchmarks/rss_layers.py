@@ -23,7 +23,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("redis-py (guard on)", ("redis",)),
     ("the Redis store (guard on)", ("weclaw_mq.state.redis",)),
     # Only with a metrics port (or when App.metrics.registry is read).
-    ("prometheus_client (a metrics port)", ("prometheus_client", "weclaw_mq.metrics_http")),
+    (
+        "prometheus_client (a metrics port)",
+        ("prometheus_client", "weclaw_mq.observability.metrics_server"),
+    ),
 )
 
 

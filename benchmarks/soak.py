@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from weclaw_mq import App, Context, Reject, RetryPolicy, Settings
-from weclaw_mq.naming import task_keys
+from weclaw_mq.contract.naming import task_keys
 
 from .infra import delete_app_queues
 

@@ -26,7 +26,7 @@ import uuid
 from fastapi import FastAPI
 
 from weclaw_mq import App
-from weclaw_mq.naming import inbox_key, inbox_trace_key
+from weclaw_mq.contract.naming import inbox_key, inbox_trace_key
 from weclaw_mq.streaming.events import chunk_entry, encode_data
 
 RUN_ENV = "BENCH_SSE_RUN"

@@ -37,7 +37,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from weclaw_mq import App
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_FIRST_S = 0.5

@@ -44,14 +44,14 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from weclaw_mq import App, Context, Settings, Worker
-from weclaw_mq.naming import (
+from weclaw_mq.contract.naming import (
     GUARD_KEY_PREFIX,
     STATE_KEY_PREFIX,
     queue_key_pattern,
     stream_key,
     task_keys,
 )
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 EMIT_BOUND_MS = 5.0
 LATENCY_BOUND_MS = 10.0

@@ -36,9 +36,9 @@ import aio_pika
 import redis.asyncio as aioredis
 
 from weclaw_mq import App, Settings, TaskStatus
-from weclaw_mq.naming import done_channel, latest_key, state_key
+from weclaw_mq.contract.naming import done_channel, latest_key, state_key
 from weclaw_mq.state import TaskState
-from weclaw_mq.topology import delay_exchanges, queue_declarations
+from weclaw_mq.wire.topology import delay_exchanges, queue_declarations
 
 from .common import make_payload
 

@@ -7,8 +7,9 @@
   variable, with type, default, bounds and the comment written above it in ``settings.py``.
 - ``design/task-states.md``: a Mermaid state diagram and a table of
   ``weclaw_mq.state.transitions.TRANSITIONS``.
-- ``reference/wire.md``: the wire contract: every AMQP header (``weclaw_mq.headers``), the
-  broker names and Redis keys of one handler (``weclaw_mq.naming``), computed for an example.
+- ``reference/wire.md``: the wire contract: every AMQP header (``weclaw_mq.contract.headers``), the
+  broker names and Redis keys of one handler (``weclaw_mq.contract.naming``), computed for an
+  example.
 - In ``reference/errors.md``, the marker ``<!-- generated: error-tree -->`` becomes the tree of
   ``weclaw_mq.errors`` with each class's stable name, and ``<!-- generated: dlq-reasons -->``
   the table of ``DeadLetterReason``.
@@ -39,11 +40,12 @@ sys.path.insert(0, str(ROOT))
 from pydantic import SecretStr  # noqa: E402
 
 import weclaw_mq  # noqa: E402
-from weclaw_mq import errors, headers, naming  # noqa: E402
-from weclaw_mq.breaker import UpstreamDown  # noqa: E402
+from weclaw_mq import errors  # noqa: E402
 from weclaw_mq.cli.tree import built_command, walk_commands  # noqa: E402
-from weclaw_mq.control_flow import Reject, Retry  # noqa: E402
-from weclaw_mq.retry import DeadLetterReason  # noqa: E402
+from weclaw_mq.contract import headers, naming  # noqa: E402
+from weclaw_mq.policy.breaker import UpstreamDown  # noqa: E402
+from weclaw_mq.policy.retry import DeadLetterReason  # noqa: E402
+from weclaw_mq.policy.signals import Reject, Retry  # noqa: E402
 from weclaw_mq.settings import Settings, redact_url  # noqa: E402
 from weclaw_mq.state import transitions  # noqa: E402
 from weclaw_mq.state.protocol import TaskStatus  # noqa: E402
@@ -411,10 +413,11 @@ def wire_page() -> str:
         "# The wire contract",
         "",
         "What another producer, consumer or operator script may rely on: the AMQP headers",
-        "weclaw_mq reads and writes (`weclaw_mq/headers.py`, the only module that spells a",
-        "header), and every broker name and Redis key of one handler (`weclaw_mq/naming.py`,",
-        "the only module that builds one). The names below are computed by that code when",
-        f"the site is built, for the handler queue `{EXAMPLE_QUEUE}`, task id `{EXAMPLE_TASK}`,",
+        "weclaw_mq reads and writes (`weclaw_mq/contract/headers.py`, the only module that",
+        "spells a header), and every broker name and Redis key of one handler",
+        "(`weclaw_mq/contract/naming.py`, the only module that builds one). The names below",
+        "are computed by that code when the site is built, for the handler queue",
+        f"`{EXAMPLE_QUEUE}`, task id `{EXAMPLE_TASK}`,"
         f"session `{EXAMPLE_SESSION}` and a {EXAMPLE_DELAY_MS // 1000} s delay.",
         "",
         "## AMQP headers",
@@ -487,13 +490,14 @@ def wire_page() -> str:
 
 
 def topology_diagram() -> str:
-    """One handler's queues and the vhost's shared names, as ``weclaw_mq.naming`` builds them."""
+    """One handler's queues and the vhost's shared names, as ``contract.naming`` builds them."""
     q = EXAMPLE_QUEUE
     delay = naming.ladder_queue_name(EXAMPLE_DELAY_MS)
     return "\n".join(
         [
             f"One handler queue, `{q}`, with a {EXAMPLE_DELAY_MS // 1000} s retry delay (names",
-            "computed by `weclaw_mq/naming.py` when the site is built; exchanges are hexagons):",
+            "computed by `weclaw_mq/contract/naming.py` when the site is built; exchanges are",
+            "hexagons):",
             "",
             "```mermaid",
             "flowchart LR",

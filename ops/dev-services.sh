@@ -185,7 +185,7 @@ py() { python3 -c "$PY_HELPER" "$@"; }
 
 # -- configuration ---------------------------------------------------------------------------
 
-# The URL weclaw_mq would use: the environment, else ./.env (as weclaw_mq/env_settings.py reads it).
+# The URL weclaw_mq would use: the environment, else ./.env (as weclaw_mq/config/environment.py reads it).
 configured_url() {
 	local name=$1 default=$2 value=${!1:-}
 	if [ -z "$value" ] && [ -f "$ROOT/.env" ]; then

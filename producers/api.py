@@ -59,7 +59,7 @@ from weclaw_mq import (
     PublishFailedError,
     TaskStatus,
 )
-from weclaw_mq.task_ids import TASK_ID_PATTERN
+from weclaw_mq.contract.task_ids import TASK_ID_PATTERN
 
 log = logging.getLogger("producers.api")
 

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.conftest import AMQP_URL
-from weclaw_mq.permissions import vhost_of
+from weclaw_mq.admin.permissions import vhost_of
 
 NODE_ENV = "WECLAW_TEST_RABBITMQ_NODE"
 TIMEOUT_S = 60.0

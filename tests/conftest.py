@@ -27,7 +27,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from tests.private_servers import PrivateRedis, PrivateRedisCluster, PrivateServers
 from weclaw_mq import App, Settings, Worker
-from weclaw_mq.naming import (
+from weclaw_mq.contract.naming import (
     BODY_KEY_PREFIX,
     GUARD_KEY_PREFIX,
     RETRY_INFIX,
@@ -38,7 +38,7 @@ from weclaw_mq.naming import (
     stream_key,
 )
 from weclaw_mq.testing import services
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from weclaw_mq import headers as h
+from weclaw_mq.contract import headers as h
 
 EXAMPLES = int(os.environ.get("WECLAW_FUZZ_EXAMPLES", "1"))
 # The same examples on every run unless 'make fuzz' (WECLAW_FUZZ_RANDOM=1) asks for new ones.

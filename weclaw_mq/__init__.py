@@ -4,20 +4,27 @@ Publish with confirms, ack only after success, retry with backoff through delay 
 dead-letter what cannot succeed, and guard effects with Redis so a redelivery never runs twice.
 """
 
-from . import errors
-from .app import App
-from .breaker import Breaker, UpstreamDown
-from .context import Context
-from .control_flow import Reject, Retry, retry_after_s
-from .errors import WeclawMQError
-from .limits import Limit
-from .notification import TaskNotification
-from .priority import Priority
-from .retry import RetryPolicy
-from .settings import Settings
-from .state import Cancellation, CancelOutcome, MemoryTaskStore, TaskState, TaskStatus, TaskStore
-from .streaming import Inbox, MemoryStreamStore, StreamEvent, StreamStore
-from .worker.consume import Worker
+from weclaw_mq import errors
+from weclaw_mq.app import App
+from weclaw_mq.context import Context
+from weclaw_mq.errors import WeclawMQError
+from weclaw_mq.handlers.notifications import TaskNotification
+from weclaw_mq.policy.breaker import Breaker, UpstreamDown
+from weclaw_mq.policy.limits import Limit
+from weclaw_mq.policy.priority import Priority
+from weclaw_mq.policy.retry import RetryPolicy
+from weclaw_mq.policy.signals import Reject, Retry, retry_after_s
+from weclaw_mq.settings import Settings
+from weclaw_mq.state import (
+    Cancellation,
+    CancelOutcome,
+    MemoryTaskStore,
+    TaskState,
+    TaskStatus,
+    TaskStore,
+)
+from weclaw_mq.streaming import Inbox, MemoryStreamStore, StreamEvent, StreamStore
+from weclaw_mq.worker.consume import Worker
 
 # The error tree lives in weclaw_mq.errors; these names stay importable from here, as before.
 BatchPublishError = errors.BatchPublishError

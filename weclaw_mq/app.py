@@ -22,10 +22,18 @@ from typing import TYPE_CHECKING, Any, cast
 import aio_pika
 from aio_pika.abc import HeadersType
 
-from . import headers as h
-from .breaker import Breaker
-from .delays import STEP_DELAYS_MS, check_delay, next_hop_ms, not_before_ms
-from .errors import (
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
+from weclaw_mq.contract.message import (
+    build_message,
+    check_encodable,
+    encode_payload,
+    new_task_id,
+    publish_headers,
+)
+from weclaw_mq.contract.naming import ladder_queue_name, validate_queue_name, validate_session_id
+from weclaw_mq.contract.task_ids import check_task_id
+from weclaw_mq.errors import (
     STORED_NOTHING,
     BatchPublishError,
     BrokerUnavailableError,
@@ -40,26 +48,18 @@ from .errors import (
     UndecodableBody,
     UnroutableError,
 )
-from .handler import HandlerFunc, HandlerSpec, build_spec
-from .lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
-from .limits import Limit, as_limits
-from .message import build_message, check_encodable, encode_payload, new_task_id, publish_headers
-from .metrics import Metrics
-from .naming import ladder_queue_name, validate_queue_name, validate_session_id
-from .notification import notify_target
-from .otel import Spans, spans_for
-from .priority import (
-    QUORUM,
-    Priority,
-    parse_priority,
-    priority_from_header,
-    route,
-)
-from .publishing.connection import BrokerEndpoints
-from .publishing.producer import Publisher
-from .retry import RetryPolicy
-from .settings import Settings
-from .state import (
+from weclaw_mq.handlers.notifications import notify_target
+from weclaw_mq.handlers.spec import HandlerFunc, HandlerSpec, build_spec
+from weclaw_mq.observability.metrics import Metrics
+from weclaw_mq.observability.otel import Spans, spans_for
+from weclaw_mq.observability.tracing import current, new_trace_id
+from weclaw_mq.policy.breaker import Breaker
+from weclaw_mq.policy.delays import STEP_DELAYS_MS, check_delay, next_hop_ms, not_before_ms
+from weclaw_mq.policy.limits import Limit, as_limits
+from weclaw_mq.policy.priority import QUORUM, Priority, parse_priority, priority_from_header, route
+from weclaw_mq.policy.retry import RetryPolicy
+from weclaw_mq.settings import Settings
+from weclaw_mq.state import (
     Cancellation,
     CancelOutcome,
     RecordsSoon,
@@ -70,14 +70,14 @@ from .state import (
     open_store,
     state_unavailable,
 )
-from .state.expiry import as_seen_at, record_ttl_s, until_deadline_s
-from .state.reuse import FingerprintStore, payload_fingerprint
-from .streaming import Inbox, StreamEvent, StreamStore
-from .streaming.events import check_event_id
-from .streaming.reading import task_events
-from .task_ids import check_task_id
-from .topology import declare
-from .tracing import current, new_trace_id
+from weclaw_mq.state.expiry import as_seen_at, record_ttl_s, until_deadline_s
+from weclaw_mq.state.reuse import FingerprintStore, payload_fingerprint
+from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
+from weclaw_mq.streaming.events import check_event_id
+from weclaw_mq.streaming.reading import task_events
+from weclaw_mq.wire.connection import BrokerEndpoints
+from weclaw_mq.wire.producer import Publisher
+from weclaw_mq.wire.topology import declare
 
 if TYPE_CHECKING:
     # Imported where used: only an app with an outbox loads sqlite3 (an idle worker's RSS).
@@ -85,8 +85,8 @@ if TYPE_CHECKING:
 
     from prometheus_client import CollectorRegistry
 
-    from .outbox import Outbox
-    from .outbox.fallback import LocalFallback
+    from weclaw_mq.outbox import Outbox
+    from weclaw_mq.outbox.fallback import LocalFallback
 
 log = logging.getLogger("weclaw_mq.producer")
 
@@ -175,12 +175,13 @@ class App:
         self._record_writes: set[asyncio.Future[Any]] = set()
         # The store the queued records are written to, and whether it is RecordsSoon.
         self._soon: tuple[TaskStore, bool] | None = None
-        # OpenTelemetry spans (weclaw_mq.otel): decided on first use, once; False until then.
+        # OpenTelemetry spans (weclaw_mq.observability.otel): decided on first use, once; False
+        # until then.
         self._spans: Spans | bool | None = False
         # The local outbox and its relay, when WECLAW_MQ_OUTBOX_PATH names a file.
         self._local: LocalFallback | None = None
         if self.settings.outbox_path:
-            from .outbox.fallback import LocalFallback
+            from weclaw_mq.outbox.fallback import LocalFallback
 
             self._local = LocalFallback(
                 self.settings,
@@ -290,7 +291,7 @@ class App:
     # -- tracing ------------------------------------------------------------------------
     @property
     def spans(self) -> Spans | None:
-        """The OpenTelemetry spans this App opens, None for none (``weclaw_mq.otel``)."""
+        """The OpenTelemetry spans this App opens, None for none (``observability.otel``)."""
         if self._spans is False:
             self._spans = spans_for(self.settings)
         assert not isinstance(self._spans, bool)
@@ -336,13 +337,13 @@ class App:
             headers: Extra AMQP headers.
             ttl_s: The task's lifetime, counted from now; default its handler's ``ttl_s`` (if
                 registered in this App), else ``settings.task_ttl_s`` (see
-                ``weclaw_mq.lifetime``).
+                ``weclaw_mq.contract.lifetime``).
             session_id: The session (a user or a conversation) the task is for, written in
                 the ``x-weclaw-session-id`` header.
             priority: The task's priority; default the handler's. Above NORMAL it is written
                 in the ``x-weclaw-priority`` header, by which ``publish`` routes the message.
             delay_s: Written as the task's not-before time (``x-weclaw-not-before``), by which
-                ``publish`` parks it in a delay queue (``weclaw_mq.delays``).
+                ``publish`` parks it in a delay queue (``weclaw_mq.policy.delays``).
 
         Returns:
             The message, ready for ``publish`` (its ``message_id`` is the task id).
@@ -963,7 +964,9 @@ class App:
     def streams(self) -> StreamStore:
         """The stream store (task streams, session inboxes), opened on first use."""
         if self._streams is None:
-            from .streaming.redis import open_redis_streams  # loads redis-py: only when used
+            from weclaw_mq.streaming.redis import (
+                open_redis_streams,  # loads redis-py: only when used
+            )
 
             self._streams = open_redis_streams(self.settings)
         return self._streams
@@ -1048,7 +1051,7 @@ class App:
         cancelled within about a second on whichever worker runs it, and never retried. Its
         status becomes ``cancelled`` (final). A finished task is left alone. A task with no
         record in ``queue`` but one in another queue keeps that record and its status. See
-        ``weclaw_mq.state.cancel``.
+        ``weclaw_mq.state.cancel_records``.
 
         Args:
             task_id: The task's id.
@@ -1149,7 +1152,7 @@ class App:
             PayloadError: As in ``prepare`` (and its subclasses).
             ConfigurationError: As in ``prepare``.
         """
-        from .outbox import add_message
+        from weclaw_mq.outbox import add_message
 
         message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
         add_message(conn, queue, message)

@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import StreamWriteError
+from weclaw_mq.errors import StreamWriteError
 
 if TYPE_CHECKING:
-    from .app import App
-    from .streaming.emitter import Emitter
+    from weclaw_mq.app import App
+    from weclaw_mq.streaming.emitter import Emitter
 
 
 @dataclass(frozen=True)

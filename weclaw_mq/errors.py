@@ -57,7 +57,7 @@ pins the list). A handler's own exception is written as its class ``__name__``
 (``failures.error_type``).
 
 The control-flow signals ``Reject`` and ``Retry`` (raised by handlers) live in
-``weclaw_mq.control_flow``: they are decisions, not faults.
+``weclaw_mq.policy.signals``: they are decisions, not faults.
 """
 
 from __future__ import annotations

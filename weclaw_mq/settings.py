@@ -18,11 +18,11 @@ from pydantic import (
     model_validator,
 )
 
-from .env_settings import EnvSettings
-from .lifetime import DEFAULT_TTL_S
-from .redis_urls import RedisTopology, check_database, is_multi_node, parse_topology
-from .retry import RetryPolicy
-from .tls import Service, TlsOptions, setting_name
+from weclaw_mq.config.environment import EnvSettings
+from weclaw_mq.config.redis_urls import RedisTopology, check_database, is_multi_node, parse_topology
+from weclaw_mq.config.tls import Service, TlsOptions, setting_name
+from weclaw_mq.contract.lifetime import DEFAULT_TTL_S
+from weclaw_mq.policy.retry import RetryPolicy
 
 # The retry defaults are RetryPolicy's own, stated once in retry.py.
 _DEFAULT_RETRY = RetryPolicy()
@@ -126,7 +126,7 @@ class Settings(EnvSettings):
     delivery_limit: int = Field(default=10, ge=1)
 
     # The lifetime (TTL) of a task published to a queue whose handler sets none: past it,
-    # the task ends in Q.dlq with reason "expired" (see weclaw_mq.lifetime).
+    # the task ends in Q.dlq with reason "expired" (see weclaw_mq.contract.lifetime).
     task_ttl_s: float = seconds(DEFAULT_TTL_S, floor=0.001, ceiling=_YEAR_S)
 
     # A larger payload is refused before sending; a larger body that arrives is
@@ -150,7 +150,8 @@ class Settings(EnvSettings):
     # Where the metrics port (/metrics, /healthz) listens: this host only, unless opened on
     # purpose ("0.0.0.0" for a Prometheus or a kubelet on another host).
     metrics_addr: str = Field(default="127.0.0.1", min_length=1)
-    # OpenTelemetry spans per publish and per handler run (weclaw_mq.otel): "auto" opens them
+    # OpenTelemetry spans per publish and per handler run (weclaw_mq.observability.otel): "auto"
+    # opens them
     # when the process has set a TracerProvider, "on" requires opentelemetry-api, "off" never.
     otel: Literal["auto", "on", "off"] = "auto"
     # The worker's event loop: "uvloop" needs the extra weclaw_mq[uvloop] (worker/event_loop.py).

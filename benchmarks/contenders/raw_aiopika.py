@@ -4,7 +4,7 @@ consume: prefetch = concurrency, one task per delivery, ``json.loads`` of the bo
 handler, then a manual ack. With ``guard`` it makes by hand the Redis calls weclaw_mq makes
 per message: the same two Lua scripts (imported from weclaw_mq), registered with redis-py's
 ``register_script`` as weclaw_mq registers them, with the same KEYS and ARGV (keys built by
-``weclaw_mq.naming``), so the two differ only by the framework around those calls.
+``weclaw_mq.contract.naming``), so the two differ only by the framework around those calls.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def message(body: bytes, task_id: str) -> aio_pika.Message:
 async def check_stored(redis: Any, queue: str, task_id: str) -> None:
     """After the timed window: the scripts stored what weclaw_mq's store (a succeeded record,
     the done marker), so KEYS/ARGV that no longer match weclaw_mq's cannot go unnoticed."""
-    from weclaw_mq.naming import guard_key, state_key
+    from weclaw_mq.contract.naming import guard_key, state_key
 
     status = await redis.hget(state_key(queue, task_id), "status")
     marker = await redis.get(guard_key(queue, task_id))
@@ -103,7 +103,13 @@ async def consume(cfg: ChildConfig, *, e2e: bool = False) -> None:
         # Only this variant pays for these imports.
         import redis.asyncio as aioredis
 
-        from weclaw_mq.naming import cancel_key, done_channel, guard_key, latest_key, state_key
+        from weclaw_mq.contract.naming import (
+            cancel_key,
+            done_channel,
+            guard_key,
+            latest_key,
+            state_key,
+        )
 
         redis = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=5, socket_timeout=5)
         await redis.ping()

@@ -60,7 +60,7 @@ from tests.integration.processes import (
 )
 from tests.private_servers import PrivateRedis, PrivateServers, has_env, running
 from weclaw_mq import Settings
-from weclaw_mq.naming import GUARD_KEY_PREFIX, queue_key_pattern, task_keys
+from weclaw_mq.contract.naming import GUARD_KEY_PREFIX, queue_key_pattern, task_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SH = REPO_ROOT / "ops" / "cluster" / "cluster.sh"

@@ -33,9 +33,9 @@ from tests.drills import bounds, drill_app
 from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.drills.drill_app import CONSUMING, LOST, Outcomes
 from weclaw_mq import App, ConfirmTimeoutError, Context, Reject, Settings, TaskStatus, Worker
-from weclaw_mq.naming import dlq_name
-from weclaw_mq.publishing.connection import CLOSE_TIMEOUT_S, CONNECT_TIMEOUT_S
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.contract.naming import dlq_name
+from weclaw_mq.wire.connection import CLOSE_TIMEOUT_S, CONNECT_TIMEOUT_S
+from weclaw_mq.wire.topology import queue_declarations
 
 CONFIRM_TIMEOUT_S = bounds.ALARM_CONFIRM_TIMEOUT_S
 BEFORE = 100

@@ -25,7 +25,7 @@ from tests.drills import drill_app
 from tests.drills.conftest import DrillRun, RabbitNode, drill_settings
 from tests.integration.processes import ready_count
 from weclaw_mq import BrokerUnavailableError, Settings, WeclawMQError
-from weclaw_mq.publishing.connection import BrokerEndpoints
+from weclaw_mq.wire.connection import BrokerEndpoints
 
 QUEUED = 500
 CONCURRENCY = 8

@@ -31,7 +31,7 @@ from tests.drills.drill_app import CONSUMING, LOST, Outcomes
 from tests.drills.tcp_proxy import TcpProxy
 from tests.integration.processes import queue_names
 from weclaw_mq import Settings, WeclawMQError
-from weclaw_mq.publishing.connection import CONNECT_TIMEOUT_S
+from weclaw_mq.wire.connection import CONNECT_TIMEOUT_S
 
 
 def _confirmed_at_least(outcomes: Outcomes, count: int) -> bool:

@@ -39,15 +39,15 @@ from tests.conftest import queue_depth, settings_for, wait_until
 from tests.drills.conftest import RabbitNode, low_nofile_node, new_connection_opens
 from tests.private_servers import PrivateServers
 from weclaw_mq import App
-from weclaw_mq.broker_version import ServerVersion
-from weclaw_mq.naming import (
+from weclaw_mq.contract.naming import (
     RETURN_EXCHANGE,
     delay_queue_name,
     ladder_queue_name,
     lane_queue_name,
     parking_queue_name,
 )
-from weclaw_mq.topology import QueueSpec, queue_declarations
+from weclaw_mq.policy.broker_version import ServerVersion
+from weclaw_mq.wire.topology import QueueSpec, queue_declarations
 
 NOFILE = 1024
 # The previous version's 13 quorum queues per handler: 30 x 13 = 390 (~1170 handles, past

@@ -33,7 +33,7 @@ from tests.integration.processes import (
     queue_names,
 )
 from weclaw_mq import App, TaskStatus
-from weclaw_mq.naming import GUARD_KEY_PREFIX, queue_key_pattern, task_keys
+from weclaw_mq.contract.naming import GUARD_KEY_PREFIX, queue_key_pattern, task_keys
 
 TASKS = 1000
 KILLS = bounds.KILL9_KILLS

@@ -37,7 +37,7 @@ from tests.drills.conftest import (
 from tests.private_servers import PrivateServers, TcpRedis, free_port, wait_for
 from weclaw_mq import App, Context, Settings, StateUnavailableError, TaskStatus
 from weclaw_mq.errors import BrokerUnavailableError
-from weclaw_mq.publishing.connection import BrokerEndpoints
+from weclaw_mq.wire.connection import BrokerEndpoints
 
 pytestmark = pytest.mark.drill
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from tests.broker_ctl import broker_ctl
-from weclaw_mq.permissions import Grant, set_permissions_line, vhost_of
+from weclaw_mq.admin.permissions import Grant, set_permissions_line, vhost_of
 
 
 def url_as(broker_url: str, user: str, password: str) -> str:

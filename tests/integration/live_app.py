@@ -16,7 +16,7 @@ from producers.api import create_app
 from producers.sse import EventStreams
 from tests.integration.live_server import serving
 from weclaw_mq import App
-from weclaw_mq.naming import inbox_key, inbox_trace_key
+from weclaw_mq.contract.naming import inbox_key, inbox_trace_key
 
 
 @dataclass

@@ -32,7 +32,7 @@ from tests.conftest import (
 )
 from tests.integration.fixture_apps.worker_app import Event, Job, build_app, read_events
 from weclaw_mq import App, Settings, TaskStatus
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FIXTURE_APP = "tests.integration.fixture_apps.worker_app:app"

@@ -19,7 +19,7 @@ from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_server import serving
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 
 @contextlib.asynccontextmanager

@@ -21,7 +21,7 @@ from tests.conftest import (
     wait_until,
 )
 from weclaw_mq import App, Breaker, Context, RetryPolicy, UpstreamDown
-from weclaw_mq.naming import dlq_name, lane_queue_name
+from weclaw_mq.contract.naming import dlq_name, lane_queue_name
 
 OUTAGE_S = 6.0
 TASKS = 10

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import wait_until
 from weclaw_mq import App
-from weclaw_mq.broker_load import read_broker_load
+from weclaw_mq.wire.broker_load import read_broker_load
 
 STATUS = json.dumps(
     {

@@ -18,7 +18,7 @@ from tests.conftest import outcome_count, queue_depth, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
 from tests.integration.processes import one_error_line, run_cli, settings_env
 from weclaw_mq import App, CancelOutcome, Context, RetryPolicy, TaskStatus
-from weclaw_mq.metrics import Outcome
+from weclaw_mq.observability.metrics import Outcome
 
 # The retry comes back soon, so a test sees what the worker does with it when it does.
 RETRY_SOON = RetryPolicy(max_retries=3, delay_s=1.0)

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import settings_for, wait_until
 from weclaw_mq import CancelOutcome, MemoryTaskStore, TaskState, TaskStatus
-from weclaw_mq.naming import cancel_key, task_keys
+from weclaw_mq.contract.naming import cancel_key, task_keys
 from weclaw_mq.state import Claim, TaskStore, new_owner, open_store
 
 QUEUES = ("t-cancel-a", "t-cancel-b")

@@ -19,9 +19,9 @@ import aio_pika
 import yaml
 
 from tests.private_servers import PrivateRedis, PrivateServers
-from weclaw_mq.broker_version import parse_server_version
-from weclaw_mq.publishing.connection import server_version
+from weclaw_mq.policy.broker_version import parse_server_version
 from weclaw_mq.testing.services import RABBITMQ_IMAGE
+from weclaw_mq.wire.connection import server_version
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"

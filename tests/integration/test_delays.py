@@ -1,6 +1,6 @@
 """Delays asked for at run time, on the real broker and Redis: a 429 with ``Retry-After`` from a
 real HTTP server, ``publish(delay_s=)``, their lifetime, and a producer-only App without the
-delay queues (weclaw_mq.delays)."""
+delay queues (weclaw_mq.policy.delays)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pydantic import BaseModel
 
 from tests.conftest import get_message, next_message, outcome_count, queue_depth, wait_until
 from weclaw_mq import App, Context, Retry, RetryPolicy, TaskStatus, retry_after_s
-from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_filter import DlqFilter
-from weclaw_mq.naming import UNROUTABLE, dlq_name, ladder_queue_name, lane_queue_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import UNROUTABLE, dlq_name, ladder_queue_name, lane_queue_name
 
 
 class Prompt(BaseModel):

@@ -9,9 +9,9 @@ import pytest
 from aio_pika.abc import AbstractChannel
 
 from weclaw_mq import App
-from weclaw_mq.broker_version import ServerVersion
-from weclaw_mq.naming import dlq_name
-from weclaw_mq.topology import declare
+from weclaw_mq.contract.naming import dlq_name
+from weclaw_mq.policy.broker_version import ServerVersion
+from weclaw_mq.wire.topology import declare
 
 
 async def test_a_dlq_declared_on_3_x_is_kept_as_it_is_when_declared_as_on_4_0_with_a_warning(

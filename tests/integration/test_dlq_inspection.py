@@ -25,9 +25,9 @@ from tests.conftest import get_message, next_message, queue_depth, wait_until
 from tests.integration.processes import run_cli, settings_env
 from tests.integration.raw_amqp import publish_undecodable
 from weclaw_mq import App
-from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
 
 LOOKS = 25  # past RabbitMQ 4.0's default quorum delivery limit of 20
 

@@ -17,10 +17,10 @@ from pydantic import BaseModel
 from tests.conftest import next_message, outcome_count, queue_depth, wait_until
 from tests.integration.processes import FIXTURE_APP, one_error_line, run_cli, settings_env
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
-from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq, queue_stats
-from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.naming import dlq_name, ladder_queue_name, lane_queue_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name, ladder_queue_name, lane_queue_name
+from weclaw_mq.policy.delays import STEP_DELAYS_MS
 
 FAIL_ONCE_MORE = RetryPolicy(max_retries=1, delay_s=0.05)  # attempts 1 and 2, then the DLQ
 
@@ -231,7 +231,7 @@ async def test_stats_counts_the_queue_its_delay_queues_and_its_dlq_and_reports_m
     assert got.lanes == () and got.old == ()
     assert got.retries[1].messages is None
     assert got.dlq.exists and got.dlq.messages == 3 and got.dlq.consumers == 0
-    # The policy's delay, then the step queues that serve any other delay (weclaw_mq.delays).
+    # The policy's delay, then the step queues that serve any other delay (weclaw_mq.policy.delays).
     assert queue_stats.handler_retry_delays_ms(dead.app, dead.queue) == (50, *STEP_DELAYS_MS)
 
 

@@ -10,11 +10,11 @@ from pydantic import BaseModel
 
 from tests.conftest import outcome_count, queue_depth, wait_until
 from weclaw_mq import App, TaskStatus
-from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_message import requeue_headers
-from weclaw_mq.message import build_message
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.message import build_message
+from weclaw_mq.contract.naming import dlq_name
 
 
 class Prompt(BaseModel):

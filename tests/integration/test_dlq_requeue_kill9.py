@@ -19,8 +19,8 @@ from pydantic import BaseModel
 from tests.conftest import queue_depth, wait_until
 from tests.integration.processes import REPO_ROOT, cli_executable, run_cli, settings_env
 from weclaw_mq import App
-from weclaw_mq import headers as h
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
 
 DEAD_LETTERS = 1000
 # Enough moved that the kill lands mid-run, far from both ends.

@@ -28,11 +28,11 @@ from tests.conftest import next_message, queue_depth, wait_until
 from tests.integration.processes import one_error_line, queue_names, run_cli, settings_env
 from tests.integration.test_dlq_inspection import drain, without_delivery_count
 from weclaw_mq import App, Limit
-from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_filter import DlqFilter
-from weclaw_mq.naming import dlq_name
-from weclaw_mq.topology import ladder_declarations
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
+from weclaw_mq.wire.topology import ladder_declarations
 
 
 class Prompt(BaseModel):

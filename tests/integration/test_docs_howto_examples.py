@@ -40,9 +40,9 @@ from aio_pika.abc import AbstractChannel
 from tests.conftest import delete_queues, forget_task_keys, next_message, wait_until
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, CancelOutcome, TaskStatus, Worker
-from weclaw_mq import headers as h
-from weclaw_mq.naming import LIMIT_KEY_PREFIX, dlq_name, inbox_key, inbox_trace_key
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import LIMIT_KEY_PREFIX, dlq_name, inbox_key, inbox_trace_key
+from weclaw_mq.wire.topology import queue_declarations
 
 HOWTO = Path(__file__).resolve().parents[2] / "docs" / "examples" / "howto"
 

@@ -40,7 +40,7 @@ from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_server import frames, read_events, serving
 from tests.integration.processes import CliResult, WorkerProcess, run_cli, spawn_cli_worker
 from weclaw_mq import App
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"

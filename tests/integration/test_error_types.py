@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from tests.conftest import next_message
 from weclaw_mq import App, ConfigurationError, Reject, Retry, RetryPolicy
-from weclaw_mq import headers as h
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
 
 NO_RETRIES = RetryPolicy(max_retries=0, delay_s=0.05)
 DELIVERY_LIMIT = 3

@@ -31,7 +31,7 @@ from tests.conftest import forget_task_keys, queue_depth, settings_for, wait_unt
 from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_server import serving
 from weclaw_mq import App
-from weclaw_mq.naming import dlq_name, task_keys
+from weclaw_mq.contract.naming import dlq_name, task_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEAD_BROKER_URL = "amqp://guest:guest@127.0.0.1:1/"

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import delete_queues, forget_task_keys, load_module, settings_for
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, BatchPublishError, TaskStatus, UnroutableError
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 MODULE = """from weclaw_mq import App, Settings
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
 from tests.integration.processes import queue_names
 from weclaw_mq import App, Context, Settings, Worker
-from weclaw_mq.naming import heartbeat_key
+from weclaw_mq.contract.naming import heartbeat_key
 from weclaw_mq.state import Claim, Finish, TaskState, TaskStatus, new_owner
 from weclaw_mq.state.redis import RedisTaskStore, open_redis_store
 

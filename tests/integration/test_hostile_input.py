@@ -16,10 +16,11 @@ from pydantic import BaseModel
 
 from tests.conftest import get_message, next_message, outcome_count, queue_depth, wait_until
 from tests.hostile import bodies, fuzz_settings, nested, properties
-from weclaw_mq import App, header_values
-from weclaw_mq import headers as h
-from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import dlq_name
+from weclaw_mq import App
+from weclaw_mq.contract import header_values
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
+from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.state import TaskStatus
 from weclaw_mq.worker import Worker
 

@@ -42,8 +42,8 @@ from tests.integration.processes import (
 )
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, ResultTimeoutError, RetryPolicy, TaskStatus
-from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import guard_key, task_keys
+from weclaw_mq.contract.naming import guard_key, task_keys
+from weclaw_mq.observability.metrics import Outcome
 
 # Keys this file leaves behind expire soon instead of after the 24 h defaults.
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}

@@ -16,8 +16,8 @@ from pydantic import BaseModel
 from tests.conftest import delete_queues, forget_task_keys, queue_depth, settings_for
 from tests.integration.dead_endpoints import closed_port, silent_server
 from weclaw_mq import App, IdempotencyConflictError
-from weclaw_mq.naming import body_key
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.contract.naming import body_key
+from weclaw_mq.wire.topology import queue_declarations
 
 
 class Ask(BaseModel):

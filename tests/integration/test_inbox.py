@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from tests.conftest import wait_until
 from weclaw_mq import App, Context, Reject, TaskState, TaskStatus
-from weclaw_mq.naming import inbox_key, inbox_trace_key, stream_key
+from weclaw_mq.contract.naming import inbox_key, inbox_trace_key, stream_key
 from weclaw_mq.streaming import Inbox, MemoryStreamStore, StreamEvent
 from weclaw_mq.streaming.events import Entry, chunk_entry, encode_data, final_entry
 from weclaw_mq.streaming.protocol import LIVE_READ_BATCH

@@ -22,7 +22,7 @@ from tests.integration.processes import (
     spawn_cli_worker,
 )
 from weclaw_mq import TaskStatus
-from weclaw_mq.message import build_message
+from weclaw_mq.contract.message import build_message
 from weclaw_mq.outbox.store import OutboxFile
 
 APP_PATH = "tests.integration.fixture_apps.logging_app:app"

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from tests.conftest import close_connections, consuming_connection, wait_until
 from weclaw_mq import App, Priority
-from weclaw_mq.naming import lane_queue_name
+from weclaw_mq.contract.naming import lane_queue_name
 
 CONCURRENCY = 3
 LANES = 3

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from tests.conftest import wait_until
 from weclaw_mq import App
-from weclaw_mq.naming import lane_queue_name
+from weclaw_mq.contract.naming import lane_queue_name
 from weclaw_mq.worker.incoming import consume
 from weclaw_mq.worker.lanes import BULK_TAG
 

@@ -18,7 +18,7 @@ import aio_pika
 
 from tests.conftest import queue_depth, wait_until
 from weclaw_mq import App, Worker
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.contract.naming import dlq_name
 
 
 async def test_a_task_that_arrives_during_the_stop_is_given_back_once_not_dead_lettered(

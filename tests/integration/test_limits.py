@@ -30,8 +30,8 @@ from tests.integration.fixture_apps.worker_app import build_app, read_events
 from tests.integration.processes import FIXTURE_APP, queue_names, spawn_cli_worker
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, Limit, RetryPolicy, TaskStatus
-from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import LIMIT_KEY_PREFIX, limit_keys
+from weclaw_mq.contract.naming import LIMIT_KEY_PREFIX, limit_keys
+from weclaw_mq.observability.metrics import Outcome
 
 # INCR a running count and keep its maximum, in one step: the handlers' own witness.
 _ENTER = """

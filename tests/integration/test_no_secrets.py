@@ -26,7 +26,7 @@ from tests.integration.processes import REPO_ROOT, run_cli, settings_env, spawn_
 from tests.integration.test_examples import demo_client
 from tests.private_servers import PrivateRedis, PrivateServers
 from weclaw_mq import App
-from weclaw_mq.permissions import Role, grant
+from weclaw_mq.admin.permissions import Role, grant
 
 APP_PATH = "tests.integration.fixture_apps.worker_app:app"
 

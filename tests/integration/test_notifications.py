@@ -30,9 +30,9 @@ from tests.conftest import (
 from tests.integration.fixture_apps import guard_app
 from tests.integration.processes import CONSUMING_MARK, WorkerProcess, all_empty, queue_names
 from weclaw_mq import App, Context, Reject, Settings, TaskNotification, TaskStatus
-from weclaw_mq.naming import results_queue_name
-from weclaw_mq.notification import notification_id
-from weclaw_mq.topology import QueueSpec, work_queue_arguments
+from weclaw_mq.contract.naming import results_queue_name
+from weclaw_mq.handlers.notifications import notification_id
+from weclaw_mq.wire.topology import QueueSpec, work_queue_arguments
 
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 300, "done_ttl_s": 300}
 

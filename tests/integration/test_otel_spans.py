@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from tests.conftest import wait_until
 from weclaw_mq import App, Context, RetryPolicy
-from weclaw_mq import headers as h
-from weclaw_mq.otel import ATTEMPT, TASK_ID, TRACE_ID, spans_for
+from weclaw_mq.contract import headers as h
+from weclaw_mq.observability.otel import ATTEMPT, TASK_ID, TRACE_ID, spans_for
 from weclaw_mq.settings import Settings
 
 

@@ -26,9 +26,9 @@ from tests.conftest import forget_task_keys, get_message, queue_depth, settings_
 from tests.drills.tcp_proxy import TcpProxy
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, PublishNackedError, TaskStatus
+from weclaw_mq.contract.message import build_message
+from weclaw_mq.contract.naming import lane_queue_name
 from weclaw_mq.errors import OutboxFullError, OutboxUnusableError
-from weclaw_mq.message import build_message
-from weclaw_mq.naming import lane_queue_name
 from weclaw_mq.outbox import Outbox, OutboxRow
 from weclaw_mq.outbox.relay import Relay
 from weclaw_mq.outbox.store import OutboxFile

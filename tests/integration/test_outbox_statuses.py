@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from tests.conftest import forget_task_keys, queue_depth, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, Reject, TaskState, TaskStatus
+from weclaw_mq.contract.naming import dlq_name
 from weclaw_mq.errors import ConfirmTimeoutError
-from weclaw_mq.naming import dlq_name
 from weclaw_mq.outbox.relay import Relay
 
 DEAD_URL = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"

@@ -22,8 +22,8 @@ from pydantic import BaseModel
 from tests.conftest import outcome_count, queue_depth, wait_until
 from tests.integration.raw_amqp import publish_undecodable
 from weclaw_mq import App, RetryPolicy, TaskStatus
-from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import dlq_name, ladder_queue_name
+from weclaw_mq.contract.naming import dlq_name, ladder_queue_name
+from weclaw_mq.observability.metrics import Outcome
 
 # A message_id whose bytes are not UTF-8 once patched in: its properties cannot be decoded.
 # Long enough that a deferred copy comes back after its twin finished (it then is a duplicate).

@@ -15,8 +15,8 @@ import pytest
 from tests.integration.broker_users import apply_line, broker_user
 from tests.integration.processes import run_cli
 from weclaw_mq import App, RetryPolicy
+from weclaw_mq.admin.permissions import Role, grant, vhost_of
 from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.permissions import Role, grant, vhost_of
 from weclaw_mq.state import TaskStatus
 from weclaw_mq.worker import Worker
 

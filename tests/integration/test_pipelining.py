@@ -21,8 +21,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from weclaw_mq.contract.naming import guard_key, latest_key, state_key
 from weclaw_mq.errors import StateCommandError
-from weclaw_mq.naming import guard_key, latest_key, state_key
 from weclaw_mq.state import Claim, RedisTaskStore, TaskState, TaskStatus, new_owner
 from weclaw_mq.state.pipelining import AutoPipeline, LeanSender, Script
 

@@ -27,11 +27,11 @@ from weclaw_mq import (
     TaskStatus,
     UnroutableError,
 )
-from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
-from weclaw_mq.broker_version import ServerVersion
-from weclaw_mq.naming import dlq_name, ladder_queue_name, lane_queue_name
-from weclaw_mq.topology import dlq_arguments, queue_declarations
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name, ladder_queue_name, lane_queue_name
+from weclaw_mq.policy.broker_version import ServerVersion
+from weclaw_mq.wire.topology import dlq_arguments, queue_declarations
 
 BACKLOG = 300
 # Stands for the handler's work: long enough that a lane's next task reaches its spare

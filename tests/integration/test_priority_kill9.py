@@ -8,7 +8,7 @@ from pathlib import Path
 from tests.conftest import wait_until
 from tests.integration.processes import ready_count, worker_fleet
 from weclaw_mq import Priority
-from weclaw_mq.naming import lane_queue_name
+from weclaw_mq.contract.naming import lane_queue_name
 
 PER_LEVEL = 3
 

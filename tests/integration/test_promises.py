@@ -48,8 +48,8 @@ from tests.integration.processes import (
 )
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, Reject, RetryPolicy, TaskState, TaskStatus
-from weclaw_mq import headers as h
-from weclaw_mq.naming import dlq_name, done_channel
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name, done_channel
 
 # Records this file leaves behind expire soon instead of after the 24 h defaults.
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}

@@ -24,9 +24,9 @@ from weclaw_mq import (
     PublishFailedError,
     TaskStatus,
 )
-from weclaw_mq.message import build_message
-from weclaw_mq.publishing.producer import Publisher
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.contract.message import build_message
+from weclaw_mq.wire.producer import Publisher
+from weclaw_mq.wire.topology import queue_declarations
 
 
 class Prompt(BaseModel):

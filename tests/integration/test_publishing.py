@@ -30,7 +30,7 @@ from weclaw_mq import (
     UnroutableError,
     WeclawMQError,
 )
-from weclaw_mq import headers as h
+from weclaw_mq.contract import headers as h
 
 
 class Prompt(BaseModel):

@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 
 from tests.conftest import settings_for, wait_until
 from tests.private_servers import PrivateRedisCluster
-from weclaw_mq.admin.health import check_redis
-from weclaw_mq.naming import done_channel, guard_key
+from weclaw_mq.admin.dependency_checks import check_redis
+from weclaw_mq.contract.naming import done_channel, guard_key
 from weclaw_mq.state import CancelOutcome, Claim, TaskState, TaskStatus, open_store
 from weclaw_mq.state.redis import RedisTaskStore
 from weclaw_mq.state.redis_clients import open_client

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from tests.conftest import wait_until
 from weclaw_mq import App, StateCommandError, StateUnavailableError, TaskStatus
-from weclaw_mq.naming import cancel_key
+from weclaw_mq.contract.naming import cancel_key
 from weclaw_mq.state import RedisTaskStore, new_owner
 
 

@@ -17,9 +17,9 @@ from pydantic import BaseModel
 
 from tests.conftest import next_message, outcome_count, queue_depth, wait_until
 from weclaw_mq import App, Context, Reject, RetryPolicy
-from weclaw_mq import headers as h
-from weclaw_mq.naming import dlq_name
-from weclaw_mq.tracing import TraceLogFilter
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
+from weclaw_mq.observability.tracing import TraceLogFilter
 
 FAST = RetryPolicy(max_retries=2, delay_s=0.05, multiplier=1)
 

@@ -12,7 +12,7 @@ import pytest
 from tests import broker_ctl as ctl
 from tests.conftest import AMQP_URL, wait_until
 from tests.drills.tcp_proxy import TcpProxy
-from weclaw_mq.permissions import vhost_of
+from weclaw_mq.admin.permissions import vhost_of
 from weclaw_mq.testing import services
 
 

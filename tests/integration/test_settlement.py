@@ -26,8 +26,8 @@ from tests.conftest import (
 )
 from tests.integration.processes import queue_names
 from weclaw_mq import App, Context, RetryPolicy
-from weclaw_mq import headers as h
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
 from weclaw_mq.state import Cancellation, Claim, Finish, RedisTaskStore, TaskState, TaskStatus
 
 FAST = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)

@@ -19,11 +19,11 @@ from pydantic import BaseModel
 
 from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
 from weclaw_mq import App, TaskStatus
-from weclaw_mq.naming import done_channel, stream_key
+from weclaw_mq.contract.naming import done_channel, stream_key
 from weclaw_mq.state import TaskState
 from weclaw_mq.streaming import StreamEvent
 from weclaw_mq.streaming.events import chunk_entry, encode_data
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 # A small pool: before, each waiter held one of these for its whole wait.

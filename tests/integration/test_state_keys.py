@@ -15,9 +15,9 @@ from tests.conftest import outcome_count, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port, silent_server
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, StateUnavailableError, TaskState, TaskStatus
-from weclaw_mq import headers as h
-from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import task_keys
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import task_keys
+from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.state import RedisTaskStore
 
 

@@ -19,8 +19,8 @@ from tests.integration.fixture_apps.worker_app import Job
 from tests.integration.processes import queue_names, worker_fleet
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, MemoryTaskStore, Retry
+from weclaw_mq.contract.naming import stream_key
 from weclaw_mq.errors import StreamLimitError
-from weclaw_mq.naming import stream_key
 from weclaw_mq.state import TaskState, TaskStatus
 from weclaw_mq.streaming import MemoryStreamStore, StreamEvent
 from weclaw_mq.streaming.emitter import MAX_IN_FLIGHT_BYTES

@@ -37,12 +37,12 @@ from weclaw_mq import (
     RetryPolicy,
     TaskStatus,
 )
-from weclaw_mq import headers as h
-from weclaw_mq.metrics import Outcome
-from weclaw_mq.naming import dlq_name, limit_keys
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name, limit_keys
+from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.state import TaskState, TaskStore, open_store
 from weclaw_mq.state.redis_clients import StateClient, open_client
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 # Keys the Redis store leaves behind expire soon instead of after the 24 h defaults.
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}

@@ -16,8 +16,7 @@ from tests.conftest import get_message, queue_depth, wait_until
 from weclaw_mq import App, Limit, RetryPolicy, TopologyConflictError
 from weclaw_mq.admin import queue_stats
 from weclaw_mq.admin.migrate import migrate
-from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.naming import (
+from weclaw_mq.contract.naming import (
     RETURN_EXCHANGE,
     UNROUTABLE,
     delay_queue_name,
@@ -26,7 +25,8 @@ from weclaw_mq.naming import (
     parking_queue_name,
     retry_queue_name,
 )
-from weclaw_mq.topology import work_queue_arguments
+from weclaw_mq.policy.delays import STEP_DELAYS_MS
+from weclaw_mq.wire.topology import work_queue_arguments
 
 PARKING = parking_queue_name()
 
@@ -51,7 +51,7 @@ async def _queues_named(prefix: str) -> dict[str, dict[str, Any]]:
 
 def _ladder(*delays_ms: int) -> list[str]:
     """The vhost's shared delay queues of ``delays_ms`` and of the steps every handler has
-    beside its policy's (weclaw_mq.delays)."""
+    beside its policy's (weclaw_mq.policy.delays)."""
     return [ladder_queue_name(d) for d in sorted({*delays_ms, *STEP_DELAYS_MS})]
 
 

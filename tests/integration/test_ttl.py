@@ -15,11 +15,11 @@ from aio_pika.abc import AbstractChannel
 
 from tests.conftest import queue_depth, wait_until
 from weclaw_mq import App, Context, RetryPolicy, TaskState, TaskStatus
-from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_message import DeadLetter
-from weclaw_mq.lifetime import as_datetime, deadline_ms, now_ms
-from weclaw_mq.naming import dlq_name, ladder_queue_name, lane_queue_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import as_datetime, deadline_ms, now_ms
+from weclaw_mq.contract.naming import dlq_name, ladder_queue_name, lane_queue_name
 
 # Where a task is published: extra publish arguments per variant. Priority lanes add theirs
 # here (e.g. pytest.param({"priority": "urgent"}, id="urgent")), and every test below then

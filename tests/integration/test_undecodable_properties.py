@@ -21,10 +21,10 @@ from pydantic import BaseModel
 from tests.conftest import queue_depth, wait_until
 from tests.integration.raw_amqp import publish_undecodable
 from weclaw_mq import App
-from weclaw_mq import headers as h
 from weclaw_mq.admin import dlq
-from weclaw_mq.naming import dlq_name
-from weclaw_mq.undecodable import tolerant_properties, undecodable
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
+from weclaw_mq.contract.undecodable import tolerant_properties, undecodable
 
 
 class Prompt(BaseModel):

@@ -20,7 +20,7 @@ from tests.conftest import (
     wait_until,
 )
 from weclaw_mq import App, Reject
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.contract.naming import dlq_name
 
 
 class Job(BaseModel):

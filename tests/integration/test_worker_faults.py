@@ -23,8 +23,8 @@ from tests.integration.processes import (
     take_one,
     worker_fleet,
 )
-from weclaw_mq import headers as h
-from weclaw_mq.naming import dlq_name
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name
 
 DELIVERY_LIMIT = 2
 CRASH = "crash-the-worker"

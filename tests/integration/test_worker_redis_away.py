@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from tests.conftest import delete_queues, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, Worker
-from weclaw_mq.topology import queue_declarations
+from weclaw_mq.wire.topology import queue_declarations
 
 UNHEARD = "cancel requests unheard"
 

@@ -26,13 +26,13 @@ from referencing.jsonschema import DRAFT7
 from tests.unit.asyncapi_app import Article, Summary, Tag, build_app
 from weclaw_mq import App, Settings, TaskNotification, TaskStatus
 from weclaw_mq import TaskState as Record
-from weclaw_mq import headers as h
 from weclaw_mq.admin import asyncapi_headers
 from weclaw_mq.admin.asyncapi import build_document
 from weclaw_mq.cli.failures import ExitCode
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import HandlerTimeout
-from weclaw_mq.message import Delivery
-from weclaw_mq.retry import DeadLetterReason
+from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.worker.settle import failure_headers
 
 ROOT = Path(__file__).resolve().parents[2]

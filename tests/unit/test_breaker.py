@@ -1,11 +1,11 @@
-"""The circuit breaker's state machine (``weclaw_mq.breaker.Circuit``), on a hand-moved clock."""
+"""The circuit breaker's state machine (``policy.breaker.Circuit``), on a hand-moved clock."""
 
 from __future__ import annotations
 
 import pytest
 
 from weclaw_mq import App, Breaker, ConfigurationError, UpstreamDown
-from weclaw_mq.breaker import Circuit, CircuitState
+from weclaw_mq.policy.breaker import Circuit, CircuitState
 
 CLOSED, OPEN, HALF_OPEN = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
 

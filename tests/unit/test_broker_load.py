@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from weclaw_mq.broker_load import BrokerLoad, parse_status, read_broker_load
+from weclaw_mq.wire.broker_load import BrokerLoad, parse_status, read_broker_load
 
 
 def _status(used: int, limit: int, rss: int, watermark: int) -> str:

@@ -1,4 +1,4 @@
-"""Arbitrary delays on a bounded set of delay queues (weclaw_mq.delays), the Retry-After
+"""Arbitrary delays on a bounded set of delay queues (weclaw_mq.policy.delays), the Retry-After
 reader and Retry(after_s=) in the retry decision: pure, no broker."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from pydantic import SecretStr
 
 from weclaw_mq import App, ConfigurationError, Retry, RetryPolicy, Settings, retry_after_s
-from weclaw_mq import headers as h
-from weclaw_mq.delays import (
+from weclaw_mq.contract import headers as h
+from weclaw_mq.policy.delays import (
     MIN_STEP_MS,
     STEP_DELAYS_MS,
     delay_queue_set,
@@ -21,7 +21,7 @@ from weclaw_mq.delays import (
     next_hop_ms,
     schedule,
 )
-from weclaw_mq.retry import GiveUp, RetryLater, decide
+from weclaw_mq.policy.retry import GiveUp, RetryLater, decide
 
 LONGEST_STEP_MS = STEP_DELAYS_MS[-1]
 

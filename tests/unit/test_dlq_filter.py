@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from pamqp.commands import Basic
 
-from weclaw_mq import headers as h
 from weclaw_mq.admin.dlq_filter import EVERYTHING, DlqFilter, parse_time
 from weclaw_mq.admin.dlq_message import (
     DeadLetter,
@@ -22,6 +21,7 @@ from weclaw_mq.admin.dlq_message import (
     record_body,
     record_properties,
 )
+from weclaw_mq.contract import headers as h
 from weclaw_mq.errors import ConfigurationError
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)

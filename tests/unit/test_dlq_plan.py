@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from pamqp.commands import Basic
 
-from weclaw_mq import headers as h
 from weclaw_mq.admin.dlq_message import kept_properties, read_dead_letter, requeued_properties
-from weclaw_mq.broker_version import ServerVersion, dlq_plan, parse_server_version
-from weclaw_mq.topology import QueueSpec, dlq_arguments, queue_declarations
+from weclaw_mq.contract import headers as h
+from weclaw_mq.policy.broker_version import ServerVersion, dlq_plan, parse_server_version
+from weclaw_mq.wire.topology import QueueSpec, dlq_arguments, queue_declarations
 
 
 @pytest.mark.parametrize(

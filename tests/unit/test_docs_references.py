@@ -37,8 +37,8 @@ from weclaw_mq import Settings
 from weclaw_mq.admin import asyncapi
 from weclaw_mq.admin.dlq_message import DEAD_LETTER_REASONS
 from weclaw_mq.cli.tree import PROGRAM, built_command, walk_commands
-from weclaw_mq.failures import stable_error_types
-from weclaw_mq.metrics import Metrics
+from weclaw_mq.observability.metrics import Metrics
+from weclaw_mq.policy.failures import stable_error_types
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "weclaw_mq"
@@ -366,7 +366,10 @@ def check_metrics(path: str, text: str) -> Iterator[Finding]:
         if name in known or (name.endswith("_") and any(k.startswith(name) for k in known)):
             continue
         yield Finding(
-            path, line_of(text, match.start()), name, "weclaw_mq.metrics exports no such metric"
+            path,
+            line_of(text, match.start()),
+            name,
+            "weclaw_mq.observability.metrics exports no such metric",
         )
 
 

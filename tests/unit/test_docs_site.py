@@ -26,9 +26,10 @@ from selenium.webdriver.support.ui import WebDriverWait
 import weclaw_mq
 from tests.conftest import load_module
 from tests.integration.browser import chromium  # noqa: F401  (the fixture)
-from weclaw_mq import Settings, TaskStatus, errors, headers, naming
+from weclaw_mq import Settings, TaskStatus, errors
 from weclaw_mq.cli.tree import built_command, walk_commands
-from weclaw_mq.retry import DeadLetterReason
+from weclaw_mq.contract import headers, naming
+from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.state.transitions import TRANSITIONS
 from weclaw_mq.testing import TestBroker
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 
 from weclaw_mq import errors
-from weclaw_mq import headers as h
 from weclaw_mq.admin.dlq_message import read_dead_letter
-from weclaw_mq.breaker import UpstreamDown
-from weclaw_mq.control_flow import Reject, Retry
+from weclaw_mq.contract import headers as h
 from weclaw_mq.errors import ConfigurationError, HandlerTimeout, WeclawMQError
-from weclaw_mq.failures import error_class, error_type, stable_error_type, stable_error_types
+from weclaw_mq.policy.breaker import UpstreamDown
+from weclaw_mq.policy.failures import error_class, error_type, stable_error_type, stable_error_types
+from weclaw_mq.policy.signals import Reject, Retry
 
 # docs/reference/errors.md's table, in its order.
 DOCUMENTED = [
@@ -124,7 +124,7 @@ def test_the_module_path_is_kept_beside_it_for_people() -> None:
         # Written before stable names: module.QualifiedName.
         ("builtins.RuntimeError", "RuntimeError"),
         ("weclaw_mq.process.HandlerTimeout", "weclaw_mq.HandlerTimeout"),
-        ("weclaw_mq.handler.UndecodableBody", "weclaw_mq.UndecodableBody"),
+        ("weclaw_mq.handlers.spec.UndecodableBody", "weclaw_mq.UndecodableBody"),
         ("weclaw_mq.signals.Reject", "weclaw_mq.Reject"),
         ("myapp.llm.Client.RateLimited", "RateLimited"),
         # Stable names read as themselves.

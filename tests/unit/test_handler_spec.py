@@ -15,8 +15,8 @@ from weclaw_mq import (
     RetryPolicy,
     Settings,
 )
-from weclaw_mq.delays import STEP_DELAYS_MS
 from weclaw_mq.errors import InvalidPayload, UndecodableBody
+from weclaw_mq.policy.delays import STEP_DELAYS_MS
 from weclaw_mq.settings import redact_url
 
 

@@ -19,16 +19,16 @@ from pamqp.header import ContentHeader
 from pydantic import BaseModel
 
 from tests.hostile import bodies, fuzz_settings, nested, properties
-from weclaw_mq import headers as h
-from weclaw_mq import tracing
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.header_values import TRACE_ID_MAX_CHARS
+from weclaw_mq.contract.message import read_delivery
+from weclaw_mq.contract.undecodable import raw_properties, tolerant_properties, undecodable
 from weclaw_mq.errors import InvalidPayload, UndecodableBody
-from weclaw_mq.handler import HandlerSpec, build_spec
-from weclaw_mq.header_values import TRACE_ID_MAX_CHARS
-from weclaw_mq.message import read_delivery
-from weclaw_mq.priority import priority_from_header
-from weclaw_mq.retry import RetryPolicy
+from weclaw_mq.handlers.spec import HandlerSpec, build_spec
+from weclaw_mq.observability import tracing
+from weclaw_mq.policy.priority import priority_from_header
+from weclaw_mq.policy.retry import RetryPolicy
 from weclaw_mq.state import TaskStatus
-from weclaw_mq.undecodable import raw_properties, tolerant_properties, undecodable
 from weclaw_mq.worker.records import task_state
 from weclaw_mq.worker.settle import failure_headers
 

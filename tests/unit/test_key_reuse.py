@@ -3,7 +3,7 @@ the in-memory store keeping it as Redis does (first fingerprint wins, until its 
 
 from __future__ import annotations
 
-from weclaw_mq.message import encode_payload
+from weclaw_mq.contract.message import encode_payload
 from weclaw_mq.state import MemoryTaskStore
 from weclaw_mq.state.reuse import FingerprintStore, payload_fingerprint
 

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from weclaw_mq import App, ConfigurationError, Settings, TaskState, TaskStatus
-from weclaw_mq import headers as h
-from weclaw_mq.lifetime import DEFAULT_TTL_S, left_ms, renewed
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import DEFAULT_TTL_S, left_ms, renewed
 from weclaw_mq.state.expiry import as_seen_at, record_ttl_s, until_deadline_s
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -50,8 +50,11 @@ def test_a_worker_without_guard_and_results_never_imports_redis_nor_the_cli() ->
     assert not {"sqlite3", "weclaw_mq.outbox.store", "pydantic_settings", "dotenv"} & modules
     # nor prometheus_client without a metrics port: the counters are plain objects until read
     assert "prometheus_client" not in modules
-    # nor the metrics server's code (weclaw_mq.metrics_http, the standard library's servers)
-    assert not {"weclaw_mq.metrics_http", "http", "wsgiref", "socketserver"} & modules
+    # nor the metrics server's code (weclaw_mq.observability.metrics_server, the standard library's
+    # servers)
+    assert (
+        not {"weclaw_mq.observability.metrics_server", "http", "wsgiref", "socketserver"} & modules
+    )
 
 
 # What ``weclaw-mq worker`` has loaded before it runs a worker: the whole CLI (typer builds
@@ -76,8 +79,11 @@ def test_the_worker_command_loads_no_redis_outbox_health_check_nor_rich() -> Non
     # redis-py (+6 MiB) was loaded by the CLI's error classifier, for every command
     assert "redis" not in modules
     # the outbox (sqlite3) loads when an outbox command runs, the health check when it runs
-    assert not {"sqlite3", "weclaw_mq.outbox", "weclaw_mq.admin.health"} & modules
-    assert not {"rich", "prometheus_client", "weclaw_mq.metrics_http", "opentelemetry"} & modules
+    assert not {"sqlite3", "weclaw_mq.outbox", "weclaw_mq.admin.dependency_checks"} & modules
+    assert (
+        not {"rich", "prometheus_client", "weclaw_mq.observability.metrics_server", "opentelemetry"}
+        & modules
+    )
 
 
 def test_a_store_loads_redis_when_the_configuration_asks_for_it() -> None:

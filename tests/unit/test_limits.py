@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from weclaw_mq import App, ConfigurationError, Limit
-from weclaw_mq.delays import STEP_DELAYS_MS
-from weclaw_mq.limits import DEFER_LADDER_MS, as_limits, deferral_ms
-from weclaw_mq.naming import delay_queue_name, limit_keys
+from weclaw_mq.contract.naming import delay_queue_name, limit_keys
+from weclaw_mq.policy.delays import STEP_DELAYS_MS
+from weclaw_mq.policy.limits import DEFER_LADDER_MS, as_limits, deferral_ms
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,8 @@ def test_a_limited_handler_declares_the_ladders_delay_queues() -> None:
     async def limited(task: dict[str, int]) -> None: ...
 
     assert set(DEFER_LADDER_MS) <= set(app.handlers["limited"].queue_spec().retry_delays_ms)
-    # A handler without a limit has only the step queues every handler has (weclaw_mq.delays).
+    # A handler without a limit has only the step queues every handler has
+    # (weclaw_mq.policy.delays).
     ladder_only = set(DEFER_LADDER_MS) - set(STEP_DELAYS_MS)
     assert ladder_only and not ladder_only & set(app.handlers["plain"].queue_spec().retry_delays_ms)
     assert delay_queue_name("limited", 125) == "limited.retry.lanes.125ms"

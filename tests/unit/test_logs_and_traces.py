@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from weclaw_mq import tracing
 from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.otel import spans_for
+from weclaw_mq.observability import tracing
+from weclaw_mq.observability.otel import spans_for
+from weclaw_mq.observability.tracing import TraceContext, TraceLogFilter, formatter
 from weclaw_mq.settings import Settings
-from weclaw_mq.tracing import TraceContext, TraceLogFilter, formatter
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_the_text_format_redacts_passwords_too() -> None:
 FORKED_CHILD_LOGS = """
 import logging, sys
 from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, forking
-from weclaw_mq.tracing import configure_logging
+from weclaw_mq.observability.tracing import configure_logging
 
 configure_logging("INFO", "json")
 

@@ -9,8 +9,8 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from weclaw_mq.breaker import CircuitState
-from weclaw_mq.metrics import HANDLER_BUCKETS_S, Metrics, NotifyOutcome, Outcome
+from weclaw_mq.observability.metrics import HANDLER_BUCKETS_S, Metrics, NotifyOutcome, Outcome
+from weclaw_mq.policy.breaker import CircuitState
 
 # Handler times on, just past and between bucket bounds, and past the last one.
 TIMES = (0.005, 0.01, 0.0100001, 0.3, 1, 2.5, 120, 400)

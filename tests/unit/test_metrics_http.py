@@ -6,7 +6,7 @@ import json
 import urllib.error
 import urllib.request
 
-from weclaw_mq.metrics import Metrics
+from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.settings import Settings
 from weclaw_mq.worker.health import QueueState, WorkerHealth
 

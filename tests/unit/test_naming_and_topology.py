@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weclaw_mq import App, ConfigurationError, Limit
-from weclaw_mq.broker_version import ServerVersion
-from weclaw_mq.limits import DEFER_LADDER_MS
-from weclaw_mq.naming import (
+from weclaw_mq.contract.naming import (
     RETURN_EXCHANGE,
     delay_label,
     delay_queue_name,
@@ -16,7 +14,9 @@ from weclaw_mq.naming import (
     retry_queue_name,
     validate_queue_name,
 )
-from weclaw_mq.topology import (
+from weclaw_mq.policy.broker_version import ServerVersion
+from weclaw_mq.policy.limits import DEFER_LADDER_MS
+from weclaw_mq.wire.topology import (
     QueueSpec,
     delay_exchanges,
     delay_queue_arguments,

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from weclaw_mq.naming import (
+from weclaw_mq.contract.naming import (
     GUARD_KEY_PREFIX,
     STATE_KEY_PREFIX,
     cancel_key,

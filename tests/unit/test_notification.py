@@ -6,9 +6,9 @@ import pytest
 from pydantic import BaseModel
 
 from weclaw_mq import App, ConfigurationError, Settings, TaskNotification, TaskStatus
-from weclaw_mq.message import SHORTSTR_MAX_BYTES
-from weclaw_mq.notification import notification_id, notify_target
-from weclaw_mq.topology import queue_declarations, work_queue_arguments
+from weclaw_mq.contract.message import SHORTSTR_MAX_BYTES
+from weclaw_mq.handlers.notifications import notification_id, notify_target
+from weclaw_mq.wire.topology import queue_declarations, work_queue_arguments
 
 
 class Job(BaseModel):

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from weclaw_mq.breaker import CircuitState
-from weclaw_mq.metrics import Metrics
+from weclaw_mq.observability.metrics import Metrics
+from weclaw_mq.policy.breaker import CircuitState
 from weclaw_mq.settings import Settings
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
@@ -287,7 +287,9 @@ def test_alerts_and_dashboard_name_only_metrics_that_weclaw_mq_exports() -> None
     used = set(re.findall(r"\bweclaw_mq_\w+", ALERTS.read_text() + "\n".join(exprs)))
 
     assert used, "no weclaw_mq metric used at all"
-    assert used <= exported, f"not exported by weclaw_mq.metrics: {sorted(used - exported)}"
+    assert used <= exported, (
+        f"not exported by weclaw_mq.observability.metrics: {sorted(used - exported)}"
+    )
 
 
 def test_worker_unit_stops_with_sigterm_and_waits_longer_than_the_shutdown_grace() -> None:

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from weclaw_mq import header_values
-from weclaw_mq import headers as h
-from weclaw_mq.permissions import NOTHING, any_of, vhost_of
+from weclaw_mq.admin.permissions import NOTHING, any_of, vhost_of
+from weclaw_mq.contract import header_values
+from weclaw_mq.contract import headers as h
 
 
 @pytest.mark.parametrize("name", ["ai-tasks", "a.b+c", "x(y)|z", "q.retry.5s", "ünï"])

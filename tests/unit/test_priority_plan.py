@@ -8,16 +8,16 @@ import itertools
 import pytest
 
 from weclaw_mq import InvalidPriorityError, Priority, WeclawMQError
-from weclaw_mq.broker_version import ServerVersion
-from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.naming import (
+from weclaw_mq.contract.naming import (
     dlq_name,
     lane_queue_name,
     retry_queue_name,
     source_lane,
     validate_queue_name,
 )
-from weclaw_mq.priority import parse_priority, plan_priorities, priority_from_header, route
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.policy.broker_version import ServerVersion
+from weclaw_mq.policy.priority import parse_priority, plan_priorities, priority_from_header, route
 from weclaw_mq.worker.lanes import pick
 
 

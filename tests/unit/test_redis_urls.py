@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from weclaw_mq import Settings
-from weclaw_mq.redis_urls import RedisTopology
+from weclaw_mq.config.redis_urls import RedisTopology
 
 SECRET = "pa55-w0rd"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weclaw_mq import App, ConfigurationError, Reject, Retry, RetryPolicy, Settings
-from weclaw_mq.retry import Ack, DeadLetterReason, GiveUp, RetryLater, decide
+from weclaw_mq.policy.retry import Ack, DeadLetterReason, GiveUp, RetryLater, decide
 
 
 def test_default_policy_waits_5_10_20_seconds_then_gives_up() -> None:

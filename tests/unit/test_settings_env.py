@@ -1,4 +1,4 @@
-"""Settings are read from ``WECLAW_MQ_*`` variables and ``.env`` by weclaw_mq/env_settings.py
+"""Settings are read from ``WECLAW_MQ_*`` variables and ``.env`` by weclaw_mq/config/environment.py
 (not pydantic-settings, which cost an idle worker about 4 MiB): the same names in any case,
 the same precedence, complex values as JSON, and a bad value a one-line error naming its
 variable with the value (maybe a password) never shown."""
@@ -13,7 +13,7 @@ import pytest
 
 from weclaw_mq import Settings
 from weclaw_mq.cli.failures import ExitCode, classify
-from weclaw_mq.env_settings import EnvSettings, read_dotenv
+from weclaw_mq.config.environment import EnvSettings, read_dotenv
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from weclaw_mq import ConfigurationError, PayloadError, TaskState, TaskStatus
-from weclaw_mq.message import encode_payload
-from weclaw_mq.naming import inbox_key, validate_session_id
+from weclaw_mq.contract.message import encode_payload
+from weclaw_mq.contract.naming import inbox_key, validate_session_id
 from weclaw_mq.streaming.events import (
     attempt_entry,
     check_event_id,

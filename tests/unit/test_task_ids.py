@@ -6,8 +6,8 @@ import re
 
 import pytest
 
+from weclaw_mq.contract.task_ids import TASK_ID_PATTERN, validate_task_id
 from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.task_ids import TASK_ID_PATTERN, validate_task_id
 
 
 @pytest.mark.parametrize(

@@ -29,13 +29,18 @@ from weclaw_mq import (
     TaskNotification,
     TaskStatus,
     UnroutableError,
-    lifetime,
 )
 from weclaw_mq.admin.dlq_message import read_dead_letter
-from weclaw_mq.delays import STEP_DELAYS_MS
+from weclaw_mq.contract import lifetime
+from weclaw_mq.policy.delays import STEP_DELAYS_MS
 from weclaw_mq.testing import TestBroker, VirtualClock, outcome_counts, services
 from weclaw_mq.testing.queues import MemoryBroker
-from weclaw_mq.topology import QueueSpec, delay_exchanges, ladder_declarations, queue_declarations
+from weclaw_mq.wire.topology import (
+    QueueSpec,
+    delay_exchanges,
+    ladder_declarations,
+    queue_declarations,
+)
 
 Q = "kit-q"
 

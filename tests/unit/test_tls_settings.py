@@ -1,5 +1,5 @@
-"""The TLS settings (weclaw_mq/tls.py) are checked when settings load, in one line each: a TLS
-setting beside a URL that does not ask for TLS, a key without its certificate, a file that is
+"""The TLS settings (weclaw_mq/config/tls.py) are checked when settings load, in one line each:
+a TLS setting beside a URL that does not ask for TLS, a key without its certificate, a file that is
 not there; a file that is there but unusable is refused when its context is made. (The
 handshakes themselves are tested against real servers in tests/drills/test_tls.py.)"""
 
@@ -13,8 +13,8 @@ import pytest
 
 from weclaw_mq import Settings
 from weclaw_mq.cli.failures import ExitCode, classify
+from weclaw_mq.config.tls import client_context, describe_refusal
 from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.tls import client_context, describe_refusal
 
 TLS_AMQP = "amqps://app:pw@broker.example:5671/"
 TLS_REDIS = "rediss://broker.example:6380/0"

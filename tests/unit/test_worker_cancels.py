@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from weclaw_mq import MemoryTaskStore, TaskState, TaskStatus
-from weclaw_mq.worker.cancel import Cancels
+from weclaw_mq.worker.cancel_watch import Cancels
 from weclaw_mq.worker.deadlines import Deadlines
 
 

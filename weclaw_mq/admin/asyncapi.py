@@ -29,16 +29,16 @@ from urllib.parse import urlsplit
 
 from pydantic import TypeAdapter
 
-from ..app import App
-from ..handler import HandlerSpec
-from ..message import CONTENT_TYPE
-from ..naming import dlq_name, lane_queue_name
-from ..notification import TaskNotification
-from ..permissions import vhost_of
-from ..settings import Settings, redact_url
-from ..state import TaskState
-from ..streaming import StreamEvent
-from . import asyncapi_headers as hd
+from weclaw_mq.admin import asyncapi_headers as hd
+from weclaw_mq.admin.permissions import vhost_of
+from weclaw_mq.app import App
+from weclaw_mq.contract.message import CONTENT_TYPE
+from weclaw_mq.contract.naming import dlq_name, lane_queue_name
+from weclaw_mq.handlers.notifications import TaskNotification
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.settings import Settings, redact_url
+from weclaw_mq.state import TaskState
+from weclaw_mq.streaming import StreamEvent
 
 ASYNCAPI_VERSION = "3.0.0"
 AMQP_BINDING_VERSION = "0.3.0"
@@ -48,7 +48,7 @@ TASK_HEADERS = "weclaw_mq.TaskHeaders"
 DEAD_LETTER_HEADERS = "weclaw_mq.DeadLetterHeaders"
 _NOT_A_KEY = re.compile(r"[^A-Za-z0-9_.-]")
 
-# What aio-pika sets on every task message (weclaw_mq.message.build_message).
+# What aio-pika sets on every task message (weclaw_mq.contract.message.build_message).
 AMQP_PROPERTIES = {
     "message_id": "the task id (a uuid4 unless the producer gives one): printable, at most "
     "255 bytes; publishing the same id again is the same task (the idempotency guard)",

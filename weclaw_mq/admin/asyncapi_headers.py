@@ -1,6 +1,6 @@
 """The AMQP headers of a task and of a dead letter, as JSON Schema for the AsyncAPI document.
 
-Each header is named by ``weclaw_mq.headers`` (never spelled here) and its bounds come from
+Each header is named by ``weclaw_mq.contract.headers`` (never spelled here) and its bounds come from
 the module that checks it (``header_values``, ``naming``). ``readOnly`` marks what a foreign
 producer reads but does not set: weclaw_mq or RabbitMQ writes it on a later hop.
 """
@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import headers as h
-from ..breaker import UpstreamDown
-from ..control_flow import Reject, Retry
-from ..errors import WorkerError
-from ..header_values import COUNT_MAX, TRACE_ID_MAX_CHARS, TRACEPARENT_RE
-from ..naming import SESSION_ID_RE
-from ..priority import Priority
-from ..retry import DeadLetterReason
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.header_values import COUNT_MAX, TRACE_ID_MAX_CHARS, TRACEPARENT_RE
+from weclaw_mq.contract.naming import SESSION_ID_RE
+from weclaw_mq.errors import WorkerError
+from weclaw_mq.policy.breaker import UpstreamDown
+from weclaw_mq.policy.priority import Priority
+from weclaw_mq.policy.retry import DeadLetterReason
+from weclaw_mq.policy.signals import Reject, Retry
 
 PRODUCER = "producer"
 WECLAW_MQ = "weclaw_mq"

@@ -26,26 +26,8 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 
-from .. import headers as h
-from ..app import App
-from ..broker_version import parse_server_version
-from ..errors import (
-    BrokerUnavailableError,
-    ConfigurationError,
-    ConfirmTimeoutError,
-    ConnectionLostError,
-    PayloadError,
-    PublishNackedError,
-    UnroutableError,
-    WeclawMQError,
-)
-from ..lifetime import as_datetime, deadline_ms, now_ms
-from ..naming import UNROUTABLE, dlq_name, handler_queue_of
-from ..priority import priority_from_header, route
-from ..state import TaskState, TaskStatus, TaskStore
-from ..undecodable import tolerant_properties, undecodable
-from .dlq_filter import EVERYTHING, DlqFilter
-from .dlq_message import (
+from weclaw_mq.admin.dlq_filter import EVERYTHING, DlqFilter
+from weclaw_mq.admin.dlq_message import (
     DeadLetter,
     encoded_properties,
     export_record,
@@ -55,6 +37,24 @@ from .dlq_message import (
     record_properties,
     requeued_properties,
 )
+from weclaw_mq.app import App
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import as_datetime, deadline_ms, now_ms
+from weclaw_mq.contract.naming import UNROUTABLE, dlq_name, handler_queue_of
+from weclaw_mq.contract.undecodable import tolerant_properties, undecodable
+from weclaw_mq.errors import (
+    BrokerUnavailableError,
+    ConfigurationError,
+    ConfirmTimeoutError,
+    ConnectionLostError,
+    PayloadError,
+    PublishNackedError,
+    UnroutableError,
+    WeclawMQError,
+)
+from weclaw_mq.policy.broker_version import parse_server_version
+from weclaw_mq.policy.priority import priority_from_header, route
+from weclaw_mq.state import TaskState, TaskStatus, TaskStore
 
 log = logging.getLogger("weclaw_mq.dlq")
 

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from ..errors import ConfigurationError
-from ..failures import stable_error_type
-from .dlq_message import DeadLetter
+from weclaw_mq.admin.dlq_message import DeadLetter
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.policy.failures import stable_error_type
 
 # "90s", "15m", "2h", "3d", "1w": a time that long before now.
 _RELATIVE = re.compile(r"^\s*(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>s|m|h|d|w)\s*$")

@@ -28,13 +28,13 @@ from typing import Any
 from pamqp import encode
 from pamqp.commands import Basic
 
-from .. import headers as h
-from ..failures import stable_error_type
-from ..lifetime import renewed
-from ..message import CONTENT_TYPE
-from ..retry import DeadLetterReason
-from ..undecodable import raw_properties, undecodable
-from .dlq_properties import check_properties
+from weclaw_mq.admin.dlq_properties import check_properties
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import renewed
+from weclaw_mq.contract.message import CONTENT_TYPE
+from weclaw_mq.contract.undecodable import raw_properties, undecodable
+from weclaw_mq.policy.failures import stable_error_type
+from weclaw_mq.policy.retry import DeadLetterReason
 
 # Our record of a failure: dropped from a requeued copy, so its next failure is told afresh.
 # The carried return count goes too: an operator requeues a crash-looping task after fixing
@@ -56,7 +56,7 @@ _FAILURE_HEADERS = frozenset(
 )
 
 UNKNOWN_REASON = "unknown"
-# A message whose properties the client cannot decode (see weclaw_mq.undecodable).
+# A message whose properties the client cannot decode (see weclaw_mq.contract.undecodable).
 UNDECODABLE_PROPERTIES_REASON = "undecodable_properties"
 # Every reason the DLQ tools show: the worker's (DeadLetterReason; for what RabbitMQ itself
 # dead-letters here, delivery_limit and expired, its x-death uses the same words) and the tools'

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from aio_pika.abc import AbstractConnection
 from pamqp.commands import Basic
 
-from ..app import App
-from ..delays import STEP_DELAYS_MS
-from ..limits import DEFER_LADDER_MS
-from ..naming import lane_queue_name
-from ..priority import Priority
-from .dlq import connected, ready_count
-from .dlq_message import kept_properties
-from .queue_stats import older_delay_queues
+from weclaw_mq.admin.dlq import connected, ready_count
+from weclaw_mq.admin.dlq_message import kept_properties
+from weclaw_mq.admin.queue_stats import older_delay_queues
+from weclaw_mq.app import App
+from weclaw_mq.contract.naming import lane_queue_name
+from weclaw_mq.policy.delays import STEP_DELAYS_MS
+from weclaw_mq.policy.limits import DEFER_LADDER_MS
+from weclaw_mq.policy.priority import Priority
 
 log = logging.getLogger("weclaw_mq.migrate")
 

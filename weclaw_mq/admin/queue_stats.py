@@ -4,7 +4,7 @@ shared delay queues it uses, the queues an older version left, and the DLQ.
 Two ways to know which queues a handler has: from its spec (``--app``: ``stats`` with the
 handler's own delays), or from the broker alone (``discover``). AMQP 0-9-1 cannot list
 queues, so ``discover`` passive-declares every name the library itself can give a handler
-queue (``weclaw_mq.naming``): its lanes, and the delay queues of the step delays
+queue (``weclaw_mq.contract.naming``): its lanes, and the delay queues of the step delays
 (``delays.STEP_DELAYS_MS``), the limit ladder (``limits.DEFER_LADDER_MS``) and the retry
 policy the ``WECLAW_MQ_*`` settings give; those that exist are the handler's. A delay queue of
 a handler's own ``RetryPolicy`` outside those sets is only found with ``--app``.
@@ -22,20 +22,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..app import App
-from ..delays import STEP_DELAYS_MS
-from ..errors import ConfigurationError
-from ..limits import DEFER_LADDER_MS
-from ..naming import (
+from weclaw_mq.admin.dlq import connected, ready_count
+from weclaw_mq.app import App
+from weclaw_mq.contract.naming import (
     delay_queue_name,
     dlq_name,
     ladder_queue_name,
     lane_queue_name,
     retry_queue_name,
 )
-from ..priority import Priority, route
-from ..publishing.connection import server_version
-from .dlq import connected, ready_count
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.policy.delays import STEP_DELAYS_MS
+from weclaw_mq.policy.limits import DEFER_LADDER_MS
+from weclaw_mq.policy.priority import Priority, route
+from weclaw_mq.wire.connection import server_version
 
 
 @dataclass(frozen=True)

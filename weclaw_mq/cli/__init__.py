@@ -17,9 +17,9 @@ try:  # recent typer carries its own copy of click, whose errors are not click's
 except ImportError:  # pragma: no cover - older typer on the real click
     from click.exceptions import UsageError  # type: ignore[assignment]
 
-from .failures import ExitCode, classify, report, where_of
-from .root import cli
-from .tree import built_command
+from weclaw_mq.cli.failures import ExitCode, classify, report, where_of
+from weclaw_mq.cli.root import cli
+from weclaw_mq.cli.tree import built_command
 
 # aio-pika's Connection.__del__ schedules a close() it cannot run once the loop has stopped;
 # a connection that failed mid-handshake is collected then (seen on 'publish' with the broker

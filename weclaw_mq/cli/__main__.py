@@ -1,5 +1,5 @@
 """``python -m weclaw_mq.cli``: the same as the installed ``weclaw-mq`` script."""
 
-from . import main
+from weclaw_mq.cli import main
 
 main()

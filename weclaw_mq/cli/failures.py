@@ -16,7 +16,7 @@ from typing import NoReturn
 import pydantic
 import typer
 
-from ..errors import (
+from weclaw_mq.errors import (
     BrokerUnavailableError,
     ConfigurationError,
     ConfirmTimeoutError,
@@ -27,7 +27,7 @@ from ..errors import (
     StateUnavailableError,
     WeclawMQError,
 )
-from ..state import is_command_error, state_unavailable
+from weclaw_mq.state import is_command_error, state_unavailable
 
 PROG = "weclaw-mq"
 

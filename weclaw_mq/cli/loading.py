@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pydantic
 
-from ..app import App
-from ..errors import ConfigurationError
-from ..failures import in_library
+from weclaw_mq.app import App
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.policy.failures import in_library
 
 # The user's frames shown under an import error: the bug is in the last ones.
 USER_FRAMES = 3

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..tracing import LOG_FORMATS
+from weclaw_mq.observability.tracing import LOG_FORMATS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

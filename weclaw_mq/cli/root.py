@@ -10,21 +10,21 @@ from typing import Annotated
 
 import typer
 
-from ..admin.migrate import MigrateSummary
-from ..admin.migrate import migrate as run_migrate
-from ..app import App
-from ..broker_load import BROKER_LOAD_UNREADABLE, read_broker_load
-from ..naming import SHARED_PREFIX
-from ..settings import Settings
-from ..tracing import LogFormat, configure_logging
-from ..worker import event_loop
-from ..worker.event_loop import EVENT_LOOPS, EventLoopName
-from .failures import ExitCode, classify, fail, report, where_of
-from .loading import load_app
-from .options import AppPath, LogFormatOption, LogLevel
-from .publish import publish
-from .run_worker import preload, run_worker
-from .supervisor import Supervisor, SupervisorError, forking, parse_processes
+from weclaw_mq.admin.migrate import MigrateSummary
+from weclaw_mq.admin.migrate import migrate as run_migrate
+from weclaw_mq.app import App
+from weclaw_mq.cli.failures import ExitCode, classify, fail, report, where_of
+from weclaw_mq.cli.loading import load_app
+from weclaw_mq.cli.options import AppPath, LogFormatOption, LogLevel
+from weclaw_mq.cli.publish_command import publish
+from weclaw_mq.cli.run_worker import preload, run_worker
+from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, forking, parse_processes
+from weclaw_mq.contract.naming import SHARED_PREFIX
+from weclaw_mq.observability.tracing import LogFormat, configure_logging
+from weclaw_mq.settings import Settings
+from weclaw_mq.wire.broker_load import BROKER_LOAD_UNREADABLE, read_broker_load
+from weclaw_mq.worker import event_loop
+from weclaw_mq.worker.event_loop import EVENT_LOOPS, EventLoopName
 
 cli = typer.Typer(
     name="weclaw-mq",
@@ -287,7 +287,9 @@ def health(
     ] = False,
 ) -> None:
     """Check the broker and Redis: exit 0 when both answer, else one line per failing part."""
-    from ..admin.health import check_all  # not on a worker's path (``weclaw-mq worker``)
+    from weclaw_mq.admin.dependency_checks import (
+        check_all,  # not on a worker's path (``weclaw-mq worker``)
+    )
 
     configure_logging("CRITICAL")  # the verdict lines below say everything
     parts = asyncio.run(check_all(Settings()))
@@ -305,23 +307,23 @@ def health(
         raise typer.Exit(1)
 
 
-from .dlq import dlq_cli, stats  # noqa: E402  (kept beside its registration)
+from weclaw_mq.cli.dlq_commands import dlq_cli, stats  # noqa: E402  (kept beside its registration)
 
 cli.add_typer(dlq_cli, name="dlq")
 cli.command("stats")(stats)
 
-from .outbox import outbox_cli  # noqa: E402  (kept beside its registration)
+from weclaw_mq.cli.outbox_commands import outbox_cli  # noqa: E402  (kept beside its registration)
 
 cli.add_typer(outbox_cli, name="outbox")
 
-from .cancel import cancel  # noqa: E402  (kept beside its registration)
+from weclaw_mq.cli.cancel_command import cancel  # noqa: E402  (kept beside its registration)
 
 cli.command("cancel")(cancel)
 
-from .permissions import permissions  # noqa: E402
+from weclaw_mq.cli.permissions_command import permissions  # noqa: E402
 
 cli.command("permissions")(permissions)
 
-from .asyncapi import asyncapi  # noqa: E402
+from weclaw_mq.cli.asyncapi_command import asyncapi  # noqa: E402
 
 cli.command("asyncapi")(asyncapi)

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from importlib import import_module
 from types import FrameType
 
-from ..app import App
-from ..errors import ConfigurationError
-from ..worker import event_loop
-from ..worker.consume import Worker
-from ..worker.event_loop import EventLoopName
+from weclaw_mq.app import App
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.worker import event_loop
+from weclaw_mq.worker.consume import Worker
+from weclaw_mq.worker.event_loop import EventLoopName
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -43,7 +43,7 @@ def preload(app: App, *, loop: EventLoopName, metrics: bool) -> None:
         import_module("weclaw_mq.state.redis")
         import_module("weclaw_mq.streaming.redis")
     if metrics:
-        import_module("weclaw_mq.metrics_http")
+        import_module("weclaw_mq.observability.metrics_server")
 
 
 async def run_worker(

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Protocol
 
-from .failures import ExitCode
-from .run_worker import STOP_SIGNALS
+from weclaw_mq.cli.failures import ExitCode
+from weclaw_mq.cli.run_worker import STOP_SIGNALS
 
 log = logging.getLogger("weclaw_mq.supervisor")
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import typer
 
-from .options import name_placeholders
-from .root import cli
+from weclaw_mq.cli.options import name_placeholders
+from weclaw_mq.cli.root import cli
 
 PROGRAM = "weclaw-mq"
 

@@ -3,6 +3,6 @@ and a relay sends them once it answers. See docs/how-to/outbox.md."""
 
 from __future__ import annotations
 
-from .store import Outbox, OutboxRow, OutboxStats, add_message
+from weclaw_mq.outbox.store import Outbox, OutboxRow, OutboxStats, add_message
 
 __all__ = ["Outbox", "OutboxRow", "OutboxStats", "add_message"]

@@ -23,20 +23,20 @@ from typing import Any
 
 from aio_pika.message import Message
 
-from ..errors import (
+from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
+from weclaw_mq.errors import (
     BatchPublishError,
     BrokerUnavailableError,
     ConfirmTimeoutError,
     ConnectionLostError,
     StateUnavailableError,
 )
-from ..lifetime import as_datetime, deadline_ms
-from ..metrics import Metrics
-from ..settings import Settings
-from ..state import TaskState, TaskStatus, TaskStore
-from ..state.expiry import as_seen_at
-from .relay import Relay
-from .store import Outbox, row_headers
+from weclaw_mq.observability.metrics import Metrics
+from weclaw_mq.outbox.relay import Relay
+from weclaw_mq.outbox.store import Outbox, row_headers
+from weclaw_mq.settings import Settings
+from weclaw_mq.state import TaskState, TaskStatus, TaskStore
+from weclaw_mq.state.expiry import as_seen_at
 
 log = logging.getLogger("weclaw_mq.outbox")
 

@@ -29,13 +29,16 @@ import aiormq
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from pamqp.commands import Basic
 
-from .. import headers as h
-from ..broker_version import ServerVersion
-from ..errors import BrokerUnavailableError
-from ..lifetime import as_datetime, deadline_ms
-from ..metrics import Metrics
-from ..priority import QUORUM, priority_from_header, route
-from ..publishing.connection import (
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
+from weclaw_mq.errors import BrokerUnavailableError
+from weclaw_mq.observability.metrics import Metrics
+from weclaw_mq.outbox.store import Outbox, OutboxRow, row_headers
+from weclaw_mq.policy.broker_version import ServerVersion
+from weclaw_mq.policy.priority import QUORUM, priority_from_header, route
+from weclaw_mq.settings import Settings
+from weclaw_mq.state import TaskState, TaskStatus, TaskStore
+from weclaw_mq.wire.connection import (
     LINK_ERRORS,
     BrokerEndpoints,
     backoff_s,
@@ -43,9 +46,6 @@ from ..publishing.connection import (
     channel_server_version,
     is_alive,
 )
-from ..settings import Settings
-from ..state import TaskState, TaskStatus, TaskStore
-from .store import Outbox, OutboxRow, row_headers
 
 log = logging.getLogger("weclaw_mq.outbox")
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from aio_pika.message import Message
 from pamqp.commands import Basic
 
-from ..errors import OutboxFullError, OutboxUnusableError
+from weclaw_mq.errors import OutboxFullError, OutboxUnusableError
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """The publishing room: broker connections with failover, confirmed publishing."""
 
-from .connection import BrokerEndpoints
-from .producer import Publisher
+from weclaw_mq.wire.connection import BrokerEndpoints
+from weclaw_mq.wire.producer import Publisher
 
 __all__ = ["BrokerEndpoints", "Publisher"]

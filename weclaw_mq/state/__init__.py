@@ -12,20 +12,28 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..errors import StateCommandError, StateUnavailableError
-from ..settings import Settings
-from ..tls import describe_refusal
-from .cancel import Cancellation, CancelOutcome
-from .memory import MemoryTaskStore
-from .protocol import Claim, Finish, RecordsSoon, TaskState, TaskStatus, TaskStore, new_owner
+from weclaw_mq.config.tls import describe_refusal
+from weclaw_mq.errors import StateCommandError, StateUnavailableError
+from weclaw_mq.settings import Settings
+from weclaw_mq.state.cancel_records import Cancellation, CancelOutcome
+from weclaw_mq.state.memory import MemoryTaskStore
+from weclaw_mq.state.protocol import (
+    Claim,
+    Finish,
+    RecordsSoon,
+    TaskState,
+    TaskStatus,
+    TaskStore,
+    new_owner,
+)
 
 if TYPE_CHECKING:
-    from .redis import REDIS_FAILURES, RedisTaskStore
+    from weclaw_mq.state.redis import REDIS_FAILURES, RedisTaskStore
 
 
 def open_store(settings: Settings) -> TaskStore:
     """The store an ``App`` uses unless it is given one: Redis at ``settings.redis_url``."""
-    from .redis import open_redis_store
+    from weclaw_mq.state.redis import open_redis_store
 
     return open_redis_store(settings)
 
@@ -85,7 +93,7 @@ def _memory_store_is_a_task_store(store: MemoryTaskStore) -> TaskStore:
 def __getattr__(name: str) -> Any:
     # The Redis names, loaded (with redis-py) when first asked for.
     if name in ("REDIS_FAILURES", "RedisTaskStore"):
-        from . import redis
+        from weclaw_mq.state import redis
 
         return getattr(redis, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""How a task's deadline (``weclaw_mq.lifetime``) shows in its record. Pure.
+"""How a task's deadline (``weclaw_mq.contract.lifetime``) shows in its record. Pure.
 
 The broker expiring a task in ``Q`` writes no record, so the deadline kept in the queued (or
 retrying) record is the witness: past it, ``App.status`` answers ``expired``. The same holds
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from ..retry import DeadLetterReason
-from .protocol import TaskState, TaskStatus
+from weclaw_mq.policy.retry import DeadLetterReason
+from weclaw_mq.state.protocol import TaskState, TaskStatus
 
 # Records that only wait for a worker: past the deadline, no worker will run the task.
 _WAITING = frozenset({TaskStatus.STORED_LOCALLY, TaskStatus.QUEUED, TaskStatus.RETRYING})

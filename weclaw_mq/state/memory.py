@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from ..errors import ResultTimeoutError
-from .cancel import (
+from weclaw_mq.errors import ResultTimeoutError
+from weclaw_mq.state.cancel_records import (
     Cancellation,
     CancelOutcome,
     answer,
@@ -34,9 +34,9 @@ from .cancel import (
     other_record,
     scope_of,
 )
-from .expiry import record_ttl_s
-from .protocol import Claim, Finish, TaskState, TaskStatus
-from .transitions import may_follow, narrowing
+from weclaw_mq.state.expiry import record_ttl_s
+from weclaw_mq.state.protocol import Claim, Finish, TaskState, TaskStatus
+from weclaw_mq.state.transitions import may_follow, narrowing
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this
 

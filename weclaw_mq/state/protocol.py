@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from .cancel import Cancellation
+    from weclaw_mq.state.cancel_records import Cancellation
 
 
 class TaskStatus(StrEnum):
@@ -66,7 +66,7 @@ class TaskStatus(StrEnum):
     # still in the local outbox: dead-lettered so once relayed).
     EXPIRED = "expired"
     # Cancelled by ``App.cancel`` before it finished: acked without running (again), or its
-    # handler was cancelled mid-run (weclaw_mq.state.cancel).
+    # handler was cancelled mid-run (weclaw_mq.state.cancel_records).
     CANCELLED = "cancelled"
 
     @property
@@ -91,8 +91,8 @@ class TaskState(BaseModel):
         result: The handler's return value (succeeded).
         error: ``ErrorName: message`` of the last failure.
         reason: The dead-letter reason (dead_lettered, expired).
-        expires_at: The task's deadline (see ``weclaw_mq.lifetime``), or None: it lives until
-            a worker runs it.
+        expires_at: The task's deadline (see ``weclaw_mq.contract.lifetime``), or None: it
+            lives until a worker runs it.
         updated_at: When the record was written.
     """
 
@@ -103,7 +103,8 @@ class TaskState(BaseModel):
     result: Any = None
     error: str | None = None
     reason: str | None = None
-    # The task's deadline (see weclaw_mq.lifetime), or None: it lives until a worker runs it.
+    # The task's deadline (see weclaw_mq.contract.lifetime), or None: it lives until a worker runs
+    # it.
     expires_at: datetime | None = None
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
 
@@ -279,7 +280,7 @@ class TaskStore(Protocol):
         """
         ...
 
-    # -- cancellation (weclaw_mq.state.cancel) ------------------------------------------
+    # -- cancellation (weclaw_mq.state.cancel_records) ------------------------------------------
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
         """Cancel the task unless its record is final, in one atomic step.
 

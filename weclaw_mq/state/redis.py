@@ -34,8 +34,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from ..errors import ResultTimeoutError
-from ..naming import (
+from weclaw_mq.contract.naming import (
     body_key,
     cancel_key,
     done_channel,
@@ -44,18 +43,21 @@ from ..naming import (
     latest_key,
     state_key,
 )
-from ..settings import Settings
-from . import state_unavailable
-from .cancel import Cancellation
-from .expiry import record_ttl_s
-from .pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
-from .protocol import Claim, Finish, TaskState, TaskStatus
-from .redis_cancel import RedisCancels
-from .redis_clients import StateClient, is_cluster
-from .redis_clients import open_client as open_client  # its former home: still importable here
-from .redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
-from .redis_wakeups import Wakeups
-from .transitions import TRANSITIONS, narrowing
+from weclaw_mq.errors import ResultTimeoutError
+from weclaw_mq.settings import Settings
+from weclaw_mq.state import state_unavailable
+from weclaw_mq.state.cancel_records import Cancellation
+from weclaw_mq.state.expiry import record_ttl_s
+from weclaw_mq.state.pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
+from weclaw_mq.state.protocol import Claim, Finish, TaskState, TaskStatus
+from weclaw_mq.state.redis_cancel import RedisCancels
+from weclaw_mq.state.redis_clients import StateClient, is_cluster
+from weclaw_mq.state.redis_clients import (
+    open_client as open_client,  # its former home: still importable here
+)
+from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
+from weclaw_mq.state.redis_wakeups import Wakeups
+from weclaw_mq.state.transitions import TRANSITIONS, narrowing
 
 log = logging.getLogger("weclaw_mq.state")
 

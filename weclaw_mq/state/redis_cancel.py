@@ -11,9 +11,15 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from ..errors import StateUnavailableError
-from ..naming import CANCEL_CHANNEL, cancel_key, done_channel, latest_key, state_key
-from .cancel import (
+from weclaw_mq.contract.naming import (
+    CANCEL_CHANNEL,
+    cancel_key,
+    done_channel,
+    latest_key,
+    state_key,
+)
+from weclaw_mq.errors import StateUnavailableError
+from weclaw_mq.state.cancel_records import (
     CANCEL_ATTEMPTS,
     Cancellation,
     CancelOutcome,
@@ -26,9 +32,9 @@ from .cancel import (
     request_message,
     scope_of,
 )
-from .pipelining import AutoPipeline
-from .protocol import TaskState
-from .redis_clients import StateClient
+from weclaw_mq.state.pipelining import AutoPipeline
+from weclaw_mq.state.protocol import TaskState
+from weclaw_mq.state.redis_clients import StateClient
 
 # The records a cancel decides on, in one round trip. KEYS: latest[, record]. Returns
 # {record key, state JSON, latest pointer, latest state JSON}, '' for what does not exist

@@ -23,9 +23,9 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
-from ..errors import ConfigurationError
-from ..settings import Settings
-from ..tls import TlsOptions, client_context
+from weclaw_mq.config.tls import TlsOptions, client_context
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.settings import Settings
 
 StateClient: TypeAlias = aioredis.Redis | RedisCluster
 """What the store talks to: ``RedisCluster`` routes each command to its slot's node."""

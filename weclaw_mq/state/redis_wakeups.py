@@ -25,7 +25,7 @@ import contextlib
 import logging
 from typing import Any
 
-from .redis_clients import StateClient
+from weclaw_mq.state.redis_clients import StateClient
 
 log = logging.getLogger("weclaw_mq.state")
 

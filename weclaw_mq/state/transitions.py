@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from .protocol import TaskStatus
+from weclaw_mq.state.protocol import TaskStatus
 
 _S = TaskStatus
 _EVERY = frozenset(TaskStatus)

@@ -20,9 +20,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import StreamLimitError, StreamWriteError
-from .events import Entry, attempt_entry, chunk_entry, encode_data
-from .protocol import StreamStore
+from weclaw_mq.errors import StreamLimitError, StreamWriteError
+from weclaw_mq.streaming.events import Entry, attempt_entry, chunk_entry, encode_data
+from weclaw_mq.streaming.protocol import StreamStore
 
 # Entry bytes (queued or being written) per run past which emit waits: a few round trips'
 # worth, so a handler streaming at full speed keeps the writer busy without waiting on it.

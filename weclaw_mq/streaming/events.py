@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 import pydantic_core
 
-from ..errors import ConfigurationError
-from ..message import strict_json
-from ..state import TaskState
+from weclaw_mq.contract.message import strict_json
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.state import TaskState
 
 # "attempt": a run of the handler starts (its partial text replaces any earlier run's);
 # "chunk": a piece of partial output; "final": the task ended (status, result, reason);

@@ -14,8 +14,16 @@ from collections.abc import Callable, Sequence
 
 import pydantic_core
 
-from .events import EXPIRED, FINAL, Entry, StreamEvent, decode, expired_entry, id_key
-from .protocol import READ_BATCH
+from weclaw_mq.streaming.events import (
+    EXPIRED,
+    FINAL,
+    Entry,
+    StreamEvent,
+    decode,
+    expired_entry,
+    id_key,
+)
+from weclaw_mq.streaming.protocol import READ_BATCH
 
 
 class MemoryStreamStore:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from .events import Entry, StreamEvent
+from weclaw_mq.streaming.events import Entry, StreamEvent
 
 # A read returns at most this many entries (one round trip); a reader behind by more reads
 # again. A live reader asks for fewer (LIVE_READ_BATCH): what it read waits in its memory

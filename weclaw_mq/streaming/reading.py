@@ -15,10 +15,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from ..errors import ResultTimeoutError
-from ..state import TaskState
-from .events import FINAL, FIRST_ID, StreamEvent, check_event_id, final_entry, id_key
-from .protocol import LIVE_READ_BATCH, StreamStore
+from weclaw_mq.errors import ResultTimeoutError
+from weclaw_mq.state import TaskState
+from weclaw_mq.streaming.events import (
+    FINAL,
+    FIRST_ID,
+    StreamEvent,
+    check_event_id,
+    final_entry,
+    id_key,
+)
+from weclaw_mq.streaming.protocol import LIVE_READ_BATCH, StreamStore
 
 # How long one wait for the final state lasts before the reader waits again.
 _WAIT_ROUND_S = 3600.0

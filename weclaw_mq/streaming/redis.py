@@ -17,15 +17,15 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from ..naming import inbox_key, inbox_trace_key, stream_key
-from ..settings import Settings
-from ..state import state_unavailable
-from ..state.pipelining import AutoPipeline, Script
-from ..state.redis import REDIS_FAILURES, open_client
-from ..state.redis_clients import StateClient
-from ..state.redis_wakeups import RECHECK_S, Wakeups
-from .events import Entry, StreamEvent, decode, next_id
-from .protocol import READ_BATCH
+from weclaw_mq.contract.naming import inbox_key, inbox_trace_key, stream_key
+from weclaw_mq.settings import Settings
+from weclaw_mq.state import state_unavailable
+from weclaw_mq.state.pipelining import AutoPipeline, Script
+from weclaw_mq.state.redis import REDIS_FAILURES, open_client
+from weclaw_mq.state.redis_clients import StateClient
+from weclaw_mq.state.redis_wakeups import RECHECK_S, Wakeups
+from weclaw_mq.streaming.events import Entry, StreamEvent, decode, next_id
+from weclaw_mq.streaming.protocol import READ_BATCH
 
 # Lua helpers shared by the scripts. Entry fields are k (kind) and e (JSON).
 _FIELDS_LUA = """

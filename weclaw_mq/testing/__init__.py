@@ -6,8 +6,8 @@ fixtures ``weclaw_test_broker``, ``weclaw_rabbitmq_url`` and ``weclaw_redis_url`
 docs/how-to/testing.md shows a whole test.
 """
 
-from ..admin.dlq_message import DeadLetter
-from .broker import MemoryPublisher, TestBroker, outcome_counts
-from .clock import VirtualClock
+from weclaw_mq.admin.dlq_message import DeadLetter
+from weclaw_mq.testing.broker import MemoryPublisher, TestBroker, outcome_counts
+from weclaw_mq.testing.clock import VirtualClock
 
 __all__ = ["DeadLetter", "MemoryPublisher", "TestBroker", "VirtualClock", "outcome_counts"]

@@ -33,25 +33,25 @@ from typing import Any
 
 import aio_pika
 
-from .. import lifetime
-from ..admin.dlq_message import DeadLetter, read_dead_letter
-from ..app import App
-from ..broker_version import ServerVersion
-from ..errors import ConfigurationError, PublishNackedError, UnroutableError
-from ..handler import HandlerSpec
-from ..message import build_message, new_task_id
-from ..naming import dlq_name
-from ..publishing.producer import Publisher
-from ..state import MemoryTaskStore
-from ..streaming import MemoryStreamStore
-from ..topology import delay_exchanges, ladder_declarations, queue_declarations
-from ..worker.cancel import Cancels
-from ..worker.deadlines import Deadlines
-from ..worker.in_flight import InFlight
-from ..worker.runtime import Runtime
-from ..worker.settle import Settler
-from .clock import VirtualClock
-from .queues import MemoryBroker, MemoryQueue
+from weclaw_mq.admin.dlq_message import DeadLetter, read_dead_letter
+from weclaw_mq.app import App
+from weclaw_mq.contract import lifetime
+from weclaw_mq.contract.message import build_message, new_task_id
+from weclaw_mq.contract.naming import dlq_name
+from weclaw_mq.errors import ConfigurationError, PublishNackedError, UnroutableError
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.policy.broker_version import ServerVersion
+from weclaw_mq.state import MemoryTaskStore
+from weclaw_mq.streaming import MemoryStreamStore
+from weclaw_mq.testing.clock import VirtualClock
+from weclaw_mq.testing.queues import MemoryBroker, MemoryQueue
+from weclaw_mq.wire.producer import Publisher
+from weclaw_mq.wire.topology import delay_exchanges, ladder_declarations, queue_declarations
+from weclaw_mq.worker.cancel_watch import Cancels
+from weclaw_mq.worker.deadlines import Deadlines
+from weclaw_mq.worker.in_flight import InFlight
+from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.worker.settle import Settler
 
 log = logging.getLogger("weclaw_mq.testing")
 

@@ -4,7 +4,8 @@ A retry waits 5 s, 10 s, 20 s in production; a test should not. When nothing is 
 but tasks parked in delay queues, ``TestBroker`` moves this clock forward to the moment the
 next one is due, instead of waiting. Everything that reads time for a task's rules reads
 this clock while the broker is open: the deadlines and not-before times the worker checks
-(``weclaw_mq.lifetime.now_ms``), the leases and record TTLs of the in-memory task store, the
+(``weclaw_mq.contract.lifetime.now_ms``), the leases and record TTLs of the in-memory task store,
+the
 inbox TTLs of the in-memory stream store, and the delay queues' own expiry. A handler's
 timeout is not on it: that is real time (``Deadlines``), as a handler's own work is.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from ..errors import ConfigurationError
+from weclaw_mq.errors import ConfigurationError
 
 
 class VirtualClock:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from ..app import App
-    from .broker import TestBroker
+    from weclaw_mq.app import App
+    from weclaw_mq.testing.broker import TestBroker
 
 BrokerFactory = Callable[..., Awaitable["TestBroker"]]
 
@@ -32,7 +32,7 @@ BrokerFactory = Callable[..., Awaitable["TestBroker"]]
 @pytest.fixture(scope="session")
 def weclaw_rabbitmq_url() -> Iterator[str]:
     """The AMQP URL of a RabbitMQ to test against."""
-    from . import services
+    from weclaw_mq.testing import services
 
     yield from _service(services.rabbitmq)
 
@@ -40,13 +40,13 @@ def weclaw_rabbitmq_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def weclaw_redis_url() -> Iterator[str]:
     """The URL of a Redis to test against."""
-    from . import services
+    from weclaw_mq.testing import services
 
     yield from _service(services.redis)
 
 
 def _service(find: Callable[[], AbstractContextManager[str]]) -> Iterator[str]:
-    from .services import ServiceMissing
+    from weclaw_mq.testing.services import ServiceMissing
 
     with ExitStack() as stack:
         missing: str | None = None
@@ -64,7 +64,7 @@ async def _open_brokers() -> AsyncIterator[BrokerFactory]:
     """``await weclaw_test_broker(app, *more_apps, concurrency=None)``: an open ``TestBroker``
     for the apps, closed (and the apps given back their own broker and stores) after the
     test."""
-    from .broker import TestBroker
+    from weclaw_mq.testing.broker import TestBroker
 
     async with AsyncExitStack() as stack:
 

@@ -1,5 +1,5 @@
 """The broker side of the test broker: queues in memory that keep RabbitMQ's rules for the
-arguments weclaw_mq declares (``weclaw_mq.topology``), and nothing else.
+arguments weclaw_mq declares (``weclaw_mq.wire.topology``), and nothing else.
 
 What is modelled, because the worker's behaviour depends on it:
 
@@ -45,10 +45,10 @@ from pamqp import frame
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
-from .. import headers as h
-from ..errors import MessageEncodingError, PublishNackedError, UnroutableError
-from ..naming import RETURN_EXCHANGE, parking_queue_name
-from .clock import VirtualClock
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import RETURN_EXCHANGE, parking_queue_name
+from weclaw_mq.errors import MessageEncodingError, PublishNackedError, UnroutableError
+from weclaw_mq.testing.clock import VirtualClock
 
 EXPIRED = "expired"
 REJECTED = "rejected"

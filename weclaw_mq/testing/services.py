@@ -100,9 +100,9 @@ async def _retried(attempt: Callable[[], Awaitable[str | None]], wait_s: float) 
 
 
 async def _amqp_problem(url: str) -> str | None:
-    from ..errors import BrokerUnavailableError
-    from ..publishing.connection import BrokerEndpoints
-    from ..settings import Settings
+    from weclaw_mq.errors import BrokerUnavailableError
+    from weclaw_mq.settings import Settings
+    from weclaw_mq.wire.connection import BrokerEndpoints
 
     # The library's own connect, so the problem reads as the library would say it.
     endpoints = BrokerEndpoints(Settings(amqp_url=SecretStr(url)))

@@ -1,5 +1,5 @@
 """The worker room: consume, process one delivery, settle, deadlines."""
 
-from .consume import Worker
+from weclaw_mq.worker.consume import Worker
 
 __all__ = ["Worker"]

@@ -7,19 +7,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import headers as h
-from ..delays import delay_queue_set, next_hop_ms, not_before_ms
-from ..errors import InvalidPayload, StateCommandError, TaskExpired
-from ..handler import HandlerSpec
-from ..lifetime import left_ms, now_ms
-from ..message import Delivery
-from ..retry import DeadLetterReason
-from ..state import Claim, TaskStatus, TaskStore, new_owner
-from .cancel import Watch
-from .ends import AckCancelled, AckDuplicate, DeadLetter, Defer, End
-from .limiting import NO_TICKET, Held, Limiter, Ticket
-from .records import record_status, task_state
-from .runtime import Runtime
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import left_ms, now_ms
+from weclaw_mq.contract.message import Delivery
+from weclaw_mq.errors import InvalidPayload, StateCommandError, TaskExpired
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.policy.delays import delay_queue_set, next_hop_ms, not_before_ms
+from weclaw_mq.policy.retry import DeadLetterReason
+from weclaw_mq.state import Claim, TaskStatus, TaskStore, new_owner
+from weclaw_mq.worker.cancel_watch import Watch
+from weclaw_mq.worker.ends import AckCancelled, AckDuplicate, DeadLetter, Defer, End
+from weclaw_mq.worker.limiting import NO_TICKET, Held, Limiter, Ticket
+from weclaw_mq.worker.records import record_status, task_state
+from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -39,7 +39,7 @@ _RUNNING = TaskStatus.RUNNING
 
 def parked_until_due(delivery: Delivery, spec: HandlerSpec) -> Defer | None:
     """A task that came back from a delay queue before its not-before time goes to the next
-    one (weclaw_mq.delays): no claim, no record, no attempt; it did not run. Its status stays
+    one (weclaw_mq.policy.delays): no claim, no record, no attempt; it did not run. Its status stays
     what it was (``queued`` for a delayed publish, ``retrying`` for a retry)."""
     due = not_before_ms(delivery.headers)
     left = None if due is None else due - now_ms()

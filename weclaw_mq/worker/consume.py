@@ -29,14 +29,16 @@ from aio_pika.abc import (
     AbstractQueue,
 )
 
-from ..app import App
-from ..breaker import CircuitState
-from ..broker_load import read_broker_load
-from ..broker_version import ServerVersion
-from ..errors import ConfigurationError
-from ..failures import describe
-from ..handler import HandlerSpec
-from ..publishing.connection import (
+from weclaw_mq.app import App
+from weclaw_mq.contract.undecodable import tolerant_properties
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.policy.breaker import CircuitState
+from weclaw_mq.policy.broker_version import ServerVersion
+from weclaw_mq.policy.failures import describe
+from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
+from weclaw_mq.wire.broker_load import read_broker_load
+from weclaw_mq.wire.connection import (
     CLOSE_TIMEOUT_S,
     LINK_ERRORS,
     backoff_s,
@@ -44,21 +46,19 @@ from ..publishing.connection import (
     server_version,
     when_lost,
 )
-from ..publishing.producer import Publisher
-from ..settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
-from ..topology import declare
-from ..undecodable import tolerant_properties
-from . import ends
-from .cancel import Cancels
-from .circuit import Pausable, QueueCircuit
-from .deadlines import Deadlines
-from .health import QueueState, WorkerHealth
-from .in_flight import InFlight
-from .incoming import consume
-from .lanes import LaneScheduler
-from .limiting import Limiter
-from .runtime import Runtime
-from .settle import Settler
+from weclaw_mq.wire.producer import Publisher
+from weclaw_mq.wire.topology import declare
+from weclaw_mq.worker import ends
+from weclaw_mq.worker.cancel_watch import Cancels
+from weclaw_mq.worker.deadlines import Deadlines
+from weclaw_mq.worker.health import QueueState, WorkerHealth
+from weclaw_mq.worker.in_flight import InFlight
+from weclaw_mq.worker.incoming import consume
+from weclaw_mq.worker.lanes import LaneScheduler
+from weclaw_mq.worker.limiting import Limiter
+from weclaw_mq.worker.pausing import Pausable, QueueCircuit
+from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.worker.settle import Settler
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -220,7 +220,7 @@ class Worker:
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
         announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
-        # Off the start's path: rabbitmqctl takes about a second (weclaw_mq.broker_load).
+        # Off the start's path: rabbitmqctl takes about a second (weclaw_mq.wire.broker_load).
         load_check = (
             asyncio.create_task(self._warn_about_broker_load()) if self.broker_load_check else None
         )

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable
 from time import monotonic
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("weclaw_mq.worker.deadlines")
 
 TICK_S = 0.1
 

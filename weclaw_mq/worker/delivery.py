@@ -17,15 +17,15 @@ import functools
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from .. import headers as h
-from .. import tracing
-from ..errors import InvalidPayload, UndecodableBody, WorkerCrashLoop
-from ..handler import HandlerSpec
-from ..message import Delivery, read_delivery
-from ..retry import DeadLetterReason
-from ..state import TaskStatus
-from ..undecodable import undecodable
-from .admission import (
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.message import Delivery, read_delivery
+from weclaw_mq.contract.undecodable import undecodable
+from weclaw_mq.errors import InvalidPayload, UndecodableBody, WorkerCrashLoop
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.observability import tracing
+from weclaw_mq.policy.retry import DeadLetterReason
+from weclaw_mq.state import TaskStatus
+from weclaw_mq.worker.admission import (
     Unguarded,
     cancelled_before_start,
     expired_on_arrival,
@@ -33,12 +33,19 @@ from .admission import (
     pass_guard,
     within_limits,
 )
-from .cancel import Watch
-from .ends import AckCancelled, DeadLetter, Defer, RejectOriginal, after_attempt, carry_out
-from .limiting import NO_TICKET, Ticket
-from .records import record_status, release
-from .running import call_handler, take_over
-from .runtime import Runtime
+from weclaw_mq.worker.cancel_watch import Watch
+from weclaw_mq.worker.ends import (
+    AckCancelled,
+    DeadLetter,
+    Defer,
+    RejectOriginal,
+    after_attempt,
+    carry_out,
+)
+from weclaw_mq.worker.limiting import NO_TICKET, Ticket
+from weclaw_mq.worker.records import record_status, release
+from weclaw_mq.worker.running import call_handler, take_over
+from weclaw_mq.worker.runtime import Runtime
 
 __all__ = ["process"]
 

@@ -26,19 +26,26 @@ from typing import Any, TypeVar
 import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 
-from .. import headers as h
-from ..delays import delay_queue_set
-from ..errors import ResultNotStored, TaskExpired, UnserialisableResult
-from ..failures import describe, error_type, safe_text
-from ..handler import HandlerSpec
-from ..lifetime import left_ms, now_ms
-from ..message import Delivery
-from ..metrics import Outcome
-from ..retry import DeadLetterReason, GiveUp, RetryLater, decide
-from ..state import Finish, TaskStatus
-from . import notify
-from .records import record_quietly, record_status, release, session_of, task_state, to_inbox
-from .runtime import Runtime
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import left_ms, now_ms
+from weclaw_mq.contract.message import Delivery
+from weclaw_mq.errors import ResultNotStored, TaskExpired, UnserialisableResult
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.observability.metrics import Outcome
+from weclaw_mq.policy.delays import delay_queue_set
+from weclaw_mq.policy.failures import describe, error_type, safe_text
+from weclaw_mq.policy.retry import DeadLetterReason, GiveUp, RetryLater, decide
+from weclaw_mq.state import Finish, TaskStatus
+from weclaw_mq.worker import announce as notify
+from weclaw_mq.worker.records import (
+    record_quietly,
+    record_status,
+    release,
+    session_of,
+    task_state,
+    to_inbox,
+)
+from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 

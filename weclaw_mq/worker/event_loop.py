@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
-from ..errors import ConfigurationError
+from weclaw_mq.errors import ConfigurationError
 
 EventLoopName = Literal["asyncio", "uvloop"]
 EVENT_LOOPS: tuple[EventLoopName, ...] = ("asyncio", "uvloop")

@@ -11,11 +11,11 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from ..failures import describe
-from ..handler import HandlerSpec
-from .delivery import process
-from .ends import GiveBack, carry_out
-from .runtime import Runtime
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.policy.failures import describe
+from weclaw_mq.worker.delivery import process
+from weclaw_mq.worker.ends import GiveBack, carry_out
+from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 

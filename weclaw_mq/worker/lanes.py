@@ -58,8 +58,8 @@ from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
-from ..publishing.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
-from .incoming import consume
+from weclaw_mq.wire.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
+from weclaw_mq.worker.incoming import consume
 
 log = logging.getLogger("weclaw_mq.worker")
 

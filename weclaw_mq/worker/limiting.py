@@ -1,4 +1,4 @@
-"""A handler's limits (``weclaw_mq.limits``) counted in Redis, for every worker at once.
+"""A handler's limits (``weclaw_mq.policy.limits``) counted in Redis, for every worker at once.
 
 Per limit and key, two sorted sets (names from ``naming.limit_keys``):
 - ``slots``: the attempts running now, each scored by the end of its lease. Expired entries
@@ -30,15 +30,15 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidPayload
-from ..failures import describe
-from ..limits import Limit, LimitKind, deferral_ms
-from ..naming import limit_keys
-from ..settings import Settings
-from ..state import is_state_failure, new_owner, state_unavailable
+from weclaw_mq.contract.naming import limit_keys
+from weclaw_mq.errors import InvalidPayload
+from weclaw_mq.policy.failures import describe
+from weclaw_mq.policy.limits import Limit, LimitKind, deferral_ms
+from weclaw_mq.settings import Settings
+from weclaw_mq.state import is_state_failure, new_owner, state_unavailable
 
 if TYPE_CHECKING:  # redis-py is loaded only when a handler has a limit (a lighter worker)
-    from ..state.redis_clients import StateClient
+    from weclaw_mq.state.redis_clients import StateClient
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -185,7 +185,7 @@ class Limiter:
 
     @classmethod
     def open(cls, settings: Settings) -> Limiter:
-        from ..state.redis_clients import open_client
+        from weclaw_mq.state.redis_clients import open_client
 
         return cls(open_client(settings), lease_s=settings.guard_lease_s, owns_client=True)
 

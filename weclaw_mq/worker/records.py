@@ -6,15 +6,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import headers as h
-from ..errors import ConfigurationError
-from ..handler import HandlerSpec
-from ..lifetime import as_datetime, deadline_ms
-from ..message import Delivery
-from ..naming import validate_session_id
-from ..state import TaskState, TaskStatus
-from ..streaming.events import final_entry
-from .runtime import Runtime
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
+from weclaw_mq.contract.message import Delivery
+from weclaw_mq.contract.naming import validate_session_id
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.state import TaskState, TaskStatus
+from weclaw_mq.streaming.events import final_entry
+from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 

@@ -16,19 +16,19 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from .. import tracing
-from ..context import Context
-from ..errors import HandlerAbandoned, HandlerTimeout
-from ..failures import describe
-from ..handler import HandlerSpec
-from ..message import Delivery
-from ..publishing.connection import cancelled_by_caller
-from ..streaming.emitter import Emitter
-from .cancel import Watch
-from .deadlines import Deadline
-from .ends import AckCancelled, after_attempt, carry_out
-from .records import session_of
-from .runtime import Runtime
+from weclaw_mq.context import Context
+from weclaw_mq.contract.message import Delivery
+from weclaw_mq.errors import HandlerAbandoned, HandlerTimeout
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.observability import tracing
+from weclaw_mq.policy.failures import describe
+from weclaw_mq.streaming.emitter import Emitter
+from weclaw_mq.wire.connection import cancelled_by_caller
+from weclaw_mq.worker.cancel_watch import Watch
+from weclaw_mq.worker.deadlines import Deadline
+from weclaw_mq.worker.ends import AckCancelled, after_attempt, carry_out
+from weclaw_mq.worker.records import session_of
+from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 

@@ -9,19 +9,19 @@ from typing import TYPE_CHECKING, Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from ..handler import HandlerSpec
-from ..metrics import Metrics
-from ..settings import Settings
-from ..state import TaskStore
-from .cancel import Cancels
-from .circuit import QueueCircuit
-from .deadlines import Deadlines
-from .limiting import Limiter
-from .settle import Settler
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.observability.metrics import Metrics
+from weclaw_mq.settings import Settings
+from weclaw_mq.state import TaskStore
+from weclaw_mq.worker.cancel_watch import Cancels
+from weclaw_mq.worker.deadlines import Deadlines
+from weclaw_mq.worker.limiting import Limiter
+from weclaw_mq.worker.pausing import QueueCircuit
+from weclaw_mq.worker.settle import Settler
 
 if TYPE_CHECKING:
-    from ..app import App
-    from ..otel import Spans
+    from weclaw_mq.app import App
+    from weclaw_mq.observability.otel import Spans
 
 
 @dataclass(frozen=True)
@@ -56,5 +56,5 @@ class Runtime:
     cancels: Cancels = field(default_factory=Cancels)
     # The circuit breaker of each handler queue that has one (``worker.circuit``).
     circuits: Mapping[str, QueueCircuit] = field(default_factory=dict)
-    # OpenTelemetry spans (``weclaw_mq.otel``); None when off: one check per delivery.
+    # OpenTelemetry spans (``weclaw_mq.observability.otel``); None when off: one check per delivery.
     spans: Spans | None = None

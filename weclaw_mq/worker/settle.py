@@ -22,11 +22,14 @@ from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
-from .. import headers as h
-from ..control_flow import Retry
-from ..delays import next_hop_ms, schedule
-from ..errors import WeclawMQError
-from ..failures import (
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import now_ms
+from weclaw_mq.contract.message import Delivery, build_message
+from weclaw_mq.contract.naming import dlq_name, ladder_queue_name, source_lane
+from weclaw_mq.errors import WeclawMQError
+from weclaw_mq.observability.metrics import Metrics, Outcome
+from weclaw_mq.policy.delays import next_hop_ms, schedule
+from weclaw_mq.policy.failures import (
     describe,
     error_class,
     error_type,
@@ -34,15 +37,12 @@ from ..failures import (
     safe_text,
     traceback_text,
 )
-from ..lifetime import now_ms
-from ..message import Delivery, build_message
-from ..metrics import Metrics, Outcome
-from ..naming import dlq_name, ladder_queue_name, source_lane
-from ..publishing.connection import cancelled_by_caller
-from ..publishing.producer import Publisher
-from .deadlines import Deadline, Deadlines
+from weclaw_mq.policy.signals import Retry
+from weclaw_mq.wire.connection import cancelled_by_caller
+from weclaw_mq.wire.producer import Publisher
+from weclaw_mq.worker.deadlines import Deadline, Deadlines
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("weclaw_mq.worker.settle")
 # Outcome lines go where the rest of the worker's lines go.
 outcome_log = logging.getLogger("weclaw_mq.worker")
 

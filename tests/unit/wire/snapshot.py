@@ -59,8 +59,9 @@ def _plain(value: Any) -> Any:
 
 
 def snapshot() -> dict[str, Any]:
-    from weclaw_mq import headers, naming, topology
-    from weclaw_mq.broker_version import parse_server_version
+    from weclaw_mq.contract import headers, naming
+    from weclaw_mq.policy.broker_version import parse_server_version
+    from weclaw_mq.wire import topology
 
     app = _app()
     out: dict[str, Any] = {

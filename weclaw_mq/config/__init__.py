@@ -1,0 +1,1 @@
+"""Settings sources: environment variables, Redis URLs, TLS options."""

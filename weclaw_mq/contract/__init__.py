@@ -1,0 +1,1 @@
+"""The message contract: headers and their values, names, messages, task ids, lifetimes."""

@@ -1,0 +1,291 @@
+"""Every name weclaw_mq gives on the broker and in Redis, derived from the handler queue ``Q``.
+
+Ops tools find all queues and keys of a handler from its queue name alone, so no other module
+builds a name by hand.
+"""
+
+from __future__ import annotations
+
+import re
+
+from weclaw_mq.errors import ConfigurationError
+
+DLQ_SUFFIX = ".dlq"
+RETRY_INFIX = ".retry."
+# Where a handler with ``notify=True`` announces its tasks' final states (a work queue for the
+# notification service, so not a reserved suffix: a handler consumes ``Q.results``).
+RESULTS_SUFFIX = ".results"
+# Lane queues of the higher priorities: ``Q.lane.high``, ``Q.lane.urgent`` (the NORMAL lane is
+# Q itself). No handler queue may hold ".lane.", ".retry." or end in ".dlq", and a lane name
+# ends in ".lane.<level>": so no derived name of one handler equals a name of another.
+LANE_INFIX = ".lane."
+
+# Redis key prefixes (the guard and the result store build keys only through these).
+REDIS_PREFIX = "weclaw_mq"
+GUARD_KEY_PREFIX = f"{REDIS_PREFIX}:guard"
+STATE_KEY_PREFIX = f"{REDIS_PREFIX}:state"
+LATEST_KEY_PREFIX = f"{REDIS_PREFIX}:latest"
+DONE_CHANNEL_PREFIX = f"{REDIS_PREFIX}:done"
+STREAM_KEY_PREFIX = f"{REDIS_PREFIX}:stream"
+INBOX_KEY_PREFIX = f"{REDIS_PREFIX}:inbox"
+INBOX_TRACE_KEY_PREFIX = f"{REDIS_PREFIX}:inbox-trace"
+LIMIT_KEY_PREFIX = f"{REDIS_PREFIX}:limit"
+CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
+BODY_KEY_PREFIX = f"{REDIS_PREFIX}:body"
+# One per worker process (its task store): a guard claim names it, and lapses with it.
+HEARTBEAT_KEY_PREFIX = f"{REDIS_PREFIX}:alive"
+# One channel for every cancel request (weclaw_mq.state.cancel_records): each worker holds one
+# subscription, not one per task it runs, and a PUBLISH reaches every node of a cluster.
+CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
+
+# The broker names shared by every handler of a vhost (``topology.ladder_declarations``):
+#
+#     weclaw_mq.delay.<delay>     a delay queue (x-message-ttl) and the fanout exchange in front
+#     weclaw_mq.return            the direct exchange a delay queue dead-letters to; every work
+#                                 queue (and lane) is bound to it by its own name
+#     weclaw_mq.unroutable        its alternate exchange (fanout), bound to the parking queue
+#     weclaw_mq.unroutable.dlq    the parking queue: a delayed task whose queue is gone; read
+#                                 and requeued by the DLQ tools as the DLQ of "weclaw_mq.unroutable"
+#
+# No handler queue may start with "weclaw_mq.", so none of these is a handler's name.
+SHARED_PREFIX = "weclaw_mq."
+LADDER_INFIX = "delay."
+RETURN_EXCHANGE = f"{SHARED_PREFIX}return"
+UNROUTABLE = f"{SHARED_PREFIX}unroutable"
+
+# Names we add beside Q must still fit AMQP's 255-byte limit.
+_MAX_QUEUE_NAME = 200
+_QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")
+
+
+def validate_queue_name(name: str) -> str:
+    if not name or len(name.encode()) > _MAX_QUEUE_NAME:
+        raise ConfigurationError(f"queue name {name!r} must be 1 to {_MAX_QUEUE_NAME} bytes long")
+    if name.startswith("amq."):
+        raise ConfigurationError(f"queue name {name!r}: names starting with 'amq.' are reserved")
+    if not _QUEUE_NAME_RE.match(name):
+        raise ConfigurationError(
+            f"queue name {name!r} may hold only letters, digits and '_.:-', "
+            "and must start with a letter or digit"
+        )
+    if name.startswith(SHARED_PREFIX):
+        raise ConfigurationError(
+            f"queue name {name!r}: names starting with '{SHARED_PREFIX}' are weclaw_mq's "
+            "shared queues (the delay ladder, the parking queue); pick another name"
+        )
+    if name.endswith(DLQ_SUFFIX) or RETRY_INFIX in name or LANE_INFIX in name:
+        raise ConfigurationError(
+            f"queue name {name!r} looks like one of weclaw_mq's own derived queues "
+            f"('{DLQ_SUFFIX}' / '{RETRY_INFIX}' / '{LANE_INFIX}'); pick another name"
+        )
+    return name
+
+
+def dlq_name(queue: str) -> str:
+    return f"{queue}{DLQ_SUFFIX}"
+
+
+def delay_label(delay_ms: int) -> str:
+    """``5000`` -> ``5s``, ``250`` -> ``250ms``: readable in the management UI."""
+    if delay_ms % 1000 == 0:
+        return f"{delay_ms // 1000}s"
+    return f"{delay_ms}ms"
+
+
+def ladder_queue_name(delay_ms: int) -> str:
+    """The vhost's shared delay queue for ``delay_ms``, and the fanout exchange in front of
+    it: a task is parked there with its lane as routing key and dead-letters back by it
+    through ``RETURN_EXCHANGE`` (``topology.delay_queue_arguments``)."""
+    return f"{SHARED_PREFIX}{LADDER_INFIX}{delay_label(delay_ms)}"
+
+
+def parking_queue_name() -> str:
+    """Where the shared ladder puts a task whose queue is gone: the DLQ of ``UNROUTABLE``."""
+    return dlq_name(UNROUTABLE)
+
+
+def retry_queue_name(queue: str, delay_ms: int) -> str:
+    """The per-lane delay queue of ``queue`` (a handler queue or one of its lanes) of
+    versions before the per-handler ones (``delay_queue_name``): it dead-letters back to
+    ``queue`` by its x-dead-letter-routing-key. No longer declared nor published to; one left
+    from an older version keeps returning what it holds, ``weclaw-mq stats`` still shows it
+    and ``weclaw-mq migrate`` deletes it once empty."""
+    return f"{queue}{RETRY_INFIX}{delay_label(delay_ms)}"
+
+
+# The delay queues of handler queue Q shared by all its lanes, of the version before the
+# vhost's shared ladder: ``Q.retry.lanes.<delay>`` (a queue and a fanout exchange of that
+# name). ".retry." is reserved in handler names, so these can be no other handler's names,
+# nor a per-lane ``<lane>.retry.<delay>`` (a delay label holds no dot).
+SHARED_DELAY_INFIX = f"{RETRY_INFIX}lanes."
+
+
+def delay_queue_name(queue: str, delay_ms: int) -> str:
+    """The previous version's delay queue of handler queue ``queue`` for ``delay_ms`` (shared
+    by its lanes; a fanout exchange of that name in front). No longer declared nor published
+    to: it dead-letters what it still holds back by the task's routing key through the default
+    exchange, ``weclaw-mq stats`` shows it and ``weclaw-mq migrate`` deletes it once empty."""
+    return f"{queue}{SHARED_DELAY_INFIX}{delay_label(delay_ms)}"
+
+
+def results_queue_name(queue: str) -> str:
+    """The default results queue of ``queue`` (``notify=True``)."""
+    return f"{queue}{RESULTS_SUFFIX}"
+
+
+def lane_queue_name(queue: str, level: str) -> str:
+    """The queue of priority ``level`` ("normal", "high", "urgent") of handler queue Q:
+    NORMAL is Q itself, so producers and queues from before priorities keep working."""
+    return queue if level == "normal" else f"{queue}{LANE_INFIX}{level}"
+
+
+def source_lane(routing_key: str | None, queue: str) -> str:
+    """The lane of handler queue ``queue`` a delivery came from: its routing key when that
+    names one of Q's lanes (a lane is published to, and dead-lettered back to, by its own
+    name through the default exchange), else Q."""
+    if routing_key and routing_key.startswith(f"{queue}{LANE_INFIX}"):
+        level = routing_key[len(queue) + len(LANE_INFIX) :]
+        if level in ("high", "urgent"):
+            return routing_key
+    return queue
+
+
+def handler_queue_of(name: str) -> str:
+    """The handler queue Q a lane queue belongs to (Q itself for Q)."""
+    head, sep, _ = name.partition(LANE_INFIX)
+    return head if sep else name
+
+
+# -- Redis keys of one task --------------------------------------------------------------
+# A task's state lives per (queue, task id): a pipeline whose stages share a task id keeps one
+# record and one guard key per stage. Layout, for queue Q and task id T:
+#
+#     weclaw_mq:guard:<len(Q)>:Q:{T}     the idempotency claim / done marker
+#     weclaw_mq:state:<len(Q)>:Q:{T}     the task's record in Q (hash: status, state)
+#     weclaw_mq:latest:{T}               the name of T's most recently written record
+#     weclaw_mq:done:{T}                 pub/sub channel: some record of T became final
+#     weclaw_mq:cancel:{T}               the cancel marker: a set of queues (or "*") whose
+#                                        deliveries of T are acked unrun
+#     weclaw_mq:body:<len(Q)>:Q:{T}      the fingerprint of the body first published as T to
+#                                        Q with a task id of the caller's (state.reuse)
+#
+# Unambiguous whatever the characters: Q is read by its byte length, T runs from the brace
+# after Q to the last character, so ("a:b", "c") and ("a", "b:c") never share a key. The
+# braces are a Redis Cluster hash tag: every key of T hashes on (the start of) T alone, so
+# one script may touch all of them on one node. That holds as long as Q has no '{' (which
+# validate_queue_name guarantees for every handler queue) and the tag is not empty: Redis
+# hashes a key whose tag is "{}" whole, so an empty T or one starting with '}' would spread
+# its keys over the cluster (CROSSSLOT). Those ids, and ids starting with '{' (so that the
+# layout stays unambiguous), get one more '{' in front of T: "{{}x}" for "}x", whose tag
+# is "{". Every other id's keys are as they always were.
+
+
+def _tagged(task_id: str) -> str:
+    """``{T}``, T's hash tag, never empty (see above)."""
+    if task_id[:1] in ("", "{", "}"):
+        return f"{{{{{task_id}}}"
+    return f"{{{task_id}}}"
+
+
+def _task_key(prefix: str, queue: str, task_id: str) -> str:
+    return f"{prefix}:{len(queue.encode())}:{queue}:{_tagged(task_id)}"
+
+
+def guard_key(queue: str, task_id: str) -> str:
+    return _task_key(GUARD_KEY_PREFIX, queue, task_id)
+
+
+def heartbeat_key(worker_id: str) -> str:
+    """The key that says a worker (one task store) is alive: its claims hold while it lasts."""
+    return f"{HEARTBEAT_KEY_PREFIX}:{worker_id}"
+
+
+def state_key(queue: str, task_id: str) -> str:
+    return _task_key(STATE_KEY_PREFIX, queue, task_id)
+
+
+def body_key(queue: str, task_id: str) -> str:
+    """The fingerprint of the body first published as (queue, task id) (``state.reuse``)."""
+    return _task_key(BODY_KEY_PREFIX, queue, task_id)
+
+
+def latest_key(task_id: str) -> str:
+    return f"{LATEST_KEY_PREFIX}:{_tagged(task_id)}"
+
+
+def done_channel(task_id: str) -> str:
+    """Pub/sub channel that wakes ``result()`` waiters when a record of the task is final."""
+    return f"{DONE_CHANNEL_PREFIX}:{_tagged(task_id)}"
+
+
+def stream_key(task_id: str) -> str:
+    """The task's event stream (a Redis Stream): attempt markers, chunks, the final event.
+    Per task id, not per queue: ``app.stream`` is read by task id, like ``status``."""
+    return f"{STREAM_KEY_PREFIX}:{_tagged(task_id)}"
+
+
+# -- Redis keys of one session (a user or a conversation) ---------------------------------
+#
+#     weclaw_mq:inbox:{S}          the session's pending events (a Redis Stream)
+#     weclaw_mq:inbox-trace:{S}    what the inbox lost: entries dropped when it was full
+#
+# Hash-tagged on the session id S like a task's keys on T: one script touches both.
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,200}")
+
+
+def validate_session_id(session_id: object) -> str:
+    """A session id names Redis keys and travels in an AMQP header: 1 to 200 of letters,
+    digits and ``_.:@-`` (no braces, which would break the key's hash tag)."""
+    if not isinstance(session_id, str) or not SESSION_ID_RE.fullmatch(session_id):
+        raise ConfigurationError(
+            f"session id {session_id!r} must be 1 to 200 of letters, digits and '_.:@-'"
+        )
+    return session_id
+
+
+def inbox_key(session_id: str) -> str:
+    return f"{INBOX_KEY_PREFIX}:{{{session_id}}}"
+
+
+def inbox_trace_key(session_id: str) -> str:
+    return f"{INBOX_TRACE_KEY_PREFIX}:{{{session_id}}}"
+
+
+def cancel_key(task_id: str) -> str:
+    """The set of queues (``*``: all) in which task ``task_id`` was cancelled."""
+    return f"{CANCEL_KEY_PREFIX}:{_tagged(task_id)}"
+
+
+def queue_key_pattern(prefix: str, queue: str) -> str:
+    """A SCAN pattern for every key under ``prefix`` of ``queue`` (e.g. its guard keys)."""
+    return f"{prefix}:{len(queue.encode())}:{queue}:{{*"
+
+
+def task_keys(queue: str, task_id: str) -> list[str]:
+    """Every key that (queue, task id) may own: for cleanup by tests and operator scripts."""
+    return [
+        guard_key(queue, task_id),
+        state_key(queue, task_id),
+        latest_key(task_id),
+        body_key(queue, task_id),
+    ]
+
+
+# -- Redis keys of a handler's limits (weclaw_mq.policy.limits) -----------------------------------
+#
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:slots    running holders (sorted by lease end)
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:starts   recent starts (sorted by start time)
+#
+# <i> is the limit's position in the handler's ``limit=`` list; a global limit (no key
+# function) has the tag {*}. '%', '{' and '}' in a key are %-escaped, so the tag is never
+# empty and is always the whole key: both keys of one limit and key hash to one cluster slot.
+
+
+def limit_keys(queue: str, index: int, key: str | None) -> tuple[str, str]:
+    """The (slots, starts) keys of limit ``index`` of ``queue`` for ``key`` (None: global)."""
+    if key is None:
+        tag = "*"
+    else:
+        tag = "k=" + key.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    base = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:{index}:{{{tag}}}"
+    return f"{base}:slots", f"{base}:starts"

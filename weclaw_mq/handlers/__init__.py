@@ -1,0 +1,1 @@
+"""What a handler is: its spec, options and notification target."""

@@ -1,0 +1,174 @@
+"""A registered handler: the user's function plus everything decided about it at import time."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from weclaw_mq.contract.lifetime import DEFAULT_TTL_S, check_ttl
+from weclaw_mq.contract.naming import validate_queue_name
+from weclaw_mq.errors import ConfigurationError, InvalidPayload, UndecodableBody
+from weclaw_mq.handlers.notifications import NotifyTarget
+from weclaw_mq.policy.breaker import Breaker
+from weclaw_mq.policy.delays import delay_queue_set
+from weclaw_mq.policy.failures import describe
+from weclaw_mq.policy.limits import DEFER_LADDER_MS, Limit
+from weclaw_mq.policy.priority import QUORUM, Priority, check_queue_type, parse_priority
+from weclaw_mq.policy.retry import RetryPolicy
+from weclaw_mq.wire.topology import QueueSpec
+
+HandlerFunc = Callable[..., Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    queue: str
+    func: HandlerFunc
+    adapter: TypeAdapter[Any]
+    model: type[BaseModel] | None  # the task's pydantic model, when it is one
+    takes_context: bool
+    retry: RetryPolicy
+    timeout_s: float
+    delivery_limit: int
+    max_length: int | None
+    idempotent: bool
+    # The lifetime of a task published without its own ttl_s (weclaw_mq.contract.lifetime).
+    ttl_s: float = DEFAULT_TTL_S
+    # Where the final state of each task is announced (``notify=``), or None.
+    notify: NotifyTarget | None = None
+    # The priority of a task published to this queue without one.
+    priority: Priority = Priority.NORMAL
+    # Takes priorities above NORMAL (``priorities=True``, or a default above NORMAL): only
+    # such a handler gets lanes where the broker has no usable priorities (``topology``).
+    priorities: bool = False
+    queue_type: str = QUORUM
+    # Per-key concurrency and rate limits (``limit=``; weclaw_mq.policy.limits).
+    limits: tuple[Limit, ...] = ()
+    # Pauses the queue in a worker after repeated upstream failures (weclaw_mq.policy.breaker).
+    breaker: Breaker | None = None
+
+    @property
+    def name(self) -> str:
+        return getattr(self.func, "__qualname__", repr(self.func))
+
+    def queue_spec(self) -> QueueSpec:
+        return QueueSpec(
+            name=self.queue,
+            # The policy's delays (the first always: the guard parks duplicates there), the
+            # step queues that serve any other delay (weclaw_mq.policy.delays), and for a limited
+            # handler the ladder its held-back tasks are deferred to (weclaw_mq.policy.limits).
+            retry_delays_ms=tuple(
+                dict.fromkeys(
+                    (*delay_queue_set(self.retry), *(DEFER_LADDER_MS if self.limits else ()))
+                )
+            ),
+            delivery_limit=self.delivery_limit,
+            max_length=self.max_length,
+            results=None if self.notify is None else self.notify.queue_spec(),
+            queue_type=self.queue_type,
+            priorities=self.priorities,
+        )
+
+    def parse(self, body: bytes) -> Any:
+        """Decode and validate in one pass, telling undecodable from invalid."""
+        try:
+            return self.adapter.validate_json(body)
+        except ValidationError as e:
+            if any(err["type"] == "json_invalid" for err in e.errors()):
+                raise UndecodableBody(_first_error(e)) from e
+            raise InvalidPayload(_first_error(e)) from e
+        except Exception as e:
+            # pydantic wraps only ValueError and AssertionError raised in a validator; a
+            # validator raising anything else (KeyError, TypeError, RecursionError...) is
+            # still this body failing the model, and no retry can fix it.
+            raise InvalidPayload(f"a validator raised {describe(e)}") from e
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _first_error(e: ValidationError) -> str:
+    errors = e.errors(include_url=False)
+    head = errors[0]
+    loc = ".".join(str(p) for p in head["loc"]) or "<body>"
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{loc}: {head['msg']}{more}"
+
+
+def build_spec(
+    func: HandlerFunc,
+    *,
+    queue: str,
+    retry: RetryPolicy,
+    timeout_s: float,
+    delivery_limit: int,
+    max_length: int | None,
+    idempotent: bool,
+    ttl_s: float = DEFAULT_TTL_S,
+    notify: NotifyTarget | None = None,
+    priority: Priority | str = Priority.NORMAL,
+    queue_type: str = QUORUM,
+    limits: tuple[Limit, ...] = (),
+    breaker: Breaker | None = None,
+    priorities: bool = False,
+) -> HandlerSpec:
+    """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
+    validate_queue_name(queue)
+    if not inspect.iscoroutinefunction(func):
+        raise ConfigurationError(f"handler for {queue!r} must be an 'async def' function")
+    params = [
+        p
+        for p in inspect.signature(func).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if not 1 <= len(params) <= 2:
+        raise ConfigurationError(
+            f"handler for {queue!r} must take (task) or (task, ctx), got {len(params)} parameters"
+        )
+    if timeout_s <= 0:
+        raise ConfigurationError(f"timeout_s for {queue!r} must be > 0, got {timeout_s}")
+    if delivery_limit < 1:
+        raise ConfigurationError(f"delivery_limit for {queue!r} must be >= 1")
+    if max_length is not None and max_length < 1:
+        raise ConfigurationError(f"max_length for {queue!r} must be >= 1")
+    check_ttl(ttl_s, f"ttl_s for {queue!r}")
+    if not isinstance(priorities, bool):
+        raise ConfigurationError(f"priorities for {queue!r} must be True or False")
+    if breaker is not None and not isinstance(breaker, Breaker):
+        raise ConfigurationError(f"breaker for {queue!r} must be a Breaker, got {breaker!r}")
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception as e:  # an unresolvable forward reference
+        raise ConfigurationError(f"cannot resolve the type hints of {func!r}: {e}") from e
+    annotation = hints.get(params[0].name, Any)
+    try:
+        adapter: TypeAdapter[Any] = TypeAdapter(annotation)
+    except Exception as e:
+        raise ConfigurationError(
+            f"handler for {queue!r}: pydantic cannot validate {annotation!r}: {e}"
+        ) from e
+    return HandlerSpec(
+        queue=queue,
+        func=func,
+        adapter=adapter,
+        model=annotation if _is_model(annotation) else None,
+        takes_context=len(params) == 2,
+        retry=retry,
+        timeout_s=timeout_s,
+        delivery_limit=delivery_limit,
+        max_length=max_length,
+        idempotent=idempotent,
+        ttl_s=float(ttl_s),
+        notify=notify,
+        priority=parse_priority(priority),
+        priorities=priorities or parse_priority(priority) is not Priority.NORMAL,
+        queue_type=check_queue_type(queue_type),
+        limits=limits,
+        breaker=breaker,
+    )

@@ -1,0 +1,1 @@
+"""Metrics, logs and traces, OpenTelemetry, the metrics server."""

@@ -1,0 +1,1 @@
+"""Pure decisions, no I/O: retry, delays, signals, priority, limits, breaker, failures."""

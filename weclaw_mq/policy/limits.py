@@ -1,0 +1,99 @@
+"""Per-key concurrency and rate limits of a handler: what the user declares.
+
+    @app.handler("chat", limit=Limit(key=lambda task: task.user_id, concurrency=2))
+    @app.handler("embed", limit=[Limit(key=lambda t: t.user_id, rate=5), Limit(rate=100)])
+
+A ``Limit`` holds tasks that share a key (``key(task)``; ``key=None``: every task of the
+handler shares one) to at most ``concurrency`` running at once across every worker, and/or at
+most ``rate`` starts in any window of ``per_s`` seconds. A task over a limit is deferred: moved
+to one of the handler's delay queues without spending an attempt, so it leaves the worker's
+prefetch window at once and other keys flow past it. The counting lives in Redis
+(``worker.limiting``), with leases that lapse when a worker dies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from weclaw_mq.errors import ConfigurationError
+
+# What a key function may return: an id, or None for "this task is not limited by it".
+KeyValue = str | int | None
+KeyFunc = Callable[[Any], KeyValue]
+
+
+class LimitKind(StrEnum):
+    """Which part of a limit held a task back (the ``limit`` label of the deferral metric)."""
+
+    CONCURRENCY = "concurrency"
+    RATE = "rate"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """At most ``concurrency`` tasks per key at once, and/or ``rate`` starts per ``per_s``.
+
+    Args:
+        key: A function of the validated task (the handler's first argument) returning the
+            key as ``str`` or ``int``; ``None`` for a task means that task is not held by
+            this limit. Without ``key`` the limit is one global limit of the handler.
+        concurrency: At most this many tasks of one key run at once, across every worker.
+        rate: At most this many tasks of one key start in any window of ``per_s`` seconds.
+        per_s: The window of ``rate``, in seconds (at least 0.001).
+
+    Raises:
+        ConfigurationError: Neither ``concurrency`` nor ``rate`` is given, one is not an
+            int of at least 1, ``per_s`` is under 0.001, or ``key`` is not callable.
+    """
+
+    key: KeyFunc | None = None
+    concurrency: int | None = None
+    rate: int | None = None
+    per_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency is None and self.rate is None:
+            raise ConfigurationError("a Limit needs concurrency=, rate= or both")
+        for name, value in (("concurrency", self.concurrency), ("rate", self.rate)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigurationError(f"Limit {name} must be an int, got {value!r}")
+            if value is not None and value < 1:
+                raise ConfigurationError(f"Limit {name} must be >= 1, got {value}")
+        if not self.per_s >= 0.001:
+            raise ConfigurationError(f"Limit per_s must be >= 0.001, got {self.per_s}")
+        if self.key is not None and not callable(self.key):
+            raise ConfigurationError(f"Limit key must be a function of the task, got {self.key!r}")
+
+    @property
+    def period_ms(self) -> int:
+        """``per_s`` in milliseconds."""
+        return round(self.per_s * 1000)
+
+
+def as_limits(limit: Limit | Sequence[Limit] | None) -> tuple[Limit, ...]:
+    """``limit=`` of a handler as a tuple (checked at registration)."""
+    if limit is None:
+        return ()
+    limits = (limit,) if isinstance(limit, Limit) else tuple(limit)
+    for one in limits:
+        if not isinstance(one, Limit):
+            raise ConfigurationError(f"limit= takes Limit objects, got {one!r}")
+    return limits
+
+
+# Deferral delays of a limited handler: powers of two from 125 ms to 16 s, one delay queue
+# each. A deferred task waits the first of them at or past its expected wait (see
+# ``deferral_ms``): never less than the wait, at most twice it below 16 s. Bounded, so any
+# wait costs at most these eight queues.
+DEFER_LADDER_MS = (125, 250, 500, 1000, 2000, 4000, 8000, 16000)
+
+
+def deferral_ms(wait_ms: float) -> int:
+    """The delay queue for a task expected to get in after ``wait_ms``."""
+    for delay in DEFER_LADDER_MS:
+        if delay >= wait_ms:
+            return delay
+    return DEFER_LADDER_MS[-1]

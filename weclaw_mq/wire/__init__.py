@@ -1,0 +1,1 @@
+"""The AMQP wire: connections with failover, the confirmed producer, topology, broker load."""
