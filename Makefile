@@ -28,7 +28,7 @@ help:
 	@echo "make services-status  what answers, and what services-up started"
 	@echo "make install        create .venv and pip install -e '.[dev]' (skipped when up to date)"
 	@echo "make tools          install promtool and Chromium + its driver (as root with apt-get), fetch mermaid.js (npm) for the tests"
-	@echo "make lint           ruff check, ruff format --check, mypy"
+	@echo "make lint           ruff check, ruff format --check, mypy, the import layers (lint-imports)"
 	@echo "make format         ruff format and ruff check --fix"
 	@echo "make drill          every fault drill (private RabbitMQ nodes, 3-node cluster) and its table"
 	@echo "make bench          benchmark vs raw aio-pika, FastStream, Dramatiq (own venv; BENCH_ARGS=--smoke)"
@@ -119,6 +119,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/mypy consumers producers docs/hooks.py docs/site_files.py docs/examples
+	$(BIN)/lint-imports --no-cache
 
 format: install
 	$(BIN)/ruff format .

@@ -23,6 +23,7 @@ import aio_pika
 from aio_pika.abc import HeadersType
 
 from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.header_values import new_trace_id
 from weclaw_mq.contract.lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
 from weclaw_mq.contract.message import (
     build_message,
@@ -52,7 +53,7 @@ from weclaw_mq.handlers.notifications import notify_target
 from weclaw_mq.handlers.spec import HandlerFunc, HandlerSpec, build_spec
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans, spans_for
-from weclaw_mq.observability.tracing import current, new_trace_id
+from weclaw_mq.observability.tracing import current
 from weclaw_mq.policy.breaker import Breaker
 from weclaw_mq.policy.delays import STEP_DELAYS_MS, check_delay, next_hop_ms, not_before_ms
 from weclaw_mq.policy.limits import Limit, as_limits

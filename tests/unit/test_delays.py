@@ -16,12 +16,11 @@ from weclaw_mq.contract import headers as h
 from weclaw_mq.policy.delays import (
     MIN_STEP_MS,
     STEP_DELAYS_MS,
-    delay_queue_set,
     hops_ms,
     next_hop_ms,
     schedule,
 )
-from weclaw_mq.policy.retry import GiveUp, RetryLater, decide
+from weclaw_mq.policy.retry import GiveUp, RetryLater, decide, delay_queue_set
 
 LONGEST_STEP_MS = STEP_DELAYS_MS[-1]
 

@@ -27,7 +27,7 @@ from weclaw_mq.errors import (
     StateUnavailableError,
     WeclawMQError,
 )
-from weclaw_mq.state import is_command_error, state_unavailable
+from weclaw_mq.state.outages import is_command_error, state_unavailable
 
 PROG = "weclaw-mq"
 

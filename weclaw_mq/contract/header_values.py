@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -21,7 +22,6 @@ from typing import Any
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import validate_session_id
 from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.observability.tracing import new_trace_id
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -37,6 +37,11 @@ COUNT_MAX = 1_000_000
 _MS_MIN = int(datetime(1970, 1, 2, tzinfo=UTC).timestamp() * 1000)
 _MS_MAX = int(datetime(9999, 12, 30, tzinfo=UTC).timestamp() * 1000)
 _SHOWN_CHARS = 40  # of a replaced value, in the warning
+
+
+def new_trace_id() -> str:
+    """A new trace id (``x-weclaw-trace-id``): 32 hex digits."""
+    return uuid.uuid4().hex
 
 
 def printable_text(value: object, max_chars: int) -> bool:

@@ -21,8 +21,8 @@ from pydantic import BaseModel
 
 from weclaw_mq.contract import header_values
 from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.header_values import new_trace_id
 from weclaw_mq.errors import MessageEncodingError, PayloadError
-from weclaw_mq.observability.tracing import new_trace_id
 
 CONTENT_TYPE = "application/json"
 

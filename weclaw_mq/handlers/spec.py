@@ -15,11 +15,10 @@ from weclaw_mq.contract.naming import validate_queue_name
 from weclaw_mq.errors import ConfigurationError, InvalidPayload, UndecodableBody
 from weclaw_mq.handlers.notifications import NotifyTarget
 from weclaw_mq.policy.breaker import Breaker
-from weclaw_mq.policy.delays import delay_queue_set
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.policy.limits import DEFER_LADDER_MS, Limit
 from weclaw_mq.policy.priority import QUORUM, Priority, check_queue_type, parse_priority
-from weclaw_mq.policy.retry import RetryPolicy
+from weclaw_mq.policy.retry import RetryPolicy, delay_queue_set
 from weclaw_mq.wire.topology import QueueSpec
 
 HandlerFunc = Callable[..., Awaitable[Any]]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal, Protocol
 
 from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.header_values import new_trace_id
 from weclaw_mq.settings import redact_url
 
 
@@ -46,10 +46,6 @@ class Traced(Protocol):
 
 
 _current: ContextVar[Traced | None] = ContextVar("weclaw_mq_trace", default=None)
-
-
-def new_trace_id() -> str:
-    return uuid.uuid4().hex
 
 
 def current() -> TraceContext | None:

@@ -19,28 +19,17 @@ that backlog). Hops: at most 3 per power of 4 below the delay, plus one per 1024
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from weclaw_mq.contract import headers as h
 from weclaw_mq.errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from weclaw_mq.policy.retry import RetryPolicy
 
 # Powers of 4 keep the set small (each is a quorum queue per handler) at the cost of at most
 # 3 hops per step size; 1024 s bounds a long delay's hop count at one per ~17 minutes.
 STEP_DELAYS_MS: tuple[int, ...] = tuple(1000 * 4**k for k in range(6))
 MIN_STEP_MS = STEP_DELAYS_MS[0]
-
-
-@functools.cache
-def delay_queue_set(policy: RetryPolicy) -> tuple[int, ...]:
-    """Every delay queue (ms) of a handler with ``policy``, shortest first. The
-    policy's first delay is always there: the guard parks duplicates in it."""
-    return tuple(sorted({policy.delay_ms(1), *policy.delays_ms(), *STEP_DELAYS_MS}))
 
 
 def next_hop_ms(remaining_ms: int, queues_ms: tuple[int, ...]) -> int:

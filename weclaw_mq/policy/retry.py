@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
 from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.policy.delays import STEP_DELAYS_MS
 from weclaw_mq.policy.signals import Reject, Retry
 
 
@@ -84,6 +86,13 @@ class RetryPolicy:
         for attempt in range(1, self.max_retries + 1):
             seen[self.delay_ms(attempt)] = None
         return tuple(seen)
+
+
+@functools.cache
+def delay_queue_set(policy: RetryPolicy) -> tuple[int, ...]:
+    """Every delay queue (ms) of a handler with ``policy``, shortest first. The
+    policy's first delay is always there: the guard parks duplicates in it."""
+    return tuple(sorted({policy.delay_ms(1), *policy.delays_ms(), *STEP_DELAYS_MS}))
 
 
 @dataclass(frozen=True)

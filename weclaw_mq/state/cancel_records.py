@@ -36,12 +36,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from dataclasses import dataclass
 from datetime import datetime
-from enum import StrEnum
 
 from weclaw_mq.state.expiry import as_seen_at
-from weclaw_mq.state.protocol import TaskState, TaskStatus
+from weclaw_mq.state.protocol import Cancellation, CancelOutcome, TaskState, TaskStatus
 
 # The marker's member for "every queue of this task id".
 ALL_QUEUES = "*"
@@ -49,46 +47,6 @@ ALL_QUEUES = "*"
 # retry means a worker wrote the record in the last round trip, which it does a few times
 # per attempt at most.
 CANCEL_ATTEMPTS = 10
-
-
-class CancelOutcome(StrEnum):
-    """What a cancel did (``Cancellation.outcome``).
-
-    Attributes:
-        CANCELLED: Its record now reads cancelled; it will not run to completion.
-        PENDING: No record of it yet: the marker stops it when it is delivered.
-        FINISHED: It had already ended: nothing was changed.
-        UNKNOWN: No record where it looked, and no pending cancel asked: unchanged.
-    """
-
-    CANCELLED = "cancelled"  # its record now reads cancelled; it will not run to completion
-    PENDING = "pending"  # no record of it yet: the marker stops it when it is delivered
-    FINISHED = "finished"  # it had already ended: nothing was changed
-    UNKNOWN = "unknown"  # no record where it looked, and no pending cancel asked: unchanged
-
-
-@dataclass(frozen=True)
-class Cancellation:
-    """The answer to a cancel: what happened, and the task's record afterwards.
-
-    Args:
-        task_id: The task's id.
-        outcome: What happened.
-        state: The task's record afterwards: the ``cancelled`` one, the finished one that
-            stays, or None when no record exists.
-        elsewhere: When the cancel named a queue where the task has no record, its latest
-            record in another queue (left as it was), else None.
-    """
-
-    task_id: str
-    outcome: CancelOutcome
-    state: TaskState | None
-    elsewhere: TaskState | None = None
-
-    @property
-    def changed(self) -> bool:
-        """False for a no-op: the task had already finished, or is not known."""
-        return self.outcome not in (CancelOutcome.FINISHED, CancelOutcome.UNKNOWN)
 
 
 def scope_of(queue: str | None) -> str:

@@ -25,8 +25,6 @@ from datetime import UTC, datetime
 
 from weclaw_mq.errors import ResultTimeoutError
 from weclaw_mq.state.cancel_records import (
-    Cancellation,
-    CancelOutcome,
     answer,
     cancelled_record,
     covers,
@@ -35,7 +33,14 @@ from weclaw_mq.state.cancel_records import (
     scope_of,
 )
 from weclaw_mq.state.expiry import record_ttl_s
-from weclaw_mq.state.protocol import Claim, Finish, TaskState, TaskStatus
+from weclaw_mq.state.protocol import (
+    Cancellation,
+    CancelOutcome,
+    Claim,
+    Finish,
+    TaskState,
+    TaskStatus,
+)
 from weclaw_mq.state.transitions import may_follow, narrowing
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this

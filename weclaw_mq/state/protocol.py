@@ -28,6 +28,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Collection, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -36,8 +37,6 @@ from pydantic import BaseModel, Field
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
-
-    from weclaw_mq.state.cancel_records import Cancellation
 
 
 class TaskStatus(StrEnum):
@@ -329,6 +328,46 @@ class TaskStore(Protocol):
     async def close(self) -> None:
         """Stop renewing leases and release what the store opened."""
         ...
+
+
+class CancelOutcome(StrEnum):
+    """What a cancel did (``Cancellation.outcome``).
+
+    Attributes:
+        CANCELLED: Its record now reads cancelled; it will not run to completion.
+        PENDING: No record of it yet: the marker stops it when it is delivered.
+        FINISHED: It had already ended: nothing was changed.
+        UNKNOWN: No record where it looked, and no pending cancel asked: unchanged.
+    """
+
+    CANCELLED = "cancelled"  # its record now reads cancelled; it will not run to completion
+    PENDING = "pending"  # no record of it yet: the marker stops it when it is delivered
+    FINISHED = "finished"  # it had already ended: nothing was changed
+    UNKNOWN = "unknown"  # no record where it looked, and no pending cancel asked: unchanged
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """The answer to a cancel: what happened, and the task's record afterwards.
+
+    Args:
+        task_id: The task's id.
+        outcome: What happened.
+        state: The task's record afterwards: the ``cancelled`` one, the finished one that
+            stays, or None when no record exists.
+        elsewhere: When the cancel named a queue where the task has no record, its latest
+            record in another queue (left as it was), else None.
+    """
+
+    task_id: str
+    outcome: CancelOutcome
+    state: TaskState | None
+    elsewhere: TaskState | None = None
+
+    @property
+    def changed(self) -> bool:
+        """False for a no-op: the task had already finished, or is not known."""
+        return self.outcome not in (CancelOutcome.FINISHED, CancelOutcome.UNKNOWN)
 
 
 @runtime_checkable

@@ -45,11 +45,10 @@ from weclaw_mq.contract.naming import (
 )
 from weclaw_mq.errors import ResultTimeoutError
 from weclaw_mq.settings import Settings
-from weclaw_mq.state import state_unavailable
-from weclaw_mq.state.cancel_records import Cancellation
 from weclaw_mq.state.expiry import record_ttl_s
+from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
-from weclaw_mq.state.protocol import Claim, Finish, TaskState, TaskStatus
+from weclaw_mq.state.protocol import Cancellation, Claim, Finish, TaskState, TaskStatus
 from weclaw_mq.state.redis_cancel import RedisCancels
 from weclaw_mq.state.redis_clients import StateClient, is_cluster
 from weclaw_mq.state.redis_clients import (

@@ -21,8 +21,6 @@ from weclaw_mq.contract.naming import (
 from weclaw_mq.errors import StateUnavailableError
 from weclaw_mq.state.cancel_records import (
     CANCEL_ATTEMPTS,
-    Cancellation,
-    CancelOutcome,
     answer,
     cancelled_record,
     covers,
@@ -33,7 +31,7 @@ from weclaw_mq.state.cancel_records import (
     scope_of,
 )
 from weclaw_mq.state.pipelining import AutoPipeline
-from weclaw_mq.state.protocol import TaskState
+from weclaw_mq.state.protocol import Cancellation, CancelOutcome, TaskState
 from weclaw_mq.state.redis_clients import StateClient
 
 # The records a cancel decides on, in one round trip. KEYS: latest[, record]. Returns

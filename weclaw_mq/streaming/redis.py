@@ -19,7 +19,7 @@ from typing import Any
 
 from weclaw_mq.contract.naming import inbox_key, inbox_trace_key, stream_key
 from weclaw_mq.settings import Settings
-from weclaw_mq.state import state_unavailable
+from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import AutoPipeline, Script
 from weclaw_mq.state.redis import REDIS_FAILURES, open_client
 from weclaw_mq.state.redis_clients import StateClient

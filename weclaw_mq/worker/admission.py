@@ -12,8 +12,8 @@ from weclaw_mq.contract.lifetime import left_ms, now_ms
 from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import InvalidPayload, StateCommandError, TaskExpired
 from weclaw_mq.handlers.spec import HandlerSpec
-from weclaw_mq.policy.delays import delay_queue_set, next_hop_ms, not_before_ms
-from weclaw_mq.policy.retry import DeadLetterReason
+from weclaw_mq.policy.delays import next_hop_ms, not_before_ms
+from weclaw_mq.policy.retry import DeadLetterReason, delay_queue_set
 from weclaw_mq.state import Claim, TaskStatus, TaskStore, new_owner
 from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.ends import AckCancelled, AckDuplicate, DeadLetter, Defer, End

@@ -32,9 +32,8 @@ from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import ResultNotStored, TaskExpired, UnserialisableResult
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Outcome
-from weclaw_mq.policy.delays import delay_queue_set
 from weclaw_mq.policy.failures import describe, error_type, safe_text
-from weclaw_mq.policy.retry import DeadLetterReason, GiveUp, RetryLater, decide
+from weclaw_mq.policy.retry import DeadLetterReason, GiveUp, RetryLater, decide, delay_queue_set
 from weclaw_mq.state import Finish, TaskStatus
 from weclaw_mq.worker import announce as notify
 from weclaw_mq.worker.records import (

@@ -35,7 +35,8 @@ from weclaw_mq.errors import InvalidPayload
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.policy.limits import Limit, LimitKind, deferral_ms
 from weclaw_mq.settings import Settings
-from weclaw_mq.state import is_state_failure, new_owner, state_unavailable
+from weclaw_mq.state.outages import is_state_failure, state_unavailable
+from weclaw_mq.state.protocol import new_owner
 
 if TYPE_CHECKING:  # redis-py is loaded only when a handler has a limit (a lighter worker)
     from weclaw_mq.state.redis_clients import StateClient
