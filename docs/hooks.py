@@ -23,8 +23,10 @@ from __future__ import annotations
 import ast
 import inspect
 import io
+import itertools
 import sys
 import tokenize
+import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,6 +65,8 @@ ERROR_TREE_MARKER = "<!-- generated: error-tree -->"
 REASONS_MARKER = "<!-- generated: dlq-reasons -->"
 TOPOLOGY_PAGE = "design/topology.md"
 TOPOLOGY_MARKER = "<!-- generated: topology-diagram -->"
+LAYOUT_PAGE = "design/architecture.md"
+LAYERS_MARKER = "<!-- generated: layers -->"
 
 # Option names whose default is never printed, whatever it holds.
 _SECRET_WORDS = ("password", "secret", "token", "credential")
@@ -88,6 +92,7 @@ def on_page_markdown(markdown: str, page: Any, config: MkDocsConfig, files: File
     parts = {
         ERRORS_PAGE: ((ERROR_TREE_MARKER, error_tree()), (REASONS_MARKER, reasons_table())),
         TOPOLOGY_PAGE: ((TOPOLOGY_MARKER, topology_diagram()),),
+        LAYOUT_PAGE: ((LAYERS_MARKER, layers_section()),),
     }.get(page.file.src_uri, ())
     for marker, content in parts:
         if marker not in markdown:
@@ -542,6 +547,57 @@ def constant_comments(source: Path, class_name: str | None) -> dict[str, str]:
             if words:
                 found[item.targets[0].id] = words
     return found
+
+
+# -- the package's layers ------------------------------------------------------------------
+
+
+def contract_layers() -> list[list[str]]:
+    """The layers of pyproject.toml's import contract, top first; each a list of siblings."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (contract,) = config["tool"]["importlinter"]["contracts"]
+    return [[name.strip() for name in layer.split("|")] for layer in contract["layers"]]
+
+
+def summary(path: Path) -> str:
+    """The first sentence of a module's docstring, on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    paragraph = " ".join(doc.split("\n\n", 1)[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[: end + 1]
+
+
+def layers_section() -> str:
+    """The layers as a diagram (top imports bottom), then every room's modules in one line each."""
+    package = ROOT / "weclaw_mq"
+    layers = contract_layers()
+    lines = ["```mermaid", "flowchart TB"]
+    for layer in layers:  # siblings side by side: each imports only the layers below
+        for name in layer:
+            label = f"{name}/" if (package / name).is_dir() else f"{name}.py"
+            lines.append(f'  {name}["{label}"]')
+    for upper, lower in itertools.pairwise(layers):
+        lines += [f"  {a} --> {b}" for a in upper for b in lower]
+    lines += ["```", "", "| room, top layer first | what it holds |", "|---|---|"]
+    for layer in layers:
+        for name in layer:
+            path = (
+                package / name / "__init__.py"
+                if (package / name).is_dir()
+                else package / f"{name}.py"
+            )
+            room = f"`{name}/`" if path.name == "__init__.py" else f"`{name}.py`"
+            lines.append(f"| {room} | {_cell(summary(path))} |")
+    for layer in layers:
+        for name in layer:
+            folder = package / name
+            if not folder.is_dir():
+                continue
+            lines += ["", f"**`{name}/`**", ""]
+            for module in sorted(folder.glob("*.py")):
+                if module.name != "__init__.py":
+                    lines.append(f"- `{module.name}`: {summary(module)}")
+    return "\n".join(lines) + "\n"
 
 
 # -- shared --------------------------------------------------------------------------------

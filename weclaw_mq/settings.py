@@ -63,7 +63,7 @@ class Settings(EnvSettings):
             echoed back (it may be a URL with a password in it).
     """
 
-    # Read from WECLAW_MQ_<FIELD> (any case), then .env (env_settings.py: unknown keys are
+    # Read from WECLAW_MQ_<FIELD> (any case), then .env (config/environment.py: unknown keys are
     # ignored, a rejected value is never echoed back: it may be a URL with a password in it).
     env_prefix: ClassVar[str] = "WECLAW_MQ_"
     env_file: ClassVar[str | None] = ".env"

@@ -1,6 +1,6 @@
 """Cancelling a task (``App.cancel``, ``weclaw-mq cancel``) on the real broker and Redis: a
 queued, a retrying, a running and a finished task, and one not published yet. None runs to
-completion after its cancel returned; statuses and outcomes are right (``state.cancel``)."""
+completion after its cancel returned; statuses and outcomes are right (``state.cancel_records``)."""
 
 from __future__ import annotations
 

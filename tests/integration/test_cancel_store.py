@@ -1,5 +1,6 @@
-"""The cancel rules of ``state.cancel`` in both task stores (real Redis, and in memory): what a
-cancel may overwrite, what may overwrite it, whom the marker stops, and who hears of it."""
+"""The cancel rules of ``state.cancel_records`` in both task stores (real Redis, and in
+memory): what a cancel may overwrite, what may overwrite it, whom the marker stops, and who
+hears of it."""
 
 from __future__ import annotations
 

@@ -509,3 +509,35 @@ def test_the_variables_read_are_found_in_the_code() -> None:
         "A",
         "B",
     }
+
+
+# A path into the package: ``weclaw_mq/worker/ends.py``, ``weclaw_mq/state/``.
+PACKAGE_PATH = re.compile(r"\bweclaw_mq/[\w/]*\w(?:\.py)?")
+
+
+def stale_paths(files: list[Path]) -> Iterator[Finding]:
+    """Every package path a file names that does not exist."""
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for match in PACKAGE_PATH.finditer(text):
+            named = ROOT / match.group(0)
+            if not (named.exists() or named.with_suffix(".py").exists()):
+                yield Finding(
+                    str(path), line_of(text, match.start()), match.group(0), "no such path"
+                )
+
+
+def test_every_package_path_the_docs_and_code_name_exists() -> None:
+    # The docs, and the comments and docstrings of the code and tests: a moved module leaves
+    # no reader looking for its old file.
+    files = [*doc_files(), ROOT / "SECURITY.md", ROOT / "CONTRIBUTING.md"]
+    files += [p for d in ("weclaw_mq", "tests", "benchmarks") for p in (ROOT / d).rglob("*.py")]
+    found = [str(f) for f in stale_paths([f for f in files if f.is_file()])]
+    assert found == []
+
+
+def test_a_path_that_moved_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    gone = "weclaw_mq/" + "worker/notify.py"  # split: this file is checked too
+    page.write_text(f"See `weclaw_mq/worker/ends.py` and\n`{gone}`.\n")
+    assert [(f.line, f.what) for f in stale_paths([page])] == [(2, gone)]

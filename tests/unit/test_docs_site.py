@@ -8,6 +8,7 @@ site's own mermaid.js, with the CDN blocked."""
 from __future__ import annotations
 
 import html
+import itertools
 import os
 import re
 import subprocess
@@ -26,6 +27,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 import weclaw_mq
 from tests.conftest import load_module
 from tests.integration.browser import chromium  # noqa: F401  (the fixture)
+from tests.unit import test_layers
 from weclaw_mq import Settings, TaskStatus, errors
 from weclaw_mq.cli.tree import built_command, walk_commands
 from weclaw_mq.contract import headers, naming
@@ -182,6 +184,18 @@ def test_the_wire_page_shows_every_header_and_the_names_the_code_derives(site: P
         naming.inbox_key("S"),
     ):
         assert name in text, f"reference/wire.md does not show {name}"
+
+
+def test_the_layout_page_draws_the_layers_of_the_import_contract(site: Path) -> None:
+    raw = html.unescape((site / "design/architecture.html").read_text(encoding="utf-8"))
+    (diagram,) = re.findall(r'<pre class="mermaid"><code>(.*?)</code></pre>', raw, re.S)
+    for layer, lower in itertools.pairwise(test_layers.contract_layers()):
+        for name in layer:  # every room, and an arrow to each room of the layer below
+            for below in lower:
+                assert f"{name} --> {below}" in diagram
+    for module in sorted(Path(weclaw_mq.__file__).parent.glob("*/*.py")):
+        if module.name != "__init__.py":  # every module of every room, with its first line
+            assert f"<code>{module.name}</code>: " in raw, f"{module} is not on the page"
 
 
 def test_the_topology_page_draws_the_names_the_code_derives(site: Path) -> None:
@@ -388,6 +402,7 @@ def rendered_diagram_text(chromium: webdriver.Chrome, page: Path) -> str:  # noq
     [
         ("design/topology.html", ("ai-replies.dlq", "weclaw_mq.delay.5s", "weclaw_mq.return")),
         ("how-to/streaming.html", ("Browser", "RabbitMQ", "Worker", "Redis", "final event")),
+        ("design/architecture.html", ("testing/", "worker/", "policy/", "errors.py")),
     ],
 )
 def test_the_topology_and_reply_path_diagrams_render_offline(

@@ -124,7 +124,7 @@ def test_the_module_path_is_kept_beside_it_for_people() -> None:
         # Written before stable names: module.QualifiedName.
         ("builtins.RuntimeError", "RuntimeError"),
         ("weclaw_mq.process.HandlerTimeout", "weclaw_mq.HandlerTimeout"),
-        ("weclaw_mq.handlers.spec.UndecodableBody", "weclaw_mq.UndecodableBody"),
+        ("weclaw_mq.handler.UndecodableBody", "weclaw_mq.UndecodableBody"),
         ("weclaw_mq.signals.Reject", "weclaw_mq.Reject"),
         ("myapp.llm.Client.RateLimited", "RateLimited"),
         # Stable names read as themselves.

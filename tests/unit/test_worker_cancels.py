@@ -1,4 +1,4 @@
-"""A worker's view of cancel requests (``worker.cancel``), in one process on the in-memory
+"""A worker's view of cancel requests (``worker.cancel_watch``), in one process on the in-memory
 store: which deliveries a request reaches, and a request sent while nobody listened."""
 
 from __future__ import annotations

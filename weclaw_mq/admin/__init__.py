@@ -1,1 +1,1 @@
-"""The admin room: dead-letter triage, queue stats, health checks."""
+"""Operating a running app: DLQ triage, queue stats, dependency checks, permissions, AsyncAPI."""

@@ -1,7 +1,7 @@
 """The circuit breaker of a handler queue: its options (``Breaker``), the error that trips it
 (``UpstreamDown``), and its pure state machine (``Circuit``), driven by an injected clock.
 
-The worker (``worker.circuit``) feeds it handler outcomes and does what its states mean:
+The worker (``worker.pausing``) feeds it handler outcomes and does what its states mean:
 CLOSED consumes as usual; OPEN cancels the queue's consumer(s) for ``cooldown_s``; HALF_OPEN
 takes one probe task; the probe's outcome closes or reopens it.
 

@@ -9,7 +9,7 @@ A cancel meets the task in one of three places:
   it. The marker lives as long as a record (``WECLAW_MQ_RESULT_TTL_S``): a task first
   delivered later than that runs after all.
 - running: the request goes out on the one channel ``weclaw_mq:cancels``; the worker running
-  the task cancels its handler (``worker.cancel``), acks the message and never retries it.
+  the task cancels its handler (``worker.cancel_watch``), acks the message and never retries it.
 - finished (succeeded, dead_lettered, expired or cancelled, as ``status()`` reads it):
   nothing changes, and the answer says so (``CancelOutcome.FINISHED``).
 

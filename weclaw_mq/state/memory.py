@@ -10,7 +10,7 @@ inside ``holding`` (its worker is this process, alive as long as the store: no h
 lapse); the first finish wins, a later one writes nothing; a done marker lasts
 ``done_ttl_s`` and records ``ttl_s``; every record write follows ``state.transitions``
 (narrowed by ``only_if_new`` / ``only_over``); a cancel marker lasts ``ttl_s``
-(``state.cancel``); every written record becomes the task's latest; ``wait`` is woken by an
+(``state.cancel_records``); every written record becomes the task's latest; ``wait`` is woken by an
 event when a final record is written.
 """
 
@@ -340,7 +340,7 @@ class MemoryTaskStore:
                 # A final record of another queue also wakes us: one re-read.
                 await asyncio.wait_for(final.wait(), left)
 
-    # -- cancellation (state.cancel) ------------------------------------------------------
+    # -- cancellation (state.cancel_records) ------------------------------------------------------
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
         """Cancel the task unless its record is final: ``TaskStore.cancel``.
 

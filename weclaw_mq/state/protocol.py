@@ -4,7 +4,7 @@ A task has one record per queue it went through, overwritten as it moves (stored
 queued -> running -> (retrying ->)* succeeded | dead_lettered | expired | cancelled. Every write
 is a compare and set over one table of which status may follow which
 (``state.transitions``): a final record is never turned back by a late or duplicate writer,
-but for a task leaving the DLQ (``state.cancel`` says how a cancel meets a running task).
+but for a task leaving the DLQ (``state.cancel_records`` says how a cancel meets a running task).
 Two pipeline stages that share a task id (``ctx.publish(..., task_id=ctx.task_id)``)
 therefore keep two records, and neither can hide the other. Reading without a queue answers
 the task's most recently written record (its "latest" pointer).
@@ -292,7 +292,7 @@ class TaskStore(Protocol):
                 the marker covers every queue.
 
         Returns:
-            What happened (``state.cancel``).
+            What happened (``state.cancel_records``).
         """
         ...
 

@@ -127,7 +127,7 @@ return 'acquired'
 
 KEYS: guard key, cancel marker[, record key, latest key]. ARGV: "running:<owner>@<worker>",
 lease_ms, "done", queue[, status, state JSON, record ttl_ms][, stale holder]. Returns
-'cancelled' (the marker covers this queue: ``state.cancel``), 'acquired', 'done' (finished
+'cancelled' (the marker covers this queue: ``state.cancel_records``), 'acquired', 'done' (finished
 before) or the value of the claim's holder (busy). With a stale holder (a value whose worker's
 heartbeat lapsed) a claim still held by exactly that value is taken over.
 """
@@ -771,7 +771,7 @@ class RedisTaskStore:
         finally:
             wakeups.unwatch(watch)
 
-    # -- cancellation (state.cancel, state.redis_cancel) ----------------------------------
+    # -- cancellation (state.cancel_records, state.redis_cancel) ----------------------------------
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
         """Cancel the task unless its record is final: ``TaskStore.cancel``.
 

@@ -1,4 +1,4 @@
-"""Cancellation on Redis (the rules are in ``state.cancel``): the cancel script, the marker
+"""Cancellation on Redis (the rules are in ``state.cancel_records``): the cancel script, the marker
 read, and the one subscription per worker to cancel requests.
 
 Redis errors escape as redis-py raises them: ``RedisTaskStore`` wraps them at its boundary.
@@ -36,7 +36,7 @@ from weclaw_mq.state.redis_clients import StateClient
 
 # The records a cancel decides on, in one round trip. KEYS: latest[, record]. Returns
 # {record key, state JSON, latest pointer, latest state JSON}, '' for what does not exist
-# (the latest ones only when the record named is absent: state.cancel.other_record). The key
+# (the latest ones only when the record named is absent: state.cancel_records.other_record). The key
 # the pointer names is not in KEYS: on one Redis that is fine, and under a cluster the hash
 # tag keeps it on this node.
 _READ = """

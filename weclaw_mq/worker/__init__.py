@@ -1,4 +1,4 @@
-"""The worker room: consume, process one delivery, settle, deadlines."""
+"""The worker: consume, admit, run the handler, end and settle every delivery, stop without loss."""
 
 from weclaw_mq.worker.consume import Worker
 

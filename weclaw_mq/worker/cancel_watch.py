@@ -1,5 +1,5 @@
 """Cancel requests on one worker: the deliveries it is processing, by (queue, task id), and
-what a request does to each (``state.cancel`` tells the whole story of a cancel).
+what a request does to each (``state.cancel_records`` tells the whole story of a cancel).
 
 A delivery is watched from before its claim to its end, so a request is never missed in
 between: one that arrives before the handler starts keeps it from starting; one that arrives

@@ -132,7 +132,8 @@ class Worker:
         self._deadlines = Deadlines()
         # One per run, across reconnects: the slots it holds outlive a broker session.
         self._limiter: Limiter | None = None
-        self.cancels = Cancels()  # cancel requests for the deliveries in flight (worker.cancel)
+        # Cancel requests for the deliveries in flight (worker.cancel_watch).
+        self.cancels = Cancels()
         # Per worker, not per session: a reconnect keeps each breaker's state.
         self._circuits = {
             s.queue: QueueCircuit(s.queue, s.breaker, app.metrics)

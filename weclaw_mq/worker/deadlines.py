@@ -69,7 +69,7 @@ class Deadline:
         return self
 
     def end_now(self) -> None:
-        """Expire now (a cancel request, ``worker.cancel``): the body is cancelled at once,
+        """Expire now (a cancel request, ``worker.cancel_watch``): the body is cancelled at once,
         not at the next tick, and ``on_stuck`` follows ``grace_s`` later if it ignores that.
         No effect once the body ended or the deadline expired."""
         task = self._task

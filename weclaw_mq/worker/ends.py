@@ -274,7 +274,7 @@ async def _announced(
     failed: str | None,
 ) -> bool:
     """True when the notification is out (or none is due); else the task is parked, to try
-    again when it comes back (``worker.notify``), and False."""
+    again when it comes back (``worker.announce``), and False."""
     if failed is None:
         return True
     await _defer(message, delivery, spec, rt, failed)

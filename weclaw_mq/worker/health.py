@@ -1,4 +1,4 @@
-"""What a worker reports on ``/healthz`` (``metrics_http``): is it doing its job right now?
+"""What a worker reports on ``/healthz`` (``observability.metrics_server``): is it working now?
 
 Healthy means both: its broker connections (consuming, publishing) are open, and every
 handler queue it serves is being consumed. A queue whose circuit breaker is open is

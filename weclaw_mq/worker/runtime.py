@@ -52,9 +52,9 @@ class Runtime:
     ]
     # Counts the handlers' limits in Redis; None when no handler has one.
     limiter: Limiter | None = None
-    # The deliveries being processed, for cancel requests (worker.cancel).
+    # The deliveries being processed, for cancel requests (worker.cancel_watch).
     cancels: Cancels = field(default_factory=Cancels)
-    # The circuit breaker of each handler queue that has one (``worker.circuit``).
+    # The circuit breaker of each handler queue that has one (``worker.pausing``).
     circuits: Mapping[str, QueueCircuit] = field(default_factory=dict)
     # OpenTelemetry spans (``weclaw_mq.observability.otel``); None when off: one check per delivery.
     spans: Spans | None = None
