@@ -68,10 +68,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 # that the first caller of a batch waits for at most this many answers.
 DEFAULT_MAX_BATCH = 64
 # One round trip in flight per store: what is issued meanwhile waits for it and then leaves
-# as one pipeline. Measured in the benchmark (consume c=100, guard + results): commands per
-# round trip 6 with no bound, 17 with 2 in flight, 33 with 1; CPU per message about 300, 252
-# and 211 us (one run each, a loaded machine). A lone command finds nothing in flight and
-# leaves at once.
+# as one pipeline, so fewer round trips carry more commands and cost less CPU per message
+# (benchmarks/README.md, "Numbers behind the code"). A lone command finds nothing in flight
+# and leaves at once.
 DEFAULT_MAX_IN_FLIGHT = 1
 # While closing, how long a cancelled round trip may take to end before it is cancelled again.
 _CLOSE_RECANCEL_S = 0.05

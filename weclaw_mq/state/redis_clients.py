@@ -46,11 +46,12 @@ def open_client(settings: Settings) -> StateClient:
     named = {**common, "client_name": client_name()}
     topology = settings.redis_topology()
     if topology is None:
-        # Not redis-py's BlockingConnectionPool: its condition and timeout cost 12-25 us per
-        # command (measured). A worker takes a bounded number of its connections at any
-        # concurrency (worker.consume, REDIS_CONNECTIONS_NEEDED). A pool
-        # passed in: its connections retry nothing, so the store's auto-pipeline sends its
-        # hot commands on them itself (state.pipelining's lean path; so for Sentinel's).
+        # Not redis-py's BlockingConnectionPool: its condition and timeout cost CPU on every
+        # command (benchmarks/README.md, "Numbers behind the code"). A worker takes a bounded
+        # number of its connections at any concurrency (worker.consume,
+        # REDIS_CONNECTIONS_NEEDED). A pool passed in: its connections retry nothing, so the
+        # store's auto-pipeline sends its hot commands on them itself (state.pipelining's lean
+        # path; so for Sentinel's).
         options: dict[str, Any] = {**named, **parse_url(settings.redis_url_plain())}
         if options.get("connection_class") is SSLConnection:  # rediss://
             options["connection_class"] = _TlsConnection

@@ -69,8 +69,8 @@ class Cancels:
         # The set's own discard, not a method around it: one call less per delivery.
         self.unwatch: Callable[[Watch], None] = self._watched.discard
 
-    # A pair of calls rather than a context manager: this runs for every delivery, and a
-    # generator-based one costs microseconds there (measured with benchmarks.own_cost).
+    # A pair of calls rather than a context manager: this runs for every delivery, where a
+    # generator-based one costs more than the watch itself (make bench-own-cost).
     def watch(self, queue: str, task_id: str) -> Watch:
         """Watch a delivery of ``task_id`` from ``queue``; ``unwatch(watch)`` it when it
         ends."""

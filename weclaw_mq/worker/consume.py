@@ -215,8 +215,9 @@ class Worker:
         self._check_redis_pool()
         # Without it, one message whose properties pamqp cannot decode closes the whole
         # connection and returns every message in flight with it, again and again until the
-        # delivery limit dead-letters them all (measured: 42 s, three innocent tasks lost to
-        # the DLQ); read tolerantly, it arrives as a marker that ``process`` rejects at once.
+        # delivery limit dead-letters them all (innocent tasks lost to the DLQ:
+        # tests/integration/test_undecodable_properties.py); read tolerantly, it arrives as a
+        # marker that ``process`` rejects at once.
         store = self.app.store
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None

@@ -92,9 +92,9 @@ return 0
 FIRST_HOLD_ESTIMATE_MS = 1000.0
 # The weight of the newest hold time in the running estimate.
 HOLD_EWMA_WEIGHT = 0.2
-# Releases wait up to this long to go out together, or with the next batch of admissions:
-# in a pipeline a command costs a fraction of one sent alone (redis-py spends ~80 us of CPU
-# per command; measured: ~35 us each in a pipeline of 5). A slot is held this much longer.
+# Releases wait up to this long to go out together, or with the next batch of admissions: in
+# a pipeline a command costs a fraction of one sent alone (benchmarks/README.md, "Numbers
+# behind the code"). A slot is held this much longer.
 RELEASE_BATCH_S = 0.005
 # How long close() waits for the last releases (past it, they lapse with their leases).
 CLOSE_FLUSH_S = 1.0
