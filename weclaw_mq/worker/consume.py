@@ -364,54 +364,14 @@ class Worker:
                 await bulk_channel.set_qos(prefetch_count=self.concurrency + 1)
         schedulers: list[LaneScheduler] = []
         self._schedulers = schedulers
-        publisher = Publisher(
-            self.app.broker, self.app.metrics, name=self._name, connection=publishing
-        )
-        runtime = Runtime(
-            app=self.app,
-            settings=self.settings,
-            settler=Settler(
-                publisher,
-                self._deadlines,
-                self.app.metrics,
-                before_settle=functools.partial(_release, schedulers) if laned else None,
-                retry_level=logging.getLevelName(self.settings.retry_log_level),
-                tracebacks=self.settings.failure_tracebacks,
-            ),
-            deadlines=self._deadlines,
-            metrics=self.app.metrics,
-            store=self.app.store,
-            results=self.app.results,
-            take_over=self._take_over,
-            limiter=self._limiter,
-            cancels=self.cancels,
-            circuits=self._circuits,
-            spans=self._spans,
-        )
-        # The broker cancels a consumer on its own (basic.cancel) when its queue is deleted,
-        # on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout; the channel
-        # stays open and nothing else would tell us that no more deliveries come.
-        cancelled: asyncio.Queue[str] = asyncio.Queue()
-        for ch in {channel, lane_channel, bulk_channel or channel}:
-            underlay = await ch.get_underlay_channel()
-            underlay.on_consumer_cancel_callbacks.add(
-                lambda frame: cancelled.put_nowait(frame.consumer_tag or "")
-            )
+        runtime = self._runtime(publishing, schedulers if laned else None)
+        cancelled = await _broker_cancels({channel, lane_channel, bulk_channel or channel})
         consumers: dict[str, tuple[HandlerSpec, AbstractQueue]] = {}
         watches: list[Coroutine[Any, Any, None]] = []
         # The breaker-paused consumers of single handlers, by queue (their pause state).
         pausable: dict[str, _SingleConsumer] = {}
         for spec in single:
-            queue = await channel.get_queue(spec.queue, ensure=False)
-            tag = await consume(queue, self._dispatcher(spec, runtime))
-            consumers[tag] = (spec, queue)
-            if spec.queue in self._circuits:
-                on_message = self._dispatcher(spec, runtime)
-                single_consumer = _SingleConsumer(
-                    spec, queue, on_message, consumers, self._stop, self._recovering
-                )
-                pausable[spec.queue] = single_consumer
-                watches.append(self._watch(spec, runtime, single_consumer))
+            await self._subscribe(channel, spec, runtime, consumers, pausable, watches)
         for spec in laned:
             scheduler = self._lane_scheduler(
                 conn, lane_channel, spec, runtime, version, bulk_channel
@@ -449,23 +409,11 @@ class Worker:
                 finally:
                     next_cancel.cancel()
                 if next_cancel.done() and not next_cancel.cancelled():
-                    tag = next_cancel.result()
                     if stop.done() or lost.done():
                         continue
-                    if tag in consumers:
-                        spec, _ = consumers.pop(tag)
-                        self._recovering.add(spec.queue)
-                        queue, new_tag = await self._consume_again(conn, channel, spec, runtime)
-                        paused = pausable.get(spec.queue)
-                        if paused is not None and paused.paused:
-                            # Its breaker opened while we subscribed again: the new consumer
-                            # would deliver beside the pause (resume() subscribes anew).
-                            await queue.cancel(new_tag)
-                        else:
-                            consumers[new_tag] = (spec, queue)
-                        self._recovering.discard(spec.queue)
-                    for scheduler in schedulers:
-                        await scheduler.broker_cancelled(tag)
+                    await self._broker_cancelled(
+                        next_cancel.result(), conn, channel, runtime, consumers, pausable
+                    )
         finally:
             stop.cancel()
             lost.cancel()
@@ -478,6 +426,85 @@ class Worker:
                 await asyncio.wait_for(queue.cancel(tag), CLOSE_TIMEOUT_S)
         for scheduler in schedulers:
             await scheduler.stop()
+
+    async def _subscribe(
+        self,
+        channel: AbstractChannel,
+        spec: HandlerSpec,
+        runtime: Runtime,
+        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
+        pausable: dict[str, _SingleConsumer],
+        watches: list[Coroutine[Any, Any, None]],
+    ) -> None:
+        """Consume a single (unlaned) handler's queue; with a breaker, watch it too."""
+        queue = await channel.get_queue(spec.queue, ensure=False)
+        tag = await consume(queue, self._dispatcher(spec, runtime))
+        consumers[tag] = (spec, queue)
+        if spec.queue in self._circuits:
+            on_message = self._dispatcher(spec, runtime)
+            single_consumer = _SingleConsumer(
+                spec, queue, on_message, consumers, self._stop, self._recovering
+            )
+            pausable[spec.queue] = single_consumer
+            watches.append(self._watch(spec, runtime, single_consumer))
+
+    async def _broker_cancelled(
+        self,
+        tag: str,
+        conn: AbstractConnection,
+        channel: AbstractChannel,
+        runtime: Runtime,
+        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
+        pausable: dict[str, _SingleConsumer],
+    ) -> None:
+        """The broker cancelled consumer ``tag``: subscribe its queue again (a single
+        handler's) or let its lane scheduler do so."""
+        if tag in consumers:
+            spec, _ = consumers.pop(tag)
+            self._recovering.add(spec.queue)
+            queue, new_tag = await self._consume_again(conn, channel, spec, runtime)
+            paused = pausable.get(spec.queue)
+            if paused is not None and paused.paused:
+                # Its breaker opened while we subscribed again: the new consumer would
+                # deliver beside the pause (resume() subscribes anew).
+                await queue.cancel(new_tag)
+            else:
+                consumers[new_tag] = (spec, queue)
+            self._recovering.discard(spec.queue)
+        for scheduler in self._schedulers:
+            await scheduler.broker_cancelled(tag)
+
+    def _runtime(
+        self, publishing: AbstractConnection, schedulers: list[LaneScheduler] | None
+    ) -> Runtime:
+        """What every delivery of this session needs; ``schedulers``: the lanes to release a
+        settled delivery's slot in, None without laned handlers."""
+        publisher = Publisher(
+            self.app.broker, self.app.metrics, name=self._name, connection=publishing
+        )
+        return Runtime(
+            app=self.app,
+            settings=self.settings,
+            settler=Settler(
+                publisher,
+                self._deadlines,
+                self.app.metrics,
+                before_settle=None
+                if schedulers is None
+                else functools.partial(_release, schedulers),
+                retry_level=logging.getLevelName(self.settings.retry_log_level),
+                tracebacks=self.settings.failure_tracebacks,
+            ),
+            deadlines=self._deadlines,
+            metrics=self.app.metrics,
+            store=self.app.store,
+            results=self.app.results,
+            take_over=self._take_over,
+            limiter=self._limiter,
+            cancels=self.cancels,
+            circuits=self._circuits,
+            spans=self._spans,
+        )
 
     def _lane_scheduler(
         self,
@@ -679,6 +706,19 @@ class _SingleConsumer:
 
     async def fetch(self) -> AbstractIncomingMessage | None:
         return await self.queue.get(no_ack=False, fail=False)
+
+
+async def _broker_cancels(channels: set[AbstractChannel]) -> asyncio.Queue[str]:
+    """The consumer tags the broker cancels on its own (basic.cancel) on ``channels``: when a
+    queue is deleted, on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout;
+    the channel stays open and nothing else would tell us that no more deliveries come."""
+    cancelled: asyncio.Queue[str] = asyncio.Queue()
+    for ch in channels:
+        underlay = await ch.get_underlay_channel()
+        underlay.on_consumer_cancel_callbacks.add(
+            lambda frame: cancelled.put_nowait(frame.consumer_tag or "")
+        )
+    return cancelled
 
 
 async def _release(schedulers: list[LaneScheduler], message: AbstractIncomingMessage) -> None:
