@@ -28,7 +28,7 @@ from tests.integration.processes import (
 )
 from weclaw_mq import App, TaskState, TaskStatus
 from weclaw_mq.cli import cli, main
-from weclaw_mq.cli.failures import ExitCode
+from weclaw_mq.cli.exit_codes import ExitCode
 from weclaw_mq.contract.naming import latest_key, state_key
 
 SECRET = "s3cret-pass"

@@ -38,7 +38,7 @@ from tests.integration.processes import (
 )
 from weclaw_mq import App
 from weclaw_mq.cli import cli
-from weclaw_mq.cli.failures import ExitCode, one_line
+from weclaw_mq.cli.exit_codes import ExitCode, one_line
 
 SECRET = "s3cret-pass"
 # An app whose module builds its App (and so reads the settings) when imported.

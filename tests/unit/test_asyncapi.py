@@ -28,7 +28,7 @@ from weclaw_mq import App, Settings, TaskNotification, TaskStatus
 from weclaw_mq import TaskState as Record
 from weclaw_mq.admin import asyncapi_headers
 from weclaw_mq.admin.asyncapi import build_document
-from weclaw_mq.cli.failures import ExitCode
+from weclaw_mq.cli.exit_codes import ExitCode
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import HandlerTimeout

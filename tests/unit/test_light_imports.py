@@ -62,7 +62,7 @@ def test_a_worker_without_guard_and_results_never_imports_redis_nor_the_cli() ->
 CLI_PROBE = """
 import json, sys
 import weclaw_mq.cli
-from weclaw_mq.cli.failures import ExitCode, classify
+from weclaw_mq.cli.exit_codes import ExitCode, classify
 # a Redis error is classified without loading redis-py (none can exist before it is loaded)
 assert classify(RuntimeError("x"))[0] is ExitCode.FAILED
 names = {m.split(".")[0] for m in sys.modules} | {m for m in sys.modules if "weclaw_mq." in m}

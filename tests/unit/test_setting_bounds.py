@@ -16,7 +16,7 @@ import pytest
 
 from tests.integration.processes import one_error_line, run_cli
 from weclaw_mq import App, ConfigurationError, Worker
-from weclaw_mq.cli.failures import ExitCode, classify
+from weclaw_mq.cli.exit_codes import ExitCode, classify
 from weclaw_mq.settings import Settings, duration_bounds
 
 DURATIONS = sorted(f for f in Settings.model_fields if f.endswith(("_s", "_ms")))

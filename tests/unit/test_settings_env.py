@@ -12,7 +12,7 @@ import pydantic
 import pytest
 
 from weclaw_mq import Settings
-from weclaw_mq.cli.failures import ExitCode, classify
+from weclaw_mq.cli.exit_codes import ExitCode, classify
 from weclaw_mq.config.environment import EnvSettings, read_dotenv
 
 

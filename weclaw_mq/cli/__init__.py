@@ -1,6 +1,6 @@
 """The ``weclaw-mq`` command. Thin: parse, call the library, print.
 
-Exit codes (``weclaw_mq.cli.failures.ExitCode``): 0 ok; 1 the answer is no or the operation
+Exit codes (``weclaw_mq.cli.exit_codes.ExitCode``): 0 ok; 1 the answer is no or the operation
 failed (unknown task, not in the DLQ, unhealthy, refused); 2 usage; 3 configuration; 4 broker
 unavailable; 5 state store (Redis) unavailable; 130 interrupted.
 """
@@ -17,7 +17,7 @@ try:  # recent typer carries its own copy of click, whose errors are not click's
 except ImportError:  # pragma: no cover - older typer on the real click
     from click.exceptions import UsageError  # type: ignore[assignment]
 
-from weclaw_mq.cli.failures import ExitCode, classify, report, where_of
+from weclaw_mq.cli.exit_codes import ExitCode, classify, report, where_of
 from weclaw_mq.cli.root import cli
 from weclaw_mq.cli.tree import built_command
 

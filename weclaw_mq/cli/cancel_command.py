@@ -4,7 +4,7 @@ Exit 0 when the cancel took (the task was waiting or running, or, with ``--pendi
 known yet and will be acked unrun when it arrives); exit 1 with one error line when the task
 had already finished, or has no record where the cancel looked (without ``--pending``), and
 nothing was changed; 2 for a task id no task can have or an invalid queue name; 5 when Redis
-does not answer (``cli.failures``).
+does not answer (``cli.exit_codes``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from weclaw_mq.app import App
-from weclaw_mq.cli.failures import fail
+from weclaw_mq.cli.exit_codes import fail
 from weclaw_mq.contract.naming import validate_queue_name
 from weclaw_mq.contract.task_ids import check_task_id
 from weclaw_mq.errors import ConfigurationError

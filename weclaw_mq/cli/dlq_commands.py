@@ -16,7 +16,7 @@ import typer
 from weclaw_mq.admin import dlq, dlq_message, queue_stats
 from weclaw_mq.admin.dlq_filter import DlqFilter, parse_time
 from weclaw_mq.app import App
-from weclaw_mq.cli.failures import fail
+from weclaw_mq.cli.exit_codes import fail
 from weclaw_mq.cli.loading import load_app
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import dlq_name

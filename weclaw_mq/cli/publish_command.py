@@ -1,7 +1,7 @@
 """``weclaw-mq publish QUEUE --data JSON|@FILE|-``: thin over ``App.publish``.
 
 The payload is checked before anything is sent: it must be JSON, and with ``--app`` it must
-pass the queue's handler model (``App.prepare``; a refusal is exit 2, see ``cli.failures``).
+pass the queue's handler model (``App.prepare``; a refusal is exit 2, see ``cli.exit_codes``).
 A ``--task-id`` must follow the rule every front door shares (``weclaw_mq.contract.task_ids``).
 """
 

@@ -13,7 +13,7 @@ import typer
 from weclaw_mq.admin.migrate import MigrateSummary
 from weclaw_mq.admin.migrate import migrate as run_migrate
 from weclaw_mq.app import App
-from weclaw_mq.cli.failures import ExitCode, classify, fail, report, where_of
+from weclaw_mq.cli.exit_codes import ExitCode, classify, fail, report, where_of
 from weclaw_mq.cli.loading import load_app
 from weclaw_mq.cli.options import AppPath, LogFormatOption, LogLevel
 from weclaw_mq.cli.publish_command import publish

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, Protocol
 
-from weclaw_mq.cli.failures import ExitCode
+from weclaw_mq.cli.exit_codes import ExitCode
 from weclaw_mq.cli.run_worker import STOP_SIGNALS
 
 log = logging.getLogger("weclaw_mq.supervisor")

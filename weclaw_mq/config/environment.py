@@ -9,7 +9,7 @@ pydantic-settings' own, so configurations keep working unchanged:
   file, which wins over the field's default; ``_env_file=None`` reads no file;
 - a field of a complex type (a model, list, dict, set, tuple) takes its value as JSON;
 - a bad value is a ``pydantic.ValidationError`` titled with the class's name, whose ``loc``
-  is the field (``cli.failures`` turns it into the variable's name), the input never echoed.
+  is the field (``cli.exit_codes`` turns it into the variable's name), the input never echoed.
 """
 
 from __future__ import annotations
