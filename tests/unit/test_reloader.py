@@ -279,3 +279,17 @@ def test_a_child_that_ignores_sigterm_is_killed_past_the_bound(
     assert time.monotonic() - started < 20
     (pid,) = {int(line.split()[0]) for line in lines(record)}
     assert not running(pid)
+
+
+def test_reload_without_watchfiles_is_a_configuration_error_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "watchfiles", None)  # as if not installed
+    monkeypatch.setattr(cli_root, "configure_logging", lambda *args: None)
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "some_mod:app", "--reload"])
+    assert exited.value.code == ExitCode.CONFIG
+    assert capsys.readouterr().err == (
+        "weclaw-mq: error: --reload needs watchfiles, which is not installed: "
+        "pip install 'weclaw_mq[reload]'\n"
+    )

@@ -188,17 +188,14 @@ class _Watcher:
 
     def _run(self) -> None:
         try:
-            import watchfiles
-        except ImportError:
-            self.events.put(_WatchFailed(ConfigurationError(_NO_WATCHFILES)))
-            return
-        logging.getLogger("watchfiles").setLevel(logging.WARNING)  # "1 change detected"
-        default = watchfiles.DefaultFilter()
+            import watchfiles  # here: its import (and anyio's) is on no other command's path
 
-        def wanted(change: Any, path: str) -> bool:
-            return is_source(path, self.dirs) and default(change, path)
+            logging.getLogger("watchfiles").setLevel(logging.WARNING)  # "1 change detected"
+            default = watchfiles.DefaultFilter()
 
-        try:
+            def wanted(change: Any, path: str) -> bool:
+                return is_source(path, self.dirs) and default(change, path)
+
             for changes in watchfiles.watch(
                 *self.dirs,
                 watch_filter=wanted,
@@ -219,13 +216,12 @@ class _Watcher:
         self.thread.join(timeout=1.0)
 
 
-_NO_WATCHFILES = f"--reload needs watchfiles, which is not installed: {HOW_TO_GET_WATCHFILES}"
-
-
 def require_watchfiles() -> None:
     """The configuration error of a ``--reload`` without watchfiles, before anything starts."""
     if importlib.util.find_spec("watchfiles") is None:
-        raise ConfigurationError(_NO_WATCHFILES)
+        raise ConfigurationError(
+            f"--reload needs watchfiles, which is not installed: {HOW_TO_GET_WATCHFILES}"
+        )
 
 
 def stop_bound_s(grace_s: float) -> float:
@@ -286,10 +282,7 @@ class Reloader:
 
     def _handle(self, event: _Signalled | _WatchFailed) -> None:
         if isinstance(event, _WatchFailed):
-            error = event.error
-            if isinstance(error, ConfigurationError):
-                raise error
-            dirs = ", ".join(map(str, self.dirs))
+            error, dirs = event.error, ", ".join(map(str, self.dirs))
             raise ConfigurationError(
                 f"--reload cannot watch {dirs}: {type(error).__name__}: {error}"
             ) from error
