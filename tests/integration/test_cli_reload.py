@@ -21,11 +21,12 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
 
 from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
+from tests.drills.drill_app import Job
 from tests.integration.processes import (
     CONSUMING_MARK,
+    REPO_ROOT,
     WorkerProcess,
     queue_names,
     spawn_cli_worker,
@@ -34,37 +35,25 @@ from tests.private_servers import running
 from weclaw_mq import App, Settings, TaskStatus
 
 MODULE = "reload_app"
-# The handler module the reloader runs; VERSION_HERE is what an edit changes. Each run appends
-# "<task id> <version> <pid> <time>" to runs.log, outside the process: a task run twice (a
-# restart that lost or re-delivered it) shows as two lines.
+# The handler module the reloader runs; VERSION_HERE is what an edit changes. Each run is one
+# line in runs-<version>.log (the drills' record, written outside the process): a task run twice
+# (a restart that re-delivered it) shows as two lines.
 APP_SOURCE = """
 import asyncio
 import os
-import time
 from pathlib import Path
 
-from pydantic import BaseModel
-
+from tests.drills.drill_app import Job, record_effect
 from weclaw_mq import App, Context
 
 VERSION = "VERSION_HERE"
-RUNS = Path(os.environ["TEST_RECORD_DIR"]) / "runs.log"
 
 app = App("reload-test")
 
 
-class Job(BaseModel):
-    n: int
-
-
 @app.handler(os.environ["TEST_QUEUE"])
 async def work(task: Job, ctx: Context) -> dict[str, str]:
-    line = f"{ctx.task_id} {VERSION} {os.getpid()} {time.time()}\\n"
-    fd = os.open(RUNS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    record_effect(Path(os.environ["TEST_RECORD_DIR"]) / f"runs-{VERSION}.log", ctx.task_id)
     await asyncio.sleep(0.1)  # so that a restart finds tasks in flight
     return {"version": VERSION}
 """
@@ -78,10 +67,6 @@ PUBLISH_EVERY_S = 0.05
 # (its in-flight 0.1 s tasks, its connection closed, its interpreter ended: ~0.3 s measured),
 # the first delivery to the new one. 2 s holds that with room for a busy machine.
 RESTART_S = 2.0
-
-
-class Job(BaseModel):
-    n: int
 
 
 @dataclass(frozen=True)
@@ -118,6 +103,10 @@ class Reloading:
             app_env={
                 "TEST_QUEUE": self.queue,
                 "TEST_RECORD_DIR": str(self.records),
+                # The module imports the drills' helpers; weclaw_mq is the one under test.
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])
+                ),
                 # The first worker's rabbitmqctl (seconds on a busy machine) would hold its
                 # stop; the restarted ones skip it by themselves (reloader.RESTART_ENV).
                 "WECLAW_MQ_BROKER_LOAD_CHECK": "false",
@@ -131,13 +120,13 @@ class Reloading:
         return process
 
     def runs(self) -> list[Run]:
-        path = self.records / "runs.log"
-        if not path.exists():
-            return []
+        """Every run of the handler, the earliest first."""
         runs = []
-        for line in path.read_text().splitlines():
-            task_id, version, pid, at = line.split()
-            runs.append(Run(task_id, version, int(pid), float(at)))
+        for path in self.records.glob("runs-*.log"):
+            version = path.stem.removeprefix("runs-")
+            for line in path.read_text().splitlines():
+                task_id, pid, at = line.split()
+                runs.append(Run(task_id, version, int(pid), float(at)))
         return sorted(runs, key=lambda r: r.at)
 
 

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import pytest
 
-from tests.private_servers import running
+from tests.private_servers import running, wait_for
 from weclaw_mq.cli import main
 from weclaw_mq.cli import root as cli_root
 from weclaw_mq.cli.exit_codes import ExitCode
@@ -122,51 +122,18 @@ def test_the_child_gets_every_option_of_the_worker_but_the_reloaders(
     monkeypatch.setattr(cli_root, "Reloader", _Captured)
     monkeypatch.setattr(cli_root, "configure_logging", lambda *args: None)  # this process's
     _Captured.made.clear()
+    given = "-c 3 -q a -q b --metrics-port 9100 --loop uvloop --log-level debug --log-format json"
     with pytest.raises(SystemExit) as exited:
-        main(
-            [
-                "worker",
-                "some_mod:app",
-                "--reload",
-                "--reload-dir",
-                str(tmp_path),
-                "-c",
-                "3",
-                "-q",
-                "a",
-                "-q",
-                "b",
-                "--metrics-port",
-                "9100",
-                "--loop",
-                "uvloop",
-                "--log-level",
-                "debug",
-                "--log-format",
-                "json",
-            ]
-        )
+        main(["worker", "some_mod:app", "--reload", "--reload-dir", str(tmp_path), *given.split()])
     assert exited.value.code == 0
     ((command, dirs),) = _Captured.made
     assert dirs == [tmp_path.resolve()]
-    assert command[command.index("worker") :] == [
-        "worker",
-        "some_mod:app",
-        "--concurrency",
-        "3",
-        "--queue",
-        "a",
-        "--queue",
-        "b",
-        "--metrics-port",
-        "9100",
-        "--loop",
-        "uvloop",
-        "--log-level",
-        "DEBUG",
-        "--log-format",
-        "json",
-    ]
+    # Each option by its long name, as its callback left it (the level in capitals).
+    forwarded = (
+        "--concurrency 3 --queue a --queue b --metrics-port 9100 --loop uvloop "
+        "--log-level DEBUG --log-format json"
+    )
+    assert command[command.index("worker") :] == ["worker", "some_mod:app", *forwarded.split()]
 
 
 # -- the loop, on a stand-in child ----------------------------------------------------------
@@ -190,14 +157,6 @@ while True:
 
 def lines(record: Path) -> list[str]:
     return record.read_text().splitlines() if record.exists() else []
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -228,8 +228,8 @@ def worker(
             "--reload",
             metavar="",
             help="For development: run the worker in a child process and restart it, "
-            "gracefully, when a *.py file under the watched folders changes "
-            "(pip install 'weclaw_mq[reload]'). Not with --processes.",
+            "gracefully, when a *.py file under the watched folders changes (needs the "
+            "'reload' extra: watchfiles). Not with --processes.",
         ),
     ] = False,
     reload_dirs: Annotated[
