@@ -67,7 +67,10 @@ RESTART_ENV = {"WECLAW_MQ_BROKER_LOAD_CHECK": "false"}
 
 # The child's program: the parent-death signal first, then the CLI. (Not a ``preexec_fn``,
 # which is unsafe in a process with threads: the watcher has one.)
-_CHILD_CODE = "import sys; from weclaw_mq.cli.reloader import child_main; child_main(sys.argv[1:])"
+_CHILD_CODE = (
+    "import sys; from weclaw_mq.cli.reloader import become_child; become_child(sys.argv[1]); "
+    "from weclaw_mq.cli import main; main(sys.argv[2:])"
+)
 
 
 def child_command(worker_args: Sequence[str]) -> list[str]:
@@ -75,15 +78,11 @@ def child_command(worker_args: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", _CHILD_CODE, str(os.getpid()), "worker", *worker_args]
 
 
-def child_main(argv: Sequence[str]) -> None:
-    """A child's start (``_CHILD_CODE``): ``argv`` is the reloader's pid, then the CLI's."""
-    parent, *args = argv
+def become_child(parent: str) -> None:
+    """A child's first step (``_CHILD_CODE``): SIGTERM when the reloader ``parent`` dies."""
     die_with_parent()
     if os.getppid() != int(parent):  # the reloader died before the kernel was asked
         sys.exit(ExitCode.FAILED)
-    from weclaw_mq.cli import main  # the package imports this module: not at import time
-
-    main(args)
 
 
 def watched_dirs(module_name: str, given: Sequence[Path], cwd: Path) -> list[Path]:
