@@ -138,7 +138,8 @@ def test_the_child_gets_every_option_of_the_worker_but_the_reloaders(
 
 # -- the loop, on a stand-in child ----------------------------------------------------------
 
-# Writes "<pid> started" to its file, and "<pid> stopped" on SIGTERM (or ignores SIGTERM).
+# Writes "<pid> started <its WECLAW_MQ_BROKER_LOAD_CHECK>" to its file, and "<pid> stopped" on
+# SIGTERM (or ignores SIGTERM).
 STAND_IN = """
 import os, signal, sys, time
 record = sys.argv[1]
@@ -149,7 +150,7 @@ def on_term(signum, frame):
     say("stopped")
     sys.exit(0)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[2] == "stubborn" else on_term)
-say("started")
+say("started " + os.environ.get("WECLAW_MQ_BROKER_LOAD_CHECK", "unset"))
 while True:
     time.sleep(1)
 """
@@ -198,7 +199,10 @@ def run_in_thread(reloader: Reloader, steps: Callable[[], None]) -> int:
     return code
 
 
-def test_a_change_stops_the_child_then_starts_a_new_one(tmp_path: Path, record: Path) -> None:
+def test_a_change_stops_the_child_then_starts_a_new_one(
+    tmp_path: Path, record: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WECLAW_MQ_BROKER_LOAD_CHECK", raising=False)
     watched = tmp_path / "src"
     watched.mkdir()
     reloader = Reloader(
@@ -221,6 +225,8 @@ def test_a_change_stops_the_child_then_starts_a_new_one(tmp_path: Path, record: 
         "stopped",
     )
     assert first[0] == stopped[0] != second[0] == last[0]
+    # The first worker reads the broker's load as configured; a restarted one does not.
+    assert (first[2], second[2]) == ("unset", "false")
 
 
 def test_a_child_that_ignores_sigterm_is_killed_past_the_bound(
