@@ -178,9 +178,10 @@ def spawn_cli_worker(
     log_path: Path,
     concurrency: int = 1,
     extra_args: Sequence[str] = (),
+    cwd: Path = REPO_ROOT,
 ) -> WorkerProcess:
-    """Start ``weclaw-mq worker APP_PATH`` from the repository root, with ``settings`` and the
-    app's own ``app_env`` in its environment; its output goes to ``log_path``.
+    """Start ``weclaw-mq worker APP_PATH`` from ``cwd`` (the repository root), with ``settings``
+    and the app's own ``app_env`` in its environment; its output goes to ``log_path``.
 
     The caller owns the process: kill it by pid (``WorkerProcess.kill``) when done.
     """
@@ -189,7 +190,7 @@ def spawn_cli_worker(
     with log_path.open("wb") as log:
         popen = subprocess.Popen(
             args,
-            cwd=REPO_ROOT,
+            cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,

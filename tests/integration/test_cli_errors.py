@@ -122,6 +122,28 @@ MISTAKES: list[Mistake] = [
     Mistake(
         ["permissions", DEMO_APP, "--role", "boss"], {}, ExitCode.USAGE, "--role", id="bad-role"
     ),
+    # --reload is for development: one worker process, nothing started.
+    Mistake(
+        ["worker", FIXTURE_APP, "--reload", "--processes", "2"],
+        {},
+        ExitCode.USAGE,
+        "--reload is for development and runs one worker process: not with --processes 2",
+        id="reload-with-processes",
+    ),
+    Mistake(
+        ["worker", FIXTURE_APP, "--reload-dir", "."],
+        {},
+        ExitCode.USAGE,
+        "--reload-dir watches folders for --reload: add --reload",
+        id="reload-dir-without-reload",
+    ),
+    Mistake(
+        ["worker", FIXTURE_APP, "--reload", "--reload-dir", "/nonexistent-dir"],
+        {},
+        ExitCode.USAGE,
+        "--reload-dir",
+        id="reload-dir-missing",
+    ),
     # 3 (set among the usage ones only to keep the workers' runs together): a metrics address
     # this host does not have (TEST-NET-1) cannot be served; the worker says so and stops.
     Mistake(

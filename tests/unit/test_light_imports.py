@@ -78,6 +78,8 @@ def test_the_worker_command_loads_no_redis_outbox_health_check_nor_rich() -> Non
     assert {"weclaw_mq.cli.run_worker", "weclaw_mq.worker.consume", "typer"} <= modules
     # redis-py (+6 MiB) was loaded by the CLI's error classifier, for every command
     assert "redis" not in modules
+    # nor the file watcher of --reload (and its anyio)
+    assert not {"watchfiles", "anyio"} & modules
     # the outbox (sqlite3) loads when an outbox command runs, the health check when it runs
     assert not {"sqlite3", "weclaw_mq.outbox", "weclaw_mq.admin.dependency_checks"} & modules
     assert (

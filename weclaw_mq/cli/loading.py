@@ -45,10 +45,16 @@ def user_frames(error: BaseException) -> list[str]:
     return lines
 
 
-def load_app(path: str) -> App:
+def split_app_path(path: str) -> tuple[str, str]:
+    """``MODULE:ATTRIBUTE`` as its two parts, or the configuration error that says the form."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigurationError(f"expected MODULE:APP (e.g. consumers.demo:app), got {path!r}")
+    return module_name, attr
+
+
+def load_app(path: str) -> App:
+    module_name, attr = split_app_path(path)
     # Like 'python -m': modules in the current folder are importable.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

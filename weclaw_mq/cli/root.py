@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -14,9 +15,16 @@ from weclaw_mq.admin.migrate import MigrateSummary
 from weclaw_mq.admin.migrate import migrate as run_migrate
 from weclaw_mq.app import App
 from weclaw_mq.cli.exit_codes import ExitCode, classify, fail, report, where_of
-from weclaw_mq.cli.loading import load_app
+from weclaw_mq.cli.loading import load_app, split_app_path
 from weclaw_mq.cli.options import AppPath, LogFormatOption, LogLevel
 from weclaw_mq.cli.publish_command import publish
+from weclaw_mq.cli.reloader import (
+    Reloader,
+    child_command,
+    require_watchfiles,
+    stop_bound_s,
+    watched_dirs,
+)
 from weclaw_mq.cli.run_worker import preload, run_worker
 from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, forking, parse_processes
 from weclaw_mq.contract.naming import SHARED_PREFIX
@@ -116,8 +124,52 @@ def _supervise(
         raise typer.Exit(code)
 
 
+# The worker's parameters its reloader's child does not take: the reloader's own, and
+# --processes (refused with --reload).
+_RELOADER_ONLY = frozenset({"reload", "reload_dirs", "processes"})
+
+
+def _child_args(ctx: typer.Context) -> list[str]:
+    """The worker command's arguments as parsed, less the reloader's: its child's command."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        if param.name in _RELOADER_ONLY or value is None:
+            continue
+        if param.param_type_name == "argument":
+            args.append(str(value))
+            continue
+        option = max(param.opts, key=len)
+        if isinstance(value, bool):
+            args += [option] if value else list(param.secondary_opts[:1])
+            continue
+        for one in value if isinstance(value, (list, tuple)) else [value]:
+            args += [option, str(one)]
+    return args
+
+
+def _reload(ctx: typer.Context, app_path: str, processes: int, dirs: list[Path]) -> None:
+    if processes > 1:
+        fail(
+            f"--reload is for development and runs one worker process: not with "
+            f"--processes {processes}",
+            ExitCode.USAGE,
+        )
+    module_name, _ = split_app_path(app_path)
+    require_watchfiles()
+    reloader = Reloader(
+        child_command(_child_args(ctx)),
+        watched_dirs(module_name, dirs, Path.cwd()),
+        stop_bound_s=stop_bound_s(Settings().shutdown_grace_s),
+    )
+    code = reloader.run()
+    if code:
+        raise typer.Exit(code)
+
+
 @cli.command()
 def worker(
+    ctx: typer.Context,
     app_path: AppPath,
     concurrency: Annotated[
         int | None,
@@ -170,12 +222,38 @@ def worker(
             "Default: WECLAW_MQ_EVENT_LOOP, else asyncio.",
         ),
     ] = None,
+    reload: Annotated[
+        bool,
+        typer.Option(
+            "--reload",
+            metavar="",
+            help="For development: run the worker in a child process and restart it, "
+            "gracefully, when a *.py file under the watched folders changes (needs the "
+            "'reload' extra: watchfiles). Not with --processes.",
+        ),
+    ] = False,
+    reload_dirs: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--reload-dir",
+            metavar="DIR",
+            exists=True,
+            file_okay=False,
+            help="With --reload: watch this folder (repeatable). Default: the current one "
+            "and the app's package's.",
+        ),
+    ] = None,
     log_level: LogLevel = "INFO",
     log_format: LogFormatOption = "text",
 ) -> None:
     """Run a worker: declare queues, consume, ack only after success; SIGTERM stops cleanly."""
+    if reload_dirs and not reload:
+        fail("--reload-dir watches folders for --reload: add --reload", ExitCode.USAGE)
     fmt: LogFormat = "json" if log_format == "json" else "text"
     configure_logging(log_level, fmt)
+    if reload:
+        _reload(ctx, app_path, processes, reload_dirs or [])
+        return
     app = load_app(app_path)
     loop_name: EventLoopName = (
         "uvloop" if (loop or app.settings.event_loop) == "uvloop" else "asyncio"

@@ -90,10 +90,10 @@ def parse_processes(value: str) -> int:
     return count
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before it does anything else: ask the kernel for SIGTERM when the
-    # supervisor dies, however it dies (SIGKILL included). Not available off Linux: then
-    # nothing is asked.
+def die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when this process's parent (the supervisor, the reloader)
+    dies, however it dies (SIGKILL included); a child's first step. Not available off Linux:
+    then nothing is asked."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -121,7 +121,7 @@ def spawning(command: Callable[[int], Sequence[str]]) -> Launcher:
             list(command(index)),
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         assert popen.stderr is not None
         fd = os.dup(popen.stderr.fileno())  # read unbuffered, as a forked child's pipe is
@@ -177,7 +177,7 @@ def _become_child(parent: int, read_fd: int, write_fd: int, inherited: Sequence[
     # in place (run_worker): one sent meanwhile then stops it cleanly, never mid-start.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    _die_with_parent()
+    die_with_parent()
     if os.getppid() != parent:  # the supervisor died before the kernel was asked
         os._exit(ExitCode.FAILED)
     os.close(read_fd)
