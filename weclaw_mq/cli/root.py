@@ -218,7 +218,7 @@ def worker(
             callback=_event_loop,
             metavar="asyncio|uvloop",
             show_default=False,
-            help="The event loop (uvloop: pip install 'weclaw_mq[uvloop]'). "
+            help="The event loop (uvloop needs the package's uvloop extra). "
             "Default: WECLAW_MQ_EVENT_LOOP, else asyncio.",
         ),
     ] = None,
