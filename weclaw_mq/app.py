@@ -1,25 +1,21 @@
 """``App``: the handler registry and the facade users hold.
 
-Its publishing methods are documented here and carried out by the publishing engine
-(``publishing.engine``) it builds.
+Its public methods are documented here and carried out by the publishing engine
+(``publishing.engine``) and the results reader (``results.reader``) it builds.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import aio_pika
 from aio_pika.abc import HeadersType
 
-from weclaw_mq.contract.naming import validate_queue_name, validate_session_id
-from weclaw_mq.contract.task_ids import check_task_id
-from weclaw_mq.errors import ConfigurationError, ResultTimeoutError
+from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.notifications import notify_target
 from weclaw_mq.handlers.spec import HandlerFunc, HandlerSpec, build_spec
 from weclaw_mq.observability.metrics import Metrics
@@ -29,20 +25,10 @@ from weclaw_mq.policy.limits import Limit, as_limits
 from weclaw_mq.policy.priority import QUORUM, Priority
 from weclaw_mq.policy.retry import RetryPolicy
 from weclaw_mq.publishing.engine import PublishingEngine
+from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.settings import Settings
-from weclaw_mq.state import (
-    Cancellation,
-    CancelOutcome,
-    TaskState,
-    TaskStore,
-    is_state_failure,
-    open_store,
-    state_unavailable,
-)
-from weclaw_mq.state.expiry import as_seen_at, until_deadline_s
+from weclaw_mq.state import Cancellation, TaskState, TaskStore, open_store
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
-from weclaw_mq.streaming.events import check_event_id
-from weclaw_mq.streaming.reading import task_events
 from weclaw_mq.wire.connection import BrokerEndpoints
 from weclaw_mq.wire.topology import declare
 
@@ -52,13 +38,6 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from weclaw_mq.outbox import Outbox
-
-# result() re-reads a waiting task this long after its deadline, to answer "expired".
-_DEADLINE_SLACK_S = 0.01
-
-
-def _state_of(last: object) -> TaskState | None:
-    return last if isinstance(last, TaskState) else None
 
 
 class App:
@@ -125,8 +104,13 @@ class App:
             # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
             made_in=sys._getframe(1).f_globals.get("__name__"),
         )
-        self._streams = streams
-        self._owns_streams = streams is None
+        self._reader = ResultsReader(
+            self.settings,
+            results=self._results,
+            store=lambda: self.store,
+            streams=streams,
+            local=lambda: self._engine.local,
+        )
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -454,14 +438,6 @@ class App:
         # A method, not only the property: the engine calls it per publish.
         return self.store if self.settings.results_enabled else None
 
-    def _require_results(self) -> TaskStore:
-        store = self.results
-        if store is None:
-            raise ConfigurationError(
-                "results are turned off (WECLAW_MQ_RESULTS_ENABLED=false): no status to read"
-            )
-        return store
-
     async def status(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
         """The task's recorded state in ``queue``.
 
@@ -483,22 +459,7 @@ class App:
             StateUnavailableError: The store fails or does not answer.
             StateCommandError: Redis answered the read with an error (not an outage).
         """
-        if self._engine.local is not None:
-            return await self._engine.local.status(
-                task_id, queue, lambda: self._stored_status(task_id, queue)
-            )
-        return await self._stored_status(task_id, queue)
-
-    async def _stored_status(self, task_id: str, queue: str | None) -> TaskState | None:
-        store = self._require_results()
-        try:
-            state = await store.get(task_id, queue=queue)
-        except Exception as e:  # a custom store on redis-py, unwrapped
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
-        # Past its deadline, a task nobody ran reads as expired (see state.expiry).
-        return as_seen_at(state, datetime.now(UTC))
+        return await self._reader.status(task_id, queue)
 
     async def result(
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
@@ -525,48 +486,13 @@ class App:
             StateUnavailableError: The store fails or does not answer.
             StateCommandError: Redis answered with an error (not an outage).
         """
-        store = self._require_results()
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + timeout_s
-        try:
-            while True:
-                state = await self.status(task_id, queue=queue)
-                if state is not None and state.status.terminal:
-                    return state
-                # No worker may ever write again once the deadline passed (the broker
-                # expired the task): wake up then too, to answer "expired".
-                left = give_up - loop.time()
-                until = until_deadline_s(state, datetime.now(UTC))
-                if until is not None:
-                    left = min(left, until + _DEADLINE_SLACK_S)
-                try:
-                    return await store.wait(task_id, max(left, 0.0), queue=queue)
-                except ResultTimeoutError as e:
-                    if loop.time() >= give_up:
-                        final = as_seen_at(_state_of(e.last), datetime.now(UTC))
-                        if final is not None and final.status.terminal:
-                            return final
-                        raise ResultTimeoutError(task_id, timeout_s, e.last) from None
-        except Exception as e:
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
+        return await self._reader.result(task_id, queue, timeout_s)
 
     # -- streams and inboxes ------------------------------------------------------------
     @property
     def streams(self) -> StreamStore:
         """The stream store (task streams, session inboxes), opened on first use."""
-        if self._streams is None:
-            from weclaw_mq.streaming.redis import (
-                open_redis_streams,  # loads redis-py: only when used
-            )
-
-            self._streams = open_redis_streams(self.settings)
-        return self._streams
-
-    def _read_block_s(self) -> float:
-        # How long one read waits (woken by a write) before the reader's loop takes its turn.
-        return self.settings.redis_timeout_s / 2
+        return self._reader.streams
 
     def stream(
         self, task_id: str, after: str | None = None, *, queue: str | None = None
@@ -593,22 +519,7 @@ class App:
                 id (raised here, not at the first event).
             StateUnavailableError: While iterating: Redis fails.
         """
-        self._require_results()
-        if after is not None:
-            check_event_id(after)  # here, not at the first event: the caller's mistake
-
-        def final_state(timeout_s: float) -> Awaitable[TaskState]:
-            # The final state exactly as result() answers it (expired included).
-            return self.result(task_id, queue=queue, timeout_s=timeout_s)
-
-        return task_events(
-            self.streams,
-            task_id,
-            after,
-            final_state=final_state,
-            queue=queue,
-            block_s=self._read_block_s(),
-        )
+        return self._reader.stream(task_id, after, queue)
 
     def inbox(self, session_id: str, *, after: str | None = None) -> Inbox:
         """The session's inbox.
@@ -628,12 +539,7 @@ class App:
             ConfigurationError: An invalid ``session_id``, or an ``after`` that is not a
                 stream event id.
         """
-        return Inbox(
-            self.streams,
-            validate_session_id(session_id),
-            after=after,
-            block_s=self._read_block_s(),
-        )
+        return self._reader.inbox(session_id, after)
 
     async def cancel(
         self, task_id: str, *, queue: str | None = None, pending: bool = True
@@ -666,24 +572,7 @@ class App:
             StateUnavailableError: The store fails or does not answer.
             StateCommandError: Redis answered with an error (not an outage).
         """
-        check_task_id(task_id)
-        if queue is not None:
-            validate_queue_name(queue)
-        store = self.store
-        if store is None:
-            raise ConfigurationError(
-                "cancelling needs the task store: turn results on (WECLAW_MQ_RESULTS_ENABLED) "
-                "or guard a handler (idempotent=True)"
-            )
-        try:
-            if not pending and await store.get(task_id, queue=queue) is None:
-                latest = await store.get(task_id) if queue is not None else None
-                return Cancellation(task_id, CancelOutcome.UNKNOWN, None, latest)
-            return await store.cancel(task_id, queue=queue)
-        except Exception as e:  # a custom store on redis-py, unwrapped
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
+        return await self._reader.cancel(task_id, queue, pending)
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:
@@ -770,9 +659,7 @@ class App:
             await self._engine.close()
         finally:
             try:
-                if self._streams is not None and self._owns_streams:
-                    streams, self._streams = self._streams, None
-                    await streams.close()
+                await self._reader.close()
             finally:
                 if self._store is not None and self._owns_store:
                     store, self._store = self._store, None

@@ -274,11 +274,11 @@ async def test_the_app_and_the_clock_are_given_back_on_exit() -> None:
     async def record(job: Job) -> None:
         return None
 
-    before = (app._engine.publisher, app._store, app._streams, app._engine.local)
+    before = (app._engine.publisher, app._store, app._reader._streams, app._engine.local)
     async with TestBroker(app) as broker:
         broker.advance(3600)
         assert lifetime.now_ms() >= int(time.time() * 1000) + 3_599_000
-    assert (app._engine.publisher, app._store, app._streams, app._engine.local) == before
+    assert (app._engine.publisher, app._store, app._reader._streams, app._engine.local) == before
     assert lifetime.now_ms() <= int(time.time() * 1000)
 
 

@@ -176,16 +176,16 @@ class TestBroker:
     def _attach(self, app: App) -> None:
         """Swap the app's broker, stores and outbox for ours (put back on exit) and build the
         worker runtime its handlers run in."""
-        # The slots of App and its publishing engine that the test kit swaps: the seam it
-        # shares with them, and nothing else uses.
-        engine = app._engine
+        # The slots of App, its publishing engine and its results reader that the test kit
+        # swaps: the seam it shares with them, and nothing else uses.
+        engine, reader = app._engine, app._reader
         slots = (
             (app, "_store"),
             (app, "_owns_store"),
             (engine, "publisher"),
             (engine, "local"),
-            (app, "_streams"),
-            (app, "_owns_streams"),
+            (reader, "_streams"),
+            (reader, "_owns_streams"),
         )
         self._saved.append([(holder, name, getattr(holder, name)) for holder, name in slots])
         publisher = MemoryPublisher(self.memory, app)
@@ -197,7 +197,7 @@ class TestBroker:
             or any(s.idempotent for s in app.handlers.values())
         ):
             app._store, app._owns_store = self.store, False
-        app._streams, app._owns_streams = self.streams, False
+        reader._streams, reader._owns_streams = self.streams, False
         engine.local = None
         runtime = Runtime(
             app=app,
