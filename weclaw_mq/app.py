@@ -1,120 +1,43 @@
-"""``App``: the handler registry and the publishing entry point users hold."""
+"""``App``: the handler registry and the facade users hold.
+
+Its public methods are documented here and carried out by the publishing engine
+(``publishing.engine``) and the results reader (``results.reader``) it builds.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import sys
 import warnings
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Coroutine,
-    Iterable,
-    Mapping,
-    Sequence,
-)
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import aio_pika
 from aio_pika.abc import HeadersType
 
-from weclaw_mq.contract import headers as h
-from weclaw_mq.contract.header_values import new_trace_id
-from weclaw_mq.contract.lifetime import as_datetime, check_ttl, deadline_ms, now_ms, stamp
-from weclaw_mq.contract.message import (
-    build_message,
-    check_encodable,
-    encode_payload,
-    new_task_id,
-    publish_headers,
-)
-from weclaw_mq.contract.naming import ladder_queue_name, validate_queue_name, validate_session_id
-from weclaw_mq.contract.task_ids import check_task_id
-from weclaw_mq.errors import (
-    STORED_NOTHING,
-    BatchPublishError,
-    BrokerUnavailableError,
-    ConfigurationError,
-    ConnectionLostError,
-    IdempotencyConflictError,
-    InvalidPayload,
-    InvalidPriorityError,
-    PayloadTooLargeError,
-    PayloadValidationError,
-    ResultTimeoutError,
-    UndecodableBody,
-    UnroutableError,
-)
+from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.notifications import notify_target
 from weclaw_mq.handlers.spec import HandlerFunc, HandlerSpec, build_spec
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans, spans_for
-from weclaw_mq.observability.tracing import current
 from weclaw_mq.policy.breaker import Breaker
-from weclaw_mq.policy.delays import STEP_DELAYS_MS, check_delay, next_hop_ms, not_before_ms
 from weclaw_mq.policy.limits import Limit, as_limits
-from weclaw_mq.policy.priority import QUORUM, Priority, parse_priority, priority_from_header, route
+from weclaw_mq.policy.priority import QUORUM, Priority
 from weclaw_mq.policy.retry import RetryPolicy
+from weclaw_mq.publishing.engine import PublishingEngine
+from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.settings import Settings
-from weclaw_mq.state import (
-    Cancellation,
-    CancelOutcome,
-    RecordsSoon,
-    TaskState,
-    TaskStatus,
-    TaskStore,
-    is_state_failure,
-    open_store,
-    state_unavailable,
-)
-from weclaw_mq.state.expiry import as_seen_at, record_ttl_s, until_deadline_s
-from weclaw_mq.state.reuse import FingerprintStore, payload_fingerprint
+from weclaw_mq.state import Cancellation, TaskState, TaskStore, open_store
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
-from weclaw_mq.streaming.events import check_event_id
-from weclaw_mq.streaming.reading import task_events
 from weclaw_mq.wire.connection import BrokerEndpoints
-from weclaw_mq.wire.producer import Publisher
 from weclaw_mq.wire.topology import declare
 
 if TYPE_CHECKING:
-    # Imported where used: only an app with an outbox loads sqlite3 (an idle worker's RSS).
     import sqlite3
 
     from prometheus_client import CollectorRegistry
 
     from weclaw_mq.outbox import Outbox
-    from weclaw_mq.outbox.fallback import LocalFallback
-
-log = logging.getLogger("weclaw_mq.producer")
-
-# How long publish waits, after the broker's confirm, for the task's "queued" record. Redis
-# usually answers in well under a millisecond, so status() right after publish sees the
-# record; a Redis that hangs costs a publish at most this, never its socket timeout: the
-# write goes on in the background (and only_if_new keeps it from hiding a later status).
-QUEUED_RECORD_WAIT_S = 0.25
-# On close, how long pending "queued" writes may still take before they are dropped.
-QUEUED_RECORD_CLOSE_WAIT_S = 1.0
-# result() re-reads a waiting task this long after its deadline, to answer "expired".
-_DEADLINE_SLACK_S = 0.01
-
-
-def _queued(message: aio_pika.Message, queue: str) -> TaskState:
-    """The "queued" record of a task about to be published, with its deadline."""
-    assert message.message_id is not None
-    return TaskState(
-        task_id=message.message_id,
-        queue=queue,
-        status=TaskStatus.QUEUED,
-        expires_at=as_datetime(deadline_ms(message.headers)),
-    )
-
-
-def _state_of(last: object) -> TaskState | None:
-    return last if isinstance(last, TaskState) else None
 
 
 class App:
@@ -162,39 +85,32 @@ class App:
         self.metrics = Metrics(registry)
         self.broker = BrokerEndpoints(self.settings)
         self._handlers: dict[str, HandlerSpec] = {}
-        self._publisher: Publisher | None = None
-        self._declare_first = declare
-        self._declaring: asyncio.Future[list[str]] | None = None
-        # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
-        self._made_in: str | None = sys._getframe(1).f_globals.get("__name__")
         self._store = store
         self._owns_store = store is None  # ours to close, not the user's
-        self._streams = streams
-        self._owns_streams = streams is None
-        # Queued-record writes that outlived their publish: held here so they are not
-        # garbage-collected mid-write, and awaited (briefly) on close.
-        self._record_writes: set[asyncio.Future[Any]] = set()
-        # The store the queued records are written to, and whether it is RecordsSoon.
-        self._soon: tuple[TaskStore, bool] | None = None
         # OpenTelemetry spans (weclaw_mq.observability.otel): decided on first use, once; False
         # until then.
         self._spans: Spans | bool | None = False
-        # The local outbox and its relay, when WECLAW_MQ_OUTBOX_PATH names a file.
-        self._local: LocalFallback | None = None
-        if self.settings.outbox_path:
-            from weclaw_mq.outbox.fallback import LocalFallback
-
-            self._local = LocalFallback(
-                self.settings,
-                self.metrics,
-                results=lambda: self.results,
-                background=self._record_in_background,
-                name=name,
-                queue_type_of=self.queue_type_of,
-                unavailable=lambda: self._get_publisher().unavailable(),
-                # Only a publisher that exists can be backing off: none is made for it.
-                reached=lambda: self._publisher.broker_reached() if self._publisher else None,
-            )
+        self._engine = PublishingEngine(
+            name,
+            self.settings,
+            self.metrics,
+            self.broker,
+            self._handlers,
+            results=self._results,
+            spans=self._current_spans,
+            # Looked up when called: the declare of this App as it is then.
+            declare=(lambda: self.declare()) if declare else None,
+            owner=self,
+            # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
+            made_in=sys._getframe(1).f_globals.get("__name__"),
+        )
+        self._reader = ResultsReader(
+            self.settings,
+            results=self._results,
+            store=lambda: self.store,
+            streams=streams,
+            local=lambda: self._engine.local,
+        )
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -293,6 +209,10 @@ class App:
     @property
     def spans(self) -> Spans | None:
         """The OpenTelemetry spans this App opens, None for none (``observability.otel``)."""
+        return self._current_spans()
+
+    def _current_spans(self) -> Spans | None:
+        # A method, not only the property: the engine calls it per publish.
         if self._spans is False:
             self._spans = spans_for(self.settings)
         assert not isinstance(self._spans, bool)
@@ -309,11 +229,6 @@ class App:
         self._spans = Spans(tracer_provider)
 
     # -- publishing ---------------------------------------------------------------------
-    def _get_publisher(self) -> Publisher:
-        if self._publisher is None:
-            self._publisher = Publisher(self.broker, self.metrics, name=f"{self.name}-producer")
-        return self._publisher
-
     def prepare(
         self,
         queue: str,
@@ -361,100 +276,9 @@ class App:
             InvalidPriorityError: An unknown ``priority``, or one above NORMAL for a handler
                 registered without ``priorities=True``.
         """
-        ttl_ms = self._ttl_ms(queue, ttl_s)
-        delay_ms = 0 if delay_s is None else check_delay(delay_s, "delay_s")
-        if delay_ms >= ttl_ms:
-            raise ConfigurationError(
-                f"delay_s={delay_s!r} is not shorter than the task's lifetime of "
-                f"{ttl_ms / 1000:.3g} s: it would expire before it could run"
-            )
-        if session_id is not None:
-            headers = {**(headers or {}), h.SESSION_ID: validate_session_id(session_id)}
-        body = encode_payload(payload)
-        limit = self.settings.max_message_bytes
-        if len(body) > limit:
-            raise PayloadTooLargeError(queue, len(body), limit)
-        spec = self._handlers.get(queue)
-        # An instance of the handler's own model was validated when it was built.
-        if spec is not None and not (spec.model is not None and type(payload) is spec.model):
-            try:
-                spec.parse(body)
-            except (InvalidPayload, UndecodableBody) as e:
-                raise PayloadValidationError(
-                    f"payload for {queue!r} fails the handler's model: {e}"
-                ) from e
-        ctx = current()
-        ours = publish_headers(
-            trace_id=trace_id or (ctx.trace_id if ctx else None) or new_trace_id(),
-            attempt=1,
-            traceparent=ctx.traceparent if ctx else None,
-            extra=headers,
+        return self._engine.prepare(
+            queue, payload, task_id, trace_id, headers, ttl_s, session_id, priority, delay_s
         )
-        at_ms = now_ms()
-        stamp(ours, ttl_ms, at_ms)
-        if delay_ms > 0:
-            ours[h.NOT_BEFORE] = at_ms + delay_ms
-        message = build_message(body, task_id=task_id or new_task_id(), headers=ours)
-        # The broker's copy of the deadline: it dead-letters the task from Q past it.
-        message.expiration = ttl_ms / 1000
-        # Before anything is sent or recorded: aiormq would raise a bare TypeError/ValueError
-        # mid-publish, or silently truncate a long header name.
-        check_encodable(queue, message.message_id, headers)
-        level = self._priority_of(queue, priority)
-        if level is not Priority.NORMAL:  # no header is NORMAL: nothing to carry
-            message.headers[h.PRIORITY] = level.value
-        return message
-
-    def _ttl_ms(self, queue: str, ttl_s: float | None) -> int:
-        if ttl_s is not None:
-            ttl = check_ttl(ttl_s, "ttl_s")
-        else:
-            spec = self._handlers.get(queue)
-            ttl = spec.ttl_s if spec is not None else self.settings.task_ttl_s
-        return max(1, round(ttl * 1000))
-
-    def _priority_of(self, queue: str, priority: Priority | str | None) -> Priority:
-        spec = self._handlers.get(queue)
-        if priority is None:
-            return spec.priority if spec is not None else Priority.NORMAL
-        level = parse_priority(priority)
-        if level is not Priority.NORMAL and spec is not None and not spec.priorities:
-            # Its lanes do not exist: refused here, before anything is sent or recorded.
-            raise InvalidPriorityError(
-                f"handler {queue!r} takes no priorities: register it with priorities=True "
-                f"to publish {level.value.upper()} tasks to it"
-            )
-        return level
-
-    async def _route(self, queue: str, message: aio_pika.Message) -> tuple[str, str]:
-        """Where ``message`` goes, as (exchange, routing key): its lane (``_lane``) through
-        the default exchange, or, before its not-before time, one of the vhost's step delay
-        queues through its exchange, with the lane as routing key: the delay queue dead-letters it
-        back by that key (``delays``, ``topology``). They are declared with the handler's
-        queues; where they are not (no worker of this version declared them yet), the
-        publish is refused as unroutable and nothing is sent."""
-        lane = await self._lane(queue, message)
-        due = not_before_ms(message.headers)
-        left = None if due is None else due - now_ms()
-        if left is None or left <= 0:  # no delay, or a delay that passed in the outbox
-            return "", lane
-        return ladder_queue_name(next_hop_ms(left, STEP_DELAYS_MS)), lane
-
-    async def _lane(self, queue: str, message: aio_pika.Message) -> str:
-        """The lane of ``message`` (or Q with the AMQP priority property where the broker,
-        or a classic queue, has native priorities); the version is asked only for a priority
-        above NORMAL."""
-        level = priority_from_header(message.headers.get(h.PRIORITY))
-        if level is Priority.NORMAL:
-            return queue
-        try:
-            version = await self._get_publisher().server_version()
-        except BrokerUnavailableError as e:  # raised by the connect, which knows no task
-            raise BrokerUnavailableError(str(e), queue=queue, task_id=message.message_id) from e
-        target, amqp_priority = route(queue, level, version, self.queue_type_of(queue))
-        if amqp_priority is not None:
-            message.priority = amqp_priority
-        return target
 
     def queue_type_of(self, queue: str) -> str:
         """The type of ``queue`` as its handler here declares it.
@@ -466,8 +290,7 @@ class App:
             ``"quorum"`` or ``"classic"``; a queue without a handler in this App is taken to
             be a default (quorum) handler queue.
         """
-        spec = self._handlers.get(queue)
-        return spec.queue_type if spec is not None else QUORUM
+        return self._engine.queue_type_of(queue)
 
     async def publish(
         self,
@@ -539,119 +362,10 @@ class App:
                 at its bound; nothing was stored.
             OutboxUnusableError: With a local outbox: its file cannot be opened or written.
         """
-        message = self.prepare(
-            queue,
-            payload,
-            task_id=task_id,
-            trace_id=trace_id,
-            headers=headers,
-            ttl_s=ttl_s,
-            session_id=session_id,
-            priority=priority,
-            delay_s=delay_s,
+        message = self._engine.prepare(
+            queue, payload, task_id, trace_id, headers, ttl_s, session_id, priority, delay_s
         )
-        if task_id is not None and refuse_other_body:
-            await self._check_key_reuse(queue, message)
-        spans = self.spans
-        if spans is not None:
-            with spans.publishing(queue, [message]):
-                return await self._send_or_store(queue, message)
-        return await self._send_or_store(queue, message)
-
-    async def _send_or_store(self, queue: str, message: aio_pika.Message) -> str:
-        if self._declare_first and queue in self._handlers:
-            await self._declared()
-        try:
-            if self._local is not None:
-                return await self._local.publish(queue, message, self._send)
-            return await self._send(queue, message)
-        except UnroutableError as e:
-            raise self._unroutable(e) from e
-
-    async def _declared(self) -> None:
-        """Declare this App's queues once per event loop (``App(declare=True)``); a declare
-        that failed is tried again by the next publish. With an outbox, a broker that does
-        not answer is no error here: the task goes to the outbox."""
-        task = self._declaring
-        loop = asyncio.get_running_loop()
-        failed = task is not None and task.done() and (task.cancelled() or task.exception())
-        if task is None or task.get_loop() is not loop or failed:
-            task = self._declaring = loop.create_task(self.declare())
-        elif task.done():
-            return  # declared
-        try:
-            await asyncio.shield(task)
-        except (BrokerUnavailableError, ConnectionLostError):
-            if self._local is None:
-                raise
-
-    def _unroutable(self, error: UnroutableError) -> UnroutableError:
-        """``error`` with its hint naming this App's ``MODULE:APP`` where it can be found."""
-        where = self._module_path()
-        text = str(error)
-        if where is not None:
-            text = text.replace("'weclaw-mq declare'", f"'weclaw-mq declare {where}'")
-        text += "; or App(..., declare=True) to declare them at the first publish"
-        return UnroutableError(text, queue=error.queue, task_id=error.task_id)
-
-    def _module_path(self) -> str | None:
-        """``MODULE:NAME`` of this App in the module that made it, if it is held there."""
-        module = sys.modules.get(self._made_in or "")
-        if module is None or self._made_in == "__main__":
-            return None
-        name = next((n for n, v in vars(module).items() if v is self), None)
-        return None if name is None else f"{self._made_in}:{name}"
-
-    async def _check_key_reuse(self, queue: str, message: aio_pika.Message) -> None:
-        """``IdempotencyConflictError`` if the task id was published to ``queue`` with another
-        body. Skipped (logged) when the store cannot tell within ``QUEUED_RECORD_WAIT_S``: the
-        publish then goes on as it would without the check (``state.reuse``)."""
-        store = self.results
-        if not isinstance(store, FingerprintStore):
-            return
-        assert message.message_id is not None
-        ours = payload_fingerprint(message.body)
-        ttl_s = record_ttl_s(_queued(message, queue), self.settings.result_ttl_s, datetime.now(UTC))
-        task_id = message.message_id
-
-        async def kept() -> str | None:
-            try:
-                return await store.keep_fingerprint(queue, task_id, ours, ttl_s)
-            except Exception as e:  # the store failing: publish as if there were no check
-                log.warning("task %s: body not compared (%s: %s)", task_id, type(e).__name__, e)
-                return None
-
-        keeping = self._record_in_background(kept())
-        done, _ = await asyncio.wait({keeping}, timeout=QUEUED_RECORD_WAIT_S)
-        if not done:  # it goes on in the background; this publish does not wait for it
-            log.warning("task %s: body not compared (the store did not answer in time)", task_id)
-            return
-        first = keeping.result()
-        if first is not None and first != ours:
-            raise IdempotencyConflictError(queue, task_id)
-
-    async def _send(self, queue: str, message: aio_pika.Message) -> str:
-        """Publish a prepared message, with its "queued" record; the broker's word or an error.
-
-        ``queue`` is the handler queue; the message goes to its priority's lane (``_route``)."""
-        assert message.message_id is not None
-        exchange, target = await self._route(queue, message)
-        store = self.results
-        if store is None:
-            await self._get_publisher().publish(target, message, exchange=exchange)
-            return message.message_id
-        # The "queued" record is written beside the confirm, not after it (no added latency),
-        # and only if the task has no record yet, so it can never hide a later status.
-        queued = self._write_queued(store, _queued(message, queue))
-        refused: list[str] = []
-        try:
-            await self._get_publisher().publish(target, message, exchange=exchange)
-        except STORED_NOTHING:
-            refused.append(message.message_id)
-            raise
-        finally:
-            await self._settle_queued(queued, queue, refused)
-        return message.message_id
+        return await self._engine.publish(queue, message, task_id is not None and refuse_other_body)
 
     async def publish_many(
         self,
@@ -695,151 +409,9 @@ class App:
             InvalidPriorityError: As in ``prepare``, before anything is sent.
             BrokerUnavailableError: No broker answered before the batch; nothing was sent.
         """
-        items = list(payloads)
-        if task_ids is not None and len(task_ids) != len(items):
-            raise ConfigurationError(
-                f"publish_many got {len(items)} payloads but {len(task_ids)} task ids"
-            )
-        messages = [
-            self.prepare(
-                queue,
-                payload,
-                task_id=task_ids[i] if task_ids is not None else None,
-                trace_id=trace_id,
-                headers=headers,
-                ttl_s=ttl_s,
-                session_id=session_id,
-                priority=priority,
-                delay_s=delay_s,
-            )
-            for i, payload in enumerate(items)
-        ]
-        spans = self.spans
-        if spans is not None and messages:
-            with spans.publishing(queue, messages):  # one span for the batch
-                return await self._send_many_or_store(queue, messages)
-        return await self._send_many_or_store(queue, messages)
-
-    async def _send_many_or_store(self, queue: str, messages: list[aio_pika.Message]) -> list[str]:
-        if self._declare_first and queue in self._handlers and messages:
-            await self._declared()
-        try:
-            if self._local is not None and messages:
-                return await self._local.publish_many(queue, messages, self._send_many)
-            return await self._send_many(queue, messages)
-        except UnroutableError as e:
-            raise self._unroutable(e) from e
-        except BatchPublishError as e:
-            if not any(isinstance(f, UnroutableError) for f in e.failed.values()):
-                raise
-            failed: dict[int, Exception] = {
-                i: self._unroutable(f) if isinstance(f, UnroutableError) else f
-                for i, f in e.failed.items()
-            }
-            raise BatchPublishError(queue, e.task_ids, failed) from e
-
-    async def _send_many(self, queue: str, messages: list[aio_pika.Message]) -> list[str]:
-        ids = [m.message_id or "" for m in messages]
-        if not messages:
-            return ids
-        publisher = self._get_publisher()
-        await publisher.connect()
-        targets = [await self._route(queue, m) for m in messages]
-        store = self.results
-        queued = (
-            self._record_in_background(
-                store.record_many(
-                    [_queued(m, queue) for m in messages],
-                    only_if_new=True,
-                )
-            )
-            if store is not None
-            else None
+        return await self._engine.publish_many(
+            queue, payloads, task_ids, trace_id, headers, ttl_s, session_id, priority, delay_s
         )
-        refused: list[str] = []
-        try:
-            outcomes = await asyncio.gather(
-                *(
-                    publisher.publish(t, m, exchange=x)
-                    for (x, t), m in zip(targets, messages, strict=True)
-                ),
-                return_exceptions=True,
-            )
-            refused = [
-                ids[i] for i, outcome in enumerate(outcomes) if isinstance(outcome, STORED_NOTHING)
-            ]
-        finally:
-            if queued is not None:
-                await self._settle_queued(queued, queue, refused)
-        failed: dict[int, Exception] = {}
-        for i, outcome in enumerate(outcomes):
-            if isinstance(outcome, Exception):
-                failed[i] = outcome
-            elif isinstance(outcome, BaseException):
-                raise outcome  # cancellation: not a publish outcome
-        if failed:
-            raise BatchPublishError(queue, ids, failed)
-        return ids
-
-    def _write_queued(self, store: TaskStore, state: TaskState) -> asyncio.Future[Any]:
-        """The "queued" record's write, started: at once where the store can (``RecordsSoon``:
-        it leaves before the publish's frame, with no task to schedule), else as a task."""
-        soon = self._soon
-        if soon is None or soon[0] is not store:  # decided once per store
-            soon = self._soon = (store, isinstance(store, RecordsSoon))
-        if not soon[1]:
-            return self._record_in_background(store.record(state, only_if_new=True))
-        write = asyncio.ensure_future(cast(RecordsSoon, store).record_soon(state, only_if_new=True))
-        self._record_writes.add(write)
-        write.add_done_callback(self._record_write_ended)
-        return write
-
-    def _record_in_background(self, write: Coroutine[Any, Any, object]) -> asyncio.Task[Any]:
-        """Run a best-effort state write as a task we hold until it ends (the loop itself
-        keeps only a weak reference), and log its failure whoever waited for it."""
-        task = asyncio.create_task(write)
-        self._record_writes.add(task)
-        task.add_done_callback(self._record_write_ended)
-        return task
-
-    def _record_write_ended(self, task: asyncio.Future[Any]) -> None:
-        self._record_writes.discard(task)
-        # The task is safe in the broker whatever happens here: a missing "queued" record only
-        # means status() answers None until a worker picks the task up.
-        if not task.cancelled() and (e := task.exception()) is not None:
-            log.warning("could not record the queued status (%s: %s)", type(e).__name__, e)
-
-    async def _settle_queued(
-        self, queued: asyncio.Future[Any], queue: str, refused: list[str]
-    ) -> None:
-        """Wait for the "queued" write, then drop the records of ``refused`` tasks, both within
-        ``QUEUED_RECORD_WAIT_S`` in all; what is left goes on in the background."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + QUEUED_RECORD_WAIT_S
-        if not queued.done():
-            # asyncio.wait never cancels what it waits for: a slow write goes on after we return.
-            await asyncio.wait({queued}, timeout=QUEUED_RECORD_WAIT_S)
-        if not refused:
-            return
-        forgetting = self._record_in_background(self._forget_after(queued, queue, refused))
-        left = deadline - loop.time()
-        if left > 0:
-            await asyncio.wait({forgetting}, timeout=left)
-
-    async def _forget_after(
-        self, queued: asyncio.Future[Any], queue: str, refused: list[str]
-    ) -> None:
-        # Only once the write ended: a forget that overtook it would leave a "queued" record
-        # for a task the broker does not hold.
-        await asyncio.wait({queued})
-        store = self.results
-        if store is None:
-            return
-        for task_id in refused:
-            try:
-                await store.forget_queued(queue, task_id)
-            except Exception as e:  # a stale "queued" record expires with its TTL
-                log.warning("could not drop the queued status of %s (%s)", task_id, e)
 
     # -- results ------------------------------------------------------------------------
     @property
@@ -860,15 +432,11 @@ class App:
     @property
     def results(self) -> TaskStore | None:
         """The task store when results are on (records are written and read), else None."""
-        return self.store if self.settings.results_enabled else None
+        return self._results()
 
-    def _require_results(self) -> TaskStore:
-        store = self.results
-        if store is None:
-            raise ConfigurationError(
-                "results are turned off (WECLAW_MQ_RESULTS_ENABLED=false): no status to read"
-            )
-        return store
+    def _results(self) -> TaskStore | None:
+        # A method, not only the property: the engine calls it per publish.
+        return self.store if self.settings.results_enabled else None
 
     async def status(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
         """The task's recorded state in ``queue``.
@@ -891,22 +459,7 @@ class App:
             StateUnavailableError: The store fails or does not answer.
             StateCommandError: Redis answered the read with an error (not an outage).
         """
-        if self._local is not None:
-            return await self._local.status(
-                task_id, queue, lambda: self._stored_status(task_id, queue)
-            )
-        return await self._stored_status(task_id, queue)
-
-    async def _stored_status(self, task_id: str, queue: str | None) -> TaskState | None:
-        store = self._require_results()
-        try:
-            state = await store.get(task_id, queue=queue)
-        except Exception as e:  # a custom store on redis-py, unwrapped
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
-        # Past its deadline, a task nobody ran reads as expired (see state.expiry).
-        return as_seen_at(state, datetime.now(UTC))
+        return await self._reader.status(task_id, queue)
 
     async def result(
         self, task_id: str, *, queue: str | None = None, timeout_s: float = 60.0
@@ -933,48 +486,13 @@ class App:
             StateUnavailableError: The store fails or does not answer.
             StateCommandError: Redis answered with an error (not an outage).
         """
-        store = self._require_results()
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + timeout_s
-        try:
-            while True:
-                state = await self.status(task_id, queue=queue)
-                if state is not None and state.status.terminal:
-                    return state
-                # No worker may ever write again once the deadline passed (the broker
-                # expired the task): wake up then too, to answer "expired".
-                left = give_up - loop.time()
-                until = until_deadline_s(state, datetime.now(UTC))
-                if until is not None:
-                    left = min(left, until + _DEADLINE_SLACK_S)
-                try:
-                    return await store.wait(task_id, max(left, 0.0), queue=queue)
-                except ResultTimeoutError as e:
-                    if loop.time() >= give_up:
-                        final = as_seen_at(_state_of(e.last), datetime.now(UTC))
-                        if final is not None and final.status.terminal:
-                            return final
-                        raise ResultTimeoutError(task_id, timeout_s, e.last) from None
-        except Exception as e:
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
+        return await self._reader.result(task_id, queue, timeout_s)
 
     # -- streams and inboxes ------------------------------------------------------------
     @property
     def streams(self) -> StreamStore:
         """The stream store (task streams, session inboxes), opened on first use."""
-        if self._streams is None:
-            from weclaw_mq.streaming.redis import (
-                open_redis_streams,  # loads redis-py: only when used
-            )
-
-            self._streams = open_redis_streams(self.settings)
-        return self._streams
-
-    def _read_block_s(self) -> float:
-        # How long one read waits (woken by a write) before the reader's loop takes its turn.
-        return self.settings.redis_timeout_s / 2
+        return self._reader.streams
 
     def stream(
         self, task_id: str, after: str | None = None, *, queue: str | None = None
@@ -1001,22 +519,7 @@ class App:
                 id (raised here, not at the first event).
             StateUnavailableError: While iterating: Redis fails.
         """
-        self._require_results()
-        if after is not None:
-            check_event_id(after)  # here, not at the first event: the caller's mistake
-
-        def final_state(timeout_s: float) -> Awaitable[TaskState]:
-            # The final state exactly as result() answers it (expired included).
-            return self.result(task_id, queue=queue, timeout_s=timeout_s)
-
-        return task_events(
-            self.streams,
-            task_id,
-            after,
-            final_state=final_state,
-            queue=queue,
-            block_s=self._read_block_s(),
-        )
+        return self._reader.stream(task_id, after, queue)
 
     def inbox(self, session_id: str, *, after: str | None = None) -> Inbox:
         """The session's inbox.
@@ -1036,12 +539,7 @@ class App:
             ConfigurationError: An invalid ``session_id``, or an ``after`` that is not a
                 stream event id.
         """
-        return Inbox(
-            self.streams,
-            validate_session_id(session_id),
-            after=after,
-            block_s=self._read_block_s(),
-        )
+        return self._reader.inbox(session_id, after)
 
     async def cancel(
         self, task_id: str, *, queue: str | None = None, pending: bool = True
@@ -1074,24 +572,7 @@ class App:
             StateUnavailableError: The store fails or does not answer.
             StateCommandError: Redis answered with an error (not an outage).
         """
-        check_task_id(task_id)
-        if queue is not None:
-            validate_queue_name(queue)
-        store = self.store
-        if store is None:
-            raise ConfigurationError(
-                "cancelling needs the task store: turn results on (WECLAW_MQ_RESULTS_ENABLED) "
-                "or guard a handler (idempotent=True)"
-            )
-        try:
-            if not pending and await store.get(task_id, queue=queue) is None:
-                latest = await store.get(task_id) if queue is not None else None
-                return Cancellation(task_id, CancelOutcome.UNKNOWN, None, latest)
-            return await store.cancel(task_id, queue=queue)
-        except Exception as e:  # a custom store on redis-py, unwrapped
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
+        return await self._reader.cancel(task_id, queue, pending)
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:
@@ -1122,7 +603,7 @@ class App:
             OutboxUnusableError: The file is corrupt or cannot be written.
             ConfigurationError: No outbox is configured (``WECLAW_MQ_OUTBOX_PATH``).
         """
-        return await self._require_outbox().open()
+        return await self._engine.start_outbox()
 
     def add_to_outbox(
         self,
@@ -1153,11 +634,7 @@ class App:
             PayloadError: As in ``prepare`` (and its subclasses).
             ConfigurationError: As in ``prepare``.
         """
-        from weclaw_mq.outbox import add_message
-
-        message = self.prepare(queue, payload, task_id=task_id, trace_id=trace_id, headers=headers)
-        add_message(conn, queue, message)
-        return message.message_id or ""
+        return self._engine.add_to_outbox(conn, queue, payload, task_id, trace_id, headers)
 
     async def stored_locally(self, task_id: str) -> bool:
         """Whether the outbox holds the task now, i.e. it is not on the broker yet.
@@ -1168,12 +645,7 @@ class App:
         Returns:
             True while the outbox holds it; False when no outbox is configured.
         """
-        return self._local is not None and await self._local.holds(task_id)
-
-    def _require_outbox(self) -> LocalFallback:
-        if self._local is None:
-            raise ConfigurationError("no outbox configured: set WECLAW_MQ_OUTBOX_PATH")
-        return self._local
+        return await self._engine.stored_locally(task_id)
 
     async def close(self) -> None:
         """Close what this App opened: the outbox relay, the publisher, and the stores.
@@ -1182,25 +654,12 @@ class App:
         Redis did not answer by then is dropped (logged). Stores passed in by the caller
         are left open.
         """
-        if self._local is not None:
-            await self._local.close()  # the relay first: its status writes use the store
-        if self._record_writes:
-            # Before the store closes: a healthy Redis finishes them in milliseconds.
-            _, late = await asyncio.wait(self._record_writes, timeout=QUEUED_RECORD_CLOSE_WAIT_S)
-            for write in late:
-                write.cancel()
-            if late:
-                log.warning("dropped %d queued-status write(s) Redis did not answer", len(late))
-                await asyncio.wait(late)
+        await self._engine.finish()  # the relay and pending "queued" writes use the store
         try:
-            if self._publisher is not None:
-                publisher, self._publisher = self._publisher, None
-                await publisher.close()  # bounded, never raises
+            await self._engine.close()
         finally:
             try:
-                if self._streams is not None and self._owns_streams:
-                    streams, self._streams = self._streams, None
-                    await streams.close()
+                await self._reader.close()
             finally:
                 if self._store is not None and self._owns_store:
                     store, self._store = self._store, None

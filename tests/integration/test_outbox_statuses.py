@@ -135,7 +135,7 @@ async def test_a_confirm_that_comes_too_late_never_turns_a_dead_letter_into_stor
     app = rejecting(up(), qname)
     await app.declare()
     await start_worker(app)
-    send = app._send
+    send = app._engine._send
 
     async def confirmed_too_late(queue: str, message: aio_pika.Message) -> str:
         """The broker took the task and a worker ended it before the confirm came back: the
@@ -149,7 +149,7 @@ async def test_a_confirm_that_comes_too_late_never_turns_a_dead_letter_into_stor
         await wait_until(dead_lettered, 20, "the worker to dead-letter the task")
         raise ConfirmTimeoutError("no confirm in time", queue=queue, task_id=task_id)
 
-    monkeypatch.setattr(app, "_send", confirmed_too_late)
+    monkeypatch.setattr(app._engine, "_send", confirmed_too_late)
     task_id = await app.publish(qname, {"n": 1})
     assert await app.stored_locally(task_id)
 

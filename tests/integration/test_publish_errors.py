@@ -190,7 +190,7 @@ async def test_the_relay_reaching_the_broker_ends_the_publishers_backoff_step(
     async with App("t", settings=settings) as app:
         with pytest.raises(BrokerUnavailableError):
             await app.publish(qname, {"text": "hi"}, task_id="refused-2")
-        publisher = app._get_publisher()
+        publisher = app._engine.get_publisher()
         assert publisher.unavailable() is not None, "a connect just failed: the next waits"
         publisher.broker_reached()
         assert publisher.unavailable() is None

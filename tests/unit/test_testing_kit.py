@@ -274,11 +274,11 @@ async def test_the_app_and_the_clock_are_given_back_on_exit() -> None:
     async def record(job: Job) -> None:
         return None
 
-    before = (app._publisher, app._store, app._streams, app._local)
+    before = (app._engine.publisher, app._store, app._reader._streams, app._engine.local)
     async with TestBroker(app) as broker:
         broker.advance(3600)
         assert lifetime.now_ms() >= int(time.time() * 1000) + 3_599_000
-    assert (app._publisher, app._store, app._streams, app._local) == before
+    assert (app._engine.publisher, app._store, app._reader._streams, app._engine.local) == before
     assert lifetime.now_ms() <= int(time.time() * 1000)
 
 
@@ -364,7 +364,9 @@ async def test_two_apps_with_a_handler_on_one_queue_are_refused_and_given_back()
     with pytest.raises(ConfigurationError, match="in two of the apps"):
         async with TestBroker(first, second):
             pass
-    assert (first._publisher, first._store, second._publisher, second._store) == (None,) * 4
+    assert (first._engine.publisher, first._store, second._engine.publisher, second._store) == (
+        None,
+    ) * 4
     assert lifetime.now_ms() <= int(time.time() * 1000)
 
 

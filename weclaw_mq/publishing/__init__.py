@@ -1,6 +1,3 @@
-"""The publishing room: broker connections with failover, confirmed publishing."""
-
-from weclaw_mq.wire.connection import BrokerEndpoints
-from weclaw_mq.wire.producer import Publisher
-
-__all__ = ["BrokerEndpoints", "Publisher"]
+"""The publishing side of an App: ``engine.PublishingEngine`` (prepare, route, confirmed
+publish, batches, the declare at the first publish, the local outbox) and the "queued" records
+written beside each publish (``queued_records``)."""

@@ -124,7 +124,8 @@ class TestBroker:
         # Per handler queue: its spec, the runtime of its app, and its deliveries in flight.
         self._handlers: dict[str, tuple[HandlerSpec, Runtime]] = {}
         self._in_flight = InFlight()
-        self._saved: list[dict[str, Any]] = []
+        # Per app swapped: (holder, attribute, value before) of each slot, to put back.
+        self._saved: list[list[tuple[object, str, Any]]] = []
         self._listener: asyncio.Task[None] | None = None
         self._previous_clock: Any = None
         self._counted_before: dict[str, dict[str, int]] = {}
@@ -168,19 +169,27 @@ class TestBroker:
         if self._previous_clock is not None:
             lifetime.use_wall_clock(self._previous_clock)
         # Those swapped so far, last first: an app given twice ends as it was before the first.
-        swapped = list(zip(self.apps, self._saved, strict=False))
-        for app, saved in reversed(swapped):
-            for name, value in saved.items():
-                setattr(app, name, value)
+        for saved in reversed(self._saved):
+            for holder, name, value in saved:
+                setattr(holder, name, value)
 
     def _attach(self, app: App) -> None:
         """Swap the app's broker, stores and outbox for ours (put back on exit) and build the
         worker runtime its handlers run in."""
-        # App's private slots: the seam the test kit shares with App, and nothing else uses.
-        names = ("_publisher", "_store", "_owns_store", "_streams", "_owns_streams", "_local")
-        self._saved.append({name: getattr(app, name) for name in names})
+        # The slots of App, its publishing engine and its results reader that the test kit
+        # swaps: the seam it shares with them, and nothing else uses.
+        engine, reader = app._engine, app._reader
+        slots = (
+            (app, "_store"),
+            (app, "_owns_store"),
+            (engine, "publisher"),
+            (engine, "local"),
+            (reader, "_streams"),
+            (reader, "_owns_streams"),
+        )
+        self._saved.append([(holder, name, getattr(holder, name)) for holder, name in slots])
         publisher = MemoryPublisher(self.memory, app)
-        app._publisher = publisher
+        engine.publisher = publisher
         # As the app would open Redis: only when results are on or a handler is guarded.
         if (
             app._store is not None
@@ -188,8 +197,8 @@ class TestBroker:
             or any(s.idempotent for s in app.handlers.values())
         ):
             app._store, app._owns_store = self.store, False
-        app._streams, app._owns_streams = self.streams, False
-        app._local = None
+        reader._streams, reader._owns_streams = self.streams, False
+        engine.local = None
         runtime = Runtime(
             app=app,
             settings=app.settings,

@@ -32,7 +32,7 @@ Shared by every handler of the vhost (``ladder_declarations``):
 | weclaw_mq.unroutable.dlq   | quorum          | the parking queue, read by the DLQ tools     |
 
 A retried, deferred or delayed task is published to the fanout exchange of the delay queue
-with its lane as routing key (``worker.settle``, ``App._route``); on expiry it is
+with its lane as routing key (``worker.settle``, ``PublishingEngine._route``); on expiry it is
 dead-lettered through the return exchange by that key, back to its lane. One delay queue per
 delay value on the vhost (the step queues of ``delays.STEP_DELAYS_MS``, the limits' deferral
 ladder, and each distinct retry-policy delay), whatever the number of handlers: RabbitMQ
@@ -160,8 +160,8 @@ def delay_queue_arguments(delay_ms: int) -> dict[str, object]:
     messages only at the head of a queue, so mixed per-message delays in one queue would hold
     short delays behind long ones. No x-dead-letter-routing-key: an expired message goes back
     through the return exchange by the routing key it was published with, its lane
-    (``Settler``, ``App._route``); a lane that is gone matches no binding and the return
-    exchange's alternate exchange parks the task."""
+    (``Settler``, ``PublishingEngine._route``); a lane that is gone matches no binding and the
+    return exchange's alternate exchange parks the task."""
     args = _quorum_dead_lettering(None)
     args["x-message-ttl"] = delay_ms
     return args
