@@ -314,6 +314,13 @@ MISTAKES: list[Mistake] = [
         "Redis",
         id="cancel-redis-down",
     ),
+    Mistake(
+        ["inspect", DEMO_APP],
+        REDIS_DOWN,
+        ExitCode.STATE_UNAVAILABLE,
+        "Redis",
+        id="inspect-redis-down",
+    ),
 ]
 
 
@@ -345,6 +352,7 @@ EVERY_COMMAND = {
     "migrate": ["migrate", DEMO_APP],
     "permissions": ["permissions", DEMO_APP],
     "asyncapi": ["asyncapi", DEMO_APP],
+    "inspect": ["inspect", DEMO_APP],
     "publish": ["publish", "some-queue", "--data", "{}"],
     "status": ["status", "some-task"],
     "cancel": ["cancel", "some-task"],
