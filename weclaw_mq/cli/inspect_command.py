@@ -157,7 +157,7 @@ def duration(seconds: float) -> str:
     unit below the largest."""
     if seconds < 59.95:  # what rounds to 60.0 is a minute
         return f"{max(seconds, 0.0):.1f}s"
-    whole = int(seconds)
+    whole = round(seconds)
     if whole < 3600:
         return f"{whole // 60}m{whole % 60:02d}s"
     if whole < 86400:
