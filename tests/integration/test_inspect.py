@@ -13,6 +13,7 @@ import json
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,26 +36,61 @@ from weclaw_mq.state.worker_registry import WorkerRecord, WorkerRegistry, regist
 BEAT_S = 0.1
 
 
+@dataclass
+class Inspecting:
+    """One test's apps and workers, the registry as ``inspect`` reads it (a client of its own,
+    no store), and the CLI's environment."""
+
+    make_app: Callable[..., App]
+    start_worker: Callable[..., Any]
+    registry: WorkerRegistry
+    broker_url: str
+    redis_url: str
+    record_dir: Path
+
+    def env(self, queue: str, **overrides: Any) -> dict[str, str]:
+        """The environment of ``weclaw-mq inspect`` on the fixture app of ``queue``."""
+        settings = settings_for(self.broker_url, self.redis_url, **overrides)
+        return {
+            **settings_env(settings),
+            "TEST_QUEUE": queue,
+            "TEST_RECORD_DIR": str(self.record_dir),
+        }
+
+    async def record(self, worker_id: str) -> WorkerRecord | None:
+        return next((r for r in await self.registry.read() if r.worker_id == worker_id), None)
+
+    async def until(
+        self, worker_id: str, holds: Callable[[WorkerRecord], bool], what: str
+    ) -> WorkerRecord:
+        """The record of ``worker_id`` once a beat makes ``holds`` true of it."""
+        seen: list[WorkerRecord] = []
+
+        async def beaten() -> bool:
+            record = await self.record(worker_id)
+            if record is not None and holds(record):
+                seen.append(record)
+            return bool(seen)
+
+        await wait_until(beaten, what=what)
+        return seen[0]
+
+
 @pytest.fixture
-async def registry(broker_url: str, redis_url: str) -> AsyncIterator[WorkerRegistry]:
-    """The registry as ``inspect`` reads it: a client of its own, no store."""
+async def inspecting(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    broker_url: str,
+    redis_url: str,
+    tmp_path: Path,
+) -> AsyncIterator[Inspecting]:
     client = open_client(settings_for(broker_url, redis_url))
     try:
-        yield WorkerRegistry(client)
+        yield Inspecting(
+            make_app, start_worker, WorkerRegistry(client), broker_url, redis_url, tmp_path
+        )
     finally:
         await client.aclose()
-
-
-async def record_of(registry: WorkerRegistry, worker_id: str) -> WorkerRecord | None:
-    return next((r for r in await registry.read() if r.worker_id == worker_id), None)
-
-
-def cli_env(
-    broker_url: str, redis_url: str, queue: str, record_dir: Path, **overrides: Any
-) -> dict[str, str]:
-    """The environment of ``weclaw-mq inspect`` on the fixture app of ``queue``."""
-    settings = settings_for(broker_url, redis_url, **overrides)
-    return {**settings_env(settings), "TEST_QUEUE": queue, "TEST_RECORD_DIR": str(record_dir)}
 
 
 async def inspect_json(env: dict[str, str]) -> dict[str, Any]:
@@ -77,26 +113,19 @@ def gated(app: App, queue: str) -> tuple[asyncio.Event, asyncio.Event]:
 
 
 async def test_inspect_lists_a_running_task_while_it_runs_and_not_after(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    registry: WorkerRegistry,
-    qname: str,
-    tmp_path: Path,
-    broker_url: str,
-    redis_url: str,
+    inspecting: Inspecting, qname: str
 ) -> None:
-    app = make_app("inspect-running", worker_beat_s=BEAT_S)
+    app = inspecting.make_app("inspect-running", worker_beat_s=BEAT_S)
     started, release = gated(app, qname)
-    worker: Worker = await start_worker(app, concurrency=3)
+    worker: Worker = await inspecting.start_worker(app, concurrency=3)
     task_id = await app.publish(qname, {"n": 1})
     await wait_until(started.is_set, what="the handler to start")
-
-    async def running() -> bool:
-        record = await record_of(registry, worker.worker_id)
-        return record is not None and [t.running_s is not None for t in record.tasks] == [True]
-
-    await wait_until(running, what="a beat that lists the running task")
-    env = cli_env(broker_url, redis_url, qname, tmp_path)
+    await inspecting.until(
+        worker.worker_id,
+        lambda r: [t.running_s is not None for t in r.tasks] == [True],
+        "a beat that lists the running task",
+    )
+    env = inspecting.env(qname)
     shown = await inspect_json(env)
 
     assert shown["app"] == "fixture" and shown["queues"] == [qname]
@@ -128,11 +157,7 @@ async def test_inspect_lists_a_running_task_while_it_runs_and_not_after(
     release.set()
     await wait_until(lambda: worker.in_flight == 0, what="the task to end")
 
-    async def idle() -> bool:
-        record = await record_of(registry, worker.worker_id)
-        return record is not None and record.in_flight == 0
-
-    await wait_until(idle, what="a beat after the task ended")
+    await inspecting.until(worker.worker_id, lambda r: r.in_flight == 0, "a beat after it ended")
     (me,) = (await inspect_json(env))["workers"]
     assert (me["in_flight"], me["tasks"], me["more"]) == (0, [], 0)
     table = await run_cli("inspect", FIXTURE_APP, env=env)
@@ -140,39 +165,37 @@ async def test_inspect_lists_a_running_task_while_it_runs_and_not_after(
 
 
 async def test_a_worker_stopped_gracefully_disappears_at_once(
-    make_app: Callable[..., App], registry: WorkerRegistry, qname: str
+    inspecting: Inspecting, qname: str
 ) -> None:
     # A long beat: only the stop's delete can make the record go within the test.
-    app = make_app("inspect-stop", worker_beat_s=60)
+    app = inspecting.make_app("inspect-stop", worker_beat_s=60)
     gated(app, qname)
     worker = Worker(app)
     running = asyncio.create_task(worker.run())
     try:
-        await wait_until(
-            lambda: record_of(registry, worker.worker_id), what="the worker's first beat"
-        )
+        await inspecting.until(worker.worker_id, lambda r: True, "the worker's first beat")
     finally:
         worker.stop()
         await asyncio.wait_for(running, 30)
 
-    assert await record_of(registry, worker.worker_id) is None
+    assert await inspecting.record(worker.worker_id) is None
 
 
 async def test_a_worker_killed_without_stopping_disappears_after_its_ttl(
-    registry: WorkerRegistry, qname: str, tmp_path: Path, broker_url: str, redis_url: str
+    inspecting: Inspecting, qname: str
 ) -> None:
     beat_s = 1.0
     async with worker_fleet(
         queue=qname,
-        work_dir=tmp_path,
-        broker_url=broker_url,
-        redis_url=redis_url,
+        work_dir=inspecting.record_dir,
+        broker_url=inspecting.broker_url,
+        redis_url=inspecting.redis_url,
         worker_beat_s=beat_s,
     ) as fleet:
         process = await fleet.start_consuming()
 
         async def listed() -> WorkerRecord | None:
-            mine = (r for r in await registry.read() if qname in r.queues)
+            mine = (r for r in await inspecting.registry.read() if qname in r.queues)
             return next((r for r in mine if r.pid == process.pid), None)
 
         await wait_until(listed, what="the worker process's beat")
@@ -189,11 +212,9 @@ async def test_a_worker_killed_without_stopping_disappears_after_its_ttl(
         )
         assert loop.time() - killed_at <= 3 * beat_s + 2.0  # its TTL, not the wait's bound
 
-        shown = await inspect_json(cli_env(broker_url, redis_url, qname, fleet.record_dir))
+        shown = await inspect_json(inspecting.env(qname))
         assert shown["workers"] == [] and shown["unserved_queues"] == [qname]
-        table = await run_cli(
-            "inspect", FIXTURE_APP, env=cli_env(broker_url, redis_url, qname, fleet.record_dir)
-        )
+        table = await run_cli("inspect", FIXTURE_APP, env=inspecting.env(qname))
         assert table.stdout.strip() == (
             f"no live worker consumes the queues of app 'fixture' ({qname})"
         )
@@ -204,38 +225,24 @@ async def _absent(listed: Callable[[], Any]) -> bool:
 
 
 async def test_a_record_lists_at_most_the_concurrency_and_counts_the_rest(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    registry: WorkerRegistry,
-    qname: str,
-    tmp_path: Path,
-    broker_url: str,
-    redis_url: str,
+    inspecting: Inspecting, qname: str
 ) -> None:
     # Concurrency 1 over two queues: two tasks in flight, one listed.
-    app = make_app("inspect-bounded", worker_beat_s=BEAT_S)
+    app = inspecting.make_app("inspect-bounded", worker_beat_s=BEAT_S)
     first, second = f"{qname}-a", f"{qname}-b"
     started_a, release_a = gated(app, first)
     started_b, release_b = gated(app, second)
-    worker: Worker = await start_worker(app, concurrency=1)
+    worker: Worker = await inspecting.start_worker(app, concurrency=1)
     task_a = await app.publish(first, {"n": 1})
     await wait_until(started_a.is_set, what="the first handler to start")
     await app.publish(second, {"n": 2})
     await wait_until(started_b.is_set, what="the second handler to start")
 
-    async def both() -> bool:
-        record = await record_of(registry, worker.worker_id)
-        return record is not None and record.in_flight == 2
-
-    await wait_until(both, what="a beat with both tasks")
-    record = await record_of(registry, worker.worker_id)
-    assert record is not None
+    record = await inspecting.until(worker.worker_id, lambda r: r.in_flight == 2, "both tasks")
     assert (len(record.tasks), record.more) == (1, 1)
     assert record.tasks[0].task_id == task_a  # the longest-running first
 
-    table = await run_cli(
-        "inspect", FIXTURE_APP, env=cli_env(broker_url, redis_url, first, tmp_path)
-    )
+    table = await run_cli("inspect", FIXTURE_APP, env=inspecting.env(first))
     assert table.code == 0, table.stderr
     assert "  ... and 1 more (a record lists at most 1)" in table.stdout.splitlines()
     release_a.set()
@@ -243,15 +250,9 @@ async def test_a_record_lists_at_most_the_concurrency_and_counts_the_rest(
 
 
 async def test_without_redis_no_record_is_written_and_inspect_says_why_in_one_line(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    registry: WorkerRegistry,
-    qname: str,
-    tmp_path: Path,
-    broker_url: str,
-    redis_url: str,
+    inspecting: Inspecting, qname: str
 ) -> None:
-    app = make_app("inspect-off", results_enabled=False, worker_beat_s=BEAT_S)
+    app = inspecting.make_app("inspect-off", results_enabled=False, worker_beat_s=BEAT_S)
     done = asyncio.Event()
 
     @app.handler(qname, idempotent=False)
@@ -259,15 +260,17 @@ async def test_without_redis_no_record_is_written_and_inspect_says_why_in_one_li
         done.set()
 
     assert app.store is None and registry_of(app.store) is None  # no Redis at all
-    await start_worker(app)
+    await inspecting.start_worker(app)
     await app.publish(qname, {"n": 1})
     await wait_until(done.is_set, what="the task to run")
     # A worker's first beat leaves before it connects: one of this worker would be there.
-    assert not [r for r in await registry.read() if qname in r.queues]
+    assert not [r for r in await inspecting.registry.read() if qname in r.queues]
 
     # The guard app's handler claims nothing with GUARD_APP_IDEMPOTENT=0.
     env = {
-        **settings_env(settings_for(broker_url, redis_url, results_enabled=False)),
+        **settings_env(
+            settings_for(inspecting.broker_url, inspecting.redis_url, results_enabled=False)
+        ),
         "GUARD_APP_QUEUE": qname,
         "GUARD_APP_RECORD_KEY": f"{qname}:unused",
         "GUARD_APP_IDEMPOTENT": "0",
