@@ -850,8 +850,11 @@ class RedisTaskStore:
                 await asyncio.sleep(delay_s)
 
     def worker_registry(self) -> WorkerRegistry:
-        """The worker registry (``weclaw-mq inspect``) in this store's Redis; its writes share
-        the store's auto-pipeline."""
+        """The worker registry (``weclaw-mq inspect``) in this store's Redis.
+
+        Returns:
+            The registry; its writes (a worker's beats) share the store's auto-pipeline.
+        """
         return WorkerRegistry(self._redis, self._pipe)
 
     async def close(self) -> None:
