@@ -185,6 +185,10 @@ class Settings(EnvSettings):
     # lapsed (the worker died) is free at once, without waiting out guard_lease_s. A worker
     # whose event loop stalls longer than this looks dead to the others.
     guard_heartbeat_ttl_s: float = seconds(5.0, floor=0.5, ceiling=300.0)
+    # 'weclaw-mq inspect' (weclaw_mq.state.worker_registry): a worker with a Redis task store
+    # writes what it runs to Redis this often, off the delivery path; the record lives three
+    # beats, so a worker killed without stopping disappears within 3 x this.
+    worker_beat_s: float = seconds(5.0, floor=0.1, ceiling=300.0)
 
     # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
     # the broker unreachable, or whose outcome is unknown, are stored there and relayed.

@@ -336,6 +336,13 @@ MISTAKES: list[Mistake] = [
         "Redis",
         id="cancel-redis-down",
     ),
+    Mistake(
+        ["inspect", DEMO_APP],
+        REDIS_DOWN,
+        ExitCode.STATE_UNAVAILABLE,
+        "Redis",
+        id="inspect-redis-down",
+    ),
 ]
 
 
@@ -367,6 +374,7 @@ EVERY_COMMAND = {
     "migrate": ["migrate", DEMO_APP],
     "permissions": ["permissions", DEMO_APP],
     "asyncapi": ["asyncapi", DEMO_APP],
+    "inspect": ["inspect", DEMO_APP],
     "publish": ["publish", "some-queue", "--data", "{}"],
     "status": ["status", "some-task"],
     "cancel": ["cancel", "some-task"],

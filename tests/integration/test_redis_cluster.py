@@ -1,27 +1,33 @@
 """The Redis store on a Redis Cluster of the session's own (three primaries), beyond the core
 cases ``test_task_stores.py`` runs on it: what differs on a cluster is that a task's keys
 live on one node of several, so a pipeline spans nodes and a waiter may subscribe on a node
-other than the one whose script publishes.
+other than the one whose script publishes. Also the worker registry (``weclaw-mq inspect``)
+of a worker whose store is the cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import settings_for, wait_until
+from tests.conftest import delete_queues, settings_for, wait_until
+from tests.integration.processes import FIXTURE_APP, queue_names, run_cli, settings_env
 from tests.private_servers import PrivateRedisCluster
+from weclaw_mq import App, Worker
 from weclaw_mq.admin.dependency_checks import check_redis
-from weclaw_mq.contract.naming import done_channel, guard_key
+from weclaw_mq.contract.naming import WORKER_INDEX_KEY, done_channel, guard_key, worker_key
 from weclaw_mq.state import CancelOutcome, Claim, TaskState, TaskStatus, open_store
 from weclaw_mq.state.redis import RedisTaskStore
 from weclaw_mq.state.redis_clients import open_client
+from weclaw_mq.state.worker_registry import WorkerRegistry
 from weclaw_mq.streaming.events import attempt_entry, chunk_entry, encode_data, final_entry
 from weclaw_mq.streaming.redis import open_redis_streams
 
@@ -280,3 +286,64 @@ async def test_a_thousand_waiters_on_every_node_fit_a_pool_of_four_per_node(
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
         await small.close()
+
+
+async def test_inspect_lists_a_worker_running_on_a_cluster_and_forgets_it_at_its_stop(
+    redis_cluster: PrivateRedisCluster,
+    qname: str,
+    tmp_path: Path,
+    broker_url: str,
+) -> None:
+    # The registry's keys share the tag {workers}: one slot, so the beat's script (through
+    # the store's cluster pipeline) and the read's MGET each run whole on one node.
+    probe = redis_cluster.nodes[0].client()
+    try:
+        slots = {int(probe.cluster("keyslot", k)) for k in (WORKER_INDEX_KEY, worker_key("w"))}
+    finally:
+        probe.close()
+    assert len(slots) == 1
+    app = App(
+        "cluster-inspect", settings=settings_for(broker_url, redis_cluster.url, worker_beat_s=0.1)
+    )
+    started, release = asyncio.Event(), asyncio.Event()
+
+    @app.handler(qname)
+    async def hold(task: dict[str, int]) -> None:
+        started.set()
+        await release.wait()
+
+    worker = Worker(app, concurrency=2)
+    running = asyncio.create_task(worker.run())
+    client = open_client(settings_for(broker_url, redis_cluster.url))
+    registry = WorkerRegistry(client)
+    try:
+        await asyncio.wait_for(worker.ready.wait(), 20)
+        task_id = await app.publish(qname, {"n": 1})
+        await wait_until(started.is_set, what="the handler to start")
+
+        async def listed() -> list[str]:
+            records = [r for r in await registry.read() if r.worker_id == worker.worker_id]
+            return [t.task_id for r in records for t in r.tasks if t.running_s is not None]
+
+        await wait_until(listed, what="a beat on the cluster")
+        env = {
+            **settings_env(settings_for(broker_url, redis_cluster.url)),
+            "TEST_QUEUE": qname,
+            "TEST_RECORD_DIR": str(tmp_path),
+        }
+        shown = await run_cli("inspect", FIXTURE_APP, "--json", env=env)
+        assert shown.code == 0, shown.stderr
+        (me,) = json.loads(shown.stdout)["workers"]
+        assert me["worker_id"] == worker.worker_id
+        assert [t["task_id"] for t in me["tasks"]] == [task_id]
+        release.set()
+    finally:
+        release.set()
+        worker.stop()
+        await asyncio.wait_for(running, 30)
+    try:
+        assert [r for r in await registry.read() if r.worker_id == worker.worker_id] == []
+    finally:
+        await client.aclose()
+        await app.close()
+        await delete_queues(broker_url, queue_names(app))

@@ -405,3 +405,7 @@ cli.command("permissions")(permissions)
 from weclaw_mq.cli.asyncapi_command import asyncapi  # noqa: E402
 
 cli.command("asyncapi")(asyncapi)
+
+from weclaw_mq.cli.inspect_command import inspect_workers  # noqa: E402
+
+cli.command("inspect")(inspect_workers)

@@ -256,6 +256,30 @@ def cancel_key(task_id: str) -> str:
     return f"{CANCEL_KEY_PREFIX}:{_tagged(task_id)}"
 
 
+# -- Redis keys of the worker registry (state.worker_registry, read by ``weclaw-mq inspect``) --
+#
+#     weclaw_mq:workers:{workers}       the index: every live worker's id, scored by the Redis
+#                                       time (ms) its record lapses at
+#     weclaw_mq:worker:{workers}:<W>    worker W's record (JSON: host, pid, queues, what it
+#                                       runs now), expiring a few beats after its last
+#
+# Not the guard's ``heartbeat_key`` (one per task store, which claims name). Every key of the
+# registry carries the one hash tag ``{workers}``: on a Redis Cluster they share a slot, so one
+# script writes a record with its index entry, and one MGET reads every record.
+
+# The worker registry's index: every live worker's id, scored by the Redis time (ms) at which
+# its record lapses.
+WORKER_INDEX_KEY = f"{REDIS_PREFIX}:workers:{{workers}}"
+# One worker's record in the registry, beside the index in its slot.
+WORKER_KEY_PREFIX = f"{REDIS_PREFIX}:worker:{{workers}}"
+
+
+def worker_key(worker_id: str) -> str:
+    """One worker's record in the worker registry (JSON: its host, pid, queues and the tasks
+    it runs), written every ``worker_beat_s`` and lapsing three beats after the last."""
+    return f"{WORKER_KEY_PREFIX}:{worker_id}"
+
+
 def queue_key_pattern(prefix: str, queue: str) -> str:
     """A SCAN pattern for every key under ``prefix`` of ``queue`` (e.g. its guard keys)."""
     return f"{prefix}:{len(queue.encode())}:{queue}:{{*"

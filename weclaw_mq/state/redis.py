@@ -57,6 +57,7 @@ from weclaw_mq.state.redis_clients import (
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
 from weclaw_mq.state.transitions import TRANSITIONS, narrowing
+from weclaw_mq.state.worker_registry import WorkerRegistry
 
 log = logging.getLogger("weclaw_mq.state")
 
@@ -847,6 +848,14 @@ class RedisTaskStore:
                     _RECHECK_S,
                 )
                 await asyncio.sleep(delay_s)
+
+    def worker_registry(self) -> WorkerRegistry:
+        """The worker registry (``weclaw-mq inspect``) in this store's Redis.
+
+        Returns:
+            The registry; its writes (a worker's beats) share the store's auto-pipeline.
+        """
+        return WorkerRegistry(self._redis, self._pipe)
 
     async def close(self) -> None:
         """Stop renewing leases, close the wake-up subscription and the auto-pipeline.

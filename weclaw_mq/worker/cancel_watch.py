@@ -27,11 +27,12 @@ log = logging.getLogger("weclaw_mq.worker")
 class Watch:
     """One delivery's view of cancel requests."""
 
-    __slots__ = ("_deadline", "_event", "queue", "requested", "task_id")
+    __slots__ = ("_deadline", "_event", "attempt", "queue", "requested", "task_id")
 
-    def __init__(self, queue: str, task_id: str) -> None:
+    def __init__(self, queue: str, task_id: str, attempt: int = 1) -> None:
         self.queue = queue
         self.task_id = task_id
+        self.attempt = attempt
         self.requested = False
         self._event: asyncio.Event | None = None  # made only for a handler that takes ctx
         self._deadline: Deadline | None = None
@@ -57,6 +58,12 @@ class Watch:
         if self.requested:
             deadline.end_now()
 
+    def handler_started(self) -> float | None:
+        """When (``time.monotonic``) its handler started; None before (read at a worker's beat,
+        ``worker.beat``: the deadline the handler runs under knows, no clock read per delivery)."""
+        started: float | None = getattr(self._deadline, "started", None)  # set once entered
+        return started
+
 
 class Cancels:
     """The deliveries of one worker and the requests for them."""
@@ -71,12 +78,16 @@ class Cancels:
 
     # A pair of calls rather than a context manager: this runs for every delivery, where a
     # generator-based one costs more than the watch itself (make bench-own-cost).
-    def watch(self, queue: str, task_id: str) -> Watch:
-        """Watch a delivery of ``task_id`` from ``queue``; ``unwatch(watch)`` it when it
-        ends."""
-        watch = Watch(queue, task_id)
+    def watch(self, queue: str, task_id: str, attempt: int = 1) -> Watch:
+        """Watch a delivery of ``task_id`` (its ``attempt``) from ``queue``; ``unwatch(watch)``
+        it when it ends."""
+        watch = Watch(queue, task_id, attempt)
         self._watched.add(watch)
         return watch
+
+    def watched(self) -> list[Watch]:
+        """Every delivery being processed now (for the worker's beat, ``worker.beat``)."""
+        return list(self._watched)
 
     def request(self, task_id: str, queue: str | None) -> None:
         """A cancel request for ``task_id`` in ``queue`` (None: every queue)."""

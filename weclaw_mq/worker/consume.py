@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import socket
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from weclaw_mq.policy.breaker import CircuitState
 from weclaw_mq.policy.broker_version import ServerVersion
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
+from weclaw_mq.state.worker_registry import registry_of
 from weclaw_mq.wire.broker_load import read_broker_load
 from weclaw_mq.wire.connection import (
     CLOSE_TIMEOUT_S,
@@ -49,6 +51,7 @@ from weclaw_mq.wire.connection import (
 from weclaw_mq.wire.producer import Publisher
 from weclaw_mq.wire.topology import declare
 from weclaw_mq.worker import ends
+from weclaw_mq.worker.beat import Beat
 from weclaw_mq.worker.cancel_watch import Cancels
 from weclaw_mq.worker.deadlines import Deadlines
 from weclaw_mq.worker.health import QueueState, WorkerHealth
@@ -143,6 +146,8 @@ class Worker:
         for spec in self.specs:
             app.metrics.count_in_flight(spec.queue, self._in_flight.of(spec.queue).__len__)
         self._name = f"{app.name}-worker-{socket.gethostname()}-{os.getpid()}"
+        # Its id in the worker registry (``weclaw-mq inspect``; worker.beat).
+        self.worker_id = uuid.uuid4().hex[:16]
         # For health(), read from the metrics server's thread: the session's connections
         # (consuming, publishing), and the queues whose consumer the broker cancelled and
         # that are not consumed again yet.
@@ -226,15 +231,41 @@ class Worker:
         load_check = (
             asyncio.create_task(self._warn_about_broker_load()) if self.broker_load_check else None
         )
+        # What it runs, for 'weclaw-mq inspect': in the store's Redis, none without one.
+        beat = self._beat(store)
+        beating = asyncio.create_task(beat.run(self._stop)) if beat is not None else None
         try:
             with tolerant_properties():
                 await self._run()
         finally:
-            for task in (listener, announcer, load_check):
+            for task in (listener, announcer, load_check, beating):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+            if beat is not None:
+                await beat.leave()
+
+    def _beat(self, store: object) -> Beat | None:
+        registry = registry_of(store)
+        if registry is None:
+            return None
+        return Beat(
+            registry,
+            worker_id=self.worker_id,
+            app=self.app.name,
+            queues=[s.queue for s in self.specs],
+            concurrency=self.concurrency,
+            cancels=self.cancels,
+            state=self._state,
+            interval_s=self.settings.worker_beat_s,
+            leave_timeout_s=self.settings.redis_timeout_s,
+        )
+
+    def _state(self) -> str:
+        if self._stop.is_set():
+            return "stopping"
+        return "consuming" if self.ready.is_set() else "connecting"
 
     async def _say_if_redis_is_away(self) -> None:
         """Once, at start: a Redis that does not answer, and what the worker does meanwhile

@@ -38,6 +38,7 @@ class Deadline:
         "expired",
         "grace_s",
         "on_stuck",
+        "started",
         "timeout_s",
     )
 
@@ -61,7 +62,9 @@ class Deadline:
         task = asyncio.current_task()
         assert task is not None, "a deadline needs a running task"
         self._task = task
-        self.at = monotonic() + self.timeout_s
+        # (monotonic) When the wait began: the worker's beat reads it (``worker.beat``).
+        self.started = started = monotonic()
+        self.at = started + self.timeout_s
         owner = self._owner
         owner._due[task] = self
         if owner._ticker is None:

@@ -63,7 +63,7 @@ async def process(message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runti
     delivery = read_delivery(message, spec.queue)
     token = tracing.enter(delivery)  # the delivery is its own trace context
     # Watched from before the claim: a cancel request is never missed in between.
-    watch = rt.cancels.watch(spec.queue, delivery.task_id)
+    watch = rt.cancels.watch(spec.queue, delivery.task_id, delivery.attempt)
     try:
         if rt.spans is None:
             await _process(message, delivery, spec, rt, watch)

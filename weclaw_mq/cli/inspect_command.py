@@ -1,0 +1,175 @@
+"""``weclaw-mq inspect MODULE:APP``: every live worker of the app's queues and the tasks each
+runs now, read from the worker registry in Redis (``state.worker_registry``, written by each
+worker's beat, ``worker.beat``).
+
+Exit 0 with a table (``--json``: one document), also when no worker is live; exit 1 with one
+line when the app keeps no Redis (results off and no handler guarded, or a task store of its
+own that is not Redis), so that its workers write no record; 5 when Redis does not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Annotated, Any
+
+import typer
+
+from weclaw_mq.app import App
+from weclaw_mq.cli.exit_codes import fail
+from weclaw_mq.cli.loading import load_app
+from weclaw_mq.cli.options import AppPath
+from weclaw_mq.observability.tracing import configure_logging
+from weclaw_mq.state.worker_registry import WorkerRecord, registry_of
+
+NO_REDIS = (
+    "results are off (WECLAW_MQ_RESULTS_ENABLED=false) and no handler of app {app!r} is "
+    "guarded: its workers use no Redis, so they keep no record for inspect to read"
+)
+NOT_REDIS = (
+    "app {app!r} keeps its task states in a {store} (not Redis): its workers keep no record "
+    "for inspect to read"
+)
+
+WORKER_COLUMNS = (
+    *("WORKER", "HOST", "PID", "STATE", "CONCURRENCY"),
+    *("IN FLIGHT", "UP", "LAST BEAT", "QUEUES"),
+)
+TASK_COLUMNS = ("TASK ID", "QUEUE", "ATTEMPT", "RUNNING FOR")
+
+
+def inspect_workers(
+    app_path: AppPath,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            metavar="",
+            help='One JSON document: {"app", "queues", "workers": [{"worker_id", "host", '
+            '"pid", "queues", "concurrency", "uptime_s", "last_beat_s", "tasks": [{"task_id", '
+            '"queue", "attempt", "running_s"}], "more", ...}], "unserved_queues"}.',
+        ),
+    ] = False,
+) -> None:
+    """Show every live worker of the app's queues and the tasks each runs now (from the
+    records workers keep in Redis every WECLAW_MQ_WORKER_BEAT_S)."""
+    configure_logging("WARNING")
+    app = load_app(app_path)
+    if not app.needs_store:
+        fail(NO_REDIS.format(app=app.name))
+    records = asyncio.run(_read(app))
+    queues = list(app.handlers)
+    workers = [r for r in records if set(r.queues) & set(queues)]
+    if as_json:
+        typer.echo(json.dumps(document(app.name, queues, workers)))
+    else:
+        for line in table(app.name, queues, workers):
+            typer.echo(line)
+
+
+async def _read(app: App) -> list[WorkerRecord]:
+    try:
+        store = app.store
+        registry = registry_of(store)
+        if registry is None:
+            fail(NOT_REDIS.format(app=app.name, store=type(store).__name__))
+        return await registry.read()
+    finally:
+        await app.close()
+
+
+def unserved(queues: Sequence[str], workers: Sequence[WorkerRecord]) -> list[str]:
+    """The queues of ``queues`` no live worker consumes."""
+    served = {q for w in workers for q in w.queues}
+    return [q for q in queues if q not in served]
+
+
+def document(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> dict[str, Any]:
+    """``--json``'s document."""
+    return {
+        "app": app,
+        "queues": list(queues),
+        "workers": [_rounded(asdict(w)) for w in workers],
+        "unserved_queues": unserved(queues, workers),
+    }
+
+
+def table(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> list[str]:
+    """The readable form: one row per worker, then each worker's running tasks."""
+    idle = unserved(queues, workers)
+    if not workers:
+        return [f"no live worker consumes the queues of app {app!r} ({', '.join(queues)})"]
+    lines = [f"{len(workers)} live worker(s) of app {app!r}:", ""]
+    rows = [
+        [
+            w.worker_id,
+            w.host,
+            str(w.pid),
+            w.state,
+            str(w.concurrency),
+            str(w.in_flight),
+            duration(w.uptime_s),
+            f"{duration(w.last_beat_s)} ago",
+            ", ".join(w.queues),
+        ]
+        for w in workers
+    ]
+    lines += columns(WORKER_COLUMNS, rows)
+    for w in workers:
+        lines += ["", f"worker {w.worker_id} ({w.host} pid {w.pid}): {_running(w)}"]
+        if w.tasks:
+            task_rows = [
+                [
+                    t.task_id,
+                    t.queue,
+                    str(t.attempt),
+                    "not started" if t.running_s is None else duration(t.running_s),
+                ]
+                for t in w.tasks
+            ]
+            lines += ["  " + line for line in columns(TASK_COLUMNS, task_rows)]
+        if w.more:
+            lines.append(f"  ... and {w.more} more (a record lists at most {len(w.tasks)})")
+    if idle:
+        lines += ["", f"no live worker consumes: {', '.join(idle)}"]
+    return lines
+
+
+def _running(w: WorkerRecord) -> str:
+    if not w.in_flight:
+        return "runs no task"
+    return f"runs {w.in_flight} task(s)"
+
+
+def columns(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """``header`` and ``rows`` as left-aligned columns, two spaces apart."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def duration(seconds: float) -> str:
+    """``4.2s``, ``12m05s``, ``3h07m``, ``2d05h``: to the tenth under a minute, then to the
+    unit below the largest."""
+    if seconds < 59.95:  # what rounds to 60.0 is a minute
+        return f"{max(seconds, 0.0):.1f}s"
+    whole = round(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_rounded(v) for v in value]
+    return value
