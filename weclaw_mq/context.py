@@ -116,12 +116,13 @@ class Context:
     def publish_sync(self, queue: str, payload: Any, **kwargs: Any) -> str:
         """``publish`` from a plain-``def`` handler's thread: it waits for the confirm there.
 
-        The publish itself runs on the worker's event loop.
+        The publish itself runs on the worker's event loop, and raises what ``publish``
+        raises (``ConfigurationError``, ``PayloadError``, ``PublishFailedError``).
 
         Args:
-            queue: The handler queue of the follow-up task.
-            payload: The task.
-            **kwargs: The other options of ``App.publish`` (``trace_id`` excepted).
+            queue: As ``publish``.
+            payload: As ``publish``.
+            **kwargs: As ``publish``.
 
         Returns:
             The follow-up task's id.
@@ -129,9 +130,6 @@ class Context:
         Raises:
             RuntimeError: Called on an event loop (an ``async def`` awaits ``publish``), or
                 this context has no loop (it was not built by a worker for a plain ``def``).
-            ConfigurationError: As ``publish`` raises it (and its subclasses).
-            PayloadError: As ``publish`` raises it (and its subclasses).
-            PublishFailedError: As ``publish`` raises it (and its subclasses).
         """
         return self._on_loop(self.publish(queue, payload, **kwargs), "publish")
 

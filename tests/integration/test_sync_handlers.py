@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import aio_pika
@@ -31,10 +32,28 @@ BLOCK_S = 2.0
 HANDLER_WAIT_S = 60.0
 
 
-async def test_a_blocking_handler_runs_eight_calls_at_once_at_concurrency_8(
-    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
-) -> None:
-    app = make_app()
+@dataclass
+class Kit:
+    """The conftest fixtures these tests use, in one argument."""
+
+    make_app: Callable[..., App]
+    start_worker: Callable[..., Any]
+    qname: str
+    amqp: AbstractChannel
+
+
+@pytest.fixture
+def kit(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    amqp: AbstractChannel,
+) -> Kit:
+    return Kit(make_app, start_worker, qname, amqp)
+
+
+async def test_a_blocking_handler_runs_eight_calls_at_once_at_concurrency_8(kit: Kit) -> None:
+    app, qname = kit.make_app(), kit.qname
     calls: list[tuple[float, float, int]] = []
     lock = threading.Lock()
 
@@ -46,7 +65,7 @@ async def test_a_blocking_handler_runs_eight_calls_at_once_at_concurrency_8(
             calls.append((started, time.monotonic(), threading.get_ident()))
         return task["n"]
 
-    await start_worker(app, concurrency=8)
+    await kit.start_worker(app, concurrency=8)
     ids = [await app.publish(qname, {"n": n}) for n in range(8)]
     finals = [await app.result(task_id, timeout_s=30) for task_id in ids]
 
@@ -58,12 +77,9 @@ async def test_a_blocking_handler_runs_eight_calls_at_once_at_concurrency_8(
 
 
 async def test_a_blocking_call_past_its_timeout_is_retried_then_dead_lettered_and_keeps_its_thread(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    qname: str,
-    caplog: pytest.LogCaptureFixture,
+    kit: Kit, caplog: pytest.LogCaptureFixture
 ) -> None:
-    app = make_app(sync_threads=2)
+    app, qname = kit.make_app(sync_threads=2), kit.qname
     release = threading.Event()
     stuck_attempts: list[int] = []
     later_started: list[float] = []
@@ -81,7 +97,7 @@ async def test_a_blocking_call_past_its_timeout_is_retried_then_dead_lettered_an
         later_started.append(time.monotonic())
         return "answered"
 
-    worker = await start_worker(app, concurrency=2)
+    worker = await kit.start_worker(app, concurrency=2)
     threads = worker.sync_threads
     try:
         with caplog.at_level(logging.WARNING, "weclaw_mq.worker"):
@@ -144,13 +160,8 @@ def _decide(job: Job, ctx: Context) -> Any:
     return {"done": job.do, "attempt": ctx.attempt}
 
 
-async def test_a_plain_def_ends_each_task_as_the_same_async_def_does(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    qname: str,
-    amqp: AbstractChannel,
-) -> None:
-    app = make_app()
+async def test_a_plain_def_ends_each_task_as_the_same_async_def_does(kit: Kit) -> None:
+    app, qname, amqp = kit.make_app(), kit.qname, kit.amqp
     sync_queue, async_queue = f"{qname}-sync", f"{qname}-async"
 
     @app.handler(sync_queue, retry=FAST)
@@ -161,7 +172,7 @@ async def test_a_plain_def_ends_each_task_as_the_same_async_def_does(
     async def as_async_def(job: Job, ctx: Context) -> Any:
         return _decide(job, ctx)
 
-    await start_worker(app, concurrency=4)
+    await kit.start_worker(app, concurrency=4)
     cases = ["ok", "retry", "reject", "raise", "unserialisable"]
 
     async def ends(queue: str) -> dict[str, tuple[Any, ...]]:
@@ -195,12 +206,9 @@ def _outcome(final: TaskState) -> tuple[Any, ...]:
 
 
 async def test_a_cancelled_blocking_handler_ends_cancelled_and_sees_ctx_cancelled_in_its_thread(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    amqp: AbstractChannel,
-    qname: str,
+    kit: Kit,
 ) -> None:
-    app = make_app()
+    app, qname = kit.make_app(), kit.qname
     started = threading.Event()
     saw_cancel: list[bool] = []
 
@@ -213,7 +221,7 @@ async def test_a_cancelled_blocking_handler_ends_cancelled_and_sees_ctx_cancelle
         saw_cancel.append(ctx.cancelled)
         return "the whole answer"
 
-    worker = await start_worker(app)
+    worker = await kit.start_worker(app)
     task_id = await app.publish(qname, {"n": 1})
     await wait_until(started.is_set, 10, what="the handler running in its thread")
 
@@ -229,7 +237,7 @@ async def test_a_cancelled_blocking_handler_ends_cancelled_and_sees_ctx_cancelle
     assert outcome_count(app, qname, Outcome.RETRIED) == 0
     await wait_until(lambda: worker.sync_threads.running == 0, 10, what="its thread freed")
     assert worker.sync_threads.abandoned == 0
-    assert await queue_depth(amqp, qname) == 0
+    assert await queue_depth(kit.amqp, qname) == 0
 
 
 class Words(BaseModel):
@@ -245,9 +253,9 @@ async def _collect(events: AsyncIterator[StreamEvent]) -> list[StreamEvent]:
 
 
 async def test_a_blocking_handler_streams_with_emit_sync_and_publishes_with_publish_sync(
-    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+    kit: Kit,
 ) -> None:
-    app = make_app()
+    app, qname = kit.make_app(), kit.qname
     next_queue = f"{qname}-next"
     follow_ups: list[str] = []
 
@@ -262,7 +270,7 @@ async def test_a_blocking_handler_streams_with_emit_sync_and_publishes_with_publ
     async def then(task: dict[str, str], ctx: Context) -> dict[str, str]:
         return {"text": task["text"], "trace_id": ctx.trace_id}
 
-    await start_worker(app)
+    await kit.start_worker(app)
     words = [f"w{i}" for i in range(12)]
     task_id = await app.publish(qname, Words(words=words), trace_id="trace-sync")
     events = await _collect(app.stream(task_id))
