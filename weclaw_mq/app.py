@@ -130,7 +130,7 @@ class App:
         limit: Limit | Sequence[Limit] | None = None,
         breaker: Breaker | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
-        """Register an async handler for ``queue``; options left out come from settings.
+        """Register a handler (async or plain def) for ``queue``; unset options come from settings.
 
         Args:
             queue: The handler queue; one handler per queue.

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from weclaw_mq.errors import StreamWriteError
 
 if TYPE_CHECKING:
     from weclaw_mq.app import App
     from weclaw_mq.streaming.emitter import Emitter
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,9 @@ class Context:
             before storing the result.
         cancel_requested: Set when the task is cancelled (``App.cancel``); the handler is
             then cancelled too (a ``CancelledError`` at its next await), and may wait on
-            this in a task of its own.
+            this in a task of its own. A plain-``def`` handler reads ``cancelled`` instead.
+        loop: The worker's event loop, for a plain-``def`` handler's ``emit_sync`` and
+            ``publish_sync`` from its thread; the worker sets it for those handlers only.
     """
 
     task_id: str
@@ -56,10 +60,16 @@ class Context:
     # Set when the task is cancelled (``App.cancel``); the handler is then cancelled too
     # (a CancelledError at its next await), and may wait on this in a task of its own.
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    # The worker's event loop, for a plain def's emit_sync and publish_sync from its thread.
+    loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
 
     @property
     def cancelled(self) -> bool:
-        """Was the task cancelled (``App.cancel``)? Its outcome no longer counts."""
+        """Was the task cancelled (``App.cancel``)? Its outcome no longer counts.
+
+        Safe to read from a plain-``def`` handler's thread: such a handler is not interrupted
+        by a cancel, it reads this between its steps and returns early.
+        """
         return self.cancel_requested.is_set()
 
     async def publish(self, queue: str, payload: Any, **kwargs: Any) -> str:
@@ -102,3 +112,61 @@ class Context:
         if self.emitter is None:
             raise StreamWriteError("this context has no stream (it was not built by a worker)")
         await self.emitter.emit(chunk)
+
+    def publish_sync(self, queue: str, payload: Any, **kwargs: Any) -> str:
+        """``publish`` from a plain-``def`` handler's thread: it waits for the confirm there.
+
+        The publish itself runs on the worker's event loop, and raises what ``publish``
+        raises (``ConfigurationError``, ``PayloadError``, ``PublishFailedError``).
+
+        Args:
+            queue: As ``publish``.
+            payload: As ``publish``.
+            **kwargs: As ``publish``.
+
+        Returns:
+            The follow-up task's id.
+
+        Raises:
+            RuntimeError: Called on an event loop (an ``async def`` awaits ``publish``), or
+                this context has no loop (it was not built by a worker for a plain ``def``).
+        """
+        return self._on_loop(self.publish(queue, payload, **kwargs), "publish")
+
+    def emit_sync(self, chunk: Any) -> None:
+        """``emit`` from a plain-``def`` handler's thread: it waits there for the chunk's turn.
+
+        The emit itself runs on the worker's event loop and returns at once, unless 1 MiB of
+        earlier chunks is still being written (then the thread waits for room, as ``emit``).
+
+        Args:
+            chunk: A str or JSON data.
+
+        Raises:
+            RuntimeError: Called on an event loop (an ``async def`` awaits ``emit``), or this
+                context has no loop (it was not built by a worker for a plain ``def``).
+            TypeError: As ``emit`` raises it.
+            StreamLimitError: As ``emit`` raises it.
+            StreamWriteError: As ``emit`` raises it; also once the attempt ended without the
+                handler (its timeout, a cancel): an abandoned call streams nothing more.
+        """
+        self._on_loop(self.emit(chunk), "emit")
+
+    def _on_loop(self, work: Coroutine[Any, Any, _T], name: str) -> _T:
+        """Run ``work`` on the worker's loop and wait for it in this (the handler's) thread."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            on_a_loop = False
+        else:
+            on_a_loop = True
+        if on_a_loop or self.loop is None:
+            work.close()
+            raise RuntimeError(
+                f"ctx.{name}_sync blocks, so it would stall this event loop: use "
+                f"'await ctx.{name}(...)' in an async def"
+                if on_a_loop
+                else f"ctx.{name}_sync is for a plain-def handler run by a worker (this "
+                "context has no event loop to run it on)"
+            )
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result()

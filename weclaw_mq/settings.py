@@ -31,6 +31,9 @@ _DEFAULT_RETRY = RetryPolicy()
 # default, settable per queue only from 3.12), requeueing everything on it.
 BROKER_CONSUMER_TIMEOUT_S = 30 * 60
 
+# Blocking SDK calls mostly wait on the network: a thread each, made only when one runs.
+DEFAULT_SYNC_THREADS = 64
+
 _HOUR_S = 3600.0
 _DAY_S = 24 * _HOUR_S
 _WEEK_S = 7 * _DAY_S
@@ -139,6 +142,10 @@ class Settings(EnvSettings):
     # A handler still running this long after its timeout's cancel is abandoned (it ignores
     # cancellation): its attempt fails, the worker serves on. See process._ending_without.
     handler_cancel_grace_s: float = seconds(10.0, floor=0.01, ceiling=_HOUR_S)
+    # Threads per worker process for plain-'def' handlers (docs/how-to/handlers.md): made
+    # only as such calls need them. A call past its timeout is abandoned, not killed, and
+    # keeps its thread until it returns; a task that finds none free waits under its timeout.
+    sync_threads: int = Field(default=DEFAULT_SYNC_THREADS, ge=1, le=4096)
     # The time in-flight tasks get after SIGTERM; the process exits within this plus 10 s.
     shutdown_grace_s: float = seconds(30.0, floor=0, ceiling=_DAY_S)
     # The cap of the reconnect backoff.

@@ -179,6 +179,28 @@ async def test_handlers_page_module_replies_and_its_main_prints_the_final_result
     assert (final.status, final.reason, final.attempt) == (TaskStatus.DEAD_LETTERED, "rejected", 1)
 
 
+async def test_handlers_page_plain_def_runs_in_a_thread_streams_and_rejects_as_async(
+    examples: Examples, start_worker: Callable[..., Any]
+) -> None:
+    example = examples.load("sync_handlers.py", queues=["doc-summaries"])
+    app, queue = example.app, examples.queue("doc-summaries")
+    assert app.handlers[queue].is_sync
+    worker = await start_worker(app)
+
+    task_id = await app.publish(queue, {"text": "threads hold blocking calls"})
+    events = [event async for event in app.stream(task_id)]
+    assert [e.data for e in events if e.kind == "chunk"] == ["THREADS", "HOLD", "BLOCKING", "CALLS"]
+    final = await app.result(task_id, timeout_s=15)
+    assert (final.status, final.result) == (
+        TaskStatus.SUCCEEDED,
+        {"summary": "THREADS HOLD BLOCKING CALLS"},
+    )
+    assert worker.sync_threads.threads == 1  # made by the first call, not before
+    empty = await app.publish(queue, {"text": " "})
+    final = await app.result(empty, timeout_s=15)
+    assert (final.status, final.reason, final.attempt) == (TaskStatus.DEAD_LETTERED, "rejected", 1)
+
+
 # -- priorities.md --------------------------------------------------------------------------
 
 

@@ -105,14 +105,38 @@ def test_second_handler_for_the_same_queue_is_refused() -> None:
     assert app.handlers["summarise"].func is first
 
 
-def test_sync_function_is_refused() -> None:
+def test_a_plain_def_is_registered_to_run_in_a_thread_and_an_async_def_on_the_loop() -> None:
     app = _app()
-    with pytest.raises(ConfigurationError, match="async def"):
 
-        @app.handler("summarise")  # type: ignore[arg-type]
-        def summarise(task: Prompt) -> None:
-            return None
+    @app.handler("summarise")
+    def summarise(task: Prompt, ctx: Context) -> str:
+        return task.text
 
+    @app.handler("translate")
+    async def translate(task: Prompt) -> str:
+        return task.text
+
+    sync, not_sync = app.handlers["summarise"], app.handlers["translate"]
+    assert (sync.is_sync, sync.takes_context, sync.model) == (True, True, Prompt)
+    assert (not_sync.is_sync, not_sync.takes_context) == (False, False)
+
+
+def test_a_generator_or_a_callable_object_is_refused() -> None:
+    app = _app()
+
+    def words(task: Prompt) -> Any:
+        yield task.text
+
+    async def chunks(task: Prompt) -> Any:
+        yield task.text
+
+    class Callable:
+        def __call__(self, task: Prompt) -> str:
+            return task.text
+
+    for func, why in ((words, "generator"), (chunks, "generator"), (Callable(), "plain 'def'")):
+        with pytest.raises(ConfigurationError, match=why):
+            app.handler("summarise")(func)
     assert "summarise" not in app.handlers
 
 

@@ -21,7 +21,8 @@ from weclaw_mq.policy.priority import QUORUM, Priority, check_queue_type, parse_
 from weclaw_mq.policy.retry import RetryPolicy, delay_queue_set
 from weclaw_mq.wire.topology import QueueSpec
 
-HandlerFunc = Callable[..., Awaitable[Any]]
+# An ``async def`` (run on the event loop) or a plain ``def`` (run in the worker's threads).
+HandlerFunc = Callable[..., Awaitable[Any]] | Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class HandlerSpec:
     limits: tuple[Limit, ...] = ()
     # Pauses the queue in a worker after repeated upstream failures (weclaw_mq.policy.breaker).
     breaker: Breaker | None = None
+    # A plain ``def``: each call runs in one of the worker's threads (worker.sync_threads).
+    is_sync: bool = False
 
     @property
     def name(self) -> str:
@@ -92,6 +95,23 @@ def _is_model(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
+def _is_sync(func: HandlerFunc, queue: str) -> bool:
+    """An ``async def`` runs on the event loop, a plain function or method in a thread; a
+    generator, or a callable that is neither, is refused."""
+    if inspect.iscoroutinefunction(func):
+        return False
+    if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+        raise ConfigurationError(
+            f"handler for {queue!r} is a generator: a handler returns its result (stream "
+            "partial output with ctx.emit)"
+        )
+    if not (inspect.isfunction(func) or inspect.ismethod(func)):
+        raise ConfigurationError(
+            f"handler for {queue!r} must be an 'async def' or a plain 'def' function, got {func!r}"
+        )
+    return True
+
+
 def _first_error(e: ValidationError) -> str:
     errors = e.errors(include_url=False)
     head = errors[0]
@@ -119,8 +139,7 @@ def build_spec(
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
-    if not inspect.iscoroutinefunction(func):
-        raise ConfigurationError(f"handler for {queue!r} must be an 'async def' function")
+    is_sync = _is_sync(func, queue)
     params = [
         p
         for p in inspect.signature(func).parameters.values()
@@ -170,4 +189,5 @@ def build_spec(
         queue_type=check_queue_type(queue_type),
         limits=limits,
         breaker=breaker,
+        is_sync=is_sync,
     )

@@ -52,6 +52,7 @@ from weclaw_mq.worker.deadlines import Deadlines
 from weclaw_mq.worker.in_flight import InFlight
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
+from weclaw_mq.worker.sync_threads import SyncThreads
 
 log = logging.getLogger("weclaw_mq.testing")
 
@@ -121,6 +122,8 @@ class TestBroker:
         )
         self.cancels = Cancels()
         self._deadlines = Deadlines()
+        # Plain-def handlers run in threads, as in a worker: one pool, closed on exit.
+        self._threads = SyncThreads(first.sync_threads)
         # Per handler queue: its spec, the runtime of its app, and its deliveries in flight.
         self._handlers: dict[str, tuple[HandlerSpec, Runtime]] = {}
         self._in_flight = InFlight()
@@ -166,6 +169,7 @@ class TestBroker:
         if self._listener is not None:
             self._listener.cancel()
             await asyncio.wait({self._listener})
+        self._threads.shutdown()
         if self._previous_clock is not None:
             lifetime.use_wall_clock(self._previous_clock)
         # Those swapped so far, last first: an app given twice ends as it was before the first.
@@ -216,6 +220,7 @@ class TestBroker:
             # A handler that ignores its cancellation is left running, as in the Worker.
             take_over=self._in_flight.replace,
             cancels=self.cancels,
+            threads=self._threads,
         )
         for queue, spec in app.handlers.items():
             if queue in self._handlers:

@@ -62,6 +62,7 @@ from weclaw_mq.worker.limiting import Limiter
 from weclaw_mq.worker.pausing import Pausable, QueueCircuit
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
+from weclaw_mq.worker.sync_threads import SyncThreads
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -133,6 +134,9 @@ class Worker:
         # longer in flight, and a stop does not wait for them.
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._deadlines = Deadlines()
+        # The threads of its plain-def handlers: one pool for the worker, across reconnects,
+        # its threads made as calls need them and let go when ``run`` returns.
+        self.sync_threads = SyncThreads(self.settings.sync_threads)
         # One per run, across reconnects: the slots it holds outlive a broker session.
         self._limiter: Limiter | None = None
         # Cancel requests for the deliveries in flight (worker.cancel_watch).
@@ -217,6 +221,7 @@ class Worker:
                 needs (``REDIS_CONNECTIONS_NEEDED``).
         """
         self._warn_about_consumer_timeout()
+        self._warn_about_sync_threads()
         self._check_redis_pool()
         # Without it, one message whose properties pamqp cannot decode closes the whole
         # connection and returns every message in flight with it, again and again until the
@@ -238,6 +243,7 @@ class Worker:
             with tolerant_properties():
                 await self._run()
         finally:
+            self.sync_threads.shutdown()  # abandoned calls keep their daemon threads
             for task in (listener, announcer, load_check, beating):
                 if task is not None:
                     task.cancel()
@@ -527,6 +533,7 @@ class Worker:
                 tracebacks=self.settings.failure_tracebacks,
             ),
             deadlines=self._deadlines,
+            threads=self.sync_threads,
             metrics=self.app.metrics,
             store=self.app.store,
             results=self.app.results,
@@ -675,6 +682,19 @@ class Worker:
                 f"a worker needs up to {REDIS_CONNECTIONS_NEEDED} Redis connections per pool, "
                 f"over WECLAW_MQ_REDIS_MAX_CONNECTIONS={self.settings.redis_max_connections}; "
                 "raise it"
+            )
+
+    def _warn_about_sync_threads(self) -> None:
+        sync = [s.queue for s in self.specs if s.is_sync]
+        if len(sync) * self.concurrency > self.sync_threads.size:
+            log.warning(
+                "plain-def handler(s) of %s may run %d calls at once (concurrency %d each), "
+                "over WECLAW_MQ_SYNC_THREADS=%d: the calls beyond it wait for a thread under "
+                "their timeout",
+                ", ".join(sync),
+                len(sync) * self.concurrency,
+                self.concurrency,
+                self.sync_threads.size,
             )
 
     def _warn_about_consumer_timeout(self) -> None:

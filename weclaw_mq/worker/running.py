@@ -1,9 +1,12 @@
 """Running the handler: its context, its stream, its deadline, and the attempt's end when it
 ignores its cancellation.
 
-Anything the handler raises is its attempt's failure; ``call_handler`` answers with the
-result or the error (or None when the handler was abandoned and ``take_over`` ended the
-attempt without it), and ``ends.after_attempt`` decides what that becomes.
+A plain-``def`` handler runs in the worker's threads (``sync_threads``) and is awaited the
+same way: a timeout or a cancel ends the wait (the call itself is abandoned to its thread),
+and the attempt ends as an async handler's would. Anything the handler raises is its
+attempt's failure; ``call_handler`` answers with the result or the error (or None when the
+handler was abandoned and ``take_over`` ended the attempt without it), and
+``ends.after_attempt`` decides what that becomes.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ async def call_handler(
             session_id=session_id,
             emitter=emitter,
             cancel_requested=watch.event(),
+            # A plain def's thread reaches the loop through it (ctx.emit_sync, publish_sync).
+            loop=asyncio.get_running_loop() if spec.is_sync else None,
         )
         args = (task, ctx)
     timing = rt.metrics.handler_timing(spec.queue)
@@ -89,7 +94,12 @@ async def call_handler(
     try:
         with deadline:
             watch.attach(deadline)
-            result = await spec.func(*args)
+            if spec.is_sync:
+                result = await rt.threads.run(
+                    spec.func, args, name=spec.name, deadline=deadline, watch=watch
+                )
+            else:
+                result = await spec.func(*args)
             if emitter is not None:
                 # Every chunk written before the result is stored: a stream's final event
                 # must sort after its last chunk.

@@ -18,6 +18,7 @@ from weclaw_mq.worker.deadlines import Deadlines
 from weclaw_mq.worker.limiting import Limiter
 from weclaw_mq.worker.pausing import QueueCircuit
 from weclaw_mq.worker.settle import Settler
+from weclaw_mq.worker.sync_threads import SyncThreads
 
 if TYPE_CHECKING:
     from weclaw_mq.app import App
@@ -58,3 +59,6 @@ class Runtime:
     circuits: Mapping[str, QueueCircuit] = field(default_factory=dict)
     # OpenTelemetry spans (``weclaw_mq.observability.otel``); None when off: one check per delivery.
     spans: Spans | None = None
+    # The threads plain-``def`` handlers run in (``worker.sync_threads``): the worker's one
+    # pool, outliving its broker sessions; no thread is made before such a handler runs.
+    threads: SyncThreads = field(default_factory=SyncThreads)
