@@ -9,12 +9,14 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aio_pika
 from aio_pika.abc import HeadersType
 
+from weclaw_mq.contract.message import encode_payload
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.lifespan import HookT, Lifespan, Provider, ProviderT
 from weclaw_mq.handlers.middleware import Chain, Middleware
@@ -26,6 +28,7 @@ from weclaw_mq.policy.breaker import Breaker
 from weclaw_mq.policy.limits import Limit, as_limits
 from weclaw_mq.policy.priority import QUORUM, Priority
 from weclaw_mq.policy.retry import RetryPolicy
+from weclaw_mq.policy.schedules import DEFAULT_GRACE_S, MissedPolicy, Payload, Schedule
 from weclaw_mq.publishing.engine import PublishingEngine
 from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.settings import Settings
@@ -94,6 +97,8 @@ class App:
         self.lifespan = Lifespan()
         # Middleware around handler runs and publishes (``handlers.middleware``), in order.
         self.middleware = Chain()
+        # Schedules by name (``policy.schedules``), fired by a scheduler (``scheduling``).
+        self._schedules: dict[str, Schedule] = {}
         self._store = store
         self._owns_store = store is None  # ours to close, not the user's
         # OpenTelemetry spans (weclaw_mq.observability.otel): decided on first use, once; False
@@ -298,6 +303,83 @@ class App:
             ConfigurationError: Not a ``Middleware``, or added twice.
         """
         self.middleware.add(middleware)
+
+    def schedule(
+        self,
+        name: str,
+        *,
+        queue: str,
+        cron: str | None = None,
+        every_s: float | None = None,
+        tz: str = "UTC",
+        missed: MissedPolicy = "skip",
+        grace_s: float = DEFAULT_GRACE_S,
+        payload: Payload = None,
+    ) -> Schedule:
+        """Publish a task to ``queue`` on every tick of a cron expression or an interval.
+
+        A scheduler (``weclaw-mq scheduler MODULE:APP``, or workers run with ``--schedules``)
+        fires the ticks; however many replicas run, one holds the lease and each tick is
+        published once, under a task id made of the name and the tick, so the handler's guard
+        runs it once even when a replica died between the publish and its record.
+
+        Args:
+            name: Unique in this App: letters, digits and ``_.:-``, at most 100.
+            queue: The handler queue each tick's task goes to.
+            cron: A five-field cron expression, evaluated in ``tz``.
+            every_s: Or an interval in seconds (ticks at multiples of it since the epoch).
+            tz: The IANA time zone of ``cron``.
+            missed: What to do with ticks no scheduler fired on time: ``"skip"`` them, or
+                ``"catch_up"``: run the latest of them once, late.
+            grace_s: How late a tick may fire and still count as on time.
+            payload: The task, or a function of the tick's time returning it; default
+                ``{"schedule": name, "tick": "<ISO 8601>"}``.
+
+        Returns:
+            The schedule.
+
+        Raises:
+            ConfigurationError: A name used before or not allowed, neither or both of
+                ``cron`` and ``every_s``, a cron expression or time zone that does not parse,
+                an unknown ``missed``, or a fixed ``payload`` that the handler of ``queue``
+                (registered before this call) refuses.
+        """
+        if name in self._schedules:
+            raise ConfigurationError(f"schedule {name!r} is registered twice")
+        planned = Schedule(
+            name,
+            queue,
+            cron=cron,
+            every_s=every_s,
+            tz=tz,
+            missed=missed,
+            grace_s=grace_s,
+            payload=payload,
+        )
+        spec = self._handlers.get(queue)
+        if spec is not None and not callable(payload):
+            try:
+                spec.parse(
+                    encode_payload(planned.task_for(planned.last_at_or_before(datetime.now(UTC))))
+                )
+            except Exception as e:
+                raise ConfigurationError(
+                    f"schedule {name!r}: the handler of {queue!r} refuses its payload: {e}"
+                ) from e
+        if spec is not None and not spec.idempotent:
+            warnings.warn(
+                f"schedule {name!r}: the handler of {queue!r} is not guarded (idempotent="
+                "False): a tick published twice (a scheduler killed between its publish and its "
+                "record) would run twice",
+                stacklevel=2,
+            )
+        self._schedules[name] = planned
+        return planned
+
+    @property
+    def schedules(self) -> Mapping[str, Schedule]:
+        """The schedules registered with ``schedule``, by name (read-only)."""
+        return MappingProxyType(self._schedules)
 
     @property
     def handlers(self) -> Mapping[str, HandlerSpec]:

@@ -196,6 +196,13 @@ class Settings(EnvSettings):
     # writes what it runs to Redis this often, off the delivery path; the record lives three
     # beats, so a worker killed without stopping disappears within 3 x this.
     worker_beat_s: float = seconds(5.0, floor=0.1, ceiling=300.0)
+    # Schedules (docs/how-to/schedules.md): the scheduler replica that holds this lease in Redis
+    # fires the ticks; killed, its lease lapses after this long and a standby takes over, and
+    # the ticks in between are missed (each schedule's missed= policy decides).
+    scheduler_lease_s: float = seconds(10.0, floor=0.5, ceiling=600.0)
+    # Workers also run the scheduler (weclaw-mq worker --schedules): every replica competes for
+    # the lease, one fires. Off: run 'weclaw-mq scheduler MODULE:APP' instead.
+    schedules_in_worker: bool = False
 
     # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
     # the broker unreachable, or whose outcome is unknown, are stored there and relayed.

@@ -583,3 +583,45 @@ async def test_handlers_page_resource_serves_every_run_and_middleware_sees_each_
 
     assert [f.result for f in finals] == ["an answer to 'hi'", "an answer to 'again'"]
     assert all(line.startswith(f"{queue} attempt 1: acked in ") for line in example.timing.lines)
+
+
+# -- schedules.md -------------------------------------------------------------------------------
+
+
+async def test_schedules_page_fires_the_interval_once_per_tick_and_lists_the_nightly_one(
+    examples: Examples, start_worker: Callable[..., Any], redis_url: str
+) -> None:
+    from weclaw_mq.contract.naming import schedule_key, scheduler_lease_key
+    from weclaw_mq.scheduling.scheduler import describe_schedules
+
+    example = examples.load("schedules.py", queues=["rescore-day", "heartbeat"])
+    app = example.app
+    app.name = f"rescoring-{examples.queue('heartbeat')}"  # its lease is its own in this run
+    worker = await start_worker(app, schedules=True)
+    try:
+        await wait_until(lambda: _fired(app) >= 2, 20, "two ticks of pulse fired")
+        views, leader = await describe_schedules(app)
+        by_name = {v.name: v for v in views}
+        assert leader
+        nightly = by_name["nightly-rescore"]
+        assert nightly.every == "cron 0 3 * * * (Europe/Berlin)" and nightly.fired == 0
+        assert nightly.next_tick is not None and nightly.next_tick.hour == 3
+        beat = by_name["pulse"]
+        assert beat.last_status == "succeeded" and beat.last_task_id is not None
+        assert beat.last_task_id.startswith("schedule:pulse:")
+        assert beat.every == "every 2 s"
+    finally:
+        worker.stop()
+        client = aioredis.from_url(redis_url)
+        await client.delete(
+            scheduler_lease_key(app.name),
+            *(schedule_key(app.name, n) for n in app.schedules),
+        )
+        await client.aclose()
+
+
+def _fired(app: App) -> float:
+    sample = app.metrics.registry.get_sample_value(
+        "weclaw_mq_schedule_ticks_total", {"schedule": "pulse", "outcome": "fired"}
+    )
+    return sample or 0.0

@@ -31,6 +31,8 @@ def ours() -> str:
     m.notified("q", NotifyOutcome.PUBLISHED).inc()
     m.circuit_state("q", CircuitState.OPEN)
     m.circuit_opened("q").inc()
+    m.schedule_ticks.labels("nightly", "fired").inc()
+    m.scheduler_leader.labels().set(1)
     return generate_latest(m.registry).decode()
 
 
@@ -101,6 +103,17 @@ def prometheus_clients() -> str:
         ["queue"],
         registry=r,
     )
+    ticks = Counter(
+        "weclaw_mq_schedule_ticks",
+        "Schedule ticks by schedule and outcome (fired, skipped, failed).",
+        ["schedule", "outcome"],
+        registry=r,
+    )
+    leader = Gauge(
+        "weclaw_mq_scheduler_leader",
+        "1 while this process's scheduler holds the lease and fires the ticks, else 0.",
+        registry=r,
+    )
     messages.labels("q", "acked").inc(2)
     messages.labels("r", "retried").inc(3)
     published.labels("q", "confirmed").inc()
@@ -114,6 +127,8 @@ def prometheus_clients() -> str:
     for each in CircuitState:
         state.labels("q", each.value).set(1 if each is CircuitState.OPEN else 0)
     opened.labels("q").inc()
+    ticks.labels("nightly", "fired").inc()
+    leader.set(1)
     return generate_latest(r).decode()
 
 

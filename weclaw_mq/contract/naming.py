@@ -280,6 +280,31 @@ def worker_key(worker_id: str) -> str:
     return f"{WORKER_KEY_PREFIX}:{worker_id}"
 
 
+# -- Redis keys of schedules (state.schedule_book, scheduling.scheduler) ----------------------
+#
+#     weclaw_mq:scheduler:{schedules}:<A>       app A's scheduler lease: the token of the one
+#                                               scheduler that fires A's ticks, expiring
+#     weclaw_mq:schedule:{schedules}:<A>:<S>    schedule S of app A (a hash): the last tick
+#                                               handled, its task id, counts, paused
+#
+# One hash tag for all: on a Redis Cluster the lease and every schedule's record share a slot,
+# so one script checks the lease and marks a tick (a scheduler that lost its lease marks
+# nothing). A few writes per tick: no hot key.
+
+SCHEDULER_LEASE_KEY_PREFIX = f"{REDIS_PREFIX}:scheduler:{{schedules}}"
+SCHEDULE_KEY_PREFIX = f"{REDIS_PREFIX}:schedule:{{schedules}}"
+
+
+def scheduler_lease_key(app: str) -> str:
+    """The lease of app ``app``'s scheduler: the token of the replica that fires its ticks."""
+    return f"{SCHEDULER_LEASE_KEY_PREFIX}:{app}"
+
+
+def schedule_key(app: str, name: str) -> str:
+    """Schedule ``name`` of app ``app``: its last handled tick, task id, counts and pause."""
+    return f"{SCHEDULE_KEY_PREFIX}:{app}:{name}"
+
+
 def queue_key_pattern(prefix: str, queue: str) -> str:
     """A SCAN pattern for every key under ``prefix`` of ``queue`` (e.g. its guard keys)."""
     return f"{prefix}:{len(queue.encode())}:{queue}:{{*"

@@ -219,6 +219,17 @@ class Metrics:
             "Deliveries held unstarted past the bound while a slot was free, given back.",
             ["queue"],
         )
+        # Schedules (weclaw_mq.scheduling): ticks by schedule and outcome (fired, skipped as
+        # missed, failed to publish: tried again), and whether this process's scheduler leads.
+        self.schedule_ticks = _counter(
+            "weclaw_mq_schedule_ticks",
+            "Schedule ticks by schedule and outcome (fired, skipped, failed).",
+            ["schedule", "outcome"],
+        )
+        self.scheduler_leader = _gauge(
+            "weclaw_mq_scheduler_leader",
+            "1 while this process's scheduler holds the lease and fires the ticks, else 0.",
+        )
         # In the order they are exported (prometheus_client's: the order of creation).
         self._families: tuple[Family[Count] | Family[Level] | Family[Timing], ...] = (
             self.published,
@@ -235,6 +246,8 @@ class Metrics:
             self.breaker_state,
             self.breaker_opened,
             self.held_deliveries,
+            self.schedule_ticks,
+            self.scheduler_leader,
         )
         self._registry: CollectorRegistry | None = None
         if registry is not None:  # the caller's: prometheus_client is loaded already

@@ -56,6 +56,7 @@ from weclaw_mq.state.redis_clients import (
 )
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
+from weclaw_mq.state.schedule_book import ScheduleBook
 from weclaw_mq.state.transitions import TRANSITIONS, narrowing
 from weclaw_mq.state.worker_registry import WorkerRegistry
 
@@ -856,6 +857,17 @@ class RedisTaskStore:
             The registry; its writes (a worker's beats) share the store's auto-pipeline.
         """
         return WorkerRegistry(self._redis, self._pipe)
+
+    def schedule_book(self, app: str) -> ScheduleBook:
+        """The schedules of app ``app`` in this store's Redis (lease and records).
+
+        Args:
+            app: The app's name.
+
+        Returns:
+            The book; it calls the client directly (a few calls per tick).
+        """
+        return ScheduleBook(self._redis, app)
 
     async def close(self) -> None:
         """Stop renewing leases, close the wake-up subscription and the auto-pipeline.

@@ -37,6 +37,7 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.policy.breaker import CircuitState
 from weclaw_mq.policy.broker_version import ServerVersion
 from weclaw_mq.policy.failures import describe
+from weclaw_mq.scheduling.scheduler import Scheduler
 from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
 from weclaw_mq.state.worker_registry import registry_of
 from weclaw_mq.wire.broker_load import read_broker_load
@@ -93,6 +94,9 @@ class Worker:
             ``settings.shutdown_grace_s``.
         broker_load_check: Whether to read the broker's file-handle and memory use at start;
             default ``settings.broker_load_check`` (``--processes N`` asks in one child).
+        schedules: Whether to run the App's scheduler too (``scheduling.scheduler``: every
+            replica competes for its lease, one fires); default
+            ``settings.schedules_in_worker``.
 
     Raises:
         ConfigurationError: ``concurrency`` under 1, a ``shutdown_grace_s`` out of the
@@ -107,8 +111,10 @@ class Worker:
         queues: Sequence[str] | None = None,
         shutdown_grace_s: float | None = None,
         broker_load_check: bool | None = None,
+        schedules: bool | None = None,
     ) -> None:
         self.app = app
+        self.schedules = app.settings.schedules_in_worker if schedules is None else schedules
         self.settings = app.settings
         self.broker_load_check = (
             app.settings.broker_load_check if broker_load_check is None else broker_load_check
@@ -248,11 +254,18 @@ class Worker:
         # What it runs, for 'weclaw-mq inspect': in the store's Redis, none without one.
         beat = self._beat(store)
         beating = asyncio.create_task(beat.run(self._stop)) if beat is not None else None
+        # The App's schedules, when this worker fires them too (--schedules).
+        scheduler = Scheduler(self.app) if self.schedules and self.app.schedules else None
+        scheduling = asyncio.create_task(scheduler.run()) if scheduler is not None else None
         try:
             with tolerant_properties():
                 await self._run()
         finally:
             self.sync_threads.shutdown()  # abandoned calls keep their daemon threads
+            if scheduler is not None and scheduling is not None:
+                scheduler.stop()  # gives the lease up at once: a standby takes over
+                with contextlib.suppress(Exception):
+                    await scheduling
             for task in (listener, announcer, load_check, beating):
                 if task is not None:
                     task.cancel()
