@@ -102,8 +102,9 @@ class Scheduler:
         if leading != self._said:  # at the first round, and at every change
             self._said = leading
             log.info(
-                "scheduler of %r %s",
+                "scheduler of %r (replica %s) %s",
                 self.app.name,
+                self.owner[:8],
                 "leads: it fires the ticks" if leading else "stands by: another replica leads",
             )
         self.leading = leading
