@@ -625,3 +625,33 @@ def _fired(app: App) -> float:
         "weclaw_mq_schedule_ticks_total", {"schedule": "pulse", "outcome": "fired"}
     )
     return sample or 0.0
+
+
+# -- limits.md: token limits ----------------------------------------------------------------------
+
+
+async def test_limits_page_token_limit_keeps_a_provider_with_its_own_limits_from_429s(
+    examples: Examples,
+    start_worker: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+) -> None:
+    from tests.conftest import forget_limit_keys
+    from tests.integration.fake_provider import FakeProvider, ModelLimits, serving
+
+    fake = FakeProvider({"small": ModelLimits(tokens=90_000, requests=500, window_s=60)})
+    async with serving(fake) as base_url:
+        monkeypatch.setenv("PROVIDER_URL", base_url)
+        example = examples.load("token_limits.py", queues=["answers"])
+        app, queue = example.app, examples.queue("answers")
+        try:
+            await start_worker(app, concurrency=4)
+            ids = await app.publish_many(
+                queue, [{"model": "small", "prompt": "hello " * 50, "max_tokens": 64}] * 5
+            )
+            finals = [await app.result(t, timeout_s=30) for t in ids]
+        finally:
+            await example.client.aclose()
+            await forget_limit_keys(redis_url, queue)
+    assert [f.status for f in finals] == [TaskStatus.SUCCEEDED] * 5
+    assert fake.refused == 0 and fake.calls == 5

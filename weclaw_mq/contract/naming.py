@@ -324,17 +324,31 @@ def task_keys(queue: str, task_id: str) -> list[str]:
 #
 #     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:slots    running holders (sorted by lease end)
 #     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:starts   recent starts (sorted by start time)
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:tokens   a token limit's tokens per recent start
+#                                                       (a hash: holder -> tokens)
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:total    their sum
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:blocked  set while a 429's Retry-After runs
 #
 # <i> is the limit's position in the handler's ``limit=`` list; a global limit (no key
 # function) has the tag {*}. '%', '{' and '}' in a key are %-escaped, so the tag is never
-# empty and is always the whole key: both keys of one limit and key hash to one cluster slot.
+# empty and is always the whole key: every key of one limit and key hashes to one cluster slot.
 
 
-def limit_keys(queue: str, index: int, key: str | None) -> tuple[str, str]:
-    """The (slots, starts) keys of limit ``index`` of ``queue`` for ``key`` (None: global)."""
+def _limit_base(queue: str, index: int, key: str | None) -> str:
     if key is None:
         tag = "*"
     else:
         tag = "k=" + key.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-    base = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:{index}:{{{tag}}}"
+    return f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:{index}:{{{tag}}}"
+
+
+def limit_keys(queue: str, index: int, key: str | None) -> tuple[str, str]:
+    """The (slots, starts) keys of limit ``index`` of ``queue`` for ``key`` (None: global)."""
+    base = _limit_base(queue, index, key)
     return f"{base}:slots", f"{base}:starts"
+
+
+def token_keys(queue: str, index: int, key: str | None) -> tuple[str, str, str]:
+    """The (tokens, total, blocked) keys of a token limit, in the slot of its ``limit_keys``."""
+    base = _limit_base(queue, index, key)
+    return f"{base}:tokens", f"{base}:total", f"{base}:blocked"

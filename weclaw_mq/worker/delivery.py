@@ -157,7 +157,7 @@ async def _process(
             return
     ticket = NO_TICKET
     if spec.limits and rt.limiter is not None:
-        admitted = await within_limits(spec, rt, rt.limiter, task)
+        admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body))
         if not isinstance(admitted, Ticket):
             await carry_out(admitted, message, delivery, spec, rt, held)
             return
@@ -193,7 +193,16 @@ async def _process(
                 outcome = await call_handler(spec, task, delivery, rt, on_stuck, watch)
             else:
                 with ticket:  # the limits' slots are freed as the handler ends, however it ends
-                    outcome = await call_handler(spec, task, delivery, rt, on_stuck, watch)
+                    outcome = await call_handler(
+                        spec,
+                        task,
+                        delivery,
+                        rt,
+                        on_stuck,
+                        watch,
+                        usage=ticket.report if ticket.budgets else None,
+                    )
+                    ticket.ended(outcome)
             if outcome is not None and circuit is not None:
                 circuit.outcome(message, outcome[1])
             if running is not None:

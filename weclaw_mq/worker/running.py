@@ -51,6 +51,7 @@ async def call_handler(
     rt: Runtime,
     on_stuck: Callable[[asyncio.Task[Any]], None],
     watch: Watch,
+    usage: Callable[[int], None] | None = None,
 ) -> tuple[Any, BaseException | None] | None:
     """Run the handler under its timeout: (its result, None), (None, the error), or None when
     it ignored its cancellation and ``on_stuck`` ended the attempt without it.
@@ -59,6 +60,8 @@ async def call_handler(
     ``SystemExit``, ``KeyboardInterrupt`` or ``CancelledError`` of its own fails that task and
     never stops the worker (a worker stops on SIGTERM/SIGINT or ``Worker.stop``). Only a
     cancel of this task from outside (the worker stopping hard) passes through.
+
+    ``usage``: where ``ctx.usage`` reports the tokens the run used (a token limit's ticket).
     """
     args: tuple[Any, ...] = (task,)
     emitter: Emitter | None = None
@@ -86,6 +89,7 @@ async def call_handler(
             cancel_requested=watch.event(),
             # A plain def's thread reaches the loop through it (ctx.emit_sync, publish_sync).
             loop=asyncio.get_running_loop() if spec.is_sync else None,
+            usage_sink=usage,
         )
         args = (task, ctx)
     timing = rt.metrics.handler_timing(spec.queue)
