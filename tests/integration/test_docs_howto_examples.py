@@ -637,7 +637,7 @@ async def test_limits_page_token_limit_keeps_a_provider_with_its_own_limits_from
     redis_url: str,
 ) -> None:
     from tests.conftest import forget_limit_keys
-    from tests.integration.fake_provider import FakeProvider, ModelLimits, serving
+    from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
 
     fake = FakeProvider({"small": ModelLimits(tokens=90_000, requests=500, window_s=60)})
     async with serving(fake) as base_url:

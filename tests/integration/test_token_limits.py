@@ -1,8 +1,9 @@
-"""Token limits on the real broker and Redis (issue 31 item 1), against a local stand-in for a
-model provider that enforces its own token and request limits (``fake_provider``): three
-workers sharing a token budget never make it answer 429; what handlers report with
-``ctx.usage`` replaces the estimates, so the window counts the tokens really used; a 429's
-Retry-After stops the key for that long instead of every worker trying again at once."""
+"""Token limits on the real broker and Redis (issue 31 item 1), against a local stand-in for
+a model provider that enforces its own token and request limits
+(``weclaw_mq.testing.fake_provider``): three workers sharing a token budget never make it
+answer 429; what handlers report with ``ctx.usage`` replaces the estimates, so the window
+counts the tokens really used; a 429's Retry-After stops the key for that long instead of
+every worker trying again at once."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import forget_limit_keys, outcome_count
-from tests.integration.fake_provider import FakeProvider, ModelLimits, serving, tokens_of
 from weclaw_mq import App, Context, Limit, Retry, RetryPolicy, TaskStatus, retry_after_s
 from weclaw_mq.contract.naming import token_keys
+from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving, tokens_of
 
 MODEL = "tiny-1"
 # A short window so the test takes seconds: the provider's limit per window, and ours.

@@ -1,7 +1,12 @@
-"""A local stand-in for a model provider that behaves like one: per-model token and request
-limits over a sliding window, 429 with ``Retry-After`` past them, tokens charged by text
-length, a bill, and a switch to take a model down. Served by uvicorn on a free port of
-127.0.0.1 inside the test's event loop; nothing leaves the machine.
+"""A local stand-in for a model provider that behaves like one, for tests of token limits:
+per-model token and request limits over a sliding window, 429 with ``Retry-After`` past them,
+tokens charged by text length, a bill, and a switch to take a model down. Served by uvicorn
+(the ``testing`` extra) on a free port of 127.0.0.1 inside the caller's event loop; nothing
+leaves the machine.
+
+    provider = FakeProvider({"small": ModelLimits(tokens=90_000, requests=500, window_s=60)})
+    async with serving(provider) as base_url:
+        ...  # handlers call f"{base_url}/v1/complete"; provider.refused counts the 429s
 
     POST /v1/complete  {"model", "prompt", "max_tokens", "tenant"?}
       200 {"text", "usage": {"input_tokens", "output_tokens"}}
@@ -22,8 +27,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
-
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -38,8 +41,10 @@ def tokens_of(text: str) -> int:
 
 @dataclass
 class ModelLimits:
-    tokens: int  # per window
-    requests: int  # per window
+    """What the provider allows one model per sliding window of ``window_s`` seconds."""
+
+    tokens: int
+    requests: int
     window_s: float
 
 
@@ -116,6 +121,8 @@ class FakeProvider:
 @contextlib.asynccontextmanager
 async def serving(provider: FakeProvider) -> AsyncIterator[str]:
     """Serve ``provider`` on a free port of 127.0.0.1; its base URL while inside."""
+    import uvicorn  # the testing extra; imported only to serve
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
