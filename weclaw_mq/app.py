@@ -25,7 +25,8 @@ from weclaw_mq.handlers.spec import HandlerFunc, HandlerSpec, build_spec
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans, spans_for
 from weclaw_mq.policy.breaker import Breaker
-from weclaw_mq.policy.limits import Limit, as_limits
+from weclaw_mq.policy.costs import Cap, Price, check_prices
+from weclaw_mq.policy.limits import KeyFunc, Limit, as_limits
 from weclaw_mq.policy.priority import QUORUM, Priority
 from weclaw_mq.policy.retry import RetryPolicy
 from weclaw_mq.policy.schedules import DEFAULT_GRACE_S, MissedPolicy, Payload, Schedule
@@ -33,6 +34,7 @@ from weclaw_mq.publishing.engine import PublishingEngine
 from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.settings import Settings
 from weclaw_mq.state import Cancellation, TaskState, TaskStore, open_store
+from weclaw_mq.state.cost_ledger import Call, CostLedger, Totals, ledger_of
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.wire.connection import BrokerEndpoints
 from weclaw_mq.wire.topology import declare
@@ -64,6 +66,9 @@ class App:
         declare: Declare this App's queues before its first publish to one of them (once
             per event loop), for a producer that owns its queues; off by default, so a
             least-privilege producer never declares.
+        prices: The price of each model, ``{"model": Price(input_per_1k=, output_per_1k=)}``:
+            the tokens handlers report (``ctx.usage``) are then costed and recorded per task,
+            tenant and model (``weclaw_mq.policy.costs``).
 
     Raises:
         ConfigurationError: Both ``store`` and ``result_store`` were given.
@@ -79,6 +84,7 @@ class App:
         result_store: TaskStore | None = None,
         streams: StreamStore | None = None,
         declare: bool = False,
+        prices: dict[str, Price] | None = None,
     ) -> None:
         if result_store is not None:
             if store is not None:
@@ -89,6 +95,8 @@ class App:
             store = result_store
         self.name = name
         self.settings = settings if settings is not None else Settings()
+        # Model prices (policy.costs): with them, workers record what each task cost.
+        self.prices = check_prices(prices)
         self.metrics = Metrics(registry)
         self.broker = BrokerEndpoints(self.settings)
         self._handlers: dict[str, HandlerSpec] = {}
@@ -144,6 +152,8 @@ class App:
         queue_type: str = QUORUM,
         limit: Limit | Sequence[Limit] | None = None,
         breaker: Breaker | None = None,
+        tenant: KeyFunc | None = None,
+        cap: Cap | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register a handler (async or plain def) for ``queue``; unset options come from settings.
 
@@ -175,6 +185,10 @@ class App:
             breaker: A ``Breaker(...)`` pauses the queue in a worker after repeated failures
                 (``UpstreamDown`` by default) and probes it after a cool-down (see
                 ``breaker``).
+            tenant: A function of the task naming whose bill it is on (a ``str`` or ``int``):
+                its reported costs are summed per tenant (``weclaw-mq costs``).
+            cap: A ``Cap(per_day=..., action=...)``: a tenant whose day's costs reached it
+                gets its next tasks parked, shed or run on a cheaper model. Needs ``prices``.
 
         Returns:
             The decorator, which registers the function and returns it unchanged.
@@ -187,6 +201,10 @@ class App:
                 ``queue_type``.
         """
         limits = as_limits(limit)
+        if cap is not None and not self.prices:
+            raise ConfigurationError(
+                f"cap for {queue!r} needs the models' prices: App(..., prices={{...}})"
+            )
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -210,6 +228,8 @@ class App:
                 limits=limits,
                 breaker=breaker,
                 priorities=priorities,
+                tenant=tenant,
+                cap=cap,
             )
             return func
 
@@ -754,6 +774,47 @@ class App:
             StateCommandError: Redis answered with an error (not an outage).
         """
         return await self._reader.cancel(task_id, queue, pending)
+
+    # -- costs (weclaw_mq.policy.costs) ----------------------------------------------------
+    def _ledger(self) -> CostLedger:
+        return ledger_of(
+            self.store,
+            self.name,
+            usage_ttl_s=self.settings.result_ttl_s,
+            days_kept=self.settings.cost_days_kept,
+        )
+
+    async def costs(self, *, days: int = 1, by: str = "tenant") -> list[Totals]:
+        """What the reported model usage cost over the last ``days`` UTC days.
+
+        Args:
+            days: How many days back, today included.
+            by: ``"tenant"`` or ``"model"``.
+
+        Returns:
+            One ``Totals`` (cost, input and output tokens) per tenant or model, the most
+            expensive first.
+
+        Raises:
+            ConfigurationError: ``by`` is neither, or the App keeps no Redis task store.
+            StateUnavailableError: Redis does not answer.
+        """
+        return await self._ledger().totals(days, by=by)
+
+    async def calls(self, task_id: str) -> list[Call]:
+        """Every model call recorded on a task (each attempt's), with its tokens and cost.
+
+        Args:
+            task_id: The task's id.
+
+        Returns:
+            The calls, oldest first; none when it reported none (or its record expired).
+
+        Raises:
+            ConfigurationError: The App keeps no Redis task store.
+            StateUnavailableError: Redis does not answer.
+        """
+        return await self._ledger().calls_of(task_id)
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:

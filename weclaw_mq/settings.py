@@ -203,6 +203,9 @@ class Settings(EnvSettings):
     # Workers also run the scheduler (weclaw-mq worker --schedules): every replica competes for
     # the lease, one fires. Off: run 'weclaw-mq scheduler MODULE:APP' instead.
     schedules_in_worker: bool = False
+    # Costs (docs/how-to/costs.md): how many UTC days an app's daily totals per tenant and
+    # per model are kept in Redis ('weclaw-mq costs' reads them).
+    cost_days_kept: int = Field(default=90, ge=1, le=3660)
 
     # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
     # the broker unreachable, or whose outcome is unknown, are stored there and relayed.

@@ -627,7 +627,7 @@ def _fired(app: App) -> float:
     return sample or 0.0
 
 
-# -- limits.md: token limits ----------------------------------------------------------------------
+# -- limits.md: token limits ------------------------------------------------------------------
 
 
 async def test_limits_page_token_limit_keeps_a_provider_with_its_own_limits_from_429s(
@@ -655,3 +655,42 @@ async def test_limits_page_token_limit_keeps_a_provider_with_its_own_limits_from
             await forget_limit_keys(redis_url, queue)
     assert [f.status for f in finals] == [TaskStatus.SUCCEEDED] * 5
     assert fake.refused == 0 and fake.calls == 5
+
+
+# -- costs.md --------------------------------------------------------------------------------
+
+
+async def test_costs_page_records_each_call_per_tenant_and_model(
+    examples: Examples, start_worker: Callable[..., Any], redis_url: str
+) -> None:
+    from datetime import UTC, datetime
+
+    from weclaw_mq.contract.naming import costs_key, usage_key
+
+    example = examples.load("costs.py", queues=["answers"])
+    app, queue = example.app, examples.queue("answers")
+    app.name = f"costs-{queue}"  # its totals are its own in this run
+    await start_worker(app)
+    ids = await app.publish_many(
+        queue,
+        [
+            {"tenant": "acme", "model": "big-1", "prompt": "p" * 400},
+            {"tenant": "globex", "model": "small-1", "prompt": "p" * 40},
+        ],
+    )
+    try:
+        assert [(await app.result(t, timeout_s=15)).result for t in ids] == [
+            "big-1 says hi",
+            "small-1 says hi",
+        ]
+        by_tenant = {t.name: t for t in await app.costs(by="tenant")}
+        # acme: 100 input and 20 output tokens of big-1; globex: 10 and 20 of small-1.
+        assert by_tenant["acme"].cost == (100 * 0.5 + 20 * 1.5) / 1000
+        assert by_tenant["globex"].cost == (10 * 0.05 + 20 * 0.15) / 1000
+        (call,) = await app.calls(ids[0])
+        assert (call.model, call.tenant, call.attempt) == ("big-1", "acme", 1)
+    finally:
+        client = aioredis.from_url(redis_url)
+        day = datetime.now(UTC).date().isoformat()
+        await client.delete(costs_key(app.name, day), *(usage_key(t) for t in ids))
+        await client.aclose()

@@ -114,6 +114,24 @@ def prometheus_clients() -> str:
         "1 while this process's scheduler holds the lease and fires the ticks, else 0.",
         registry=r,
     )
+    Counter(
+        "weclaw_mq_model_tokens",
+        "Model tokens handlers reported, by queue, model and kind (input, output).",
+        ["queue", "model", "kind"],
+        registry=r,
+    )
+    Counter(
+        "weclaw_mq_model_cost",
+        "What the reported tokens cost with the App's prices, by queue and model.",
+        ["queue", "model"],
+        registry=r,
+    )
+    Counter(
+        "weclaw_mq_capped_tasks",
+        "Tasks whose tenant had reached its daily cap, by queue and the cap's action.",
+        ["queue", "action"],
+        registry=r,
+    )
     messages.labels("q", "acked").inc(2)
     messages.labels("r", "retried").inc(3)
     published.labels("q", "confirmed").inc()

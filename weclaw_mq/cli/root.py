@@ -427,6 +427,10 @@ from weclaw_mq.cli.inspect_command import inspect_workers  # noqa: E402
 
 cli.command("inspect")(inspect_workers)
 
+from weclaw_mq.cli.costs_command import costs  # noqa: E402
+
+cli.command("costs")(costs)
+
 from weclaw_mq.cli.schedule_commands import run_scheduler, schedules_cli  # noqa: E402
 
 cli.command("scheduler")(run_scheduler)

@@ -305,6 +305,30 @@ def schedule_key(app: str, name: str) -> str:
     return f"{SCHEDULE_KEY_PREFIX}:{app}:{name}"
 
 
+# -- Redis keys of costs (state.cost_ledger) ---------------------------------------------------
+#
+#     weclaw_mq:usage:{T}                  task T's model calls (a list of JSON: queue, attempt,
+#                                          model, tenant, tokens, cost), beside T's records
+#     weclaw_mq:costs:{costs}:<A>:<day>    app A's totals of one UTC day (a hash: cost in
+#                                          millionths and tokens per tenant and per model)
+#
+# A day's totals share one hash tag: one HGETALL per day reads them; a few increments per
+# model call, not per delivery.
+
+USAGE_KEY_PREFIX = f"{REDIS_PREFIX}:usage"
+COSTS_KEY_PREFIX = f"{REDIS_PREFIX}:costs:{{costs}}"
+
+
+def usage_key(task_id: str) -> str:
+    """Task ``task_id``'s model calls and their costs, every attempt's, in its own slot."""
+    return f"{USAGE_KEY_PREFIX}:{_tagged(task_id)}"
+
+
+def costs_key(app: str, day: str) -> str:
+    """App ``app``'s cost and token totals of UTC day ``day`` (``YYYY-MM-DD``)."""
+    return f"{COSTS_KEY_PREFIX}:{app}:{day}"
+
+
 def queue_key_pattern(prefix: str, queue: str) -> str:
     """A SCAN pattern for every key under ``prefix`` of ``queue`` (e.g. its guard keys)."""
     return f"{prefix}:{len(queue.encode())}:{queue}:{{*"

@@ -230,6 +230,24 @@ class Metrics:
             "weclaw_mq_scheduler_leader",
             "1 while this process's scheduler holds the lease and fires the ticks, else 0.",
         )
+        # Model usage handlers report (ctx.usage) in an App with prices (weclaw_mq.policy.costs):
+        # by queue and model only; tenants are 'weclaw-mq costs'' (a label each would grow
+        # without bound).
+        self.tokens = _counter(
+            "weclaw_mq_model_tokens",
+            "Model tokens handlers reported, by queue, model and kind (input, output).",
+            ["queue", "model", "kind"],
+        )
+        self.cost = _counter(
+            "weclaw_mq_model_cost",
+            "What the reported tokens cost with the App's prices, by queue and model.",
+            ["queue", "model"],
+        )
+        self.capped = _counter(
+            "weclaw_mq_capped_tasks",
+            "Tasks whose tenant had reached its daily cap, by queue and the cap's action.",
+            ["queue", "action"],
+        )
         # In the order they are exported (prometheus_client's: the order of creation).
         self._families: tuple[Family[Count] | Family[Level] | Family[Timing], ...] = (
             self.published,
@@ -248,6 +266,9 @@ class Metrics:
             self.held_deliveries,
             self.schedule_ticks,
             self.scheduler_leader,
+            self.tokens,
+            self.cost,
+            self.capped,
         )
         self._registry: CollectorRegistry | None = None
         if registry is not None:  # the caller's: prometheus_client is loaded already

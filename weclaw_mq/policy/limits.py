@@ -105,8 +105,14 @@ class Limit:
         return round(self.per_s * 1000)
 
     def estimated(self, task: Any, body_bytes: int) -> int:
-        """The tokens a task is admitted with: ``estimate(task)``, else its body's length
-        over ``CHARS_PER_TOKEN`` (at least 1).
+        """The tokens a task is admitted with.
+
+        Args:
+            task: The validated task.
+            body_bytes: Its body's length, for the default estimate.
+
+        Returns:
+            ``estimate(task)``, else the body's length over ``CHARS_PER_TOKEN`` (at least 1).
 
         Raises:
             ValueError: ``estimate`` returned something that is not an int of at least 0.

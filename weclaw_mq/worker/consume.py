@@ -39,6 +39,7 @@ from weclaw_mq.policy.broker_version import ServerVersion
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.scheduling.scheduler import Scheduler
 from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
+from weclaw_mq.state.cost_ledger import CostLedger, ledger_of
 from weclaw_mq.state.worker_registry import registry_of
 from weclaw_mq.wire.broker_load import read_broker_load
 from weclaw_mq.wire.connection import (
@@ -145,6 +146,8 @@ class Worker:
         self.sync_threads = SyncThreads(self.settings.sync_threads)
         # One per run, across reconnects: the slots it holds outlive a broker session.
         self._limiter: Limiter | None = None
+        # Where the App's reported model usage is costed and recorded (App(prices=)).
+        self._ledger: CostLedger | None = None
         # Cancel requests for the deliveries in flight (worker.cancel_watch).
         self.cancels = Cancels()
         # Per worker, not per session: a reconnect keeps each breaker's state.
@@ -244,6 +247,13 @@ class Worker:
         # tests/integration/test_undecodable_properties.py); read tolerantly, it arrives as a
         # marker that ``process`` rejects at once.
         store = self.app.store
+        if self.app.prices:
+            self._ledger = ledger_of(
+                store,
+                self.app.name,
+                usage_ttl_s=self.settings.result_ttl_s,
+                days_kept=self.settings.cost_days_kept,
+            )
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
         announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
@@ -566,6 +576,7 @@ class Worker:
             circuits=self._circuits,
             spans=self._spans,
             hooks=self.app.middleware if self.app.middleware.runs else None,
+            ledger=self._ledger,
         )
 
     def _lane_scheduler(

@@ -51,7 +51,8 @@ async def call_handler(
     rt: Runtime,
     on_stuck: Callable[[asyncio.Task[Any]], None],
     watch: Watch,
-    usage: Callable[[int], None] | None = None,
+    usage: Callable[[int, int, str | None], None] | None = None,
+    model: str | None = None,
 ) -> tuple[Any, BaseException | None] | None:
     """Run the handler under its timeout: (its result, None), (None, the error), or None when
     it ignored its cancellation and ``on_stuck`` ended the attempt without it.
@@ -61,7 +62,8 @@ async def call_handler(
     never stops the worker (a worker stops on SIGTERM/SIGINT or ``Worker.stop``). Only a
     cancel of this task from outside (the worker stopping hard) passes through.
 
-    ``usage``: where ``ctx.usage`` reports the tokens the run used (a token limit's ticket).
+    ``usage``: where ``ctx.usage`` reports the run's model calls (``worker.usage``);
+    ``model``: the model the worker chose for the run (``ctx.model``).
     """
     args: tuple[Any, ...] = (task,)
     emitter: Emitter | None = None
@@ -90,6 +92,7 @@ async def call_handler(
             # A plain def's thread reaches the loop through it (ctx.emit_sync, publish_sync).
             loop=asyncio.get_running_loop() if spec.is_sync else None,
             usage_sink=usage,
+            model=model,
         )
         args = (task, ctx)
     timing = rt.metrics.handler_timing(spec.queue)
