@@ -10,13 +10,11 @@ redis-py is not imported here: an app without fallbacks never loads it (``health
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from weclaw_mq.contract.naming import models_key
-from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.state.outages import is_state_failure, state_unavailable
+from weclaw_mq.state.outages import answered, redis_store
 
 if TYPE_CHECKING:
     from weclaw_mq.state.redis_clients import StateClient
@@ -83,12 +81,7 @@ class ModelHealth:
 
     async def down_until(self, models: Sequence[str]) -> tuple[int, dict[str, int]]:
         """Redis's time (epoch ms), and until when each model that is down stays down."""
-        try:
-            raw = await self._read(keys=[self._key], args=list(models))
-        except Exception as e:
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
+        raw = await answered(self._read(keys=[self._key], args=list(models)))
         now, *untils = (int(v) for v in raw)
         return now, {m: u for m, u in zip(models, untils, strict=True) if u > now}
 
@@ -116,11 +109,6 @@ def health_of(store: object, app: str) -> ModelHealth:
     Raises:
         ConfigurationError: ``store`` is not the Redis task store.
     """
-    module = sys.modules.get("weclaw_mq.state.redis")
-    if module is None or not isinstance(store, module.RedisTaskStore):
-        raise ConfigurationError(
-            "fallback= keeps its models' health in Redis (WECLAW_MQ_REDIS_URL): this App's "
-            f"task store is {type(store).__name__ if store is not None else 'off'}"
-        )
-    health: ModelHealth = store.model_health(app)
+    found = redis_store(store, "fallback= keeps its models' health")
+    health: ModelHealth = found.model_health(app)
     return health
