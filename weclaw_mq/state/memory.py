@@ -264,8 +264,8 @@ class MemoryTaskStore:
         if created and key not in self._index:
             self._index[key] = at
             self._trim_index()
-        if state.status in SPARSE_STATUSES:
-            self._sparse[state.status][key] = self._index.get(key, at)
+        if state.status in SPARSE_STATUSES and key in self._index:
+            self._sparse[state.status][key] = self._index[key]
 
     def _trim_index(self) -> None:
         oldest = to_ms(datetime.now(UTC)) - self._index_age_ms

@@ -7,12 +7,16 @@ Where each write goes:
 - The index (``naming.TASK_INDEX_KEY`` and its per-queue and per-status sorted sets, all in
   the ``{tasks}`` slot). On one Redis (or a Sentinel set's primary) the same script writes it
   too: an entry when the write created the task's record in that queue, and the sparse
-  status's entry with a final record of that status. On a Redis Cluster the index's slot is
-  not the task's, so the store sends ``INDEX_SCRIPT`` beside the record's script, in the same
-  auto-pipeline batch (no extra round trip; one more command on the ``{tasks}`` node), for the
-  writes that may create a record or write a sparse status; its ``ZADD NX`` keeps the first
-  time. One slot takes every index write: one O(log n) ZADD or two per task, far below what
-  one Redis node serves, so a hot slot is accepted for an index that pages in one place.
+  status's entry (at the task's index time) with a final record of that status, for a task
+  still indexed. On a Redis Cluster the index's slot is not the task's, so the store sends
+  ``INDEX_SCRIPT`` beside the record's script, in the same auto-pipeline batch (no extra
+  round trip; one more command on the ``{tasks}`` node), for the writes of a status that may
+  create a record (stored_locally, queued, running: its ``ZADD NX`` keeps the first time)
+  or of a sparse one. Unlike one Redis, a cluster's companion cannot see whether the record
+  was written: a task whose first record is a final one (a worker's ``expired`` for a task
+  published without results) gets no entry there, and a refused write still counts.
+  One slot takes every index write: one O(log n) ZADD or two per task, far below what one
+  Redis node serves, so a hot slot is accepted for an index that pages in one place.
 - The bounds: every ``TRIM_EVERY`` index writes (per store) ``TRIM_SCRIPT`` drops entries older
   than the age bound, then the oldest past the count bound, at most ``TRIM_MOST`` per sorted set
   per call, so a trim never blocks Redis for long, and a backlog is worked off over a few trims.
@@ -81,7 +85,8 @@ local function index_write(ix, current, ttl_ms)
     redis.call('SADD', ix[4], ix[3])
   end
   if ix[5] ~= '' then
-    redis.call('ZADD', ix[5], redis.call('ZSCORE', ix[2], ix[7]) or at, ix[7])
+    local since = redis.call('ZSCORE', ix[2], ix[7])
+    if since then redis.call('ZADD', ix[5], since, ix[7]) end
   end
 end
 
@@ -92,13 +97,17 @@ end
 """
 
 # The index write of a cluster, in the {tasks} slot. KEYS: index, queue's index, queues,
-# sparse status's index (optional). ARGV: member, time ms.
+# sparse status's index (optional). ARGV: member, time ms, '1' for a status that may create
+# the record (the entry, unless there is one), else '0'.
 INDEX_SCRIPT = """
-redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1])
-redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[1])
-redis.call('SADD', KEYS[3], KEYS[2])
+if ARGV[3] == '1' then
+  redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1])
+  redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[1])
+  redis.call('SADD', KEYS[3], KEYS[2])
+end
 if KEYS[4] then
-  redis.call('ZADD', KEYS[4], redis.call('ZSCORE', KEYS[1], ARGV[1]) or ARGV[2], ARGV[1])
+  local since = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if since then redis.call('ZADD', KEYS[4], since, ARGV[1]) end
 end
 return 1
 """
@@ -194,9 +203,9 @@ class RedisTaskIndex:
         if state.status in SPARSE_STATUSES:
             keys.append(task_index_status_key(state.status.value))
         at = event[1 : event.index(",")]
-        self._background(
-            self._pipe.script(self._index, keys, [index_member(state.queue, state.task_id), at])
-        )
+        first = "1" if state.status in _FIRST_STATUSES else "0"
+        member = index_member(state.queue, state.task_id)
+        self._background(self._pipe.script(self._index, keys, [member, at, first]))
         self._count_write()
 
     def _count_write(self) -> None:
@@ -219,6 +228,12 @@ class RedisTaskIndex:
         # Best effort: a lost index write costs a task its line in the list, never its record.
         self._pending.add(write)
         write.add_done_callback(self._ended)
+
+    async def settled(self) -> None:
+        """Wait for the index writes sent so far (a cluster's companions): for a write made
+        outside the auto-pipeline, whose answer does not come with theirs."""
+        if self._pending:
+            await asyncio.wait(set(self._pending))
 
     def _ended(self, write: asyncio.Future[Any]) -> None:
         self._pending.discard(write)
