@@ -309,8 +309,9 @@ class MemoryTaskStore:
             below = [(key[0], key[1], at) for at, _, key in rows if at <= score]
             return below[skip : skip + count]
 
-        async def records(tasks: list[tuple[str, str]]) -> list[TaskState | None]:
-            return [self._read(task_id, queue) for queue, task_id in tasks]
+        async def records(tasks: list[tuple[str, str]]) -> list[str | bytes | None]:
+            entries = [self._live(self._records, task) for task in tasks]
+            return [e.value if e is not None else None for e in entries]
 
         return await scan_page(query, entries, records)
 
