@@ -54,7 +54,7 @@ from weclaw_mq.state.redis_clients import StateClient, is_cluster
 from weclaw_mq.state.redis_clients import (
     open_client as open_client,  # its former home: still importable here
 )
-from weclaw_mq.state.redis_index import INDEX_WRITE_LUA, RedisTaskIndex
+from weclaw_mq.state.redis_index import INDEX_FORGET_LUA, INDEX_WRITE_LUA, RedisTaskIndex
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
 from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
@@ -202,14 +202,19 @@ return 1
 )
 
 # The latest pointer goes too if it named this record: status() then answers "unknown"
-# rather than a task the broker never held.
-_FORGET_QUEUED = """
+# rather than a task the broker never held; and so does its task index entry (ARGV[1], its
+# member, on one Redis: state.redis_index.INDEX_FORGET_LUA).
+_FORGET_QUEUED = (
+    INDEX_FORGET_LUA
+    + """
 if redis.call('HGET', KEYS[1], 'status') == 'queued' then
   if redis.call('GET', KEYS[2]) == KEYS[1] then redis.call('DEL', KEYS[2]) end
+  if ARGV[1] then index_forget(ARGV[1]) end
   return redis.call('DEL', KEYS[1])
 end
 return 0
 """
+)
 
 # The latest record in one round trip. It reads the key the pointer names (not passed in
 # KEYS): on one Redis that is fine, and under a cluster the hash tag keeps it on this node.
@@ -695,10 +700,13 @@ class RedisTaskStore:
             StateUnavailableError: Redis fails or does not answer.
             StateCommandError: Redis answered with an error (not an outage).
         """
+        keys = [state_key(queue, task_id), latest_key(task_id)]
         try:
-            await self._pipe.script(
-                self._forget_queued, [state_key(queue, task_id), latest_key(task_id)], []
+            forgot = await self._pipe.script(
+                self._forget_queued, keys, self.index.forget_args(queue, task_id)
             )
+            if forgot:
+                await self.index.forget_beside(queue, task_id)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 

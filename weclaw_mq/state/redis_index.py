@@ -111,6 +111,22 @@ local function ix_at(a)
 end
 """
 
+# A refused publish's entry taken back (state.redis._FORGET_QUEUED), on one Redis: ``member``.
+INDEX_FORGET_LUA = f"""
+local function index_forget(member)
+  local size, rest = string.match(member, '^(%d+):(.*)$')
+  if not size then return end
+  redis.call('ZREM', '{TASK_INDEX_KEY}', member)
+  redis.call('ZREM', '{TASK_INDEX_KEY}:q:' .. string.sub(rest, 1, tonumber(size)), member)
+end
+"""
+
+# The same on a cluster, in the {tasks} slot. KEYS: index, queue's index; ARGV: member.
+FORGET_SCRIPT = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+return redis.call('ZREM', KEYS[2], ARGV[1])
+"""
+
 # The index write of a cluster, in the {tasks} slot. KEYS: index, queue's index, queues,
 # sparse status's index (optional). ARGV: member, time ms, '1' for a status that may create
 # the record (the entry, unless there is one), else '0'.
@@ -212,6 +228,7 @@ class RedisTaskIndex:
         self._trim = Script.of(TRIM_SCRIPT)
         self._read = Script.of(READ_SCRIPT)
         self._entries = Script.of(ENTRIES_SCRIPT)
+        self._forget = Script.of(FORGET_SCRIPT)
         self._writes = 0
         self._pending: set[asyncio.Future[Any]] = set()
 
@@ -232,6 +249,18 @@ class RedisTaskIndex:
         if indexed:
             self._count_write()
         return [event, index_member(state.queue, state.task_id)]
+
+    def forget_args(self, queue: str, task_id: str) -> list[str]:
+        """The ARGV of ``_FORGET_QUEUED`` for (queue, task id): its member on one Redis."""
+        if not self.enabled or self._cluster:
+            return []
+        return [index_member(queue, task_id)]
+
+    async def forget_beside(self, queue: str, task_id: str) -> None:
+        """On a cluster, take back the entry of a record ``_FORGET_QUEUED`` dropped."""
+        if self.enabled and self._cluster:
+            keys = [TASK_INDEX_KEY, task_index_queue_key(queue)]
+            await self._pipe.script(self._forget, keys, [index_member(queue, task_id)])
 
     def _companion(self, state: TaskState, event: str) -> None:
         keys = [TASK_INDEX_KEY, task_index_queue_key(state.queue), TASK_INDEX_QUEUES_KEY]
