@@ -3,7 +3,7 @@
     make bench-task-index                    # or: .venv/bin/python -m benchmarks.task_index_cost
     .venv/bin/python -m benchmarks.task_index_cost --smoke     # tiny: that it runs
     .venv/bin/python -m benchmarks.task_index_cost --n 2000 --rounds 3 --concurrency 10 100
-    .venv/bin/python -m benchmarks.task_index_cost --tasks 1000000 --pages 20
+    .venv/bin/python -m benchmarks.task_index_cost --parts pages --tasks 1000000 --pages 20
 
 1. Consume, on the shared broker and Redis: the same guarded handler (a no-op returning a small
    dict; guard and results on) with ``WECLAW_MQ_TASK_INDEX`` on and off, in an order rotated
@@ -291,8 +291,10 @@ async def page_speed(tasks: int, pages: int) -> bool:
 
 
 async def main(args: argparse.Namespace) -> None:
-    await consume_cost(args.n, args.rounds, args.concurrency)
-    await page_speed(args.tasks, args.pages)
+    if "consume" in args.parts:
+        await consume_cost(args.n, args.rounds, args.concurrency)
+    if "pages" in args.parts:
+        await page_speed(args.tasks, args.pages)
 
 
 if __name__ == "__main__":
@@ -302,6 +304,9 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--tasks", type=int, default=1_000_000, help="tasks indexed for paging")
     parser.add_argument("--pages", type=int, default=20, help="pages timed per query")
+    parser.add_argument(
+        "--parts", nargs="+", choices=["consume", "pages"], default=["consume", "pages"]
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny counts: that it runs")
     parsed = parser.parse_args()
     if parsed.smoke:

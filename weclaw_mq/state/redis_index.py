@@ -70,8 +70,12 @@ TRIM_MOST = 10_000
 _FIRST_STATUSES = frozenset({TaskStatus.STORED_LOCALLY, TaskStatus.QUEUED, TaskStatus.RUNNING})
 # The statuses whose writes touch the index (the others only append to the timeline).
 _INDEXED = _FIRST_STATUSES | SPARSE_STATUSES
+_FINAL = frozenset(s for s in TaskStatus if s.terminal)
 
-# Called by write_record (state.redis.RECORD_WRITE_LUA) once the record is written. ``ix``:
+# Called by write_record (state.redis.RECORD_WRITE_LUA) once the record is written. The
+# timeline's TTL is set when it starts and with a final record (one call fewer per write of
+# the consume path): it lives as long as the records unless a task's life outlasts their TTL.
+# ``ix``:
 # {event, member}, ARGV of the record's script (``RedisTaskIndex.block``); ``latest``: the
 # task's latest pointer, whose hash tag names the timeline (its key is built here, in the
 # task's slot, so the record scripts carry no more KEYS than before). With a member (one
@@ -81,11 +85,14 @@ _INDEXED = _FIRST_STATUSES | SPARSE_STATUSES
 # field is the write's time in ms, the entry's score.
 INDEX_WRITE_LUA = f"""
 local sparse = {{{", ".join(f"[{s.value!r}] = true" for s in sorted(SPARSE_STATUSES))}}}
+local final = {{{", ".join(f"[{s.value!r}] = true" for s in sorted(_FINAL))}}}
 local function index_write(ix, latest, status, current, ttl_ms)
   local timeline = '{TIMELINE_KEY_PREFIX}:' .. string.sub(latest, {len(LATEST_KEY_PREFIX) + 2})
-  redis.call('RPUSH', timeline, ix[1])
-  redis.call('LTRIM', timeline, -{TIMELINE_MAX_EVENTS}, -1)
-  redis.call('PEXPIRE', timeline, ttl_ms)
+  local events = redis.call('RPUSH', timeline, ix[1])
+  if events > {TIMELINE_MAX_EVENTS} then
+    redis.call('LTRIM', timeline, -{TIMELINE_MAX_EVENTS}, -1)
+  end
+  if events == 1 or final[status] then redis.call('PEXPIRE', timeline, ttl_ms) end
   local member = ix[2]
   if member == '' then return end
   local index = '{TASK_INDEX_KEY}'
@@ -240,14 +247,12 @@ class RedisTaskIndex:
         if not self.enabled:
             return []
         event = timeline_event(state)
-        status = state.status
-        indexed = status in _INDEXED
+        if state.status not in _INDEXED:
+            return [event, ""]  # (a succeeded or retrying write only appends its event)
         if self._cluster:
-            if indexed:
-                self._companion(state, event)
+            self._companion(state, event)
             return [event, ""]
-        if indexed:
-            self._count_write()
+        self._count_write()
         return [event, index_member(state.queue, state.task_id)]
 
     def forget_args(self, queue: str, task_id: str) -> list[str]:
