@@ -36,6 +36,16 @@ from weclaw_mq.wire.topology import queue_declarations
 
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 300, "done_ttl_s": 300}
 S = TaskStatus
+# The timeline of a task that failed twice, then succeeded: (status, attempt) per event.
+RETRIED_TWICE = [
+    (S.QUEUED, 0),
+    (S.RUNNING, 1),
+    (S.RETRYING, 1),
+    (S.RUNNING, 2),
+    (S.RETRYING, 2),
+    (S.RUNNING, 3),
+    (S.SUCCEEDED, 3),
+]
 
 
 class IndexedStore(TaskStore, TaskIndex, Protocol):
@@ -279,15 +289,7 @@ async def test_the_timeline_of_a_task_retried_twice_then_succeeded(
     done = record(queue, task_id, S.SUCCEEDED, 40, attempt=3, result="ok")
     await store.finish(queue, task_id, done, owner=owner)
     events = await store.timeline(task_id)
-    assert [(e.status, e.attempt) for e in events] == [
-        (S.QUEUED, 0),
-        (S.RUNNING, 1),
-        (S.RETRYING, 1),
-        (S.RUNNING, 2),
-        (S.RETRYING, 2),
-        (S.RUNNING, 3),
-        (S.SUCCEEDED, 3),
-    ]
+    assert [(e.status, e.attempt) for e in events] == RETRIED_TWICE
     assert [e.error for e in events if e.status is S.RETRYING] == [
         "RuntimeError: attempt 1 fails",
         "RuntimeError: attempt 2 fails",
@@ -445,15 +447,7 @@ async def test_a_worker_run_leaves_index_entries_and_timelines(
     session = await app.tasks(TaskQuery(queue=qname, session_id="session-7"))
     assert [t.task_id for t in session.tasks] == [plain]
     events = await app.timeline(retried)
-    assert [(e.status, e.attempt) for e in events] == [
-        (S.QUEUED, 0),
-        (S.RUNNING, 1),
-        (S.RETRYING, 1),
-        (S.RUNNING, 2),
-        (S.RETRYING, 2),
-        (S.RUNNING, 3),
-        (S.SUCCEEDED, 3),
-    ]
+    assert [(e.status, e.attempt) for e in events] == RETRIED_TWICE
     assert "attempt 2 fails" in (events[4].error or "")
     assert [e.status for e in await app.timeline(plain, queue=qname)] == [
         S.QUEUED,
