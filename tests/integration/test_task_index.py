@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for
+from tests.conftest import close_apps, forget_task_keys, settings_for
 from weclaw_mq import App, ConfigurationError, Context, MemoryTaskStore, RetryPolicy, TaskQuery
 from weclaw_mq.contract.naming import timeline_key
 from weclaw_mq.state import (
@@ -32,7 +32,6 @@ from weclaw_mq.state import (
 )
 from weclaw_mq.state.redis_clients import open_client
 from weclaw_mq.state.task_index import INDEX_OFF, SCAN_BUDGET
-from weclaw_mq.wire.topology import queue_declarations
 
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 300, "done_ttl_s": 300}
 S = TaskStatus
@@ -412,15 +411,9 @@ async def app_on(
         return app
 
     yield factory
-    names: list[str] = []
-    for app in apps:
-        await app.close()
-        for spec in app.handlers.values():
-            names.extend(n for n, _ in queue_declarations(spec.queue_spec()))
+    await close_apps(apps, broker_url, redis_url)
     for chosen in stores:
         await chosen.close()
-    await delete_queues(broker_url, sorted(set(names)))
-    await forget_task_keys(redis_url, {s.queue for app in apps for s in app.handlers.values()})
 
 
 async def test_a_worker_run_leaves_index_entries_and_timelines(
