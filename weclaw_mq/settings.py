@@ -182,8 +182,8 @@ class Settings(EnvSettings):
     # Keep the task index (every task, newest first, for App.tasks and the console) and each
     # task's timeline (App.timeline) beside the records (weclaw_mq.state.task_index).
     task_index: bool = True
-    # The most tasks the index keeps; past it the oldest entries go (trimmed every ~1,000
-    # new entries, so it may run over by that many).
+    # The most tasks the index keeps; past it the oldest entries go (each writing process
+    # trims every 1,000 index writes, so the index may run over by about that many per writer).
     task_index_max_entries: int = Field(default=1_000_000, ge=1)
     # How long a task stays in the index after its first record; 0: as long as records are
     # kept (result_ttl_s).
