@@ -45,6 +45,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from benchmarks.infra import forget_task_index
 from benchmarks.notify_cost import AMQP_URL, REDIS_URL, Run, measure, spread
 from weclaw_mq import App, Settings, TaskQuery, TaskStatus
 from weclaw_mq.contract.naming import (
@@ -53,10 +54,9 @@ from weclaw_mq.contract.naming import (
     TASK_INDEX_QUEUES_KEY,
     task_index_queue_key,
     task_index_status_key,
-    timeline_key,
 )
 from weclaw_mq.state import RedisTaskStore, TaskState, new_owner
-from weclaw_mq.state.task_index import SPARSE_STATUSES, make_cursor
+from weclaw_mq.state.task_index import make_cursor
 
 VARIANTS = ("off", "on")
 PARTS = ("consume", "store", "pages")
@@ -79,31 +79,12 @@ def _app(queue: str, variant: str) -> App:
     return app
 
 
-async def _forget_index(queue: str) -> None:
-    """The index entries and timelines the "on" runs left in the shared Redis."""
-    client = aioredis.Redis.from_url(REDIS_URL)
-    try:
-        indexed = task_index_queue_key(queue)
-        members = await client.zrange(indexed, 0, -1)
-        for start in range(0, len(members), 1000):
-            chunk = members[start : start + 1000]
-            await client.zrem(TASK_INDEX_KEY, *chunk)
-            for status in SPARSE_STATUSES:
-                await client.zrem(task_index_status_key(status.value), *chunk)
-            ids = [m.decode().split(":", 2)[2] for m in chunk]
-            await client.delete(*(timeline_key(t) for t in ids))
-        await client.delete(indexed)
-        await client.srem(TASK_INDEX_QUEUES_KEY, indexed)
-    finally:
-        await client.aclose()
-
-
 async def _consume(variant: str, n: int, concurrency: int) -> Run:
     queue = f"bench-task-index-{variant}-{uuid.uuid4().hex[:8]}"
     try:
         return await measure(_app(queue, variant), queue, n, concurrency, from_ready=True)
     finally:
-        await _forget_index(queue)
+        await forget_task_index(REDIS_URL, queue)
 
 
 async def consume_cost(n: int, rounds: int, concurrencies: list[int]) -> bool:
