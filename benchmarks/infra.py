@@ -387,3 +387,32 @@ def package_versions(names: Iterable[str]) -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[name] = "not installed"
     return out
+
+
+async def forget_task_index(redis_url: str, queue: str) -> None:
+    """The task index entries and timelines of ``queue``'s tasks (a run's own queue): what
+    a benchmark with the index on (the default) leaves in the shared Redis."""
+    from weclaw_mq.contract.naming import (
+        TASK_INDEX_KEY,
+        TASK_INDEX_QUEUES_KEY,
+        index_entry,
+        task_index_queue_key,
+        task_index_status_key,
+        timeline_key,
+    )
+    from weclaw_mq.state.task_index import SPARSE_STATUSES
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        indexed = task_index_queue_key(queue)
+        members = await client.zrange(indexed, 0, -1)
+        for start in range(0, len(members), 1000):
+            chunk = members[start : start + 1000]
+            await client.zrem(TASK_INDEX_KEY, *chunk)
+            for status in SPARSE_STATUSES:
+                await client.zrem(task_index_status_key(status.value), *chunk)
+            await client.delete(*(timeline_key(index_entry(m.decode())[1]) for m in chunk))
+        await client.delete(indexed)
+        await client.srem(TASK_INDEX_QUEUES_KEY, indexed)
+    finally:
+        await client.aclose()

@@ -32,7 +32,7 @@ import redis.asyncio as aioredis
 from weclaw_mq import App, Settings, Worker
 from weclaw_mq.contract.naming import GUARD_KEY_PREFIX, STATE_KEY_PREFIX, queue_key_pattern
 
-from .infra import delete_app_queues
+from .infra import delete_app_queues, forget_task_index
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -112,6 +112,7 @@ async def _first(running: asyncio.Task[None], ready: Coroutine[Any, Any, object]
 
 async def _clean(app: App, queue: str) -> None:
     await delete_app_queues(AMQP_URL, app)
+    await forget_task_index(REDIS_URL, queue)
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         keys = []

@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from weclaw_mq import App, Context, Reject, RetryPolicy, Settings
 from weclaw_mq.contract.naming import task_keys
 
-from .infra import delete_app_queues
+from .infra import delete_app_queues, forget_task_index
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -106,6 +106,7 @@ def free_port() -> int:
 async def cleanup(app: App, queue: str, tasks: int) -> None:
     """Delete the soak's queues and every Redis key its tasks may own."""
     await delete_app_queues(AMQP_URL, app)
+    await forget_task_index(REDIS_URL, queue)
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         for start in range(0, tasks, 1000):

@@ -41,6 +41,7 @@ from weclaw_mq.state import TaskState
 from weclaw_mq.wire.topology import delay_exchanges, queue_declarations
 
 from .common import make_payload
+from .infra import forget_task_index
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -106,6 +107,7 @@ class Bench:
                     await channel.exchange_delete(exchange)
         finally:
             await conn.close()
+        await forget_task_index(REDIS_URL, self.queue)
         client = aioredis.Redis.from_url(REDIS_URL)
         try:
             ids = self.ids + self.published

@@ -469,7 +469,9 @@ def wire_page() -> str:
         "A task's keys carry the task id as a hash tag (`{...}`), so every key of one task",
         "lands in one Redis Cluster slot; the number before the queue name is that name's",
         "length in bytes, so a queue name holding `:` cannot be mistaken for another. The",
-        "worker registry's keys (what `weclaw-mq inspect` reads) share the one tag `{workers}`.",
+        "worker registry's keys (what `weclaw-mq inspect` reads) share the one tag `{workers}`,",
+        "the task index's (what `App.tasks` reads) the one tag `{tasks}`; a task's timeline is in",
+        "its task's slot, written by the same script as its record.",
         "",
         "| key | what it holds |",
         "|---|---|",
@@ -484,6 +486,19 @@ def wire_page() -> str:
         (naming.done_channel(t), _doc(naming.done_channel)),
         (naming.stream_key(t), _doc(naming.stream_key)),
         (naming.cancel_key(t), _doc(naming.cancel_key)),
+        (naming.timeline_key(t), _doc(naming.timeline_key)),
+        (
+            naming.TASK_INDEX_KEY,
+            "the task index: every task's `<len(Q)>:Q:T`, scored by the time "
+            "(ms) its first record in Q was written",
+        ),
+        (naming.task_index_queue_key(q), "the same, of this handler queue's tasks only"),
+        (
+            naming.task_index_status_key("dead_lettered"),
+            "the same, of the tasks whose record became this status (one set each for "
+            "dead_lettered, expired and cancelled, the statuses few tasks have)",
+        ),
+        (naming.TASK_INDEX_QUEUES_KEY, "the queues' index keys, for the trim"),
         (naming.heartbeat_key("W"), _doc(naming.heartbeat_key) + " (`W`: the worker's id)"),
         (naming.CANCEL_CHANNEL, naming_comments.get("CANCEL_CHANNEL", "")),
         (naming.WORKER_INDEX_KEY, naming_comments.get("WORKER_INDEX_KEY", "")),

@@ -30,6 +30,7 @@ from weclaw_mq.state import (
     TaskStatus,
     TaskStore,
 )
+from weclaw_mq.state.task_index import TaskQuery as TaskQuery  # App.tasks(TaskQuery(...))
 from weclaw_mq.streaming import Inbox, MemoryStreamStore, StreamEvent, StreamStore
 from weclaw_mq.worker.consume import Worker
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import delete_queues, settings_for, wait_until
+from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
 from tests.drills import bounds
 from tests.drills.conftest import DrillReport
 from tests.integration.fixture_apps import guard_app
@@ -224,4 +224,5 @@ async def test_worker_killed_three_times_mid_stream_loses_no_task(
         await publisher.close()
         await delete_queues(broker_url, queue_names(publisher))
         await _forget(client, queue, record_key, ids)
+        await forget_task_keys(redis_url, [queue])  # and the task index's entries
         await client.aclose()
