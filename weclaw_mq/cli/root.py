@@ -409,3 +409,7 @@ cli.command("asyncapi")(asyncapi)
 from weclaw_mq.cli.inspect_command import inspect_workers  # noqa: E402
 
 cli.command("inspect")(inspect_workers)
+
+from weclaw_mq.cli.console_command import console  # noqa: E402
+
+cli.command("console")(console)

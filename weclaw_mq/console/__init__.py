@@ -1,0 +1,17 @@
+"""The web console (``weclaw-mq console MODULE:APP``): an app's queues and live workers, its
+run history, each task's record, timeline, live output and dead letter, and the dead-letter
+tools of the CLI, in a browser. Starlette, served by uvicorn, installed with the ``console``
+extra; every page and asset comes from this package (no CDN, no build step).
+
+Modules: ``access`` (token, CSRF, same origin: pure), ``guard`` (the middleware applying it),
+``audit`` (one line per mutation), ``overview``, ``task_views`` (the task index's views),
+``detail``, ``dead_letters``, ``events`` (the task stream as SSE), ``rendering`` (the
+autoescaped templates) and ``server`` (the routes: ``create_console``).
+"""
+
+from __future__ import annotations
+
+from weclaw_mq.console.access import Access
+from weclaw_mq.console.server import create_console
+
+__all__ = ["Access", "create_console"]
