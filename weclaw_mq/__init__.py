@@ -23,6 +23,7 @@ from weclaw_mq.state import (
     TaskStatus,
     TaskStore,
 )
+from weclaw_mq.state.task_index import TaskQuery
 from weclaw_mq.streaming import Inbox, MemoryStreamStore, StreamEvent, StreamStore
 from weclaw_mq.worker.consume import Worker
 
@@ -71,6 +72,7 @@ __all__ = [
     "StreamEvent",
     "StreamStore",
     "TaskNotification",
+    "TaskQuery",
     "TaskState",
     "TaskStatus",
     "TaskStore",

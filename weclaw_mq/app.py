@@ -28,6 +28,7 @@ from weclaw_mq.publishing.engine import PublishingEngine
 from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.settings import Settings
 from weclaw_mq.state import Cancellation, TaskState, TaskStore, open_store
+from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.wire.connection import BrokerEndpoints
 from weclaw_mq.wire.topology import declare
@@ -573,6 +574,53 @@ class App:
             StateCommandError: Redis answered with an error (not an outage).
         """
         return await self._reader.cancel(task_id, queue, pending)
+
+    # -- the task index (weclaw_mq.state.task_index) --------------------------------------
+    async def tasks(self, query: TaskQuery | None = None) -> TaskPage:
+        """One page of the tasks the store knows, newest first (the task index).
+
+        A task is listed from its first record in a queue (published, stored in the local
+        outbox, or first run) until the index's bounds drop it (``task_index_max_age_s``,
+        ``task_index_max_entries``). One call examines at most a bounded number of entries:
+        a filter that matches few tasks may answer a short page with a ``next_cursor`` to
+        go on from.
+
+        Args:
+            query: The filters, page size and cursor; None: the newest 50 tasks.
+
+        Returns:
+            The page: its tasks with their records now, and the cursor of the next page
+            (None when nothing older matches).
+
+        Raises:
+            ConfigurationError: Results are off, the task index is off
+                (``WECLAW_MQ_TASK_INDEX=false``), or the store keeps none.
+            StateUnavailableError: The store fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
+        return await self._reader.tasks(query if query is not None else TaskQuery())
+
+    async def timeline(self, task_id: str, *, queue: str | None = None) -> list[TimelineEvent]:
+        """What happened to a task: one event per record write, oldest first.
+
+        Queued, running, retrying (with its error), succeeded, dead_lettered or expired
+        (with the reason), cancelled; a task requeued from the DLQ reads queued again. Kept
+        as long as its records, the last 100 events.
+
+        Args:
+            task_id: The task's id.
+            queue: Only the events of this queue; without it, those of every queue.
+
+        Returns:
+            The events ([] when none are kept).
+
+        Raises:
+            ConfigurationError: A task id no task can have, an invalid queue name, results
+                off or the task index off.
+            StateUnavailableError: The store fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
+        return await self._reader.timeline(task_id, queue)
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:

@@ -179,6 +179,15 @@ class Settings(EnvSettings):
     done_ttl_s: float = seconds(_DAY_S, floor=1, ceiling=_YEAR_S)
     # How long a task's state and result are kept.
     result_ttl_s: float = seconds(_DAY_S, floor=1, ceiling=_YEAR_S)
+    # Keep the task index (every task, newest first, for App.tasks and the console) and each
+    # task's timeline (App.timeline) beside the records (weclaw_mq.state.task_index).
+    task_index: bool = True
+    # The most tasks the index keeps; past it the oldest entries go (trimmed every ~1,000
+    # new entries, so it may run over by that many).
+    task_index_max_entries: int = Field(default=1_000_000, ge=1)
+    # How long a task stays in the index after its first record; 0: as long as records are
+    # kept (result_ttl_s).
+    task_index_max_age_s: float = seconds(0, floor=0, ceiling=_YEAR_S)
     # When Redis does not answer: "defer" parks the task in a delay queue until it does
     # (never run unguarded); "run_unguarded" is the explicit best-effort choice of users
     # who prefer availability over at-most-once effects.

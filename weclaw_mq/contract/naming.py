@@ -32,6 +32,8 @@ INBOX_TRACE_KEY_PREFIX = f"{REDIS_PREFIX}:inbox-trace"
 LIMIT_KEY_PREFIX = f"{REDIS_PREFIX}:limit"
 CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
 BODY_KEY_PREFIX = f"{REDIS_PREFIX}:body"
+# A task's timeline: one event per record write (state.task_index).
+TIMELINE_KEY_PREFIX = f"{REDIS_PREFIX}:timeline"
 # One per worker process (its task store): a guard claim names it, and lapses with it.
 HEARTBEAT_KEY_PREFIX = f"{REDIS_PREFIX}:alive"
 # One channel for every cancel request (weclaw_mq.state.cancel_records): each worker holds one
@@ -243,12 +245,25 @@ def validate_session_id(session_id: object) -> str:
     return session_id
 
 
+def session_id_or_none(value: object) -> str | None:
+    """``value`` when it is a valid session id, else None, quietly (a header of a foreign
+    publisher: ``validate_session_id`` says what is wrong with it)."""
+    return value if isinstance(value, str) and SESSION_ID_RE.fullmatch(value) else None
+
+
 def inbox_key(session_id: str) -> str:
     return f"{INBOX_KEY_PREFIX}:{{{session_id}}}"
 
 
 def inbox_trace_key(session_id: str) -> str:
     return f"{INBOX_TRACE_KEY_PREFIX}:{{{session_id}}}"
+
+
+def timeline_key(task_id: str) -> str:
+    """The task's timeline (a list): one short JSON event per record write, of every queue,
+    capped and expiring with the records; in the task's slot, so the record's own script
+    appends to it."""
+    return f"{TIMELINE_KEY_PREFIX}:{_tagged(task_id)}"
 
 
 def cancel_key(task_id: str) -> str:
@@ -292,7 +307,54 @@ def task_keys(queue: str, task_id: str) -> list[str]:
         state_key(queue, task_id),
         latest_key(task_id),
         body_key(queue, task_id),
+        timeline_key(task_id),
     ]
+
+
+# -- Redis keys of the task index (state.task_index, state.redis_index) -------------------------
+#
+#     weclaw_mq:tasks:{tasks}               every indexed task, scored by the time (ms) its
+#                                           first record in a queue was written
+#     weclaw_mq:tasks:{tasks}:q:<Q>         the same, of handler queue Q only
+#     weclaw_mq:tasks:{tasks}:s:<status>    the tasks whose record became <status>, for the
+#                                           sparse statuses (dead_lettered, expired, cancelled)
+#     weclaw_mq:tasks:{tasks}:queues        the queues that have an index (for the trim)
+#
+# A member is ``index_member(Q, T)``: "<len(Q)>:Q:T", read back by ``index_entry``. Every key
+# of the index carries the one hash tag ``{tasks}``: on a Redis Cluster they share a slot, so
+# one script adds an entry to all of them and one trims them together (the cost: that slot's
+# node takes every index write, one O(log n) ZADD per task, far below what one node serves).
+TASK_INDEX_KEY = f"{REDIS_PREFIX}:tasks:{{tasks}}"
+TASK_INDEX_QUEUES_KEY = f"{TASK_INDEX_KEY}:queues"
+
+
+def task_index_queue_key(queue: str) -> str:
+    """The index of handler queue ``queue``'s tasks."""
+    return f"{TASK_INDEX_KEY}:q:{queue}"
+
+
+def task_index_status_key(status: str) -> str:
+    """The index of the tasks whose record became ``status`` (a sparse status)."""
+    return f"{TASK_INDEX_KEY}:s:{status}"
+
+
+def index_member(queue: str, task_id: str) -> str:
+    """(queue, task id) as a member of the task index."""
+    return f"{len(queue.encode())}:{queue}:{task_id}"
+
+
+def index_entry(member: str) -> tuple[str, str]:
+    """(queue, task id) of an ``index_member``.
+
+    Raises:
+        ValueError: ``member`` is not one.
+    """
+    size, _, rest = member.partition(":")
+    data = rest.encode()
+    length = int(size)
+    if data[length : length + 1] != b":":
+        raise ValueError(f"not a task index member: {member!r}")
+    return data[:length].decode(), data[length + 1 :].decode()
 
 
 # -- Redis keys of a handler's limits (weclaw_mq.policy.limits) -----------------------------------

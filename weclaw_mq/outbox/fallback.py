@@ -23,7 +23,9 @@ from typing import Any
 
 from aio_pika.message import Message
 
+from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
+from weclaw_mq.contract.naming import session_id_or_none
 from weclaw_mq.errors import (
     BatchPublishError,
     BrokerUnavailableError,
@@ -205,6 +207,7 @@ class LocalFallback:
                             status=TaskStatus.STORED_LOCALLY,
                             reason=type(cause).__name__,
                             expires_at=as_datetime(deadline_ms(m.headers)),
+                            session_id=session_id_or_none((m.headers or {}).get(h.SESSION_ID)),
                         )
                         for m in messages
                     ]

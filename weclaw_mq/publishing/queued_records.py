@@ -11,7 +11,9 @@ from typing import Any, cast
 
 import aio_pika
 
+from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
+from weclaw_mq.contract.naming import session_id_or_none
 from weclaw_mq.state import RecordsSoon, TaskState, TaskStatus, TaskStore
 
 log = logging.getLogger("weclaw_mq.producer")
@@ -33,6 +35,7 @@ def queued_state(message: aio_pika.Message, queue: str) -> TaskState:
         queue=queue,
         status=TaskStatus.QUEUED,
         expires_at=as_datetime(deadline_ms(message.headers)),
+        session_id=session_id_or_none((message.headers or {}).get(h.SESSION_ID)),
     )
 
 

@@ -26,6 +26,7 @@ from weclaw_mq.state import (
     state_unavailable,
 )
 from weclaw_mq.state.expiry import as_seen_at, until_deadline_s
+from weclaw_mq.state.task_index import TaskIndex, TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.streaming.events import check_event_id
 from weclaw_mq.streaming.reading import task_events
@@ -142,6 +143,41 @@ class ResultsReader:
                 latest = await store.get(task_id) if queue is not None else None
                 return Cancellation(task_id, CancelOutcome.UNKNOWN, None, latest)
             return await store.cancel(task_id, queue=queue)
+        except Exception as e:  # a custom store on redis-py, unwrapped
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
+
+    # -- the task index (state.task_index) ----------------------------------------------
+    def _require_index(self) -> TaskIndex:
+        store = self._require_results()
+        if not isinstance(store, TaskIndex):
+            raise ConfigurationError(
+                f"the task store ({type(store).__name__}) keeps no task index: "
+                "listing tasks needs one that does (RedisTaskStore, MemoryTaskStore)"
+            )
+        return store
+
+    async def tasks(self, query: TaskQuery) -> TaskPage:
+        """One page of the task index (``App.tasks``)."""
+        if query.queue is not None:
+            validate_queue_name(query.queue)
+        index = self._require_index()
+        try:
+            return await index.list_tasks(query)
+        except Exception as e:  # a custom store on redis-py, unwrapped
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
+
+    async def timeline(self, task_id: str, queue: str | None) -> list[TimelineEvent]:
+        """The task's record writes, oldest first (``App.timeline``)."""
+        check_task_id(task_id)
+        if queue is not None:
+            validate_queue_name(queue)
+        index = self._require_index()
+        try:
+            return await index.timeline(task_id, queue=queue)
         except Exception as e:  # a custom store on redis-py, unwrapped
             if is_state_failure(e):
                 raise state_unavailable(e) from e

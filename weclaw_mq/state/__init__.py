@@ -25,6 +25,13 @@ from weclaw_mq.state.protocol import (
     TaskStore,
     new_owner,
 )
+from weclaw_mq.state.task_index import (
+    IndexedTask,
+    TaskIndex,
+    TaskPage,
+    TaskQuery,
+    TimelineEvent,
+)
 
 if TYPE_CHECKING:
     from weclaw_mq.state.redis import REDIS_FAILURES, RedisTaskStore
@@ -39,6 +46,11 @@ def open_store(settings: Settings) -> TaskStore:
 
 def _memory_store_is_a_task_store(store: MemoryTaskStore) -> TaskStore:
     """Typed as ``TaskStore``: mypy checks that the in-memory store keeps the protocol."""
+    return store
+
+
+def _memory_store_is_a_task_index(store: MemoryTaskStore) -> TaskIndex:
+    """Typed as ``TaskIndex``: mypy checks that the in-memory store keeps that one too."""
     return store
 
 
@@ -57,12 +69,17 @@ __all__ = [
     "Cancellation",
     "Claim",
     "Finish",
+    "IndexedTask",
     "MemoryTaskStore",
     "RecordsSoon",
     "RedisTaskStore",
+    "TaskIndex",
+    "TaskPage",
+    "TaskQuery",
     "TaskState",
     "TaskStatus",
     "TaskStore",
+    "TimelineEvent",
     "is_command_error",
     "is_state_failure",
     "new_owner",

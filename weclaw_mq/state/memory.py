@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from weclaw_mq.contract.naming import index_member
 from weclaw_mq.errors import ResultTimeoutError
 from weclaw_mq.state.cancel_records import (
     answer,
@@ -41,6 +42,18 @@ from weclaw_mq.state.protocol import (
     TaskState,
     TaskStatus,
 )
+from weclaw_mq.state.task_index import (
+    SPARSE_STATUSES,
+    TIMELINE_MAX_EVENTS,
+    TaskPage,
+    TaskQuery,
+    TimelineEvent,
+    index_off,
+    read_timeline,
+    scan_page,
+    timeline_event,
+    to_ms,
+)
 from weclaw_mq.state.transitions import may_follow, narrowing
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this
@@ -49,6 +62,12 @@ _DONE = "done"  # a claim's holder once the task finished: no owner token is thi
 @dataclass
 class _Entry:
     value: str  # a claim: its owner token or _DONE; a record: its state as JSON
+    expires_at: float
+
+
+@dataclass
+class _Timeline:
+    events: list[str]
     expires_at: float
 
 
@@ -69,6 +88,9 @@ class MemoryTaskStore:
         lease_s: A claim's lease, in seconds.
         done_ttl_s: How long a task stays done (copies acked unrun), in seconds.
         clock: Seconds, monotonic: lets tests make leases and TTLs lapse without waiting.
+        task_index: Keep the task index and timelines (``state.task_index``).
+        task_index_max_entries: The index's count bound.
+        task_index_max_age_s: The index's age bound (wall clock), in seconds; 0: ``ttl_s``.
     """
 
     def __init__(
@@ -78,6 +100,9 @@ class MemoryTaskStore:
         lease_s: float = 30.0,
         done_ttl_s: float = 24 * 3600,
         clock: Callable[[], float] = time.monotonic,
+        task_index: bool = True,
+        task_index_max_entries: int = 1_000_000,
+        task_index_max_age_s: float = 0,
     ) -> None:
         self._ttl_s = ttl_s
         self._lease_s = lease_s
@@ -91,6 +116,16 @@ class MemoryTaskStore:
         self._finals: dict[str, asyncio.Event] = {}  # task id -> set when a record turns final
         self._markers: dict[str, _Marker] = {}  # task id -> its cancel marker
         self._cancel_watchers: list[Callable[[str, str | None], None]] = []
+        # The task index: (queue, task id) -> when first recorded (ms), oldest first as the
+        # writes came; the sparse statuses' own; the timelines by task id.
+        self.task_index = task_index
+        self._index_max = task_index_max_entries
+        self._index_age_ms = int((task_index_max_age_s or ttl_s) * 1000)
+        self._index: dict[tuple[str, str], int] = {}
+        self._sparse: dict[TaskStatus, dict[tuple[str, str], int]] = {
+            s: {} for s in SPARSE_STATUSES
+        }
+        self._timelines: dict[str, _Timeline] = {}
 
     def _live(self, table: dict[tuple[str, str], _Entry], key: tuple[str, str]) -> _Entry | None:
         entry = table.get(key)
@@ -208,11 +243,96 @@ class MemoryTaskStore:
         # Stored as JSON, as Redis does: a reader never shares an object with the writer.
         self._records[key] = _Entry(state.model_dump_json(), expires_at)
         self._latest[state.task_id] = _Entry(state.queue, expires_at)
+        if self.task_index:
+            self._index_write(state, key, created=current is None, expires_at=expires_at)
         if state.status.terminal:
             woken = self._finals.pop(state.task_id, None)
             if woken is not None:
                 woken.set()
         return True
+
+    def _index_write(
+        self, state: TaskState, key: tuple[str, str], *, created: bool, expires_at: float
+    ) -> None:
+        """What the Redis store's ``index_write`` does (``state.redis_index``)."""
+        timeline = self._timelines.get(state.task_id)
+        if timeline is None or timeline.expires_at <= self._clock():
+            timeline = self._timelines[state.task_id] = _Timeline([], expires_at)
+        timeline.events = [*timeline.events, timeline_event(state)][-TIMELINE_MAX_EVENTS:]
+        timeline.expires_at = expires_at
+        at = to_ms(state.updated_at)
+        if created and key not in self._index:
+            self._index[key] = at
+            self._trim_index()
+        if state.status in SPARSE_STATUSES:
+            self._sparse[state.status][key] = self._index.get(key, at)
+
+    def _trim_index(self) -> None:
+        oldest = to_ms(datetime.now(UTC)) - self._index_age_ms
+        while self._index and (
+            len(self._index) > self._index_max or next(iter(self._index.values())) < oldest
+        ):
+            del self._index[next(iter(self._index))]
+        kept = min(self._index.values(), default=None)
+        for sparse in self._sparse.values():
+            for key in [k for k, at in sparse.items() if kept is None or at < kept]:
+                del sparse[key]
+
+    async def list_tasks(self, query: TaskQuery) -> TaskPage:
+        """One page of indexed tasks, newest first: ``TaskIndex.list_tasks``.
+
+        Args:
+            query: The filters, page size and cursor.
+
+        Returns:
+            The page.
+
+        Raises:
+            ConfigurationError: The index is off.
+        """
+        if not self.task_index:
+            raise index_off()
+        # The sorted set the Redis store reads for the query: a sparse status's, a queue's, all.
+        index = self._sparse[query.status] if query.status in SPARSE_STATUSES else self._index
+        of_queue = query.queue if index is self._index else None
+        # Newest first, ties by member descending: the order Redis's ZRANGE ... REV gives.
+        rows = sorted(
+            (
+                (at, index_member(*key), key)
+                for key, at in index.items()
+                if of_queue is None or key[0] == of_queue
+            ),
+            reverse=True,
+        )
+
+        async def entries(score: int, skip: int, count: int) -> list[tuple[str, str, int]]:
+            below = [(key[0], key[1], at) for at, _, key in rows if at <= score]
+            return below[skip : skip + count]
+
+        async def records(tasks: list[tuple[str, str]]) -> list[TaskState | None]:
+            return [self._read(task_id, queue) for queue, task_id in tasks]
+
+        return await scan_page(query, entries, records)
+
+    async def timeline(self, task_id: str, *, queue: str | None = None) -> list[TimelineEvent]:
+        """The task's record writes, oldest first: ``TaskIndex.timeline``.
+
+        Args:
+            task_id: The task's id.
+            queue: Only the events of this queue.
+
+        Returns:
+            The events ([] when none are kept).
+
+        Raises:
+            ConfigurationError: The index is off.
+        """
+        if not self.task_index:
+            raise index_off()
+        timeline = self._timelines.get(task_id)
+        if timeline is None or timeline.expires_at <= self._clock():
+            return []
+        return read_timeline(timeline.events, queue)
 
     async def record(
         self,

@@ -93,6 +93,8 @@ class TaskState(BaseModel):
         expires_at: The task's deadline (see ``weclaw_mq.contract.lifetime``), or None: it
             lives until a worker runs it.
         updated_at: When the record was written.
+        session_id: The session the task was published for (``App.publish(session_id=)``),
+            if any.
     """
 
     task_id: str
@@ -106,6 +108,8 @@ class TaskState(BaseModel):
     # it.
     expires_at: datetime | None = None
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    # The task's session (the x-weclaw-session-id header): App.tasks filters by it.
+    session_id: str | None = None
 
 
 class Claim(StrEnum):

@@ -54,8 +54,10 @@ from weclaw_mq.state.redis_clients import StateClient, is_cluster
 from weclaw_mq.state.redis_clients import (
     open_client as open_client,  # its former home: still importable here
 )
+from weclaw_mq.state.redis_index import INDEX_WRITE_LUA, RedisTaskIndex
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
+from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.state.transitions import TRANSITIONS, narrowing
 from weclaw_mq.state.worker_registry import WorkerRegistry
 
@@ -90,11 +92,14 @@ def _lua_transitions() -> str:
 # status may follow the stored one (``state.transitions``, the table built from it here), and
 # with ``only_over`` (a space-separated list of statuses; '' = only where no record exists)
 # the stored one is absent or listed. A written record becomes the task's latest (same TTL
-# as the record). A stored status the table does not know refuses every write.
+# as the record). A stored status the table does not know refuses every write. ``ix`` (from
+# ``ix_at``, nil with the task index off): the write's timeline event and index entry
+# (``state.redis_index``), written with the record.
 RECORD_WRITE_LUA = (
     _lua_transitions()
+    + INDEX_WRITE_LUA
     + """
-local function write_record(key, latest, status, state, ttl_ms, only_over)
+local function write_record(key, latest, status, state, ttl_ms, only_over, ix)
   local current = redis.call('HGET', key, 'status') or ''
   local allowed = transitions[current]
   if not allowed or not allowed[status] then return 0 end
@@ -105,6 +110,7 @@ local function write_record(key, latest, status, state, ttl_ms, only_over)
   redis.call('HSET', key, 'status', status, 'state', state)
   redis.call('PEXPIRE', key, ttl_ms)
   redis.call('SET', latest, key, 'PX', ttl_ms)
+  if ix then index_write(ix, current, ttl_ms) end
   return 1
 end
 """
@@ -118,16 +124,20 @@ if redis.call('SISMEMBER', KEYS[2], '*') == 1 or redis.call('SISMEMBER', KEYS[2]
 end
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[3] then return 'done' end
-if current and current ~= ARGV[KEYS[3] and 8 or 5] then return current end
+if current and current ~= ARGV[KEYS[3] and (KEYS[5] and 10 or 8) or 5] then return current end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if KEYS[3] then write_record(KEYS[3], KEYS[4], ARGV[5], ARGV[6], ARGV[7], false) end
+if KEYS[3] then
+  write_record(KEYS[3], KEYS[4], ARGV[5], ARGV[6], ARGV[7], false, ix_at(5, 8))
+end
 return 'acquired'
 """
 )
 """The claim: the guard key set if free (lease_ms), and the "running" record in the same step.
 
-KEYS: guard key, cancel marker[, record key, latest key]. ARGV: "running:<owner>@<worker>",
-lease_ms, "done", queue[, status, state JSON, record ttl_ms][, stale holder]. Returns
+KEYS: guard key, cancel marker[, record key, latest key[, the task index's keys]]. ARGV:
+"running:<owner>@<worker>", lease_ms, "done", queue[, status, state JSON, record ttl_ms[,
+event, index member]][, stale holder]. The index's keys and arguments are
+``RedisTaskIndex.block``'s (``state.redis_index``). Returns
 'cancelled' (the marker covers this queue: ``state.cancel_records``), 'acquired', 'done' (finished
 before) or the value of the claim's holder (busy). With a stale holder (a value whose worker's
 heartbeat lapsed) a claim still held by exactly that value is taken over.
@@ -140,32 +150,33 @@ local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then return 'done' end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if KEYS[2] then
-  local written = write_record(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], false)
+  local written = write_record(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], false, ix_at(4, 8))
   if written == 1 then redis.call('PUBLISH', ARGV[6], ARGV[7]) end
 end
-local owner = ARGV[KEYS[2] and 8 or 3]
+local owner = ARGV[KEYS[2] and (KEYS[4] and 10 or 8) or 3]
 if owner and current and current ~= owner then return 'taken' end
 return 'finished'
 """
 )
 """The finish: the guard's done marker and the final record, in one step; the first wins.
 
-KEYS: guard key[, record key, latest key]. ARGV: "done", done ttl_ms[, status, state JSON,
-record ttl_ms, done channel, queue][, the holder's value]. Returns 'done' (finished before:
+KEYS: guard key[, record key, latest key[, the task index's keys]]. ARGV: "done", done ttl_ms[,
+status, state JSON, record ttl_ms, done channel, queue[, event, index member]][, the holder's
+value]. Returns 'done' (finished before:
 nothing written), 'taken' (written, though another attempt held the claim: its own finish will
 find it done) or 'finished'. Two separate writes would cost a second round trip per task and
 leave a window where a crash stores the result but not the marker.
 """
 
 # Any record write, and a wake-up for result() waiters when it is final.
-# KEYS: record, latest; ARGV: status, state, ttl_ms, only_over ('-' = not narrowed), channel,
-# queue.
+# KEYS: record, latest[, the task index's]; ARGV: status, state, ttl_ms, only_over ('-' = not
+# narrowed), channel, queue[, event, index member].
 _RECORD = (
     RECORD_WRITE_LUA
     + """
 local only_over = false
 if ARGV[4] ~= '-' then only_over = ARGV[4] end
-local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], only_over)
+local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], only_over, ix_at(3, 7))
 if written == 1 and (ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered'
                      or ARGV[1] == 'expired' or ARGV[1] == 'cancelled') then
   redis.call('PUBLISH', ARGV[5], ARGV[6])
@@ -175,12 +186,19 @@ return written
 )
 
 # Records for tasks that have none yet; never wakes waiters (no final state is written).
-# KEYS: record, latest, record, latest, ...; ARGV: ttl_ms, status, state, status, state, ...
+# KEYS: per task record, latest[, the task index's 5]; ARGV: ttl_ms, keys per task (2 or 7),
+# then per task status, state[, event, index member].
 _RECORD_NEW_MANY = (
     RECORD_WRITE_LUA
     + """
-for i = 1, #KEYS, 2 do
-  write_record(KEYS[i], KEYS[i + 1], ARGV[i + 1], ARGV[i + 2], ARGV[1], '')
+local step = tonumber(ARGV[2])
+local args = step == 2 and 2 or 4
+local a = 3
+for i = 1, #KEYS, step do
+  local ix = nil
+  if step > 2 then ix = ix_at(i + 2, a + 2) end
+  write_record(KEYS[i], KEYS[i + 1], ARGV[a], ARGV[a + 1], ARGV[1], '', ix)
+  a = a + args
 end
 return 1
 """
@@ -262,6 +280,9 @@ class RedisTaskStore:
         max_batch: The most commands one auto-pipeline sends together
             (``state.pipelining``).
         heartbeat_ttl_s: How long this worker's claims outlive it (its heartbeat key's TTL).
+        task_index: Keep the task index and timelines (``state.redis_index``).
+        task_index_max_entries: The index's count bound.
+        task_index_max_age_s: The index's age bound, in seconds; 0: ``ttl_s``.
     """
 
     def __init__(
@@ -274,6 +295,9 @@ class RedisTaskStore:
         owns_client: bool = False,
         max_batch: int = DEFAULT_MAX_BATCH,
         heartbeat_ttl_s: float = 5.0,
+        task_index: bool = True,
+        task_index_max_entries: int = 1_000_000,
+        task_index_max_age_s: float = 0,
     ) -> None:
         self._redis = client
         self._owns_client = owns_client
@@ -285,6 +309,14 @@ class RedisTaskStore:
         # The hot path's commands (claims, finishes, records, reads) go through one
         # auto-pipeline: those issued in the same loop iteration share a round trip.
         self._pipe = AutoPipeline(client, max_batch=max_batch)
+        self.index = RedisTaskIndex(
+            client,
+            self._pipe,
+            cluster=self._cluster,
+            enabled=task_index,
+            max_entries=task_index_max_entries,
+            max_age_s=task_index_max_age_s or ttl_s,
+        )
         self._claim = Script.of(CLAIM_SCRIPT)
         self._finish = Script.of(FINISH_SCRIPT)
         self._record = Script.of(_RECORD)
@@ -296,7 +328,11 @@ class RedisTaskStore:
         # One script call for a whole batch of new records (publish_many).
         self._record_new_many = client.register_script(_RECORD_NEW_MANY)
         self._cancels = RedisCancels(
-            client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA, pipe=self._pipe
+            client,
+            ttl_ms=self._ttl_ms,
+            record_write_lua=RECORD_WRITE_LUA,
+            pipe=self._pipe,
+            index=self.index,
         )
         self._held: dict[str, str] = {}  # guard key -> its value, while its attempt holds it
         self._renewer: asyncio.Task[None] | None = None
@@ -335,8 +371,9 @@ class RedisTaskStore:
         keys = [guard_key(queue, task_id), cancel_key(task_id)]
         args: list[str | int] = [_RUNNING + owner + self._of_worker, self._lease_ms, DONE, queue]
         if running is not None:
-            keys += self._record_keys(running)
-            args += [running.status.value, running.model_dump_json(), self._ttl_ms]
+            ix_keys, ix_args = self.index.block(running)
+            keys += [*self._record_keys(running), *ix_keys]
+            args += [running.status.value, running.model_dump_json(), self._ttl_ms, *ix_args]
         self._renewing()
         try:
             # The claim names our heartbeat: on the first claims (or after the renewer could
@@ -517,13 +554,15 @@ class RedisTaskStore:
         keys = [key]
         args: list[str | int] = [DONE, self._done_ttl_ms]
         if result is not None:
-            keys += self._record_keys(result)
+            ix_keys, ix_args = self.index.block(result)
+            keys += [*self._record_keys(result), *ix_keys]
             args += [
                 result.status.value,
                 result.model_dump_json(),
                 self._ttl_ms,
                 done_channel(result.task_id),
                 result.queue,
+                *ix_args,
             ]
         value = None if owner is None else _RUNNING + owner + self._of_worker
         if value is not None:
@@ -546,14 +585,17 @@ class RedisTaskStore:
     def _record_ttl_ms(self, state: TaskState) -> int:
         return int(record_ttl_s(state, self._ttl_ms / 1000, datetime.now(UTC)) * 1000)
 
-    def _record_args(self, state: TaskState, only_over: str) -> list[Any]:
-        return [
+    def _record_call(self, state: TaskState, only_over: str) -> tuple[list[str], list[Any]]:
+        """The record script's KEYS and ARGV for writing ``state``."""
+        ix_keys, ix_args = self.index.block(state)
+        return [*self._record_keys(state), *ix_keys], [
             state.status.value,
             state.model_dump_json(),
             self._record_ttl_ms(state),
             only_over,
             done_channel(state.task_id),
             state.queue,
+            *ix_args,
         ]
 
     async def record(
@@ -578,7 +620,7 @@ class RedisTaskStore:
             StateCommandError: Redis answered with an error (not an outage).
         """
         over = _only_over_arg(narrowing(only_if_new, only_over))
-        keys, args = self._record_keys(state), self._record_args(state, over)
+        keys, args = self._record_call(state, over)
         try:
             return bool(await self._pipe.script(self._record, keys, args))
         except REDIS_FAILURES as e:
@@ -596,9 +638,7 @@ class RedisTaskStore:
             (unwrapped: the caller only logs it).
         """
         over = _only_over_arg(narrowing(only_if_new, None))
-        return self._pipe.script(
-            self._record, self._record_keys(state), self._record_args(state, over)
-        )
+        return self._pipe.script(self._record, *self._record_call(state, over))
 
     async def record_many(
         self,
@@ -637,18 +677,17 @@ class RedisTaskStore:
             keys: list[str] = []
             # One TTL for the batch: the longest any of its records needs.
             args: list[Any] = [max(self._record_ttl_ms(st) for st in states)]
+            args.append(7 if self.index.enabled else 2)  # keys per task
             for st in states:
-                keys += self._record_keys(st)
-                args += [st.status.value, st.model_dump_json()]
+                ix_keys, ix_args = self.index.block(st)
+                keys += [*self._record_keys(st), *ix_keys]
+                args += [st.status.value, st.model_dump_json(), *ix_args]
             await self._record_new_many(keys=keys, args=args)
             return
         # Queued together in this loop iteration: one pipeline (up to the batch bound).
         over = _only_over_arg(only_over)
         await asyncio.gather(
-            *(
-                self._pipe.script(self._record, self._record_keys(st), self._record_args(st, over))
-                for st in states
-            )
+            *(self._pipe.script(self._record, *self._record_call(st, over)) for st in states)
         )
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
@@ -849,6 +888,46 @@ class RedisTaskStore:
                 )
                 await asyncio.sleep(delay_s)
 
+    # -- the task index (state.task_index, state.redis_index) ------------------------------
+    async def list_tasks(self, query: TaskQuery) -> TaskPage:
+        """One page of indexed tasks, newest first: ``TaskIndex.list_tasks``.
+
+        Args:
+            query: The filters, page size and cursor.
+
+        Returns:
+            The page.
+
+        Raises:
+            ConfigurationError: The index is off.
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
+        try:
+            return await self.index.list_tasks(query)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def timeline(self, task_id: str, *, queue: str | None = None) -> list[TimelineEvent]:
+        """The task's record writes, oldest first: ``TaskIndex.timeline``.
+
+        Args:
+            task_id: The task's id.
+            queue: Only the events of this queue.
+
+        Returns:
+            The events ([] when none are kept).
+
+        Raises:
+            ConfigurationError: The index is off.
+            StateUnavailableError: Redis fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
+        try:
+            return await self.index.timeline(task_id, queue)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
     def worker_registry(self) -> WorkerRegistry:
         """The worker registry (``weclaw-mq inspect``) in this store's Redis.
 
@@ -884,4 +963,7 @@ def open_redis_store(settings: Settings) -> RedisTaskStore:
         done_ttl_s=settings.done_ttl_s,
         owns_client=True,
         heartbeat_ttl_s=settings.guard_heartbeat_ttl_s,
+        task_index=settings.task_index,
+        task_index_max_entries=settings.task_index_max_entries,
+        task_index_max_age_s=settings.task_index_max_age_s,
     )

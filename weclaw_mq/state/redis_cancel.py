@@ -33,6 +33,7 @@ from weclaw_mq.state.cancel_records import (
 from weclaw_mq.state.pipelining import AutoPipeline
 from weclaw_mq.state.protocol import Cancellation, CancelOutcome, TaskState
 from weclaw_mq.state.redis_clients import StateClient
+from weclaw_mq.state.redis_index import RedisTaskIndex
 
 # The records a cancel decides on, in one round trip. KEYS: latest[, record]. Returns
 # {record key, state JSON, latest pointer, latest state JSON}, '' for what does not exist
@@ -53,9 +54,10 @@ return {key, state, latest, other}
 
 # The cancel, if the record is still the one read (compare and set): marker, cancelled
 # record, wake-ups. Prefixed with the shared record-write rule (``write_record``).
-# KEYS: marker, latest[, record]. ARGV: scope, expected state ('' = none), expected latest
-# pointer ('-' = not checked: the queue was given), cancelled state ('' = none to write),
-# ttl_ms, done channel, queue, cancel channel, request. Returns 1, or 0 when it changed.
+# KEYS: marker, latest[, record[, the task index's]]. ARGV: scope, expected state ('' = none),
+# expected latest pointer ('-' = not checked: the queue was given), cancelled state ('' = none
+# to write), ttl_ms, done channel, queue, cancel channel, request[, event, index member].
+# Returns 1, or 0 when it changed.
 _CANCEL = """
 local current = ''
 if KEYS[3] then current = redis.call('HGET', KEYS[3], 'state') or '' end
@@ -64,7 +66,7 @@ if ARGV[3] ~= '-' and (redis.call('GET', KEYS[2]) or '') ~= ARGV[3] then return 
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 if ARGV[4] ~= '' then
-  write_record(KEYS[3], KEYS[2], 'cancelled', ARGV[4], ARGV[5], false)
+  write_record(KEYS[3], KEYS[2], 'cancelled', ARGV[4], ARGV[5], false, ix_at(4, 10))
   redis.call('PUBLISH', ARGV[6], ARGV[7])
 end
 redis.call('PUBLISH', ARGV[8], ARGV[9])
@@ -83,7 +85,8 @@ def _text(value: Any) -> str:
 class RedisCancels:
     """``record_write_lua``: the store's shared record-write rule, which the cancel script
     uses to write the cancelled record (passed in: that rule lives with the store).
-    ``pipe``: the store's auto-pipeline, for the marker read on a delivery's path."""
+    ``pipe``: the store's auto-pipeline, for the marker read on a delivery's path. ``index``:
+    the store's task index, whose keys the cancelled record's write carries."""
 
     def __init__(
         self,
@@ -92,9 +95,11 @@ class RedisCancels:
         ttl_ms: int,
         record_write_lua: str,
         pipe: AutoPipeline | None = None,
+        index: RedisTaskIndex | None = None,
     ) -> None:
         self._redis = client
         self._pipe = pipe
+        self._index = index
         self._ttl_ms = ttl_ms
         self._read = client.register_script(_READ)
         self._cancel = client.register_script(record_write_lua + _CANCEL)
@@ -128,6 +133,10 @@ class RedisCancels:
                 request_message(task_id, queue),
             ]
             keys = [cancel_key(task_id), latest_key(task_id), *([key] if key else [])]
+            if key and written is not None and self._index is not None:
+                ix_keys, ix_args = self._index.block(written)
+                keys += ix_keys
+                args += ix_args
             if await self._cancel(keys=keys, args=args):
                 return answer(task_id, written, other)
         raise StateUnavailableError(

@@ -9,7 +9,7 @@ from typing import Any
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
 from weclaw_mq.contract.message import Delivery
-from weclaw_mq.contract.naming import validate_session_id
+from weclaw_mq.contract.naming import session_id_or_none, validate_session_id
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.state import TaskState, TaskStatus
@@ -37,6 +37,7 @@ def task_state(
         error=error,
         reason=reason,
         expires_at=as_datetime(deadline_ms(delivery.headers)),
+        session_id=session_id_or_none(delivery.headers.get(h.SESSION_ID)),
     )
 
 

@@ -1,0 +1,273 @@
+"""The task index and timelines on Redis (``state.task_index`` says what they answer).
+
+Where each write goes:
+- The timeline (``naming.timeline_key``, a list in the task's slot) gets its event from the
+  record's own script (``INDEX_WRITE_LUA``, called by ``write_record`` when the record is
+  written): atomic with the record, no round trip of its own.
+- The index (``naming.TASK_INDEX_KEY`` and its per-queue and per-status sorted sets, all in
+  the ``{tasks}`` slot). On one Redis (or a Sentinel set's primary) the same script writes it
+  too: an entry when the write created the task's record in that queue, and the sparse
+  status's entry with a final record of that status. On a Redis Cluster the index's slot is
+  not the task's, so the store sends ``INDEX_SCRIPT`` beside the record's script, in the same
+  auto-pipeline batch (no extra round trip; one more command on the ``{tasks}`` node), for the
+  writes that may create a record or write a sparse status; its ``ZADD NX`` keeps the first
+  time. One slot takes every index write: one O(log n) ZADD or two per task, far below what
+  one Redis node serves, so a hot slot is accepted for an index that pages in one place.
+- The bounds: every ``TRIM_EVERY`` index writes (per store) ``TRIM_SCRIPT`` drops entries older
+  than the age bound, then the oldest past the count bound, at most ``TRIM_MOST`` per sorted set
+  per call, so a trim never blocks Redis for long, and a backlog is worked off over a few trims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from weclaw_mq.contract.naming import (
+    TASK_INDEX_KEY,
+    TASK_INDEX_QUEUES_KEY,
+    index_entry,
+    index_member,
+    state_key,
+    task_index_queue_key,
+    task_index_status_key,
+    timeline_key,
+)
+from weclaw_mq.state.pipelining import AutoPipeline, Script
+from weclaw_mq.state.protocol import TaskState, TaskStatus
+from weclaw_mq.state.task_index import (
+    SPARSE_STATUSES,
+    TIMELINE_MAX_EVENTS,
+    TaskPage,
+    TaskQuery,
+    TimelineEvent,
+    as_text,
+    index_off,
+    read_timeline,
+    scan_page,
+    timeline_event,
+)
+
+log = logging.getLogger("weclaw_mq.state")
+
+# Index writes between two trims (per store): the index runs over its count bound by about
+# this many entries per writer, and the trim's cost is spread thin.
+TRIM_EVERY = 1000
+# The most entries one trim drops from one sorted set: it runs inside Redis, which serves
+# nothing else meanwhile (10,000 ZSET removals take a few milliseconds).
+TRIM_MOST = 10_000
+
+# The statuses whose writes may create a task's record in a queue (the index entry's moment).
+_FIRST_STATUSES = frozenset({TaskStatus.STORED_LOCALLY, TaskStatus.QUEUED, TaskStatus.RUNNING})
+
+# Called by write_record (state.redis.RECORD_WRITE_LUA) once the record is written. ``ix``:
+# {timeline, index, queue's index, queues, sparse status's index or '', event, member}; the
+# index keys are absent on a cluster (INDEX_SCRIPT writes them). ``current``: the status
+# read before the write ('' = none: this write created the record). The event's first field
+# is the write's time in ms, the entry's score.
+INDEX_WRITE_LUA = f"""
+local function index_write(ix, current, ttl_ms)
+  redis.call('RPUSH', ix[1], ix[6])
+  redis.call('LTRIM', ix[1], -{TIMELINE_MAX_EVENTS}, -1)
+  redis.call('PEXPIRE', ix[1], ttl_ms)
+  if not ix[2] then return end
+  local at = string.match(ix[6], '^%[(%-?%d+)')
+  if current == '' then
+    redis.call('ZADD', ix[2], 'NX', at, ix[7])
+    redis.call('ZADD', ix[3], 'NX', at, ix[7])
+    redis.call('SADD', ix[4], ix[3])
+  end
+  if ix[5] ~= '' then
+    redis.call('ZADD', ix[5], redis.call('ZSCORE', ix[2], ix[7]) or at, ix[7])
+  end
+end
+
+local function ix_at(k, a)
+  if not KEYS[k] then return nil end
+  return {{KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], ARGV[a], ARGV[a + 1]}}
+end
+"""
+
+# The index write of a cluster, in the {tasks} slot. KEYS: index, queue's index, queues,
+# sparse status's index (optional). ARGV: member, time ms.
+INDEX_SCRIPT = """
+redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[1])
+redis.call('SADD', KEYS[3], KEYS[2])
+if KEYS[4] then
+  redis.call('ZADD', KEYS[4], redis.call('ZSCORE', KEYS[1], ARGV[1]) or ARGV[2], ARGV[1])
+end
+return 1
+"""
+
+# The bounds. KEYS: index, queues, the sparse statuses' indexes. ARGV: max entries, oldest
+# time kept (ms), most removed per sorted set. The overall index is cut by age and count;
+# every other set is cut to the same oldest time, so a filtered list never shows a task the
+# whole one dropped. A queue whose index emptied leaves the queues set. Returns the entries
+# removed.
+TRIM_SCRIPT = """
+local most = tonumber(ARGV[3])
+local removed = 0
+local function cut(key, below)
+  local n = math.min(redis.call('ZCOUNT', key, '-inf', '(' .. below), most)
+  if n > 0 then removed = removed + redis.call('ZREMRANGEBYRANK', key, 0, n - 1) end
+end
+cut(KEYS[1], ARGV[2])
+local over = math.min(redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[1]), most)
+if over > 0 then removed = removed + redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1) end
+local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2] or '+inf'
+if oldest ~= '+inf' and tonumber(oldest) < tonumber(ARGV[2]) then oldest = ARGV[2] end
+for i = 3, #KEYS do cut(KEYS[i], oldest) end
+for _, key in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  cut(key, oldest)
+  if redis.call('EXISTS', key) == 0 then redis.call('SREM', KEYS[2], key) end
+end
+return removed
+"""
+
+_SPARSE_KEYS = [task_index_status_key(s.value) for s in sorted(SPARSE_STATUSES)]
+
+
+class RedisTaskIndex:
+    """A ``RedisTaskStore``'s index and timelines: what its scripts get to write them, the
+    cluster's companion writes, the trims, and the reads (``TaskIndex``).
+
+    Args:
+        client: The store's client.
+        pipe: The store's auto-pipeline.
+        cluster: Whether ``client`` is a Redis Cluster client.
+        enabled: False: nothing is written and the reads raise ``ConfigurationError``.
+        max_entries: The count bound.
+        max_age_s: The age bound, in seconds.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        pipe: AutoPipeline,
+        *,
+        cluster: bool,
+        enabled: bool,
+        max_entries: int,
+        max_age_s: float,
+    ) -> None:
+        self._redis = client
+        self._pipe = pipe
+        self._cluster = cluster
+        self.enabled = enabled
+        self.max_entries = max_entries
+        self.max_age_s = max_age_s
+        self._index = Script.of(INDEX_SCRIPT)
+        self._trim = Script.of(TRIM_SCRIPT)
+        self._writes = 0
+        self._pending: set[asyncio.Future[Any]] = set()
+
+    # -- what a record write carries ----------------------------------------------------
+    def block(self, state: TaskState) -> tuple[list[str], list[str]]:
+        """The KEYS and ARGV a record script's ``ix_at`` reads for writing ``state``; ([],
+        []) when the index is off. On a cluster only the timeline's (the task's slot), and
+        the index write leaves beside it (``INDEX_SCRIPT``)."""
+        if not self.enabled:
+            return [], []
+        event = timeline_event(state)
+        status = state.status
+        if self._cluster:
+            if status in _FIRST_STATUSES or status in SPARSE_STATUSES:
+                self._companion(state, event)
+            return [timeline_key(state.task_id)], [event, ""]
+        if status in _FIRST_STATUSES or status in SPARSE_STATUSES:
+            self._count_write()
+        keys = [
+            timeline_key(state.task_id),
+            TASK_INDEX_KEY,
+            task_index_queue_key(state.queue),
+            TASK_INDEX_QUEUES_KEY,
+            task_index_status_key(status.value) if status in SPARSE_STATUSES else "",
+        ]
+        return keys, [event, index_member(state.queue, state.task_id)]
+
+    def _companion(self, state: TaskState, event: str) -> None:
+        keys = [TASK_INDEX_KEY, task_index_queue_key(state.queue), TASK_INDEX_QUEUES_KEY]
+        if state.status in SPARSE_STATUSES:
+            keys.append(task_index_status_key(state.status.value))
+        at = event[1 : event.index(",")]
+        self._background(
+            self._pipe.script(self._index, keys, [index_member(state.queue, state.task_id), at])
+        )
+        self._count_write()
+
+    def _count_write(self) -> None:
+        self._writes += 1
+        if self._writes >= TRIM_EVERY:
+            self._writes = 0
+            self._background(self.trim_soon())
+
+    def trim_soon(self) -> asyncio.Future[Any]:
+        """Apply the bounds now (with the auto-pipeline's next batch).
+
+        Returns:
+            A future answering how many entries went.
+        """
+        oldest_ms = int((time.time() - self.max_age_s) * 1000)
+        keys = [TASK_INDEX_KEY, TASK_INDEX_QUEUES_KEY, *_SPARSE_KEYS]
+        return self._pipe.script(self._trim, keys, [self.max_entries, oldest_ms, TRIM_MOST])
+
+    def _background(self, write: asyncio.Future[Any]) -> None:
+        # Best effort: a lost index write costs a task its line in the list, never its record.
+        self._pending.add(write)
+        write.add_done_callback(self._ended)
+
+    def _ended(self, write: asyncio.Future[Any]) -> None:
+        self._pending.discard(write)
+        if not write.cancelled() and (e := write.exception()) is not None:
+            log.warning("could not write the task index (%s: %s)", type(e).__name__, e)
+
+    # -- the reads ----------------------------------------------------------------------
+    async def list_tasks(self, query: TaskQuery) -> TaskPage:
+        if not self.enabled:
+            raise index_off()
+        if query.status in SPARSE_STATUSES:
+            key = task_index_status_key(query.status.value)
+        elif query.queue is not None:
+            key = task_index_queue_key(query.queue)
+        else:
+            key = TASK_INDEX_KEY
+
+        async def entries(score: int, skip: int, count: int) -> list[tuple[str, str, int]]:
+            rows = await self._redis.zrange(
+                key, score, "-inf", desc=True, byscore=True, offset=skip, num=count, withscores=True
+            )
+            found = []
+            for member, at in rows:
+                try:
+                    queue, task_id = index_entry(as_text(member))
+                except ValueError:
+                    continue  # not ours: skipped, never fatal
+                found.append((queue, task_id, int(at)))
+            return found
+
+        async def records(tasks: list[tuple[str, str]]) -> list[TaskState | None]:
+            raws = await asyncio.gather(
+                *(self._pipe.hget(state_key(q, t), "state") for q, t in tasks)
+            )
+            return [_state(raw) for raw in raws]
+
+        return await scan_page(query, entries, records)
+
+    async def timeline(self, task_id: str, queue: str | None) -> list[TimelineEvent]:
+        if not self.enabled:
+            raise index_off()
+        raw: Sequence[Any] = await self._redis.lrange(timeline_key(task_id), 0, -1)
+        return read_timeline([as_text(r) for r in raw], queue)
+
+
+def _state(raw: Any) -> TaskState | None:
+    if raw is None:
+        return None
+    try:
+        return TaskState.model_validate_json(raw)
+    except ValueError:
+        return None
