@@ -18,7 +18,7 @@ TEST_WORKERS ?= 3
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
 	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
-	distclean docs docs-serve services-up services-down services-status soak fuzz
+	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
 
 help:
 	@echo "make demo           install, start RabbitMQ + Redis if needed, run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
@@ -47,6 +47,7 @@ help:
 	@echo "make bench-waiters  10,000 result() waiters in one process: connections, memory, publish latency"
 	@echo "make docs           build the documentation site into site/ (mkdocs build --strict)"
 	@echo "make docs-serve     serve the site at http://127.0.0.1:8000/, rebuilt on every save"
+	@echo "make console-screenshots  photograph the web console's pages into docs/assets/console/ (broker, Redis, Chromium)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -240,6 +241,11 @@ docs: install
 
 docs-serve: install
 	$(BIN)/mkdocs serve
+
+# The web console's pictures in docs/operations/console.md, taken in headless Chromium against
+# the real broker and Redis with a worker running (docs/console_screenshots.py).
+console-screenshots: install
+	$(BIN)/python docs/console_screenshots.py
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

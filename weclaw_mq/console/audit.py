@@ -2,7 +2,8 @@
 ``weclaw_mq.console.audit``, saying who (the client's address and the token's fingerprint,
 never the token) and what (the action, the queue, the task ids or the filter, the outcome).
 
-A line is written when the action ends, whatever its outcome, and also when it was refused
+A line is written when the action ends, whatever its outcome (a bulk requeue or purge: when
+its background job ends, with its summary), and also when it was refused
 (``outcome=refused``), so a log collector sees every attempt.
 """
 

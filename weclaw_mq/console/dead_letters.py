@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -180,8 +180,9 @@ class DeadLetters:
         self._previews[preview.id] = preview
         return preview, selected
 
-    def start(self, preview_id: str) -> Job:
-        """Run a preview's action in the background.
+    def start(self, preview_id: str, on_end: Callable[[Job], None] | None = None) -> Job:
+        """Run a preview's action in the background; ``on_end`` is called with the job once
+        it ended (done or failed).
 
         Raises:
             ConfigurationError: No such preview (never made, run already, or too old).
@@ -193,7 +194,7 @@ class DeadLetters:
             )
         job = Job(id=secrets.token_urlsafe(12), preview=preview, started_at=time.monotonic())
         self._jobs[job.id] = job
-        task = asyncio.create_task(self._run(preview, job))
+        task = asyncio.create_task(self._run(preview, job, on_end))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return job
@@ -215,7 +216,7 @@ class DeadLetters:
         if self._tasks:
             await asyncio.wait(set(self._tasks))
 
-    async def _run(self, preview: Preview, job: Job) -> None:
+    async def _run(self, preview: Preview, job: Job, on_end: Callable[[Job], None] | None) -> None:
         where, limit = preview.run_filter()
 
         def step(visited: int, total: int) -> None:
@@ -242,6 +243,8 @@ class DeadLetters:
             job.state, job.error = "failed", str(e)
         finally:
             job.ended_at = time.monotonic()
+            if on_end is not None:
+                on_end(job)
 
     def _forget_old(self) -> None:
         now = time.monotonic()

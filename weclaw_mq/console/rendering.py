@@ -48,10 +48,16 @@ def _ago(value: float | None) -> str:
 
 
 def _when(value: datetime | str | None) -> str:
+    """A time as ``2026-12-03 12:52:38`` (UTC); an ISO-8601 text is read first."""
     if value is None:
         return "-"
     if isinstance(value, str):
-        return value.replace("T", " ").removesuffix("+00:00")
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return str(value)
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 

@@ -27,7 +27,14 @@ from weclaw_mq.console import detail as details
 from weclaw_mq.console import task_views
 from weclaw_mq.console.access import SESSION_COOKIE, Access, same_origin
 from weclaw_mq.console.audit import audit
-from weclaw_mq.console.dead_letters import ACTIONS, SHOWN_MAX, DeadLetters, filter_of, row
+from weclaw_mq.console.dead_letters import (
+    ACTIONS,
+    SHOWN_MAX,
+    DeadLetters,
+    Job,
+    filter_of,
+    row,
+)
 from weclaw_mq.console.events import relay
 from weclaw_mq.console.guard import Guard, client_of, who
 from weclaw_mq.console.overview import Overview
@@ -369,25 +376,29 @@ async def preview(request: Request) -> Response:
 async def run_preview(request: Request) -> Response:
     console = _console(request)
     client, caller = _who(request)
+
+    def ended(job: Job) -> None:
+        made = job.preview
+        audit(
+            client,
+            caller,
+            f"dlq {job.action}",
+            queue=job.queue,
+            filter=made.where.describe() or "everything",
+            task_ids=list(made.task_ids),
+            outcome=job.state,
+            **job.summary,
+            **({"why": job.error} if job.error else {}),
+        )
+
     preview_id = ""
     try:
         body = await _json_body(request)
         preview_id = str(body.get("preview_id") or "")
-        job = console.dead_letters.start(preview_id)
+        job = console.dead_letters.start(preview_id, on_end=ended)
     except WeclawMQError as e:
         audit(client, caller, "dlq run", preview=preview_id, outcome="refused", why=str(e))
         return _error(400, str(e))
-    made = job.preview
-    audit(
-        client,
-        caller,
-        f"dlq {job.action}",
-        queue=job.queue,
-        filter=made.where.describe() or "everything",
-        task_ids=list(made.task_ids),
-        count=len(made.task_ids),
-        job=job.id,
-    )
     return JSONResponse(job.document(), status_code=202)
 
 

@@ -71,6 +71,7 @@ function liveStream(pre) {
     source.close();
     pre.dataset.final = event.status || "";
     text(state, `ended: ${event.status}${pre.textContent ? "" : " (nothing was streamed)"}`);
+    pre.hidden = !pre.textContent;
   });
 }
 
@@ -149,7 +150,8 @@ function deadLetters(box) {
     tbody.replaceChildren();
     for (const d of made.dead_letters) {
       const tr = document.createElement("tr");
-      for (const v of [d.task_id || "(no id)", d.reason, [d.error_type, d.error_message].filter(Boolean).join(": "), d.last_failure_at || "-"]) {
+      const failed = (d.last_failure_at || "-").replace("T", " ").replace("+00:00", "");
+      for (const v of [d.task_id || "(no id)", d.reason, [d.error_type, d.error_message].filter(Boolean).join(": "), failed]) {
         const td = document.createElement("td");
         td.textContent = v;
         tr.append(td);
