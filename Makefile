@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
+	bench-stream bench-priority bench-limits bench-task-index bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
 
 help:
@@ -40,6 +40,7 @@ help:
 	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
+	@echo "make bench-task-index  the task index: consume cost on vs off; list_tasks over 1,000,000"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
 	@echo "make bench-start    a cold worker's time to first delivery, 1 and 2 processes"
 	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"
@@ -219,6 +220,12 @@ bench-priority: install
 # defaults; add "rate" to --variants for a rate limit too.
 bench-limits: install
 	$(BIN)/python -m benchmarks.limits_cost $(LIMITS_ARGS)
+
+# The task index (issue 29): the guarded consume path with WECLAW_MQ_TASK_INDEX on vs off
+# (target: on / off >= 0.95), and a page of list_tasks over 1,000,000 indexed tasks on a
+# redis-server of its own (target: < 100 ms); also run by 'make bench'. TASK_INDEX_ARGS=--smoke.
+bench-task-index: install
+	$(BIN)/python -m benchmarks.task_index_cost $(TASK_INDEX_ARGS)
 
 # Not in 'make test' (minutes): a worker's memory over 50,000 tasks, guard and results on, some
 # retried, some dead-lettered (benchmarks/soak.py). SOAK_ARGS="--tasks 50000 --warmup 10000".

@@ -7,8 +7,9 @@
 #
 # Then the feature benchmarks: benchmarks/stream_cost.py (make bench-stream),
 # benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke),
-# benchmarks/priority.py (make bench-priority) and benchmarks/limits_cost.py (a per-key limit
-# against none; about 60 s, tiny with --smoke).
+# benchmarks/priority.py (make bench-priority), benchmarks/limits_cost.py (a per-key limit
+# against none; about 60 s, tiny with --smoke) and benchmarks/task_index_cost.py (the task
+# index on vs off, and a page of a million; a few minutes, tiny with --smoke).
 #
 # The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
 # That venv is created on first use and re-installed only when requirements.txt or
@@ -65,4 +66,6 @@ fi
 "$venv/bin/python" -m benchmarks.priority "${feature_args[@]}" || status=$?
 # What a per-key limit costs the guarded consume path (also alone: make bench-limits).
 "$venv/bin/python" -m benchmarks.limits_cost "${limits_args[@]}" || status=$?
+# What the task index costs the consume path, and a page of a million (make bench-task-index).
+"$venv/bin/python" -m benchmarks.task_index_cost "${feature_args[@]}" || status=$?
 exit "$status"

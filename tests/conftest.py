@@ -32,11 +32,17 @@ from weclaw_mq.contract.naming import (
     GUARD_KEY_PREFIX,
     RETRY_INFIX,
     STATE_KEY_PREFIX,
+    TASK_INDEX_KEY,
+    TASK_INDEX_QUEUES_KEY,
     cancel_key,
     latest_key,
     queue_key_pattern,
     stream_key,
+    task_index_queue_key,
+    task_index_status_key,
+    timeline_key,
 )
+from weclaw_mq.state.task_index import SPARSE_STATUSES
 from weclaw_mq.testing import services
 from weclaw_mq.wire.topology import queue_declarations
 
@@ -235,8 +241,8 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
 
 async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
     """Delete the Redis keys (guard, record, body fingerprint, latest pointer, stream, cancel
-    marker) of every task in ``queues``, so a test leaves nothing behind; best effort when the
-    test left its Redis stopped."""
+    marker, timeline, task index entries) of every task in ``queues``, so a test leaves
+    nothing behind; best effort when the test left its Redis stopped."""
     client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
     try:
         for queue in queues:
@@ -245,10 +251,21 @@ async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
                 keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
             task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
             keys += [
-                key(t).encode() for t in task_ids for key in (latest_key, cancel_key, stream_key)
+                key(t).encode()
+                for t in task_ids
+                for key in (latest_key, cancel_key, stream_key, timeline_key)
             ]
             if keys:
                 await client.delete(*keys)
+            # The queue's index entries, from the index and the sparse statuses' too.
+            indexed = task_index_queue_key(queue)
+            members = await client.zrange(indexed, 0, -1)
+            sets = [TASK_INDEX_KEY, *(task_index_status_key(s.value) for s in SPARSE_STATUSES)]
+            for start in range(0, len(members), 1000):
+                for key in sets:
+                    await client.zrem(key, *members[start : start + 1000])
+            await client.delete(indexed)
+            await client.srem(TASK_INDEX_QUEUES_KEY, indexed)
     except (aioredis.RedisError, OSError):
         pass  # its Redis is gone (a test that stopped its private one): nothing to clean
     finally:

@@ -264,8 +264,8 @@ class MemoryTaskStore:
         if created and key not in self._index:
             self._index[key] = at
             self._trim_index()
-        if state.status in SPARSE_STATUSES:
-            self._sparse[state.status][key] = self._index.get(key, at)
+        if state.status in SPARSE_STATUSES and key in self._index:
+            self._sparse[state.status][key] = self._index[key]
 
     def _trim_index(self) -> None:
         oldest = to_ms(datetime.now(UTC)) - self._index_age_ms
@@ -309,8 +309,9 @@ class MemoryTaskStore:
             below = [(key[0], key[1], at) for at, _, key in rows if at <= score]
             return below[skip : skip + count]
 
-        async def records(tasks: list[tuple[str, str]]) -> list[TaskState | None]:
-            return [self._read(task_id, queue) for queue, task_id in tasks]
+        async def records(tasks: list[tuple[str, str]]) -> list[str | bytes | None]:
+            entries = [self._live(self._records, task) for task in tasks]
+            return [e.value if e is not None else None for e in entries]
 
         return await scan_page(query, entries, records)
 

@@ -138,6 +138,8 @@ class RedisCancels:
                 keys += ix_keys
                 args += ix_args
             if await self._cancel(keys=keys, args=args):
+                if self._index is not None:
+                    await self._index.settled()  # a cluster's index write, sent beside it
                 return answer(task_id, written, other)
         raise StateUnavailableError(
             f"the record of task {task_id} changed under {CANCEL_ATTEMPTS} cancels in a row; "

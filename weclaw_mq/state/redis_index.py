@@ -7,12 +7,16 @@ Where each write goes:
 - The index (``naming.TASK_INDEX_KEY`` and its per-queue and per-status sorted sets, all in
   the ``{tasks}`` slot). On one Redis (or a Sentinel set's primary) the same script writes it
   too: an entry when the write created the task's record in that queue, and the sparse
-  status's entry with a final record of that status. On a Redis Cluster the index's slot is
-  not the task's, so the store sends ``INDEX_SCRIPT`` beside the record's script, in the same
-  auto-pipeline batch (no extra round trip; one more command on the ``{tasks}`` node), for the
-  writes that may create a record or write a sparse status; its ``ZADD NX`` keeps the first
-  time. One slot takes every index write: one O(log n) ZADD or two per task, far below what
-  one Redis node serves, so a hot slot is accepted for an index that pages in one place.
+  status's entry (at the task's index time) with a final record of that status, for a task
+  still indexed. On a Redis Cluster the index's slot is not the task's, so the store sends
+  ``INDEX_SCRIPT`` beside the record's script, in the same auto-pipeline batch (no extra
+  round trip; one more command on the ``{tasks}`` node), for the writes of a status that may
+  create a record (stored_locally, queued, running: its ``ZADD NX`` keeps the first time)
+  or of a sparse one. Unlike one Redis, a cluster's companion cannot see whether the record
+  was written: a task whose first record is a final one (a worker's ``expired`` for a task
+  published without results) gets no entry there, and a refused write still counts.
+  One slot takes every index write: one O(log n) ZADD or two per task, far below what one
+  Redis node serves, so a hot slot is accepted for an index that pages in one place.
 - The bounds: every ``TRIM_EVERY`` index writes (per store) ``TRIM_SCRIPT`` drops entries older
   than the age bound, then the oldest past the count bound, at most ``TRIM_MOST`` per sorted set
   per call, so a trim never blocks Redis for long, and a backlog is worked off over a few trims.
@@ -81,7 +85,8 @@ local function index_write(ix, current, ttl_ms)
     redis.call('SADD', ix[4], ix[3])
   end
   if ix[5] ~= '' then
-    redis.call('ZADD', ix[5], redis.call('ZSCORE', ix[2], ix[7]) or at, ix[7])
+    local since = redis.call('ZSCORE', ix[2], ix[7])
+    if since then redis.call('ZADD', ix[5], since, ix[7]) end
   end
 end
 
@@ -92,13 +97,17 @@ end
 """
 
 # The index write of a cluster, in the {tasks} slot. KEYS: index, queue's index, queues,
-# sparse status's index (optional). ARGV: member, time ms.
+# sparse status's index (optional). ARGV: member, time ms, '1' for a status that may create
+# the record (the entry, unless there is one), else '0'.
 INDEX_SCRIPT = """
-redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1])
-redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[1])
-redis.call('SADD', KEYS[3], KEYS[2])
+if ARGV[3] == '1' then
+  redis.call('ZADD', KEYS[1], 'NX', ARGV[2], ARGV[1])
+  redis.call('ZADD', KEYS[2], 'NX', ARGV[2], ARGV[1])
+  redis.call('SADD', KEYS[3], KEYS[2])
+end
 if KEYS[4] then
-  redis.call('ZADD', KEYS[4], redis.call('ZSCORE', KEYS[1], ARGV[1]) or ARGV[2], ARGV[1])
+  local since = redis.call('ZSCORE', KEYS[1], ARGV[1])
+  if since then redis.call('ZADD', KEYS[4], since, ARGV[1]) end
 end
 return 1
 """
@@ -126,6 +135,30 @@ for _, key in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if redis.call('EXISTS', key) == 0 then redis.call('SREM', KEYS[2], key) end
 end
 return removed
+"""
+
+# Index entries at or below a score, newest first, each as one string "<score> <member>": a
+# script only for its reply, which redis-py parses several times faster than ZRANGE's pairs.
+# KEYS: the sorted set; ARGV: the score, entries to skip, entries to answer.
+ENTRIES_SCRIPT = """
+local rows = redis.call('ZRANGE', KEYS[1], ARGV[1], '-inf', 'BYSCORE', 'REV',
+                        'LIMIT', ARGV[2], ARGV[3], 'WITHSCORES')
+local found = {}
+for i = 1, #rows, 2 do found[#found + 1] = rows[i + 1] .. ' ' .. rows[i] end
+return found
+"""
+
+# The records a page looks at, in one call (one Redis: the keys may be in any slot). KEYS:
+# record keys; ARGV: a status, or '' for any. Returns each record's state, or nil where there
+# is none or it has another status (such a record cannot match: it is neither sent nor parsed).
+READ_SCRIPT = """
+local found = {}
+for i, key in ipairs(KEYS) do
+  local row = redis.call('HMGET', key, 'status', 'state')
+  local fits = row[2] and (ARGV[1] == '' or row[1] == ARGV[1])
+  if fits then found[i] = row[2] else found[i] = false end
+end
+return found
 """
 
 _SPARSE_KEYS = [task_index_status_key(s.value) for s in sorted(SPARSE_STATUSES)]
@@ -162,6 +195,8 @@ class RedisTaskIndex:
         self.max_age_s = max_age_s
         self._index = Script.of(INDEX_SCRIPT)
         self._trim = Script.of(TRIM_SCRIPT)
+        self._read = Script.of(READ_SCRIPT)
+        self._entries = Script.of(ENTRIES_SCRIPT)
         self._writes = 0
         self._pending: set[asyncio.Future[Any]] = set()
 
@@ -194,9 +229,9 @@ class RedisTaskIndex:
         if state.status in SPARSE_STATUSES:
             keys.append(task_index_status_key(state.status.value))
         at = event[1 : event.index(",")]
-        self._background(
-            self._pipe.script(self._index, keys, [index_member(state.queue, state.task_id), at])
-        )
+        first = "1" if state.status in _FIRST_STATUSES else "0"
+        member = index_member(state.queue, state.task_id)
+        self._background(self._pipe.script(self._index, keys, [member, at, first]))
         self._count_write()
 
     def _count_write(self) -> None:
@@ -220,6 +255,12 @@ class RedisTaskIndex:
         self._pending.add(write)
         write.add_done_callback(self._ended)
 
+    async def settled(self) -> None:
+        """Wait for the index writes sent so far (a cluster's companions): for a write made
+        outside the auto-pipeline, whose answer does not come with theirs."""
+        if self._pending:
+            await asyncio.wait(set(self._pending))
+
     def _ended(self, write: asyncio.Future[Any]) -> None:
         self._pending.discard(write)
         if not write.cancelled() and (e := write.exception()) is not None:
@@ -237,23 +278,26 @@ class RedisTaskIndex:
             key = TASK_INDEX_KEY
 
         async def entries(score: int, skip: int, count: int) -> list[tuple[str, str, int]]:
-            rows = await self._redis.zrange(
-                key, score, "-inf", desc=True, byscore=True, offset=skip, num=count, withscores=True
-            )
+            rows = await self._pipe.script(self._entries, [key], [score, skip, count])
             found = []
-            for member, at in rows:
+            for row in rows:
+                at, _, member = as_text(row).partition(" ")
                 try:
-                    queue, task_id = index_entry(as_text(member))
+                    queue, task_id = index_entry(member)
+                    found.append((queue, task_id, int(at)))
                 except ValueError:
                     continue  # not ours: skipped, never fatal
-                found.append((queue, task_id, int(at)))
             return found
 
-        async def records(tasks: list[tuple[str, str]]) -> list[TaskState | None]:
-            raws = await asyncio.gather(
-                *(self._pipe.hget(state_key(q, t), "state") for q, t in tasks)
-            )
-            return [_state(raw) for raw in raws]
+        status = query.status.value if query.status is not None else ""
+
+        async def records(tasks: list[tuple[str, str]]) -> list[str | bytes | None]:
+            keys = [state_key(queue, task_id) for queue, task_id in tasks]
+            if self._cluster:  # the keys are in many slots: a read each, auto-pipelined
+                return list(await asyncio.gather(*(self._pipe.hget(k, "state") for k in keys)))
+            # One call for up to 2,000 records, filtered by status in Redis.
+            raws: list[str | bytes | None] = await self._pipe.script(self._read, keys, [status])
+            return raws
 
         return await scan_page(query, entries, records)
 
@@ -262,12 +306,3 @@ class RedisTaskIndex:
             raise index_off()
         raw: Sequence[Any] = await self._redis.lrange(timeline_key(task_id), 0, -1)
         return read_timeline([as_text(r) for r in raw], queue)
-
-
-def _state(raw: Any) -> TaskState | None:
-    if raw is None:
-        return None
-    try:
-        return TaskState.model_validate_json(raw)
-    except ValueError:
-        return None

@@ -20,7 +20,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.state.protocol import TaskState, TaskStatus
@@ -256,10 +256,11 @@ def read_timeline(raw: Sequence[str | bytes], queue: str | None) -> list[Timelin
 # The index entries at or below a score, newest first: (score, skip, count) -> [(queue,
 # task id, score)], skipping the first ``skip`` entries (those at the score already seen).
 Entries = Callable[[int, int, int], Awaitable[list[tuple[str, str, int]]]]
-# The records of (queue, task id) pairs, in order; None where none is kept.
-Records = Callable[[list[tuple[str, str]]], Awaitable[list[TaskState | None]]]
+# The records of (queue, task id) pairs as stored (TaskState JSON), in order; None where none
+# is kept.
+Records = Callable[[list[tuple[str, str]]], Awaitable[list[str | bytes | None]]]
 
-# Entries read per step of a page: enough for a dense filter's page in one step.
+# Entries read by a page's first step (enough for a dense filter's page), doubled each step.
 _MIN_STEP = 200
 
 
@@ -267,6 +268,35 @@ def _entry_matches(query: TaskQuery, queue: str, task_id: str) -> bool:
     if query.queue is not None and queue != query.queue:
         return False
     return query.task_id_prefix is None or task_id.startswith(query.task_id_prefix)
+
+
+def _clues(query: TaskQuery) -> list[str]:
+    """Text a stored record (compact JSON) must hold to match ``query``: checked before it is
+    parsed, so a filter that scans 2,000 records parses only those that may match. A clue
+    never rules out a match (it may let through a record that then fails the real test)."""
+    clues = []
+    if query.status is not None:
+        clues.append(f'"status":"{query.status.value}"')
+    if query.session_id is not None:
+        clues.append(json.dumps(query.session_id))
+    if query.error is not None and json.dumps(query.error)[1:-1] == query.error:
+        clues.append(query.error.casefold())  # (one JSON keeps as it is)
+    return clues
+
+
+def _parsed(raw: str | bytes | None, clues: list[str]) -> TaskState | Literal[False] | None:
+    """The record, None when there is none, or False when it cannot match (or be read)."""
+    if raw is None:
+        return None
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    if clues:
+        folded = text.casefold()
+        if not all(clue.casefold() in folded for clue in clues):
+            return False
+    try:
+        return TaskState.model_validate_json(text)
+    except ValueError:
+        return False
 
 
 def _record_matches(query: TaskQuery, state: TaskState | None) -> bool:
@@ -307,10 +337,12 @@ async def scan_page(
     else:
         score, skip = 2**62, 0
     since = to_ms(query.since) if query.since is not None else None
+    clues = _clues(query)
     found: list[IndexedTask] = []
     scanned = 0
+    step = max(_MIN_STEP, 2 * query.limit)
     while scanned < budget:
-        step = min(budget - scanned, max(_MIN_STEP, 2 * query.limit))
+        step = min(budget - scanned, step)
         batch = await entries(score, skip, step)
         wanted = [(q, t) for q, t, _ in batch if _entry_matches(query, q, t)]
         # Records are read only for a filter on them, or for the tasks a page shows.
@@ -322,8 +354,8 @@ async def scan_page(
             score, skip = (score, skip + 1) if at == score else (at, 1)
             if not _entry_matches(query, queue, task_id):
                 continue
-            state = next(states)
-            if not _record_matches(query, state):
+            state = _parsed(next(states), clues)
+            if state is False or not _record_matches(query, state):
                 continue
             session = state.session_id if state is not None else None
             found.append(IndexedTask(task_id, queue, from_ms(at), state, session))
@@ -331,6 +363,7 @@ async def scan_page(
                 return TaskPage(found, make_cursor(score, skip), scanned)
         if len(batch) < step:
             return TaskPage(found, None, scanned)
+        step *= 2  # a sparse filter: fewer, larger steps
     return TaskPage(found, make_cursor(score, skip), scanned)
 
 
