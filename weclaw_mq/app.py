@@ -10,12 +10,14 @@ import sys
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aio_pika
 from aio_pika.abc import HeadersType
 
 from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.handlers.lifespan import HookT, Lifespan, Provider, ProviderT
+from weclaw_mq.handlers.middleware import Chain, Middleware
 from weclaw_mq.handlers.notifications import notify_target
 from weclaw_mq.handlers.spec import HandlerFunc, HandlerSpec, build_spec
 from weclaw_mq.observability.metrics import Metrics
@@ -32,6 +34,8 @@ from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.wire.connection import BrokerEndpoints
 from weclaw_mq.wire.topology import declare
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     import sqlite3
@@ -86,6 +90,11 @@ class App:
         self.metrics = Metrics(registry)
         self.broker = BrokerEndpoints(self.settings)
         self._handlers: dict[str, HandlerSpec] = {}
+        # Startup and shutdown hooks and resources (``handlers.lifespan``): ``async with
+        # app.lifespan`` opens them; a worker does once per process.
+        self.lifespan = Lifespan()
+        # Middleware around handler runs and publishes (``handlers.middleware``), in order.
+        self.middleware = Chain()
         self._store = store
         self._owns_store = store is None  # ours to close, not the user's
         # OpenTelemetry spans (weclaw_mq.observability.otel): decided on first use, once; False
@@ -101,6 +110,7 @@ class App:
             spans=self._current_spans,
             # Looked up when called: the declare of this App as it is then.
             declare=(lambda: self.declare()) if declare else None,
+            chain=self.middleware,
             owner=self,
             # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
             made_in=sys._getframe(1).f_globals.get("__name__"),
@@ -200,6 +210,95 @@ class App:
             return func
 
         return register
+
+    # -- lifespan: startup and shutdown hooks, resources -----------------------------------
+    def on_startup(self, hook: HookT) -> HookT:
+        """Register a function to run once per worker process before its first task.
+
+        An ``async def`` or a plain ``def`` with no parameters; it runs after the hooks and
+        resources registered before it. A hook that raises stops the worker from starting
+        (``StartupFailedError``: the CLI prints one line with your file and line, exit 3); what had
+        started is closed again.
+
+        Args:
+            hook: The function.
+
+        Returns:
+            ``hook`` unchanged (a decorator).
+
+        Raises:
+            ConfigurationError: ``hook`` takes parameters, is a generator, or is registered
+                twice.
+        """
+        return self.lifespan.on_startup(hook)
+
+    def on_shutdown(self, hook: HookT) -> HookT:
+        """Register a function to run once per worker process after its last task ended.
+
+        An ``async def`` or a plain ``def`` with no parameters; it runs after the drain, before
+        the hooks and resources registered before it. A hook that raises is logged; the others
+        still run.
+
+        Args:
+            hook: The function.
+
+        Returns:
+            ``hook`` unchanged (a decorator).
+
+        Raises:
+            ConfigurationError: As ``on_startup``.
+        """
+        return self.lifespan.on_shutdown(hook)
+
+    def resource(self, provider: ProviderT) -> ProviderT:
+        """Register a resource that handlers reach with ``ctx.use(provider)``.
+
+        The provider is a generator function (``async def`` or ``def``, no parameters) that opens
+        something, yields it once, and closes it after the ``yield``. It is opened once per worker
+        process in registration order, before the first task, and closed after the drain in reverse
+        order; handlers reach it with ``ctx.use(provider)``, typed as the provider yields it.
+
+        Args:
+            provider: The generator function.
+
+        Returns:
+            ``provider`` unchanged (a decorator).
+
+        Raises:
+            ConfigurationError: ``provider`` is not a generator function, takes parameters,
+                or is registered twice.
+        """
+        return self.lifespan.resource(provider)
+
+    def use(self, provider: Provider[_T]) -> _T:
+        """The open resource of ``provider`` (``ctx.use`` in a handler).
+
+        Args:
+            provider: A function registered with ``@app.resource``.
+
+        Returns:
+            What it yielded.
+
+        Raises:
+            ResourceUnavailableError: ``provider`` is not registered, or the lifespan is not
+                open (no worker, ``TestBroker`` or ``async with app.lifespan`` runs it).
+        """
+        return self.lifespan.use(provider)
+
+    def add_middleware(self, middleware: Middleware) -> None:
+        """Run ``middleware``'s hooks around every handler run and every publish of this App.
+
+        ``weclaw_mq.handlers.middleware`` says when each hook runs. Its ``before_*`` hooks run after
+        those of middleware added before it, its ``after_*`` hooks before them. Add it at import,
+        before a worker starts.
+
+        Args:
+            middleware: An instance of a ``Middleware`` subclass.
+
+        Raises:
+            ConfigurationError: Not a ``Middleware``, or added twice.
+        """
+        self.middleware.add(middleware)
 
     @property
     def handlers(self) -> Mapping[str, HandlerSpec]:

@@ -12,6 +12,7 @@ from weclaw_mq.errors import StreamWriteError
 
 if TYPE_CHECKING:
     from weclaw_mq.app import App
+    from weclaw_mq.handlers.lifespan import Provider
     from weclaw_mq.streaming.emitter import Emitter
 
 _T = TypeVar("_T")
@@ -71,6 +72,23 @@ class Context:
         by a cancel, it reads this between its steps and returns early.
         """
         return self.cancel_requested.is_set()
+
+    def use(self, provider: Provider[_T]) -> _T:
+        """The open resource of ``provider``, registered with ``@app.resource``.
+
+        Safe from a plain-``def`` handler's thread (it only reads).
+
+        Args:
+            provider: The resource's generator function.
+
+        Returns:
+            What it yielded, typed as the provider's annotation says.
+
+        Raises:
+            ResourceUnavailableError: ``provider`` is not a resource of the App, or the App's
+                lifespan is not open.
+        """
+        return self.app.lifespan.use(provider)
 
     async def publish(self, queue: str, payload: Any, **kwargs: Any) -> str:
         """Publish a follow-up task; it inherits this task's trace id.

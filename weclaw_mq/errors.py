@@ -2,8 +2,12 @@
 
     WeclawMQError
     ├── ConfigurationError           a handler, queue name or option that cannot work
-    │   └── InvalidPriorityError     a priority or queue type weclaw_mq does not know (a
-    │                                ValueError too)
+    │   ├── InvalidPriorityError     a priority or queue type weclaw_mq does not know (a
+    │   │                            ValueError too)
+    │   ├── StartupFailedError       a startup hook or resource of the App raised: the worker
+    │   │                            did not start (``where``: the user's frames)
+    │   └── ResourceUnavailableError ``use(provider)`` of a resource that is not open (not
+    │                                registered, or asked outside its App's lifespan)
     ├── PayloadError                 refused before anything was sent
     │   ├── PayloadTooLargeError     body over ``max_message_bytes``
     │   ├── PayloadValidationError   body fails the handler's pydantic model
@@ -81,6 +85,28 @@ class InvalidPriorityError(ConfigurationError, ValueError):
     """Not one of Priority.NORMAL/HIGH/URGENT or "normal"/"high"/"urgent"."""
 
     error_type: ClassVar[str] = "weclaw_mq.InvalidPriorityError"
+
+
+class StartupFailedError(ConfigurationError):
+    """A startup hook or resource of the App raised; what had started was closed again.
+
+    ``where`` holds the lines of the user's frames (file, line, code) that raised, for the CLI
+    to print under its one error line; the user's exception is the ``__cause__``.
+    """
+
+    error_type: ClassVar[str] = "weclaw_mq.StartupFailedError"
+
+    def __init__(self, message: str, where: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.where = where or []
+
+
+class ResourceUnavailableError(ConfigurationError):
+    """``use(provider)`` asked for a resource that is not open: ``provider`` is not
+    registered with ``@app.resource``, or its App's lifespan is not open (no worker, no
+    ``TestBroker``, no ``async with app.lifespan`` runs it)."""
+
+    error_type: ClassVar[str] = "weclaw_mq.ResourceUnavailableError"
 
 
 class PayloadError(WeclawMQError):

@@ -562,3 +562,24 @@ async def test_task_store_page_app_keeps_its_records_in_the_memory_store_and_clo
         await asyncio.wait_for(run, 30)
 
     await example.shutdown()
+
+
+# -- handlers.md: the lifespan and middleware -------------------------------------------------
+
+
+async def test_handlers_page_resource_serves_every_run_and_middleware_sees_each_outcome(
+    examples: Examples, start_worker: Callable[..., Any]
+) -> None:
+    example = examples.load("lifespan.py", queues=["answers"])
+    app, queue = example.app, examples.queue("answers")
+    worker = await start_worker(app)
+    client = app.use(example.model)  # open while the worker runs
+
+    ids = [await app.publish(queue, {"prompt": p}) for p in ("hi", "again")]
+    finals = [await app.result(t, timeout_s=15) for t in ids]
+    await wait_until(lambda: len(example.timing.lines) == 2, 10, "both runs timed")
+    worker.stop()
+    await wait_until(lambda: not client.open, 30, "the client closed after the drain")
+
+    assert [f.result for f in finals] == ["an answer to 'hi'", "an answer to 'again'"]
+    assert all(line.startswith(f"{queue} attempt 1: acked in ") for line in example.timing.lines)

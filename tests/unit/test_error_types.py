@@ -34,6 +34,8 @@ DOCUMENTED = [
     "weclaw_mq.WeclawMQError",
     "weclaw_mq.ConfigurationError",
     "weclaw_mq.InvalidPriorityError",
+    "weclaw_mq.StartupFailedError",
+    "weclaw_mq.ResourceUnavailableError",
     "weclaw_mq.PayloadError",
     "weclaw_mq.PayloadTooLargeError",
     "weclaw_mq.PayloadValidationError",

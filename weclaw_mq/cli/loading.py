@@ -5,17 +5,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import traceback
-from pathlib import Path
 
 import pydantic
 
 from weclaw_mq.app import App
 from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.policy.failures import in_library
-
-# The user's frames shown under an import error: the bug is in the last ones.
-USER_FRAMES = 3
+from weclaw_mq.policy.failures import user_frames
 
 
 class UserCodeError(ConfigurationError):
@@ -25,24 +20,6 @@ class UserCodeError(ConfigurationError):
     def __init__(self, message: str, where: list[str]) -> None:
         super().__init__(message)
         self.where = where
-
-
-def user_frames(error: BaseException) -> list[str]:
-    """The last ``USER_FRAMES`` frames of ``error``'s traceback that are the user's code, as
-    ``File "...", line N, in NAME`` and the source line below it."""
-    lines: list[str] = []
-    frames = [
-        frame
-        for frame in traceback.extract_tb(error.__traceback__)
-        if not frame.filename.startswith("<")  # importlib's frozen bootstrap
-        and not in_library(frame.filename)
-        and not Path(frame.filename).resolve().is_relative_to(Path(importlib.__file__).parent)
-    ]
-    for frame in frames[-USER_FRAMES:]:
-        lines.append(f'File "{frame.filename}", line {frame.lineno}, in {frame.name}')
-        if frame.line:
-            lines.append(f"  {frame.line.strip()}")
-    return lines
 
 
 def split_app_path(path: str) -> tuple[str, str]:

@@ -8,6 +8,7 @@ would leave the delivery unsettled. Every failure text is made here, once, safe 
 
 from __future__ import annotations
 
+import importlib
 import traceback
 from pathlib import Path
 
@@ -18,11 +19,35 @@ from weclaw_mq.policy.signals import Reject, Retry
 _OURS = (WeclawMQError, Reject, Retry, UpstreamDown)
 # weclaw_mq's own folder (this file's parent's parent): frames from there are ours, not the user's.
 _LIBRARY = Path(__file__).resolve().parents[1]
+_IMPORTLIB = Path(importlib.__file__).resolve().parent
 
 
 def in_library(filename: str) -> bool:
     """Whether a traceback frame's file is weclaw_mq's own code."""
     return Path(filename).resolve().is_relative_to(_LIBRARY)
+
+
+# The user's frames shown under an error raised by their own code: the bug is in the last ones.
+USER_FRAMES = 3
+
+
+def user_frames(error: BaseException) -> list[str]:
+    """The last ``USER_FRAMES`` frames of ``error``'s traceback that are the user's code, as
+    ``File "...", line N, in NAME`` and the source line below it (weclaw_mq's own frames and
+    importlib's left out)."""
+    lines: list[str] = []
+    frames = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not frame.filename.startswith("<")  # importlib's frozen bootstrap
+        and not in_library(frame.filename)
+        and not Path(frame.filename).resolve().is_relative_to(_IMPORTLIB)
+    ]
+    for frame in frames[-USER_FRAMES:]:
+        lines.append(f'File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+        if frame.line:
+            lines.append(f"  {frame.line.strip()}")
+    return lines
 
 
 def safe_text(value: object) -> str:

@@ -31,6 +31,7 @@ from weclaw_mq.errors import (
     IdempotencyConflictError,
     UnroutableError,
 )
+from weclaw_mq.handlers.middleware import Chain, Publish
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans
@@ -67,6 +68,7 @@ class PublishingEngine:
         results: The task store when results are on, else None (called per publish).
         spans: The App's OpenTelemetry spans, None for none (called per publish).
         declare: Declares the App's queues (``App(declare=True)``); None not to.
+        chain: The App's middleware (``handlers.middleware``), read per publish.
         owner: The App, looked up by identity in the module that made it.
         made_in: The name of that module.
     """
@@ -82,6 +84,7 @@ class PublishingEngine:
         results: Callable[[], TaskStore | None],
         spans: Callable[[], Spans | None],
         declare: Callable[[], Coroutine[Any, Any, list[str]]] | None,
+        chain: Chain,
         owner: object,
         made_in: str | None,
     ) -> None:
@@ -93,6 +96,7 @@ class PublishingEngine:
         self._spans = spans
         self._records = QueuedRecords()
         self._declare = declare
+        self._chain = chain
         self._declaring: asyncio.Future[list[str]] | None = None
         # So an UnroutableError can name 'MODULE:APP'.
         self._owner = owner
@@ -169,13 +173,26 @@ class PublishingEngine:
         Without a body check or spans it is ``_send_or_store`` itself: no coroutine of its own
         per message between App.publish's await and the send.
         """
-        if check_reuse or self._spans() is not None:
+        if check_reuse or self._chain.publishes or self._spans() is not None:
             return self._publish_around(queue, message, check_reuse)
         return self._send_or_store(queue, message)
 
     async def _publish_around(
         self, queue: str, message: aio_pika.Message, check_reuse: bool
     ) -> str:
+        if not self._chain.publishes:
+            return await self._checked_send(queue, message, check_reuse)
+        publishes = [Publish(queue, message.message_id or "", message)]
+        await self._chain.before_publish(publishes)
+        try:
+            task_id = await self._checked_send(queue, message, check_reuse)
+        except BaseException as e:
+            await self._chain.after_publish(publishes, {0: e})
+            raise
+        await self._chain.after_publish(publishes, {})
+        return task_id
+
+    async def _checked_send(self, queue: str, message: aio_pika.Message, check_reuse: bool) -> str:
         if check_reuse:
             await self._check_key_reuse(queue, message)
         spans = self._spans()
@@ -315,6 +332,22 @@ class PublishingEngine:
             )
             for i, payload in enumerate(items)
         ]
+        if not self._chain.publishes or not messages:
+            return await self._traced_send_many(queue, messages)
+        publishes = [Publish(queue, m.message_id or "", m) for m in messages]
+        await self._chain.before_publish(publishes)
+        try:
+            task_ids = await self._traced_send_many(queue, messages)
+        except BatchPublishError as e:
+            await self._chain.after_publish(publishes, dict(e.failed))
+            raise
+        except BaseException as e:
+            await self._chain.after_publish(publishes, dict.fromkeys(range(len(publishes)), e))
+            raise
+        await self._chain.after_publish(publishes, {})
+        return task_ids
+
+    async def _traced_send_many(self, queue: str, messages: list[aio_pika.Message]) -> list[str]:
         spans = self._spans()
         if spans is not None and messages:
             with spans.publishing(queue, messages):  # one span for the batch

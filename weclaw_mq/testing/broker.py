@@ -130,6 +130,8 @@ class TestBroker:
         # Per app swapped: (holder, attribute, value before) of each slot, to put back.
         self._saved: list[list[tuple[object, str, Any]]] = []
         self._listener: asyncio.Task[None] | None = None
+        # The apps whose lifespan this broker opened, to close on exit (last first).
+        self._opened: list[App] = []
         self._previous_clock: Any = None
         self._counted_before: dict[str, dict[str, int]] = {}
 
@@ -155,6 +157,10 @@ class TestBroker:
             self._previous_clock = lifetime.use_wall_clock(self.clock.time)
             self._listener = asyncio.create_task(self.cancels.listen(self.store))
             await self.cancels.listening.wait()
+            # Each app's startup hooks and resources, as its worker opens them.
+            for app in self.apps:
+                await app.lifespan.open()
+                self._opened.append(app)
         except BaseException:
             await self.__aexit__()  # the apps given back as they were
             raise
@@ -170,6 +176,8 @@ class TestBroker:
             self._listener.cancel()
             await asyncio.wait({self._listener})
         self._threads.shutdown()
+        while self._opened:  # after the handlers: none of them uses a resource any more
+            await self._opened.pop().lifespan.close()
         if self._previous_clock is not None:
             lifetime.use_wall_clock(self._previous_clock)
         # Those swapped so far, last first: an app given twice ends as it was before the first.
@@ -212,6 +220,7 @@ class TestBroker:
                 app.metrics,
                 retry_level=logging.getLevelName(app.settings.retry_log_level),
                 tracebacks=app.settings.failure_tracebacks,
+                observed=app.middleware.runs,
             ),
             deadlines=self._deadlines,
             metrics=app.metrics,
@@ -221,6 +230,7 @@ class TestBroker:
             take_over=self._in_flight.replace,
             cancels=self.cancels,
             threads=self._threads,
+            hooks=app.middleware if app.middleware.runs else None,
         )
         for queue, spec in app.handlers.items():
             if queue in self._handlers:

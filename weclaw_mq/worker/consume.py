@@ -223,6 +223,15 @@ class Worker:
         self._warn_about_consumer_timeout()
         self._warn_about_sync_threads()
         self._check_redis_pool()
+        # Startup hooks and resources, before anything connects: a failure starts nothing.
+        await self.app.lifespan.open()
+        try:
+            await self._run_open()
+        finally:
+            # After the drain: no handler of this worker uses a resource any more.
+            await self.app.lifespan.close()
+
+    async def _run_open(self) -> None:
         # Without it, one message whose properties pamqp cannot decode closes the whole
         # connection and returns every message in flight with it, again and again until the
         # delivery limit dead-letters them all (innocent tasks lost to the DLQ:
@@ -531,6 +540,7 @@ class Worker:
                 else functools.partial(_release, schedulers),
                 retry_level=logging.getLevelName(self.settings.retry_log_level),
                 tracebacks=self.settings.failure_tracebacks,
+                observed=self.app.middleware.runs,
             ),
             deadlines=self._deadlines,
             threads=self.sync_threads,
@@ -542,6 +552,7 @@ class Worker:
             cancels=self.cancels,
             circuits=self._circuits,
             spans=self._spans,
+            hooks=self.app.middleware if self.app.middleware.runs else None,
         )
 
     def _lane_scheduler(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -25,6 +26,7 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability import tracing
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.state import TaskStatus
+from weclaw_mq.worker import run_hooks
 from weclaw_mq.worker.admission import (
     Unguarded,
     cancelled_before_start,
@@ -44,6 +46,7 @@ from weclaw_mq.worker.ends import (
 )
 from weclaw_mq.worker.limiting import NO_TICKET, Ticket
 from weclaw_mq.worker.records import record_status, release
+from weclaw_mq.worker.run_hooks import run_of
 from weclaw_mq.worker.running import call_handler, take_over
 from weclaw_mq.worker.runtime import Runtime
 
@@ -167,9 +170,6 @@ async def _process(
         if rt.results is not None and held is None
         else None
     )
-    # If the handler ignores its cancellation, another task ends the attempt without it (a
-    # partial, not a closure: made for every delivery, called for almost none).
-    on_stuck = functools.partial(take_over, message, delivery, spec, rt, held, watch)
     # The claim's lease is kept from the handler's start until its ending returned (a result
     # write that retries included): a lapsed lease would let a copy run the task again.
     hold = (
@@ -177,9 +177,18 @@ async def _process(
         if held is not None and rt.store is not None
         else _NOT_HELD
     )
+    begun: run_hooks.Begun | None = None
     try:
         with hold:
-            if ticket is NO_TICKET:
+            if rt.hooks is not None:  # the middleware's before_run hooks, under the lease
+                begun = await run_hooks.begin(rt.hooks, run_of(delivery, spec, task))
+            # If the handler ignores its cancellation, another task ends the attempt without
+            # it (a partial, not a closure: made for every delivery, called for almost none).
+            on_stuck = functools.partial(take_over, message, delivery, spec, rt, held, watch, begun)
+            outcome: tuple[Any, BaseException | None] | None
+            if begun is not None and begun.failed is not None:
+                outcome = (None, begun.failed)  # a before_run hook failed the attempt
+            elif ticket is NO_TICKET:
                 # The common path: no limit's slot to free.
                 outcome = await call_handler(spec, task, delivery, rt, on_stuck, watch)
             else:
@@ -199,7 +208,11 @@ async def _process(
                 else after_attempt(delivery, spec, outcome[0], outcome[1])
             )
             await carry_out(end, message, delivery, spec, rt, held)
-    except BaseException:
+            if begun is not None:
+                await run_hooks.finish(begun, outcome[0], outcome[1])
+    except BaseException as e:
+        if begun is not None:
+            await run_hooks.given_back(begun, e)
         # Stopping hard, or a bug of ours: the worker gives the message back. Free the claim
         # so the next delivery runs at once, not after the lease (owner-checked: a no-op once
         # the task is done or another worker holds it).

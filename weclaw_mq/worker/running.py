@@ -24,14 +24,18 @@ from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import HandlerAbandoned, HandlerTimeout
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability import tracing
+from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.streaming.emitter import Emitter
 from weclaw_mq.wire.connection import cancelled_by_caller
+from weclaw_mq.worker import run_hooks
 from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.deadlines import Deadline
 from weclaw_mq.worker.ends import AckCancelled, after_attempt, carry_out
 from weclaw_mq.worker.records import session_of
+from weclaw_mq.worker.run_hooks import Begun
 from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.worker.settle import settled_as
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -155,13 +159,14 @@ def take_over(
     rt: Runtime,
     held: str | None,
     watch: Watch,
+    begun: Begun | None,
     stuck: asyncio.Task[Any],
 ) -> None:
     """What the deadline ticker calls (bound to a delivery by ``functools.partial``) when the
     handler is still running ``grace`` after its cancellation: end the attempt as a failure in
     a new task, so the message is retried or dead-lettered (acked, if the task was
     cancelled), the claim released, and the worker's slot freed."""
-    ending = _end_abandoned(message, delivery, spec, rt, held, watch)
+    ending = _end_abandoned(message, delivery, spec, rt, held, watch, begun)
     rt.take_over(message, spec, rt, stuck, ending)
 
 
@@ -172,8 +177,13 @@ async def _end_abandoned(
     rt: Runtime,
     held: str | None,
     watch: Watch,
+    begun: Begun | None,
 ) -> None:
     token = tracing.enter(delivery)
+    # This task's own list of the outcome its ending counts, for the middleware's after_run.
+    seen: list[Outcome] = []
+    if begun is not None:
+        settled_as.set(seen)
     try:
         grace_s = rt.settings.handler_cancel_grace_s
         if watch.requested:
@@ -183,6 +193,8 @@ async def _end_abandoned(
                 grace_s,
             )
             await carry_out(AckCancelled(), message, delivery, spec, rt, held)
+            if begun is not None:
+                await run_hooks.abandoned(begun, seen, asyncio.CancelledError())
             return
         log.error(
             "handler still running %.3g s after it was cancelled at its timeout of %.3g s "
@@ -197,5 +209,7 @@ async def _end_abandoned(
         await carry_out(
             after_attempt(delivery, spec, None, error), message, delivery, spec, rt, held
         )
+        if begun is not None:
+            await run_hooks.abandoned(begun, seen, error)
     finally:
         tracing.leave(token)

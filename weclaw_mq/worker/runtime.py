@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from weclaw_mq.handlers.middleware import Chain
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.settings import Settings
@@ -62,3 +63,6 @@ class Runtime:
     # The threads plain-``def`` handlers run in (``worker.sync_threads``): the worker's one
     # pool, outliving its broker sessions; no thread is made before such a handler runs.
     threads: SyncThreads = field(default_factory=SyncThreads)
+    # The App's middleware when it has run hooks (``worker.run_hooks``), else None: one
+    # check per delivery.
+    hooks: Chain | None = None

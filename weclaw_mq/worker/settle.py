@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
@@ -103,6 +104,10 @@ def _delay_target(message: AbstractIncomingMessage, queue: str, delay_ms: int) -
     return ladder_queue_name(delay_ms), source_lane(message.routing_key, queue)
 
 
+# How the delivery being settled in this context ended, for the middleware's ``after_run``
+# (``worker.run_hooks``): a list a hooked run sets, to which ``_ended`` appends the outcome.
+settled_as: ContextVar[list[Outcome] | None] = ContextVar("settled_as", default=None)
+
 # An ack or nack is one frame handed to the connection's writer. After the writer died,
 # aiormq's basic_ack waits forever; past this the connection is taken for dead.
 SETTLE_TIMEOUT_S = 5.0
@@ -121,6 +126,7 @@ class Settler:
         before_settle: Callable[[AbstractIncomingMessage], Awaitable[None]] | None = None,
         retry_level: int = logging.WARNING,
         tracebacks: bool = True,
+        observed: bool = False,
     ) -> None:
         self.publisher = publisher
         self.deadlines = deadlines
@@ -131,6 +137,8 @@ class Settler:
         # Called once the outcome is decided, before the ack/nack frame: priority lanes hand
         # the slot on and may cancel the message's consumer first (worker.lanes).
         self.before_settle = before_settle
+        # The App has run middleware: each outcome is also noted in ``settled_as``.
+        self.observed = observed
 
     def _ended(
         self,
@@ -144,6 +152,10 @@ class Settler:
         """The outcome event: called exactly once per settled delivery, by every end below.
         ``error``: the handler's, whose traceback the line carries (``tracebacks``)."""
         self.metrics.settled(queue, outcome).inc()
+        if self.observed:
+            seen = settled_as.get()
+            if seen is not None:
+                seen.append(outcome)
         if level is None:
             level = OUTCOME_LEVELS[outcome]
         # Asked first: an acked task's line is DEBUG, off in production, and ``log`` would
