@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits bench-task-index bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
+	bench-stream bench-priority bench-limits bench-task-index bench-console bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
 
 help:
@@ -41,6 +41,7 @@ help:
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make bench-task-index  the task index: consume cost on vs off; list_tasks over 1,000,000"
+	@echo "make bench-console  the web console's Tasks page: server time for 50 of 1,000,000 indexed tasks"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
 	@echo "make bench-start    a cold worker's time to first delivery, 1 and 2 processes"
 	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"
@@ -163,6 +164,7 @@ bench:
 	$(MAKE) --no-print-directory bench-start
 	$(MAKE) --no-print-directory bench-io-high
 	$(MAKE) --no-print-directory bench-waiters
+	$(MAKE) --no-print-directory bench-console
 
 # The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
@@ -226,6 +228,11 @@ bench-limits: install
 # redis-server of its own (target: < 100 ms); also run by 'make bench'. TASK_INDEX_ARGS=--smoke.
 bench-task-index: install
 	$(BIN)/python -m benchmarks.task_index_cost $(TASK_INDEX_ARGS)
+
+# The web console's Tasks page over a big index (its own redis-server): a page of 50 out of
+# 1,000,000, server time, beside App.tasks alone (target < 100 ms). CONSOLE_BENCH_ARGS="--smoke".
+bench-console: install
+	$(BIN)/python -m benchmarks.console_page $(CONSOLE_BENCH_ARGS)
 
 # Not in 'make test' (minutes): a worker's memory over 50,000 tasks, guard and results on, some
 # retried, some dead-lettered (benchmarks/soak.py). SOAK_ARGS="--tasks 50000 --warmup 10000".
