@@ -1,7 +1,8 @@
 """A task's stream (``App.stream``) relayed to the page as Server-Sent Events: one SSE event
 per stream event, named by its kind (``attempt``, ``chunk``, ``final``), its stream id as the
 SSE ``id``, so a browser that reconnects (``Last-Event-ID``) resumes with exactly the events
-after the last it got. The response ends after the final event.
+after the last it got. The response ends after the final event, or after one ``problem``
+event when the stream cannot be read (results off, Redis away).
 
 A task not known yet is waited for (``App.stream`` does); a comment line every
 ``KEEPALIVE_S`` keeps proxies from closing a quiet stream, and tells the server when the
@@ -17,6 +18,7 @@ import json
 from collections.abc import AsyncIterator
 
 from weclaw_mq.app import App
+from weclaw_mq.errors import WeclawMQError
 from weclaw_mq.streaming.events import FINAL, StreamEvent
 
 KEEPALIVE_S = 15.0
@@ -46,6 +48,9 @@ async def relay(
             try:
                 event = pending.result()
             except StopAsyncIteration:
+                return
+            except WeclawMQError as e:  # results off, Redis away: say so, and stop
+                yield f"event: problem\ndata: {json.dumps({'error': str(e)})}\n\n"
                 return
             finally:
                 pending = None

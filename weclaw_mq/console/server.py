@@ -29,6 +29,7 @@ from weclaw_mq.console.access import SESSION_COOKIE, Access, same_origin
 from weclaw_mq.console.audit import audit
 from weclaw_mq.console.dead_letters import (
     ACTIONS,
+    EXACT_MAX,
     SHOWN_MAX,
     DeadLetters,
     Job,
@@ -204,6 +205,12 @@ async def tasks_json(request: Request) -> Response:
 # -- one task ------------------------------------------------------------------------------
 
 
+def _task_of(request: Request) -> tuple[App, str, str | None]:
+    """The App, the task id of the path and the ``queue`` of the query (None: any)."""
+    app = _console(request).app
+    return app, request.path_params["task_id"], request.query_params.get("queue") or None
+
+
 async def _timeline(app: App, task_id: str, queue: str | None) -> tuple[list[Any], str | None]:
     try:
         events = await task_views.timeline(app, task_id, queue)
@@ -213,9 +220,7 @@ async def _timeline(app: App, task_id: str, queue: str | None) -> tuple[list[Any
 
 
 async def task_page(request: Request) -> Response:
-    app = _console(request).app
-    task_id = request.path_params["task_id"]
-    queue = request.query_params.get("queue") or None
+    app, task_id, queue = _task_of(request)
     found = await details.detail(app, task_id, queue)
     timeline, timeline_problem = await _timeline(app, task_id, found.queue)
     dead_headers = found.dead.headers if found.dead is not None else {}
@@ -234,9 +239,7 @@ async def task_page(request: Request) -> Response:
 
 
 async def task_fragment(request: Request) -> Response:
-    app = _console(request).app
-    task_id = request.path_params["task_id"]
-    queue = request.query_params.get("queue") or None
+    app, task_id, queue = _task_of(request)
     state, problem = await details.status_of(app, task_id, queue)
     if queue is None and state is not None:
         queue = state.queue
@@ -253,9 +256,7 @@ async def task_fragment(request: Request) -> Response:
 
 
 async def task_json(request: Request) -> Response:
-    app = _console(request).app
-    task_id = request.path_params["task_id"]
-    queue = request.query_params.get("queue") or None
+    app, task_id, queue = _task_of(request)
     state, problem = await details.status_of(app, task_id, queue)
     if problem is not None:
         return _error(503, problem)
@@ -263,9 +264,7 @@ async def task_json(request: Request) -> Response:
 
 
 async def task_stream(request: Request) -> Response:
-    app = _console(request).app
-    task_id = request.path_params["task_id"]
-    queue = request.query_params.get("queue") or None
+    app, task_id, queue = _task_of(request)
     after = request.headers.get("last-event-id") or request.query_params.get("after") or None
     if queue is not None and queue not in app.handlers:
         return _error(400, f"{queue!r} is not a handler queue of app {app.name!r}")
@@ -367,7 +366,7 @@ async def preview(request: Request) -> Response:
                         else None
                     ),
                 }
-                for d in selected
+                for d in selected[:EXACT_MAX]  # the rest are counted
             ],
         }
     )

@@ -66,6 +66,11 @@ function liveStream(pre) {
     pre.dataset.chunks = String(parseInt(pre.dataset.chunks || "0", 10) + 1);
     text(state, `streaming (attempt ${event.attempt})…`);
   });
+  source.addEventListener("problem", (e) => {
+    source.close();
+    text(state, `no live output: ${JSON.parse(e.data).error}`);
+    pre.hidden = true;
+  });
   source.addEventListener("final", (e) => {
     const event = JSON.parse(e.data);
     source.close();
@@ -148,6 +153,7 @@ function deadLetters(box) {
     );
     const tbody = document.querySelector("#preview-table tbody");
     tbody.replaceChildren();
+    const more = made.count - made.dead_letters.length;
     for (const d of made.dead_letters) {
       const tr = document.createElement("tr");
       const failed = (d.last_failure_at || "-").replace("T", " ").replace("+00:00", "");
@@ -156,6 +162,14 @@ function deadLetters(box) {
         td.textContent = v;
         tr.append(td);
       }
+      tbody.append(tr);
+    }
+    if (more > 0) {
+      const tr = document.createElement("tr");
+      const td = document.createElement("td");
+      td.colSpan = 4;
+      td.textContent = `… and ${more} more`;
+      tr.append(td);
       tbody.append(tr);
     }
     document.getElementById("job").hidden = true;
