@@ -4,9 +4,11 @@ tools of the CLI, in a browser. Starlette, served by uvicorn, installed with the
 extra; every page and asset comes from this package (no CDN, no build step).
 
 Modules: ``access`` (token, CSRF, same origin: pure), ``guard`` (the middleware applying it),
-``audit`` (one line per mutation), ``overview``, ``task_views`` (the task index's views),
-``detail``, ``dead_letters``, ``events`` (the task stream as SSE), ``rendering`` (the
-autoescaped templates) and ``server`` (the routes: ``create_console``).
+``audit`` (one line per change), ``overview``, ``task_views`` (the task index's views),
+``detail``, ``dead_letters`` (the DLQ engine's previews and jobs), ``events`` (the task stream
+as SSE), ``rendering`` (the autoescaped templates), ``handling`` (what every route shares),
+the routes ``login``, ``task_pages`` and ``dead_letter_pages``, and ``server``
+(``create_console``).
 """
 
 from __future__ import annotations
