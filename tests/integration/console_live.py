@@ -102,11 +102,18 @@ def console_access() -> Access:
 
 
 @pytest.fixture
+def console_trace_url() -> str | None:
+    """Where trace ids link to: nowhere (a test parametrizes ``console_trace_url``)."""
+    return None
+
+
+@pytest.fixture
 async def live_console(
     make_app: Callable[..., App],
     start_worker: Callable[..., Any],
     qname: str,
     console_access: Access,
+    console_trace_url: str | None,
 ) -> AsyncIterator[LiveConsole]:
     """The console of an app on ``qname``, its queues declared, no worker yet."""
     access = console_access
@@ -119,7 +126,7 @@ async def live_console(
     scenario.register(worker_app, qname)
     await console_app.declare()
     async with (
-        serving(create_console(console_app, access)) as base_url,
+        serving(create_console(console_app, access, trace_url=console_trace_url)) as base_url,
         httpx.AsyncClient(base_url=base_url, timeout=30) as client,
     ):
         try:

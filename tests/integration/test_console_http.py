@@ -10,7 +10,12 @@ import re
 
 import pytest
 
-from tests.integration.console_live import LiveConsole, console_access, live_console  # noqa: F401
+from tests.integration.console_live import (  # noqa: F401
+    LiveConsole,
+    console_access,
+    console_trace_url,
+    live_console,
+)
 from weclaw_mq import TaskStatus
 from weclaw_mq.console import Access
 from weclaw_mq.console.access import fingerprint
@@ -134,3 +139,19 @@ async def test_a_payload_holding_markup_is_shown_as_text(
     assert "<script>window.pwned" not in page.text and "<img src=x" not in page.text
     assert "&lt;script&gt;window.pwned = 1&lt;/script&gt;" in page.text
     assert "script-src 'self'" in page.headers["content-security-policy"]
+
+
+@pytest.mark.parametrize(
+    "console_trace_url", ["https://traces.example/trace/{trace_id}?from=console"]
+)
+async def test_a_dead_letters_trace_id_links_to_the_trace_url(
+    live_console: LiveConsole,  # noqa: F811
+) -> None:
+    task_id = await live_console.publish({"mode": "fail", "error": "UpstreamBroke"})
+    await live_console.start()
+    await live_console.console_app.result(task_id, timeout_s=20)
+    page = await live_console.client.get(f"/tasks/{task_id}?queue={live_console.queue}")
+    found = re.search(r'<code id="trace-id">([0-9a-f]+)</code>', page.text)
+    assert found, page.text
+    link = f'href="https://traces.example/trace/{found.group(1)}?from=console"'
+    assert link in page.text

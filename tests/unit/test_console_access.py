@@ -20,7 +20,13 @@ from weclaw_mq.console.access import (
 )
 from weclaw_mq.console.audit import IDS_LISTED_MAX, audit_line
 from weclaw_mq.console.dead_letters import EXACT_MAX, Preview, filter_of
+from weclaw_mq.console.detail import check_trace_url, trace_link
+from weclaw_mq.console.events import sse_frame
+from weclaw_mq.console.task_views import query_of
 from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.state import TaskStatus
+from weclaw_mq.state.task_index import make_cursor
+from weclaw_mq.streaming.events import StreamEvent
 
 TOKEN = "a-console-token-of-some-length"
 HOST = "127.0.0.1:8765"
@@ -218,3 +224,46 @@ def test_a_confirmed_preview_selects_exactly_the_task_ids_it_listed() -> None:
     assert big.run_filter() == (where, EXACT_MAX + 1)
     unnamed = Preview("p", "requeue", "q", where, ("a", ""), kept=0, made_at=0.0)
     assert not unnamed.exact
+
+
+def test_the_tasks_page_fields_make_a_task_query() -> None:
+    now = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
+    cursor = make_cursor(1_764_763_200_000, 0)
+    query = query_of(
+        {
+            "queue": "q",
+            "status": "dead_lettered",
+            "error": " RateLimit ",
+            "since": "1h",
+            "task_id_prefix": "",
+            "cursor": cursor,
+            "limit": "20",
+        },
+        now=now,
+    )
+    assert query.queue == "q" and query.status is TaskStatus.DEAD_LETTERED
+    assert query.error == "RateLimit" and query.since == now - timedelta(hours=1)
+    assert query.task_id_prefix is None and query.cursor == cursor and query.limit == 20
+    with pytest.raises(ConfigurationError, match="status 'lost' is not one of"):
+        query_of({"status": "lost"})
+    with pytest.raises(ConfigurationError, match="is not a number"):
+        query_of({"limit": "many"})
+    with pytest.raises(ConfigurationError, match="cursor"):
+        query_of({"cursor": "not-a-cursor"})
+
+
+def test_a_stream_event_is_one_sse_frame_named_by_its_kind() -> None:
+    event = StreamEvent(id="17-0", kind="chunk", task_id="t", attempt=1, data="a\nb <i>")
+    frame = sse_frame(event)
+    assert frame.startswith("id: 17-0\nevent: chunk\ndata: {")
+    assert frame.endswith("\n\n") and frame.count("\n") == 4  # the data stays on one line
+
+
+def test_a_trace_url_needs_the_trace_id_field_and_links_it_quoted() -> None:
+    template = "https://traces.example/t/{trace_id}"
+    assert check_trace_url(template) == template
+    assert trace_link(template, "ab/c d") == "https://traces.example/t/ab%2Fc%20d"
+    assert trace_link(None, "abc") is None and trace_link(template, None) is None
+    for bad in ("https://traces.example/", "javascript:alert(1)//{trace_id}"):
+        with pytest.raises(ConfigurationError, match="must be an http"):
+            check_trace_url(bad)

@@ -18,6 +18,7 @@ import typer
 from weclaw_mq.cli.exit_codes import ExitCode, fail
 from weclaw_mq.cli.loading import load_app
 from weclaw_mq.cli.options import AppPath, LogLevel
+from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.observability.tracing import configure_logging
 
 HOW_TO_GET_CONSOLE = "pip install 'weclaw_mq[console]'"
@@ -75,6 +76,17 @@ def console(
             help="Show everything, change nothing: no cancel, requeue or purge.",
         ),
     ] = False,
+    trace_url: Annotated[
+        str | None,
+        typer.Option(
+            "--trace-url",
+            envvar="WECLAW_MQ_CONSOLE_TRACE_URL",
+            metavar="URL",
+            show_default=False,
+            help="Link each task's trace id to your tracing UI: a URL holding {trace_id}, "
+            "e.g. https://grafana.example/explore?traceId={trace_id}.",
+        ),
+    ] = None,
     log_level: LogLevel = "INFO",
 ) -> None:
     """Serve the web console of the app: its queues and workers, run history, each task's
@@ -93,14 +105,20 @@ def console(
             f"the console needs {', '.join(missing)}, not installed: {HOW_TO_GET_CONSOLE}",
             ExitCode.CONFIG,
         )
-    configure_logging(log_level)
-    app = load_app(app_path)
-
     import uvicorn
 
     from weclaw_mq.console import Access, create_console
+    from weclaw_mq.console.detail import check_trace_url
 
-    web = create_console(app, Access(token=token, read_only=read_only))
+    if trace_url is not None:
+        try:
+            check_trace_url(trace_url)
+        except ConfigurationError as e:
+            fail(f"--trace-url: {e}", ExitCode.USAGE)
+    configure_logging(log_level)
+    app = load_app(app_path)
+
+    web = create_console(app, Access(token=token, read_only=read_only), trace_url=trace_url)
     shown = f"[{host}]" if ":" in host else host
     logging.getLogger("weclaw_mq.console").info(
         "console of app %r on http://%s:%d/%s",

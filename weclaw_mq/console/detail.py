@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_message import DeadLetter
@@ -19,6 +20,7 @@ from weclaw_mq.app import App
 from weclaw_mq.errors import ConfigurationError, WeclawMQError
 from weclaw_mq.state import TaskState, TaskStatus
 
+TRACE_ID_FIELD = "{trace_id}"
 # Records whose task may sit in the DLQ.
 IN_DLQ = frozenset({TaskStatus.DEAD_LETTERED, TaskStatus.EXPIRED})
 
@@ -93,3 +95,25 @@ async def cancel(app: App, task_id: str, queue: str | None) -> dict[str, Any]:
         "changed": done.changed,
         "state": state_document(done.state),
     }
+
+
+def trace_link(template: str | None, trace_id: str | None) -> str | None:
+    """The trace's URL: ``template`` with ``{trace_id}`` replaced (URL-quoted); None without
+    either."""
+    if not template or not trace_id:
+        return None
+    return template.replace(TRACE_ID_FIELD, quote(trace_id, safe=""))
+
+
+def check_trace_url(template: str) -> str:
+    """``template`` when it is an http(s) URL holding ``{trace_id}``.
+
+    Raises:
+        ConfigurationError: It is not.
+    """
+    if not template.startswith(("http://", "https://")) or TRACE_ID_FIELD not in template:
+        raise ConfigurationError(
+            f"the trace URL must be an http(s) URL holding {TRACE_ID_FIELD}, e.g. "
+            "https://grafana.example/explore?traceId={trace_id}"
+        )
+    return template

@@ -29,6 +29,8 @@ class Console:
 
     app: App
     access: Access
+    # Where a trace id links to: a URL with ``{trace_id}`` in it (``trace_link``).
+    trace_url: str | None = None
     overview: Overview = field(init=False)
     dead_letters: DeadLetters = field(init=False)
 

@@ -22,22 +22,32 @@ from weclaw_mq.console import dead_letter_pages as dlq
 from weclaw_mq.console import login as signing
 from weclaw_mq.console import task_pages as pages
 from weclaw_mq.console.access import Access
+from weclaw_mq.console.detail import check_trace_url
 from weclaw_mq.console.guard import Guard
 from weclaw_mq.console.handling import Console
 
 
-def create_console(app: App, access: Access | None = None) -> Starlette:
+def create_console(
+    app: App, access: Access | None = None, *, trace_url: str | None = None
+) -> Starlette:
     """The console of ``app`` as an ASGI application (serve it with uvicorn).
 
     Args:
         app: The user's App: its handlers name the queues the console shows.
         access: Token, read-only; default no token and not read-only (serve it on
             127.0.0.1 only: the console then refuses any other ``Host``).
+        trace_url: Where a task's trace id links to: an http(s) URL holding ``{trace_id}``
+            (your tracing UI); None: no link.
 
     Returns:
         The Starlette application; ``app`` is closed with it.
+
+    Raises:
+        ConfigurationError: A ``trace_url`` that is not such a URL.
     """
-    console = Console(app, access or Access())
+    console = Console(
+        app, access or Access(), trace_url=check_trace_url(trace_url) if trace_url else None
+    )
     static = StaticFiles(directory=str(files("weclaw_mq.console") / "static"))
     routes = [
         Route("/", pages.overview_page),

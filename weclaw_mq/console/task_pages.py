@@ -126,6 +126,9 @@ async def task_page(request: Request) -> Response:
         timeline=timeline,
         timeline_problem=timeline_problem,
         body=details.body_text(found.dead) if found.dead is not None else None,
+        trace_href=details.trace_link(
+            console_of(request).trace_url, found.dead.trace_id if found.dead else None
+        ),
         # The traceback has its own section.
         headers={k: v for k, v in sorted(dead_headers.items()) if k != h.ERROR_TRACEBACK},
         refresh_ms=REFRESH_MS,
