@@ -83,8 +83,8 @@ def console(
             envvar="WECLAW_MQ_CONSOLE_TRACE_URL",
             metavar="URL",
             show_default=False,
-            help="Link each task's trace id to your tracing UI: a URL holding {trace_id}, "
-            "e.g. https://grafana.example/explore?traceId={trace_id}.",
+            help="Link each task's trace id to your tracing UI: an http(s) URL in which the "
+            "field trace_id in braces stands for it (docs/operations/console.md).",
         ),
     ] = None,
     log_level: LogLevel = "INFO",
