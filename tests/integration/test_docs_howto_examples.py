@@ -542,6 +542,31 @@ async def test_breaker_page_pauses_the_queue_after_five_failures(
 # -- reference/task-store.md ----------------------------------------------------------------
 
 
+async def test_task_store_page_lists_dead_lettered_tasks_and_the_newest_ones_timeline(
+    examples: Examples, start_worker: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = examples.load("task_index.py", queues=["ai-replies"])
+    app = example.app
+    await start_worker(app)
+    queue = examples.queue("ai-replies")
+    first = await app.publish(queue, {"model": "gpt-0"})
+    assert (await app.result(first, timeout_s=15)).status is TaskStatus.DEAD_LETTERED
+    newest = await app.publish(queue, {"model": "gpt-1"})
+    assert (await app.result(newest, timeout_s=15)).status is TaskStatus.DEAD_LETTERED
+
+    await example.triage()
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{newest} ") and lines[0].endswith(" rejected"), lines
+    assert lines[1] == "and 1 older"
+    assert [line.split(" ")[2:4] for line in lines[2:]] == [
+        ["queued", "0"],
+        ["running", "1"],
+        ["dead_lettered", "1"],
+    ], lines
+    assert lines[-1].endswith("Reject: no model named 'gpt-1'")
+
+
 async def test_task_store_page_app_keeps_its_records_in_the_memory_store_and_closes_both(
     examples: Examples,
 ) -> None:

@@ -250,6 +250,17 @@ async def test_a_task_requeued_from_the_dlq_reads_queued_again_and_leaves_the_de
     assert events[1].reason == "rejected"
 
 
+async def test_a_publish_the_broker_refused_leaves_no_index_entry(
+    store: IndexedStore, queue: str
+) -> None:
+    kept, refused = uuid.uuid4().hex, uuid.uuid4().hex
+    await store.record(record(queue, kept, S.QUEUED, 0), only_if_new=True)
+    await store.record(record(queue, refused, S.QUEUED, 1), only_if_new=True)
+    await store.forget_queued(queue, refused)
+    assert await ids_of(store, TaskQuery(queue=queue)) == [kept]
+    assert await ids_of(store, TaskQuery(task_id_prefix=refused, since=at(0))) == []
+
+
 async def test_the_timeline_of_a_task_retried_twice_then_succeeded(
     store: IndexedStore, queue: str
 ) -> None:

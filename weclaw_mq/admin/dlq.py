@@ -399,6 +399,7 @@ class _QueuedStatus:
                     queue=queue,
                     status=TaskStatus.QUEUED,
                     expires_at=expires_at,
+                    session_id=before.session_id if before is not None else None,
                 )
             )
         except Exception as e:  # Redis down or failing: the same answer either way

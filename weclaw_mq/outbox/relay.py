@@ -31,6 +31,7 @@ from pamqp.commands import Basic
 
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
+from weclaw_mq.contract.naming import session_id_or_none
 from weclaw_mq.errors import BrokerUnavailableError
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.outbox.store import Outbox, OutboxRow, row_headers
@@ -292,6 +293,7 @@ class Relay:
                         queue=r.queue,
                         status=TaskStatus.QUEUED,
                         expires_at=as_datetime(deadline_ms(row_headers(r))),
+                        session_id=session_id_or_none(row_headers(r).get(h.SESSION_ID)),
                     )
                     for r in rows
                 ],

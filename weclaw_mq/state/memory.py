@@ -268,15 +268,19 @@ class MemoryTaskStore:
             self._sparse[state.status][key] = self._index[key]
 
     def _trim_index(self) -> None:
+        # The oldest written go first (the Redis store: the lowest times; the same unless
+        # records come with times out of order).
         oldest = to_ms(datetime.now(UTC)) - self._index_age_ms
+        trimmed = False
         while self._index and (
             len(self._index) > self._index_max or next(iter(self._index.values())) < oldest
         ):
             del self._index[next(iter(self._index))]
-        kept = min(self._index.values(), default=None)
-        for sparse in self._sparse.values():
-            for key in [k for k, at in sparse.items() if kept is None or at < kept]:
-                del sparse[key]
+            trimmed = True
+        if trimmed:
+            for sparse in self._sparse.values():
+                for key in [k for k in sparse if k not in self._index]:
+                    del sparse[key]
 
     async def list_tasks(self, query: TaskQuery) -> TaskPage:
         """One page of indexed tasks, newest first: ``TaskIndex.list_tasks``.
@@ -388,6 +392,7 @@ class MemoryTaskStore:
         latest = self._latest.get(task_id)
         if latest is not None and latest.value == queue:
             del self._latest[task_id]
+        self._index.pop(key, None)  # a task the broker never held is not listed
 
     async def keep_fingerprint(
         self, queue: str, task_id: str, fingerprint: str, ttl_s: float

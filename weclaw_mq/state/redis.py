@@ -54,7 +54,7 @@ from weclaw_mq.state.redis_clients import StateClient, is_cluster
 from weclaw_mq.state.redis_clients import (
     open_client as open_client,  # its former home: still importable here
 )
-from weclaw_mq.state.redis_index import INDEX_WRITE_LUA, RedisTaskIndex
+from weclaw_mq.state.redis_index import INDEX_FORGET_LUA, INDEX_WRITE_LUA, RedisTaskIndex
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
 from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
@@ -110,7 +110,7 @@ local function write_record(key, latest, status, state, ttl_ms, only_over, ix)
   redis.call('HSET', key, 'status', status, 'state', state)
   redis.call('PEXPIRE', key, ttl_ms)
   redis.call('SET', latest, key, 'PX', ttl_ms)
-  if ix then index_write(ix, current, ttl_ms) end
+  if ix then index_write(ix, latest, status, current, ttl_ms) end
   return 1
 end
 """
@@ -124,20 +124,19 @@ if redis.call('SISMEMBER', KEYS[2], '*') == 1 or redis.call('SISMEMBER', KEYS[2]
 end
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[3] then return 'done' end
-if current and current ~= ARGV[KEYS[3] and (KEYS[5] and 10 or 8) or 5] then return current end
+local ix = KEYS[3] and ix_at(8)
+if current and current ~= ARGV[KEYS[3] and (ix and 10 or 8) or 5] then return current end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-if KEYS[3] then
-  write_record(KEYS[3], KEYS[4], ARGV[5], ARGV[6], ARGV[7], false, ix_at(5, 8))
-end
+if KEYS[3] then write_record(KEYS[3], KEYS[4], ARGV[5], ARGV[6], ARGV[7], false, ix) end
 return 'acquired'
 """
 )
 """The claim: the guard key set if free (lease_ms), and the "running" record in the same step.
 
-KEYS: guard key, cancel marker[, record key, latest key[, the task index's keys]]. ARGV:
-"running:<owner>@<worker>", lease_ms, "done", queue[, status, state JSON, record ttl_ms[,
-event, index member]][, stale holder]. The index's keys and arguments are
-``RedisTaskIndex.block``'s (``state.redis_index``). Returns
+KEYS: guard key, cancel marker[, record key, latest key]. ARGV: "running:<owner>@<worker>",
+lease_ms, "done", queue[, status, state JSON, record ttl_ms[, timeline event, index member]][,
+stale holder]. The event and member are ``RedisTaskIndex.block``'s (``state.redis_index``).
+Returns
 'cancelled' (the marker covers this queue: ``state.cancel_records``), 'acquired', 'done' (finished
 before) or the value of the claim's holder (busy). With a stale holder (a value whose worker's
 heartbeat lapsed) a claim still held by exactly that value is taken over.
@@ -149,34 +148,35 @@ FINISH_SCRIPT = (
 local current = redis.call('GET', KEYS[1])
 if current == ARGV[1] then return 'done' end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local ix = KEYS[2] and ix_at(8)
 if KEYS[2] then
-  local written = write_record(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], false, ix_at(4, 8))
+  local written = write_record(KEYS[2], KEYS[3], ARGV[3], ARGV[4], ARGV[5], false, ix)
   if written == 1 then redis.call('PUBLISH', ARGV[6], ARGV[7]) end
 end
-local owner = ARGV[KEYS[2] and (KEYS[4] and 10 or 8) or 3]
+local owner = ARGV[KEYS[2] and (ix and 10 or 8) or 3]
 if owner and current and current ~= owner then return 'taken' end
 return 'finished'
 """
 )
 """The finish: the guard's done marker and the final record, in one step; the first wins.
 
-KEYS: guard key[, record key, latest key[, the task index's keys]]. ARGV: "done", done ttl_ms[,
-status, state JSON, record ttl_ms, done channel, queue[, event, index member]][, the holder's
-value]. Returns 'done' (finished before:
-nothing written), 'taken' (written, though another attempt held the claim: its own finish will
-find it done) or 'finished'. Two separate writes would cost a second round trip per task and
-leave a window where a crash stores the result but not the marker.
+KEYS: guard key[, record key, latest key]. ARGV: "done", done ttl_ms[, status, state JSON,
+record ttl_ms, done channel, queue[, timeline event, index member]][, the holder's value].
+Returns 'done' (finished before: nothing written), 'taken' (written, though another attempt
+held the claim: its own finish will find it done) or 'finished'. Two separate writes would cost
+a second round trip per task and leave a window where a crash stores the result but not the
+marker.
 """
 
 # Any record write, and a wake-up for result() waiters when it is final.
-# KEYS: record, latest[, the task index's]; ARGV: status, state, ttl_ms, only_over ('-' = not
-# narrowed), channel, queue[, event, index member].
+# KEYS: record, latest; ARGV: status, state, ttl_ms, only_over ('-' = not narrowed), channel,
+# queue[, timeline event, index member].
 _RECORD = (
     RECORD_WRITE_LUA
     + """
 local only_over = false
 if ARGV[4] ~= '-' then only_over = ARGV[4] end
-local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], only_over, ix_at(3, 7))
+local written = write_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], only_over, ix_at(7))
 if written == 1 and (ARGV[1] == 'succeeded' or ARGV[1] == 'dead_lettered'
                      or ARGV[1] == 'expired' or ARGV[1] == 'cancelled') then
   redis.call('PUBLISH', ARGV[5], ARGV[6])
@@ -186,33 +186,35 @@ return written
 )
 
 # Records for tasks that have none yet; never wakes waiters (no final state is written).
-# KEYS: per task record, latest[, the task index's 5]; ARGV: ttl_ms, keys per task (2 or 7),
-# then per task status, state[, event, index member].
+# KEYS: record, latest, record, latest, ...; ARGV: ttl_ms, ARGV per task (2 or 4), then per
+# task status, state[, timeline event, index member].
 _RECORD_NEW_MANY = (
     RECORD_WRITE_LUA
     + """
 local step = tonumber(ARGV[2])
-local args = step == 2 and 2 or 4
 local a = 3
-for i = 1, #KEYS, step do
-  local ix = nil
-  if step > 2 then ix = ix_at(i + 2, a + 2) end
-  write_record(KEYS[i], KEYS[i + 1], ARGV[a], ARGV[a + 1], ARGV[1], '', ix)
-  a = a + args
+for i = 1, #KEYS, 2 do
+  write_record(KEYS[i], KEYS[i + 1], ARGV[a], ARGV[a + 1], ARGV[1], '', ix_at(a + 2))
+  a = a + step
 end
 return 1
 """
 )
 
 # The latest pointer goes too if it named this record: status() then answers "unknown"
-# rather than a task the broker never held.
-_FORGET_QUEUED = """
+# rather than a task the broker never held; and so does its task index entry (ARGV[1], its
+# member, on one Redis: state.redis_index.INDEX_FORGET_LUA).
+_FORGET_QUEUED = (
+    INDEX_FORGET_LUA
+    + """
 if redis.call('HGET', KEYS[1], 'status') == 'queued' then
   if redis.call('GET', KEYS[2]) == KEYS[1] then redis.call('DEL', KEYS[2]) end
+  if ARGV[1] then index_forget(ARGV[1]) end
   return redis.call('DEL', KEYS[1])
 end
 return 0
 """
+)
 
 # The latest record in one round trip. It reads the key the pointer names (not passed in
 # KEYS): on one Redis that is fine, and under a cluster the hash tag keeps it on this node.
@@ -371,9 +373,9 @@ class RedisTaskStore:
         keys = [guard_key(queue, task_id), cancel_key(task_id)]
         args: list[str | int] = [_RUNNING + owner + self._of_worker, self._lease_ms, DONE, queue]
         if running is not None:
-            ix_keys, ix_args = self.index.block(running)
-            keys += [*self._record_keys(running), *ix_keys]
-            args += [running.status.value, running.model_dump_json(), self._ttl_ms, *ix_args]
+            keys += self._record_keys(running)
+            args += [running.status.value, running.model_dump_json(), self._ttl_ms]
+            args += self.index.block(running)
         self._renewing()
         try:
             # The claim names our heartbeat: on the first claims (or after the renewer could
@@ -554,15 +556,14 @@ class RedisTaskStore:
         keys = [key]
         args: list[str | int] = [DONE, self._done_ttl_ms]
         if result is not None:
-            ix_keys, ix_args = self.index.block(result)
-            keys += [*self._record_keys(result), *ix_keys]
+            keys += self._record_keys(result)
             args += [
                 result.status.value,
                 result.model_dump_json(),
                 self._ttl_ms,
                 done_channel(result.task_id),
                 result.queue,
-                *ix_args,
+                *self.index.block(result),
             ]
         value = None if owner is None else _RUNNING + owner + self._of_worker
         if value is not None:
@@ -587,15 +588,14 @@ class RedisTaskStore:
 
     def _record_call(self, state: TaskState, only_over: str) -> tuple[list[str], list[Any]]:
         """The record script's KEYS and ARGV for writing ``state``."""
-        ix_keys, ix_args = self.index.block(state)
-        return [*self._record_keys(state), *ix_keys], [
+        return self._record_keys(state), [
             state.status.value,
             state.model_dump_json(),
             self._record_ttl_ms(state),
             only_over,
             done_channel(state.task_id),
             state.queue,
-            *ix_args,
+            *self.index.block(state),
         ]
 
     async def record(
@@ -677,11 +677,10 @@ class RedisTaskStore:
             keys: list[str] = []
             # One TTL for the batch: the longest any of its records needs.
             args: list[Any] = [max(self._record_ttl_ms(st) for st in states)]
-            args.append(7 if self.index.enabled else 2)  # keys per task
+            args.append(4 if self.index.enabled else 2)  # ARGV per task
             for st in states:
-                ix_keys, ix_args = self.index.block(st)
-                keys += [*self._record_keys(st), *ix_keys]
-                args += [st.status.value, st.model_dump_json(), *ix_args]
+                keys += self._record_keys(st)
+                args += [st.status.value, st.model_dump_json(), *self.index.block(st)]
             await self._record_new_many(keys=keys, args=args)
             return
         # Queued together in this loop iteration: one pipeline (up to the batch bound).
@@ -701,10 +700,13 @@ class RedisTaskStore:
             StateUnavailableError: Redis fails or does not answer.
             StateCommandError: Redis answered with an error (not an outage).
         """
+        keys = [state_key(queue, task_id), latest_key(task_id)]
         try:
-            await self._pipe.script(
-                self._forget_queued, [state_key(queue, task_id), latest_key(task_id)], []
+            forgot = await self._pipe.script(
+                self._forget_queued, keys, self.index.forget_args(queue, task_id)
             )
+            if forgot:
+                await self.index.forget_beside(queue, task_id)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 

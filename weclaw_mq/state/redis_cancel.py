@@ -54,9 +54,9 @@ return {key, state, latest, other}
 
 # The cancel, if the record is still the one read (compare and set): marker, cancelled
 # record, wake-ups. Prefixed with the shared record-write rule (``write_record``).
-# KEYS: marker, latest[, record[, the task index's]]. ARGV: scope, expected state ('' = none),
-# expected latest pointer ('-' = not checked: the queue was given), cancelled state ('' = none
-# to write), ttl_ms, done channel, queue, cancel channel, request[, event, index member].
+# KEYS: marker, latest[, record]. ARGV: scope, expected state ('' = none), expected latest
+# pointer ('-' = not checked: the queue was given), cancelled state ('' = none to write),
+# ttl_ms, done channel, queue, cancel channel, request[, timeline event, index member].
 # Returns 1, or 0 when it changed.
 _CANCEL = """
 local current = ''
@@ -66,7 +66,7 @@ if ARGV[3] ~= '-' and (redis.call('GET', KEYS[2]) or '') ~= ARGV[3] then return 
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 if ARGV[4] ~= '' then
-  write_record(KEYS[3], KEYS[2], 'cancelled', ARGV[4], ARGV[5], false, ix_at(4, 10))
+  write_record(KEYS[3], KEYS[2], 'cancelled', ARGV[4], ARGV[5], false, ix_at(10))
   redis.call('PUBLISH', ARGV[6], ARGV[7])
 end
 redis.call('PUBLISH', ARGV[8], ARGV[9])
@@ -134,9 +134,7 @@ class RedisCancels:
             ]
             keys = [cancel_key(task_id), latest_key(task_id), *([key] if key else [])]
             if key and written is not None and self._index is not None:
-                ix_keys, ix_args = self._index.block(written)
-                keys += ix_keys
-                args += ix_args
+                args += self._index.block(written)
             if await self._cancel(keys=keys, args=args):
                 if self._index is not None:
                     await self._index.settled()  # a cluster's index write, sent beside it

@@ -31,8 +31,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from weclaw_mq.contract.naming import (
+    LATEST_KEY_PREFIX,
     TASK_INDEX_KEY,
     TASK_INDEX_QUEUES_KEY,
+    TIMELINE_KEY_PREFIX,
     index_entry,
     index_member,
     state_key,
@@ -66,34 +68,70 @@ TRIM_MOST = 10_000
 
 # The statuses whose writes may create a task's record in a queue (the index entry's moment).
 _FIRST_STATUSES = frozenset({TaskStatus.STORED_LOCALLY, TaskStatus.QUEUED, TaskStatus.RUNNING})
+# The statuses whose writes touch the index (the others only append to the timeline).
+_INDEXED = _FIRST_STATUSES | SPARSE_STATUSES
+_FINAL = frozenset(s for s in TaskStatus if s.terminal)
 
-# Called by write_record (state.redis.RECORD_WRITE_LUA) once the record is written. ``ix``:
-# {timeline, index, queue's index, queues, sparse status's index or '', event, member}; the
-# index keys are absent on a cluster (INDEX_SCRIPT writes them). ``current``: the status
-# read before the write ('' = none: this write created the record). The event's first field
-# is the write's time in ms, the entry's score.
+# Called by write_record (state.redis.RECORD_WRITE_LUA) once the record is written. The
+# timeline's TTL is set when it starts and with a final record (one call fewer per write of
+# the consume path): it lives as long as the records unless a task's life outlasts their TTL.
+# ``ix``:
+# {event, member}, ARGV of the record's script (``RedisTaskIndex.block``); ``latest``: the
+# task's latest pointer, whose hash tag names the timeline (its key is built here, in the
+# task's slot, so the record scripts carry no more KEYS than before). With a member (one
+# Redis) the index's keys are built here too (undeclared, as _GET_LATEST reads a key: fine on
+# one Redis; a cluster sends no member, ``INDEX_SCRIPT`` writes its index). ``current``: the
+# status before the write ('' = none: this write created the record). The event's first
+# field is the write's time in ms, the entry's score.
 INDEX_WRITE_LUA = f"""
-local function index_write(ix, current, ttl_ms)
-  redis.call('RPUSH', ix[1], ix[6])
-  redis.call('LTRIM', ix[1], -{TIMELINE_MAX_EVENTS}, -1)
-  redis.call('PEXPIRE', ix[1], ttl_ms)
-  if not ix[2] then return end
-  local at = string.match(ix[6], '^%[(%-?%d+)')
-  if current == '' then
-    redis.call('ZADD', ix[2], 'NX', at, ix[7])
-    redis.call('ZADD', ix[3], 'NX', at, ix[7])
-    redis.call('SADD', ix[4], ix[3])
+local sparse = {{{", ".join(f"[{s.value!r}] = true" for s in sorted(SPARSE_STATUSES))}}}
+local final = {{{", ".join(f"[{s.value!r}] = true" for s in sorted(_FINAL))}}}
+local function index_write(ix, latest, status, current, ttl_ms)
+  local timeline = '{TIMELINE_KEY_PREFIX}:' .. string.sub(latest, {len(LATEST_KEY_PREFIX) + 2})
+  local events = redis.call('RPUSH', timeline, ix[1])
+  if events > {TIMELINE_MAX_EVENTS} then
+    redis.call('LTRIM', timeline, -{TIMELINE_MAX_EVENTS}, -1)
   end
-  if ix[5] ~= '' then
-    local since = redis.call('ZSCORE', ix[2], ix[7])
-    if since then redis.call('ZADD', ix[5], since, ix[7]) end
+  if events == 1 or final[status] then redis.call('PEXPIRE', timeline, ttl_ms) end
+  local member = ix[2]
+  if member == '' then return end
+  local index = '{TASK_INDEX_KEY}'
+  if current == '' then
+    local size, rest = string.match(member, '^(%d+):(.*)$')
+    local queue = index .. ':q:' .. string.sub(rest, 1, tonumber(size))
+    local at = string.match(ix[1], '^%[(%-?%d+)')
+    redis.call('ZADD', index, 'NX', at, member)
+    redis.call('ZADD', queue, 'NX', at, member)
+    redis.call('SADD', '{TASK_INDEX_QUEUES_KEY}', queue)
+  end
+  if sparse[status] then
+    local since = redis.call('ZSCORE', index, member)
+    if since then redis.call('ZADD', index .. ':s:' .. status, since, member) end
   end
 end
 
-local function ix_at(k, a)
-  if not KEYS[k] then return nil end
-  return {{KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], ARGV[a], ARGV[a + 1]}}
+-- The {{event, member}} at ARGV[a], when the caller sent one (an event starts with '[').
+local function ix_at(a)
+  local event = ARGV[a]
+  if event and string.byte(event, 1) == 91 then return {{event, ARGV[a + 1]}} end
+  return nil
 end
+"""
+
+# A refused publish's entry taken back (state.redis._FORGET_QUEUED), on one Redis: ``member``.
+INDEX_FORGET_LUA = f"""
+local function index_forget(member)
+  local size, rest = string.match(member, '^(%d+):(.*)$')
+  if not size then return end
+  redis.call('ZREM', '{TASK_INDEX_KEY}', member)
+  redis.call('ZREM', '{TASK_INDEX_KEY}:q:' .. string.sub(rest, 1, tonumber(size)), member)
+end
+"""
+
+# The same on a cluster, in the {tasks} slot. KEYS: index, queue's index; ARGV: member.
+FORGET_SCRIPT = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+return redis.call('ZREM', KEYS[2], ARGV[1])
 """
 
 # The index write of a cluster, in the {tasks} slot. KEYS: index, queue's index, queues,
@@ -197,32 +235,37 @@ class RedisTaskIndex:
         self._trim = Script.of(TRIM_SCRIPT)
         self._read = Script.of(READ_SCRIPT)
         self._entries = Script.of(ENTRIES_SCRIPT)
+        self._forget = Script.of(FORGET_SCRIPT)
         self._writes = 0
         self._pending: set[asyncio.Future[Any]] = set()
 
     # -- what a record write carries ----------------------------------------------------
-    def block(self, state: TaskState) -> tuple[list[str], list[str]]:
-        """The KEYS and ARGV a record script's ``ix_at`` reads for writing ``state``; ([],
-        []) when the index is off. On a cluster only the timeline's (the task's slot), and
-        the index write leaves beside it (``INDEX_SCRIPT``)."""
+    def block(self, state: TaskState) -> list[str]:
+        """The ARGV a record script's ``ix_at`` reads for writing ``state`` (its timeline
+        event, and its index member or '' on a cluster); [] when the index is off. On a
+        cluster the index write leaves beside the record's script (``INDEX_SCRIPT``)."""
         if not self.enabled:
-            return [], []
+            return []
         event = timeline_event(state)
-        status = state.status
+        if state.status not in _INDEXED:
+            return [event, ""]  # (a succeeded or retrying write only appends its event)
         if self._cluster:
-            if status in _FIRST_STATUSES or status in SPARSE_STATUSES:
-                self._companion(state, event)
-            return [timeline_key(state.task_id)], [event, ""]
-        if status in _FIRST_STATUSES or status in SPARSE_STATUSES:
-            self._count_write()
-        keys = [
-            timeline_key(state.task_id),
-            TASK_INDEX_KEY,
-            task_index_queue_key(state.queue),
-            TASK_INDEX_QUEUES_KEY,
-            task_index_status_key(status.value) if status in SPARSE_STATUSES else "",
-        ]
-        return keys, [event, index_member(state.queue, state.task_id)]
+            self._companion(state, event)
+            return [event, ""]
+        self._count_write()
+        return [event, index_member(state.queue, state.task_id)]
+
+    def forget_args(self, queue: str, task_id: str) -> list[str]:
+        """The ARGV of ``_FORGET_QUEUED`` for (queue, task id): its member on one Redis."""
+        if not self.enabled or self._cluster:
+            return []
+        return [index_member(queue, task_id)]
+
+    async def forget_beside(self, queue: str, task_id: str) -> None:
+        """On a cluster, take back the entry of a record ``_FORGET_QUEUED`` dropped."""
+        if self.enabled and self._cluster:
+            keys = [TASK_INDEX_KEY, task_index_queue_key(queue)]
+            await self._pipe.script(self._forget, keys, [index_member(queue, task_id)])
 
     def _companion(self, state: TaskState, event: str) -> None:
         keys = [TASK_INDEX_KEY, task_index_queue_key(state.queue), TASK_INDEX_QUEUES_KEY]

@@ -216,18 +216,21 @@ def read_cursor(cursor: str) -> tuple[int, int]:
 
 
 def timeline_event(state: TaskState) -> str:
-    """The timeline's entry for writing ``state``: a short JSON list."""
-    return json.dumps(
-        [
-            to_ms(state.updated_at),
-            state.queue,
-            state.status.value,
-            state.attempt,
-            state.error,
-            state.reason,
-        ],
-        separators=(",", ":"),
-    )
+    """The timeline's entry for writing ``state``: a short JSON list (time ms, queue, status,
+    attempt, error, reason). Written on every record write of the consume path, so built by
+    hand: ``json.dumps`` only for the texts that may need escaping."""
+    queue = _QUOTED.get(state.queue)
+    if queue is None:
+        if len(_QUOTED) > 1000:  # a bound, for a store fed queue names without end
+            _QUOTED.clear()
+        queue = _QUOTED[state.queue] = json.dumps(state.queue)
+    error = "null" if state.error is None else json.dumps(state.error)
+    reason = "null" if state.reason is None else json.dumps(state.reason)
+    at = to_ms(state.updated_at)
+    return f'[{at},{queue},"{state.status.value}",{state.attempt},{error},{reason}]'
+
+
+_QUOTED: dict[str, str] = {}  # queue name -> as a JSON string
 
 
 def read_timeline(raw: Sequence[str | bytes], queue: str | None) -> list[TimelineEvent]:

@@ -114,6 +114,9 @@ class TestBroker:
             lease_s=first.guard_lease_s,
             done_ttl_s=first.done_ttl_s,
             clock=self.clock.monotonic,
+            task_index=first.task_index,
+            task_index_max_entries=first.task_index_max_entries,
+            task_index_max_age_s=first.task_index_max_age_s,
         )
         self.streams = MemoryStreamStore(
             inbox_ttl_s=first.inbox_ttl_s,
