@@ -19,7 +19,12 @@ from selenium.webdriver.common.by import By
 
 from tests.conftest import wait_until
 from tests.integration.browser import chromium  # noqa: F401
-from tests.integration.console_live import LiveConsole, console_access, live_console  # noqa: F401
+from tests.integration.console_live import (  # noqa: F401
+    LiveConsole,
+    console_access,
+    console_trace_url,
+    live_console,
+)
 from weclaw_mq import TaskStatus
 from weclaw_mq.console import Access
 
