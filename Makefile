@@ -41,7 +41,7 @@ help:
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make bench-task-index  the task index: consume cost on vs off; list_tasks over 1,000,000"
-	@echo "make bench-console  the web console's Tasks page: server time for 50 of 1,000,000 indexed tasks"
+	@echo "make bench-console  the web console: server time of a Tasks page over 1,000,000 tasks; 20 open overviews vs 1"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
 	@echo "make bench-start    a cold worker's time to first delivery, 1 and 2 processes"
 	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"

@@ -14,6 +14,13 @@ and a filtered fragment (one queue, then the sparse status ``dead_lettered``). B
 same run and on the same Redis: ``App.tasks`` alone for the same query, so the console's own
 share (guard and rendering) is the difference. Printed: median and max per request over
 ``--pages``. Target (issue 29): a page of 50 out of 1,000,000 in under 100 ms of server time.
+
+Then the overview's load: 1, then ``--consoles`` open overview pages, each polling
+``/api/overview`` every 2 s as the page's script does, for ``--seconds``, against the shared
+broker (two handler queues that do not exist: a passive declare each, nothing created) and
+the benchmark's Redis (the worker registry). Printed per case: the requests served, the reads
+of the broker and Redis they caused (``Overview`` reads once per 2 s whoever asks), and
+Redis's commands. Target (issue 29): open consoles add no load: 20 cost the reads 1 does.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import asyncio
 import statistics
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -119,12 +127,92 @@ async def page_time(tasks: int, pages: int) -> bool:
     return met
 
 
+POLL_S = 2.0  # the page's own pace (REFRESH_MS)
+
+
+async def overview_load(url: str, seconds: float, consoles: list[int]) -> bool:
+    client = aioredis.Redis.from_url(url)
+    store = RedisTaskStore(client, ttl_s=86400, lease_s=30, done_ttl_s=86400)
+    app = App("bench-console-overview", settings=Settings(redis_url=url), store=store)
+    suffix = uuid.uuid4().hex[:8]
+    for q in range(2):
+
+        async def work(task: dict[str, int]) -> None:
+            return None
+
+        app.handler(f"bench-console-{suffix}-q{q}")(work)
+    web = create_console(app)
+    overview = web.state.console.overview
+    reads = 0
+    read = overview._read
+
+    async def counted() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return await read()
+
+    overview._read = counted  # count the reads: the benchmark's probe, not the console's
+    print(
+        f"\nconsole overview: N pages polling /api/overview every {POLL_S:g} s for "
+        f"{seconds:g} s (2 handler queues on the shared broker, the registry in Redis)"
+    )
+    print("| open pages | requests | broker + Redis reads | Redis commands |")
+    print("|---|---|---|---|")
+    results: dict[int, int] = {}
+    transport = httpx.ASGITransport(app=web)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+            for n in consoles:
+                reads = 0
+                served = 0
+                before = await _command_calls(client)
+                end = time.monotonic() + seconds
+
+                async def page(offset_s: float, end: float) -> None:
+                    nonlocal served
+                    # Pages opened at different moments, each then on the page's own pace.
+                    await asyncio.sleep(offset_s)
+                    while time.monotonic() < end:
+                        response = await c.get("/api/overview")
+                        assert response.status_code == 200, response.text[:300]
+                        served += 1
+                        await asyncio.sleep(POLL_S)
+
+                await asyncio.gather(*(page(POLL_S * i / n, end) for i in range(n)))
+                calls = await _command_calls(client) - before - 1  # less the INFO itself
+                results[n] = reads
+                print(f"| {n} | {served} | {reads} | {calls} |")
+    finally:
+        await app.close()
+        await client.aclose()
+    few, many = results[min(consoles)], results[max(consoles)]
+    met = many <= few + 1  # a read in flight at the window's edge
+    print(
+        f"target: {max(consoles)} pages cause the reads 1 does ({many} vs {few}): "
+        f"{'met' if met else 'MISSED'}"
+    )
+    return met
+
+
+async def _command_calls(client: aioredis.Redis) -> int:
+    stats = await client.info("commandstats")
+    return sum(int(v["calls"]) for v in stats.values() if isinstance(v, dict) and "calls" in v)
+
+
+async def main(args: argparse.Namespace) -> None:
+    await page_time(args.tasks, args.pages)
+    with own_redis() as url:
+        await overview_load(url, args.seconds, [1, args.consoles])
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=1_000_000, help="tasks indexed")
     parser.add_argument("--pages", type=int, default=20, help="requests timed per row")
+    parser.add_argument("--consoles", type=int, default=20, help="open overview pages")
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long they poll")
     parser.add_argument("--smoke", action="store_true", help="tiny counts: that it runs")
     parsed = parser.parse_args()
     if parsed.smoke:
-        parsed.tasks, parsed.pages = 20_000, 2
-    asyncio.run(page_time(parsed.tasks, parsed.pages))
+        parsed.tasks, parsed.pages, parsed.consoles, parsed.seconds = 20_000, 2, 3, 4.0
+    asyncio.run(main(parsed))

@@ -3,6 +3,7 @@ queue, its lanes, the shared delay queues it uses, its DLQ: ``admin.queue_stats`
 limits and breaker as configured, and the live workers with the tasks each runs now (the
 worker registry ``weclaw-mq inspect`` reads).
 
+The queues are counted over one connection per read (``admin.queue_stats.stats_on``).
 AMQP tells a queue's ready messages and consumers, not its unacked ones: the tasks the live
 workers report running stand in for those. A breaker's state lives in each worker's memory,
 so the overview shows how it is configured, not whether it is open.
@@ -20,9 +21,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from weclaw_mq.admin.queue_stats import QueueStats, handler_retry_delays_ms, stats
+from weclaw_mq.admin.dlq import connected
+from weclaw_mq.admin.queue_stats import QueueStats, handler_retry_delays_ms, stats_on
 from weclaw_mq.app import App
-from weclaw_mq.errors import WeclawMQError
+from weclaw_mq.errors import ConfigurationError, WeclawMQError
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.policy.limits import Limit
 from weclaw_mq.state.worker_registry import WorkerRecord, registry_of
@@ -106,17 +108,18 @@ class Overview:
         workers, workers_problem = await self._workers()
         queues = list(self._app.handlers)
         served = [w for w in workers if set(w.queues) & set(queues)]
+        counts = await self._counts()
         rows = []
         for queue, spec in self._app.handlers.items():
-            counted: QueueStats | None = None
-            problem = None
-            try:
-                counted = await stats(
-                    self._app, queue, retry_delays_ms=handler_retry_delays_ms(self._app, queue)
+            counted = counts[queue]
+            rows.append(
+                _queue_document(
+                    spec,
+                    counted if isinstance(counted, QueueStats) else None,
+                    counted if isinstance(counted, str) else None,
+                    running_in(queue, served),
                 )
-            except WeclawMQError as e:  # not declared yet, or the broker is away
-                problem = str(e)
-            rows.append(_queue_document(spec, counted, problem, running_in(queue, served)))
+            )
         settings = self._app.settings
         return {
             "app": self._app.name,
@@ -127,6 +130,24 @@ class Overview:
             "workers_problem": workers_problem,
             "read_at": time.time(),
         }
+
+    async def _counts(self) -> dict[str, QueueStats | str]:
+        """Each handler queue's counts, or why there are none (not declared yet, the broker
+        away), over one connection for all."""
+        counts: dict[str, QueueStats | str] = {}
+        try:
+            async with connected(self._app, "console") as conn:
+                for queue in self._app.handlers:
+                    delays = handler_retry_delays_ms(self._app, queue)
+                    try:
+                        counts[queue] = await stats_on(
+                            conn, self._app, queue, retry_delays_ms=delays
+                        )
+                    except ConfigurationError as e:  # not declared yet
+                        counts[queue] = str(e)
+        except WeclawMQError as e:  # the broker is away
+            return dict.fromkeys(self._app.handlers, str(e))
+        return counts
 
     async def _workers(self) -> tuple[list[WorkerRecord], str | None]:
         if not self._app.needs_store:
