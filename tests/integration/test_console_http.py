@@ -64,6 +64,8 @@ async def test_a_mutation_needs_the_csrf_value_and_is_audited_without_the_token(
     assert state is not None and state.status is TaskStatus.QUEUED
 
     csrf = csrf_of((await client.get("/", headers=bearer)).text)
+    told = (await client.get("/api/session", headers=bearer)).json()
+    assert told == {"who": f"token:{fingerprint(TOKEN)}", "csrf": csrf, "read_only": False}
     foreign = {**bearer, "X-CSRF-Token": csrf, "Origin": "https://evil.example"}
     refused = await client.post(f"/api/tasks/{task_id}/cancel", json={}, headers=foreign)
     assert refused.status_code == 403, refused.text

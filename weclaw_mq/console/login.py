@@ -1,6 +1,7 @@
 """The sign-in form (``/login``) of a console with a token: it checks the token and sets the
 session cookie (HttpOnly, SameSite=Strict, an HMAC of the token, not the token: see
-``access``), and signing out (``/api/logout``) deletes it."""
+``access``), and signing out (``/api/logout``) deletes it. ``/api/session`` tells a script
+its CSRF value."""
 
 from __future__ import annotations
 
@@ -50,6 +51,19 @@ async def login(request: Request) -> Response:
         path="/",
     )
     return response
+
+
+async def session(request: Request) -> Response:
+    """Who the caller is and the CSRF value its changes carry: for a script with a Bearer
+    token (a page of another site cannot read it: no CORS)."""
+    console = console_of(request)
+    return JSONResponse(
+        {
+            "who": who(request.state.identity),
+            "csrf": request.state.csrf,
+            "read_only": console.access.read_only,
+        }
+    )
 
 
 async def logout(request: Request) -> Response:

@@ -68,6 +68,7 @@ def create_console(
         Route("/api/dead-letters/run", dlq.run_preview, methods=["POST"]),
         Route("/api/dead-letters/requeue-one", dlq.requeue_one, methods=["POST"]),
         Route("/api/jobs/{job_id}", dlq.job_json),
+        Route("/api/session", signing.session),
         Route("/api/logout", signing.logout, methods=["POST"]),
         Mount("/static", static, name="static"),
     ]
