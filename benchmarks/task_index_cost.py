@@ -14,6 +14,9 @@
    tasks/s and CPU per task per variant (median, min-max over rounds), and on / off of both,
    paired per round (CPU per task is the steadier on a busy machine). Target (issue 29): at
    most 5 % slower, i.e. tasks/s on / off >= 0.95 (median).
+3. The same store calls alone, no broker (``--parts store``), on the benchmark's own
+   redis-server: each task's claim and finish, 100 at a time, the "queued" records written
+   before the window; this process's CPU and Redis's own time per task, index on vs off.
 2. ``list_tasks``, on a redis-server of the benchmark's own (a unix socket in a temp folder,
    stopped at the end: a million entries in the shared Redis would be everyone's): ``--tasks``
    tasks indexed and recorded as a busy deployment leaves them (10 queues; 97 % succeeded, 2 %
@@ -52,10 +55,12 @@ from weclaw_mq.contract.naming import (
     task_index_status_key,
     timeline_key,
 )
-from weclaw_mq.state import RedisTaskStore, TaskState
+from weclaw_mq.state import RedisTaskStore, TaskState, new_owner
 from weclaw_mq.state.task_index import SPARSE_STATUSES, make_cursor
 
 VARIANTS = ("off", "on")
+PARTS = ("consume", "store", "pages")
+S_QUEUED = TaskStatus.QUEUED
 TARGET_RATIO = 0.95
 TARGET_PAGE_MS = 100.0
 QUEUES = 10
@@ -134,6 +139,55 @@ async def consume_cost(n: int, rounds: int, concurrencies: list[int]) -> bool:
             )
     print(f"target: on / off >= {TARGET_RATIO} (median): {'met' if met else 'MISSED'}")
     return met
+
+
+# -- 3. the store alone ----------------------------------------------------------------------
+async def _claims_and_finishes(store: RedisTaskStore, queue: str, ids: list[str]) -> None:
+    """Each task's claim (with its "running" record) and finish (its result), 100 at a time."""
+    gate = asyncio.Semaphore(100)
+
+    async def one(task_id: str) -> None:
+        async with gate:
+            owner = new_owner()
+            running = TaskState(task_id=task_id, queue=queue, status=TaskStatus.RUNNING, attempt=1)
+            await store.claim(queue, task_id, owner, running=running)
+            done = running.model_copy(update={"status": TaskStatus.SUCCEEDED, "result": {"n": 1}})
+            await store.finish(queue, task_id, done, owner=owner)
+
+    await asyncio.gather(*(one(t) for t in ids))
+
+
+async def store_cost(tasks: int, rounds: int) -> None:
+    """The consume path's store calls alone (no broker): CPU of this process and Redis's own
+    time per task, index on vs off, each round both in a rotated order; the tasks' "queued"
+    records (and with the index on their entries and timelines) written before the window,
+    as a publish does."""
+    with own_redis() as url:
+        client = aioredis.Redis.from_url(url, socket_timeout=120)
+        cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        server: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        try:
+            for r in range(rounds):
+                for variant in VARIANTS[r % 2 :] + VARIANTS[: r % 2]:
+                    store = RedisTaskStore(
+                        client, ttl_s=600, lease_s=30, done_ttl_s=600, task_index=variant == "on"
+                    )
+                    ids = [uuid.uuid4().hex for _ in range(tasks)]
+                    queued = [
+                        TaskState(task_id=t, queue="q", status=TaskStatus.QUEUED) for t in ids
+                    ]
+                    await store.record_many(queued, only_if_new=True)
+                    before, started = await _command_usec(client), time.process_time()
+                    await _claims_and_finishes(store, "q", ids)
+                    cpu[variant].append((time.process_time() - started) / tasks * 1e6)
+                    server[variant].append((await _command_usec(client) - before) / tasks)
+        finally:
+            await client.aclose()
+    print(f"\nthe store alone: {tasks} claims + finishes x {rounds} rounds, 100 at a time")
+    print("| index | client CPU us/task | Redis us/task |")
+    print("|---|---|---|")
+    for variant in VARIANTS:
+        print(f"| {variant} | {spread(cpu[variant], '.1f')} | {spread(server[variant], '.1f')} |")
 
 
 # -- 2. a page of a million ------------------------------------------------------------------
@@ -293,6 +347,8 @@ async def page_speed(tasks: int, pages: int) -> bool:
 async def main(args: argparse.Namespace) -> None:
     if "consume" in args.parts:
         await consume_cost(args.n, args.rounds, args.concurrency)
+    if "store" in args.parts:
+        await store_cost(args.store_tasks, args.rounds)
     if "pages" in args.parts:
         await page_speed(args.tasks, args.pages)
 
@@ -304,12 +360,11 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--tasks", type=int, default=1_000_000, help="tasks indexed for paging")
     parser.add_argument("--pages", type=int, default=20, help="pages timed per query")
-    parser.add_argument(
-        "--parts", nargs="+", choices=["consume", "pages"], default=["consume", "pages"]
-    )
+    parser.add_argument("--store-tasks", type=int, default=5000, help="tasks per store round")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--smoke", action="store_true", help="tiny counts: that it runs")
     parsed = parser.parse_args()
     if parsed.smoke:
         parsed.n, parsed.rounds, parsed.concurrency = 100, 1, [10]
-        parsed.tasks, parsed.pages = 20_000, 2
+        parsed.tasks, parsed.pages, parsed.store_tasks = 20_000, 2, 200
     asyncio.run(main(parsed))

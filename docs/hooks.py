@@ -492,10 +492,11 @@ def wire_page() -> str:
             "the task index: every task's `<len(Q)>:Q:T`, scored by the time "
             "(ms) its first record in Q was written",
         ),
-        (naming.task_index_queue_key(q), _doc(naming.task_index_queue_key)),
+        (naming.task_index_queue_key(q), "the same, of this handler queue's tasks only"),
         (
             naming.task_index_status_key("dead_lettered"),
-            _doc(naming.task_index_status_key) + " (dead_lettered, expired, cancelled)",
+            "the same, of the tasks whose record became this status (one set each for "
+            "dead_lettered, expired and cancelled, the statuses few tasks have)",
         ),
         (naming.TASK_INDEX_QUEUES_KEY, "the queues' index keys, for the trim"),
         (naming.heartbeat_key("W"), _doc(naming.heartbeat_key) + " (`W`: the worker's id)"),

@@ -228,6 +228,11 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
         return app
 
     yield factory
+    await close_apps(apps, broker_url, redis_url)
+
+
+async def close_apps(apps: Iterable[App], broker_url: str, redis_url: str) -> None:
+    """Close ``apps``, delete every queue they own and forget their tasks' Redis keys."""
     names: list[str] = []
     queues: set[str] = set()
     for app in apps:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import pytest
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for
+from tests.conftest import close_apps, forget_task_keys, settings_for
 from weclaw_mq import App, ConfigurationError, Context, MemoryTaskStore, RetryPolicy, TaskQuery
 from weclaw_mq.contract.naming import timeline_key
 from weclaw_mq.state import (
@@ -32,10 +32,19 @@ from weclaw_mq.state import (
 )
 from weclaw_mq.state.redis_clients import open_client
 from weclaw_mq.state.task_index import INDEX_OFF, SCAN_BUDGET
-from weclaw_mq.wire.topology import queue_declarations
 
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 300, "done_ttl_s": 300}
 S = TaskStatus
+# The timeline of a task that failed twice, then succeeded: (status, attempt) per event.
+RETRIED_TWICE = [
+    (S.QUEUED, 0),
+    (S.RUNNING, 1),
+    (S.RETRYING, 1),
+    (S.RUNNING, 2),
+    (S.RETRYING, 2),
+    (S.RUNNING, 3),
+    (S.SUCCEEDED, 3),
+]
 
 
 class IndexedStore(TaskStore, TaskIndex, Protocol):
@@ -279,15 +288,7 @@ async def test_the_timeline_of_a_task_retried_twice_then_succeeded(
     done = record(queue, task_id, S.SUCCEEDED, 40, attempt=3, result="ok")
     await store.finish(queue, task_id, done, owner=owner)
     events = await store.timeline(task_id)
-    assert [(e.status, e.attempt) for e in events] == [
-        (S.QUEUED, 0),
-        (S.RUNNING, 1),
-        (S.RETRYING, 1),
-        (S.RUNNING, 2),
-        (S.RETRYING, 2),
-        (S.RUNNING, 3),
-        (S.SUCCEEDED, 3),
-    ]
+    assert [(e.status, e.attempt) for e in events] == RETRIED_TWICE
     assert [e.error for e in events if e.status is S.RETRYING] == [
         "RuntimeError: attempt 1 fails",
         "RuntimeError: attempt 2 fails",
@@ -410,15 +411,9 @@ async def app_on(
         return app
 
     yield factory
-    names: list[str] = []
-    for app in apps:
-        await app.close()
-        for spec in app.handlers.values():
-            names.extend(n for n, _ in queue_declarations(spec.queue_spec()))
+    await close_apps(apps, broker_url, redis_url)
     for chosen in stores:
         await chosen.close()
-    await delete_queues(broker_url, sorted(set(names)))
-    await forget_task_keys(redis_url, {s.queue for app in apps for s in app.handlers.values()})
 
 
 async def test_a_worker_run_leaves_index_entries_and_timelines(
@@ -445,15 +440,7 @@ async def test_a_worker_run_leaves_index_entries_and_timelines(
     session = await app.tasks(TaskQuery(queue=qname, session_id="session-7"))
     assert [t.task_id for t in session.tasks] == [plain]
     events = await app.timeline(retried)
-    assert [(e.status, e.attempt) for e in events] == [
-        (S.QUEUED, 0),
-        (S.RUNNING, 1),
-        (S.RETRYING, 1),
-        (S.RUNNING, 2),
-        (S.RETRYING, 2),
-        (S.RUNNING, 3),
-        (S.SUCCEEDED, 3),
-    ]
+    assert [(e.status, e.attempt) for e in events] == RETRIED_TWICE
     assert "attempt 2 fails" in (events[4].error or "")
     assert [e.status for e in await app.timeline(plain, queue=qname)] == [
         S.QUEUED,

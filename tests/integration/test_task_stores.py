@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.conftest import (
-    delete_queues,
+    close_apps,
     forget_task_keys,
     next_message,
     outcome_count,
@@ -42,7 +42,6 @@ from weclaw_mq.contract.naming import dlq_name, limit_keys
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.state import TaskState, TaskStore, open_store
 from weclaw_mq.state.redis_clients import StateClient, open_client
-from weclaw_mq.wire.topology import queue_declarations
 
 # Keys the Redis store leaves behind expire soon instead of after the 24 h defaults.
 SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
@@ -113,13 +112,7 @@ async def app_on(
         return app
 
     yield factory
-    names: list[str] = []
-    for app in apps:
-        await app.close()
-        for spec in app.handlers.values():
-            names.extend(n for n, _ in queue_declarations(spec.queue_spec()))
-    await delete_queues(broker_url, sorted(set(names)))
-    await forget_task_keys(redis_url, {s.queue for app in apps for s in app.handlers.values()})
+    await close_apps(apps, broker_url, redis_url)
 
 
 async def test_a_published_task_is_run_and_its_result_read_back(

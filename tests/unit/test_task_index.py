@@ -7,7 +7,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from weclaw_mq import ConfigurationError, TaskQuery, TaskStatus
-from weclaw_mq.contract.naming import index_entry, index_member
+from weclaw_mq.contract.naming import (
+    LATEST_KEY_PREFIX,
+    TIMELINE_KEY_PREFIX,
+    index_entry,
+    index_member,
+    latest_key,
+    timeline_key,
+)
 from weclaw_mq.state import TaskState
 from weclaw_mq.state.task_index import (
     INDEX_OFF,
@@ -111,3 +118,10 @@ async def test_a_page_stops_at_since_and_its_cursor_resumes_after_ties() -> None
 
 def test_the_index_off_message_names_the_setting() -> None:
     assert "WECLAW_MQ_TASK_INDEX=false" in INDEX_OFF
+
+
+@pytest.mark.parametrize("task_id", ["t", "}x", "{y", "", "a:b", "ü"])
+def test_a_timeline_key_is_its_latest_pointer_with_another_prefix(task_id: str) -> None:
+    # The record scripts build the timeline's key from the latest pointer's (same hash tag).
+    tail = latest_key(task_id).removeprefix(f"{LATEST_KEY_PREFIX}:")
+    assert timeline_key(task_id) == f"{TIMELINE_KEY_PREFIX}:{tail}"

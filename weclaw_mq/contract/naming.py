@@ -307,7 +307,6 @@ def task_keys(queue: str, task_id: str) -> list[str]:
         state_key(queue, task_id),
         latest_key(task_id),
         body_key(queue, task_id),
-        timeline_key(task_id),
     ]
 
 
