@@ -17,8 +17,9 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits bench-token-budget bench-task-index bench-rss bench-redis-client bench-start bench-io-high bench-waiters compose-check clean \
-	distclean docs docs-serve services-up services-down services-status soak fuzz
+	bench-stream bench-priority bench-limits bench-token-budget bench-task-index bench-console bench-rss bench-redis-client \
+	bench-start bench-io-high bench-waiters compose-check clean \
+	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
 
 help:
 	@echo "make demo           install, start RabbitMQ + Redis if needed, run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
@@ -42,6 +43,7 @@ help:
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make bench-token-budget  goodput and 429s against a provider with real token limits, budgeted vs not"
 	@echo "make bench-task-index  the task index: consume cost on vs off; list_tasks over 1,000,000"
+	@echo "make bench-console  the web console: server time of a Tasks page over 1,000,000 tasks; 20 open overviews vs 1"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
 	@echo "make bench-start    a cold worker's time to first delivery, 1 and 2 processes"
 	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"
@@ -49,6 +51,7 @@ help:
 	@echo "make bench-waiters  10,000 result() waiters in one process: connections, memory, publish latency"
 	@echo "make docs           build the documentation site into site/ (mkdocs build --strict)"
 	@echo "make docs-serve     serve the site at http://127.0.0.1:8000/, rebuilt on every save"
+	@echo "make console-screenshots  photograph the web console's pages into docs/assets/console/ (broker, Redis, Chromium)"
 	@echo "make compose-check  validate docker-compose.yml (skipped without docker-compose)"
 	@echo "make clean          remove caches and build output; 'make distclean' also removes .venv"
 
@@ -164,6 +167,7 @@ bench:
 	$(MAKE) --no-print-directory bench-io-high
 	$(MAKE) --no-print-directory bench-waiters
 	$(MAKE) --no-print-directory bench-token-budget
+	$(MAKE) --no-print-directory bench-console
 
 # The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
@@ -233,6 +237,11 @@ bench-token-budget: install
 bench-task-index: install
 	$(BIN)/python -m benchmarks.task_index_cost $(TASK_INDEX_ARGS)
 
+# The web console's Tasks page over a big index (its own redis-server): a page of 50 out of
+# 1,000,000, server time, beside App.tasks alone (target < 100 ms). CONSOLE_BENCH_ARGS="--smoke".
+bench-console: install
+	$(BIN)/python -m benchmarks.console_page $(CONSOLE_BENCH_ARGS)
+
 # Not in 'make test' (minutes): a worker's memory over 50,000 tasks, guard and results on, some
 # retried, some dead-lettered (benchmarks/soak.py). SOAK_ARGS="--tasks 50000 --warmup 10000".
 soak: install
@@ -254,6 +263,11 @@ docs: install
 
 docs-serve: install
 	$(BIN)/mkdocs serve
+
+# The web console's pictures in docs/operations/console.md, taken in headless Chromium against
+# the real broker and Redis with a worker running (docs/console_screenshots.py).
+console-screenshots: install
+	$(BIN)/python docs/console_screenshots.py
 
 compose-check:
 	@if command -v docker-compose >/dev/null 2>&1; then \

@@ -27,9 +27,9 @@ def _find(*names: str) -> str | None:
     return None
 
 
-@pytest.fixture
-def chromium(tmp_path: Path) -> Iterator[webdriver.Chrome]:
-    """A headless Chromium with a profile of its own (fresh localStorage) under tmp_path."""
+def open_chromium(profile_dir: Path, *, window: str = WINDOW) -> webdriver.Chrome:
+    """A headless Chromium with a profile of its own under ``profile_dir``; fails (pytest)
+    saying how to install the browser when it or its driver is missing."""
     browser = _find("chromium", "chromium-browser")
     driver = _find("chromedriver")
     if browser is None or driver is None:
@@ -41,11 +41,17 @@ def chromium(tmp_path: Path) -> Iterator[webdriver.Chrome]:
         "--headless=new",
         "--no-sandbox",  # CI runs as root, where Chromium's sandbox refuses to start
         "--disable-dev-shm-usage",
-        f"--window-size={WINDOW}",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        f"--window-size={window}",
+        f"--user-data-dir={profile_dir}",
     ):
         options.add_argument(arg)
-    session = webdriver.Chrome(options=options, service=Service(executable_path=driver))
+    return webdriver.Chrome(options=options, service=Service(executable_path=driver))
+
+
+@pytest.fixture
+def chromium(tmp_path: Path) -> Iterator[webdriver.Chrome]:
+    """A headless Chromium with a profile of its own (fresh localStorage) under tmp_path."""
+    session = open_chromium(tmp_path / "chromium-profile")
     try:
         yield session
     finally:

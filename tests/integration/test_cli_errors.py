@@ -375,6 +375,7 @@ EVERY_COMMAND = {
     "permissions": ["permissions", DEMO_APP],
     "asyncapi": ["asyncapi", DEMO_APP],
     "inspect": ["inspect", DEMO_APP],
+    "console": ["console", DEMO_APP],
     "publish": ["publish", "some-queue", "--data", "{}"],
     "status": ["status", "some-task"],
     "cancel": ["cancel", "some-task"],

@@ -623,13 +623,22 @@ class PurgeSummary:
 
 
 async def purge_matching(
-    app: App, queue: str, *, where: DlqFilter, dry_run: bool = False
+    app: App,
+    queue: str,
+    *,
+    where: DlqFilter,
+    dry_run: bool = False,
+    progress: Progress | None = None,
 ) -> PurgeSummary:
     """Delete for good the dead letters ``where`` selects; the others stay, unchanged and in
-    order (a pass that acks the selected and keeps the rest). ``dry_run`` deletes nothing."""
+    order (a pass that acks the selected and keeps the rest). ``dry_run`` deletes nothing;
+    ``progress`` is told of each message visited, as in ``redrive``."""
     summary = PurgeSummary()
+    visited = 0
     async with _pass(app, queue, "purge") as dlq:
+        total = dlq.budget
         while (message := await dlq.next()) is not None:
+            visited += 1
             dead = _read(message)
             if not where.matches(dead):
                 summary.kept += 1
@@ -641,4 +650,6 @@ async def purge_matching(
             else:
                 summary.removed += 1
                 await dlq.ack(message)
+            if progress is not None:
+                progress(visited, total)
     return summary

@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from aio_pika.abc import AbstractConnection
+
 from weclaw_mq.admin.dlq import connected, ready_count
 from weclaw_mq.app import App
 from weclaw_mq.contract.naming import (
@@ -102,32 +104,40 @@ async def stats(app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()) ->
     (passive declares never create anything). An older version's queue is listed (``old``)
     where it exists."""
     async with connected(app, "stats") as conn:
-        if await ready_count(conn, queue) is None:
-            raise _missing(queue)
+        return await stats_on(conn, app, queue, retry_delays_ms=retry_delays_ms)
 
-        async def count(name: str, role: str) -> QueueCount:
-            counts = await ready_count(conn, name)
-            if counts is None:
-                return QueueCount(name, role, exists=False, messages=None, consumers=None)
-            return QueueCount(name, role, exists=True, messages=counts[0], consumers=counts[1])
 
-        version = server_version(conn)
-        spec = app.handlers.get(queue)
-        takes = spec is None or spec.priorities
-        lane_names = [
-            route(queue, level, version, app.queue_type_of(queue))[0]
-            for level in (Priority.HIGH, Priority.URGENT)
-        ]
-        lane_names = [name for name in lane_names if name != queue] if takes else []
-        work = await count(queue, "work")
-        lanes = [await count(name, "lane") for name in lane_names]
-        delays = list(dict.fromkeys(retry_delays_ms))
-        retries = [await count(ladder_queue_name(d), "ladder") for d in delays]
-        old_names = older_delay_queues(queue, delays)
-        if not takes:  # lanes of a handler that no longer takes priorities
-            old_names += [lane_queue_name(queue, p.value) for p in (Priority.HIGH, Priority.URGENT)]
-        old = [c for name in old_names if (c := await count(name, "old")).exists]
-        dlq = await count(dlq_name(queue), "dlq")
+async def stats_on(
+    conn: AbstractConnection, app: App, queue: str, *, retry_delays_ms: Iterable[int] = ()
+) -> QueueStats:
+    """``stats`` on an open connection: for a caller that counts several handlers' queues
+    at once (the web console's overview), one connection for all."""
+    if await ready_count(conn, queue) is None:
+        raise _missing(queue)
+
+    async def count(name: str, role: str) -> QueueCount:
+        counts = await ready_count(conn, name)
+        if counts is None:
+            return QueueCount(name, role, exists=False, messages=None, consumers=None)
+        return QueueCount(name, role, exists=True, messages=counts[0], consumers=counts[1])
+
+    version = server_version(conn)
+    spec = app.handlers.get(queue)
+    takes = spec is None or spec.priorities
+    lane_names = [
+        route(queue, level, version, app.queue_type_of(queue))[0]
+        for level in (Priority.HIGH, Priority.URGENT)
+    ]
+    lane_names = [name for name in lane_names if name != queue] if takes else []
+    work = await count(queue, "work")
+    lanes = [await count(name, "lane") for name in lane_names]
+    delays = list(dict.fromkeys(retry_delays_ms))
+    retries = [await count(ladder_queue_name(d), "ladder") for d in delays]
+    old_names = older_delay_queues(queue, delays)
+    if not takes:  # lanes of a handler that no longer takes priorities
+        old_names += [lane_queue_name(queue, p.value) for p in (Priority.HIGH, Priority.URGENT)]
+    old = [c for name in old_names if (c := await count(name, "old")).exists]
+    dlq = await count(dlq_name(queue), "dlq")
     return QueueStats(queue, work, tuple(retries), dlq, tuple(lanes), tuple(old))
 
 

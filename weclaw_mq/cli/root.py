@@ -435,3 +435,6 @@ from weclaw_mq.cli.schedule_commands import run_scheduler, schedules_cli  # noqa
 
 cli.command("scheduler")(run_scheduler)
 cli.add_typer(schedules_cli, name="schedules")
+from weclaw_mq.cli.console_command import console  # noqa: E402
+
+cli.command("console")(console)

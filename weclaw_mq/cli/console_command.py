@@ -1,0 +1,131 @@
+"""``weclaw-mq console MODULE:APP``: serve the web console (``weclaw_mq.console``) of the app
+with uvicorn until Ctrl-C.
+
+Safe by default: it binds 127.0.0.1. Any other host needs ``--token`` (refused with one line
+and exit 2 without one), since the console can cancel tasks and requeue or purge dead
+letters; ``--read-only`` serves the pages without any of those. The console's packages
+(starlette, uvicorn, jinja2) come with the ``console`` extra, imported only by this command.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Annotated
+
+import typer
+
+from weclaw_mq.cli.exit_codes import ExitCode, fail
+from weclaw_mq.cli.loading import load_app
+from weclaw_mq.cli.options import AppPath, LogLevel
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.observability.tracing import configure_logging
+
+HOW_TO_GET_CONSOLE = "pip install 'weclaw_mq[console]'"
+CONSOLE_PACKAGES = ("starlette", "uvicorn", "jinja2")
+# A token shorter than this is refused: it would be guessed.
+TOKEN_MIN_LENGTH = 16
+
+
+def is_loopback_host(host: str) -> bool:
+    from weclaw_mq.console.access import is_loopback
+
+    return is_loopback(host)
+
+
+def console(
+    app_path: AppPath,
+    host: Annotated[
+        str,
+        typer.Option(
+            "--host",
+            envvar="WECLAW_MQ_CONSOLE_HOST",
+            metavar="HOST",
+            help="The address to bind. Anything but a loopback address needs --token "
+            "(and a TLS-terminating proxy in front: the console speaks plain HTTP).",
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int,
+        typer.Option(
+            "--port",
+            envvar="WECLAW_MQ_CONSOLE_PORT",
+            min=0,
+            max=65535,
+            metavar="PORT",
+            help="The port to bind.",
+        ),
+    ] = 8765,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            envvar="WECLAW_MQ_CONSOLE_TOKEN",
+            metavar="TOKEN",
+            show_default=False,
+            help=f"The access token (at least {TOKEN_MIN_LENGTH} characters): every request "
+            "carries it, as 'Authorization: Bearer TOKEN' or the cookie of the sign-in form. "
+            "Prefer the environment variable: a command line is visible to every user.",
+        ),
+    ] = None,
+    read_only: Annotated[
+        bool,
+        typer.Option(
+            "--read-only",
+            envvar="WECLAW_MQ_CONSOLE_READ_ONLY",
+            help="Show everything, change nothing: no cancel, requeue or purge.",
+        ),
+    ] = False,
+    trace_url: Annotated[
+        str | None,
+        typer.Option(
+            "--trace-url",
+            envvar="WECLAW_MQ_CONSOLE_TRACE_URL",
+            metavar="URL",
+            show_default=False,
+            help="Link each task's trace id to your tracing UI: an http(s) URL in which the "
+            "field trace_id in braces stands for it (docs/operations/console.md).",
+        ),
+    ] = None,
+    log_level: LogLevel = "INFO",
+) -> None:
+    """Serve the web console of the app: its queues and workers, run history, each task's
+    timeline and live output, and its dead letters (requeue, purge)."""
+    if token is not None and len(token) < TOKEN_MIN_LENGTH:
+        fail(f"--token must be at least {TOKEN_MIN_LENGTH} characters", ExitCode.USAGE)
+    if token is None and not is_loopback_host(host):
+        fail(
+            f"--host {host} serves the console beyond this machine: give an access token "
+            "(--token or WECLAW_MQ_CONSOLE_TOKEN)",
+            ExitCode.USAGE,
+        )
+    missing = [name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        fail(
+            f"the console needs {', '.join(missing)}, not installed: {HOW_TO_GET_CONSOLE}",
+            ExitCode.CONFIG,
+        )
+    import uvicorn
+
+    from weclaw_mq.console import Access, create_console
+    from weclaw_mq.console.detail import check_trace_url
+
+    if trace_url is not None:
+        try:
+            check_trace_url(trace_url)
+        except ConfigurationError as e:
+            fail(f"--trace-url: {e}", ExitCode.USAGE)
+    configure_logging(log_level)
+    app = load_app(app_path)
+
+    web = create_console(app, Access(token=token, read_only=read_only), trace_url=trace_url)
+    shown = f"[{host}]" if ":" in host else host
+    logging.getLogger("weclaw_mq.console").info(
+        "console of app %r on http://%s:%d/%s",
+        app.name,
+        shown,
+        port,
+        " (read-only)" if read_only else "",
+    )
+    # uvicorn's own access log would print every poll; the audit log says what changed.
+    uvicorn.run(web, host=host, port=port, log_level=log_level.lower(), access_log=False)
