@@ -115,6 +115,19 @@ TASK: tuple[HeaderDoc, ...] = (
     ),
     HeaderDoc(h.REQUEUED_AT, _ISO_TIME, "When ops last did (UTC).", WECLAW_MQ),
     HeaderDoc(
+        h.MODEL,
+        {"type": "string"},
+        "The model the attempt that wrote this copy called (a handler with a fallback chain).",
+        WECLAW_MQ,
+    ),
+    HeaderDoc(
+        h.MODELS_TRIED,
+        {"type": "array", "items": {"type": "string"}},
+        "Every model the task's attempts failed on, in order: its next attempt goes to the "
+        "first model up that is not among them.",
+        WECLAW_MQ,
+    ),
+    HeaderDoc(
         h.X_DELIVERY_COUNT,
         _count(0),
         "RabbitMQ's count of returns to this queue (quorum queues).",
