@@ -196,6 +196,11 @@ class Settings(EnvSettings):
     # writes what it runs to Redis this often, off the delivery path; the record lives three
     # beats, so a worker killed without stopping disappears within 3 x this.
     worker_beat_s: float = seconds(5.0, floor=0.1, ceiling=300.0)
+    # Workflows (weclaw_mq.workflows): a chain or group not ended this long after its start
+    # is ended "expired", naming what was missing (``deadline_s=`` of App.chain / App.group).
+    workflow_deadline_s: float = seconds(_DAY_S, floor=0.001, ceiling=_YEAR_S)
+    # How often each worker sweeps the workflow deadlines (one Redis script per sweep).
+    workflow_sweep_s: float = seconds(5.0, floor=0.05, ceiling=_HOUR_S)
 
     # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
     # the broker unreachable, or whose outcome is unknown, are stored there and relayed.

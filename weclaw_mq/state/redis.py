@@ -56,6 +56,7 @@ from weclaw_mq.state.redis_clients import (
 )
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
+from weclaw_mq.state.redis_workflows import RedisWorkflowStore
 from weclaw_mq.state.transitions import TRANSITIONS, narrowing
 from weclaw_mq.state.worker_registry import WorkerRegistry
 
@@ -298,6 +299,7 @@ class RedisTaskStore:
         self._cancels = RedisCancels(
             client, ttl_ms=self._ttl_ms, record_write_lua=RECORD_WRITE_LUA, pipe=self._pipe
         )
+        self._workflows: RedisWorkflowStore | None = None  # made when first asked for
         self._held: dict[str, str] = {}  # guard key -> its value, while its attempt holds it
         self._renewer: asyncio.Task[None] | None = None
         # This worker: every claim's value names it, and holds while its heartbeat key lives.
@@ -856,6 +858,16 @@ class RedisTaskStore:
             The registry; its writes (a worker's beats) share the store's auto-pipeline.
         """
         return WorkerRegistry(self._redis, self._pipe)
+
+    def workflow_store(self) -> RedisWorkflowStore:
+        """The workflows (``state.workflow_records``) in this store's Redis.
+
+        Returns:
+            The workflow store; its steps share the store's auto-pipeline.
+        """
+        if self._workflows is None:
+            self._workflows = RedisWorkflowStore(self._redis, self._pipe)
+        return self._workflows
 
     async def close(self) -> None:
         """Stop renewing leases, close the wake-up subscription and the auto-pipeline.

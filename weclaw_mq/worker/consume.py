@@ -39,6 +39,7 @@ from weclaw_mq.policy.broker_version import ServerVersion
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
 from weclaw_mq.state.worker_registry import registry_of
+from weclaw_mq.state.workflow_records import workflows_of
 from weclaw_mq.wire.broker_load import read_broker_load
 from weclaw_mq.wire.connection import (
     CLOSE_TIMEOUT_S,
@@ -63,6 +64,7 @@ from weclaw_mq.worker.pausing import Pausable, QueueCircuit
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
 from weclaw_mq.worker.sync_threads import SyncThreads
+from weclaw_mq.workflows.deadlines import sweep_forever
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -248,12 +250,18 @@ class Worker:
         # What it runs, for 'weclaw-mq inspect': in the store's Redis, none without one.
         beat = self._beat(store)
         beating = asyncio.create_task(beat.run(self._stop)) if beat is not None else None
+        # Workflows past their deadline (weclaw_mq.workflows.deadlines): every worker sweeps.
+        sweeping = (
+            asyncio.create_task(sweep_forever(self.app, self.settings.workflow_sweep_s))
+            if workflows_of(store) is not None and self.app.results is not None
+            else None
+        )
         try:
             with tolerant_properties():
                 await self._run()
         finally:
             self.sync_threads.shutdown()  # abandoned calls keep their daemon threads
-            for task in (listener, announcer, load_check, beating):
+            for task in (listener, announcer, load_check, beating, sweeping):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
