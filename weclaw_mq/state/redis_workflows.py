@@ -11,6 +11,7 @@ costs each part one round trip, shared with the other Redis commands of its loop
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -40,11 +41,12 @@ return ARGV[1]
 _ENDED_LUA = """
 local function ended(key, outcome)
   local state = redis.call('HGET', key, 'state')
-  if state ~= 'ended' then
+  local plan = redis.call('HGET', key, 'plan')
+  if state ~= 'ended' and outcome ~= '' then
     redis.call('HSET', key, 'state', 'ended', 'outcome', outcome)
-    return {'ended', outcome, '1'}
+    return {'ended', outcome, '1', plan}
   end
-  return {'ended', redis.call('HGET', key, 'outcome') or ''}
+  return {'ended', redis.call('HGET', key, 'outcome') or '', '0', plan}
 end
 """
 
@@ -55,14 +57,17 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {'unknown'} end
 if state ~= 'running' then return ended(KEYS[1], '') end
 local index = tonumber(ARGV[1])
+local published = tonumber(redis.call('HGET', KEYS[1], 'published'))
+if published < index then
+  published = index
+  redis.call('HSET', KEYS[1], 'published', index)
+end
 if ARGV[3] == '1' and index + 1 < tonumber(redis.call('HGET', KEYS[1], 'size')) then
-  if tonumber(redis.call('HGET', KEYS[1], 'published')) >= index + 1 then
-    return {'published'}
-  end
+  if published >= index + 1 then return {'published'} end
   if tonumber(redis.call('HGET', KEYS[1], 'stage')) < index + 1 then
     redis.call('HSET', KEYS[1], 'stage', index + 1)
   end
-  return {'next'}
+  return {'next', redis.call('HGET', KEYS[1], 'plan')}
 end
 if index < tonumber(redis.call('HGET', KEYS[1], 'stage')) then return {'published'} end
 return ended(KEYS[1], ARGV[2])
@@ -174,15 +179,17 @@ class RedisWorkflowStore:
         deadline_ms: int,
         keep_ms: int,
     ) -> str:
+        # Together: a deadline whose workflow was never stored is dropped by the sweep that
+        # finds it, and no hop runs before ``create`` returned (nothing is published before).
         try:
-            # The deadline first: a workflow is never stored without one (a deadline whose
-            # workflow was never stored is dropped by the sweep that finds it).
-            await self._redis.zadd(WORKFLOW_DEADLINES_KEY, {workflow_id: deadline_ms}, nx=True)
+            _, stored = await asyncio.gather(
+                self._redis.zadd(WORKFLOW_DEADLINES_KEY, {workflow_id: deadline_ms}, nx=True),
+                self._pipe.script(
+                    _CREATE, [workflow_key(workflow_id)], [plan, kind, size, policy, keep_ms]
+                ),
+            )
         except Exception as e:
             raise state_unavailable(e) from e
-        stored = await self._script(
-            _CREATE, [workflow_key(workflow_id)], [plan, kind, size, policy, keep_ms]
-        )
         return _text(stored)
 
     async def plan(self, workflow_id: str) -> str | None:

@@ -9,8 +9,8 @@ node of a cluster):
 - its state: ``running``; ``joined`` (a group whose parts all ended: its callback is due);
   ``ended`` (with the ``outcome`` that ended it, which every later step answers);
 - a chain's ``stage`` (the furthest stage started) and ``published`` (the furthest stage
-  whose publish was confirmed), so a copy of a stage that already moved the chain on does not
-  publish its successor again;
+  known to be on the broker: the first, and every stage that ended), so a copy of a stage
+  whose successor already ended does not publish that successor again;
 - a group's ended parts, by part index (the part's outcome), and ``left``, the parts not yet
   ended: a part is counted once, by its index (its task id), however often it is delivered;
 - one sorted set of every workflow's deadline, which every worker sweeps (``due``): a
@@ -56,6 +56,8 @@ class Answer:
     outcome: dict[str, Any] | None = None
     # ``ENDED`` by this very step (the first to end it), not by an earlier one.
     now: bool = False
+    # The workflow's plan, with ``NEXT`` and ``ENDED`` (what the caller needs next).
+    plan: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,11 @@ def answer_of(reply: Any) -> Answer:
     """A script's reply (``[step]`` or ``["ended", outcome JSON]``) as an ``Answer``."""
     parts = [p.decode() if isinstance(p, bytes) else str(p) for p in reply]
     step = Step(parts[0])
+    if step is Step.NEXT:
+        return Answer(step, plan=parts[1])
     if step is not Step.ENDED:
         return Answer(step)
-    return Answer(step, _outcome(parts[1]), now=len(parts) > 2 and parts[2] == "1")
+    return Answer(step, _outcome(parts[1]), now=parts[2] == "1", plan=parts[3])
 
 
 class WorkflowStore(Protocol):
@@ -121,11 +125,12 @@ class WorkflowStore(Protocol):
     async def chain_step(
         self, workflow_id: str, index: int, outcome: Mapping[str, Any], *, succeeded: bool
     ) -> Answer:
-        """Stage ``index`` ended with ``outcome``.
+        """Stage ``index`` ended with ``outcome`` (so it was on the broker: ``published``).
 
         A stage that ``succeeded`` and is not the last answers ``NEXT`` (or ``PUBLISHED``
-        when its successor is confirmed out); any other end ends the chain with ``outcome``
+        when its successor is known out); any other end ends the chain with ``outcome``
         unless it ended before (a stale copy of an earlier stage answers ``PUBLISHED``).
+        ``NEXT`` and ``ENDED`` carry the plan.
         """
         ...
 
@@ -231,11 +236,11 @@ class MemoryWorkflowStore:
         flow = self._flows.setdefault(workflow_id, _Workflow(plan, kind, size, policy, left=size))
         return flow.plan
 
-    def _ended(self, flow: _Workflow, outcome: Mapping[str, Any]) -> Answer:
-        if flow.state != ENDED:
+    def _ended(self, flow: _Workflow, outcome: Mapping[str, Any] | None) -> Answer:
+        if flow.state != ENDED and outcome is not None:
             flow.state, flow.outcome = ENDED, dict(outcome)
-            return Answer(Step.ENDED, flow.outcome, now=True)
-        return Answer(Step.ENDED, flow.outcome)
+            return Answer(Step.ENDED, flow.outcome, now=True, plan=flow.plan)
+        return Answer(Step.ENDED, flow.outcome, plan=flow.plan)
 
     async def plan(self, workflow_id: str) -> str | None:
         flow = self._flows.get(workflow_id)
@@ -248,12 +253,13 @@ class MemoryWorkflowStore:
         if flow is None:
             return Answer(Step.UNKNOWN)
         if flow.state != RUNNING:
-            return Answer(Step.ENDED, flow.outcome)
+            return self._ended(flow, None)
+        flow.published = max(flow.published, index)
         if succeeded and index + 1 < flow.size:
             if flow.published >= index + 1:
                 return Answer(Step.PUBLISHED)
             flow.stage = max(flow.stage, index + 1)
-            return Answer(Step.NEXT)
+            return Answer(Step.NEXT, plan=flow.plan)
         if index < flow.stage:
             return Answer(Step.PUBLISHED)
         return self._ended(flow, outcome)
@@ -275,7 +281,7 @@ class MemoryWorkflowStore:
         if flow is None:
             return Answer(Step.UNKNOWN)
         if flow.state == ENDED:
-            return Answer(Step.ENDED, flow.outcome)
+            return self._ended(flow, None)
         if flow.state == JOINED:
             return Answer(Step.COUNTED if flow.published == 1 else Step.JOINED)
         if index in flow.parts:
@@ -304,7 +310,7 @@ class MemoryWorkflowStore:
         if flow is None:
             return Answer(Step.UNKNOWN)
         if flow.state == ENDED:
-            return Answer(Step.ENDED, flow.outcome)
+            return self._ended(flow, None)
         missing = (
             [i for i in range(flow.size) if i not in flow.parts]
             if flow.kind == "group" and flow.state == RUNNING

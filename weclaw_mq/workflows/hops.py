@@ -25,6 +25,7 @@ a no-op), and its deadline dropped after.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -106,7 +107,9 @@ async def _hop(
         )
         answer = await flows.chain_step(wid, place.index, outcome, succeeded=succeeded)
         if answer.step is Step.NEXT:
-            await _next_stage(host, flows, wid, place.index + 1, final.result, trace_id)
+            assert answer.plan is not None
+            plan = Plan.from_json(answer.plan)
+            await _next_stage(host, flows, plan, place.index + 1, final.result, trace_id)
             return
     elif place.kind == GROUP:
         answer = await flows.join(
@@ -144,10 +147,10 @@ async def _plan(flows: WorkflowStore, workflow_id: str) -> Plan:
 
 
 async def _next_stage(
-    host: Host, flows: WorkflowStore, wid: str, index: int, payload: Any, trace_id: str
+    host: Host, flows: WorkflowStore, plan: Plan, index: int, payload: Any, trace_id: str
 ) -> None:
-    plan = await _plan(flows, wid)
-    stage = plan.stages[index]
+    """Publish stage ``index`` with the result before it (the stage's end marks it out)."""
+    wid, stage = plan.workflow_id, plan.stages[index]
     try:
         await host.publish(
             stage.queue,
@@ -160,8 +163,6 @@ async def _next_stage(
         )
     except _PERMANENT as e:
         await _handoff_failed(host, flows, wid, plan.name_of(index), e)
-        return
-    await flows.mark_published(wid, index)
 
 
 async def _joined(host: Host, flows: WorkflowStore, wid: str, trace_id: str) -> None:
@@ -211,12 +212,11 @@ async def settle_end(
     if answer.outcome is None:
         return
     if plan is None:
-        plan = await _plan(flows, wid)
+        plan = Plan.from_json(answer.plan) if answer.plan else await _plan(flows, wid)
     record = record_of(plan, answer.outcome)
     results = host.results
     assert results is not None
-    await results.record(record)
-    await flows.forget_deadline(wid)
+    await asyncio.gather(results.record(record), flows.forget_deadline(wid))
     if answer.now:
         host.metrics.workflows_ended.labels(plan.kind, record.status.value).inc()
         log.info("workflow %s (%s) ended %s", wid, plan.kind, record.status.value)

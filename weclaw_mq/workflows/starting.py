@@ -106,7 +106,6 @@ async def _create(host: Host, flows: WorkflowStore, results: TaskStore, plan: Pl
                 f"workflow id {plan.workflow_id!r} was used before for another {before.kind}; "
                 "pick a new id (or start the same workflow again to finish its start)"
             )
-    await results.record(running_record(plan), only_if_new=True)
 
 
 def _common(
@@ -144,16 +143,20 @@ async def start_chain(
     )
     plan = Plan(CHAIN, wid, steps, len(steps), trace, session, deadline, started)
     await _create(host, flows, results, plan)
-    await host.publish(
-        steps[0].queue,
-        payload,
-        task_id=task_id_of(wid, 0),
-        trace_id=trace,
-        headers={h.WORKFLOW: tag(CHAIN, wid)},
-        session_id=session,
-        priority=steps[0].priority,
+    # Side by side: a chain that ends before its "running" record is written keeps its final
+    # one (a record is written only where none exists).
+    await asyncio.gather(
+        results.record(running_record(plan), only_if_new=True),
+        host.publish(
+            steps[0].queue,
+            payload,
+            task_id=task_id_of(wid, 0),
+            trace_id=trace,
+            headers={h.WORKFLOW: tag(CHAIN, wid)},
+            session_id=session,
+            priority=steps[0].priority,
+        ),
     )
-    await flows.mark_published(wid, 0)
     return wid
 
 
@@ -194,6 +197,7 @@ async def start_group(
         on_failure=on_failure,
     )
     await _create(host, flows, results, plan)
+    await results.record(running_record(plan), only_if_new=True)
     host.metrics.group_parts.observe(len(items))
     for first in range(0, len(items), PUBLISH_BATCH):
         batch = items[first : first + PUBLISH_BATCH]
