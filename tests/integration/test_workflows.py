@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
 from weclaw_mq import App, Reject, RetryPolicy, Settings, TaskState, TaskStatus
+from weclaw_mq.admin import dlq
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import (
     CHAIN_RECORD_QUEUE,
@@ -32,7 +33,7 @@ from weclaw_mq.contract.naming import (
     workflow_key,
     workflow_parts_key,
 )
-from weclaw_mq.testing import TestBroker
+from weclaw_mq.testing import DeadLetter, TestBroker
 from weclaw_mq.workflows import PartResult
 
 WAIT_S = 30.0
@@ -68,6 +69,9 @@ class Backend:
 
     async def redeliver(self, app: App, queue: str, task_id: str, tag: str, body: bytes) -> None:
         """A copy of a task, as a broker redelivers one (same id, same tag)."""
+        raise NotImplementedError
+
+    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
         raise NotImplementedError
 
 
@@ -109,6 +113,9 @@ class Memory(Backend):
     async def redeliver(self, app: App, queue: str, task_id: str, tag: str, body: bytes) -> None:
         await self._broker().publish_raw(queue, body, task_id=task_id, headers={h.WORKFLOW: tag})
         await self._broker().run_until_idle()
+
+    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
+        return self._broker().dead_letters(queue)
 
 
 class Real(Backend):
@@ -175,6 +182,9 @@ class Real(Backend):
             return counts >= 1
 
         await wait_until(acked, WAIT_S, "the copy acked as a duplicate")
+
+    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
+        return await dlq.inspect(app, queue)
 
 
 @pytest.fixture
@@ -297,6 +307,8 @@ async def test_a_failing_middle_stage_ends_the_chain_naming_the_stage(
     )
     assert state.error == "ConnectionError: the knowledge graph is down"
     assert ran == ["a", "b", "b"]
+    [dead] = await backend.dead_letters(app, f"{qname}-b")
+    assert (dead.task_id, dead.headers[h.WORKFLOW]) == (f"{chain_id}.1", f"chain:{chain_id}")
 
 
 async def test_a_rejected_first_stage_ends_the_chain_at_once(backend: Backend, qname: str) -> None:
