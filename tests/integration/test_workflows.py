@@ -272,6 +272,11 @@ async def test_a_chain_passes_each_result_on_and_ends_with_the_last_one(
     ]
     stage = await app.status(f"{chain_id}.1", queue=f"{qname}-b")
     assert stage is not None and stage.status is TaskStatus.SUCCEEDED
+    async with asyncio.timeout(WAIT_S):
+        events = [e async for e in app.stream(chain_id)]
+    assert [(e.kind, e.status, e.result) for e in events] == [
+        ("final", TaskStatus.SUCCEEDED, "HELLO + graph")
+    ]
 
 
 async def test_a_failing_middle_stage_ends_the_chain_naming_the_stage(
