@@ -19,6 +19,7 @@ from typing import Any
 import aio_pika
 import pytest
 import redis.asyncio as aioredis
+from pydantic import BaseModel
 
 from tests.conftest import wait_until
 from weclaw_mq import App, Reject, RetryPolicy, Settings, TaskState, TaskStatus
@@ -592,3 +593,54 @@ async def test_a_part_purged_by_an_operator_ends_the_group_at_its_deadline_namin
     assert merged == []
     done = await app.status(f"{group_id}.1", queue=f"{qname}-part")
     assert done is not None and done.status is TaskStatus.SUCCEEDED
+
+
+async def test_a_failed_part_cancels_the_parts_still_to_run(backend: Backend, qname: str) -> None:
+    app = backend.app(concurrency=1)  # one part at a time: the others are still queued
+    ran: list[int] = []
+
+    @app.handler(f"{qname}-part")
+    async def part(n: int) -> int:
+        ran.append(n)
+        raise Reject("the first chunk is unreadable")
+
+    await backend.open(app)
+    group_id = await app.group(f"{qname}-part", [0, 1, 2])
+    backend.ids.append(group_id)
+    await backend.run(app)
+    state = await backend.final(app, group_id)
+    rest = [await backend.final(app, f"{group_id}.{i}", f"{qname}-part") for i in (1, 2)]
+
+    assert state.status is TaskStatus.DEAD_LETTERED
+    assert ran == [0]
+    assert [r.status for r in rest] == [TaskStatus.CANCELLED] * 2
+
+
+class Order(BaseModel):
+    n: int
+
+
+async def test_a_result_the_next_stage_refuses_ends_the_chain_naming_it(
+    backend: Backend, qname: str
+) -> None:
+    app = backend.app()
+
+    @app.handler(f"{qname}-a")
+    async def first(n: int) -> str:
+        return "not an order"
+
+    @app.handler(f"{qname}-b")
+    async def second(order: Order) -> int:
+        return order.n
+
+    await backend.open(app)
+    await backend.run(app)
+    chain_id = await app.chain([f"{qname}-a", f"{qname}-b"], 1)
+    backend.ids.append(chain_id)
+    state = await backend.final(app, chain_id)
+
+    assert state.status is TaskStatus.DEAD_LETTERED
+    assert state.reason == (
+        f"stage 2 of 2 ({qname}-b, task {chain_id}.1) could not be published: invalid_payload"
+    )
+    assert state.error is not None and state.error.startswith("PayloadValidationError")

@@ -22,8 +22,8 @@ from weclaw_mq.policy.failures import describe
 from weclaw_mq.state.workflow_records import Step, workflows_of
 from weclaw_mq.workflows.hops import settle_end
 from weclaw_mq.workflows.host import Host
+from weclaw_mq.workflows.outstanding import cancel_outstanding
 from weclaw_mq.workflows.plans import Plan
-from weclaw_mq.workflows.starting import cancel_outstanding
 
 log = logging.getLogger("weclaw_mq.workflows")
 

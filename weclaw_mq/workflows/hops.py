@@ -15,7 +15,8 @@ What each end does (``state.workflow_records`` for the steps):
   with it, and the chain's record says so, naming the stage;
 - a group's part: counted once in the join; the part that completes it publishes the
   callback (``G.then``) with the parts' results in order; with policy "fail" a failed part
-  ends the group at once (its callback never runs);
+  ends the group at once (its callback never runs, and the parts still to run are
+  cancelled);
 - a group's callback: its end is the group's.
 
 The workflow's own record (``App.result(workflow id)``) is written from the stored outcome
@@ -37,6 +38,7 @@ from weclaw_mq.policy.failures import describe
 from weclaw_mq.state import TaskState, TaskStatus
 from weclaw_mq.state.workflow_records import Answer, Step, WorkflowStore, workflows_of
 from weclaw_mq.workflows.host import Host
+from weclaw_mq.workflows.outstanding import cancel_outstanding
 from weclaw_mq.workflows.plans import (
     CHAIN,
     GROUP,
@@ -121,6 +123,11 @@ async def _hop(
         if answer.step is Step.JOINED:
             await _joined(host, flows, wid, trace_id)
             return
+        if answer.step is Step.ENDED and answer.now:
+            # This part failed the group ("fail"): the others need not run any more.
+            await settle_end(host, flows, wid, answer)
+            await _cancel_the_rest(host, flows, wid)
+            return
     else:  # THEN: the callback's end is the group's
         assert place.kind == THEN
         outcome = (
@@ -137,6 +144,19 @@ async def _hop(
             final.task_id,
             wid,
         )
+
+
+async def _cancel_the_rest(host: Host, flows: WorkflowStore, wid: str) -> None:
+    """Best effort, after the group's record: a part still to run is cancelled (acked unrun
+    when it comes); one that runs anyway finds the group ended, and is not counted."""
+    results = host.results
+    try:
+        progress = await flows.progress(wid)
+        if progress is not None and results is not None:
+            plan = Plan.from_json(progress.plan)
+            await cancel_outstanding(results, plan, progress.stage, progress.ended_parts)
+    except Exception as e:  # the group's end stands; its other parts run to no use
+        log.warning("could not cancel the other parts of group %s (%s)", wid, describe(e))
 
 
 async def _plan(flows: WorkflowStore, workflow_id: str) -> Plan:

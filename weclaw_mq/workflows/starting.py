@@ -28,13 +28,13 @@ from weclaw_mq.state import Cancellation, CancelOutcome, TaskStore
 from weclaw_mq.state.workflow_records import WorkflowStore, workflows_of
 from weclaw_mq.workflows.hops import settle_end
 from weclaw_mq.workflows.host import Host
+from weclaw_mq.workflows.outstanding import cancel_outstanding
 from weclaw_mq.workflows.plans import (
     CHAIN,
     GROUP,
     POLICIES,
     Plan,
     Stage,
-    callback_id,
     running_record,
     tag,
     task_id_of,
@@ -42,8 +42,6 @@ from weclaw_mq.workflows.plans import (
 
 # Parts published per ``publish_many`` call: one channel and one batch of confirms each.
 PUBLISH_BATCH = 1_000
-# Cancels sent together when a workflow's outstanding tasks are cancelled.
-CANCEL_BATCH = 200
 
 
 def _stores(host: Host) -> tuple[WorkflowStore, TaskStore]:
@@ -228,24 +226,3 @@ async def cancel_workflow(host: Host, workflow_id: str) -> Cancellation:
         return Cancellation(workflow_id, CancelOutcome.FINISHED, record)
     await cancel_outstanding(results, plan, progress.stage, progress.ended_parts)
     return Cancellation(workflow_id, CancelOutcome.CANCELLED, record)
-
-
-async def cancel_outstanding(
-    store: TaskStore, plan: Plan, stage: int, ended: frozenset[int]
-) -> None:
-    """Cancel the workflow's tasks that have not ended (a cancel of one that did is a no-op):
-    those not published yet are cancelled ahead, so they are acked unrun when they come."""
-    wid = plan.workflow_id
-    targets: list[tuple[str, str]]
-    if plan.kind == CHAIN:
-        targets = [(task_id_of(wid, i), plan.queue_of(i)) for i in range(stage, plan.size)]
-    else:
-        targets = [
-            (task_id_of(wid, i), plan.queue_of(i)) for i in range(plan.size) if i not in ended
-        ]
-        if plan.then is not None:
-            targets.append((callback_id(wid), plan.then.queue))
-    for first in range(0, len(targets), CANCEL_BATCH):
-        await asyncio.gather(
-            *(store.cancel(t, queue=q) for t, q in targets[first : first + CANCEL_BATCH])
-        )
