@@ -644,3 +644,33 @@ async def test_a_result_the_next_stage_refuses_ends_the_chain_naming_it(
         f"stage 2 of 2 ({qname}-b, task {chain_id}.1) could not be published: invalid_payload"
     )
     assert state.error is not None and state.error.startswith("PayloadValidationError")
+
+
+async def test_a_stage_delivered_again_moves_the_chain_on_once(
+    backend: Backend, qname: str
+) -> None:
+    app = backend.app()
+    ran: list[str] = []
+
+    @app.handler(f"{qname}-a")
+    async def first(n: int) -> int:
+        ran.append("a")
+        return n + 1
+
+    @app.handler(f"{qname}-b")
+    async def second(n: int) -> int:
+        ran.append("b")
+        return n * 10
+
+    await backend.open(app)
+    await backend.run(app)
+    chain_id = await app.chain([f"{qname}-a", f"{qname}-b"], 1)
+    backend.ids.append(chain_id)
+    first_end = await backend.final(app, chain_id)
+    # A copy of stage 1, as the broker redelivers one whose worker died before its ack.
+    await backend.redeliver(app, f"{qname}-a", f"{chain_id}.0", f"chain:{chain_id}", b"1")
+    again = await backend.final(app, chain_id)
+
+    assert (first_end.status, first_end.result) == (TaskStatus.SUCCEEDED, 20)
+    assert again == first_end
+    assert ran == ["a", "b"]
