@@ -29,6 +29,8 @@ from weclaw_mq.contract.naming import (
     CHAIN_RECORD_QUEUE,
     GROUP_RECORD_QUEUE,
     WORKFLOW_DEADLINES_KEY,
+    inbox_key,
+    inbox_trace_key,
     latest_key,
     state_key,
     workflow_key,
@@ -46,7 +48,8 @@ class Backend:
     lets the handlers work, ``final`` waits for a workflow's (or task's) final record."""
 
     name: str
-    ids: list[str]
+    ids: list[str]  # workflow ids, and below session ids, whose Redis keys the test leaves
+    sessions: list[str]
 
     def app(self, **settings: Any) -> App:
         raise NotImplementedError
@@ -83,6 +86,7 @@ class Memory(Backend):
         self.stack = stack
         self.broker: TestBroker | None = None
         self.ids = []
+        self.sessions = []
 
     def app(self, **settings: Any) -> App:
         dead = {"amqp_url": "amqp://guest:guest@127.0.0.1:1/", "redis_url": "redis://127.0.0.1:1"}
@@ -129,6 +133,7 @@ class Real(Backend):
         self.start_worker = start_worker
         self.broker_url = broker_url
         self.ids = []
+        self.sessions = []
 
     def app(self, **settings: Any) -> App:
         return self.make_app("wf", workflow_sweep_s=0.1, **settings)
@@ -200,7 +205,7 @@ async def rabbitmq_backend(
 ) -> AsyncIterator[Backend]:
     backend = Real(make_app, start_worker, broker_url)
     yield backend
-    await forget_workflows(redis_url, backend.ids)
+    await forget_workflows(redis_url, backend.ids, backend.sessions)
 
 
 @pytest.fixture(params=["memory", "rabbitmq"])
@@ -210,13 +215,13 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     return found
 
 
-async def forget_workflows(redis_url: str, ids: list[str]) -> None:
+async def forget_workflows(redis_url: str, ids: list[str], sessions: list[str]) -> None:
     """Delete what the workflows of a test left in Redis (their tasks' keys go with their
-    queues: ``make_app``)."""
-    if not ids:
-        return
+    queues: ``make_app``), and its sessions' inboxes."""
     client = aioredis.Redis.from_url(redis_url)
     try:
+        for session in sessions:
+            await client.delete(inbox_key(session), inbox_trace_key(session))
         for wid in ids:
             keys = [workflow_key(wid), workflow_parts_key(wid), latest_key(wid)]
             keys += [state_key(q, wid) for q in (CHAIN_RECORD_QUEUE, GROUP_RECORD_QUEUE)]
@@ -252,11 +257,13 @@ async def test_a_chain_passes_each_result_on_and_ends_with_the_last_one(
 
     await backend.open(app)
     await backend.run(app)
+    session = f"user-{qname}"
+    backend.sessions.append(session)
     chain_id = await app.chain(
         [f"{qname}-a", f"{qname}-b", f"{qname}-c"],
         "hello",
         trace_id="trace-wf-1",
-        session_id="user-7",
+        session_id=session,
     )
     backend.ids.append(chain_id)
     state = await backend.final(app, chain_id)
@@ -267,10 +274,19 @@ async def test_a_chain_passes_each_result_on_and_ends_with_the_last_one(
         CHAIN_RECORD_QUEUE,
     )
     assert seen == [
-        ("a", "hello", "trace-wf-1", "user-7"),
-        ("b", {"intent": "HELLO"}, "trace-wf-1", "user-7"),
-        ("c", ["HELLO", "graph"], "trace-wf-1", "user-7"),
+        ("a", "hello", "trace-wf-1", session),
+        ("b", {"intent": "HELLO"}, "trace-wf-1", session),
+        ("c", ["HELLO", "graph"], "trace-wf-1", session),
     ]
+    # The session's inbox holds every stage's final reply, in the chain's order.
+    inbox = app.inbox(session)
+    finals = [(e.task_id, e.result) for e in await inbox.pending() if e.kind == "final"]
+    assert finals == [
+        (f"{chain_id}.0", {"intent": "HELLO"}),
+        (f"{chain_id}.1", ["HELLO", "graph"]),
+        (f"{chain_id}.2", "HELLO + graph"),
+    ]
+    await inbox.confirm((await inbox.pending())[-1].id)
     stage = await app.status(f"{chain_id}.1", queue=f"{qname}-b")
     assert stage is not None and stage.status is TaskStatus.SUCCEEDED
     async with asyncio.timeout(WAIT_S):
