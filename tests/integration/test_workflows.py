@@ -21,7 +21,8 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from tests.conftest import wait_until
+from tests.conftest import settings_for, wait_until
+from tests.integration.processes import one_error_line, run_cli, settings_env
 from weclaw_mq import App, Reject, RetryPolicy, Settings, TaskState, TaskStatus
 from weclaw_mq.admin import dlq
 from weclaw_mq.contract import headers as h
@@ -690,3 +691,40 @@ async def test_a_stage_delivered_again_moves_the_chain_on_once(
     assert (first_end.status, first_end.result) == (TaskStatus.SUCCEEDED, 20)
     assert again == first_end
     assert ran == ["a", "b"]
+
+
+async def test_the_cli_cancels_a_workflow_and_says_when_it_had_ended(
+    make_app: Callable[..., App], broker_url: str, redis_url: str, qname: str
+) -> None:
+    app = make_app("wf")
+
+    @app.handler(f"{qname}-part")
+    async def part(n: int) -> int:
+        return n
+
+    await app.declare()  # no worker: the parts wait in their queue
+    group_id = await app.group(f"{qname}-part", [1, 2])
+    env = settings_env(settings_for(broker_url, redis_url))
+    try:
+        done = await run_cli("cancel", group_id, "--workflow", env=env)
+        assert done.code == 0, done.stderr
+        assert done.stdout.strip() == f"workflow {group_id} cancelled, and its tasks still to come"
+        state = await app.status(group_id)
+        assert state is not None and state.status is TaskStatus.CANCELLED
+        part_state = await app.status(f"{group_id}.1", queue=f"{qname}-part")
+        assert part_state is not None and part_state.status is TaskStatus.CANCELLED
+
+        again = await run_cli("cancel", group_id, "--workflow", env=env)
+        assert (again.code, one_error_line(again)) == (
+            1,
+            f"weclaw-mq: error: workflow {group_id} already ended (cancelled); "
+            "nothing was cancelled",
+        )
+        unknown = await run_cli("cancel", f"{group_id}-no", "--workflow", env=env)
+        assert one_error_line(unknown) == (
+            f"weclaw-mq: error: workflow {group_id}-no is not known: nothing was cancelled"
+        )
+        misused = await run_cli("cancel", group_id, "--workflow", "--pending", env=env)
+        assert misused.code == 2 and "--workflow takes neither" in misused.stderr
+    finally:
+        await forget_workflows(redis_url, [group_id], [])
