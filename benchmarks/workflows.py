@@ -8,7 +8,9 @@ Three measurements, each against a baseline run in the same round (so both saw t
 - **chain overhead**: ``--chains`` 3-stage chains (``app.chain``) against as many 3-stage
   pipelines chained by hand (each stage's handler publishes the next with
   ``ctx.publish(..., task_id=...)``, as before workflows existed). The window runs from the
-  first start to the last stage's last ack; the ratio chain / by hand (target <= 1.2x).
+  first start to the last stage's last ack; the ratio chain / by hand (target <= 1.2x), in
+  time and in the CPU of the process (which runs the worker and the starts: on a machine
+  shared with other load, the steadier of the two).
 - **fan-in rate**: one group of ``--parts`` parts and a callback, published first, then an
   in-process worker started: parts joined per second until the callback ended, against the
   plain guarded consume rate of as many tasks to the same handler (its bound: a part costs a
@@ -94,8 +96,9 @@ async def _in_batches(calls: list[Any], size: int = 50) -> list[Any]:
 # -- chain overhead ---------------------------------------------------------------------------
 
 
-async def chain_seconds(n: int, *, by_hand: bool) -> float:
-    """Seconds from the first start to the last stage's last ack, for ``n`` 3-stage runs."""
+async def chain_seconds(n: int, *, by_hand: bool) -> tuple[float, float]:
+    """Seconds from the first start to the last stage's last ack, for ``n`` 3-stage runs, and
+    this process's CPU seconds meanwhile (its worker and its publishes)."""
     tag = uuid.uuid4().hex[:8]
     queues = [f"bench-wf-{'hand' if by_hand else 'chain'}-{tag}-{s}" for s in "abc"]
     app = App("bench-workflows", settings=_settings())
@@ -121,15 +124,15 @@ async def chain_seconds(n: int, *, by_hand: bool) -> float:
     ids: list[str] = []
     try:
         worker, running = await _start(app)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         if by_hand:
             await _in_batches([app.publish(queues[0], i) for i in range(n)])
         else:
             ids = await _in_batches([app.chain(queues, i) for i in range(n)])
         await _until_acked(app, queues[2], n, running)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         await _stop(worker, running)
-        return elapsed
+        return elapsed, cpu
     finally:
         await app.close()
         await _clean(app, queues, ids)
@@ -138,8 +141,9 @@ async def chain_seconds(n: int, *, by_hand: bool) -> float:
 # -- fan-in -----------------------------------------------------------------------------------
 
 
-async def fan_in_rate(parts: int, *, group: bool) -> float:
-    """Parts (or plain tasks) per second through a worker started after they were published."""
+async def fan_in_rate(parts: int, *, group: bool) -> tuple[float, float]:
+    """Parts (or plain tasks) per second through a worker started after they were published,
+    and per second published (``app.group``, or ``publish_many`` in batches of 1,000)."""
     tag = uuid.uuid4().hex[:8]
     queue, merge_queue = f"bench-wf-part-{tag}", f"bench-wf-merge-{tag}"
     app = App("bench-workflows", settings=_settings())
@@ -155,11 +159,13 @@ async def fan_in_rate(parts: int, *, group: bool) -> float:
     ids: list[str] = []
     try:
         await app.declare()
+        p0 = time.perf_counter()
         if group:
             ids = [await app.group(queue, range(parts), then=merge_queue)]
         else:
             for first in range(0, parts, 1000):
                 await app.publish_many(queue, list(range(first, min(first + 1000, parts))))
+        published_per_s = parts / (time.perf_counter() - p0)
         worker = Worker(app, concurrency=CONCURRENCY)
         t0 = time.perf_counter()
         running = asyncio.create_task(worker.run())
@@ -169,7 +175,7 @@ async def fan_in_rate(parts: int, *, group: bool) -> float:
             await _until_acked(app, queue, parts, running)
         elapsed = time.perf_counter() - t0
         await _stop(worker, running)
-        return parts / elapsed
+        return parts / elapsed, published_per_s
     finally:
         await app.close()
         await _clean(app, [queue, merge_queue], ids)
@@ -227,17 +233,26 @@ def spread(values: list[float], fmt: str) -> str:
 async def main(chains: int, parts: int, joins: int, rounds: int) -> None:
     chain_s: list[float] = []
     hand_s: list[float] = []
+    chain_cpu: list[float] = []
+    hand_cpu: list[float] = []
     group_rate: list[float] = []
     plain_rate: list[float] = []
+    group_pub: list[float] = []
+    plain_pub: list[float] = []
     join: list[float] = []
     for r in range(rounds):
         order = [False, True] if r % 2 else [True, False]
         for by_hand in order:
-            (hand_s if by_hand else chain_s).append(await chain_seconds(chains, by_hand=by_hand))
+            seconds, cpu = await chain_seconds(chains, by_hand=by_hand)
+            (hand_s if by_hand else chain_s).append(seconds)
+            (hand_cpu if by_hand else chain_cpu).append(cpu)
         for group in order:
-            (group_rate if group else plain_rate).append(await fan_in_rate(parts, group=group))
+            rate, published = await fan_in_rate(parts, group=group)
+            (group_rate if group else plain_rate).append(rate)
+            (group_pub if group else plain_pub).append(published)
         join.append(await join_rate(joins))
     ratio = [c / h for c, h in zip(chain_s, hand_s, strict=True)]
+    cpu_ratio = [c / h for c, h in zip(chain_cpu, hand_cpu, strict=True)]
     fan = [g / p for g, p in zip(group_rate, plain_rate, strict=True)]
     print(f"workflows: {rounds} rounds, worker concurrency {CONCURRENCY}, guard + results on")
     print("| measurement | value |")
@@ -245,9 +260,12 @@ async def main(chains: int, parts: int, joins: int, rounds: int) -> None:
     print(f"| {chains} 3-stage chains (app.chain), s | {spread(chain_s, '.2f')} |")
     print(f"| {chains} 3-stage pipelines by hand (ctx.publish), s | {spread(hand_s, '.2f')} |")
     print(f"| chain / by hand, paired per round (target <= 1.2x) | {spread(ratio, '.2f')}x |")
+    print(f"| chain / by hand, CPU of the process, paired | {spread(cpu_ratio, '.2f')}x |")
     print(f"| {parts}-part group, parts joined/s | {spread(group_rate, ',.0f')} |")
     print(f"| {parts} plain guarded tasks, tasks/s (the bound) | {spread(plain_rate, ',.0f')} |")
     print(f"| group / plain, paired per round | {spread(fan, '.2f')}x |")
+    print(f"| app.group start, parts published/s | {spread(group_pub, ',.0f')} |")
+    print(f"| publish_many of as many plain tasks, tasks/s | {spread(plain_pub, ',.0f')} |")
     print(f"| join step alone, one {joins}-part group, joins/s | {spread(join, ',.0f')} |")
 
 
