@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits bench-rss bench-redis-client bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
+	bench-stream bench-priority bench-limits bench-token-budget bench-rss bench-redis-client bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
 	distclean docs docs-serve services-up services-down services-status soak fuzz
 
 help:
@@ -40,6 +40,7 @@ help:
 	@echo "make bench-stream   ctx.emit's cost in the handler, and emit -> App.stream reader latency"
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
+	@echo "make bench-token-budget  goodput and 429s against a provider with real token limits, budgeted vs not"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
 	@echo "make bench-start    a cold worker's time to first delivery, 1 and 2 processes"
 	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"
@@ -162,6 +163,7 @@ bench:
 	$(MAKE) --no-print-directory bench-start
 	$(MAKE) --no-print-directory bench-io-high
 	$(MAKE) --no-print-directory bench-waiters
+	$(MAKE) --no-print-directory bench-token-budget
 	$(MAKE) --no-print-directory bench-workflows
 
 # The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
@@ -226,6 +228,11 @@ bench-priority: install
 # defaults; add "rate" to --variants for a rate limit too.
 bench-limits: install
 	$(BIN)/python -m benchmarks.limits_cost $(LIMITS_ARGS)
+
+# Token limits against a local provider with its own token limit (weclaw_mq.testing.fake_provider):
+# 429s and goodput, budgeted vs not, 3 workers (~90 s). TOKEN_BUDGET_ARGS=--smoke for tiny.
+bench-token-budget: install
+	$(BIN)/python -m benchmarks.token_budget $(TOKEN_BUDGET_ARGS)
 
 # Not in 'make test' (minutes): a worker's memory over 50,000 tasks, guard and results on, some
 # retried, some dead-lettered (benchmarks/soak.py). SOAK_ARGS="--tasks 50000 --warmup 10000".

@@ -233,6 +233,21 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
     await forget_task_keys(redis_url, queues)
 
 
+async def forget_limit_keys(redis_url: str, queue: str) -> None:
+    """Delete the keys of ``queue``'s limits (they expire by themselves after one lease or
+    period; a test leaves none behind anyway)."""
+    from weclaw_mq.contract.naming import LIMIT_KEY_PREFIX
+
+    client = aioredis.from_url(redis_url)
+    try:
+        pattern = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:*"
+        keys = [k async for k in client.scan_iter(pattern)]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
 async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
     """Delete the Redis keys (guard, record, body fingerprint, latest pointer, stream, cancel
     marker) of every task in ``queues``, so a test leaves nothing behind; best effort when the

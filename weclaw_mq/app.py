@@ -9,12 +9,14 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aio_pika
 from aio_pika.abc import HeadersType
 
+from weclaw_mq.contract.message import encode_payload
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.lifespan import HookT, Lifespan, Provider, ProviderT
 from weclaw_mq.handlers.middleware import Chain, Middleware
@@ -23,13 +25,16 @@ from weclaw_mq.handlers.spec import HandlerFunc, HandlerSpec, build_spec
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans, spans_for
 from weclaw_mq.policy.breaker import Breaker
-from weclaw_mq.policy.limits import Limit, as_limits
+from weclaw_mq.policy.costs import Cap, Price, check_prices
+from weclaw_mq.policy.limits import KeyFunc, Limit, as_limits
 from weclaw_mq.policy.priority import QUORUM, Priority
 from weclaw_mq.policy.retry import RetryPolicy
+from weclaw_mq.policy.schedules import DEFAULT_GRACE_S, MissedPolicy, Payload, Schedule
 from weclaw_mq.publishing.engine import PublishingEngine
 from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.settings import Settings
 from weclaw_mq.state import Cancellation, TaskState, TaskStore, open_store
+from weclaw_mq.state.cost_ledger import Call, CostLedger, Totals, ledger_of
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.wire.connection import BrokerEndpoints
 from weclaw_mq.wire.topology import declare
@@ -63,6 +68,9 @@ class App:
         declare: Declare this App's queues before its first publish to one of them (once
             per event loop), for a producer that owns its queues; off by default, so a
             least-privilege producer never declares.
+        prices: The price of each model, ``{"model": Price(input_per_1k=, output_per_1k=)}``:
+            the tokens handlers report (``ctx.usage``) are then costed and recorded per task,
+            tenant and model (``weclaw_mq.policy.costs``).
 
     Raises:
         ConfigurationError: Both ``store`` and ``result_store`` were given.
@@ -78,6 +86,7 @@ class App:
         result_store: TaskStore | None = None,
         streams: StreamStore | None = None,
         declare: bool = False,
+        prices: dict[str, Price] | None = None,
     ) -> None:
         if result_store is not None:
             if store is not None:
@@ -88,6 +97,8 @@ class App:
             store = result_store
         self.name = name
         self.settings = settings if settings is not None else Settings()
+        # Model prices (policy.costs): with them, workers record what each task cost.
+        self.prices = check_prices(prices)
         self.metrics = Metrics(registry)
         self.broker = BrokerEndpoints(self.settings)
         self._handlers: dict[str, HandlerSpec] = {}
@@ -96,6 +107,8 @@ class App:
         self.lifespan = Lifespan()
         # Middleware around handler runs and publishes (``handlers.middleware``), in order.
         self.middleware = Chain()
+        # Schedules by name (``policy.schedules``), fired by a scheduler (``scheduling``).
+        self._schedules: dict[str, Schedule] = {}
         self._store = store
         self._owns_store = store is None  # ours to close, not the user's
         # OpenTelemetry spans (weclaw_mq.observability.otel): decided on first use, once; False
@@ -141,6 +154,8 @@ class App:
         queue_type: str = QUORUM,
         limit: Limit | Sequence[Limit] | None = None,
         breaker: Breaker | None = None,
+        tenant: KeyFunc | None = None,
+        cap: Cap | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register a handler (async or plain def) for ``queue``; unset options come from settings.
 
@@ -172,6 +187,10 @@ class App:
             breaker: A ``Breaker(...)`` pauses the queue in a worker after repeated failures
                 (``UpstreamDown`` by default) and probes it after a cool-down (see
                 ``breaker``).
+            tenant: A function of the task naming whose bill it is on (a ``str`` or ``int``):
+                its reported costs are summed per tenant (``weclaw-mq costs``).
+            cap: A ``Cap(per_day=..., action=...)``: a tenant whose day's costs reached it
+                gets its next tasks parked, shed or run on a cheaper model. Needs ``prices``.
 
         Returns:
             The decorator, which registers the function and returns it unchanged.
@@ -184,6 +203,10 @@ class App:
                 ``queue_type``.
         """
         limits = as_limits(limit)
+        if cap is not None and not self.prices:
+            raise ConfigurationError(
+                f"cap for {queue!r} needs the models' prices: App(..., prices={{...}})"
+            )
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if queue in self._handlers:
@@ -207,6 +230,8 @@ class App:
                 limits=limits,
                 breaker=breaker,
                 priorities=priorities,
+                tenant=tenant,
+                cap=cap,
             )
             return func
 
@@ -300,6 +325,83 @@ class App:
             ConfigurationError: Not a ``Middleware``, or added twice.
         """
         self.middleware.add(middleware)
+
+    def schedule(
+        self,
+        name: str,
+        *,
+        queue: str,
+        cron: str | None = None,
+        every_s: float | None = None,
+        tz: str = "UTC",
+        missed: MissedPolicy = "skip",
+        grace_s: float = DEFAULT_GRACE_S,
+        payload: Payload = None,
+    ) -> Schedule:
+        """Publish a task to ``queue`` on every tick of a cron expression or an interval.
+
+        A scheduler (``weclaw-mq scheduler MODULE:APP``, or workers run with ``--schedules``)
+        fires the ticks; however many replicas run, one holds the lease and each tick is
+        published once, under a task id made of the name and the tick, so the handler's guard
+        runs it once even when a replica died between the publish and its record.
+
+        Args:
+            name: Unique in this App: letters, digits and ``_.:-``, at most 100.
+            queue: The handler queue each tick's task goes to.
+            cron: A five-field cron expression, evaluated in ``tz``.
+            every_s: Or an interval in seconds (ticks at multiples of it since the epoch).
+            tz: The IANA time zone of ``cron``.
+            missed: What to do with ticks no scheduler fired on time: ``"skip"`` them, or
+                ``"catch_up"``: run the latest of them once, late.
+            grace_s: How late a tick may fire and still count as on time.
+            payload: The task, or a function of the tick's time returning it; default
+                ``{"schedule": name, "tick": "<ISO 8601>"}``.
+
+        Returns:
+            The schedule.
+
+        Raises:
+            ConfigurationError: A name used before or not allowed, neither or both of
+                ``cron`` and ``every_s``, a cron expression or time zone that does not parse,
+                an unknown ``missed``, or a fixed ``payload`` that the handler of ``queue``
+                (registered before this call) refuses.
+        """
+        if name in self._schedules:
+            raise ConfigurationError(f"schedule {name!r} is registered twice")
+        planned = Schedule(
+            name,
+            queue,
+            cron=cron,
+            every_s=every_s,
+            tz=tz,
+            missed=missed,
+            grace_s=grace_s,
+            payload=payload,
+        )
+        spec = self._handlers.get(queue)
+        if spec is not None and not callable(payload):
+            try:
+                spec.parse(
+                    encode_payload(planned.task_for(planned.last_at_or_before(datetime.now(UTC))))
+                )
+            except Exception as e:
+                raise ConfigurationError(
+                    f"schedule {name!r}: the handler of {queue!r} refuses its payload: {e}"
+                ) from e
+        if spec is not None and not spec.idempotent:
+            warnings.warn(
+                f"schedule {name!r}: the handler of {queue!r} is not guarded (idempotent="
+                "False): a tick published twice (a scheduler killed between its publish and its "
+                "record) would run twice",
+                stacklevel=2,
+            )
+        self._schedules[name] = planned
+        return planned
+
+    @property
+    def schedules(self) -> Mapping[str, Schedule]:
+        """The schedules registered with ``schedule``, by name (read-only)."""
+        return MappingProxyType(self._schedules)
 
     @property
     def handlers(self) -> Mapping[str, HandlerSpec]:
@@ -798,6 +900,47 @@ class App:
             StateUnavailableError: The store fails or does not answer.
         """
         return await cancel_workflow(self, workflow_id)
+
+    # -- costs (weclaw_mq.policy.costs) ----------------------------------------------------
+    def _ledger(self) -> CostLedger:
+        return ledger_of(
+            self.store,
+            self.name,
+            usage_ttl_s=self.settings.result_ttl_s,
+            days_kept=self.settings.cost_days_kept,
+        )
+
+    async def costs(self, *, days: int = 1, by: str = "tenant") -> list[Totals]:
+        """What the reported model usage cost over the last ``days`` UTC days.
+
+        Args:
+            days: How many days back, today included.
+            by: ``"tenant"`` or ``"model"``.
+
+        Returns:
+            One ``Totals`` (cost, input and output tokens) per tenant or model, the most
+            expensive first.
+
+        Raises:
+            ConfigurationError: ``by`` is neither, or the App keeps no Redis task store.
+            StateUnavailableError: Redis does not answer.
+        """
+        return await self._ledger().totals(days, by=by)
+
+    async def calls(self, task_id: str) -> list[Call]:
+        """Every model call recorded on a task (each attempt's), with its tokens and cost.
+
+        Args:
+            task_id: The task's id.
+
+        Returns:
+            The calls, oldest first; none when it reported none (or its record expired).
+
+        Raises:
+            ConfigurationError: The App keeps no Redis task store.
+            StateUnavailableError: Redis does not answer.
+        """
+        return await self._ledger().calls_of(task_id)
 
     # -- topology and lifecycle ---------------------------------------------------------
     async def declare(self) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,6 +41,10 @@ class Context:
             this in a task of its own. A plain-``def`` handler reads ``cancelled`` instead.
         loop: The worker's event loop, for a plain-``def`` handler's ``emit_sync`` and
             ``publish_sync`` from its thread; the worker sets it for those handlers only.
+        usage_sink: Where ``usage`` reports the run's model calls (the worker sets it for a
+            handler with a token limit, or in an App with prices).
+        model: The model the worker chose for this run, None to use the handler's own: a
+            tenant past its ``Cap(action="downgrade")`` gets the cap's cheaper model here.
     """
 
     task_id: str
@@ -63,6 +67,10 @@ class Context:
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # The worker's event loop, for a plain def's emit_sync and publish_sync from its thread.
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    # Where ``usage`` reports the run's model calls (worker.usage), when anything counts them.
+    usage_sink: Callable[[int, int, str | None], None] | None = field(default=None, repr=False)
+    # The model the worker chose for this run (a tenant past its cap, downgraded), else None.
+    model: str | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -72,6 +80,31 @@ class Context:
         by a cancel, it reads this between its steps and returns early.
         """
         return self.cancel_requested.is_set()
+
+    def usage(
+        self, *, input_tokens: int = 0, output_tokens: int = 0, model: str | None = None
+    ) -> None:
+        """Report the model tokens this run used; call it once per model call.
+
+        A handler with a token limit (``Limit(tokens=...)``) is admitted with an estimate;
+        what it reports here replaces the estimate in the limit's window when the run ends,
+        so the estimate's error does not accumulate. In an App with prices, each call is
+        costed and recorded on the task and in its tenant's and model's daily totals
+        (``weclaw-mq costs``). Safe from a plain-``def`` handler's thread.
+
+        Args:
+            input_tokens: The prompt's tokens, as the provider counted them.
+            output_tokens: The answer's tokens.
+            model: The model called; default ``ctx.model``, else ``"-"``.
+
+        Raises:
+            ValueError: A count that is not an int of at least 0.
+        """
+        for name, count in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+                raise ValueError(f"ctx.usage {name} must be an int >= 0, got {count!r}")
+        if self.usage_sink is not None:
+            self.usage_sink(input_tokens, output_tokens, model)
 
     def use(self, provider: Provider[_T]) -> _T:
         """The open resource of ``provider``, registered with ``@app.resource``.

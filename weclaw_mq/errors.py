@@ -44,6 +44,7 @@
         ├── HandlerTimeout           the handler ran past its ``timeout_s`` and was cancelled
         ├── HandlerAbandoned         ... and ignored its cancellation for the grace period
         ├── WorkerCrashLoop          returned unsettled more often than the delivery limit
+        ├── BudgetExceeded           its tenant spent the day's cap (a shedding ``Cap``)
         └── ResultNotStored          the result store did not answer within its patience
 
 A ``PublishFailedError`` means the caller does not hold a confirmed task, for any reason:
@@ -356,6 +357,12 @@ class WorkerCrashLoop(WorkerError):
     """The task was returned unsettled more often than the handler's delivery limit."""
 
     error_type: ClassVar[str] = "weclaw_mq.WorkerCrashLoop"
+
+
+class BudgetExceeded(WorkerError):
+    """The task's tenant spent its day's cap (``Cap(action="shed")``): not run."""
+
+    error_type: ClassVar[str] = "weclaw_mq.BudgetExceeded"
 
 
 class TaskExpired(WorkerError):

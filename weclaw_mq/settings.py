@@ -201,6 +201,16 @@ class Settings(EnvSettings):
     workflow_deadline_s: float = seconds(_DAY_S, floor=0.001, ceiling=_YEAR_S)
     # How often each worker sweeps the workflow deadlines (one Redis script per sweep).
     workflow_sweep_s: float = seconds(5.0, floor=0.05, ceiling=_HOUR_S)
+    # Schedules (docs/how-to/schedules.md): the scheduler replica that holds this lease in Redis
+    # fires the ticks; killed, its lease lapses after this long and a standby takes over, and
+    # the ticks in between are missed (each schedule's missed= policy decides).
+    scheduler_lease_s: float = seconds(10.0, floor=0.5, ceiling=600.0)
+    # Workers also run the scheduler (weclaw-mq worker --schedules): every replica competes for
+    # the lease, one fires. Off: run 'weclaw-mq scheduler MODULE:APP' instead.
+    schedules_in_worker: bool = False
+    # Costs (docs/how-to/costs.md): how many UTC days an app's daily totals per tenant and
+    # per model are kept in Redis ('weclaw-mq costs' reads them).
+    cost_days_kept: int = Field(default=90, ge=1, le=3660)
 
     # The local outbox (weclaw_mq.outbox): off unless a file is named. Publishes that find
     # the broker unreachable, or whose outcome is unknown, are stored there and relayed.

@@ -642,3 +642,114 @@ async def test_handlers_page_resource_serves_every_run_and_middleware_sees_each_
 
     assert [f.result for f in finals] == ["an answer to 'hi'", "an answer to 'again'"]
     assert all(line.startswith(f"{queue} attempt 1: acked in ") for line in example.timing.lines)
+
+
+# -- schedules.md -------------------------------------------------------------------------------
+
+
+async def test_schedules_page_fires_the_interval_once_per_tick_and_lists_the_nightly_one(
+    examples: Examples, start_worker: Callable[..., Any], redis_url: str
+) -> None:
+    from weclaw_mq.contract.naming import schedule_key, scheduler_lease_key
+    from weclaw_mq.scheduling.scheduler import describe_schedules
+
+    example = examples.load("schedules.py", queues=["rescore-day", "heartbeat"])
+    app = example.app
+    app.name = f"rescoring-{examples.queue('heartbeat')}"  # its lease is its own in this run
+    worker = await start_worker(app, schedules=True)
+    try:
+        await wait_until(lambda: _fired(app) >= 2, 20, "two ticks of pulse fired")
+        views, leader = await describe_schedules(app)
+        by_name = {v.name: v for v in views}
+        assert leader
+        nightly = by_name["nightly-rescore"]
+        assert nightly.every == "cron 0 3 * * * (Europe/Berlin)" and nightly.fired == 0
+        assert nightly.next_tick is not None and nightly.next_tick.hour == 3
+        beat = by_name["pulse"]
+        assert beat.last_status == "succeeded" and beat.last_task_id is not None
+        assert beat.last_task_id.startswith("schedule:pulse:")
+        assert beat.every == "every 2 s"
+    finally:
+        worker.stop()
+        client = aioredis.from_url(redis_url)
+        await client.delete(
+            scheduler_lease_key(app.name),
+            *(schedule_key(app.name, n) for n in app.schedules),
+        )
+        await client.aclose()
+
+
+def _fired(app: App) -> float:
+    sample = app.metrics.registry.get_sample_value(
+        "weclaw_mq_schedule_ticks_total", {"schedule": "pulse", "outcome": "fired"}
+    )
+    return sample or 0.0
+
+
+# -- limits.md: token limits ------------------------------------------------------------------
+
+
+async def test_limits_page_token_limit_keeps_a_provider_with_its_own_limits_from_429s(
+    examples: Examples,
+    start_worker: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+) -> None:
+    from tests.conftest import forget_limit_keys
+    from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
+
+    fake = FakeProvider({"small": ModelLimits(tokens=90_000, requests=500, window_s=60)})
+    async with serving(fake) as base_url:
+        monkeypatch.setenv("PROVIDER_URL", base_url)
+        example = examples.load("token_limits.py", queues=["answers"])
+        app, queue = example.app, examples.queue("answers")
+        try:
+            await start_worker(app, concurrency=4)
+            ids = await app.publish_many(
+                queue, [{"model": "small", "prompt": "hello " * 50, "max_tokens": 64}] * 5
+            )
+            finals = [await app.result(t, timeout_s=30) for t in ids]
+        finally:
+            await example.client.aclose()
+            await forget_limit_keys(redis_url, queue)
+    assert [f.status for f in finals] == [TaskStatus.SUCCEEDED] * 5
+    assert fake.refused == 0 and fake.calls == 5
+
+
+# -- costs.md --------------------------------------------------------------------------------
+
+
+async def test_costs_page_records_each_call_per_tenant_and_model(
+    examples: Examples, start_worker: Callable[..., Any], redis_url: str
+) -> None:
+    from datetime import UTC, datetime
+
+    from weclaw_mq.contract.naming import costs_key, usage_key
+
+    example = examples.load("costs.py", queues=["answers"])
+    app, queue = example.app, examples.queue("answers")
+    app.name = f"costs-{queue}"  # its totals are its own in this run
+    await start_worker(app)
+    ids = await app.publish_many(
+        queue,
+        [
+            {"tenant": "acme", "model": "big-1", "prompt": "p" * 400},
+            {"tenant": "globex", "model": "small-1", "prompt": "p" * 40},
+        ],
+    )
+    try:
+        assert [(await app.result(t, timeout_s=15)).result for t in ids] == [
+            "big-1 says hi",
+            "small-1 says hi",
+        ]
+        by_tenant = {t.name: t for t in await app.costs(by="tenant")}
+        # acme: 100 input and 20 output tokens of big-1; globex: 10 and 20 of small-1.
+        assert by_tenant["acme"].cost == (100 * 0.5 + 20 * 1.5) / 1000
+        assert by_tenant["globex"].cost == (10 * 0.05 + 20 * 0.15) / 1000
+        (call,) = await app.calls(ids[0])
+        assert (call.model, call.tenant, call.attempt) == ("big-1", "acme", 1)
+    finally:
+        client = aioredis.from_url(redis_url)
+        day = datetime.now(UTC).date().isoformat()
+        await client.delete(costs_key(app.name, day), *(usage_key(t) for t in ids))
+        await client.aclose()

@@ -29,6 +29,7 @@ DOCUMENTED = [
     "weclaw_mq.HandlerAbandoned",
     "weclaw_mq.WorkerCrashLoop",
     "weclaw_mq.TaskExpired",
+    "weclaw_mq.BudgetExceeded",
     "weclaw_mq.ResultNotStored",
     "weclaw_mq.WorkerError",
     "weclaw_mq.WeclawMQError",

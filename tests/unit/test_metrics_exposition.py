@@ -39,6 +39,8 @@ def ours() -> str:
     m.circuit_opened("q").inc()
     m.workflows_ended.labels("group", "succeeded").inc()
     m.group_parts.observe(40)
+    m.schedule_ticks.labels("nightly", "fired").inc()
+    m.scheduler_leader.labels().set(1)
     return generate_latest(m.registry).decode()
 
 
@@ -129,6 +131,35 @@ def prometheus_clients() -> str:
     )
     ended.labels("group", "succeeded").inc()
     parts.observe(40)
+    ticks = Counter(
+        "weclaw_mq_schedule_ticks",
+        "Schedule ticks by schedule and outcome (fired, skipped, failed).",
+        ["schedule", "outcome"],
+        registry=r,
+    )
+    leader = Gauge(
+        "weclaw_mq_scheduler_leader",
+        "1 while this process's scheduler holds the lease and fires the ticks, else 0.",
+        registry=r,
+    )
+    Counter(
+        "weclaw_mq_model_tokens",
+        "Model tokens handlers reported, by queue, model and kind (input, output).",
+        ["queue", "model", "kind"],
+        registry=r,
+    )
+    Counter(
+        "weclaw_mq_model_cost",
+        "What the reported tokens cost with the App's prices, by queue and model.",
+        ["queue", "model"],
+        registry=r,
+    )
+    Counter(
+        "weclaw_mq_capped_tasks",
+        "Tasks whose tenant had reached its daily cap, by queue and the cap's action.",
+        ["queue", "action"],
+        registry=r,
+    )
     messages.labels("q", "acked").inc(2)
     messages.labels("r", "retried").inc(3)
     published.labels("q", "confirmed").inc()
@@ -142,6 +173,8 @@ def prometheus_clients() -> str:
     for each in CircuitState:
         state.labels("q", each.value).set(1 if each is CircuitState.OPEN else 0)
     opened.labels("q").inc()
+    ticks.labels("nightly", "fired").inc()
+    leader.set(1)
     return generate_latest(r).decode()
 
 

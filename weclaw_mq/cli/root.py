@@ -90,6 +90,7 @@ def _supervise(
     queues: list[str] | None,
     metrics_port: int | None,
     loop: EventLoopName,
+    schedules: bool | None,
 ) -> None:
     # Each child reads the same settings; a port from them would be taken by all, so the
     # supervisor hands out port + i itself.
@@ -106,6 +107,7 @@ def _supervise(
                 metrics_port=None if port is None else port + index,
                 # One child reads the broker's load: N Erlang CLIs at once would cost N seconds.
                 broker_load_check=None if index == 0 else False,
+                schedules=schedules,
             )
             event_loop.run(main, loop)
         except KeyboardInterrupt:
@@ -243,6 +245,15 @@ def worker(
             "and the app's package's.",
         ),
     ] = None,
+    schedules: Annotated[
+        bool | None,
+        typer.Option(
+            "--schedules/--no-schedules",
+            show_default=False,
+            help="Also run the app's scheduler (every replica competes for its lease; one "
+            "fires each tick). Default: WECLAW_MQ_SCHEDULES_IN_WORKER, else off.",
+        ),
+    ] = None,
     log_level: LogLevel = "INFO",
     log_format: LogFormatOption = "text",
 ) -> None:
@@ -259,9 +270,15 @@ def worker(
         "uvloop" if (loop or app.settings.event_loop) == "uvloop" else "asyncio"
     )
     if processes > 1:
-        _supervise(app, processes, concurrency, queue or None, metrics_port, loop_name)
+        _supervise(app, processes, concurrency, queue or None, metrics_port, loop_name, schedules)
         return
-    main = run_worker(app, concurrency=concurrency, queues=queue or None, metrics_port=metrics_port)
+    main = run_worker(
+        app,
+        concurrency=concurrency,
+        queues=queue or None,
+        metrics_port=metrics_port,
+        schedules=schedules,
+    )
     event_loop.run(main, loop_name)
 
 
@@ -409,3 +426,12 @@ cli.command("asyncapi")(asyncapi)
 from weclaw_mq.cli.inspect_command import inspect_workers  # noqa: E402
 
 cli.command("inspect")(inspect_workers)
+
+from weclaw_mq.cli.costs_command import costs  # noqa: E402
+
+cli.command("costs")(costs)
+
+from weclaw_mq.cli.schedule_commands import run_scheduler, schedules_cli  # noqa: E402
+
+cli.command("scheduler")(run_scheduler)
+cli.add_typer(schedules_cli, name="schedules")

@@ -53,9 +53,14 @@ async def run_worker(
     queues: Sequence[str] | None,
     metrics_port: int | None,
     broker_load_check: bool | None = None,
+    schedules: bool | None = None,
 ) -> None:
     worker = Worker(
-        app, concurrency=concurrency, queues=queues, broker_load_check=broker_load_check
+        app,
+        concurrency=concurrency,
+        queues=queues,
+        broker_load_check=broker_load_check,
+        schedules=schedules,
     )
     port = metrics_port if metrics_port is not None else app.settings.metrics_port
     server = None

@@ -289,6 +289,55 @@ def worker_key(worker_id: str) -> str:
     return f"{WORKER_KEY_PREFIX}:{worker_id}"
 
 
+# -- Redis keys of schedules (state.schedule_book, scheduling.scheduler) ----------------------
+#
+#     weclaw_mq:scheduler:{schedules}:<A>       app A's scheduler lease: the token of the one
+#                                               scheduler that fires A's ticks, expiring
+#     weclaw_mq:schedule:{schedules}:<A>:<S>    schedule S of app A (a hash): the last tick
+#                                               handled, its task id, counts, paused
+#
+# One hash tag for all: on a Redis Cluster the lease and every schedule's record share a slot,
+# so one script checks the lease and marks a tick (a scheduler that lost its lease marks
+# nothing). A few writes per tick: no hot key.
+
+SCHEDULER_LEASE_KEY_PREFIX = f"{REDIS_PREFIX}:scheduler:{{schedules}}"
+SCHEDULE_KEY_PREFIX = f"{REDIS_PREFIX}:schedule:{{schedules}}"
+
+
+def scheduler_lease_key(app: str) -> str:
+    """The lease of app ``app``'s scheduler: the token of the replica that fires its ticks."""
+    return f"{SCHEDULER_LEASE_KEY_PREFIX}:{app}"
+
+
+def schedule_key(app: str, name: str) -> str:
+    """Schedule ``name`` of app ``app``: its last handled tick, task id, counts and pause."""
+    return f"{SCHEDULE_KEY_PREFIX}:{app}:{name}"
+
+
+# -- Redis keys of costs (state.cost_ledger) ---------------------------------------------------
+#
+#     weclaw_mq:usage:{T}                  task T's model calls (a list of JSON: queue, attempt,
+#                                          model, tenant, tokens, cost), beside T's records
+#     weclaw_mq:costs:{costs}:<A>:<day>    app A's totals of one UTC day (a hash: cost in
+#                                          millionths and tokens per tenant and per model)
+#
+# A day's totals share one hash tag: one HGETALL per day reads them; a few increments per
+# model call, not per delivery.
+
+USAGE_KEY_PREFIX = f"{REDIS_PREFIX}:usage"
+COSTS_KEY_PREFIX = f"{REDIS_PREFIX}:costs:{{costs}}"
+
+
+def usage_key(task_id: str) -> str:
+    """Task ``task_id``'s model calls and their costs, every attempt's, in its own slot."""
+    return f"{USAGE_KEY_PREFIX}:{_tagged(task_id)}"
+
+
+def costs_key(app: str, day: str) -> str:
+    """App ``app``'s cost and token totals of UTC day ``day`` (``YYYY-MM-DD``)."""
+    return f"{COSTS_KEY_PREFIX}:{app}:{day}"
+
+
 def queue_key_pattern(prefix: str, queue: str) -> str:
     """A SCAN pattern for every key under ``prefix`` of ``queue`` (e.g. its guard keys)."""
     return f"{prefix}:{len(queue.encode())}:{queue}:{{*"
@@ -308,19 +357,27 @@ def task_keys(queue: str, task_id: str) -> list[str]:
 #
 #     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:slots    running holders (sorted by lease end)
 #     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:starts   recent starts (sorted by start time)
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:tokens   a token limit's tokens per recent start
+#                                                       (a hash: holder -> tokens)
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:total    their sum
+#     weclaw_mq:limit:<len(Q)>:Q:<i>:{k=<key>}:blocked  set while a 429's Retry-After runs
 #
 # <i> is the limit's position in the handler's ``limit=`` list; a global limit (no key
 # function) has the tag {*}. '%', '{' and '}' in a key are %-escaped, so the tag is never
-# empty and is always the whole key: both keys of one limit and key hash to one cluster slot.
+# empty and is always the whole key: every key of one limit and key hashes to one cluster slot.
 
 
-def limit_keys(queue: str, index: int, key: str | None) -> tuple[str, str]:
-    """The (slots, starts) keys of limit ``index`` of ``queue`` for ``key`` (None: global)."""
+def _limit_base(queue: str, index: int, key: str | None) -> str:
     if key is None:
         tag = "*"
     else:
         tag = "k=" + key.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-    base = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:{index}:{{{tag}}}"
+    return f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:{index}:{{{tag}}}"
+
+
+def limit_keys(queue: str, index: int, key: str | None) -> tuple[str, str]:
+    """The (slots, starts) keys of limit ``index`` of ``queue`` for ``key`` (None: global)."""
+    base = _limit_base(queue, index, key)
     return f"{base}:slots", f"{base}:starts"
 
 
@@ -332,3 +389,9 @@ def workflow_key(workflow_id: str) -> str:
 def workflow_parts_key(workflow_id: str) -> str:
     """A group's parts that ended, by part index (a hash), in its id's hash slot."""
     return f"{WORKFLOW_PARTS_KEY_PREFIX}:{_tagged(workflow_id)}"
+
+
+def token_keys(queue: str, index: int, key: str | None) -> tuple[str, str, str]:
+    """The (tokens, total, blocked) keys of a token limit, in the slot of its ``limit_keys``."""
+    base = _limit_base(queue, index, key)
+    return f"{base}:tokens", f"{base}:total", f"{base}:blocked"

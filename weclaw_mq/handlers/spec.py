@@ -15,8 +15,9 @@ from weclaw_mq.contract.naming import validate_queue_name
 from weclaw_mq.errors import ConfigurationError, InvalidPayload, UndecodableBody
 from weclaw_mq.handlers.notifications import NotifyTarget
 from weclaw_mq.policy.breaker import Breaker
+from weclaw_mq.policy.costs import Cap
 from weclaw_mq.policy.failures import describe
-from weclaw_mq.policy.limits import DEFER_LADDER_MS, Limit
+from weclaw_mq.policy.limits import DEFER_LADDER_MS, KeyFunc, Limit
 from weclaw_mq.policy.priority import QUORUM, Priority, check_queue_type, parse_priority
 from weclaw_mq.policy.retry import RetryPolicy, delay_queue_set
 from weclaw_mq.wire.topology import QueueSpec
@@ -53,6 +54,10 @@ class HandlerSpec:
     breaker: Breaker | None = None
     # A plain ``def``: each call runs in one of the worker's threads (worker.sync_threads).
     is_sync: bool = False
+    # Whose bill a task is on (``tenant=``: a function of the task), and that tenant's daily
+    # cap (``cap=``; weclaw_mq.policy.costs).
+    tenant: KeyFunc | None = None
+    cap: Cap | None = None
 
     @property
     def name(self) -> str:
@@ -136,6 +141,8 @@ def build_spec(
     limits: tuple[Limit, ...] = (),
     breaker: Breaker | None = None,
     priorities: bool = False,
+    tenant: KeyFunc | None = None,
+    cap: Cap | None = None,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -160,6 +167,10 @@ def build_spec(
         raise ConfigurationError(f"priorities for {queue!r} must be True or False")
     if breaker is not None and not isinstance(breaker, Breaker):
         raise ConfigurationError(f"breaker for {queue!r} must be a Breaker, got {breaker!r}")
+    if tenant is not None and not callable(tenant):
+        raise ConfigurationError(f"tenant for {queue!r} must be a function of the task")
+    if cap is not None and not isinstance(cap, Cap):
+        raise ConfigurationError(f"cap for {queue!r} must be a Cap, got {cap!r}")
     try:
         hints = typing.get_type_hints(func)
     except Exception as e:  # an unresolvable forward reference
@@ -190,4 +201,6 @@ def build_spec(
         limits=limits,
         breaker=breaker,
         is_sync=is_sync,
+        tenant=tenant,
+        cap=cap,
     )

@@ -238,6 +238,35 @@ class Metrics:
         )
         self.group_parts = group_parts.labels()
         self.group_join_seconds = group_join_seconds.labels()
+        # Schedules (weclaw_mq.scheduling): ticks by schedule and outcome (fired, skipped as
+        # missed, failed to publish: tried again), and whether this process's scheduler leads.
+        self.schedule_ticks = _counter(
+            "weclaw_mq_schedule_ticks",
+            "Schedule ticks by schedule and outcome (fired, skipped, failed).",
+            ["schedule", "outcome"],
+        )
+        self.scheduler_leader = _gauge(
+            "weclaw_mq_scheduler_leader",
+            "1 while this process's scheduler holds the lease and fires the ticks, else 0.",
+        )
+        # Model usage handlers report (ctx.usage) in an App with prices (weclaw_mq.policy.costs):
+        # by queue and model only; tenants are 'weclaw-mq costs'' (a label each would grow
+        # without bound).
+        self.tokens = _counter(
+            "weclaw_mq_model_tokens",
+            "Model tokens handlers reported, by queue, model and kind (input, output).",
+            ["queue", "model", "kind"],
+        )
+        self.cost = _counter(
+            "weclaw_mq_model_cost",
+            "What the reported tokens cost with the App's prices, by queue and model.",
+            ["queue", "model"],
+        )
+        self.capped = _counter(
+            "weclaw_mq_capped_tasks",
+            "Tasks whose tenant had reached its daily cap, by queue and the cap's action.",
+            ["queue", "action"],
+        )
         # In the order they are exported (prometheus_client's: the order of creation).
         self._families: tuple[Family[Count] | Family[Level] | Family[Timing], ...] = (
             self.published,
@@ -257,6 +286,11 @@ class Metrics:
             self.workflows_ended,
             group_parts,
             group_join_seconds,
+            self.schedule_ticks,
+            self.scheduler_leader,
+            self.tokens,
+            self.cost,
+            self.capped,
         )
         self._registry: CollectorRegistry | None = None
         if registry is not None:  # the caller's: prometheus_client is loaded already

@@ -1,11 +1,15 @@
-"""Per-key concurrency and rate limits of a handler: what the user declares.
+"""Per-key concurrency, rate and token limits of a handler: what the user declares.
 
     @app.handler("chat", limit=Limit(key=lambda task: task.user_id, concurrency=2))
     @app.handler("embed", limit=[Limit(key=lambda t: t.user_id, rate=5), Limit(rate=100)])
+    @app.handler("answer", limit=Limit(key=lambda t: t.model, tokens=90_000, rate=500, per_s=60))
 
 A ``Limit`` holds tasks that share a key (``key(task)``; ``key=None``: every task of the
 handler shares one) to at most ``concurrency`` running at once across every worker, and/or at
-most ``rate`` starts in any window of ``per_s`` seconds. A task over a limit is deferred: moved
+most ``rate`` starts in any window of ``per_s`` seconds, and/or at most ``tokens`` model tokens
+started in any such window: a task is admitted when its estimated tokens (``estimate(task)``,
+by default the payload's JSON length / 4) fit, and settled with what the handler reports
+(``ctx.usage``), so the estimate's error does not accumulate. A task over a limit is deferred: moved
 to one of the handler's delay queues without spending an attempt, so it leaves the worker's
 prefetch window at once and other keys flow past it. The counting lives in Redis
 (``worker.limiting``), with leases that lapse when a worker dies.
@@ -30,11 +34,21 @@ class LimitKind(StrEnum):
 
     CONCURRENCY = "concurrency"
     RATE = "rate"
+    TOKENS = "tokens"
+    # The model API answered 429 with a Retry-After (``Retry(after_s=...)``): the key admits
+    # nothing until then.
+    BLOCKED = "blocked"
+
+
+# Characters per token of the default estimate: a common rule of thumb for English text with
+# the GPT and Claude tokenizers; give ``estimate=`` for anything better.
+CHARS_PER_TOKEN = 4
+EstimateFunc = Callable[[Any], int]
 
 
 @dataclass(frozen=True)
 class Limit:
-    """At most ``concurrency`` tasks per key at once, and/or ``rate`` starts per ``per_s``.
+    """At most ``concurrency`` tasks per key at once, ``rate`` starts and ``tokens`` per ``per_s``.
 
     Args:
         key: A function of the validated task (the handler's first argument) returning the
@@ -42,22 +56,34 @@ class Limit:
             this limit. Without ``key`` the limit is one global limit of the handler.
         concurrency: At most this many tasks of one key run at once, across every worker.
         rate: At most this many tasks of one key start in any window of ``per_s`` seconds.
-        per_s: The window of ``rate``, in seconds (at least 0.001).
+        per_s: The window of ``rate`` and ``tokens``, in seconds (at least 0.001).
+        tokens: At most this many model tokens (estimated at admission, settled with the
+            usage the handler reports) started per key in any window of ``per_s``. A task
+            estimated over the whole budget runs alone in its window.
+        estimate: A function of the validated task returning its expected tokens (prompt
+            and answer); default the payload's JSON length divided by ``CHARS_PER_TOKEN``.
 
     Raises:
-        ConfigurationError: Neither ``concurrency`` nor ``rate`` is given, one is not an
-            int of at least 1, ``per_s`` is under 0.001, or ``key`` is not callable.
+        ConfigurationError: None of ``concurrency``, ``rate`` and ``tokens`` is given, one is
+            not an int of at least 1, ``per_s`` is under 0.001, ``key`` or ``estimate`` is
+            not callable, or ``estimate`` is given without ``tokens``.
     """
 
     key: KeyFunc | None = None
     concurrency: int | None = None
     rate: int | None = None
     per_s: float = 1.0
+    tokens: int | None = None
+    estimate: EstimateFunc | None = None
 
     def __post_init__(self) -> None:
-        if self.concurrency is None and self.rate is None:
-            raise ConfigurationError("a Limit needs concurrency=, rate= or both")
-        for name, value in (("concurrency", self.concurrency), ("rate", self.rate)):
+        if self.concurrency is None and self.rate is None and self.tokens is None:
+            raise ConfigurationError("a Limit needs concurrency=, rate=, tokens= or some of them")
+        for name, value in (
+            ("concurrency", self.concurrency),
+            ("rate", self.rate),
+            ("tokens", self.tokens),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigurationError(f"Limit {name} must be an int, got {value!r}")
             if value is not None and value < 1:
@@ -66,11 +92,37 @@ class Limit:
             raise ConfigurationError(f"Limit per_s must be >= 0.001, got {self.per_s}")
         if self.key is not None and not callable(self.key):
             raise ConfigurationError(f"Limit key must be a function of the task, got {self.key!r}")
+        if self.estimate is not None and not callable(self.estimate):
+            raise ConfigurationError(
+                f"Limit estimate must be a function of the task, got {self.estimate!r}"
+            )
+        if self.estimate is not None and self.tokens is None:
+            raise ConfigurationError("Limit estimate= estimates tokens: give tokens= too")
 
     @property
     def period_ms(self) -> int:
         """``per_s`` in milliseconds."""
         return round(self.per_s * 1000)
+
+    def estimated(self, task: Any, body_bytes: int) -> int:
+        """The tokens a task is admitted with.
+
+        Args:
+            task: The validated task.
+            body_bytes: Its body's length, for the default estimate.
+
+        Returns:
+            ``estimate(task)``, else the body's length over ``CHARS_PER_TOKEN`` (at least 1).
+
+        Raises:
+            ValueError: ``estimate`` returned something that is not an int of at least 0.
+        """
+        if self.estimate is None:
+            return max(1, -(-body_bytes // CHARS_PER_TOKEN))
+        value = self.estimate(task)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"the limit's estimate returned {value!r}; it must return an int >= 0")
+        return value
 
 
 def as_limits(limit: Limit | Sequence[Limit] | None) -> tuple[Limit, ...]:
@@ -97,3 +149,12 @@ def deferral_ms(wait_ms: float) -> int:
         if delay >= wait_ms:
             return delay
     return DEFER_LADDER_MS[-1]
+
+
+def early_deferral_ms(wait_ms: float) -> int:
+    """The delay queue for a task over a token limit: the longest rung not longer than
+    ``wait_ms`` (the shortest under it). It comes back at most that early and is deferred
+    again for what is left, so the window's tokens are taken up within a rung of freeing
+    instead of up to twice the wait later (``make bench-token-budget``: goodput)."""
+    fitting = [delay for delay in DEFER_LADDER_MS if delay <= wait_ms]
+    return fitting[-1] if fitting else DEFER_LADDER_MS[0]

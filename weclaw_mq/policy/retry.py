@@ -29,6 +29,8 @@ class DeadLetterReason(StrEnum):
     DELIVERY_LIMIT = "delivery_limit"
     # RabbitMQ's name too: the task outlived its lifetime (weclaw_mq.contract.lifetime).
     EXPIRED = "expired"
+    # Its tenant's spending reached the day's cap, and the cap sheds (weclaw_mq.policy.costs).
+    BUDGET_EXCEEDED = "budget_exceeded"
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from weclaw_mq.contract.naming import (
 )
 from weclaw_mq.errors import ResultTimeoutError
 from weclaw_mq.settings import Settings
+from weclaw_mq.state.cost_ledger import CostLedger
 from weclaw_mq.state.expiry import record_ttl_s
 from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
@@ -57,6 +58,7 @@ from weclaw_mq.state.redis_clients import (
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
 from weclaw_mq.state.redis_workflows import RedisWorkflowStore
+from weclaw_mq.state.schedule_book import ScheduleBook
 from weclaw_mq.state.transitions import TRANSITIONS, narrowing
 from weclaw_mq.state.worker_registry import WorkerRegistry
 
@@ -868,6 +870,30 @@ class RedisTaskStore:
         if self._workflows is None:
             self._workflows = RedisWorkflowStore(self._redis, self._pipe)
         return self._workflows
+
+    def cost_ledger(self, app: str, *, usage_ttl_s: float, days_kept: int) -> CostLedger:
+        """The cost ledger of app ``app`` in this store's Redis.
+
+        Args:
+            app: The app's name.
+            usage_ttl_s: How long a task's calls are kept.
+            days_kept: How many days a day's totals are kept.
+
+        Returns:
+            The ledger; it calls the client directly (one round trip per reported attempt).
+        """
+        return CostLedger(self._redis, app, usage_ttl_s=usage_ttl_s, days_kept=days_kept)
+
+    def schedule_book(self, app: str) -> ScheduleBook:
+        """The schedules of app ``app`` in this store's Redis (lease and records).
+
+        Args:
+            app: The app's name.
+
+        Returns:
+            The book; it calls the client directly (a few calls per tick).
+        """
+        return ScheduleBook(self._redis, app)
 
     async def close(self) -> None:
         """Stop renewing leases, close the wake-up subscription and the auto-pipeline.

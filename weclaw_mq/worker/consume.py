@@ -37,7 +37,9 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.policy.breaker import CircuitState
 from weclaw_mq.policy.broker_version import ServerVersion
 from weclaw_mq.policy.failures import describe
+from weclaw_mq.scheduling.scheduler import Scheduler
 from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
+from weclaw_mq.state.cost_ledger import CostLedger, ledger_of
 from weclaw_mq.state.worker_registry import registry_of
 from weclaw_mq.state.workflow_records import workflows_of
 from weclaw_mq.wire.broker_load import read_broker_load
@@ -95,6 +97,9 @@ class Worker:
             ``settings.shutdown_grace_s``.
         broker_load_check: Whether to read the broker's file-handle and memory use at start;
             default ``settings.broker_load_check`` (``--processes N`` asks in one child).
+        schedules: Whether to run the App's scheduler too (``scheduling.scheduler``: every
+            replica competes for its lease, one fires); default
+            ``settings.schedules_in_worker``.
 
     Raises:
         ConfigurationError: ``concurrency`` under 1, a ``shutdown_grace_s`` out of the
@@ -109,8 +114,10 @@ class Worker:
         queues: Sequence[str] | None = None,
         shutdown_grace_s: float | None = None,
         broker_load_check: bool | None = None,
+        schedules: bool | None = None,
     ) -> None:
         self.app = app
+        self.schedules = app.settings.schedules_in_worker if schedules is None else schedules
         self.settings = app.settings
         self.broker_load_check = (
             app.settings.broker_load_check if broker_load_check is None else broker_load_check
@@ -141,6 +148,8 @@ class Worker:
         self.sync_threads = SyncThreads(self.settings.sync_threads)
         # One per run, across reconnects: the slots it holds outlive a broker session.
         self._limiter: Limiter | None = None
+        # Where the App's reported model usage is costed and recorded (App(prices=)).
+        self._ledger: CostLedger | None = None
         # Cancel requests for the deliveries in flight (worker.cancel_watch).
         self.cancels = Cancels()
         # Per worker, not per session: a reconnect keeps each breaker's state.
@@ -240,6 +249,13 @@ class Worker:
         # tests/integration/test_undecodable_properties.py); read tolerantly, it arrives as a
         # marker that ``process`` rejects at once.
         store = self.app.store
+        if self.app.prices:
+            self._ledger = ledger_of(
+                store,
+                self.app.name,
+                usage_ttl_s=self.settings.result_ttl_s,
+                days_kept=self.settings.cost_days_kept,
+            )
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
         announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
@@ -256,11 +272,18 @@ class Worker:
             if workflows_of(store) is not None and self.app.results is not None
             else None
         )
+        # The App's schedules, when this worker fires them too (--schedules).
+        scheduler = Scheduler(self.app) if self.schedules and self.app.schedules else None
+        scheduling = asyncio.create_task(scheduler.run()) if scheduler is not None else None
         try:
             with tolerant_properties():
                 await self._run()
         finally:
             self.sync_threads.shutdown()  # abandoned calls keep their daemon threads
+            if scheduler is not None and scheduling is not None:
+                scheduler.stop()  # gives the lease up at once: a standby takes over
+                with contextlib.suppress(Exception):
+                    await scheduling
             for task in (listener, announcer, load_check, beating, sweeping):
                 if task is not None:
                     task.cancel()
@@ -561,6 +584,7 @@ class Worker:
             circuits=self._circuits,
             spans=self._spans,
             hooks=self.app.middleware if self.app.middleware.runs else None,
+            ledger=self._ledger,
         )
 
     def _lane_scheduler(

@@ -49,6 +49,7 @@ from weclaw_mq.worker.records import record_status, release
 from weclaw_mq.worker.run_hooks import run_of
 from weclaw_mq.worker.running import call_handler, take_over
 from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.worker.usage import RunUsage, record_usage, within_cap
 
 __all__ = ["process"]
 
@@ -155,9 +156,17 @@ async def _process(
         if cancelled is not None:
             await carry_out(cancelled, message, delivery, spec, rt, held)
             return
+    model: str | None = None
+    if spec.cap is not None:  # the tenant's daily cap: before the limits take their slots
+        capped = await within_cap(rt, spec, task)
+        if isinstance(capped, str):
+            model = capped  # downgraded: the run gets the cap's cheaper model
+        elif capped is not None:
+            await carry_out(capped, message, delivery, spec, rt, held)
+            return
     ticket = NO_TICKET
     if spec.limits and rt.limiter is not None:
-        admitted = await within_limits(spec, rt, rt.limiter, task)
+        admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body))
         if not isinstance(admitted, Ticket):
             await carry_out(admitted, message, delivery, spec, rt, held)
             return
@@ -177,6 +186,9 @@ async def _process(
         if held is not None and rt.store is not None
         else _NOT_HELD
     )
+    # The run's model calls (ctx.usage), where they are costed or settle a token limit.
+    usage = RunUsage(ticket, model) if rt.ledger is not None or ticket.budgets else None
+    report = None if usage is None else usage.report
     begun: run_hooks.Begun | None = None
     try:
         with hold:
@@ -190,16 +202,30 @@ async def _process(
                 outcome = (None, begun.failed)  # a before_run hook failed the attempt
             elif ticket is NO_TICKET:
                 # The common path: no limit's slot to free.
-                outcome = await call_handler(spec, task, delivery, rt, on_stuck, watch)
+                outcome = await call_handler(
+                    spec, task, delivery, rt, on_stuck, watch, usage=report, model=model
+                )
             else:
                 with ticket:  # the limits' slots are freed as the handler ends, however it ends
-                    outcome = await call_handler(spec, task, delivery, rt, on_stuck, watch)
+                    outcome = await call_handler(
+                        spec,
+                        task,
+                        delivery,
+                        rt,
+                        on_stuck,
+                        watch,
+                        usage=report,
+                        model=model,
+                    )
+                    ticket.ended(outcome)
             if outcome is not None and circuit is not None:
                 circuit.outcome(message, outcome[1])
             if running is not None:
                 await running
             if outcome is None:  # abandoned, and the task that took over settled it
                 return
+            if usage is not None and usage.calls:  # recorded before the task's end is
+                await record_usage(rt, delivery, spec, task, usage)
             # Cancelled while it ran: whatever it returned or raised no longer counts (a
             # failure is not retried).
             end = (

@@ -88,12 +88,15 @@ class Defer:
     """Park the task without spending an attempt (it did not run, or did not fail).
 
     ``delay_ms`` None: the handler's first retry delay. ``queued_again``: the claim had
-    written ``running``, so ``queued`` is written back as it is released."""
+    written ``running``, so ``queued`` is written back as it is released. ``not_before_ms``:
+    a due time past this hop (epoch ms), written on the task: it hops until then
+    (``admission.parked_until_due``)."""
 
     why: str
     delay_ms: int | None = None
     level: int | None = None
     queued_again: bool = False
+    not_before_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +230,9 @@ async def carry_out(
                 )
             else:
                 await release(rt, spec, delivery, held)
-            await _defer(message, delivery, spec, rt, end.why, end.delay_ms, end.level)
+            await _defer(
+                message, delivery, spec, rt, end.why, end.delay_ms, end.level, end.not_before_ms
+            )
         case AckDuplicate(mark_done=mark_done):
             if mark_done and rt.store is not None:
                 try:
@@ -256,6 +261,7 @@ async def _defer(
     why: str,
     delay_ms: int | None = None,
     level: int | None = None,
+    not_before_ms: int | None = None,
 ) -> None:
     await rt.settler.defer(
         message,
@@ -264,6 +270,7 @@ async def _defer(
         delay_ms=spec.retry.delay_ms(1) if delay_ms is None else delay_ms,
         why=why,
         level=level,
+        not_before_ms=not_before_ms,
     )
 
 

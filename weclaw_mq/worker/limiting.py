@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from weclaw_mq.contract.naming import limit_keys
+from weclaw_mq.contract.naming import limit_keys, token_keys
 from weclaw_mq.errors import InvalidPayload
 from weclaw_mq.policy.failures import describe
-from weclaw_mq.policy.limits import Limit, LimitKind, deferral_ms
+from weclaw_mq.policy.limits import Limit, LimitKind, deferral_ms, early_deferral_ms
+from weclaw_mq.policy.signals import Retry
 from weclaw_mq.settings import Settings
 from weclaw_mq.state.outages import is_state_failure, state_unavailable
 from weclaw_mq.state.protocol import new_owner
@@ -47,19 +48,54 @@ ADMIT_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease, conc, rate = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local period, budget, need = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+if budget > 0 then
+  local blocked = redis.call('PTTL', KEYS[5])
+  if blocked > 0 then return {'blocked', blocked} end
+end
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
   if redis.call('ZCARD', KEYS[1]) >= conc then return {'concurrency', 0} end
 end
-if rate > 0 then
-  local period = tonumber(ARGV[5])
+if rate > 0 or budget > 0 then
+  if budget > 0 then
+    local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - period)
+    local freed = 0
+    for _, holder in ipairs(gone) do
+      freed = freed + tonumber(redis.call('HGET', KEYS[3], holder) or '0')
+      redis.call('HDEL', KEYS[3], holder)
+    end
+    if freed > 0 then redis.call('DECRBY', KEYS[4], freed) end
+  end
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - period)
-  if redis.call('ZCARD', KEYS[2]) >= rate then
+  local started = redis.call('ZCARD', KEYS[2])
+  if rate > 0 and started >= rate then
     local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
     return {'rate', tonumber(oldest[2]) + period - now}
   end
+  if budget > 0 and started > 0 then
+    local left = tonumber(redis.call('GET', KEYS[4]) or '0')
+    if left + need > budget then
+      local entries = redis.call('ZRANGE', KEYS[2], 0, 999, 'WITHSCORES')
+      local wait = period
+      for i = 1, #entries, 2 do
+        left = left - tonumber(redis.call('HGET', KEYS[3], entries[i]) or '0')
+        if left + need <= budget then
+          wait = tonumber(entries[i + 1]) + period - now
+          break
+        end
+      end
+      return {'tokens', wait}
+    end
+  end
   redis.call('ZADD', KEYS[2], now, ARGV[1])
   redis.call('PEXPIRE', KEYS[2], period)
+  if budget > 0 then
+    redis.call('HSET', KEYS[3], ARGV[1], need)
+    redis.call('INCRBY', KEYS[4], need)
+    redis.call('PEXPIRE', KEYS[3], period)
+    redis.call('PEXPIRE', KEYS[4], period)
+  end
 end
 if conc > 0 then
   redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
@@ -69,11 +105,33 @@ return {'ok', 0}
 """
 """Admit one start under one limit, or say which part refused it.
 
-KEYS: slots, starts. ARGV: holder, lease_ms, concurrency (0: none), rate (0: none), period_ms.
-Returns {'ok', 0}, {'concurrency', 0} or {'rate', ms until the oldest start leaves the
-window}. Every entry of ``slots`` ends by now + lease, so the key's own TTL (lease) outlives
-them all and an idle key disappears by itself; likewise ``starts`` after one period.
+KEYS: slots, starts, tokens, total, blocked. ARGV: holder, lease_ms, concurrency (0: none),
+rate (0: none), period_ms, token budget (0: none), the start's estimated tokens.
+Returns {'ok', 0}, {'concurrency', 0}, {'rate' or 'tokens', ms until enough of the window's
+starts leave it} or {'blocked', ms the 429's Retry-After still runs}. Every entry of ``slots``
+ends by now + lease, so the key's own TTL (lease) outlives them all and an idle key disappears
+by itself; likewise ``starts`` and a token limit's keys after one period. A start estimated
+over the whole budget is admitted into an empty window (it could never fit otherwise).
 """
+
+SETTLE_SCRIPT = """
+local before = redis.call('HGET', KEYS[1], ARGV[1])
+if not before then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('INCRBY', KEYS[2], tonumber(ARGV[2]) - tonumber(before))
+return 1
+"""
+"""Replace a start's estimated tokens by those it used. KEYS: tokens, total. ARGV: holder,
+tokens used. 0: the start has left the window already (nothing to correct there)."""
+
+BLOCK_SCRIPT = """
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+end
+return 1
+"""
+"""Admit nothing under a token limit's key for ARGV[1] ms (a 429's Retry-After), unless a
+longer block runs already. KEYS: blocked."""
 
 RENEW_SCRIPT = """
 local t = redis.call('TIME')
@@ -87,6 +145,10 @@ return 0
 """
 """Extend a held slot's lease. KEYS: slots. ARGV: holder, lease_ms. 0: the slot was lost."""
 
+# How long after its admission a start's provider call is taken to happen, at most: a token
+# limit keeps a start in its window this much longer than ``per_s``, so a start admitted as
+# the oldest leaves finds the provider's window freed too (``make bench-token-budget``: 429s).
+TOKEN_WINDOW_MARGIN_MS = 200
 # Until a handler's first release says how long its slots are held, a task refused a slot
 # expects one to free in this long.
 FIRST_HOLD_ESTIMATE_MS = 1000.0
@@ -119,12 +181,33 @@ class Ticket:
     """An admitted start: the slots it holds until its handler ends (``with ticket:``)."""
 
     def __init__(
-        self, limiter: Limiter | None, holder: str, slots: Sequence[tuple[str, _Which]]
+        self,
+        limiter: Limiter | None,
+        holder: str,
+        slots: Sequence[tuple[str, _Which]],
+        budgets: Sequence[tuple[str, str, str]] = (),
     ) -> None:
         self._limiter = limiter
         self.holder = holder
         self.slots = tuple(slots)  # (slots key, which limit)
+        # The (tokens, total, blocked) keys of each token limit the start was admitted under.
+        self.budgets = tuple(budgets)
+        # What the handler reported using (ctx.usage), None if it reported nothing: then the
+        # estimate stands.
+        self.used: int | None = None
+        # A 429's Retry-After the attempt ended with (Retry(after_s=)): its keys admit
+        # nothing for that long.
+        self.blocked_ms: int | None = None
         self._since = time.monotonic()
+
+    def report(self, tokens: int) -> None:
+        """Add ``tokens`` to what this start used (``ctx.usage``); settled when it ends."""
+        self.used = (self.used or 0) + tokens
+
+    def ended(self, outcome: tuple[Any, BaseException | None] | None) -> None:
+        """Note a 429's ``Retry(after_s=)`` the attempt ended with, for the token limits."""
+        if self.budgets and outcome is not None and isinstance(outcome[1], Retry):
+            self.blocked_ms = outcome[1].after_ms
 
     def __enter__(self) -> Ticket:
         return self
@@ -135,9 +218,9 @@ class Ticket:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._limiter is not None and self.slots:
+        if self._limiter is not None and (self.slots or self.budgets):
             self._limiter.let_go(self, (time.monotonic() - self._since) * 1000)
-            self.slots = ()
+            self.slots = self.budgets = ()
 
 
 # A start no limit holds (the handler has none, or every key function said None).
@@ -162,6 +245,24 @@ def _key_of(limit: Limit, task: Any) -> tuple[bool, str | None]:
     return True, str(value)
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One limit's admission of one start: its keys (slots, starts, tokens, total, blocked)
+    and the tokens it is estimated at (0 without a token budget)."""
+
+    index: int
+    limit: Limit
+    keys: tuple[str, str, str, str, str]
+    need: int
+
+
+def _estimate(limit: Limit, task: Any, body_bytes: int) -> int:
+    try:
+        return limit.estimated(task, body_bytes)
+    except Exception as e:
+        raise InvalidPayload(f"the limit's estimate function raised {describe(e)}") from e
+
+
 class Limiter:
     """One worker's view of its handlers' limits: admissions, held slots, their renewal."""
 
@@ -172,6 +273,11 @@ class Limiter:
         self._lease_ms = max(1, int(lease_s * 1000))
         self._admit = client.register_script(ADMIT_SCRIPT)
         self._renew = client.register_script(RENEW_SCRIPT)
+        self._settle = client.register_script(SETTLE_SCRIPT)
+        self._block = client.register_script(BLOCK_SCRIPT)
+        # Token limits' settles and blocks of ended starts, sent with the next releases:
+        # (script, keys, args).
+        self._corrections: list[tuple[Any, list[str], list[str | int]]] = []
         self._held: set[tuple[str, str]] = set()  # (slots key, holder) while its handler runs
         self._releases: list[tuple[str, str]] = []
         self._renewer: asyncio.Task[None] | None = None
@@ -190,17 +296,22 @@ class Limiter:
 
         return cls(open_client(settings), lease_s=settings.guard_lease_s, owns_client=True)
 
-    async def admit(self, queue: str, limits: Sequence[Limit], task: Any) -> Ticket | Held:
+    async def admit(
+        self, queue: str, limits: Sequence[Limit], task: Any, body_bytes: int = 0
+    ) -> Ticket | Held:
         """A ticket for a start within every limit, or the first limit's refusal.
 
-        ``InvalidPayload`` when a key function fails on the task; ``StateUnavailableError``
-        when Redis does not answer."""
+        ``body_bytes``: the task's body length, for a token limit's default estimate.
+        ``InvalidPayload`` when a key or estimate function fails on the task;
+        ``StateUnavailableError`` when Redis does not answer."""
         holder = new_owner()
-        calls: list[tuple[int, Limit, str, str]] = []
+        calls: list[_Call] = []
         for index, limit in enumerate(limits):
             limited, key = _key_of(limit, task)
             if limited:
-                calls.append((index, limit, *limit_keys(queue, index, key)))
+                need = _estimate(limit, task, body_bytes) if limit.tokens else 0
+                keys = (*limit_keys(queue, index, key), *token_keys(queue, index, key))
+                calls.append(_Call(index, limit, keys, need))
         if not calls:
             return NO_TICKET
         try:
@@ -219,28 +330,36 @@ class Limiter:
             await self._undo(holder, admitted)
             kind = LimitKind(verdict.decode())
             if kind is LimitKind.CONCURRENCY:
-                wait_ms = self._hold_ms.get((queue, call[0]), FIRST_HOLD_ESTIMATE_MS)
+                wait_ms = self._hold_ms.get((queue, call.index), FIRST_HOLD_ESTIMATE_MS)
+            if kind is LimitKind.TOKENS:  # back a little early, deferred again for the rest
+                return Held(kind, early_deferral_ms(wait_ms))
             return Held(kind, deferral_ms(wait_ms))
-        slots = [(key, (queue, i)) for i, limit, key, _ in admitted if limit.concurrency]
+        slots = [(c.keys[0], (queue, c.index)) for c in admitted if c.limit.concurrency]
         for key, _ in slots:
             self._held.add((key, holder))
         if slots and self._renewer is None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_while_held())
-        return Ticket(self, holder, slots)
+        budgets = [(c.keys[2], c.keys[3], c.keys[4]) for c in admitted if c.limit.tokens]
+        return Ticket(self, holder, slots, budgets)
 
-    async def _ask(self, holder: str, calls: list[tuple[int, Limit, str, str]]) -> list[Any]:
+    async def _ask(self, holder: str, calls: list[_Call]) -> list[Any]:
         loop = asyncio.get_running_loop()
         answers = []
-        for _, limit, slots, starts in calls:
+        for call in calls:
+            limit = call.limit
             args: list[str | int] = [
                 holder,
                 self._lease_ms,
                 limit.concurrency or 0,
                 limit.rate or 0,
-                limit.period_ms,
+                # A start leaves a token limit's window this much after the provider's clock
+                # lets it go: it called the provider a little after its admission.
+                limit.period_ms + (TOKEN_WINDOW_MARGIN_MS if limit.tokens else 0),
+                limit.tokens or 0,
+                call.need,
             ]
             answer: asyncio.Future[Any] = loop.create_future()
-            self._asked.append(([slots, starts], args, answer))
+            self._asked.append((list(call.keys), args, answer))
             answers.append(answer)
         if self._asking is None:
             # Runs at the next turn of the loop: what else is asked in this turn joins it.
@@ -302,15 +421,19 @@ class Limiter:
                 self._admit.sha = await self._redis.script_load(ADMIT_SCRIPT)
         raise AssertionError("unreachable")
 
-    async def _undo(self, holder: str, admitted: list[tuple[int, Limit, str, str]]) -> None:
+    async def _undo(self, holder: str, admitted: list[_Call]) -> None:
         """Take back what earlier limits of the same start admitted (it does not start)."""
         if not admitted:
             return
         try:
             async with self._round_trips, self._redis.pipeline(transaction=False) as pipe:
-                for _, _, slots, starts in admitted:
+                for call in admitted:
+                    slots, starts, tokens, total, _ = call.keys
                     pipe.zrem(slots, holder)
                     pipe.zrem(starts, holder)
+                    if call.limit.tokens:  # its tokens back to the window, then its entry
+                        pipe.evalsha(self._settle.sha, 2, tokens, total, holder, 0)
+                        pipe.hdel(tokens, holder)
                 await pipe.execute()
         except Exception as e:  # the slots lapse with their lease, the starts with the window
             log.warning("could not take back a refused start's admissions (%s)", describe(e))
@@ -318,6 +441,13 @@ class Limiter:
     def let_go(self, ticket: Ticket, held_ms: float) -> None:
         """Free ``ticket``'s slots (the handler ended, however): renewal stops now, the
         ``ZREM`` goes out with the next batch of releases."""
+        for tokens, total, blocked in ticket.budgets:
+            if ticket.used is not None:
+                self._corrections.append(
+                    (self._settle, [tokens, total], [ticket.holder, ticket.used])
+                )
+            if ticket.blocked_ms:
+                self._corrections.append((self._block, [blocked], [ticket.blocked_ms]))
         for key, which in ticket.slots:
             self._held.discard((key, ticket.holder))
             self._releases.append((key, ticket.holder))
@@ -330,19 +460,27 @@ class Limiter:
 
     async def _flush_releases(self) -> None:
         await asyncio.sleep(RELEASE_BATCH_S)
-        while self._releases:
+        while self._releases or self._corrections:
             batch, self._releases = self._releases, []
+            corrections, self._corrections = self._corrections, []
             try:
                 async with self._round_trips:
-                    if len(batch) == 1:
+                    if len(batch) == 1 and not corrections:
                         await self._redis.zrem(*batch[0])
                     else:
                         async with self._redis.pipeline(transaction=False) as pipe:
                             for key, holder in batch:
                                 pipe.zrem(key, holder)
+                            for script, keys, args in corrections:
+                                await script(keys=keys, args=args, client=pipe)
                             await pipe.execute()
             except Exception as e:  # a Redis blip: the slots lapse with their leases
-                log.warning("could not release %d limit slot(s) (%s)", len(batch), describe(e))
+                log.warning(
+                    "could not release %d limit slot(s) or settle %d token count(s) (%s)",
+                    len(batch),
+                    len(corrections),
+                    describe(e),
+                )
         # No await between the emptiness check and this: a later release starts a new flusher.
         self._flusher = None
 

@@ -51,6 +51,8 @@ async def call_handler(
     rt: Runtime,
     on_stuck: Callable[[asyncio.Task[Any]], None],
     watch: Watch,
+    usage: Callable[[int, int, str | None], None] | None = None,
+    model: str | None = None,
 ) -> tuple[Any, BaseException | None] | None:
     """Run the handler under its timeout: (its result, None), (None, the error), or None when
     it ignored its cancellation and ``on_stuck`` ended the attempt without it.
@@ -59,6 +61,9 @@ async def call_handler(
     ``SystemExit``, ``KeyboardInterrupt`` or ``CancelledError`` of its own fails that task and
     never stops the worker (a worker stops on SIGTERM/SIGINT or ``Worker.stop``). Only a
     cancel of this task from outside (the worker stopping hard) passes through.
+
+    ``usage``: where ``ctx.usage`` reports the run's model calls (``worker.usage``);
+    ``model``: the model the worker chose for the run (``ctx.model``).
     """
     args: tuple[Any, ...] = (task,)
     emitter: Emitter | None = None
@@ -86,6 +91,8 @@ async def call_handler(
             cancel_requested=watch.event(),
             # A plain def's thread reaches the loop through it (ctx.emit_sync, publish_sync).
             loop=asyncio.get_running_loop() if spec.is_sync else None,
+            usage_sink=usage,
+            model=model,
         )
         args = (task, ctx)
     timing = rt.metrics.handler_timing(spec.queue)

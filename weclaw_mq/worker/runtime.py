@@ -14,6 +14,7 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.settings import Settings
 from weclaw_mq.state import TaskStore
+from weclaw_mq.state.cost_ledger import CostLedger
 from weclaw_mq.worker.cancel_watch import Cancels
 from weclaw_mq.worker.deadlines import Deadlines
 from weclaw_mq.worker.limiting import Limiter
@@ -66,3 +67,5 @@ class Runtime:
     # The App's middleware when it has run hooks (``worker.run_hooks``), else None: one
     # check per delivery.
     hooks: Chain | None = None
+    # The App's cost ledger when it has prices (``worker.usage``), else None.
+    ledger: CostLedger | None = None

@@ -248,10 +248,14 @@ class Settler:
         delay_ms: int,
         why: str,
         level: int | None = None,
+        not_before_ms: int | None = None,
     ) -> bool:
-        """Park the task in a delay queue without counting an attempt: it did not fail."""
+        """Park the task in a delay queue without counting an attempt: it did not fail.
+        ``not_before_ms``: its due time beyond this hop, written on it (it hops until then)."""
         target, lane = _delay_target(message, queue, delay_ms)
         headers = carried_headers(delivery)
+        if not_before_ms is not None:
+            headers[h.NOT_BEFORE] = not_before_ms
         if not await self._move(message, delivery, lane, headers, queue=queue, exchange=target):
             return False
         self._ended(

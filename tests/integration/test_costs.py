@@ -1,0 +1,201 @@
+"""Costs per task and per tenant on the real broker and Redis (issue 31 item 3), against the
+local stand-in for a provider (``weclaw_mq.testing.fake_provider``): the costs per tenant sum
+exactly to the provider's own bill, retries included; a tenant at its daily cap is shed,
+parked or downgraded as its ``Cap`` says, losing nothing; ``weclaw-mq costs`` prints them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import outcome_count, wait_until
+from tests.integration.processes import run_cli, settings_env
+from weclaw_mq import App, Context, RetryPolicy, TaskStatus
+from weclaw_mq.contract.naming import costs_key, usage_key
+from weclaw_mq.policy.costs import Cap, Price
+from weclaw_mq.state.cost_ledger import MICROS
+from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
+
+BIG, SMALL = "big-1", "small-1"
+PRICES = {
+    BIG: Price(input_per_1k=0.5, output_per_1k=1.5),
+    SMALL: Price(input_per_1k=0.05, output_per_1k=0.15),
+}
+ONCE = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[tuple[FakeProvider, httpx.AsyncClient]]:
+    limits = ModelLimits(tokens=10**9, requests=10**6, window_s=60)
+    fake = FakeProvider({BIG: limits, SMALL: limits})
+    async with serving(fake) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        yield fake, client
+
+
+@pytest.fixture
+async def forget(redis_url: str) -> AsyncIterator[list[tuple[str, list[str]]]]:
+    """(app name, task ids) to forget: the app's totals of today, the tasks' calls."""
+    apps: list[tuple[str, list[str]]] = []
+    yield apps
+    client = aioredis.from_url(redis_url)
+    day = datetime.now(UTC).date().isoformat()
+    for name, ids in apps:
+        await client.delete(costs_key(name, day), *(usage_key(t) for t in ids))
+    await client.aclose()
+
+
+def build(
+    make_app: Callable[..., App],
+    qname: str,
+    client: httpx.AsyncClient,
+    *,
+    cap: Cap | None = None,
+    fail_first: bool = False,
+) -> App:
+    app = make_app(f"costs-{qname}")
+    app.prices = dict(PRICES)
+
+    @app.handler(qname, tenant=lambda t: t["tenant"], cap=cap, retry=ONCE)
+    async def complete(task: dict[str, Any], ctx: Context) -> str:
+        model = ctx.model or task["model"]
+        body = {
+            "model": model,
+            "prompt": task["prompt"],
+            "max_tokens": 20,
+            "tenant": task["tenant"],
+        }
+        response = await client.post("/v1/complete", json=body)
+        usage = response.json()["usage"]
+        ctx.usage(
+            input_tokens=usage["input_tokens"], output_tokens=usage["output_tokens"], model=model
+        )
+        if fail_first and ctx.attempt == 1:
+            raise RuntimeError("the answer did not parse")  # paid for, then retried
+        return model
+
+    return app
+
+
+async def test_costs_per_tenant_sum_exactly_to_the_providers_bill_retries_included(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    forget: list[tuple[str, list[str]]],
+) -> None:
+    fake, client = provider
+    app = build(make_app, qname, client, fail_first=True)
+    await start_worker(app, concurrency=4)
+    tasks = [
+        {"tenant": tenant, "model": model, "prompt": "z" * size}
+        for tenant, model, size in [
+            ("acme", BIG, 400),
+            ("acme", SMALL, 40),
+            ("globex", BIG, 120),
+            ("globex", BIG, 4000),
+            ("initech", SMALL, 8),
+        ]
+    ]
+    ids = await app.publish_many(qname, tasks)
+    forget.append((app.name, ids))
+    finals = [await app.result(t, timeout_s=30) for t in ids]
+    assert [f.status for f in finals] == [TaskStatus.SUCCEEDED] * 5
+
+    by_tenant = {t.name: t for t in await app.costs(by="tenant")}
+    for tenant in ("acme", "globex", "initech"):
+        billed = sum(n for (_, who), n in fake.bill.items() if who == tenant)
+        ours = by_tenant[tenant]
+        assert ours.input_tokens + ours.output_tokens == billed, tenant
+    by_model = {t.name: t for t in await app.costs(by="model")}
+    for model, price in PRICES.items():
+        billed_calls = [c for t in ids for c in await app.calls(t) if c.model == model]
+        expected = sum(
+            round(price.of(c.input_tokens, c.output_tokens) * MICROS) for c in billed_calls
+        )
+        assert by_model[model].cost_micros == expected
+    calls = await app.calls(ids[0])
+    assert [c.attempt for c in calls] == [1, 2]  # the failed attempt's call is on the bill too
+    assert sum(by_tenant[t].cost_micros for t in by_tenant) == sum(
+        m.cost_micros for m in by_model.values()
+    )
+
+
+@pytest.mark.parametrize("action", ["shed", "park", "downgrade"])
+async def test_a_tenant_at_its_cap_is_shed_parked_or_downgraded_and_others_go_on(
+    action: str,
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    forget: list[tuple[str, list[str]]],
+) -> None:
+    fake, client = provider
+    # One big call costs more than the cap: the tenant's next tasks are over it.
+    cap = Cap(per_day=0.001, action=action, model=SMALL if action == "downgrade" else None)  # type: ignore[arg-type]
+    app = build(make_app, qname, client, cap=cap)
+    await start_worker(app, concurrency=1)
+    first = await app.publish(qname, {"tenant": "acme", "model": BIG, "prompt": "a" * 400})
+    forget.append((app.name, [first]))
+    assert (await app.result(first, timeout_s=30)).result == BIG
+    later = await app.publish(qname, {"tenant": "acme", "model": BIG, "prompt": "b" * 40})
+    other = await app.publish(qname, {"tenant": "globex", "model": BIG, "prompt": "c" * 40})
+    forget[-1][1].extend([later, other])
+    assert (await app.result(other, timeout_s=30)).result == BIG  # not capped
+    calls_before = fake.calls
+
+    if action == "shed":
+        final = await app.result(later, timeout_s=30)
+        assert (final.status, final.reason) == (TaskStatus.DEAD_LETTERED, "budget_exceeded")
+        assert final.error is not None and "spent" in final.error
+    elif action == "downgrade":
+        final = await app.result(later, timeout_s=30)
+        assert (final.status, final.result) == (TaskStatus.SUCCEEDED, SMALL)
+    else:  # parked until the next UTC day: still queued, in a delay queue, never run
+        await wait_until(
+            lambda: outcome_count(app, qname, "deferred") >= 1, 20, "the parked task deferred"
+        )
+        status = await app.status(later)
+        assert status is not None and status.status is TaskStatus.QUEUED
+        assert fake.calls == calls_before  # the parked task did not call the model
+    capped = app.metrics.registry.get_sample_value(
+        "weclaw_mq_capped_tasks_total", {"queue": qname, "action": action}
+    )
+    assert capped == 1
+
+
+async def test_the_costs_command_prints_the_tenants_and_a_tasks_calls(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    forget: list[tuple[str, list[str]]],
+    tmp_path: Any,
+) -> None:
+    _, client = provider
+    app = build(make_app, qname, client)
+    await start_worker(app)
+    task_id = await app.publish(qname, {"tenant": "acme", "model": BIG, "prompt": "d" * 400})
+    forget.append((app.name, [task_id]))
+    await app.result(task_id, timeout_s=30)
+    module = tmp_path / "costs_app.py"
+    module.write_text(
+        "from weclaw_mq import App\n"
+        "from weclaw_mq.policy.costs import Price\n"
+        f"app = App({app.name!r}, prices={{'big-1': Price(0.5, 1.5)}})\n"
+    )
+    env = {**settings_env(app.settings), "PYTHONPATH": str(tmp_path)}
+    listed = await run_cli("costs", "costs_app:app", "--json", env=env)
+    assert listed.code == 0, listed.stderr
+    (acme,) = json.loads(listed.stdout)
+    assert acme["name"] == "acme" and acme["input_tokens"] == 100 and acme["output_tokens"] == 20
+    assert acme["cost"] == pytest.approx((100 * 0.5 + 20 * 1.5) / 1000)
+    table = await run_cli("costs", "costs_app:app", "--task", task_id, env=env)
+    assert table.code == 0 and "big-1" in table.stdout and "acme" in table.stdout
+    bad = await run_cli("costs", "costs_app:app", "--by", "user", env=env)
+    assert bad.code == 2 and "'user' is not tenant or model" in bad.stderr

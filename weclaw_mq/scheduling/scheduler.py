@@ -1,0 +1,240 @@
+"""The scheduler: fires an App's schedules, each tick exactly once however many replicas run.
+
+Every replica (``weclaw-mq scheduler MODULE:APP``, or workers started with ``--schedules``)
+runs a ``Scheduler``; they compete for one lease in Redis (``state.schedule_book``), and only
+its holder fires. For each schedule the holder asks the pure ``policy.schedules.plan`` what is
+due since the tick it last marked, publishes the tick's task (confirmed by the broker) with a
+task id derived from the schedule and the tick, and only then marks the tick in Redis, in a
+script that checks the lease. So:
+
+- a replica that dies after the publish and before the mark leaves the tick unmarked; the
+  next holder publishes it again under the same task id, and the guard of its handler runs it
+  once (a handler with ``idempotent=False`` may then run a tick twice: it is warned about);
+- a replica that lost its lease (a stall past ``lease_s``) marks nothing, and its publish, if
+  any, is that same task again;
+- while no replica holds the lease (the holder was killed: it lapses within ``lease_s``), the
+  ticks that fall are missed, and the schedule's ``missed`` policy decides (skip them, or run
+  them once).
+
+A graceful stop gives the lease up at once, so a standby takes over without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from weclaw_mq.app import App
+from weclaw_mq.errors import ConfigurationError, StateUnavailableError
+from weclaw_mq.policy.failures import describe
+from weclaw_mq.policy.schedules import Schedule, from_ms, plan, to_ms
+from weclaw_mq.state import TaskState
+from weclaw_mq.state.schedule_book import ScheduleBook, ScheduleRecord, book_of
+
+log = logging.getLogger("weclaw_mq.scheduler")
+
+
+class Scheduler:
+    """Fires ``app``'s schedules while it holds the app's scheduler lease.
+
+    Args:
+        app: The App whose schedules (``App.schedule``) it fires.
+        lease_s: How long the lease lasts unrenewed (renewed every third of it): how long
+            the ticks of a killed holder go unfired; default ``settings.scheduler_lease_s``.
+    """
+
+    def __init__(self, app: App, *, lease_s: float | None = None) -> None:
+        self.app = app
+        self.lease_s = lease_s if lease_s is not None else app.settings.scheduler_lease_s
+        self.owner = uuid.uuid4().hex
+        self.leading = False
+        self._stop = asyncio.Event()
+        self._book: ScheduleBook | None = None
+        self._said: bool | None = None  # whether it last said it leads
+
+    @property
+    def book(self) -> ScheduleBook:
+        if self._book is None:
+            self._book = book_of(self.app.store, self.app.name)
+        return self._book
+
+    def stop(self) -> None:
+        """``run`` gives the lease up and returns after the tick it is firing, if any."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Hold or wait for the lease and fire what is due, until ``stop``.
+
+        Raises:
+            ConfigurationError: The App keeps no Redis task store.
+        """
+        schedules = self.app.schedules
+        if not schedules:
+            log.warning("app %r has no schedules: the scheduler has nothing to fire", self.app.name)
+        book = self.book
+        self.app.metrics.scheduler_leader.labels().set_function(lambda: float(self.leading))
+        try:
+            while not self._stop.is_set():
+                await self._round(book, schedules)
+                wait_s = self._wait_s(schedules)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), wait_s)
+        finally:
+            if self.leading:
+                with contextlib.suppress(Exception):  # it lapses by itself otherwise
+                    await book.resign(self.owner)
+                log.info("scheduler of %r stopped; lease given up", self.app.name)
+            self.leading = False
+
+    async def _round(self, book: ScheduleBook, schedules: Mapping[str, Schedule]) -> None:
+        try:
+            leading = await book.lead(self.owner, self.lease_s)
+        except StateUnavailableError as e:
+            if self.leading:
+                log.warning("Redis does not answer (%s): firing nothing until it does", e)
+            self.leading = False
+            return
+        if leading != self._said:  # at the first round, and at every change
+            self._said = leading
+            log.info(
+                "scheduler of %r (replica %s) %s",
+                self.app.name,
+                self.owner[:8],
+                "leads: it fires the ticks" if leading else "stands by: another replica leads",
+            )
+        self.leading = leading
+        if leading:
+            await self.fire_due(book, schedules)
+
+    def _wait_s(self, schedules: Mapping[str, Schedule]) -> float:
+        """Until the next tick of any schedule, or the lease's renewal, whichever is first."""
+        renew_s = self.lease_s / 3
+        if not self.leading or not schedules:
+            return renew_s
+        now = datetime.now(UTC)
+        soonest = min(s.next_after(now) for s in schedules.values())
+        return max(0.0, min(renew_s, (soonest - now).total_seconds()))
+
+    async def fire_due(self, book: ScheduleBook, schedules: Mapping[str, Schedule]) -> None:
+        """One pass over every schedule: publish what is due, then mark it (lease checked)."""
+        records = await book.read(list(schedules))
+        for name, schedule in schedules.items():
+            if self._stop.is_set():
+                return
+            record = records[name]
+            now = datetime.now(UTC)
+            last = None if record.last_tick_ms is None else from_ms(record.last_tick_ms, schedule)
+            step = plan(schedule, last, now, paused=record.paused)
+            if step.mark is None:
+                continue
+            task_id = ""
+            if step.fire is not None:
+                try:
+                    task_id = await self.app.publish(
+                        schedule.queue,
+                        schedule.task_for(step.fire),
+                        task_id=schedule.task_id_for(step.fire),
+                    )
+                except Exception as e:  # tried again next round, until the tick is missed
+                    self.app.metrics.schedule_ticks.labels(name, "failed").inc()
+                    log.error(
+                        "schedule %r: the tick of %s was not published (%s); trying again",
+                        name,
+                        step.fire.isoformat(),
+                        describe(e),
+                    )
+                    continue
+            marked = await book.mark(self.owner, name, to_ms(step.mark), task_id, step.skipped)
+            if not marked:
+                # The lease is another's now (it marks), or the tick was marked before.
+                log.info("schedule %r: tick %s was not marked here", name, step.mark.isoformat())
+                continue
+            if step.skipped:
+                self.app.metrics.schedule_ticks.labels(name, "skipped").inc(step.skipped)
+                log.warning(
+                    "schedule %r: %d tick(s) missed and skipped (missed=%r)",
+                    name,
+                    step.skipped,
+                    schedule.missed,
+                )
+            if step.fire is not None:
+                self.app.metrics.schedule_ticks.labels(name, "fired").inc()
+                log.info(
+                    "schedule %r fired the tick of %s%s as task %s",
+                    name,
+                    step.fire.isoformat(),
+                    " (late: catching up)" if step.late else "",
+                    task_id,
+                )
+
+
+@dataclass(frozen=True)
+class ScheduleView:
+    """One schedule as ``weclaw-mq schedules list`` shows it."""
+
+    name: str
+    queue: str
+    every: str
+    missed: str
+    paused: bool
+    next_tick: datetime | None  # None while paused
+    last_tick: datetime | None  # the last handled, fired or skipped
+    last_task_id: str | None
+    last_status: str | None  # the last fired task's status, when results are on
+    fired: int
+    skipped: int
+
+
+async def describe_schedules(app: App) -> tuple[list[ScheduleView], bool]:
+    """Every schedule of ``app`` with its state in Redis, and whether a scheduler leads now."""
+    book = book_of(app.store, app.name)
+    schedules = app.schedules
+    records = await book.read(list(schedules))
+    leader = await book.leader()
+    now = datetime.now(UTC)
+    views = []
+    for name, schedule in schedules.items():
+        record = records[name]
+        status = await _status(app, record)
+        views.append(
+            ScheduleView(
+                name=name,
+                queue=schedule.queue,
+                every=schedule.every,
+                missed=schedule.missed,
+                paused=record.paused,
+                next_tick=None if record.paused else schedule.next_after(now),
+                last_tick=None
+                if record.last_tick_ms is None
+                else from_ms(record.last_tick_ms, schedule),
+                last_task_id=record.last_task_id,
+                last_status=status,
+                fired=record.fired,
+                skipped=record.skipped,
+            )
+        )
+    return views, leader is not None
+
+
+async def _status(app: App, record: ScheduleRecord) -> str | None:
+    if record.last_task_id is None or not app.settings.results_enabled:
+        return None
+    state: TaskState | None = await app.status(record.last_task_id)
+    return None if state is None else state.status.value
+
+
+async def pause(app: App, name: str, paused: bool) -> None:
+    """Pause (``True``) or resume schedule ``name`` of ``app``, for every replica at once.
+
+    Raises:
+        ConfigurationError: ``app`` has no schedule ``name``.
+    """
+    if name not in app.schedules:
+        known = ", ".join(app.schedules) or "none"
+        raise ConfigurationError(f"app {app.name!r} has no schedule {name!r} (known: {known})")
+    await book_of(app.store, app.name).pause(name, paused)

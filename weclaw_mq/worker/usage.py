@@ -1,0 +1,127 @@
+"""What a run's model calls used and cost: ``ctx.usage`` collected, recorded in the cost
+ledger (``state.cost_ledger``), settled into token limits; and a tenant's daily cap checked
+before its task runs (``policy.costs``).
+
+Only an App with prices (or a handler with a token limit) comes here: the common path makes no
+call for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from weclaw_mq.contract.lifetime import now_ms
+from weclaw_mq.contract.message import Delivery
+from weclaw_mq.errors import BudgetExceeded
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.policy.delays import STEP_DELAYS_MS, next_hop_ms
+from weclaw_mq.policy.retry import DeadLetterReason
+from weclaw_mq.state.cost_ledger import MICROS, NO_TENANT, Call, day_of
+from weclaw_mq.worker.ends import DeadLetter, Defer, End
+from weclaw_mq.worker.limiting import Ticket
+from weclaw_mq.worker.runtime import Runtime
+
+log = logging.getLogger("weclaw_mq.worker")
+
+# Models reported without a price, warned about once per process.
+_UNPRICED: set[str] = set()
+
+
+class RunUsage:
+    """The model calls one run reported (``ctx.usage``), as (model, input, output)."""
+
+    def __init__(self, ticket: Ticket, model: str | None) -> None:
+        self._ticket = ticket
+        self._model = model
+        self.calls: list[tuple[str, int, int]] = []
+
+    def report(self, input_tokens: int, output_tokens: int, model: str | None) -> None:
+        self.calls.append((model or self._model or "-", input_tokens, output_tokens))
+        if self._ticket.budgets:  # the token limits settle with it when the run ends
+            self._ticket.report(input_tokens + output_tokens)
+
+
+def tenant_of(spec: HandlerSpec, task: Any) -> str:
+    """The task's tenant as its handler's ``tenant=`` says, or ``NO_TENANT``."""
+    if spec.tenant is None:
+        return NO_TENANT
+    try:
+        value = spec.tenant(task)
+    except Exception as e:  # the bill must not fail the task: it goes on the no-tenant line
+        log.warning("the handler's tenant function raised %s: %s", type(e).__name__, e)
+        return NO_TENANT
+    return NO_TENANT if value is None else str(value)
+
+
+async def record_usage(
+    rt: Runtime, delivery: Delivery, spec: HandlerSpec, task: Any, usage: RunUsage
+) -> None:
+    """Cost the run's calls with the App's prices and record them (logged if Redis fails:
+    the task's outcome does not depend on its bill)."""
+    if rt.ledger is None or not usage.calls:
+        return
+    prices = rt.app.prices
+    tenant = tenant_of(spec, task)
+    at = datetime.now(UTC).isoformat()
+    calls = []
+    for model, input_tokens, output_tokens in usage.calls:
+        price = prices.get(model)
+        if price is None and model not in _UNPRICED:
+            _UNPRICED.add(model)
+            log.warning("model %r has no price in App(prices=...): its calls cost 0", model)
+        cost = 0.0 if price is None else price.of(input_tokens, output_tokens)
+        calls.append(
+            Call(
+                spec.queue,
+                delivery.attempt,
+                model,
+                tenant,
+                input_tokens,
+                output_tokens,
+                round(cost * MICROS),
+                at,
+            )
+        )
+        rt.metrics.tokens.labels(spec.queue, model, "input").inc(input_tokens)
+        rt.metrics.tokens.labels(spec.queue, model, "output").inc(output_tokens)
+        rt.metrics.cost.labels(spec.queue, model).inc(cost)
+    try:
+        await rt.ledger.record(delivery.task_id, calls)
+    except Exception as e:
+        log.warning("could not record the task's model usage (%s: %s)", type(e).__name__, e)
+
+
+async def within_cap(rt: Runtime, spec: HandlerSpec, task: Any) -> End | str | None:
+    """Before the handler: None to run as is; the model to run on (a downgrade); or the end of
+    a task whose tenant spent its day's cap (parked until the next UTC day, or shed)."""
+    cap = spec.cap
+    if cap is None or rt.ledger is None:
+        return None
+    tenant = tenant_of(spec, task)
+    now = datetime.now(UTC)
+    try:
+        spent = await rt.ledger.spent_micros(tenant, day_of(now))
+    except Exception as e:  # the cap cannot tell: run it (the bill is recorded all the same)
+        log.warning("the tenant's spending could not be read (%s); running uncapped", e)
+        return None
+    if spent < round(cap.per_day * MICROS):
+        return None
+    rt.metrics.capped.labels(spec.queue, cap.action).inc()
+    if cap.action == "downgrade":
+        return cap.model
+    if cap.action == "shed":
+        why = BudgetExceeded(
+            f"tenant {tenant!r} spent {spent / MICROS:g} today, its cap is {cap.per_day:g}"
+        )
+        return DeadLetter(DeadLetterReason.BUDGET_EXCEEDED, why)
+    tomorrow = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC)
+    due_ms = int(tomorrow.timestamp() * 1000)
+    left = due_ms - now_ms()
+    return Defer(
+        f"tenant {tenant!r} reached its cap of {cap.per_day:g} for today",
+        delay_ms=next_hop_ms(left, STEP_DELAYS_MS),
+        queued_again=True,
+        not_before_ms=due_ms,
+    )
