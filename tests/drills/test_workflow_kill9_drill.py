@@ -49,6 +49,8 @@ PARTS = 10
 KILLS = 6
 CONCURRENCY = 8
 DEADLINE_S = 240.0
+# Parts of 25-150 ms: 2000 of them take ~12 s on 2 x 8 slots, so the kills land mid-stream.
+PART_SLEEP_MAX_S = 0.15
 LEASE_S = 2.0
 
 
@@ -64,7 +66,7 @@ async def test_groups_under_kill9_end_once_each_and_none_hangs(
 ) -> None:
     seed = int(os.environ.get("DRILL_SEED") or random.randrange(2**32))
     rng = random.Random(seed)
-    thresholds = sorted(rng.sample(range(150, GROUPS * PARTS - 200), KILLS))
+    thresholds = sorted(rng.sample(range(100, GROUPS * PARTS - 500), KILLS))
     tag = uuid.uuid4().hex[:8]
     parts_queue, merge_queue = f"drill-wf-part-{tag}", f"drill-wf-merge-{tag}"
     record_key = f"weclaw-test:{parts_queue}"
@@ -93,6 +95,7 @@ async def test_groups_under_kill9_end_once_each_and_none_hangs(
                 "WORKFLOW_APP_PARTS_QUEUE": parts_queue,
                 "WORKFLOW_APP_MERGE_QUEUE": merge_queue,
                 "WORKFLOW_APP_RECORD_KEY": record_key,
+                "WORKFLOW_APP_SLEEP_MAX_S": str(PART_SLEEP_MAX_S),
             },
             log_path=tmp_path / f"worker-{len(workers)}.log",
             concurrency=CONCURRENCY,

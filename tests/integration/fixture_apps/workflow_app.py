@@ -11,6 +11,7 @@ Environment:
     WORKFLOW_APP_PARTS_QUEUE    the parts' handler queue
     WORKFLOW_APP_MERGE_QUEUE    the callback's handler queue
     WORKFLOW_APP_RECORD_KEY     prefix of this test's Redis keys
+    WORKFLOW_APP_SLEEP_MAX_S    a part's longest run (default 0.03 s; its shortest: a sixth)
 The ``WECLAW_MQ_*`` settings apply as in any app.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 
 import redis.asyncio as aioredis
@@ -33,7 +35,14 @@ def merges_key(record_key: str) -> str:
     return f"{record_key}:merges"
 
 
-def build_app(parts_queue: str, merge_queue: str, *, settings: Settings, record_key: str) -> App:
+def build_app(
+    parts_queue: str,
+    merge_queue: str,
+    *,
+    settings: Settings,
+    record_key: str,
+    sleep_max_s: float = 0.03,
+) -> App:
     recorder = aioredis.Redis.from_url(
         settings.redis_url_plain(), socket_connect_timeout=5, socket_timeout=5
     )
@@ -41,7 +50,7 @@ def build_app(parts_queue: str, merge_queue: str, *, settings: Settings, record_
 
     @app.handler(parts_queue)
     async def part(n: int) -> int:
-        await asyncio.sleep(random.uniform(0.005, 0.03))
+        await asyncio.sleep(random.uniform(sleep_max_s / 6, sleep_max_s))
         return n
 
     @app.handler(merge_queue)
@@ -57,7 +66,10 @@ def _app_from_env() -> App:
     parts, merge, record_key = required_env(
         __name__, "WORKFLOW_APP_PARTS_QUEUE", "WORKFLOW_APP_MERGE_QUEUE", "WORKFLOW_APP_RECORD_KEY"
     )
-    return build_app(parts, merge, settings=Settings(), record_key=record_key)
+    sleep_max_s = float(os.environ.get("WORKFLOW_APP_SLEEP_MAX_S", "0.03"))
+    return build_app(
+        parts, merge, settings=Settings(), record_key=record_key, sleep_max_s=sleep_max_s
+    )
 
 
 # Built on first access rather than at import, so tests can import build_app without the
