@@ -137,6 +137,11 @@ return ended(KEYS[1], outcome)
 """
 )
 
+# The deadlines' sorted set through the auto-pipeline too (its lean path, one batch with the
+# other commands of the loop iteration), not a command of the client's own.
+_ADD_DEADLINE = Script.of("return redis.call('ZADD', KEYS[1], 'NX', ARGV[1], ARGV[2])")
+_FORGET_DEADLINE = Script.of("return redis.call('ZREM', KEYS[1], ARGV[1])")
+
 _DUE = Script.of("""
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
 for _, id in ipairs(ids) do
@@ -183,7 +188,9 @@ class RedisWorkflowStore:
         # finds it, and no hop runs before ``create`` returned (nothing is published before).
         try:
             _, stored = await asyncio.gather(
-                self._redis.zadd(WORKFLOW_DEADLINES_KEY, {workflow_id: deadline_ms}, nx=True),
+                self._pipe.script(
+                    _ADD_DEADLINE, [WORKFLOW_DEADLINES_KEY], [deadline_ms, workflow_id]
+                ),
                 self._pipe.script(
                     _CREATE, [workflow_key(workflow_id)], [plan, kind, size, policy, keep_ms]
                 ),
@@ -267,7 +274,4 @@ class RedisWorkflowStore:
         return [_text(w) for w in reply]
 
     async def forget_deadline(self, workflow_id: str) -> None:
-        try:
-            await self._redis.zrem(WORKFLOW_DEADLINES_KEY, workflow_id)
-        except Exception as e:
-            raise state_unavailable(e) from e
+        await self._script(_FORGET_DEADLINE, [WORKFLOW_DEADLINES_KEY], [workflow_id])

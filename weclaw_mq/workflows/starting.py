@@ -83,16 +83,17 @@ def _deadline_s(host: Host, deadline_s: float | None) -> float:
 
 async def _create(host: Host, flows: WorkflowStore, results: TaskStore, plan: Plan) -> None:
     keep_ms = int(plan.deadline_ms - plan.started_ms + host.settings.result_ttl_s * 1000)
+    text = plan.to_json()
     stored = await flows.create(
         plan.workflow_id,
-        plan.to_json(),
+        text,
         kind=plan.kind,
         size=plan.size,
         policy=plan.on_failure if plan.kind == GROUP else "",
         deadline_ms=plan.deadline_ms,
         keep_ms=keep_ms,
     )
-    if stored != plan.to_json():
+    if stored != text:
         before = Plan.from_json(stored)
         if (before.kind, before.stages, before.size, before.then) != (
             plan.kind,
