@@ -26,6 +26,7 @@ from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans, spans_for
 from weclaw_mq.policy.breaker import Breaker
 from weclaw_mq.policy.costs import Cap, Price, check_prices
+from weclaw_mq.policy.fallback import Fallback
 from weclaw_mq.policy.limits import KeyFunc, Limit, as_limits
 from weclaw_mq.policy.priority import QUORUM, Priority
 from weclaw_mq.policy.retry import RetryPolicy
@@ -156,6 +157,7 @@ class App:
         breaker: Breaker | None = None,
         tenant: KeyFunc | None = None,
         cap: Cap | None = None,
+        fallback: Fallback | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register a handler (async or plain def) for ``queue``; unset options come from settings.
 
@@ -191,6 +193,9 @@ class App:
                 its reported costs are summed per tenant (``weclaw-mq costs``).
             cap: A ``Cap(per_day=..., action=...)``: a tenant whose day's costs reached it
                 gets its next tasks parked, shed or run on a cheaper model. Needs ``prices``.
+            fallback: A ``Fallback([model, ...])``: each attempt gets ``ctx.model``, the first
+                model that is up and that the task has not failed on (see
+                ``weclaw_mq.policy.fallback``).
 
         Returns:
             The decorator, which registers the function and returns it unchanged.
@@ -232,6 +237,7 @@ class App:
                 priorities=priorities,
                 tenant=tenant,
                 cap=cap,
+                fallback=fallback,
             )
             return func
 

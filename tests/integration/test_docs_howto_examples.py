@@ -753,3 +753,36 @@ async def test_costs_page_records_each_call_per_tenant_and_model(
         day = datetime.now(UTC).date().isoformat()
         await client.delete(costs_key(app.name, day), *(usage_key(t) for t in ids))
         await client.aclose()
+
+
+# -- fallbacks.md ----------------------------------------------------------------------------
+
+
+async def test_fallbacks_page_sends_the_retry_to_the_next_model_while_the_first_is_down(
+    examples: Examples,
+    start_worker: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str,
+) -> None:
+    from weclaw_mq.contract.naming import models_key
+    from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
+
+    limits = ModelLimits(tokens=10**6, requests=10**4, window_s=60)
+    fake = FakeProvider({m: limits for m in ("big-1", "big-2", "small-1")})
+    fake.down.add("big-1")
+    async with serving(fake) as base_url:
+        monkeypatch.setenv("PROVIDER_URL", base_url)
+        example = examples.load("fallbacks.py", queues=["answers"])
+        app, queue = example.app, examples.queue("answers")
+        app.name = f"fallbacks-{queue}"  # its models' health is its own in this run
+        try:
+            await start_worker(app)
+            task_id = await app.publish(queue, {"prompt": "hello"})
+            final = await app.result(task_id, timeout_s=30)
+        finally:
+            await example.client.aclose()
+            client = aioredis.from_url(redis_url)
+            await client.delete(models_key(app.name))
+            await client.aclose()
+    assert final.status is TaskStatus.SUCCEEDED and final.attempt == 2
+    assert final.result.startswith("big-2: ")

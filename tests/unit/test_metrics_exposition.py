@@ -160,6 +160,12 @@ def prometheus_clients() -> str:
         ["queue", "action"],
         registry=r,
     )
+    Counter(
+        "weclaw_mq_model_attempts",
+        "Attempts of handlers with a fallback chain, by queue, model and outcome.",
+        ["queue", "model", "outcome"],
+        registry=r,
+    )
     messages.labels("q", "acked").inc(2)
     messages.labels("r", "retried").inc(3)
     published.labels("q", "confirmed").inc()

@@ -40,6 +40,11 @@ REQUEUED_AT = f"{PREFIX}requeued-at"
 # before the ack.
 WORKFLOW = f"{PREFIX}workflow"
 
+# Model fallback chains (weclaw_mq.policy.fallback): the model the attempt that wrote the copy
+# called, and every model this task's attempts failed on, in order (an AMQP array of str).
+MODEL = f"{PREFIX}model"
+MODELS_TRIED = f"{PREFIX}models-tried"
+
 # The error's stable name (part of the wire format, see failures.error_type); the class's
 # module path beside it is for people only and changes when code moves.
 ERROR_TYPE = f"{PREFIX}error-type"

@@ -338,6 +338,19 @@ def costs_key(app: str, day: str) -> str:
     return f"{COSTS_KEY_PREFIX}:{app}:{day}"
 
 
+# -- Redis keys of model fallbacks (state.model_health) -----------------------------------------
+#
+#     weclaw_mq:models:{models}:<A>    app A's models' health (a hash: <model>:until, the epoch
+#                                      ms it is down until; <model>:fails, failures in a row)
+
+MODELS_KEY_PREFIX = f"{REDIS_PREFIX}:models:{{models}}"
+
+
+def models_key(app: str) -> str:
+    """App ``app``'s models' health: until when each is down, and its failures in a row."""
+    return f"{MODELS_KEY_PREFIX}:{app}"
+
+
 def queue_key_pattern(prefix: str, queue: str) -> str:
     """A SCAN pattern for every key under ``prefix`` of ``queue`` (e.g. its guard keys)."""
     return f"{prefix}:{len(queue.encode())}:{queue}:{{*"

@@ -17,6 +17,7 @@ from weclaw_mq.handlers.notifications import NotifyTarget
 from weclaw_mq.policy.breaker import Breaker
 from weclaw_mq.policy.costs import Cap
 from weclaw_mq.policy.failures import describe
+from weclaw_mq.policy.fallback import Fallback
 from weclaw_mq.policy.limits import DEFER_LADDER_MS, KeyFunc, Limit
 from weclaw_mq.policy.priority import QUORUM, Priority, check_queue_type, parse_priority
 from weclaw_mq.policy.retry import RetryPolicy, delay_queue_set
@@ -58,6 +59,8 @@ class HandlerSpec:
     # cap (``cap=``; weclaw_mq.policy.costs).
     tenant: KeyFunc | None = None
     cap: Cap | None = None
+    # The models its attempts call, best first (``fallback=``; weclaw_mq.policy.fallback).
+    fallback: Fallback | None = None
 
     @property
     def name(self) -> str:
@@ -143,6 +146,7 @@ def build_spec(
     priorities: bool = False,
     tenant: KeyFunc | None = None,
     cap: Cap | None = None,
+    fallback: Fallback | None = None,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -171,6 +175,8 @@ def build_spec(
         raise ConfigurationError(f"tenant for {queue!r} must be a function of the task")
     if cap is not None and not isinstance(cap, Cap):
         raise ConfigurationError(f"cap for {queue!r} must be a Cap, got {cap!r}")
+    if fallback is not None and not isinstance(fallback, Fallback):
+        raise ConfigurationError(f"fallback for {queue!r} must be a Fallback, got {fallback!r}")
     try:
         hints = typing.get_type_hints(func)
     except Exception as e:  # an unresolvable forward reference
@@ -203,4 +209,5 @@ def build_spec(
         is_sync=is_sync,
         tenant=tenant,
         cap=cap,
+        fallback=fallback,
     )

@@ -267,6 +267,13 @@ class Metrics:
             "Tasks whose tenant had reached its daily cap, by queue and the cap's action.",
             ["queue", "action"],
         )
+        # Model fallback chains (weclaw_mq.policy.fallback): attempts by the model they called
+        # and what that said of it (succeeded, failed, taken_down, blocked by a Retry-After).
+        self.model_attempts = _counter(
+            "weclaw_mq_model_attempts",
+            "Attempts of handlers with a fallback chain, by queue, model and outcome.",
+            ["queue", "model", "outcome"],
+        )
         # In the order they are exported (prometheus_client's: the order of creation).
         self._families: tuple[Family[Count] | Family[Level] | Family[Timing], ...] = (
             self.published,
@@ -291,6 +298,7 @@ class Metrics:
             self.tokens,
             self.cost,
             self.capped,
+            self.model_attempts,
         )
         self._registry: CollectorRegistry | None = None
         if registry is not None:  # the caller's: prometheus_client is loaded already

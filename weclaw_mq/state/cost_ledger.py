@@ -13,15 +13,14 @@ redis-py is not imported here: an app without prices never loads it (``ledger_of
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from weclaw_mq.contract.naming import costs_key, usage_key
 from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.state.outages import is_state_failure, state_unavailable
+from weclaw_mq.state.outages import answered, redis_store
 
 if TYPE_CHECKING:
     from weclaw_mq.state.redis_clients import StateClient
@@ -86,14 +85,6 @@ class CostLedger:
         self._usage_ttl_s = max(1, int(usage_ttl_s))
         self._days_ttl_s = days_kept * 86_400 + 86_400
 
-    async def _call(self, command: Any) -> Any:
-        try:
-            return await command
-        except Exception as e:
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
-
     async def record(self, task_id: str, calls: Sequence[Call]) -> None:
         """Add ``calls`` to the task's list and to their day's totals (one round trip per slot)."""
         if not calls:
@@ -111,19 +102,17 @@ class CostLedger:
                 totals.hincrby(day, f"{who}:in", call.input_tokens)
                 totals.hincrby(day, f"{who}:out", call.output_tokens)
             totals.expire(day, self._days_ttl_s)
-        await self._call(task.execute())
-        await self._call(totals.execute())
+        await answered(task.execute())
+        await answered(totals.execute())
 
     async def calls_of(self, task_id: str) -> list[Call]:
         """Every model call recorded on the task, oldest first."""
-        raw = await self._call(self._client.lrange(usage_key(task_id), 0, -1))
+        raw = await answered(self._client.lrange(usage_key(task_id), 0, -1))
         return [Call(**json.loads(item)) for item in raw]
 
     async def spent_micros(self, tenant: str, day: str) -> int:
         """What ``tenant`` spent on UTC day ``day``, in millionths."""
-        value = await self._call(
-            self._client.hget(costs_key(self.app, day), f"tenant:{tenant}:cost")
-        )
+        value = await answered(self._client.hget(costs_key(self.app, day), f"tenant:{tenant}:cost"))
         return int(value) if value is not None else 0
 
     async def totals(self, days: int, *, by: str, today: date | None = None) -> list[Totals]:
@@ -136,7 +125,7 @@ class CostLedger:
         for back in range(days):
             pipe.hgetall(costs_key(self.app, (last - timedelta(days=back)).isoformat()))
         sums: dict[str, dict[str, int]] = {}
-        for fields in await self._call(pipe.execute()):
+        for fields in await answered(pipe.execute()):
             for raw_field, raw_value in fields.items():
                 field = _text(raw_field)
                 kind, _, rest = field.partition(":")
@@ -158,13 +147,8 @@ def ledger_of(store: object, app: str, *, usage_ttl_s: float, days_kept: int) ->
     Raises:
         ConfigurationError: ``store`` is not the Redis task store.
     """
-    module = sys.modules.get("weclaw_mq.state.redis")
-    if module is None or not isinstance(store, module.RedisTaskStore):
-        raise ConfigurationError(
-            "costs are kept in Redis (WECLAW_MQ_REDIS_URL): this App's task store is "
-            f"{type(store).__name__ if store is not None else 'off (results off, no guard)'}"
-        )
-    ledger: CostLedger = store.cost_ledger(app, usage_ttl_s=usage_ttl_s, days_kept=days_kept)
+    found = redis_store(store, "costs are kept")
+    ledger: CostLedger = found.cost_ledger(app, usage_ttl_s=usage_ttl_s, days_kept=days_kept)
     return ledger
 
 

@@ -4,9 +4,13 @@ helps) or a command Redis refuses (``StateCommandError``: the same command fails
 from __future__ import annotations
 
 import sys
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from weclaw_mq.config.tls import describe_refusal
-from weclaw_mq.errors import StateCommandError, StateUnavailableError
+from weclaw_mq.errors import ConfigurationError, StateCommandError, StateUnavailableError
+
+_T = TypeVar("_T")
 
 # Redis's error replies that mean "not now" (a failover under way, memory full, a script still
 # running, a dataset loading): waiting helps. Every other error reply is deterministic.
@@ -53,3 +57,26 @@ def is_command_error(e: BaseException) -> bool:
         return False
     code = getattr(e, "status_code", None) or str(e).split(" ", 1)[0]
     return code not in _TRANSIENT_REPLIES
+
+
+async def answered(command: Awaitable[_T]) -> _T:
+    """Await a Redis command of ours, its failure raised as ``state_unavailable`` says."""
+    try:
+        return await command
+    except Exception as e:
+        if is_state_failure(e):
+            raise state_unavailable(e) from e
+        raise
+
+
+def redis_store(store: object, needs: str) -> Any:
+    """``store`` when it is the Redis task store (a ``RedisTaskStore``), else a
+    ``ConfigurationError`` saying what ``needs`` Redis. Asked without importing redis-py: a
+    ``RedisTaskStore`` exists only once its module was loaded."""
+    module = sys.modules.get("weclaw_mq.state.redis")
+    if module is None or not isinstance(store, module.RedisTaskStore):
+        kind = type(store).__name__ if store is not None else "off (results off, no guard)"
+        raise ConfigurationError(
+            f"{needs} in Redis (WECLAW_MQ_REDIS_URL): this App's task store is {kind}"
+        )
+    return store

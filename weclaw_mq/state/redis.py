@@ -47,6 +47,7 @@ from weclaw_mq.errors import ResultTimeoutError
 from weclaw_mq.settings import Settings
 from weclaw_mq.state.cost_ledger import CostLedger
 from weclaw_mq.state.expiry import record_ttl_s
+from weclaw_mq.state.model_health import ModelHealth
 from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
 from weclaw_mq.state.protocol import Cancellation, Claim, Finish, TaskState, TaskStatus
@@ -870,6 +871,17 @@ class RedisTaskStore:
         if self._workflows is None:
             self._workflows = RedisWorkflowStore(self._redis, self._pipe)
         return self._workflows
+
+    def model_health(self, app: str) -> ModelHealth:
+        """Whether each model of app ``app``'s fallback chains is up, in this store's Redis.
+
+        Args:
+            app: The app's name.
+
+        Returns:
+            The models' health; it calls the client directly (a read and a write per attempt).
+        """
+        return ModelHealth(self._redis, app)
 
     def cost_ledger(self, app: str, *, usage_ttl_s: float, days_kept: int) -> CostLedger:
         """The cost ledger of app ``app`` in this store's Redis.

@@ -14,13 +14,11 @@ redis-py is not imported here: an app without schedules never loads it (``book_o
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weclaw_mq.contract.naming import schedule_key, scheduler_lease_key
-from weclaw_mq.errors import ConfigurationError
-from weclaw_mq.state.outages import is_state_failure, state_unavailable
+from weclaw_mq.state.outages import answered, redis_store
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -95,32 +93,24 @@ class ScheduleBook:
         self._resign = client.register_script(_RESIGN)
         self._mark = client.register_script(_MARK)
 
-    async def _call(self, command: Any) -> Any:
-        try:
-            return await command
-        except Exception as e:
-            if is_state_failure(e):
-                raise state_unavailable(e) from e
-            raise
-
     async def lead(self, owner: str, lease_s: float) -> bool:
         """Take the lease for ``owner`` if it is free, renew it if ``owner`` holds it.
 
         Returns:
             Whether ``owner`` holds it now, for ``lease_s``.
         """
-        held = await self._call(
+        held = await answered(
             self._lead(keys=[self._lease], args=[owner, max(1, int(lease_s * 1000))])
         )
         return bool(held)
 
     async def resign(self, owner: str) -> None:
         """Give the lease up if ``owner`` holds it (a graceful stop: another takes over now)."""
-        await self._call(self._resign(keys=[self._lease], args=[owner]))
+        await answered(self._resign(keys=[self._lease], args=[owner]))
 
     async def leader(self) -> str | None:
         """The token of the replica that holds the lease, or None."""
-        value = await self._call(self._client.get(self._lease))
+        value = await answered(self._client.get(self._lease))
         return None if value is None else _text(value)
 
     async def mark(self, owner: str, name: str, tick_ms: int, task_id: str, skipped: int) -> bool:
@@ -132,12 +122,12 @@ class ScheduleBook:
             Whether it was recorded.
         """
         keys = [self._lease, schedule_key(self.app, name)]
-        marked = await self._call(self._mark(keys=keys, args=[owner, tick_ms, task_id, skipped]))
+        marked = await answered(self._mark(keys=keys, args=[owner, tick_ms, task_id, skipped]))
         return bool(marked)
 
     async def pause(self, name: str, paused: bool) -> None:
         """Pause (``True``) or resume the schedule: a paused schedule's ticks are skipped."""
-        await self._call(self._client.hset(schedule_key(self.app, name), "paused", int(paused)))
+        await answered(self._client.hset(schedule_key(self.app, name), "paused", int(paused)))
 
     async def read(self, names: Sequence[str]) -> dict[str, ScheduleRecord]:
         """The records of ``names``, by name."""
@@ -147,7 +137,7 @@ class ScheduleBook:
         pipe = self._client.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(schedule_key(self.app, name))
-        raw = await self._call(pipe.execute())
+        raw = await answered(pipe.execute())
         return {name: _record(fields) for name, fields in zip(names, raw, strict=True)}
 
 
@@ -175,14 +165,8 @@ def book_of(store: object, app: str) -> ScheduleBook:
         ConfigurationError: ``store`` is not the Redis task store (schedules need Redis:
             its lease is what lets only one replica fire a tick).
     """
-    module = sys.modules.get("weclaw_mq.state.redis")
-    if module is None or not isinstance(store, module.RedisTaskStore):
-        raise ConfigurationError(
-            "schedules need the Redis task store (WECLAW_MQ_REDIS_URL): its lease lets one "
-            "replica fire each tick; this App's store is "
-            f"{type(store).__name__ if store is not None else 'off (results off, no guard)'}"
-        )
-    book: ScheduleBook = store.schedule_book(app)
+    found = redis_store(store, "schedules keep their lease (one replica fires each tick)")
+    book: ScheduleBook = found.schedule_book(app)
     return book
 
 

@@ -40,6 +40,7 @@ from weclaw_mq.policy.failures import describe
 from weclaw_mq.scheduling.scheduler import Scheduler
 from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
 from weclaw_mq.state.cost_ledger import CostLedger, ledger_of
+from weclaw_mq.state.model_health import ModelHealth, health_of
 from weclaw_mq.state.worker_registry import registry_of
 from weclaw_mq.state.workflow_records import workflows_of
 from weclaw_mq.wire.broker_load import read_broker_load
@@ -150,6 +151,8 @@ class Worker:
         self._limiter: Limiter | None = None
         # Where the App's reported model usage is costed and recorded (App(prices=)).
         self._ledger: CostLedger | None = None
+        # Where the models of its handlers' fallback chains are known up or down.
+        self._health: ModelHealth | None = None
         # Cancel requests for the deliveries in flight (worker.cancel_watch).
         self.cancels = Cancels()
         # Per worker, not per session: a reconnect keeps each breaker's state.
@@ -256,6 +259,8 @@ class Worker:
                 usage_ttl_s=self.settings.result_ttl_s,
                 days_kept=self.settings.cost_days_kept,
             )
+        if any(s.fallback is not None for s in self.specs):
+            self._health = health_of(store, self.app.name)
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
         announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
@@ -585,6 +590,7 @@ class Worker:
             spans=self._spans,
             hooks=self.app.middleware if self.app.middleware.runs else None,
             ledger=self._ledger,
+            health=self._health,
         )
 
     def _lane_scheduler(

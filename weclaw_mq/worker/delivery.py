@@ -26,7 +26,7 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability import tracing
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.state import TaskStatus
-from weclaw_mq.worker import run_hooks
+from weclaw_mq.worker import fallbacks, run_hooks
 from weclaw_mq.worker.admission import (
     Unguarded,
     cancelled_before_start,
@@ -164,6 +164,14 @@ async def _process(
         elif capped is not None:
             await carry_out(capped, message, delivery, spec, rt, held)
             return
+    # A fallback chain's model: the first up that the task has not failed on.
+    chained = spec.fallback is not None and model is None
+    if chained:
+        chosen = await fallbacks.model_for(rt, spec, delivery)
+        if not isinstance(chosen, str):
+            await carry_out(chosen, message, delivery, spec, rt, held)
+            return
+        model = chosen
     ticket = NO_TICKET
     if spec.limits and rt.limiter is not None:
         admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body))
@@ -226,6 +234,9 @@ async def _process(
                 return
             if usage is not None and usage.calls:  # recorded before the task's end is
                 await record_usage(rt, delivery, spec, task, usage)
+            if chained and model is not None and not watch.requested:  # the model's health
+                error = await fallbacks.after_attempt(rt, spec, delivery, model, outcome[1])
+                outcome = (outcome[0], error)
             # Cancelled while it ran: whatever it returned or raised no longer counts (a
             # failure is not retried).
             end = (

@@ -15,6 +15,7 @@ from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.settings import Settings
 from weclaw_mq.state import TaskStore
 from weclaw_mq.state.cost_ledger import CostLedger
+from weclaw_mq.state.model_health import ModelHealth
 from weclaw_mq.worker.cancel_watch import Cancels
 from weclaw_mq.worker.deadlines import Deadlines
 from weclaw_mq.worker.limiting import Limiter
@@ -69,3 +70,5 @@ class Runtime:
     hooks: Chain | None = None
     # The App's cost ledger when it has prices (``worker.usage``), else None.
     ledger: CostLedger | None = None
+    # The models' health of the App's fallback chains (``worker.fallbacks``), else None.
+    health: ModelHealth | None = None

@@ -1,0 +1,189 @@
+"""Model fallback chains on the real broker and Redis (issue 31 item 2), against the local
+stand-in for a provider (``weclaw_mq.testing.fake_provider``): a failed attempt's retry goes
+to the next model, a model that keeps failing is skipped by every new task until its
+cool-down ends and then used first again, a 429's Retry-After takes a model down for that
+long, every model down parks the task without spending an attempt, and the dead-letter copy
+names the models it failed on."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import get_message, outcome_count, wait_until
+from weclaw_mq import App, Context, Retry, RetryPolicy, TaskStatus, UpstreamDown, retry_after_s
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import dlq_name, models_key
+from weclaw_mq.policy.fallback import Fallback
+from weclaw_mq.state.model_health import health_of
+from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
+
+A, B = "model-a", "model-b"
+FAST = RetryPolicy(max_retries=3, delay_s=0.05, multiplier=1)
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[tuple[FakeProvider, httpx.AsyncClient]]:
+    limits = ModelLimits(tokens=10**9, requests=10**6, window_s=60)
+    fake = FakeProvider({A: limits, B: limits})
+    async with serving(fake) as base_url, httpx.AsyncClient(base_url=base_url) as client:
+        yield fake, client
+
+
+def build(
+    make_app: Callable[..., App],
+    qname: str,
+    client: httpx.AsyncClient,
+    redis_url: str,
+    forget: list[str],
+    *,
+    fallback: Fallback,
+    retry: RetryPolicy = FAST,
+) -> tuple[App, list[tuple[int, str]]]:
+    app = make_app(f"fallback-{qname}")
+    forget.append(models_key(app.name))
+    seen: list[tuple[int, str]] = []  # (attempt, model) of every run
+
+    @app.handler(qname, fallback=fallback, retry=retry)
+    async def complete(task: dict[str, str], ctx: Context) -> str:
+        assert ctx.model is not None
+        seen.append((ctx.attempt, ctx.model))
+        response = await client.post(
+            "/v1/complete", json={"model": ctx.model, "prompt": task["prompt"], "max_tokens": 4}
+        )
+        if response.status_code == 429:
+            raise Retry("rate limited", after_s=retry_after_s(response.headers.get("Retry-After")))
+        if response.status_code == 503:
+            raise UpstreamDown(f"{ctx.model} is down")
+        return ctx.model
+
+    return app, seen
+
+
+@pytest.fixture
+async def forget(redis_url: str) -> AsyncIterator[list[str]]:
+    keys: list[str] = []
+    yield keys
+    client = aioredis.from_url(redis_url)
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_a_retry_moves_down_the_list_and_a_failing_model_is_skipped_until_it_recovers(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    redis_url: str,
+    forget: list[str],
+) -> None:
+    fake, client = provider
+    app, seen = build(
+        make_app,
+        qname,
+        client,
+        redis_url,
+        forget,
+        fallback=Fallback([A, B], failures=2, cool_down_s=1.5),
+    )
+    await start_worker(app, concurrency=1)
+    fake.down.add(A)
+    first = await app.publish(qname, {"prompt": "one"})
+    assert (await app.result(first, timeout_s=20)).result == B
+    assert seen == [(1, A), (2, B)]  # its retry went to the next model
+    second = await app.publish(qname, {"prompt": "two"})
+    assert (await app.result(second, timeout_s=20)).result == B
+    # Two failures in a row on A: A is down for 1.5 s, new tasks start on B.
+    third = await app.publish(qname, {"prompt": "three"})
+    assert (await app.result(third, timeout_s=20)).result == B
+    assert seen[-1] == (1, B)
+    fake.down.clear()
+    taken_down = app.metrics.registry.get_sample_value(
+        "weclaw_mq_model_attempts_total", {"queue": qname, "model": A, "outcome": "taken_down"}
+    )
+    assert taken_down == 1
+    # After the cool-down, A is up again and first in line.
+    await _until_up(app, A)
+    fourth = await app.publish(qname, {"prompt": "four"})
+    assert (await app.result(fourth, timeout_s=20)).result == A
+    assert seen[-1] == (1, A)
+
+
+async def _until_up(app: App, model: str) -> None:
+    health = health_of(app.store, app.name)
+
+    async def up() -> bool:
+        _, down = await health.down_until([model])
+        return model not in down
+
+    await wait_until(up, 10, f"{model} up again")
+
+
+async def test_a_429_takes_the_model_down_for_its_retry_after_for_every_task(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    redis_url: str,
+    forget: list[str],
+) -> None:
+    fake, client = provider
+    fake.limits[A] = ModelLimits(tokens=5, requests=10**6, window_s=30)  # one call fits
+    app, seen = build(make_app, qname, client, redis_url, forget, fallback=Fallback([A, B]))
+    await start_worker(app, concurrency=1)
+    ids = [await app.publish(qname, {"prompt": f"p{n}"}) for n in range(3)]
+    results = [(await app.result(t, timeout_s=20)).result for t in ids]
+
+    assert results == [A, B, B]
+    assert fake.refused == 1  # one 429: then A was down for its Retry-After, for every task
+    assert sorted(seen) == [
+        (1, A),
+        (1, A),
+        (1, B),
+        (2, B),
+    ]  # task 2 retried on B, task 3 began there
+
+
+async def test_every_model_down_parks_the_task_and_the_dead_letter_names_the_models(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    redis_url: str,
+    forget: list[str],
+    amqp: Any,
+) -> None:
+    fake, client = provider
+    app, seen = build(
+        make_app,
+        qname,
+        client,
+        redis_url,
+        forget,
+        fallback=Fallback([A, B], failures=1, cool_down_s=1.0),
+        retry=RetryPolicy(max_retries=2, delay_s=0.05, multiplier=1),
+    )
+    await start_worker(app, concurrency=1)
+    fake.down.update({A, B})
+    task_id = await app.publish(qname, {"prompt": "nobody answers"})
+    final = await app.result(task_id, timeout_s=30)
+
+    assert final.status is TaskStatus.DEAD_LETTERED and final.reason == "retries_exhausted"
+    # A failed (down), B failed (down), then both were down: parked, no attempt spent, until
+    # A's cool-down ended; its third attempt failed on A again.
+    assert [m for _, m in seen] == [A, B, A]
+    assert [a for a, _ in seen] == [1, 2, 3]
+    assert outcome_count(app, qname, "deferred") >= 1
+    copy = await get_message(amqp, dlq_name(qname))
+    assert copy is not None
+    assert copy.headers[h.MODEL] == A
+    assert [m.decode() if isinstance(m, bytes) else m for m in copy.headers[h.MODELS_TRIED]] == [
+        A,
+        B,
+        A,
+    ]
