@@ -18,7 +18,7 @@ TEST_WORKERS ?= 3
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
 	bench-stream bench-priority bench-limits bench-token-budget bench-task-index bench-console bench-rss bench-redis-client \
-	bench-start bench-io-high bench-waiters compose-check clean \
+	bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
 
 help:
@@ -49,6 +49,7 @@ help:
 	@echo "make bench-io-high  the I/O-bound case at 512 and 2,000 in flight (guard on and off)"
 	@echo "make bench-redis-client  the store's Redis calls alone vs auto-pipelined (and hiredis if installed)"
 	@echo "make bench-waiters  10,000 result() waiters in one process: connections, memory, publish latency"
+	@echo "make bench-workflows a 3-stage chain vs three stages chained by hand; a 1,000-part group's fan-in"
 	@echo "make docs           build the documentation site into site/ (mkdocs build --strict)"
 	@echo "make docs-serve     serve the site at http://127.0.0.1:8000/, rebuilt on every save"
 	@echo "make console-screenshots  photograph the web console's pages into docs/assets/console/ (broker, Redis, Chromium)"
@@ -168,6 +169,7 @@ bench:
 	$(MAKE) --no-print-directory bench-waiters
 	$(MAKE) --no-print-directory bench-token-budget
 	$(MAKE) --no-print-directory bench-console
+	$(MAKE) --no-print-directory bench-workflows
 
 # The local outbox: publish into it (broker down), the relay's drain rate beside a confirmed
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
@@ -197,6 +199,12 @@ bench-io-high: install
 # waiter, publish and status() latency meanwhile. WAITERS_BENCH_ARGS=--smoke for tiny counts.
 bench-waiters: install
 	$(BIN)/python -m benchmarks.waiters $(WAITERS_BENCH_ARGS)
+
+# Workflows (~1 min): a 3-stage chain against three stages chained by hand (target <= 1.2x), a
+# 1,000-part group's fan-in rate against plain guarded tasks, and the join step alone.
+# WORKFLOWS_BENCH_ARGS="--chains 300 --parts 1000 --joins 10000 --rounds 3" are the defaults.
+bench-workflows: install
+	$(BIN)/python -m benchmarks.workflows $(WORKFLOWS_BENCH_ARGS)
 
 bench-rss: install
 	@# with bytecode, as a deployed worker has it (see benchmarks/run.sh)

@@ -507,6 +507,17 @@ def wire_page() -> str:
         (naming.inbox_trace_key(EXAMPLE_SESSION), "what the inbox dropped when it was full"),
         (slots, "a per-key limit's running holders (limit 0 of the handler, key `user-1`)"),
         (starts, "the same limit's recent starts"),
+        (naming.workflow_key("W"), _doc(naming.workflow_key) + _WORKFLOW_ID),
+        (naming.workflow_parts_key("W"), _doc(naming.workflow_parts_key) + _WORKFLOW_ID),
+        (
+            naming.state_key(naming.CHAIN_RECORD_QUEUE, "W"),
+            "a chain's own record (`status(chain id)`); a group's is in "
+            f"`{naming.GROUP_RECORD_QUEUE}`" + _WORKFLOW_ID,
+        ),
+        (
+            naming.WORKFLOW_DEADLINES_KEY,
+            "every workflow's deadline (a sorted set, scored in epoch ms), swept by every worker",
+        ),
     ):
         lines.append(f"| `{key}` | {_cell(what)} |")
     return "\n".join(lines) + "\n"
@@ -538,6 +549,9 @@ def topology_diagram() -> str:
             "```",
         ]
     )
+
+
+_WORKFLOW_ID = " (`W`: the chain or group id)"
 
 
 def _doc(func: Any) -> str:

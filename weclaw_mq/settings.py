@@ -205,6 +205,11 @@ class Settings(EnvSettings):
     # writes what it runs to Redis this often, off the delivery path; the record lives three
     # beats, so a worker killed without stopping disappears within 3 x this.
     worker_beat_s: float = seconds(5.0, floor=0.1, ceiling=300.0)
+    # Workflows (weclaw_mq.workflows): a chain or group not ended this long after its start
+    # is ended "expired", naming what was missing (``deadline_s=`` of App.chain / App.group).
+    workflow_deadline_s: float = seconds(_DAY_S, floor=0.001, ceiling=_YEAR_S)
+    # How often each worker sweeps the workflow deadlines (one Redis script per sweep).
+    workflow_sweep_s: float = seconds(5.0, floor=0.05, ceiling=_HOUR_S)
     # Schedules (docs/how-to/schedules.md): the scheduler replica that holds this lease in Redis
     # fires the ticks; killed, its lease lapses after this long and a standby takes over, and
     # the ticks in between are missed (each schedule's missed= policy decides).

@@ -41,7 +41,18 @@ from tests.conftest import delete_queues, forget_task_keys, next_message, wait_u
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, CancelOutcome, TaskStatus, Worker
 from weclaw_mq.contract import headers as h
-from weclaw_mq.contract.naming import LIMIT_KEY_PREFIX, dlq_name, inbox_key, inbox_trace_key
+from weclaw_mq.contract.naming import (
+    CHAIN_RECORD_QUEUE,
+    GROUP_RECORD_QUEUE,
+    LIMIT_KEY_PREFIX,
+    dlq_name,
+    inbox_key,
+    inbox_trace_key,
+    latest_key,
+    state_key,
+    workflow_key,
+    workflow_parts_key,
+)
 from weclaw_mq.wire.topology import queue_declarations
 
 HOWTO = Path(__file__).resolve().parents[2] / "docs" / "examples" / "howto"
@@ -422,6 +433,54 @@ async def test_cancel_page_stops_a_running_task_and_says_too_late_for_an_ended_o
 
     assert not again.changed and again.outcome is CancelOutcome.FINISHED
     assert capsys.readouterr().out == "too late: it already ended (cancelled)\n"
+
+
+# -- workflows.md ---------------------------------------------------------------------------
+
+
+async def test_workflows_page_chain_answers_and_group_merges_once_in_order(
+    examples: Examples, start_worker: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queues = ["understand", "lookup", "generate", "summarise", "merge", "merge-what-came"]
+    example = examples.load("workflows.py", queues=queues)
+    app = example.app
+    chains = recording(app, "chain", monkeypatch)
+    groups = recording(app, "group", monkeypatch)
+    await start_worker(app)
+
+    try:
+        answered = await example.answer("What is Sirius?")
+        summed = await example.summary(["first chunk of a long text", "second chunk", "third"])
+        despite = await example.summary_despite_failures(["one", "two"])
+    finally:
+        for wid in [*chains, *groups]:
+            examples.redis_keys += workflow_keys(wid)
+
+    assert (answered.status, answered.result) == (
+        TaskStatus.SUCCEEDED,
+        "What is Sirius? Sirius is a star.",
+    )
+    stage = await app.status(f"{chains[0]}.2", queue=examples.queue("generate"))
+    assert stage is not None and stage.status is TaskStatus.SUCCEEDED
+    assert (summed.status, summed.result) == (
+        TaskStatus.SUCCEEDED,
+        "first chunk of a lon / second chunk / third",
+    )
+    assert (despite.status, despite.result) == (
+        TaskStatus.SUCCEEDED,
+        {"summary": "one / two", "missing": []},
+    )
+
+
+def workflow_keys(workflow_id: str) -> list[str]:
+    """A workflow's Redis keys (its record, plan and parts; its tasks' go with their queues)."""
+    records = [state_key(q, workflow_id) for q in (CHAIN_RECORD_QUEUE, GROUP_RECORD_QUEUE)]
+    return [
+        *records,
+        latest_key(workflow_id),
+        workflow_key(workflow_id),
+        workflow_parts_key(workflow_id),
+    ]
 
 
 # -- notifications.md -----------------------------------------------------------------------

@@ -23,7 +23,14 @@ from tests.integration.processes import FIXTURE_APP, queue_names, run_cli, setti
 from tests.private_servers import PrivateRedisCluster
 from weclaw_mq import App, Worker
 from weclaw_mq.admin.dependency_checks import check_redis
-from weclaw_mq.contract.naming import WORKER_INDEX_KEY, done_channel, guard_key, worker_key
+from weclaw_mq.contract.naming import (
+    WORKER_INDEX_KEY,
+    done_channel,
+    guard_key,
+    worker_key,
+    workflow_key,
+    workflow_parts_key,
+)
 from weclaw_mq.state import CancelOutcome, Claim, TaskState, TaskStatus, open_store
 from weclaw_mq.state.redis import RedisTaskStore
 from weclaw_mq.state.redis_clients import open_client
@@ -347,3 +354,36 @@ async def test_inspect_lists_a_worker_running_on_a_cluster_and_forgets_it_at_its
         await client.aclose()
         await app.close()
         await delete_queues(broker_url, queue_names(app))
+
+
+async def test_workflow_steps_run_on_the_nodes_of_their_groups_and_the_sweep_finds_them(
+    redis_cluster: PrivateRedisCluster, store: RedisTaskStore
+) -> None:
+    # Groups whose keys fall on every node: each join is one script on the group's own slot
+    # (its two keys share the hash tag), the deadlines' sorted set is one key elsewhere.
+    flows = store.workflow_store()
+    groups = _ids_on_every_node(redis_cluster, 2)
+    client = open_client(settings_for("amqp://unused", redis_cluster.url))
+    try:
+        for g in groups:
+            await flows.create(
+                g, "{}", kind="group", size=3, policy="pass", deadline_ms=1, keep_ms=60_000
+            )
+        outcome = {"status": "succeeded", "result": 1}
+        answers = await asyncio.gather(
+            *(flows.join(g, i, outcome, ends_group=None) for g in groups for i in (0, 1, 1))
+        )
+        assert {a.step.value for a in answers} == {"counted"}  # part 1 counted once
+        due = await flows.due(2, limit=100, lease_ms=60_000)
+        assert set(groups) <= set(due)
+        expired = await asyncio.gather(*(flows.expire(g) for g in groups))
+        assert all(e.now and e.outcome is not None for e in expired)
+        assert {tuple(e.outcome["missing"]) for e in expired if e.outcome} == {(2,)}
+        again = await flows.join(groups[0], 2, outcome, ends_group=None)
+        assert (again.step.value, again.now) == ("ended", False)
+    finally:
+        for g in groups:
+            await flows.forget_deadline(g)
+            await client.delete(workflow_key(g))
+            await client.delete(workflow_parts_key(g))
+        await client.aclose()

@@ -9,7 +9,13 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from weclaw_mq.observability.metrics import HANDLER_BUCKETS_S, Metrics, NotifyOutcome, Outcome
+from weclaw_mq.observability.metrics import (
+    GROUP_PARTS_BUCKETS,
+    HANDLER_BUCKETS_S,
+    Metrics,
+    NotifyOutcome,
+    Outcome,
+)
 from weclaw_mq.policy.breaker import CircuitState
 
 # Handler times on, just past and between bucket bounds, and past the last one.
@@ -31,6 +37,8 @@ def ours() -> str:
     m.notified("q", NotifyOutcome.PUBLISHED).inc()
     m.circuit_state("q", CircuitState.OPEN)
     m.circuit_opened("q").inc()
+    m.workflows_ended.labels("group", "succeeded").inc()
+    m.group_parts.observe(40)
     m.schedule_ticks.labels("nightly", "fired").inc()
     m.scheduler_leader.labels().set(1)
     return generate_latest(m.registry).decode()
@@ -103,6 +111,26 @@ def prometheus_clients() -> str:
         ["queue"],
         registry=r,
     )
+    ended = Counter(
+        "weclaw_mq_workflows_ended",
+        "Workflows ended, by kind (chain, group) and status.",
+        ["kind", "status"],
+        registry=r,
+    )
+    parts = Histogram(
+        "weclaw_mq_group_parts",
+        "Parts of each group started.",
+        registry=r,
+        buckets=GROUP_PARTS_BUCKETS,
+    )
+    Histogram(
+        "weclaw_mq_group_join_seconds",
+        "From a group's start to the publish of its callback.",
+        registry=r,
+        buckets=HANDLER_BUCKETS_S,
+    )
+    ended.labels("group", "succeeded").inc()
+    parts.observe(40)
     ticks = Counter(
         "weclaw_mq_schedule_ticks",
         "Schedule ticks by schedule and outcome (fired, skipped, failed).",

@@ -98,6 +98,14 @@ TASK: tuple[HeaderDoc, ...] = (
         PRODUCER,
     ),
     HeaderDoc(
+        h.WORKFLOW,
+        {"type": "string", "pattern": r"^(chain|group|then):.+$"},
+        "The workflow (App.chain, App.group) the task belongs to, as '<kind>:<workflow id>'; "
+        "its task id is '<workflow id>.<index>' ('<workflow id>.then' for a group's "
+        "callback). Its worker reports the task's end to the workflow before the ack.",
+        WECLAW_MQ,
+    ),
+    HeaderDoc(
         h.SESSION_ID,
         {"type": "string", "pattern": f"^{SESSION_ID_RE.pattern}$"},
         "The session (a user or a conversation) whose inbox also receives the task's "

@@ -1,4 +1,5 @@
-"""``weclaw-mq cancel TASK_ID``: thin over ``App.cancel``.
+"""``weclaw-mq cancel TASK_ID``: thin over ``App.cancel`` (``--workflow``:
+``App.cancel_workflow``).
 
 Exit 0 when the cancel took (the task was waiting or running, or, with ``--pending``, is not
 known yet and will be acked unrun when it arrives); exit 1 with one error line when the task
@@ -66,9 +67,22 @@ def cancel(
             "unrun when it arrives. Without it, such a cancel changes nothing and exits 1.",
         ),
     ] = False,
+    workflow: Annotated[
+        bool,
+        typer.Option(
+            "--workflow",
+            help="TASK_ID is a chain or group id: cancel it and its tasks still to come "
+            "(App.cancel_workflow).",
+        ),
+    ] = False,
 ) -> None:
     """Cancel a task: acked unrun if waiting, its handler cancelled if running."""
     configure_logging("WARNING")
+    if workflow:
+        if queue is not None or pending:
+            raise typer.BadParameter("--workflow takes neither --queue nor --pending")
+        _cancel_workflow(task_id)
+        return
 
     async def go() -> Cancellation:
         async with App("weclaw-mq-cli") as app:
@@ -102,3 +116,17 @@ def cancel(
         return
     state = answer.state
     typer.echo(f"task {task_id} cancelled in queue {state.queue if state else queue}")
+
+
+def _cancel_workflow(workflow_id: str) -> None:
+    async def go() -> Cancellation:
+        async with App("weclaw-mq-cli") as app:
+            return await app.cancel_workflow(workflow_id)
+
+    answer = asyncio.run(go())
+    if answer.outcome is CancelOutcome.UNKNOWN:
+        fail(f"workflow {workflow_id} is not known: nothing was cancelled")
+    if answer.outcome is CancelOutcome.FINISHED:
+        status = answer.state.status.value if answer.state is not None else "ended"
+        fail(f"workflow {workflow_id} already ended ({status}); nothing was cancelled")
+    typer.echo(f"workflow {workflow_id} cancelled, and its tasks still to come")

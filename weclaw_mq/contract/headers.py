@@ -34,6 +34,11 @@ NOT_BEFORE = f"{PREFIX}not-before"
 # DLQ, where ``dlq show`` prints them and the next requeue counts on.
 REQUEUED = f"{PREFIX}requeued"
 REQUEUED_AT = f"{PREFIX}requeued-at"
+# The workflow a task belongs to (weclaw_mq.workflows), as "<kind>:<workflow id>": kind
+# "chain" (a stage, task id "<id>.<stage index>"), "group" (a part, "<id>.<part index>") or
+# "then" (a group's callback, "<id>.then"). Its worker reports the task's end to the workflow
+# before the ack.
+WORKFLOW = f"{PREFIX}workflow"
 
 # Model fallback chains (weclaw_mq.policy.fallback): the model the attempt that wrote the copy
 # called, and every model this task's attempts failed on, in order (an AMQP array of str).

@@ -34,6 +34,11 @@ CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
 BODY_KEY_PREFIX = f"{REDIS_PREFIX}:body"
 # A task's timeline: one event per record write (state.task_index).
 TIMELINE_KEY_PREFIX = f"{REDIS_PREFIX}:timeline"
+# A workflow (weclaw_mq.workflows): its plan and progress, and its parts' ends, hash-tagged
+# on the workflow id; and the one sorted set of workflow deadlines every worker sweeps.
+WORKFLOW_KEY_PREFIX = f"{REDIS_PREFIX}:workflow"
+WORKFLOW_PARTS_KEY_PREFIX = f"{REDIS_PREFIX}:workflow-parts"
+WORKFLOW_DEADLINES_KEY = f"{REDIS_PREFIX}:workflow-deadlines"
 # One per worker process (its task store): a guard claim names it, and lapses with it.
 HEARTBEAT_KEY_PREFIX = f"{REDIS_PREFIX}:alive"
 # One channel for every cancel request (weclaw_mq.state.cancel_records): each worker holds one
@@ -51,6 +56,10 @@ CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
 #
 # No handler queue may start with "weclaw_mq.", so none of these is a handler's name.
 SHARED_PREFIX = "weclaw_mq."
+# The queue names of a workflow's own record (``App.status(workflow id)``): names no handler
+# may have (the shared prefix), so a workflow's record never meets a task's.
+CHAIN_RECORD_QUEUE = f"{SHARED_PREFIX}chain"
+GROUP_RECORD_QUEUE = f"{SHARED_PREFIX}group"
 LADDER_INFIX = "delay."
 RETURN_EXCHANGE = f"{SHARED_PREFIX}return"
 UNROUTABLE = f"{SHARED_PREFIX}unroutable"
@@ -444,6 +453,16 @@ def limit_keys(queue: str, index: int, key: str | None) -> tuple[str, str]:
     """The (slots, starts) keys of limit ``index`` of ``queue`` for ``key`` (None: global)."""
     base = _limit_base(queue, index, key)
     return f"{base}:slots", f"{base}:starts"
+
+
+def workflow_key(workflow_id: str) -> str:
+    """A workflow's plan and progress (a hash), in its id's hash slot."""
+    return f"{WORKFLOW_KEY_PREFIX}:{_tagged(workflow_id)}"
+
+
+def workflow_parts_key(workflow_id: str) -> str:
+    """A group's parts that ended, by part index (a hash), in its id's hash slot."""
+    return f"{WORKFLOW_PARTS_KEY_PREFIX}:{_tagged(workflow_id)}"
 
 
 def token_keys(queue: str, index: int, key: str | None) -> tuple[str, str, str]:

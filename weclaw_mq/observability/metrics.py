@@ -55,6 +55,7 @@ class NotifyOutcome(StrEnum):
 
 # LLM calls take 20-60 s: buckets reach past two minutes.
 HANDLER_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 300)
+GROUP_PARTS_BUCKETS = (1, 10, 100, 1_000, 10_000, 100_000)
 
 
 class Count:
@@ -219,6 +220,24 @@ class Metrics:
             "Deliveries held unstarted past the bound while a slot was free, given back.",
             ["queue"],
         )
+        # Workflows (weclaw_mq.workflows): ends by kind and status, group sizes, and the time
+        # from a group's start to its callback's publish (its join).
+        self.workflows_ended = _counter(
+            "weclaw_mq_workflows_ended",
+            "Workflows ended, by kind (chain, group) and status.",
+            ["kind", "status"],
+        )
+        group_parts = _histogram(
+            "weclaw_mq_group_parts", "Parts of each group started.", [], GROUP_PARTS_BUCKETS
+        )
+        group_join_seconds = _histogram(
+            "weclaw_mq_group_join_seconds",
+            "From a group's start to the publish of its callback.",
+            [],
+            HANDLER_BUCKETS_S,
+        )
+        self.group_parts = group_parts.labels()
+        self.group_join_seconds = group_join_seconds.labels()
         # Schedules (weclaw_mq.scheduling): ticks by schedule and outcome (fired, skipped as
         # missed, failed to publish: tried again), and whether this process's scheduler leads.
         self.schedule_ticks = _counter(
@@ -271,6 +290,9 @@ class Metrics:
             self.breaker_state,
             self.breaker_opened,
             self.held_deliveries,
+            self.workflows_ended,
+            group_parts,
+            group_join_seconds,
             self.schedule_ticks,
             self.scheduler_leader,
             self.tokens,

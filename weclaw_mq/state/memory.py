@@ -55,6 +55,7 @@ from weclaw_mq.state.task_index import (
     to_ms,
 )
 from weclaw_mq.state.transitions import may_follow, narrowing
+from weclaw_mq.state.workflow_records import MemoryWorkflowStore
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this
 
@@ -113,6 +114,7 @@ class MemoryTaskStore:
         self._records: dict[tuple[str, str], _Entry] = {}
         self._fingerprints: dict[tuple[str, str], _Entry] = {}  # state.reuse
         self._latest: dict[str, _Entry] = {}  # task id -> queue of its latest record
+        self._workflows = MemoryWorkflowStore()  # state.workflow_records
         self._finals: dict[str, asyncio.Event] = {}  # task id -> set when a record turns final
         self._markers: dict[str, _Marker] = {}  # task id -> its cancel marker
         self._cancel_watchers: list[Callable[[str, str | None], None]] = []
@@ -533,6 +535,14 @@ class MemoryTaskStore:
             await asyncio.get_running_loop().create_future()  # until cancelled
         finally:
             self._cancel_watchers.remove(on_cancel)
+
+    def workflow_store(self) -> MemoryWorkflowStore:
+        """The workflows (``state.workflow_records``) beside these tasks, in memory too.
+
+        Returns:
+            The workflow store.
+        """
+        return self._workflows
 
     async def close(self) -> None:
         """Nothing to release: a no-op."""

@@ -59,6 +59,7 @@ from weclaw_mq.state.redis_clients import (
 from weclaw_mq.state.redis_index import INDEX_FORGET_LUA, INDEX_WRITE_LUA, RedisTaskIndex
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
+from weclaw_mq.state.redis_workflows import RedisWorkflowStore
 from weclaw_mq.state.schedule_book import ScheduleBook
 from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.state.transitions import TRANSITIONS, narrowing
@@ -339,6 +340,7 @@ class RedisTaskStore:
             pipe=self._pipe,
             index=self.index,
         )
+        self._workflows: RedisWorkflowStore | None = None  # made when first asked for
         self._held: dict[str, str] = {}  # guard key -> its value, while its attempt holds it
         self._renewer: asyncio.Task[None] | None = None
         # This worker: every claim's value names it, and holds while its heartbeat key lives.
@@ -940,6 +942,16 @@ class RedisTaskStore:
             The registry; its writes (a worker's beats) share the store's auto-pipeline.
         """
         return WorkerRegistry(self._redis, self._pipe)
+
+    def workflow_store(self) -> RedisWorkflowStore:
+        """The workflows (``state.workflow_records``) in this store's Redis.
+
+        Returns:
+            The workflow store; its steps share the store's auto-pipeline.
+        """
+        if self._workflows is None:
+            self._workflows = RedisWorkflowStore(self._redis, self._pipe)
+        return self._workflows
 
     def model_health(self, app: str) -> ModelHealth:
         """Whether each model of app ``app``'s fallback chains is up, in this store's Redis.

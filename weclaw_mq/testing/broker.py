@@ -22,6 +22,8 @@ delay and dead-letter queues; publishes go through
 
 Not modelled (they need Redis or a live consumer): per-key limits (``limit=``) are not
 enforced, circuit breakers (``breaker=``) never open, and the local outbox is bypassed.
+Workflows (``App.chain``, ``App.group``) run as on a worker; their deadlines are swept each
+time the broker goes idle (``advance`` the clock past one to see it end a workflow).
 Priority lanes are served highest first (the starvation limit is not modelled).
 """
 
@@ -53,6 +55,7 @@ from weclaw_mq.worker.in_flight import InFlight
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
 from weclaw_mq.worker.sync_threads import SyncThreads
+from weclaw_mq.workflows.deadlines import sweep
 
 log = logging.getLogger("weclaw_mq.testing")
 
@@ -269,12 +272,23 @@ class TestBroker:
                 finally:
                     arrived.cancel()
                 continue
+            # Idle: workflows past their deadline end now, as a worker's sweep ends them
+            # (their lost parts are cancelled, which may start nothing, or a copy's ack).
+            if await self._sweep_workflows():
+                continue
             if not advance_clock:
                 return
             due = self.memory.next_delay_due_ms()
             if due is None:
                 return
             self.clock.advance_to_ms(due)
+
+    async def _sweep_workflows(self) -> int:
+        ended = 0
+        for app in self.apps:
+            if app.results is self.store:
+                ended += await sweep(app)
+        return ended
 
     def advance(self, seconds: float) -> None:
         """Move the clock forward by ``seconds`` (then ``run_until_idle`` runs what is due)."""
@@ -312,6 +326,16 @@ class TestBroker:
         task_id = task_id or new_task_id()
         self.memory.publish(queue, build_message(body, task_id=task_id, headers=headers or {}))
         return task_id
+
+    def purge(self, queue: str, *, task_id: str | None = None) -> int:
+        """Remove the ready messages of ``queue`` (only ``task_id``'s, if given), as an
+        operator's purge would: nothing is recorded and no worker sees them. How many."""
+        messages = self._queue(queue).messages
+        kept = [m for m in messages if task_id is not None and m.task_id != task_id]
+        removed = len(messages) - len(kept)
+        messages.clear()
+        messages.extend(kept)
+        return removed
 
     # -- looking ----------------------------------------------------------------------------
     def dead_letters(self, queue: str) -> list[DeadLetter]:

@@ -42,6 +42,7 @@ from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
 from weclaw_mq.state.cost_ledger import CostLedger, ledger_of
 from weclaw_mq.state.model_health import ModelHealth, health_of
 from weclaw_mq.state.worker_registry import registry_of
+from weclaw_mq.state.workflow_records import workflows_of
 from weclaw_mq.wire.broker_load import read_broker_load
 from weclaw_mq.wire.connection import (
     CLOSE_TIMEOUT_S,
@@ -66,6 +67,7 @@ from weclaw_mq.worker.pausing import Pausable, QueueCircuit
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
 from weclaw_mq.worker.sync_threads import SyncThreads
+from weclaw_mq.workflows.deadlines import sweep_forever
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -269,6 +271,12 @@ class Worker:
         # What it runs, for 'weclaw-mq inspect': in the store's Redis, none without one.
         beat = self._beat(store)
         beating = asyncio.create_task(beat.run(self._stop)) if beat is not None else None
+        # Workflows past their deadline (weclaw_mq.workflows.deadlines): every worker sweeps.
+        sweeping = (
+            asyncio.create_task(sweep_forever(self.app, self.settings.workflow_sweep_s))
+            if workflows_of(store) is not None and self.app.results is not None
+            else None
+        )
         # The App's schedules, when this worker fires them too (--schedules).
         scheduler = Scheduler(self.app) if self.schedules and self.app.schedules else None
         scheduling = asyncio.create_task(scheduler.run()) if scheduler is not None else None
@@ -281,7 +289,7 @@ class Worker:
                 scheduler.stop()  # gives the lease up at once: a standby takes over
                 with contextlib.suppress(Exception):
                     await scheduling
-            for task in (listener, announcer, load_check, beating):
+            for task in (listener, announcer, load_check, beating, sweeping):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):

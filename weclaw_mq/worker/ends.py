@@ -34,7 +34,7 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.policy.failures import describe, error_type, safe_text
 from weclaw_mq.policy.retry import DeadLetterReason, GiveUp, RetryLater, decide, delay_queue_set
-from weclaw_mq.state import Finish, TaskStatus
+from weclaw_mq.state import Finish, TaskState, TaskStatus
 from weclaw_mq.worker import announce as notify
 from weclaw_mq.worker.records import (
     record_quietly,
@@ -45,6 +45,7 @@ from weclaw_mq.worker.records import (
     to_inbox,
 )
 from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.workflows.hops import after_end, tagged
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -345,7 +346,46 @@ async def _store(
         message, delivery, spec, rt, await notify.announce(delivery, spec, rt, state)
     ):
         return
+    if h.WORKFLOW in delivery.headers and not await _told(message, delivery, spec, rt, state):
+        return
     await rt.settler.ack(message, queue=spec.queue)
+
+
+async def _told(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    final: TaskState | None,
+) -> bool:
+    """A workflow's task: True once its workflow heard of ``final`` (the next stage or the
+    callback confirmed on the broker, ``workflows.hops``), else it is parked, to tell it
+    again when it comes back; True for a task of no workflow. Before the ack, always."""
+    place = tagged(delivery.headers, delivery.task_id)
+    if place is None or final is None:
+        return True
+    return await _announced(
+        message, delivery, spec, rt, await after_end(rt.app, place, final, delivery.trace_id)
+    )
+
+
+async def _tell_again(
+    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
+) -> bool:
+    """A copy of a finished workflow task: its worker may have died before the hop's confirm,
+    so the workflow hears of the stored end again (its step answers as before, and a hop
+    published twice has the same task id, which the next handler's guard absorbs)."""
+    if rt.results is None or tagged(delivery.headers, delivery.task_id) is None:
+        return True
+    try:
+        final = await rt.results.get(delivery.task_id, queue=spec.queue)
+    except Exception as e:  # unknown: not acked until the workflow is known to be told
+        await _defer(message, delivery, spec, rt, f"its stored end could not be read ({e})")
+        return False
+    if final is None or not final.status.terminal:
+        log.warning("a finished workflow task's record is gone: its workflow is not told again")
+        return True
+    return await _told(message, delivery, spec, rt, final)
 
 
 async def _patiently(rt: Runtime, write: Callable[[], Awaitable[_T]]) -> _T:
@@ -370,10 +410,13 @@ async def _ack_duplicate(
     """Ack a copy of a task that another attempt finished: the stored final goes to the
     inbox and the notification again (readers drop repeats), then the ack."""
     await _redeliver_to_inbox(delivery, spec, rt)
-    if await _announced(
+    if not await _announced(
         message, delivery, spec, rt, await notify.announce_again(delivery, spec, rt)
     ):
-        await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
+        return
+    if h.WORKFLOW in delivery.headers and not await _tell_again(message, delivery, spec, rt):
+        return
+    await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
 
 
 async def _redeliver_to_inbox(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> None:
@@ -416,6 +459,8 @@ async def _ack_cancelled(
         message, delivery, spec, rt, await notify.announce(delivery, spec, rt, state)
     ):
         return
+    if h.WORKFLOW in delivery.headers and not await _told(message, delivery, spec, rt, state):
+        return
     await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
 
 
@@ -435,15 +480,17 @@ async def _dead_letter(
     failed = await notify.announce(delivery, spec, rt, final, error_type=error_type(error))
     if not await _announced(message, delivery, spec, rt, failed):
         return
+    status = TaskStatus.EXPIRED if reason is DeadLetterReason.EXPIRED else TaskStatus.DEAD_LETTERED
+    final = task_state(delivery, spec, status, error=describe(error), reason=reason.value)
+    # Its workflow hears of it before the move, as the notification does: after it, a crash
+    # would leave the task in the DLQ and the workflow waiting for its deadline.
+    if h.WORKFLOW in delivery.headers and not await _told(message, delivery, spec, rt, final):
+        return
     if await rt.settler.dead_letter(
         message, delivery, queue=spec.queue, reason=reason.value, error=error
     ):
         # Only once the DLQ holds it: "dead_lettered" is final for result() waiters, and a
         # failed move returns the task to its queue, where it may yet succeed.
-        status = (
-            TaskStatus.EXPIRED if reason is DeadLetterReason.EXPIRED else TaskStatus.DEAD_LETTERED
-        )
-        final = task_state(delivery, spec, status, error=describe(error), reason=reason.value)
         await record_quietly(rt, final)
         session_id = session_of(delivery)
         if session_id is not None:
