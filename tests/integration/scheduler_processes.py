@@ -97,8 +97,10 @@ async def ticking(
     redis_url: str,
     qname: str,
     tmp_path: Path,
-    start_worker: Callable[..., Any],
+    # Before start_worker: fixtures end in reverse, so the worker stops before the app's
+    # queues are deleted (a live worker would declare them again as its consumer is cancelled).
     make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
 ) -> AsyncIterator[Ticking]:
     app = make_app(f"sched-{qname}")
     ticking = Ticking(app, qname, tmp_path, redis_url)
