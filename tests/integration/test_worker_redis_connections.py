@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import wait_until
 from weclaw_mq import App, Context, Limit, TaskStatus, Worker
+from weclaw_mq.state import redis_clients
 from weclaw_mq.state.redis_clients import client_name
 from weclaw_mq.worker.consume import REDIS_CONNECTIONS_NEEDED
 
@@ -44,8 +45,18 @@ async def _connections_named(redis_url: str, name: str) -> int:
     ids=["guarded", "guarded-keyed-limit", "unguarded-results-on"],
 )
 async def test_a_worker_at_concurrency_2000_holds_at_most_64_redis_connections(
-    make_app: Callable[..., App], qname: str, redis_url: str, limited: bool, guarded: bool
+    make_app: Callable[..., App],
+    qname: str,
+    redis_url: str,
+    limited: bool,
+    guarded: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Its clients get a name of their own: connections that earlier tests run by the same
+    # pytest process left open (several files share one process in a full run) carry the
+    # process's name, and are not this worker's.
+    name = f"{client_name()}-{qname}"
+    monkeypatch.setattr(redis_clients, "client_name", lambda: name)
     # Unguarded with results on, each delivery reads the cancel marker instead of claiming.
     # 2,000 confirms while the same broker delivers to 2,000 consumers' slots: the default
     # 10 s left 368 unconfirmed once under a loaded full run.
@@ -75,7 +86,7 @@ async def test_a_worker_at_concurrency_2000_holds_at_most_64_redis_connections(
         )
         # Every handler in flight has claimed (or read its cancel marker), written its
         # "running" record and emitted.
-        used = await _connections_named(redis_url, client_name())
+        used = await _connections_named(redis_url, name)
         assert 0 < used <= min(MAX_CONNECTIONS, POOLS_BOUND), f"{used} connections in flight"
         release.set()
 
@@ -87,7 +98,7 @@ async def test_a_worker_at_concurrency_2000_holds_at_most_64_redis_connections(
         while not await all_succeeded():
             assert asyncio.get_running_loop().time() < deadline, "not every task succeeded"
             await asyncio.sleep(0.5)
-        used = await _connections_named(redis_url, client_name())
+        used = await _connections_named(redis_url, name)
         assert used <= min(MAX_CONNECTIONS, POOLS_BOUND), f"{used} connections at the end"
     finally:
         release.set()
