@@ -37,6 +37,19 @@ _CLAIM_CANCELLED = Claim.CANCELLED
 _RUNNING = TaskStatus.RUNNING
 
 
+def park_until(spec: HandlerSpec, due_ms: int, why: str) -> Defer:
+    """Park a task that may not run before ``due_ms`` (epoch ms): the due time is written on
+    it and it hops through the handler's delay queues until then (``parked_until_due``),
+    spending no attempt; a claim's ``running`` record goes back to ``queued``."""
+    left = max(due_ms - now_ms(), 1)
+    return Defer(
+        why,
+        delay_ms=next_hop_ms(left, delay_queue_set(spec.retry)),
+        queued_again=True,
+        not_before_ms=due_ms,
+    )
+
+
 def parked_until_due(delivery: Delivery, spec: HandlerSpec) -> Defer | None:
     """A task that came back from a delay queue before its not-before time goes to the next
     one (weclaw_mq.policy.delays): no claim, no record, no attempt; it did not run. Its status stays

@@ -211,7 +211,7 @@ async def _process(
             elif ticket is NO_TICKET:
                 # The common path: no limit's slot to free.
                 outcome = await call_handler(
-                    spec, task, delivery, rt, on_stuck, watch, usage=report, model=model
+                    spec, task, delivery, rt, on_stuck, watch, report, model
                 )
             else:
                 with ticket:  # the limits' slots are freed as the handler ends, however it ends
@@ -222,8 +222,8 @@ async def _process(
                         rt,
                         on_stuck,
                         watch,
-                        usage=report,
-                        model=model,
+                        report,
+                        model,
                     )
                     ticket.ended(outcome)
             if outcome is not None and circuit is not None:

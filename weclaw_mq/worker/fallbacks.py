@@ -17,11 +17,10 @@ from weclaw_mq.contract.lifetime import now_ms
 from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import InvalidPayload, UnserialisableResult
 from weclaw_mq.handlers.spec import HandlerSpec
-from weclaw_mq.policy.delays import next_hop_ms
 from weclaw_mq.policy.fallback import choose
-from weclaw_mq.policy.retry import delay_queue_set
 from weclaw_mq.policy.signals import Reject, Retry
-from weclaw_mq.worker.ends import Defer, End
+from weclaw_mq.worker.admission import park_until
+from weclaw_mq.worker.ends import End
 from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -53,12 +52,8 @@ async def model_for(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> str |
     pick = choose(fallback, tried, down, now)
     if isinstance(pick, str):
         return pick
-    return Defer(
-        f"every model of {spec.queue!r} is down for {pick / 1000:.3g} s more",
-        delay_ms=next_hop_ms(pick, delay_queue_set(spec.retry)),
-        queued_again=True,
-        not_before_ms=now_ms() + pick,
-    )
+    why = f"every model of {spec.queue!r} is down for {pick / 1000:.3g} s more"
+    return park_until(spec, now_ms() + pick, why)
 
 
 async def after_attempt(

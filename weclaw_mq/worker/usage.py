@@ -12,14 +12,13 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from weclaw_mq.contract.lifetime import now_ms
 from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import BudgetExceeded
 from weclaw_mq.handlers.spec import HandlerSpec
-from weclaw_mq.policy.delays import STEP_DELAYS_MS, next_hop_ms
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.state.cost_ledger import MICROS, NO_TENANT, Call, day_of
-from weclaw_mq.worker.ends import DeadLetter, Defer, End
+from weclaw_mq.worker.admission import park_until
+from weclaw_mq.worker.ends import DeadLetter, End
 from weclaw_mq.worker.limiting import Ticket
 from weclaw_mq.worker.runtime import Runtime
 
@@ -117,11 +116,5 @@ async def within_cap(rt: Runtime, spec: HandlerSpec, task: Any) -> End | str | N
         )
         return DeadLetter(DeadLetterReason.BUDGET_EXCEEDED, why)
     tomorrow = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC)
-    due_ms = int(tomorrow.timestamp() * 1000)
-    left = due_ms - now_ms()
-    return Defer(
-        f"tenant {tenant!r} reached its cap of {cap.per_day:g} for today",
-        delay_ms=next_hop_ms(left, STEP_DELAYS_MS),
-        queued_again=True,
-        not_before_ms=due_ms,
-    )
+    reached = f"tenant {tenant!r} reached its cap of {cap.per_day:g} for today"
+    return park_until(spec, int(tomorrow.timestamp() * 1000), reached)
