@@ -35,6 +35,7 @@ from weclaw_mq.contract.naming import (
     TASK_INDEX_KEY,
     TASK_INDEX_QUEUES_KEY,
     cancel_key,
+    fair_key,
     latest_key,
     queue_key_pattern,
     stream_key,
@@ -286,6 +287,10 @@ async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
                     await client.zrem(key, *members[start : start + 1000])
             await client.delete(indexed)
             await client.srem(TASK_INDEX_QUEUES_KEY, indexed)
+            # The fair-share book (the lane counts, each tenant's lane).
+            fair = [k async for k in client.scan_iter(f"{fair_key(queue)}*")]
+            if fair:
+                await client.delete(*fair)
     except (aioredis.RedisError, OSError):
         pass  # its Redis is gone (a test that stopped its private one): nothing to clean
     finally:

@@ -26,6 +26,7 @@ from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans, spans_for
 from weclaw_mq.policy.breaker import Breaker
 from weclaw_mq.policy.costs import Cap, Price, check_prices
+from weclaw_mq.policy.fair_share import Fair
 from weclaw_mq.policy.fallback import Fallback
 from weclaw_mq.policy.limits import KeyFunc, Limit, as_limits
 from weclaw_mq.policy.priority import QUORUM, Priority
@@ -159,6 +160,7 @@ class App:
         tenant: KeyFunc | None = None,
         cap: Cap | None = None,
         fallback: Fallback | None = None,
+        fair: Fair | bool | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register a handler (async or plain def) for ``queue``; unset options come from settings.
 
@@ -197,6 +199,9 @@ class App:
             fallback: A ``Fallback([model, ...])``: each attempt gets ``ctx.model``, the first
                 model that is up and that the task has not failed on (see
                 ``weclaw_mq.policy.fallback``).
+            fair: ``Fair(lanes=4)`` (or ``True``): a tenant's backlog does not hold up another
+                tenant's task: each tenant's tasks go to a lane of its own, served in turn
+                (``weclaw_mq.policy.fair_share``). The tenant is ``tenant=`` or ``Fair(key=)``.
 
         Returns:
             The decorator, which registers the function and returns it unchanged.
@@ -239,6 +244,7 @@ class App:
                 tenant=tenant,
                 cap=cap,
                 fallback=fallback,
+                fair=fair,
             )
             return func
 

@@ -38,7 +38,9 @@ from weclaw_mq.worker.lanes import LOOKAHEAD_GRACE_S, LaneScheduler
 
 LANES = ["urgent", "high", "normal"]  # highest first; the lowest is the handler queue
 CONCURRENCY = 3
-CAP = CONCURRENCY + len(LANES)
+# Fair share (policy.fair_share): the NORMAL level is three lanes served in turn.
+FAIR_LANES = ["urgent", "high", "f1", "f2", "normal"]
+FAIR_LEVELS = [0, 1, 2, 2, 2]
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
@@ -118,9 +120,9 @@ class ModelQueue:
 
 
 class ModelBroker:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lanes: list[str]) -> None:
         self.loop = loop
-        self.ready: dict[str, deque[Msg]] = {lane: deque() for lane in LANES}
+        self.ready: dict[str, deque[Msg]] = {lane: deque() for lane in lanes}
         self.consumers: dict[str, Consumer] = {}
 
     async def subscribe(
@@ -189,7 +191,9 @@ class ModelBroker:
 class Session:
     """One broker session of the worker: its channels and its lane scheduler."""
 
-    def __init__(self, broker: ModelBroker, *, bulk: bool) -> None:
+    def __init__(
+        self, broker: ModelBroker, *, bulk: bool, lanes: list[str], levels: list[int] | None
+    ) -> None:
         self.broker = broker
         self.lane_channel = ModelChannel(broker, prefetch=1)
         self.bulk_channel = ModelChannel(broker, prefetch=CONCURRENCY + 1) if bulk else None
@@ -197,7 +201,7 @@ class Session:
         self.retired = False
         self.scheduler = LaneScheduler(
             self.lane_channel,  # type: ignore[arg-type]
-            LANES,
+            lanes,
             concurrency=CONCURRENCY,
             starvation_limit=3,
             start=self._start,
@@ -205,6 +209,7 @@ class Session:
             redeclare=self._redeclare,
             bulk_channel=self.bulk_channel,  # type: ignore[arg-type]
             subscribe=broker.subscribe,
+            levels=levels,
         )
 
     @property
@@ -255,18 +260,23 @@ class _CountedIds:
 
 
 class LanesModel(RuleBasedStateMachine):
+    # The handler's lanes, highest first, and their levels (None: one lane a level).
+    lanes = LANES
+    levels: list[int] | None = None
+
     def __init__(self) -> None:
         super().__init__()
         self._uuid = lanes_module.uuid
         lanes_module.uuid = _CountedIds()  # type: ignore[assignment]
         self.loop = VirtualLoop()
-        self.broker = ModelBroker(self.loop)
+        self.broker = ModelBroker(self.loop, self.lanes)
+        self.cap = CONCURRENCY + len(self.lanes)
         self.numbers = itertools.count()
         self.sessions: list[Session] = []
         self.session = self._new_session()
 
     def _new_session(self) -> Session:
-        session = Session(self.broker, bulk=True)
+        session = Session(self.broker, bulk=True, lanes=self.lanes, levels=self.levels)
         self.sessions.append(session)
         self.session = session
         self.loop.create_task(self._start(session))
@@ -313,8 +323,9 @@ class LanesModel(RuleBasedStateMachine):
             self._lose()
 
     # -- rules ------------------------------------------------------------------------------
-    @rule(lane=st.sampled_from(LANES), count=st.integers(1, 4))
-    def publish(self, lane: str, count: int) -> None:
+    @rule(index=st.integers(0, len(FAIR_LANES) - 1), count=st.integers(1, 4))
+    def publish(self, index: int, count: int) -> None:
+        lane = self.lanes[index % len(self.lanes)]
         for _ in range(count):
             self.broker.ready[lane].append(Msg(next(self.numbers), lane))
 
@@ -386,7 +397,7 @@ class LanesModel(RuleBasedStateMachine):
     @invariant()
     def holds_at_most_concurrency_plus_lanes(self) -> None:
         held = self._held()
-        assert len(held) <= CAP, f"{len(held)} held, over the bound {CAP}: {self._describe()}"
+        assert len(held) <= self.cap, f"{len(held)} held, over {self.cap}: {self._describe()}"
 
     @invariant()
     def runs_at_most_concurrency(self) -> None:
@@ -427,3 +438,14 @@ LanesModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_lanes_model = LanesModel.TestCase
+
+
+class FairLanesModel(LanesModel):
+    """The same rules with fair-share lanes: three lanes of the NORMAL level, taken in turn."""
+
+    lanes = FAIR_LANES
+    levels = FAIR_LEVELS
+
+
+FairLanesModel.TestCase.settings = LanesModel.TestCase.settings
+test_fair_lanes_model = FairLanesModel.TestCase

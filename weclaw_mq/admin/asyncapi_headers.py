@@ -123,6 +123,13 @@ TASK: tuple[HeaderDoc, ...] = (
     ),
     HeaderDoc(h.REQUEUED_AT, _ISO_TIME, "When ops last did (UTC).", WECLAW_MQ),
     HeaderDoc(
+        h.TENANT,
+        _TEXT,
+        "The tenant of a task of a handler with fair share (fair=), as its producer computed "
+        "it: the producer sent the task to that tenant's lane.",
+        PRODUCER,
+    ),
+    HeaderDoc(
         h.MODEL,
         {"type": "string"},
         "The model the attempt that wrote this copy called (a handler with a fallback chain).",

@@ -525,7 +525,10 @@ async def redrive(
                     await dlq.keep(message)
                 else:
                     await pace.wait()
-                    if await _move_back(message, dlq, statuses, queue, app.queue_type_of(queue)):
+                    spec = app.handlers.get(queue)
+                    fair = spec is not None and spec.fair is not None
+                    kind = app.queue_type_of(queue)
+                    if await _move_back(message, dlq, statuses, queue, kind, fair):
                         summary.moved += 1
                     else:
                         summary.failed += 1
@@ -550,7 +553,12 @@ async def redrive(
 
 
 async def _move_back(
-    message: DeliveredMessage, dlq: _Pass, statuses: _QueuedStatus, queue: str, queue_type: str
+    message: DeliveredMessage,
+    dlq: _Pass,
+    statuses: _QueuedStatus,
+    queue: str,
+    queue_type: str,
+    fair: bool = False,
 ) -> bool:
     """Publish a requeued copy with a confirm, then ack the original: True. False when the
     broker refused the copy (no such queue, a nack): the original is kept in the DLQ."""
@@ -559,7 +567,8 @@ async def _move_back(
     # plan, is kept by requeued_properties).
     headers = properties.headers if isinstance(properties.headers, Mapping) else {}
     version = parse_server_version(dlq.channel.connection.server_properties.get("version"))
-    target, _ = route(queue, priority_from_header(headers.get(h.PRIORITY)), version, queue_type)
+    level = priority_from_header(headers.get(h.PRIORITY))
+    target, _ = route(queue, level, version, queue_type, fair=fair)
     owner = None
     if queue == UNROUTABLE:
         # The parking queue: back to the lane the shared ladder was returning it to, once

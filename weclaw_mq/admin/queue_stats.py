@@ -129,6 +129,8 @@ async def stats_on(
         for level in (Priority.HIGH, Priority.URGENT)
     ]
     lane_names = [name for name in lane_names if name != queue] if takes else []
+    if spec is not None and spec.fair is not None:  # its priority lanes, then its fair lanes
+        lane_names = [name for name in spec.queue_spec().lane_queues(version) if name != queue]
     work = await count(queue, "work")
     lanes = [await count(name, "lane") for name in lane_names]
     delays = list(dict.fromkeys(retry_delays_ms))

@@ -40,6 +40,10 @@ REQUEUED_AT = f"{PREFIX}requeued-at"
 # before the ack.
 WORKFLOW = f"{PREFIX}workflow"
 
+# The tenant of a task of a handler with ``fair=`` (weclaw_mq.policy.fair_share), as its
+# producer computed it: the worker tells the fair book that one of that tenant's tasks started.
+TENANT = f"{PREFIX}tenant"
+
 # Model fallback chains (weclaw_mq.policy.fallback): the model the attempt that wrote the copy
 # called, and every model this task's attempts failed on, in order (an AMQP array of str).
 MODEL = f"{PREFIX}model"

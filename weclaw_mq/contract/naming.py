@@ -150,13 +150,33 @@ def lane_queue_name(queue: str, level: str) -> str:
     return queue if level == "normal" else f"{queue}{LANE_INFIX}{level}"
 
 
+# The fair-share lanes of a handler with ``fair=`` (weclaw_mq.policy.fair_share): lane 0 is
+# Q itself, lane i > 0 is ``Q.lane.f<i>``.
+FAIR_LANE_MARK = "f"
+
+
+def fair_lane_name(queue: str, index: int) -> str:
+    """Fair-share lane ``index`` of handler queue Q: Q itself for 0, so a handler that turns
+    fairness on keeps its queue and its producers that know nothing of it."""
+    return queue if index == 0 else f"{queue}{LANE_INFIX}{FAIR_LANE_MARK}{index}"
+
+
+def fair_lane_index(lane: str, queue: str) -> int | None:
+    """The index of fair lane ``lane`` of Q (0 for Q), None for any other name."""
+    if lane == queue:
+        return 0
+    mark = f"{queue}{LANE_INFIX}{FAIR_LANE_MARK}"
+    digits = lane[len(mark) :] if lane.startswith(mark) else ""
+    return int(digits) if digits.isdigit() and digits[0] != "0" else None
+
+
 def source_lane(routing_key: str | None, queue: str) -> str:
     """The lane of handler queue ``queue`` a delivery came from: its routing key when that
     names one of Q's lanes (a lane is published to, and dead-lettered back to, by its own
     name through the default exchange), else Q."""
     if routing_key and routing_key.startswith(f"{queue}{LANE_INFIX}"):
         level = routing_key[len(queue) + len(LANE_INFIX) :]
-        if level in ("high", "urgent"):
+        if level in ("high", "urgent") or fair_lane_index(routing_key, queue):
             return routing_key
     return queue
 
@@ -364,6 +384,25 @@ MODELS_KEY_PREFIX = f"{REDIS_PREFIX}:models:{{models}}"
 def models_key(app: str) -> str:
     """App ``app``'s models' health: until when each is down, and its failures in a row."""
     return f"{MODELS_KEY_PREFIX}:{app}"
+
+
+# -- Redis keys of fair share (state.fair_book) ----------------------------------------------
+#
+#     weclaw_mq:fair:{Q}:<Q>               hash: "n:<i>", the tasks waiting in fair lane i
+#     weclaw_mq:fair:{Q}:<Q>:t:<tenant>    the lane the tenant's tasks go to
+#
+# In handler queue Q's own slot: a producer's assignment is one script over them.
+FAIR_KEY_PREFIX = f"{REDIS_PREFIX}:fair"
+
+
+def fair_key(queue: str) -> str:
+    """Handler queue ``queue``'s fair lanes: how many tasks wait in each."""
+    return f"{FAIR_KEY_PREFIX}:{{{queue}}}:{queue}"
+
+
+def fair_tenant_key(queue: str, tenant: str) -> str:
+    """The fair lane of ``tenant``'s tasks in handler queue ``queue``."""
+    return f"{fair_key(queue)}:t:{tenant}"
 
 
 def queue_key_pattern(prefix: str, queue: str) -> str:

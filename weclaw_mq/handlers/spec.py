@@ -17,6 +17,7 @@ from weclaw_mq.handlers.notifications import NotifyTarget
 from weclaw_mq.policy.breaker import Breaker
 from weclaw_mq.policy.costs import Cap
 from weclaw_mq.policy.failures import describe
+from weclaw_mq.policy.fair_share import Fair, tenant_text
 from weclaw_mq.policy.fallback import Fallback
 from weclaw_mq.policy.limits import DEFER_LADDER_MS, KeyFunc, Limit
 from weclaw_mq.policy.priority import QUORUM, Priority, check_queue_type, parse_priority
@@ -61,6 +62,10 @@ class HandlerSpec:
     cap: Cap | None = None
     # The models its attempts call, best first (``fallback=``; weclaw_mq.policy.fallback).
     fallback: Fallback | None = None
+    # Shares its workers fairly between tenants (``fair=``; weclaw_mq.policy.fair_share),
+    # with the function naming a task's tenant.
+    fair: Fair | None = None
+    fair_key: KeyFunc | None = None
 
     @property
     def name(self) -> str:
@@ -82,7 +87,23 @@ class HandlerSpec:
             results=None if self.notify is None else self.notify.queue_spec(),
             queue_type=self.queue_type,
             priorities=self.priorities,
+            fair_lanes=self.fair.lanes if self.fair is not None else 1,
         )
+
+    def tenant_of(self, task: Any) -> str:
+        """The fair-share tenant of ``task`` (validated), as the fair book keys it.
+
+        Raises:
+            ConfigurationError: The key function failed or gave no str or int.
+        """
+        assert self.fair_key is not None
+        try:
+            value = self.fair_key(task)
+        except Exception as e:
+            raise ConfigurationError(
+                f"the fair-share key of {self.queue!r} raised {describe(e)}"
+            ) from e
+        return tenant_text(value)
 
     def parse(self, body: bytes) -> Any:
         """Decode and validate in one pass, telling undecodable from invalid."""
@@ -147,6 +168,7 @@ def build_spec(
     tenant: KeyFunc | None = None,
     cap: Cap | None = None,
     fallback: Fallback | None = None,
+    fair: Fair | bool | None = None,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -177,6 +199,18 @@ def build_spec(
         raise ConfigurationError(f"cap for {queue!r} must be a Cap, got {cap!r}")
     if fallback is not None and not isinstance(fallback, Fallback):
         raise ConfigurationError(f"fallback for {queue!r} must be a Fallback, got {fallback!r}")
+    if fair is True:
+        fair = Fair()
+    elif fair is False:
+        fair = None
+    if fair is not None and not isinstance(fair, Fair):
+        raise ConfigurationError(f"fair for {queue!r} must be a Fair or True, got {fair!r}")
+    fair_key = None if fair is None else (fair.key or tenant)
+    if fair is not None and fair_key is None:
+        raise ConfigurationError(
+            f"fair for {queue!r} needs to know a task's tenant: give tenant= (a function of "
+            "the task) or Fair(key=...)"
+        )
     try:
         hints = typing.get_type_hints(func)
     except Exception as e:  # an unresolvable forward reference
@@ -210,4 +244,6 @@ def build_spec(
         tenant=tenant,
         cap=cap,
         fallback=fallback,
+        fair=fair,
+        fair_key=fair_key,
     )

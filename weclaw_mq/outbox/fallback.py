@@ -67,6 +67,7 @@ class LocalFallback:
         background: Background,
         name: str,
         queue_type_of: Callable[[str], str] | None = None,
+        fair_of: Callable[[str], bool] | None = None,
         unavailable: Callable[[], BrokerUnavailableError | None] = lambda: None,
         reached: Callable[[], None] = lambda: None,
     ) -> None:
@@ -78,6 +79,7 @@ class LocalFallback:
         self._background = background
         self._name = name
         self._queue_type_of = queue_type_of
+        self._fair_of = fair_of
         self._outbox: Outbox | None = None
         self._opening = asyncio.Lock()
         self.relay: Relay | None = None
@@ -108,6 +110,7 @@ class LocalFallback:
                         store=self._results(),
                         name=f"{self._name}-relay",
                         queue_type_of=self._queue_type_of,
+                        fair_of=self._fair_of,
                         reached=self._reached,
                     )
                     self._stop = asyncio.Event()

@@ -71,6 +71,7 @@ class Relay:
         store: TaskStore | None = None,
         name: str = "weclaw-mq-outbox-relay",
         queue_type_of: Callable[[str], str] | None = None,
+        fair_of: Callable[[str], bool] | None = None,
         reached: Callable[[], None] = lambda: None,
     ) -> None:
         self.outbox = outbox
@@ -80,6 +81,9 @@ class Relay:
         # A standalone relay knows no handler: it takes Q for a default (quorum) handler
         # queue, as a producer-only App does.
         self.queue_type_of = queue_type_of or (lambda queue: QUORUM)
+        # Whether a handler has fair share (its priorities then take lanes on every broker);
+        # its NORMAL tasks go to Q: the relay does not place tenants (policy.fair_share).
+        self.fair_of = fair_of or (lambda queue: False)
         self.settings = settings
         self.metrics = metrics
         self.store = store
@@ -277,7 +281,13 @@ class Relay:
         """The row's lane (Q for NORMAL), and on a native plan its AMQP priority."""
         headers = properties.headers if isinstance(properties.headers, dict) else {}
         level = priority_from_header(headers.get(h.PRIORITY))
-        target, amqp_priority = route(row.queue, level, version, self.queue_type_of(row.queue))
+        target, amqp_priority = route(
+            row.queue,
+            level,
+            version,
+            self.queue_type_of(row.queue),
+            fair=self.fair_of(row.queue),
+        )
         if amqp_priority is not None:
             properties.priority = amqp_priority
         return target

@@ -123,10 +123,17 @@ CLASSIC_MAX_PRIORITY = 2
 _QUORUM_LEVELS = {Priority.NORMAL: 4, Priority.HIGH: 5, Priority.URGENT: 6}
 
 
-def plan_priorities(version: ServerVersion | None, queue_type: str = QUORUM) -> PriorityPlan:
+def plan_priorities(
+    version: ServerVersion | None, queue_type: str = QUORUM, *, fair: bool = False
+) -> PriorityPlan:
     """The plan for a handler queue of ``queue_type`` on ``version``; an unknown version gets
-    lanes, which work on every version."""
+    lanes, which work on every version. A handler with fair share (``fair``) gets lanes on
+    every version: its NORMAL level is several queues served in turn, so a native level in
+    one of them could not run ahead of the others' NORMAL tasks."""
     check_queue_type(queue_type)
+    if fair:
+        why = "fair share: the NORMAL level is several queues, so a lane per level above it"
+        return PriorityPlan(mode="lanes", amqp_priority={}, queue_arguments={}, why=why)
     if queue_type == CLASSIC:
         return PriorityPlan(
             mode="native",
@@ -152,15 +159,21 @@ def plan_priorities(version: ServerVersion | None, queue_type: str = QUORUM) -> 
 
 
 def route(
-    queue: str, level: Priority, version: ServerVersion | None, queue_type: str = QUORUM
+    queue: str,
+    level: Priority,
+    version: ServerVersion | None,
+    queue_type: str = QUORUM,
+    *,
+    fair: bool = False,
 ) -> tuple[str, int | None]:
     """Where a task of ``level`` for handler queue ``queue`` is published, and the AMQP
     priority property it carries (None: none). NORMAL is Q without the property on every
-    plan (what a producer that predates priorities sends); used by publish and DLQ re-drives.
+    plan (what a producer that predates priorities sends; a fair handler's producer picks
+    the tenant's lane of that level itself); used by publish and DLQ re-drives.
     """
     if level is Priority.NORMAL:
         return queue, None
-    plan = plan_priorities(version, queue_type)
+    plan = plan_priorities(version, queue_type, fair=fair)
     if plan.mode == "lanes":
         return lane_queue_name(queue, level.value), None
     return queue, plan.amqp_priority[level]

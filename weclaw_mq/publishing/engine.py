@@ -37,6 +37,7 @@ from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans
 from weclaw_mq.policy.delays import STEP_DELAYS_MS, next_hop_ms, not_before_ms
 from weclaw_mq.policy.priority import QUORUM, Priority, priority_from_header, route
+from weclaw_mq.publishing.fair_lanes import FairLanes, lane_name
 from weclaw_mq.publishing.preparing import Preparer
 from weclaw_mq.publishing.queued_records import QUEUED_RECORD_WAIT_S, QueuedRecords, queued_state
 from weclaw_mq.settings import Settings
@@ -95,6 +96,7 @@ class PublishingEngine:
         self._results = results
         self._spans = spans
         self._records = QueuedRecords()
+        self._fair = FairLanes(results, self._records.in_background)
         self._declare = declare
         self._chain = chain
         self._declaring: asyncio.Future[list[str]] | None = None
@@ -116,6 +118,7 @@ class PublishingEngine:
                 background=self._records.in_background,
                 name=name,
                 queue_type_of=self.queue_type_of,
+                fair_of=self.fair_of,
                 unavailable=lambda: self.get_publisher().unavailable(),
                 # Only a publisher that exists can be backing off: none is made for it.
                 reached=lambda: self.publisher.broker_reached() if self.publisher else None,
@@ -128,14 +131,17 @@ class PublishingEngine:
         return self.publisher
 
     # -- where a task goes ----------------------------------------------------------------
-    async def _route(self, queue: str, message: aio_pika.Message) -> tuple[str, str]:
+    async def _route(
+        self, queue: str, message: aio_pika.Message, fair_lane: str | None = None
+    ) -> tuple[str, str]:
         """Where ``message`` goes, as (exchange, routing key): its lane (``_lane``) through
         the default exchange, or, before its not-before time, one of the vhost's step delay
         queues through its exchange, with the lane as routing key: the delay queue dead-letters it
         back by that key (``delays``, ``topology``). They are declared with the handler's
         queues; where they are not (no worker of this version declared them yet), the
-        publish is refused as unroutable and nothing is sent."""
-        lane = await self._lane(queue, message)
+        publish is refused as unroutable and nothing is sent. ``fair_lane``: the tenant's
+        lane a fair handler's NORMAL task was placed in (``publishing.fair_lanes``)."""
+        lane = fair_lane or await self._lane(queue, message)
         due = not_before_ms(message.headers)
         left = None if due is None else due - now_ms()
         if left is None or left <= 0:  # no delay, or a delay that passed in the outbox
@@ -153,10 +159,18 @@ class PublishingEngine:
             version = await self.get_publisher().server_version()
         except BrokerUnavailableError as e:  # raised by the connect, which knows no task
             raise BrokerUnavailableError(str(e), queue=queue, task_id=message.message_id) from e
-        target, amqp_priority = route(queue, level, version, self.queue_type_of(queue))
+        target, amqp_priority = route(
+            queue, level, version, self.queue_type_of(queue), fair=self.fair_of(queue)
+        )
         if amqp_priority is not None:
             message.priority = amqp_priority
         return target
+
+    def fair_of(self, queue: str) -> bool:
+        """Whether the App's handler of ``queue`` shares it fairly between tenants (``fair=``):
+        its priorities then take lanes on every broker (``plan_priorities``)."""
+        spec = self._handlers.get(queue)
+        return spec is not None and spec.fair is not None
 
     def queue_type_of(self, queue: str) -> str:
         """``"quorum"`` or ``"classic"``, as the App's handler declares ``queue``; quorum for a
@@ -281,7 +295,22 @@ class PublishingEngine:
 
         ``queue`` is the handler queue; the message goes to its priority's lane (``_route``)."""
         assert message.message_id is not None
+        spec = self._handlers.get(queue)
+        if spec is not None and spec.fair is not None:
+            return await self._send_fair(spec, message)
         exchange, target = await self._route(queue, message)
+        return await self._send_to(queue, message, exchange, target)
+
+    async def _send_fair(self, spec: HandlerSpec, message: aio_pika.Message) -> str:
+        """``_send`` for a fair handler: to its tenant's lane (``publishing.fair_lanes``)."""
+        (placed,) = await self._fair.place(spec, [message])
+        exchange, target = await self._route(spec.queue, message, lane_name(spec.queue, placed))
+        return await self._send_to(spec.queue, message, exchange, target)
+
+    async def _send_to(
+        self, queue: str, message: aio_pika.Message, exchange: str, target: str
+    ) -> str:
+        assert message.message_id is not None
         store = self._results()
         if store is None:
             await self.get_publisher().publish(target, message, exchange=exchange)
@@ -378,7 +407,13 @@ class PublishingEngine:
             return ids
         publisher = self.get_publisher()
         await publisher.connect()
-        targets = [await self._route(queue, m) for m in messages]
+        spec = self._handlers.get(queue)
+        fair = spec if spec is not None and spec.fair is not None else None
+        placed = await self._fair.place(fair, messages) if fair else [None] * len(messages)
+        targets = [
+            await self._route(queue, m, lane_name(queue, p))
+            for m, p in zip(messages, placed, strict=True)
+        ]
         store = self._results()
         queued = (
             self._records.in_background(

@@ -78,14 +78,18 @@ class Preparer:
         if len(body) > limit:
             raise PayloadTooLargeError(queue, len(body), limit)
         spec = self._handlers.get(queue)
+        task = payload
         # An instance of the handler's own model was validated when it was built.
         if spec is not None and not (spec.model is not None and type(payload) is spec.model):
             try:
-                spec.parse(body)
+                task = spec.parse(body)
             except (InvalidPayload, UndecodableBody) as e:
                 raise PayloadValidationError(
                     f"payload for {queue!r} fails the handler's model: {e}"
                 ) from e
+        if spec is not None and spec.fair_key is not None:
+            # Computed here, where the task is validated: the producer picks its lane by it.
+            headers = {**(headers or {}), h.TENANT: spec.tenant_of(task)}
         ctx = current()
         ours = publish_headers(
             trace_id=trace_id or (ctx.trace_id if ctx else None) or new_trace_id(),

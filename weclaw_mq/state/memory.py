@@ -34,6 +34,7 @@ from weclaw_mq.state.cancel_records import (
     scope_of,
 )
 from weclaw_mq.state.expiry import record_ttl_s
+from weclaw_mq.state.fair_book import MemoryFairBook
 from weclaw_mq.state.protocol import (
     Cancellation,
     CancelOutcome,
@@ -115,6 +116,7 @@ class MemoryTaskStore:
         self._fingerprints: dict[tuple[str, str], _Entry] = {}  # state.reuse
         self._latest: dict[str, _Entry] = {}  # task id -> queue of its latest record
         self._workflows = MemoryWorkflowStore()  # state.workflow_records
+        self._fair_book = MemoryFairBook()  # state.fair_book
         self._finals: dict[str, asyncio.Event] = {}  # task id -> set when a record turns final
         self._markers: dict[str, _Marker] = {}  # task id -> its cancel marker
         self._cancel_watchers: list[Callable[[str, str | None], None]] = []
@@ -535,6 +537,14 @@ class MemoryTaskStore:
             await asyncio.get_running_loop().create_future()  # until cancelled
         finally:
             self._cancel_watchers.remove(on_cancel)
+
+    def fair_book(self) -> MemoryFairBook:
+        """The fair-share book of this store (``state.fair_book``).
+
+        Returns:
+            The book, one per store.
+        """
+        return self._fair_book
 
     def workflow_store(self) -> MemoryWorkflowStore:
         """The workflows (``state.workflow_records``) beside these tasks, in memory too.

@@ -47,6 +47,7 @@ from weclaw_mq.errors import ResultTimeoutError
 from weclaw_mq.settings import Settings
 from weclaw_mq.state.cost_ledger import CostLedger
 from weclaw_mq.state.expiry import record_ttl_s
+from weclaw_mq.state.fair_book import RedisFairBook
 from weclaw_mq.state.model_health import ModelHealth
 from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
@@ -307,6 +308,7 @@ class RedisTaskStore:
     ) -> None:
         self._redis = client
         self._owns_client = owns_client
+        self._fair_book: RedisFairBook | None = None
         self._cluster = is_cluster(client)
         self._ttl_ms = int(ttl_s * 1000)
         self.lease_s = lease_s
@@ -976,6 +978,17 @@ class RedisTaskStore:
             The ledger; it calls the client directly (one round trip per reported attempt).
         """
         return CostLedger(self._redis, app, usage_ttl_s=usage_ttl_s, days_kept=days_kept)
+
+    def fair_book(self) -> RedisFairBook:
+        """The fair-share book of this store's Redis (``state.fair_book``).
+
+        Returns:
+            The book, made once; it calls the client directly (one round trip per publish
+            or batch, one per worker and second for the lanes' counts).
+        """
+        if self._fair_book is None:
+            self._fair_book = RedisFairBook(self._redis)
+        return self._fair_book
 
     def schedule_book(self, app: str) -> ScheduleBook:
         """The schedules of app ``app`` in this store's Redis (lease and records).

@@ -109,6 +109,9 @@ class TestBroker:
         if concurrency is not None and concurrency < 1:
             raise ConfigurationError(f"concurrency must be >= 1, got {concurrency}")
         self._concurrency = concurrency
+        # Fair-share lanes: per handler queue, the serial of each lane's latest start.
+        self._served: dict[str, dict[str, int]] = {}
+        self._serial = 0
         self.clock = VirtualClock()
         self.memory = MemoryBroker(self.clock)
         first = app.settings
@@ -299,14 +302,26 @@ class TestBroker:
         for queue, (spec, runtime) in self._handlers.items():
             limit = self._concurrency or runtime.settings.concurrency
             in_flight = self._in_flight.of(queue)
-            # Highest lane first (Q itself is the NORMAL lane).
-            for lane in spec.queue_spec().lane_queues(None):
-                while len(in_flight) < limit:
-                    message = self.memory.deliver(lane)
-                    if message is None:
+            # Highest level first (Q itself is a NORMAL lane); the lanes of one level (fair
+            # share) in turn, the one served least recently first.
+            levels = spec.queue_spec().lane_levels(None)
+            served = self._served.setdefault(queue, {})
+            while len(in_flight) < limit:
+                message = None
+                for rank in sorted({rank for _, rank in levels}):
+                    peers = [lane for lane, r in levels if r == rank]
+                    for lane in sorted(peers, key=lambda lane: served.get(lane, 0)):
+                        message = self.memory.deliver(lane)
+                        if message is not None:
+                            self._serial += 1
+                            served[lane] = self._serial
+                            break
+                    if message is not None:
                         break
-                    self._in_flight.start(message, spec, runtime)
-                    started += 1
+                if message is None:
+                    break
+                self._in_flight.start(message, spec, runtime)
+                started += 1
         return started
 
     def _running(self) -> set[asyncio.Task[None]]:

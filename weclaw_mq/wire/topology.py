@@ -82,13 +82,14 @@ from weclaw_mq.contract.naming import (
     RETURN_EXCHANGE,
     UNROUTABLE,
     dlq_name,
+    fair_lane_name,
     ladder_queue_name,
     lane_queue_name,
     parking_queue_name,
 )
 from weclaw_mq.errors import ConfigurationError, TopologyConflictError
 from weclaw_mq.policy.broker_version import ServerVersion, dlq_plan
-from weclaw_mq.policy.priority import CLASSIC, QUORUM, plan_priorities
+from weclaw_mq.policy.priority import CLASSIC, QUORUM, Priority, plan_priorities
 from weclaw_mq.wire.connection import channel_server_version
 
 log = logging.getLogger("weclaw_mq.topology")
@@ -111,14 +112,27 @@ class QueueSpec:
     queue_type: str = QUORUM
     # Takes priorities (``priorities=True``): lanes where the broker has none usable.
     priorities: bool = False
+    # The queues of its NORMAL level (``fair=``: Q and ``Q.lane.f<i>``; 1: Q alone).
+    fair_lanes: int = 1
 
     def lane_queues(self, version: ServerVersion | None) -> list[str]:
-        """Q and its lane queues on ``version``, highest priority first (Q alone for a
-        handler without priorities)."""
-        if not self.priorities:
-            return [self.name]
-        plan = plan_priorities(version, self.queue_type)
-        return [lane_queue_name(self.name, level.value) for level in plan.lanes]
+        """Q and its lane queues on ``version``, highest priority first, Q last (Q alone for
+        a handler without priorities or fair share); the fair lanes are the NORMAL level."""
+        return [lane for lane, _ in self.lane_levels(version)]
+
+    def lane_levels(self, version: ServerVersion | None) -> list[tuple[str, int]]:
+        """``lane_queues`` each with its level's rank (0 highest): the lanes of one level (the
+        fair lanes) share a rank and are served in turn (``policy.fair_share``)."""
+        fair = self.fair_lanes > 1
+        levels: tuple[Priority, ...] = (Priority.NORMAL,)
+        if self.priorities:
+            levels = plan_priorities(version, self.queue_type, fair=fair).lanes
+        upper = [
+            (lane_queue_name(self.name, level.value), rank)
+            for rank, level in enumerate(levels[:-1])
+        ]
+        normal = [fair_lane_name(self.name, i) for i in (*range(1, self.fair_lanes), 0)]
+        return upper + [(lane, len(upper)) for lane in normal]
 
 
 def _quorum_dead_lettering(target: str | None) -> dict[str, object]:

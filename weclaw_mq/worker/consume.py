@@ -40,6 +40,7 @@ from weclaw_mq.policy.failures import describe
 from weclaw_mq.scheduling.scheduler import Scheduler
 from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
 from weclaw_mq.state.cost_ledger import CostLedger, ledger_of
+from weclaw_mq.state.fair_book import fair_book_of
 from weclaw_mq.state.model_health import ModelHealth, health_of
 from weclaw_mq.state.worker_registry import registry_of
 from weclaw_mq.state.workflow_records import workflows_of
@@ -58,6 +59,7 @@ from weclaw_mq.worker import ends
 from weclaw_mq.worker.beat import Beat
 from weclaw_mq.worker.cancel_watch import Cancels
 from weclaw_mq.worker.deadlines import Deadlines
+from weclaw_mq.worker.fair_counts import count_forever
 from weclaw_mq.worker.health import QueueState, WorkerHealth
 from weclaw_mq.worker.in_flight import InFlight
 from weclaw_mq.worker.incoming import consume
@@ -462,6 +464,12 @@ class Worker:
             await scheduler.start()
             if spec.queue in self._circuits:
                 watches.append(self._watch(spec, runtime, scheduler))
+        # Fair-share lanes' counts for the producers (worker.fair_counts), while consuming.
+        fair = [s for s in laned if s.fair is not None]
+        book = fair_book_of(self.app.store) if fair else None
+        counting = (
+            asyncio.create_task(count_forever(conn, fair, book)) if book is not None else None
+        )
         log.info(
             "consuming %s with concurrency %d",
             ", ".join(s.queue for s in self.specs),
@@ -499,6 +507,10 @@ class Worker:
         finally:
             stop.cancel()
             lost.cancel()
+            if counting is not None:
+                counting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await counting
         if not self._stop.is_set():
             raise aiormq.exceptions.ConnectionClosed(320, "connection or channel closed")
         # Stopping: take no new deliveries; ``_run`` then lets the running handlers finish
@@ -610,9 +622,10 @@ class Worker:
             await declare(declaring, [spec.queue_spec()])
             await declaring.close()
 
+        lane_levels = spec.queue_spec().lane_levels(version)
         return LaneScheduler(
             channel,
-            spec.queue_spec().lane_queues(version),
+            [lane for lane, _ in lane_levels],
             concurrency=self.concurrency,
             starvation_limit=self.settings.priority_starvation_limit,
             start=functools.partial(self._start, spec, runtime),
@@ -621,6 +634,7 @@ class Worker:
             bulk_channel=bulk_channel,
             held_bound_s=self.settings.held_delivery_s,
             on_held=lambda: self.app.metrics.held_deliveries.labels(spec.queue).inc(),
+            levels=[rank for _, rank in lane_levels],
         )
 
     async def _consume_again(

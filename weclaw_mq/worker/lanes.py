@@ -53,11 +53,12 @@ import functools
 import logging
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
+from weclaw_mq.policy.fair_share import next_in_turn
 from weclaw_mq.wire.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
 from weclaw_mq.worker.incoming import consume
 
@@ -90,6 +91,8 @@ def pick(
     skipped: dict[str, int],
     limit: int,
     pending: Collection[str] = (),
+    levels: Mapping[str, int] | None = None,
+    served: Mapping[str, int] | None = None,
 ) -> str | None:
     """The lane whose waiting task starts next, updating ``skipped`` (pure: unit-tested).
 
@@ -98,17 +101,27 @@ def pick(
     highest such starved lane wins. Each lower waiting lane passed over counts one skip.
     None (wait) when a lane above the winner is ``pending``: its spare consumer was just
     opened and its next task may be on the way (a starved lane does not wait).
+
+    ``levels`` (lane -> rank, 0 highest; default: each lane its own level, in order): lanes
+    of one level are fair-share lanes, taken in turn: of the winner's level, the lane
+    ``served`` least recently wins (``policy.fair_share.next_in_turn``); a lane of its own
+    level neither holds it back when pending nor counts a skip.
     """
     candidates = [lane for lane in lanes if lane in waiting]
     if not candidates:
         return None
+    rank_of = levels if levels is not None else {lane: i for i, lane in enumerate(lanes)}
     starved = [lane for lane in candidates if skipped.get(lane, 0) >= limit]
     choice = starved[0] if starved else candidates[0]
-    rank = lanes.index(choice)
-    if not starved and any(lanes.index(lane) < rank for lane in pending):
+    rank = rank_of[choice]
+    if not starved and served is not None:
+        peers = [lane for lane in candidates if rank_of[lane] == rank]
+        if len(peers) > 1:
+            choice = next_in_turn(peers, served)
+    if not starved and any(rank_of[lane] < rank for lane in pending):
         return None
     for lane in candidates:
-        if lanes.index(lane) > rank:
+        if rank_of[lane] > rank:
             skipped[lane] = skipped.get(lane, 0) + 1
     skipped[choice] = 0
     return choice
@@ -132,6 +145,7 @@ class LaneScheduler:
         subscribe: Subscribe = consume,
         held_bound_s: float = HELD_BOUND_S,
         on_held: Callable[[], None] | None = None,
+        levels: Sequence[int] | None = None,
     ) -> None:
         self.channel = channel
         # How a consumer is subscribed (incoming.consume; the lanes' model test gives its own)
@@ -141,6 +155,19 @@ class LaneScheduler:
         self.lanes = list(lanes)  # highest first
         self._lowest = self.lanes[-1]
         self._upper = tuple(self.lanes[:-1])
+        # Each lane's level (``pick``'s levels): lanes sharing one are fair-share lanes, served
+        # in turn (``_served``: the serial of each one's latest start); None: one lane a level.
+        ranks = list(levels) if levels is not None else list(range(len(self.lanes)))
+        self._levels: dict[str, int] | None = None
+        self._served: dict[str, int] | None = None
+        if len(set(ranks)) < len(ranks):
+            self._levels = dict(zip(self.lanes, ranks, strict=True))
+            self._served = {}
+        self._serial = 0
+        # The lanes of a level above the lowest lane's: only those hold it back when pending.
+        self._above_lowest = frozenset(
+            lane for lane, rank in zip(self.lanes, ranks, strict=True) if rank < ranks[-1]
+        )
         # Each lane's consumer callback: a plain coroutine function, which aio-pika recognises
         # per delivery with fewer calls than a functools.partial.
         self._deliveries = {lane: self._delivery_callback(lane) for lane in self.lanes}
@@ -497,6 +524,9 @@ class LaneScheduler:
                 return
             message = self._waiting[chosen].popleft()
             tag = message.consumer_tag or ""
+            if self._served is not None:
+                self._serial += 1
+                self._served[chosen] = self._serial
             if self._bulk_mode:
                 if chosen == self._lowest:
                     self._bulk_running[message.delivery_tag or 0] = tag
@@ -515,7 +545,7 @@ class LaneScheduler:
             if not self._waiting[chosen]:
                 if self._lookahead(chosen) == 0:
                     self._renew(chosen)
-                elif chosen != self._lowest:  # nothing below the lowest lane waits for it
+                elif chosen in self._above_lowest:  # nothing below the lowest level waits
                     self._expect(chosen, timed=True)
             if self.consumers < self.cap:
                 # Grow toward the cap in the lane that is busy: prefetch-1 consumers are the
@@ -532,13 +562,23 @@ class LaneScheduler:
             if waiting[lane]:
                 candidates = [lane for lane in self.lanes if waiting[lane]]
                 return pick(
-                    self.lanes, candidates, self._skipped, self.starvation_limit, self._pending
+                    self.lanes,
+                    candidates,
+                    self._skipped,
+                    self.starvation_limit,
+                    self._pending,
+                    self._levels,
+                    self._served,
                 )
         if not waiting[self._lowest]:
             return None
-        # As pick: the only candidate wins, unless a higher lane is pending and it is not
-        # starved (only upper lanes are ever pending, see _expect).
-        if self._pending and self._skipped[self._lowest] < self.starvation_limit:
+        # As pick: the only candidate wins, unless a lane of a higher level is pending and it
+        # is not starved (only upper lanes are ever pending, see _expect).
+        if (
+            self._pending
+            and self._skipped[self._lowest] < self.starvation_limit
+            and not self._above_lowest.isdisjoint(self._pending)
+        ):
             return None
         self._skipped[self._lowest] = 0
         return self._lowest
@@ -729,8 +769,8 @@ class LaneScheduler:
     def _expect(self, lane: str, *, timed: bool) -> None:
         """Lower lanes wait for ``lane``'s next task (timed: for LOOKAHEAD_GRACE_S from now;
         else until ``_expect`` is called again with timed=True)."""
-        if lane == self.lanes[-1]:
-            return  # nothing below it waits
+        if lane not in self._above_lowest:
+            return  # nothing below its level waits
         self._marks += 1
         self._pending[lane] = self._marks
         if timed:
