@@ -38,6 +38,13 @@ fixed when it is created), and waiting for idle costs no throughput, unlike drai
 lane to make room. The circuit breaker's pause and the broker's cancel of the bulk consumer
 also end bulk mode.
 
+Fair share (``levels``, ``policy.fair_share``): lanes of one level are a handler's fair lanes,
+taken in turn (``pick``: the one served least recently); a lane of the same level never holds
+another back when pending, and while a task runs they do not take room from each other (an
+armed consumer of a lane with a backlog is about to be sent a task: cancelling it would give
+that task back, its delivery count one closer to the DLQ each time); the next release makes
+room by cancelling its own consumer before the ack.
+
 One owner per consumer: a scheduler counts every consumer it opens from before its consume is
 sent; a delivery on any other consumer is never adopted (that consumer is cancelled, the task
 given back), and a scheduler whose session ended (``retire``) starts nothing. The net behind
@@ -587,7 +594,7 @@ class LaneScheduler:
         """``lane`` has no look-ahead left: open a consumer, making room under the cap. With
         nothing to give up now (the surplus is still being opened), it is retried when a
         task ends or a consume completes: the cap holds, and no lane is left unconsumed."""
-        if self.consumers >= self.cap and not self._make_room():
+        if self.consumers >= self.cap and not self._make_room(lane):
             self._unserved.add(lane)
             return
         self._unserved.discard(lane)
@@ -604,7 +611,7 @@ class LaneScheduler:
             else:
                 self._unserved.discard(lane)
 
-    def _make_room(self) -> bool:
+    def _make_room(self, lane_in_need: str) -> bool:
         if self._leaving:
             return False  # a surplus task is on its way back: that is the room
         # 1. the consumer of the task being released (cancelled before its ack), if its
@@ -617,8 +624,15 @@ class LaneScheduler:
                 self._lane_of.pop(self._ending, None)
                 self._cancelled.add(self._ending)
                 return True
+        # Fair-share lanes do not take room from each other while a task runs: an armed
+        # consumer of a lane with a backlog is about to be sent its next task, and cancelling
+        # it would give that task back (its delivery count up by one each time, toward the
+        # DLQ under constant turns); the next release makes room by rule 1 instead.
+        peers = self._peers_of(lane_in_need) if self._running else ()
         # 2. an armed idle consumer of a lane that keeps another look-ahead
         for lane in reversed(self.lanes):
+            if lane in peers:
+                continue
             if self._idle[lane] and self._lookahead(lane) >= 2:
                 tag = self._pop_idle(lane)
                 self._spawn(self._cancel(tag, lane))
@@ -627,6 +641,8 @@ class LaneScheduler:
                 return True
         # 3. a surplus waiting task of the lowest such lane goes back to its queue
         for lane in reversed(self.lanes):
+            if lane in peers:
+                continue
             if len(self._waiting[lane]) >= 2:
                 message = self._waiting[lane].pop()
                 tag = message.consumer_tag or ""
@@ -638,6 +654,13 @@ class LaneScheduler:
                 self._spawn(self._give_back_surplus(message, tag, lane))
                 return False
         return False
+
+    def _peers_of(self, lane: str) -> frozenset[str]:
+        """The other lanes of ``lane``'s level (its fair-share lanes), none without levels."""
+        if self._levels is None:
+            return frozenset()
+        rank = self._levels[lane]
+        return frozenset(other for other, r in self._levels.items() if r == rank) - {lane}
 
     async def _give_back_surplus(
         self, message: AbstractIncomingMessage, tag: str, lane: str
