@@ -33,7 +33,7 @@ from weclaw_mq.admin import asyncapi_headers as hd
 from weclaw_mq.admin.permissions import vhost_of
 from weclaw_mq.app import App
 from weclaw_mq.contract.message import CONTENT_TYPE
-from weclaw_mq.contract.naming import dlq_name, lane_queue_name
+from weclaw_mq.contract.naming import dlq_name, fair_lane_name, lane_queue_name
 from weclaw_mq.handlers.notifications import TaskNotification
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.settings import Settings, redact_url
@@ -258,6 +258,12 @@ def _add_handler(spec: HandlerSpec, d: _Parts) -> None:
         if spec.priorities
         else ""
     )
+    if spec.fair is not None:
+        lanes += (
+            f" With fair share, App.publish sends a NORMAL task to its tenant's lane: this "
+            f"queue or {fair_lane_name(q, 1)} ... {fair_lane_name(q, spec.fair.lanes - 1)} "
+            "(the tenant in x-weclaw-tenant); a producer that does not place tenants sends here."
+        )
     d.channels[k] = {
         "address": q,
         "title": q,
