@@ -7,6 +7,7 @@ names the models it failed on."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -94,8 +95,10 @@ async def test_a_retry_moves_down_the_list_and_a_failing_model_is_skipped_until_
     await start_worker(app, concurrency=1)
     fake.down.add(A)
     first = await app.publish(qname, {"prompt": "one"})
-    assert (await app.result(first, timeout_s=20)).result == B
+    done = await app.result(first, timeout_s=20)
+    assert done.result == B
     assert seen == [(1, A), (2, B)]  # its retry went to the next model
+    assert done.model == B  # the status names the model of the attempt that wrote it
     second = await app.publish(qname, {"prompt": "two"})
     assert (await app.result(second, timeout_s=20)).result == B
     # Two failures in a row on A: A is down for 1.5 s, new tasks start on B.
@@ -174,6 +177,7 @@ async def test_every_model_down_parks_the_task_and_the_dead_letter_names_the_mod
     final = await app.result(task_id, timeout_s=30)
 
     assert final.status is TaskStatus.DEAD_LETTERED and final.reason == "retries_exhausted"
+    assert final.model == A  # its last attempt's
     # A failed (down), B failed (down), then both were down: parked, no attempt spent, until
     # A's cool-down ended; its third attempt failed on A again.
     assert [m for _, m in seen] == [A, B, A]
@@ -187,3 +191,31 @@ async def test_every_model_down_parks_the_task_and_the_dead_letter_names_the_mod
         B,
         A,
     ]
+
+
+async def test_a_running_status_names_the_model_the_attempt_calls(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    forget: list[str],
+) -> None:
+    app = make_app(f"fallback-running-{qname}")
+    forget.append(models_key(app.name))
+    release = asyncio.Event()
+
+    @app.handler(qname, fallback=Fallback([A, B]))
+    async def answer(task: dict[str, str], ctx: Context) -> str:
+        await release.wait()
+        return ctx.model or ""
+
+    await start_worker(app, concurrency=1)
+    task_id = await app.publish(qname, {"prompt": "hi"})
+
+    async def running_on_a() -> bool:
+        state = await app.status(task_id)
+        return state is not None and state.status is TaskStatus.RUNNING and state.model == A
+
+    # The claim wrote "running" before the model was chosen; the record then names it.
+    await wait_until(running_on_a, 10, "a running record naming the model")
+    release.set()
+    assert (await app.result(task_id, timeout_s=10)).model == A

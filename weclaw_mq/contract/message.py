@@ -167,7 +167,8 @@ class Delivery:
     traceparent), so its log lines need no second object.
 
     Not frozen: a frozen dataclass sets each field through ``object.__setattr__``, which
-    tripled the cost of making one, for every delivery. Nothing changes it once read."""
+    tripled the cost of making one, for every delivery. Nothing changes it once read but
+    ``model``, set once the attempt's model is chosen (a fallback chain, a tenant's cap)."""
 
     task_id: str
     trace_id: str
@@ -179,6 +180,8 @@ class Delivery:
     redelivered: bool
     timestamp: datetime | None
     queue: str  # the handler queue it was delivered from
+    # The model this attempt calls (``ctx.model``), written on its records; None: not chosen.
+    model: str | None = None
 
 
 def read_delivery(message: AbstractIncomingMessage, queue: str) -> Delivery:

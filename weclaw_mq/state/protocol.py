@@ -95,6 +95,8 @@ class TaskState(BaseModel):
         updated_at: When the record was written.
         session_id: The session the task was published for (``App.publish(session_id=)``),
             if any.
+        model: The model the attempt that wrote the record called (``ctx.model``: a fallback
+            chain's choice, or a capped tenant's cheaper model), None for a handler without.
     """
 
     task_id: str
@@ -110,6 +112,8 @@ class TaskState(BaseModel):
     updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     # The task's session (the x-weclaw-session-id header): App.tasks filters by it.
     session_id: str | None = None
+    # The model of the attempt that wrote it (weclaw_mq.policy.fallback, policy.costs' cap).
+    model: str | None = None
 
 
 class Claim(StrEnum):

@@ -172,6 +172,8 @@ async def _process(
             await carry_out(chosen, message, delivery, spec, rt, held)
             return
         model = chosen
+    if model is not None:
+        delivery.model = model  # on its records: the status says which model runs it
     ticket = NO_TICKET
     if spec.limits and rt.limiter is not None:
         admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body))
@@ -181,10 +183,11 @@ async def _process(
         ticket = admitted
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
-    # a model call need not wait for it.
+    # a model call need not wait for it. Again with one when the claim's record could not
+    # name the attempt's model yet (chosen after the claim).
     running = (
         asyncio.create_task(record_status(rt, delivery, spec, _RUNNING))
-        if rt.results is not None and held is None
+        if rt.results is not None and (held is None or model is not None)
         else None
     )
     # The claim's lease is kept from the handler's start until its ending returned (a result

@@ -38,6 +38,7 @@ def task_state(
         reason=reason,
         expires_at=as_datetime(deadline_ms(delivery.headers)),
         session_id=session_id_or_none(delivery.headers.get(h.SESSION_ID)),
+        model=delivery.model,
     )
 
 
