@@ -16,7 +16,16 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.conftest import get_message, outcome_count, wait_until
-from weclaw_mq import App, Context, Retry, RetryPolicy, TaskStatus, UpstreamDown, retry_after_s
+from weclaw_mq import (
+    App,
+    Context,
+    Limit,
+    Retry,
+    RetryPolicy,
+    TaskStatus,
+    UpstreamDown,
+    retry_after_s,
+)
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import dlq_name, models_key
 from weclaw_mq.policy.fallback import Fallback
@@ -219,3 +228,46 @@ async def test_a_running_status_names_the_model_the_attempt_calls(
     await wait_until(running_on_a, 10, "a running record naming the model")
     release.set()
     assert (await app.result(task_id, timeout_s=10)).model == A
+
+
+async def test_a_per_model_limit_gives_each_model_of_the_chain_its_own_budget(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    forget: list[str],
+) -> None:
+    app = make_app(f"fallback-per-model-{qname}")
+    forget.append(models_key(app.name))
+    release = asyncio.Event()
+    running: list[str] = []
+
+    @app.handler(qname, fallback=Fallback([A, B]), limit=Limit(per_model=True, concurrency=1))
+    async def answer(task: dict[str, str], ctx: Context) -> str:
+        running.append(ctx.model or "")
+        await release.wait()
+        return ctx.model or ""
+
+    await start_worker(app, concurrency=3)
+    first = await app.publish(qname, {"prompt": "one"})
+    await wait_until(lambda: running == [A], 10, "the first task running on A")
+    await health_of(app.store, app.name).block(A, 60_000)  # A answered 429: B from now on
+    second = await app.publish(qname, {"prompt": "two"})
+    # A's one slot is taken, B's is not: the second task runs beside the first.
+    await wait_until(lambda: running == [A, B], 10, "the second task running on B")
+    third = await app.publish(qname, {"prompt": "three"})
+    # B's slot is taken now: the third waits in the delay queues, it does not start.
+    await wait_until(lambda: outcome_count(app, qname, "deferred") >= 1, 10, "a deferral")
+    assert running == [A, B]
+    release.set()
+    finals = [await app.result(t, timeout_s=30) for t in (first, second, third)]
+    assert [f.result for f in finals] == [A, B, B]
+
+
+def test_a_per_model_limit_needs_a_model_to_count() -> None:
+    from weclaw_mq import ConfigurationError, Settings
+
+    app = App("per-model", settings=Settings(_env_file=None))  # type: ignore[call-arg]
+    with pytest.raises(ConfigurationError, match="per_model limit"):
+
+        @app.handler("q", limit=Limit(per_model=True, rate=1))
+        async def answer(task: dict[str, str]) -> None: ...

@@ -199,6 +199,15 @@ def build_spec(
         raise ConfigurationError(f"cap for {queue!r} must be a Cap, got {cap!r}")
     if fallback is not None and not isinstance(fallback, Fallback):
         raise ConfigurationError(f"fallback for {queue!r} must be a Fallback, got {fallback!r}")
+    if (
+        any(limit.per_model for limit in limits)
+        and fallback is None
+        and (cap is None or cap.model is None)
+    ):
+        raise ConfigurationError(
+            f"a per_model limit of {queue!r} counts per model: give the handler fallback= (or "
+            "a cap= with a model) so each attempt has one"
+        )
     if fair is True:
         fair = Fair()
     elif fair is False:

@@ -62,6 +62,9 @@ class Limit:
             estimated over the whole budget runs alone in its window.
         estimate: A function of the validated task returning its expected tokens (prompt
             and answer); default the payload's JSON length divided by ``CHARS_PER_TOKEN``.
+        per_model: Count per model: the key is the model the attempt calls (``ctx.model``,
+            chosen by the handler's ``fallback=`` or a tenant's ``cap=``), joined with
+            ``key``'s value when both are given; so each model of a chain has its own budget.
 
     Raises:
         ConfigurationError: None of ``concurrency``, ``rate`` and ``tokens`` is given, one is
@@ -75,6 +78,7 @@ class Limit:
     per_s: float = 1.0
     tokens: int | None = None
     estimate: EstimateFunc | None = None
+    per_model: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency is None and self.rate is None and self.tokens is None:
@@ -98,6 +102,10 @@ class Limit:
             )
         if self.estimate is not None and self.tokens is None:
             raise ConfigurationError("Limit estimate= estimates tokens: give tokens= too")
+        if not isinstance(self.per_model, bool):
+            raise ConfigurationError(
+                f"Limit per_model must be True or False, got {self.per_model!r}"
+            )
 
     @property
     def period_ms(self) -> int:

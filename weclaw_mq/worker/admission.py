@@ -151,13 +151,18 @@ async def cancelled_before_start(
 
 
 async def within_limits(
-    spec: HandlerSpec, rt: Runtime, limiter: Limiter, task: Any, body_bytes: int
+    spec: HandlerSpec,
+    rt: Runtime,
+    limiter: Limiter,
+    task: Any,
+    body_bytes: int,
+    model: str | None = None,
 ) -> Ticket | End:
     """The ticket of a start within the handler's limits, or the end of a delivery that may
     not start: deferred (over a limit, or Redis down) or dead-lettered (a key function
     failed). A deferral spends no attempt and frees the claim for the copy that returns."""
     try:
-        answer = await limiter.admit(spec.queue, spec.limits, task, body_bytes)
+        answer = await limiter.admit(spec.queue, spec.limits, task, body_bytes, model)
     except InvalidPayload as e:
         return DeadLetter(DeadLetterReason.INVALID_PAYLOAD, e)
     except StateCommandError as e:  # as for the guard

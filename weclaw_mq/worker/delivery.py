@@ -176,7 +176,7 @@ async def _process(
         delivery.model = model  # on its records: the status says which model runs it
     ticket = NO_TICKET
     if spec.limits and rt.limiter is not None:
-        admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body))
+        admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body), model)
         if not isinstance(admitted, Ticket):
             await carry_out(admitted, message, delivery, spec, rt, held)
             return

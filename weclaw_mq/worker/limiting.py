@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -227,8 +227,16 @@ class Ticket:
 NO_TICKET = Ticket(None, "", ())
 
 
-def _key_of(limit: Limit, task: Any) -> tuple[bool, str | None]:
-    """(limited?, key): the key as text, None for a global limit."""
+def _key_of(limit: Limit, task: Any, model: str | None = None) -> tuple[bool, str | None]:
+    """(limited?, key): the key as text, None for a global limit; a per-model limit's key
+    is the attempt's model (not limited without one), before the key function's value."""
+    if limit.per_model:
+        if model is None:
+            return False, None
+        if limit.key is None:
+            return True, model
+        limited, key = _key_of(replace(limit, per_model=False), task)
+        return limited, f"{model}|{key}"
     if limit.key is None:
         return True, None
     try:
@@ -297,17 +305,23 @@ class Limiter:
         return cls(open_client(settings), lease_s=settings.guard_lease_s, owns_client=True)
 
     async def admit(
-        self, queue: str, limits: Sequence[Limit], task: Any, body_bytes: int = 0
+        self,
+        queue: str,
+        limits: Sequence[Limit],
+        task: Any,
+        body_bytes: int = 0,
+        model: str | None = None,
     ) -> Ticket | Held:
         """A ticket for a start within every limit, or the first limit's refusal.
 
-        ``body_bytes``: the task's body length, for a token limit's default estimate.
+        ``body_bytes``: the task's body length, for a token limit's default estimate;
+        ``model``: the attempt's model, the key of a per-model limit.
         ``InvalidPayload`` when a key or estimate function fails on the task;
         ``StateUnavailableError`` when Redis does not answer."""
         holder = new_owner()
         calls: list[_Call] = []
         for index, limit in enumerate(limits):
-            limited, key = _key_of(limit, task)
+            limited, key = _key_of(limit, task, model)
             if limited:
                 need = _estimate(limit, task, body_bytes) if limit.tokens else 0
                 keys = (*limit_keys(queue, index, key), *token_keys(queue, index, key))
