@@ -53,6 +53,28 @@ def _started_since(events: list[tuple[str, str]], before: int, *tenants: str) ->
     return all(("start", t) in events[before:] for t in tenants)
 
 
+async def _small_behind_big(
+    app: App,
+    qname: str,
+    events: list[tuple[str, str]],
+    start_worker: Callable[..., Any],
+    backlog: int,
+    concurrency: int,
+) -> int:
+    """Queue ``backlog`` tasks of "big", start a worker, and once it is under way publish one
+    task of "small": the completions between that publish's confirm and its start."""
+    await app.declare()
+    await app.publish_many(qname, [Ask(tenant="big", n=i) for i in range(backlog)])
+    await start_worker(app, concurrency=concurrency)
+    await wait_until(lambda: len(events) >= backlog // 5, 20, "the backlog to be under way")
+    # Counted from the broker's confirm: from when the task is queued.
+    before = len(events)
+    await app.publish(qname, Ask(tenant="small"))
+    queued = len(events)
+    await wait_until(lambda: _started_since(events, before, "small"), 30, "the small task")
+    return _completions_before_start(events, before, queued, "small")
+
+
 @pytest.mark.parametrize("concurrency", [1, 4])
 async def test_another_tenants_task_starts_within_concurrency_plus_one_completions(
     make_app: Callable[..., App],
@@ -63,19 +85,8 @@ async def test_another_tenants_task_starts_within_concurrency_plus_one_completio
     app = make_app()
     events: list[tuple[str, str]] = []
     _recording(app, qname, events, Fair(lanes=4))
-    await app.declare()
-    await app.publish_many(qname, [Ask(tenant="big", n=i) for i in range(200)])
-    await start_worker(app, concurrency=concurrency)
-    await wait_until(lambda: len(events) >= 40, 20, "the backlog to be under way")
-
-    # Counted from the broker's confirm: from when the task is queued.
-    before = len(events)
-    await app.publish(qname, Ask(tenant="small"))
-    queued = len(events)
-    await wait_until(lambda: _started_since(events, before, "small"), 20, "the small task")
-
-    waited = _completions_before_start(events, before, queued, "small")
-    assert waited <= concurrency + 1, events[before:]
+    waited = await _small_behind_big(app, qname, events, start_worker, 200, concurrency)
+    assert waited <= concurrency + 1, events
     # The backlog is still there: the task did not just come after it.
     assert sum(1 for kind, who in events if kind == "start" and who == "big") < 150
 
@@ -89,16 +100,7 @@ async def test_without_fair_share_the_task_waits_for_the_backlog(
     app = make_app()
     events: list[tuple[str, str]] = []
     _recording(app, qname, events, None)
-    await app.declare()
-    await app.publish_many(qname, [Ask(tenant="big", n=i) for i in range(100)])
-    await start_worker(app, concurrency=4)
-    await wait_until(lambda: len(events) >= 20, 20, "the backlog to be under way")
-
-    before = len(events)
-    await app.publish(qname, Ask(tenant="small"))
-    queued = len(events)
-    await wait_until(lambda: _started_since(events, before, "small"), 30, "the small task")
-    assert _completions_before_start(events, before, queued, "small") >= 70
+    assert await _small_behind_big(app, qname, events, start_worker, 100, 4) >= 70
 
 
 async def test_priorities_come_before_fair_lanes(
