@@ -78,6 +78,13 @@ def test_next_in_turn_is_the_lane_served_least_recently() -> None:
     assert next_in_turn(["a", "b", "c"], {"a": 3, "b": 1, "c": 2}) == "b"
 
 
+def test_next_in_turn_is_the_lane_with_the_fewest_running_first() -> None:
+    # "b" runs nothing: it starts next, however recently it was served.
+    assert next_in_turn(["a", "b"], {"a": 1, "b": 9}, {"a": 3, "b": 0}) == "b"
+    # Even shares: the slot goes to the lane served least recently.
+    assert next_in_turn(["a", "b"], {"a": 1, "b": 9}, {"a": 2, "b": 2}) == "a"
+
+
 def test_fair_lane_names_and_indexes() -> None:
     assert fair_lane_name("q", 0) == "q"
     assert fair_lane_name("q", 3) == "q.lane.f3"
@@ -139,6 +146,8 @@ def test_pick_takes_the_fair_lanes_in_turn() -> None:
     assert order == ["f1", "f2", "q", "f1", "f2", "q"]
     # Lanes of one level do not count skips against each other.
     assert skipped == {"f1": 0, "f2": 0, "q": 0}
+    # The lane with the fewest running tasks goes first.
+    assert pick(LANES, ["f1", "f2", "q"], {}, 8, (), LEVELS, served, {"f1": 2, "q": 1}) == "f2"
 
 
 def test_pick_serves_priorities_before_any_fair_lane() -> None:

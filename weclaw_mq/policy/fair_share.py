@@ -7,8 +7,8 @@ starts from next. Pure.
 A handler with ``fair=`` has ``lanes`` queues at its NORMAL level: Q itself and
 ``Q.lane.f1`` ... (``contract.naming.fair_lane_name``). Its producer sends each task to its
 tenant's lane, and a worker starts tasks from those lanes in turn (``next_in_turn``), so a
-tenant with a backlog of thousands holds one lane and another tenant's task waits for at most
-one task of each busy lane, not for the backlog.
+tenant with a backlog of thousands holds one lane and another tenant's task starts at the next
+free slot (its lane runs nothing, so it comes first), not after the backlog.
 
 Which lane a tenant gets (``state.fair_book``, one Redis script for every producer): the lane
 it already has while any of its tasks waits (its tasks stay in order), else the lane with the
@@ -100,8 +100,18 @@ def hashed_lane(tenant: str, lanes: int) -> int:
     return zlib.crc32(tenant.encode()) % lanes
 
 
-def next_in_turn(candidates: Sequence[str], served: Mapping[str, int]) -> str:
-    """Of ``candidates`` (lanes of one level, each with a task waiting), the one served least
-    recently (``served``: lane -> the serial of its latest start; never served counts 0;
-    the first of ``candidates`` on a tie). Round robin over the lanes that have work."""
-    return min(candidates, key=lambda lane: served.get(lane, 0))
+def next_in_turn(
+    candidates: Sequence[str],
+    served: Mapping[str, int],
+    running: Mapping[str, int] | None = None,
+) -> str:
+    """Of ``candidates`` (lanes of one level, each with a task waiting), the one with the
+    fewest tasks running (``running``), then the one served least recently (``served``: lane
+    -> the serial of its latest start; never served counts 0), then the first.
+
+    Fewest running first shares the worker's slots evenly between the lanes with work (a
+    lane that has none running starts next), and a slot a lane's task frees goes back to
+    that lane while the shares are even: its consumer stays, nothing is cancelled or opened.
+    """
+    busy = running or {}
+    return min(candidates, key=lambda lane: (busy.get(lane, 0), served.get(lane, 0)))

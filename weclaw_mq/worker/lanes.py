@@ -39,7 +39,8 @@ lane to make room. The circuit breaker's pause and the broker's cancel of the bu
 also end bulk mode.
 
 Fair share (``levels``, ``policy.fair_share``): lanes of one level are a handler's fair lanes,
-taken in turn (``pick``: the one served least recently); a lane of the same level never holds
+taken in turn (``pick``: the one with the fewest tasks running, then the one served least
+recently); a lane of the same level never holds
 another back when pending, and while a task runs they do not take room from each other (an
 armed consumer of a lane with a backlog is about to be sent a task: cancelling it would give
 that task back, its delivery count one closer to the DLQ each time); the next release makes
@@ -100,6 +101,7 @@ def pick(
     pending: Collection[str] = (),
     levels: Mapping[str, int] | None = None,
     served: Mapping[str, int] | None = None,
+    running: Mapping[str, int] | None = None,
 ) -> str | None:
     """The lane whose waiting task starts next, updating ``skipped`` (pure: unit-tested).
 
@@ -110,9 +112,10 @@ def pick(
     opened and its next task may be on the way (a starved lane does not wait).
 
     ``levels`` (lane -> rank, 0 highest; default: each lane its own level, in order): lanes
-    of one level are fair-share lanes, taken in turn: of the winner's level, the lane
-    ``served`` least recently wins (``policy.fair_share.next_in_turn``); a lane of its own
-    level neither holds it back when pending nor counts a skip.
+    of one level are fair-share lanes, taken in turn: of the winner's level, the lane with the
+    fewest tasks ``running``, then the one ``served`` least recently, wins
+    (``policy.fair_share.next_in_turn``); a lane of its own level neither holds it back when
+    pending nor counts a skip.
     """
     candidates = [lane for lane in lanes if lane in waiting]
     if not candidates:
@@ -124,7 +127,7 @@ def pick(
     if not starved and served is not None:
         peers = [lane for lane in candidates if rank_of[lane] == rank]
         if len(peers) > 1:
-            choice = next_in_turn(peers, served)
+            choice = next_in_turn(peers, served, running)
     if not starved and any(rank_of[lane] < rank for lane in pending):
         return None
     for lane in candidates:
@@ -576,6 +579,7 @@ class LaneScheduler:
                     self._pending,
                     self._levels,
                     self._served,
+                    self._running_per_lane() if self._served is not None else None,
                 )
         if not waiting[self._lowest]:
             return None
@@ -654,6 +658,14 @@ class LaneScheduler:
                 self._spawn(self._give_back_surplus(message, tag, lane))
                 return False
         return False
+
+    def _running_per_lane(self) -> dict[str, int]:
+        """How many tasks of each lane run (fair lanes' turns; counted when asked, not kept)."""
+        counts = dict.fromkeys(self.lanes, 0)
+        for _, lane in self._running.values():
+            counts[lane] += 1
+        counts[self._lowest] += len(self._bulk_running)
+        return counts
 
     def _peers_of(self, lane: str) -> frozenset[str]:
         """The other lanes of ``lane``'s level (its fair-share lanes), none without levels."""
