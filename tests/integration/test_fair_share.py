@@ -239,3 +239,32 @@ async def test_the_fair_book_keeps_a_tenant_on_its_lane_while_it_has_tasks_waiti
         keys = [k async for k in client.scan_iter(f"{fair_key(qname)}*")]
         await client.delete(*keys)
         await client.aclose()
+
+
+async def test_a_producer_reuses_a_tenants_lane_and_still_counts_every_task(
+    make_app: Callable[..., App], qname: str, redis_url: str
+) -> None:
+    """One round trip for a tenant's first publish; the next ones within a second reuse its
+    lane and add to the book's count in the background, and another producer agrees."""
+    first, second = make_app(), make_app()
+    for app in (first, second):
+
+        @app.handler(qname, tenant=lambda task: task.tenant, fair=Fair(lanes=3))
+        async def answer(task: Ask) -> None: ...
+
+    await first.declare()
+    await first.publish(qname, Ask(tenant="busy"))  # Q: all lanes empty
+    await first.publish(qname, Ask(tenant="other"))  # the next empty lane
+    for _ in range(9):
+        await first.publish(qname, Ask(tenant="busy"))
+    await second.publish(qname, Ask(tenant="busy"))  # asks the book: still Q
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+
+        async def counted() -> bool:
+            book = await client.hgetall(fair_key(qname))
+            return {k: int(v) for k, v in book.items()} == {"n:0": 11, "n:1": 1}
+
+        await wait_until(counted, 5, "every publish counted in the book")
+    finally:
+        await client.aclose()

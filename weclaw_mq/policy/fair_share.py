@@ -38,6 +38,11 @@ from dataclasses import dataclass
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.policy.limits import KeyFunc
 
+# How often every worker writes the broker's lane counts to the fair book
+# (``worker.fair_counts``), and so how long a producer may reuse a tenant's lane without
+# asking (``publishing.fair_lanes``): K passive declares per handler per worker per period
+# cost the broker next to nothing.
+FAIR_COUNT_EVERY_S = 1.0
 # More lanes cost file handles on the broker (about 3 per quorum queue) and a consumer per
 # lane in every worker: 64 is far past any use and still bounded.
 MAX_FAIR_LANES = 64

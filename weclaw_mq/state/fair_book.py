@@ -16,7 +16,7 @@ redis-py is not imported here: an app without fair share never loads it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from weclaw_mq.contract.naming import fair_key, fair_tenant_key
@@ -57,6 +57,14 @@ end
 redis.call('PEXPIRE', KEYS[1], ttl)
 return out
 """
+# KEYS: the counts hash. ARGV: the hash's TTL (ms), then (lane, tasks) pairs to add.
+_ADDED = """
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], 'n:' .. ARGV[i], tonumber(ARGV[i + 1]))
+end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]))
+return 0
+"""
 # KEYS: the counts hash. ARGV: the hash's TTL (ms), then each lane's count, lane 0 first.
 _COUNTED = """
 for i = 2, #ARGV do
@@ -77,6 +85,10 @@ class FairBook(Protocol):
         counted as waiting there; ``ttl_ms``: how long the tenants' keys live."""
         ...
 
+    async def added(self, queue: str, tasks: Mapping[int, int], ttl_ms: int) -> None:
+        """``tasks`` (lane -> how many) were published to lanes a producer already knew."""
+        ...
+
     async def counted(self, queue: str, waiting: Sequence[int], ttl_ms: int) -> None:
         """The tasks waiting in each lane (lane 0 first), as the broker counts them now."""
         ...
@@ -91,6 +103,7 @@ class RedisFairBook:
 
     def __init__(self, client: StateClient) -> None:
         self._assign = client.register_script(_ASSIGN)
+        self._added = client.register_script(_ADDED)
         self._counted = client.register_script(_COUNTED)
 
     async def assign(
@@ -102,6 +115,12 @@ class RedisFairBook:
         raw = await answered(self._assign(keys=keys, args=args))
         lane_of = {tenant: int(lane) for tenant, lane in zip(counts, raw, strict=True)}
         return [lane_of[t] for t in tenants]
+
+    async def added(self, queue: str, tasks: Mapping[int, int], ttl_ms: int) -> None:
+        args = [max(1, ttl_ms)]
+        for lane, n in tasks.items():
+            args += [lane, n]
+        await answered(self._added(keys=[fair_key(queue)], args=args))
 
     async def counted(self, queue: str, waiting: Sequence[int], ttl_ms: int) -> None:
         args = [max(1, ttl_ms), *waiting]
@@ -128,6 +147,9 @@ class MemoryFairBook:
             self._lane[(queue, tenant)] = lane_of[tenant] = lane
             loads[lane] += n
         return [lane_of[t] for t in tenants]
+
+    async def added(self, queue: str, tasks: Mapping[int, int], ttl_ms: int) -> None:
+        self._loads.setdefault(queue, Counter()).update(tasks)
 
     async def counted(self, queue: str, waiting: Sequence[int], ttl_ms: int) -> None:
         self._loads[queue] = Counter(dict(enumerate(waiting)))

@@ -16,14 +16,10 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 from weclaw_mq.contract.naming import fair_lane_name
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.policy.failures import describe
+from weclaw_mq.policy.fair_share import FAIR_COUNT_EVERY_S
 from weclaw_mq.state.fair_book import TENANT_KEEP_MS, FairBook
 
 log = logging.getLogger("weclaw_mq.worker")
-
-# How often the counts are read: a producer may place a new tenant by counts this old (a lane
-# that emptied meanwhile looks busy: the tenant gets another empty one, or shares the least
-# busy); K passive declares per handler per worker per period cost the broker next to nothing.
-FAIR_COUNT_EVERY_S = 1.0
 
 
 async def waiting_per_lane(channel: AbstractChannel, spec: HandlerSpec) -> list[int]:
