@@ -6,7 +6,7 @@ outage, and the attempts it cost stay within ``Breaker.attempts_bound``."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -21,6 +21,7 @@ from tests.conftest import (
     wait_until,
 )
 from weclaw_mq import App, Breaker, Context, RetryPolicy, UpstreamDown
+from weclaw_mq.console.overview import Overview
 from weclaw_mq.contract.naming import dlq_name, lane_queue_name
 
 OUTAGE_S = 6.0
@@ -44,6 +45,10 @@ def breaker_sample(app: App, name: str, labels: dict[str, str]) -> float:
     return app.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+async def _equals(value: Awaitable[dict[str, int]], options: tuple[dict[str, int], ...]) -> bool:
+    return await value in options
+
+
 # quorum: this broker (3.10) runs priority lanes (worker.lanes); classic: one consumer.
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
 async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters(
@@ -53,7 +58,7 @@ async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters
     qname: str,
     queue_type: str,
 ) -> None:
-    app = make_app()
+    app = make_app(worker_beat_s=0.2)  # the heartbeat says which breakers are open
     loop = asyncio.get_running_loop()
     recovered_at: list[float] = []  # when the upstream answers again (first call + OUTAGE_S)
     failed: list[int] = []
@@ -92,6 +97,19 @@ async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters
     state = {"queue": qname, "state": "open"}
     assert breaker_sample(app, "weclaw_mq_breaker_state", state) == 1
     assert loop.time() < recovered_at[0], "the pause must come during the outage"
+    overview = Overview(app, fresh_s=0)
+
+    async def breaker_states() -> dict[str, int]:
+        rows = (await overview.document())["queues"]
+        return dict(rows[0]["breaker_states"])
+
+    # The console's overview shows it, from the worker's heartbeat (open, or half open
+    # while a probe runs).
+    await wait_until(
+        lambda: _equals(breaker_states(), ({"open": 1}, {"half_open": 1})),
+        5,
+        "the overview showing the open breaker",
+    )
 
     await wait_until(lambda: len(done) == TASKS, OUTAGE_S + 10, what="every task done")
 
@@ -100,6 +118,7 @@ async def test_an_outage_pauses_the_queue_probes_and_closes_without_dead_letters
 
     await wait_until(consuming, 5, what="the consumers back after the breaker closed")
     assert breaker_sample(app, "weclaw_mq_breaker_state", {"queue": qname, "state": "closed"}) == 1
+    await wait_until(lambda: _equals(breaker_states(), ({},)), 5, "the overview: closed")
     # Opened once, then reopened by at least one failed probe (the outage outlasts a cool-down).
     assert breaker_sample(app, "weclaw_mq_breaker_opened_total", {"queue": qname}) >= 2
     assert outcome_count(app, qname, "dead_lettered") == 0

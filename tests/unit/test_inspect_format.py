@@ -125,6 +125,18 @@ def test_a_record_reads_back_as_written_and_is_aged_by_the_reader() -> None:
     assert [t.running_s for t in aged.tasks] == [77.25, None]
 
 
+def test_a_record_carries_its_open_breakers_and_reads_a_newer_or_older_layout() -> None:
+    written = record(last_beat_s=0.0, breakers={"ai-replies": "open"})
+    document = json.loads(written.to_json())
+    assert document["breakers"] == {"ai-replies": "open"}
+    assert WorkerRecord.from_json(written.to_json()) == written
+    # A newer worker's field is left out; an older one's record lacks breakers: closed.
+    assert WorkerRecord.from_json(json.dumps({**document, "later": 1})) == written
+    del document["breakers"]
+    older = WorkerRecord.from_json(json.dumps(document))
+    assert older is not None and older.breakers == {}
+
+
 @pytest.mark.parametrize(
     "text", ["", "nonsense", "[]", '{"v": 2, "worker_id": "w"}', '{"v": 1, "worker_id": "w"}']
 )

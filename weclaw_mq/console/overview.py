@@ -5,8 +5,9 @@ worker registry ``weclaw-mq inspect`` reads).
 
 The queues are counted over one connection per read (``admin.queue_stats.stats_on``).
 AMQP tells a queue's ready messages and consumers, not its unacked ones: the tasks the live
-workers report running stand in for those. A breaker's state lives in each worker's memory,
-so the overview shows how it is configured, not whether it is open.
+workers report running stand in for those. A breaker's state lives in each worker's memory:
+each worker's heartbeat says which of its breakers are open or half open, and the overview
+counts the workers per state beside how the breaker is configured.
 
 One read serves every console open at once: the document is kept ``fresh_s`` (a passive
 declare per queue and one Redis script per read), so twenty pages polling every few seconds
@@ -40,7 +41,10 @@ def describe_limit(limit: Limit) -> str:
         parts.append(f"{limit.concurrency} at once")
     if limit.rate is not None:
         parts.append(f"{limit.rate} per {limit.per_s:g} s")
-    scope = "per key" if limit.key is not None else "global"
+    if limit.tokens is not None:
+        parts.append(f"{limit.tokens} tokens per {limit.per_s:g} s")
+    keys = [name for name, on in (("model", limit.per_model), ("key", limit.key)) if on]
+    scope = f"per {' and '.join(keys)}" if keys else "global"
     return f"{scope}: {', '.join(parts)}"
 
 
@@ -54,8 +58,22 @@ def describe_breaker(spec: HandlerSpec) -> str | None:
     )
 
 
+def breakers_in(queue: str, workers: Sequence[WorkerRecord]) -> dict[str, int]:
+    """How many live workers report ``queue``'s breaker open, half open (none: closed)."""
+    states: dict[str, int] = {}
+    for w in workers:
+        state = w.breakers.get(queue)
+        if state is not None:
+            states[state] = states.get(state, 0) + 1
+    return states
+
+
 def _queue_document(
-    spec: HandlerSpec, counted: QueueStats | None, problem: str | None, running: int
+    spec: HandlerSpec,
+    counted: QueueStats | None,
+    problem: str | None,
+    running: int,
+    breakers: dict[str, int],
 ) -> dict[str, Any]:
     def count(c: Any) -> dict[str, Any]:
         return {"name": c.name, "exists": c.exists, "ready": c.messages, "consumers": c.consumers}
@@ -71,6 +89,7 @@ def _queue_document(
         "running": running,
         "limits": [describe_limit(limit) for limit in spec.limits],
         "breaker": describe_breaker(spec),
+        "breaker_states": breakers,
         "idempotent": spec.idempotent,
         "sync": spec.is_sync,
     }
@@ -118,6 +137,7 @@ class Overview:
                     counted if isinstance(counted, QueueStats) else None,
                     counted if isinstance(counted, str) else None,
                     running_in(queue, served),
+                    breakers_in(queue, served),
                 )
             )
         settings = self._app.settings

@@ -105,6 +105,9 @@ class WorkerRecord:
     beat_s: float
     ttl_s: float
     last_beat_s: float = 0.0  # how long before the read the record was written
+    # Its breakers that are not closed: queue -> "open" or "half_open" (a breaker's state
+    # lives in each worker's memory; the console shows it from here).
+    breakers: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> str:
         document = dataclasses.asdict(self)
@@ -120,7 +123,11 @@ class WorkerRecord:
                 return None
             tasks = tuple(RunningTask(**task) for task in document.pop("tasks"))
             queues = tuple(document.pop("queues"))
-            return cls(**document, tasks=tasks, queues=queues)
+            # A newer worker's field this reader does not know is left out, not a reason to
+            # drop its record (an older worker's record lacks the newer ones: defaults).
+            known = {f.name for f in dataclasses.fields(cls)}
+            fields = {k: v for k, v in document.items() if k in known}
+            return cls(**fields, tasks=tasks, queues=queues)
         except (ValueError, TypeError, KeyError, AttributeError):
             return None
 

@@ -46,6 +46,7 @@ class Beat:
         state: The worker's state now ("consuming", "connecting", "stopping").
         interval_s: How often the record is written.
         leave_timeout_s: How long ``leave`` waits for Redis.
+        breakers: The worker's breakers that are not closed (queue -> state), now.
     """
 
     def __init__(
@@ -60,8 +61,10 @@ class Beat:
         state: Callable[[], str],
         interval_s: float,
         leave_timeout_s: float,
+        breakers: Callable[[], dict[str, str]] = dict,
     ) -> None:
         self._registry = registry
+        self._breakers = breakers
         self.worker_id = worker_id
         self._app = app
         self._queues = tuple(queues)
@@ -101,6 +104,7 @@ class Beat:
             more=len(watched) - len(tasks),
             beat_s=self.interval_s,
             ttl_s=self.ttl_s,
+            breakers=self._breakers(),
         )
 
     async def run(self, stopping: asyncio.Event) -> None:

@@ -313,7 +313,16 @@ class Worker:
             state=self._state,
             interval_s=self.settings.worker_beat_s,
             leave_timeout_s=self.settings.redis_timeout_s,
+            breakers=self._open_breakers,
         )
+
+    def _open_breakers(self) -> dict[str, str]:
+        """This worker's breakers that are not closed, for its heartbeat (the console)."""
+        return {
+            queue: circuit.state.value
+            for queue, circuit in self._circuits.items()
+            if circuit.state is not CircuitState.CLOSED
+        }
 
     def _state(self) -> str:
         if self._stop.is_set():
