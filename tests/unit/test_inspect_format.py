@@ -125,6 +125,12 @@ def test_a_record_reads_back_as_written_and_is_aged_by_the_reader() -> None:
     assert [t.running_s for t in aged.tasks] == [77.25, None]
 
 
+def test_the_table_names_a_workers_breakers_that_are_not_closed() -> None:
+    lines = table("demo", ["ai-replies"], [record(breakers={"ai-replies": "half_open"})])
+    assert "  breaker not closed: ai-replies half open" in lines
+    assert not any("breaker" in line for line in table("demo", ["ai-replies"], [record()]))
+
+
 def test_a_record_carries_its_open_breakers_and_reads_a_newer_or_older_layout() -> None:
     written = record(last_beat_s=0.0, breakers={"ai-replies": "open"})
     document = json.loads(written.to_json())

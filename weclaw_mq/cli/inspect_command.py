@@ -119,6 +119,9 @@ def table(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> l
     lines += columns(WORKER_COLUMNS, rows)
     for w in workers:
         lines += ["", f"worker {w.worker_id} ({w.host} pid {w.pid}): {_running(w)}"]
+        if w.breakers:
+            states = ", ".join(f"{q} {state.replace('_', ' ')}" for q, state in w.breakers.items())
+            lines.append(f"  breaker not closed: {states}")
         if w.tasks:
             task_rows = [
                 [
