@@ -416,3 +416,30 @@ async def forget_task_index(redis_url: str, queue: str) -> None:
         await client.srem(TASK_INDEX_QUEUES_KEY, indexed)
     finally:
         await client.aclose()
+
+
+async def forget_queue_keys(redis_url: str, queue: str) -> None:
+    """Every Redis key a benchmark's run on ``queue`` (its own) leaves: its tasks' guard
+    keys, records, latest pointers and index entries, and its fair-share book."""
+    from weclaw_mq.contract.naming import (
+        GUARD_KEY_PREFIX,
+        STATE_KEY_PREFIX,
+        fair_key,
+        latest_key,
+        queue_key_pattern,
+    )
+
+    await forget_task_index(redis_url, queue)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        keys: list[bytes] = []
+        for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX):
+            pattern = queue_key_pattern(prefix, queue)
+            keys += [k async for k in client.scan_iter(match=pattern, count=1000)]
+        task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
+        keys += [latest_key(t).encode() for t in task_ids]
+        keys += [k async for k in client.scan_iter(match=f"{fair_key(queue)}*", count=1000)]
+        for start in range(0, len(keys), 500):
+            await client.delete(*keys[start : start + 500])
+    finally:
+        await client.aclose()

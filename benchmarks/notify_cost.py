@@ -27,12 +27,9 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from weclaw_mq import App, Settings, Worker
-from weclaw_mq.contract.naming import GUARD_KEY_PREFIX, STATE_KEY_PREFIX, queue_key_pattern
 
-from .infra import delete_app_queues, forget_task_index
+from .infra import delete_app_queues, forget_queue_keys
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -112,18 +109,7 @@ async def _first(running: asyncio.Task[None], ready: Coroutine[Any, Any, object]
 
 async def _clean(app: App, queue: str) -> None:
     await delete_app_queues(AMQP_URL, app)
-    await forget_task_index(REDIS_URL, queue)
-    client = aioredis.Redis.from_url(REDIS_URL)
-    try:
-        keys = []
-        for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX):
-            keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
-        task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
-        keys += [f"weclaw_mq:latest:{{{t}}}".encode() for t in task_ids]
-        for start in range(0, len(keys), 500):
-            await client.delete(*keys[start : start + 500])
-    finally:
-        await client.aclose()
+    await forget_queue_keys(REDIS_URL, queue)
 
 
 def spread(values: list[float], fmt: str) -> str:
