@@ -17,7 +17,7 @@ TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
-	bench-stream bench-priority bench-limits bench-token-budget bench-task-index bench-console bench-rss bench-redis-client \
+	bench-stream bench-priority bench-limits bench-token-budget bench-fair-share bench-task-index bench-console bench-rss bench-redis-client \
 	bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
 
@@ -42,6 +42,7 @@ help:
 	@echo "make bench-priority URGENT behind a NORMAL backlog, and the throughput cost of priority lanes"
 	@echo "make bench-limits   what a per-key limit costs the guarded consume path (c=10, c=100)"
 	@echo "make bench-token-budget  goodput and 429s against a provider with real token limits, budgeted vs not"
+	@echo "make bench-fair-share  another tenant's task behind a 2,000-task backlog, fair share on vs off; its cost"
 	@echo "make bench-task-index  the task index: consume cost on vs off; list_tasks over 1,000,000"
 	@echo "make bench-console  the web console: server time of a Tasks page over 1,000,000 tasks; 20 open overviews vs 1"
 	@echo "make bench-rss      a worker's RSS by import layer (what each dependency adds)"
@@ -168,6 +169,7 @@ bench:
 	$(MAKE) --no-print-directory bench-io-high
 	$(MAKE) --no-print-directory bench-waiters
 	$(MAKE) --no-print-directory bench-token-budget
+	$(MAKE) --no-print-directory bench-fair-share
 	$(MAKE) --no-print-directory bench-console
 	$(MAKE) --no-print-directory bench-workflows
 
@@ -238,6 +240,11 @@ bench-limits: install
 # 429s and goodput, budgeted vs not, 3 workers (~90 s). TOKEN_BUDGET_ARGS=--smoke for tiny.
 bench-token-budget: install
 	$(BIN)/python -m benchmarks.token_budget $(TOKEN_BUDGET_ARGS)
+
+# Fair share (issue 31): a new tenant's task behind 2,000 tasks of others (target: within
+# C + 1 completions), and what fair share costs the consume and publish paths. ~3 min.
+bench-fair-share: install
+	$(BIN)/python -m benchmarks.fair_share $(FAIR_SHARE_ARGS)
 
 # The task index (issue 29): the guarded consume path with WECLAW_MQ_TASK_INDEX on vs off
 # (target: on / off >= 0.95), and a page of list_tasks over 1,000,000 indexed tasks on a
