@@ -811,3 +811,25 @@ async def test_fallbacks_page_sends_the_retry_to_the_next_model_while_the_first_
             await client.aclose()
     assert final.status is TaskStatus.SUCCEEDED and final.attempt == 2
     assert final.result.startswith("big-2: ")
+
+
+# -- fair-share.md --------------------------------------------------------------------------
+
+
+async def test_fair_share_page_starts_another_tenants_task_before_the_backlog_ends(
+    examples: Examples, start_worker: Callable[..., Any]
+) -> None:
+    example = examples.load("fair_share.py", queues=["answers"])
+    app, queue = example.app, examples.queue("answers")
+    await app.declare()
+    backlog = await app.publish_many(
+        queue, [example.Question(tenant="big", prompt=f"q{i}") for i in range(100)]
+    )
+    await start_worker(app, concurrency=2)
+    small = await app.publish(queue, example.Question(tenant="small", prompt="hello"))
+    final = await app.result(small, timeout_s=30)
+    assert final.status is TaskStatus.SUCCEEDED and final.result == "small: hello"
+    # The backlog is far from done when the other tenant's answer is there.
+    states = [await app.status(t) for t in backlog]
+    done = sum(1 for s in states if s is not None and s.status is TaskStatus.SUCCEEDED)
+    assert done < 50, done
