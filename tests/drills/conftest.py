@@ -468,19 +468,24 @@ def drill_redis_url(
 
 @pytest.fixture
 async def forget_tasks(drill_redis_url: str) -> AsyncIterator[Callable[[str, list[str]], None]]:
-    """Register (queue, task ids); their results and guard keys are deleted at teardown."""
-    registered: list[tuple[str, list[str]]] = []
+    """Register (queue, task ids); their results and guard keys are deleted at teardown.
+
+    Drills register ids one at a time (a publisher registers each new task), so the ids are
+    gathered per queue and each queue's guard keys are scanned for once, not once per
+    registration: hundreds of full SCANs of the drills' Redis made a teardown outlast the
+    test's timeout."""
+    registered: dict[str, list[str]] = {}
 
     def register(queue: str, ids: list[str]) -> None:
-        registered.append((queue, ids))
+        registered.setdefault(queue, []).extend(ids)
 
     yield register
     client = aioredis.Redis.from_url(drill_redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
-        for queue, ids in registered:
+        for queue, ids in registered.items():
             keys = [k for t in ids for k in task_keys(queue, t)]
             pattern = queue_key_pattern(GUARD_KEY_PREFIX, queue)
-            keys += [k async for k in client.scan_iter(match=pattern)]
+            keys += [k async for k in client.scan_iter(match=pattern, count=1000)]
             for start in range(0, len(keys), 500):
                 await client.delete(*keys[start : start + 500])
     finally:
