@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -315,12 +316,17 @@ class RabbitNode:
         out = await self.ctl(*LIST_QUEUES_ARGS, "--formatter", "json")
         return parse_list_queues(out, names)
 
-    async def is_app_running(self) -> bool:
+    async def app_state(self) -> tuple[bool, bool]:
+        """(the app runs, a memory alarm is on), asked in one CLI call: each call boots an
+        Erlang VM (1 to 5 s under load), and ``restore`` runs before and after every drill."""
+        expr = "{rabbit:is_running(), catch rabbit_alarm:get_alarms()}."
         try:
-            await self.diag("check_running", timeout_s=30)
+            out = await self.ctl("eval", expr, timeout_s=30)
         except ClusterScriptError:
-            return False
-        return True
+            return False, False
+        running = out.strip().startswith("{true")
+        # e.g. {true,[{{resource_limit,memory,'weclaw-s1-...@localhost'},[]}]} (~p may wrap)
+        return running, running and re.search(r"resource_limit,\s*memory", out) is not None
 
     async def restore(self) -> None:
         """Undo whatever a drill did: resumed, alarm off, app running, VM running."""
@@ -328,9 +334,11 @@ class RabbitNode:
             await self.start()
             return
         self.resume()
-        if not await self.is_app_running():
+        running, alarm = await self.app_state()
+        if not running:
             await self.start_app()
-        if "Memory alarm" in await self.diag("alarms"):
+            _, alarm = await self.app_state()
+        if alarm:
             await self.set_memory_alarm(False)
 
 
@@ -468,19 +476,24 @@ def drill_redis_url(
 
 @pytest.fixture
 async def forget_tasks(drill_redis_url: str) -> AsyncIterator[Callable[[str, list[str]], None]]:
-    """Register (queue, task ids); their results and guard keys are deleted at teardown."""
-    registered: list[tuple[str, list[str]]] = []
+    """Register (queue, task ids); their results and guard keys are deleted at teardown.
+
+    Drills register ids one at a time (a publisher registers each new task), so the ids are
+    gathered per queue and each queue's guard keys are scanned for once, not once per
+    registration: hundreds of full SCANs of the drills' Redis made a teardown outlast the
+    test's timeout."""
+    registered: dict[str, list[str]] = {}
 
     def register(queue: str, ids: list[str]) -> None:
-        registered.append((queue, ids))
+        registered.setdefault(queue, []).extend(ids)
 
     yield register
     client = aioredis.Redis.from_url(drill_redis_url, socket_connect_timeout=5, socket_timeout=10)
     try:
-        for queue, ids in registered:
+        for queue, ids in registered.items():
             keys = [k for t in ids for k in task_keys(queue, t)]
             pattern = queue_key_pattern(GUARD_KEY_PREFIX, queue)
-            keys += [k async for k in client.scan_iter(match=pattern)]
+            keys += [k async for k in client.scan_iter(match=pattern, count=1000)]
             for start in range(0, len(keys), 500):
                 await client.delete(*keys[start : start + 500])
     finally:

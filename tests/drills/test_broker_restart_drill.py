@@ -90,7 +90,9 @@ class Publisher:
 @pytest.mark.parametrize(
     "how",
     [
-        pytest.param("stop_app/start_app", id="stop_app-start_app"),
+        # 'make drill' only: kill9-restart below (same drill, the VM killed, not only its app
+        # stopped) keeps the restart promise in 'make test'.
+        pytest.param("stop_app/start_app", id="stop_app-start_app", marks=pytest.mark.slow),
         pytest.param("kill -9 and restart", id="kill9-restart"),
     ],
 )
