@@ -121,10 +121,20 @@ async def behind_run(
         await forget_queue_keys(redis_url, queue)
 
 
+def _given_back(app: App, queue: str) -> int:
+    """Deliveries the worker gave back to their queue (each counts toward the delivery
+    limit: the lanes' turns must give none back)."""
+    value = app.metrics.registry.get_sample_value(
+        "weclaw_mq_messages_total", {"queue": queue, "outcome": "requeued"}
+    )
+    return int(value or 0)
+
+
 async def throughput_run(
     amqp_url: str, redis_url: str, *, concurrency: int, n: int, tenants: int, fair: bool
-) -> float:
-    """Tasks per second of a no-op handler over ``n`` queued tasks of ``tenants`` tenants."""
+) -> tuple[float, int]:
+    """Tasks per second of a no-op handler over ``n`` queued tasks of ``tenants`` tenants,
+    and the deliveries given back to their queue meanwhile."""
     queue = f"bench-fair-{uuid.uuid4().hex[:10]}"
     app, state = _app(amqp_url, redis_url, queue, fair, 0.0)
     state["busy_at"] = n
@@ -137,14 +147,20 @@ async def throughput_run(
         worker = Worker(app, concurrency=concurrency)
         running = asyncio.create_task(worker.run())
         try:
-            await asyncio.wait_for(state["busy"].wait(), 300)
+            try:
+                await asyncio.wait_for(state["busy"].wait(), 120)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"{total - state['done']} of {total} tasks did not run within 120 s "
+                    f"({_given_back(app, queue)} given back; see {queue}.dlq)"
+                ) from None
             # From the first task's start: the worker's start (declares, consumers) is not
             # the consume path.
             elapsed = time.perf_counter() - state["first"]
         finally:
             worker.stop()
             await running
-        return (total - 1) / elapsed
+        return (total - 1) / elapsed, _given_back(app, queue)
     finally:
         await app.close()
         await delete_app_queues(amqp_url, app)
@@ -199,21 +215,23 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["throughput"] = {}
     for conc in args.throughput_concurrency:
         for tenants in (1, 4):
-            fair_rates, plain_rates, ratios = [], [], []
+            fair_rates, plain_rates, ratios, given_back = [], [], [], []
             for _ in range(args.rounds):
-                plain = await throughput_run(
+                plain, _ = await throughput_run(
                     *urls, concurrency=conc, n=args.n, tenants=tenants, fair=False
                 )
-                fair = await throughput_run(
+                fair, back = await throughput_run(
                     *urls, concurrency=conc, n=args.n, tenants=tenants, fair=True
                 )
                 plain_rates.append(plain)
                 fair_rates.append(fair)
                 ratios.append(fair / plain)
+                given_back.append(back)
             out["throughput"][f"{conc}/{tenants}"] = {
                 "fair": fair_rates,
                 "plain": plain_rates,
                 "ratio": ratios,
+                "given_back": given_back,
             }
     pub_fair, pub_plain, pub_ratios = [], [], []
     for _ in range(args.rounds):
@@ -252,7 +270,9 @@ def report(out: dict[str, Any]) -> str:
         lines.append(
             f"  consume at concurrency {conc}, {tenants} tenant(s): fair {_fmt(row['fair'], '/s')}"
             f", plain {_fmt(row['plain'], '/s')}; fair / plain {_fmt(row['ratio'])} (target >= "
-            f"{CONSUME_TARGET}: {'met' if ratio >= CONSUME_TARGET else 'MISSED'})"
+            f"{CONSUME_TARGET}: {'met' if ratio >= CONSUME_TARGET else 'MISSED'}); deliveries "
+            f"given back to their queue {sum(row['given_back'])} (target 0: "
+            f"{'met' if not any(row['given_back']) else 'MISSED'})"
         )
     pub = out["publish"]
     ratio = statistics.median(pub["ratio"])

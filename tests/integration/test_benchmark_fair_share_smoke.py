@@ -30,5 +30,8 @@ def test_fair_share_benchmark_smoke_run_prints_every_row_and_leaves_nothing() ->
         "publish one at a time",
     ):
         assert line in proc.stdout, line
+    # The lanes' turns give no delivery back to its queue (each return counts toward the
+    # delivery limit).
+    assert "given back to their queue 0 (target 0: met)" in proc.stdout, proc.stdout
     listing = broker_ctl("list_queues", "-q", "name")
     assert "bench-fair-" not in listing, "the benchmark left its queues behind"

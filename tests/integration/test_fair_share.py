@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import close_apps, settings_for, wait_until
+from tests.conftest import close_apps, outcome_count, queue_depth, settings_for, wait_until
 from weclaw_mq import App, Priority
-from weclaw_mq.contract.naming import fair_key, fair_lane_name, fair_tenant_key
+from weclaw_mq.contract.naming import dlq_name, fair_key, fair_lane_name, fair_tenant_key
 from weclaw_mq.policy.fair_share import Fair, hashed_lane
 from weclaw_mq.state.fair_book import FairBook, MemoryFairBook, RedisFairBook
 
@@ -268,3 +268,31 @@ async def test_a_producer_reuses_a_tenants_lane_and_still_counts_every_task(
         await wait_until(counted, 5, "every publish counted in the book")
     finally:
         await client.aclose()
+
+
+async def test_busy_tenants_turns_give_no_task_back_to_its_queue(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    amqp: AbstractChannel,
+) -> None:
+    """Four backlogs and a handler that returns at once: the lanes' turns are as fast as they
+    get. No delivery goes back to its queue: each return counts toward the delivery limit
+    (the race this guards against showed in the benchmark's process, 11 returns and one
+    dead letter in 3,000; it did not show here before the fix, so the benchmark's smoke run
+    checks its DLQ too)."""
+    app = make_app()
+    done: list[str] = []
+
+    @app.handler(qname, tenant=lambda task: task.tenant, fair=Fair(lanes=4), idempotent=False)
+    async def answer(task: Ask) -> None:
+        done.append(task.tenant)
+
+    await app.declare()
+    for tenant in ("a", "b", "c", "d"):
+        await app.publish_many(qname, [Ask(tenant=tenant, n=i) for i in range(750)])
+    await start_worker(app, concurrency=10)
+    await wait_until(lambda: len(done) == 3000, 90, "every task run")
+    assert outcome_count(app, qname, "requeued") == 0
+    assert outcome_count(app, qname, "acked") == 3000
+    assert await queue_depth(amqp, dlq_name(qname)) == 0

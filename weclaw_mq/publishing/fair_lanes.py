@@ -32,6 +32,9 @@ log = logging.getLogger("weclaw_mq.producer")
 # publish saved): as long as the workers take to write the broker's counts, the age of what
 # the book knows anyway (``worker.fair_counts``).
 KNOWN_FOR_S = FAIR_COUNT_EVERY_S
+# Tasks placed from what a producer knew are added to the book's counts this often, in one
+# write: a write per publish cost a publish one at a time about as much as asking would.
+COUNT_FLUSH_S = 0.1
 # Past this many remembered tenants, the stale ones are forgotten at the next placement.
 KNOWN_MAX = 10_000
 
@@ -104,12 +107,12 @@ class FairLanes:
         return [None if t is None else (t, lane_of[t]) for t in tenants]
 
     def _count(self, queue: str, lanes: list[int]) -> None:
-        """Add tasks placed from what we knew to the book's counts, in one write per loop
-        turn (the first one starts it)."""
+        """Add tasks placed from what we knew to the book's counts, in one write per
+        ``COUNT_FLUSH_S`` (the first task after a write starts the next)."""
         pending = self._unsent.get(queue)
         if pending is None:
             pending = self._unsent[queue] = Counter()
-            asyncio.get_running_loop().call_soon(self._flush, queue)
+            asyncio.get_running_loop().call_later(COUNT_FLUSH_S, self._flush, queue)
         pending.update(lanes)
 
     def _flush(self, queue: str) -> None:
