@@ -172,11 +172,18 @@ class LaneScheduler:
         # Each lane's level (``pick``'s levels): lanes sharing one are fair-share lanes, served
         # in turn (``_served``: the serial of each one's latest start); None: one lane a level.
         ranks = list(levels) if levels is not None else list(range(len(self.lanes)))
+        # Every lane's rank, for ``pick`` (built once, not per choice).
+        self._rank_of = dict(zip(self.lanes, ranks, strict=True))
         self._levels: dict[str, int] | None = None
         self._served: dict[str, int] | None = None
         if len(set(ranks)) < len(ranks):
             self._levels = dict(zip(self.lanes, ranks, strict=True))
             self._served = {}
+        # The other lanes of each lane's level (its fair-share peers; none without levels).
+        self._peers = {
+            lane: frozenset(o for o, r in self._rank_of.items() if r == rank and o != lane)
+            for lane, rank in self._rank_of.items()
+        }
         self._serial = 0
         # Fair lanes: when each idle consumer was armed (``_idle_empty``), and the timer that
         # serves the unserved lanes once the youngest of them is old enough.
@@ -615,7 +622,7 @@ class LaneScheduler:
                     self._skipped,
                     self.starvation_limit,
                     self._pending,
-                    self._levels,
+                    self._rank_of,
                     self._served,
                     self._running_per_lane() if self._served is not None else None,
                 )
@@ -672,7 +679,7 @@ class LaneScheduler:
         # delivery count one closer to the DLQ each time (measured: with four busy tenants
         # and a no-op handler, one task of 3,000 reached the delivery limit that way). The
         # next release makes room by rule 1 instead, or the lane is served once one aged.
-        peers = self._peers_of(lane_in_need)
+        peers = self._peers[lane_in_need]
         # 2. an armed idle consumer of a lane that keeps another look-ahead
         for lane in reversed(self.lanes):
             if self._idle[lane] and self._lookahead(lane) >= 2:
@@ -706,13 +713,6 @@ class LaneScheduler:
             counts[lane] += 1
         counts[self._lowest] += len(self._bulk_running)
         return counts
-
-    def _peers_of(self, lane: str) -> frozenset[str]:
-        """The other lanes of ``lane``'s level (its fair-share lanes), none without levels."""
-        if self._levels is None:
-            return frozenset()
-        rank = self._levels[lane]
-        return frozenset(other for other, r in self._levels.items() if r == rank) - {lane}
 
     async def _give_back_surplus(
         self, message: AbstractIncomingMessage, tag: str, lane: str
