@@ -296,21 +296,11 @@ class PublishingEngine:
         ``queue`` is the handler queue; the message goes to its priority's lane (``_route``)."""
         assert message.message_id is not None
         spec = self._handlers.get(queue)
-        if spec is not None and spec.fair is not None:
-            return await self._send_fair(spec, message)
-        exchange, target = await self._route(queue, message)
-        return await self._send_to(queue, message, exchange, target)
-
-    async def _send_fair(self, spec: HandlerSpec, message: aio_pika.Message) -> str:
-        """``_send`` for a fair handler: to its tenant's lane (``publishing.fair_lanes``)."""
-        (placed,) = await self._fair.place(spec, [message])
-        exchange, target = await self._route(spec.queue, message, lane_name(spec.queue, placed))
-        return await self._send_to(spec.queue, message, exchange, target)
-
-    async def _send_to(
-        self, queue: str, message: aio_pika.Message, exchange: str, target: str
-    ) -> str:
-        assert message.message_id is not None
+        fair_lane = None
+        if spec is not None and spec.fair is not None:  # to its tenant's lane (fair_lanes)
+            (placed,) = await self._fair.place(spec, [message])
+            fair_lane = lane_name(queue, placed)
+        exchange, target = await self._route(queue, message, fair_lane)
         store = self._results()
         if store is None:
             await self.get_publisher().publish(target, message, exchange=exchange)
