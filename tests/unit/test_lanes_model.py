@@ -41,6 +41,9 @@ CONCURRENCY = 3
 # Fair share (policy.fair_share): the NORMAL level is three lanes served in turn.
 FAIR_LANES = ["urgent", "high", "f1", "f2", "normal"]
 FAIR_LEVELS = [0, 1, 2, 2, 2]
+# A fair handler without priorities: its lanes are all of one level.
+FAIR_ONLY_LANES = ["f1", "f2", "normal"]
+FAIR_ONLY_LEVELS = [0, 0, 0]
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
@@ -199,6 +202,8 @@ class Session:
         self.bulk_channel = ModelChannel(broker, prefetch=CONCURRENCY + 1) if bulk else None
         self.running: dict[Msg, asyncio.Event] = {}
         self.retired = False
+        # Deliveries given back (why, task number) while the session was live.
+        self.given_back: list[tuple[str, int]] = []
         self.scheduler = LaneScheduler(
             self.lane_channel,  # type: ignore[arg-type]
             lanes,
@@ -235,6 +240,8 @@ class Session:
         await self._settle(message, requeue=None)
 
     async def _give_back(self, message: Any, why: str) -> None:
+        if not self.retired:
+            self.given_back.append((why, message.n))
         await self._settle(message, requeue=True)
 
     async def _settle(self, message: Msg, *, requeue: bool | None) -> None:
@@ -449,3 +456,21 @@ class FairLanesModel(LanesModel):
 
 FairLanesModel.TestCase.settings = LanesModel.TestCase.settings
 test_fair_lanes_model = FairLanesModel.TestCase
+
+
+class FairOnlyLanesModel(LanesModel):
+    """A fair handler without priorities: three lanes of one level. Its lanes take room from
+    each other without giving a task back (each return counts toward the delivery limit),
+    whatever the broker's timing; the model test before withdrawals found returns here."""
+
+    lanes = FAIR_ONLY_LANES
+    levels = FAIR_ONLY_LEVELS
+
+    @invariant()
+    def gives_no_task_back(self) -> None:
+        given = self.session.given_back
+        assert not given, f"given back {given}: {self._describe()}"
+
+
+FairOnlyLanesModel.TestCase.settings = LanesModel.TestCase.settings
+test_fair_only_lanes_model = FairOnlyLanesModel.TestCase

@@ -40,11 +40,12 @@ also end bulk mode.
 
 Fair share (``levels``, ``policy.fair_share``): lanes of one level are a handler's fair lanes,
 taken in turn (``pick``: the one with the fewest tasks running, then the one served least
-recently); a lane of the same level never holds another back when pending, and they take
-room from each other only from a consumer armed ``EMPTY_LANE_S`` ago and still idle (an armed
-consumer of a lane with a backlog is about to be sent a task: cancelling it would give that
-task back, its delivery count one closer to the DLQ each time), never by giving a waiting
-task back; the next release makes room by cancelling its own consumer before the ack.
+recently); a lane of the same level never holds another back when pending. They take room
+from each other without giving any task back: the next release cancels its own consumer
+before the ack (rule 1), or a consumer idle for ``EMPTY_LANE_S`` is withdrawn: cancelled, and
+still counted until its cancel-ok, so a task the broker sent it meanwhile waits and runs
+there (an armed consumer of a backlog is about to be sent one; a give-back would bring that
+task one closer to the DLQ). No bulk mode: the lowest level is several tenants' lanes.
 
 One owner per consumer: a scheduler counts every consumer it opens from before its consume is
 sent; a delivery on any other consumer is never adopted (that consumer is cancelled, the task
@@ -164,8 +165,6 @@ class LaneScheduler:
         self.channel = channel
         # How a consumer is subscribed (incoming.consume; the lanes' model test gives its own)
         self._subscribe = subscribe
-        # The channel of the bulk consumer (prefetch concurrency + 1), None: no bulk mode.
-        self.bulk_channel = bulk_channel
         self.lanes = list(lanes)  # highest first
         self._lowest = self.lanes[-1]
         self._upper = tuple(self.lanes[:-1])
@@ -185,6 +184,10 @@ class LaneScheduler:
             for lane, rank in self._rank_of.items()
         }
         self._serial = 0
+        # The channel of the bulk consumer (prefetch concurrency + 1), None: no bulk mode. Not
+        # for fair lanes: the lowest level is several tenants' lanes, a bulk consumer would
+        # serve one of them, and leaving bulk mode gives back what it held.
+        self.bulk_channel = None if self._peers[self._lowest] else bulk_channel
         # Fair lanes: when each idle consumer was armed (``_idle_empty``), and the timer that
         # serves the unserved lanes once the youngest of them is old enough.
         self._armed_at: dict[str, float] = {}
@@ -235,7 +238,7 @@ class LaneScheduler:
         # Bulk mode: the tag of the bulk consumer (set before its consume is sent), its
         # queue object (on bulk_channel), and the running tasks it delivered (delivery tag on
         # bulk_channel -> consumer tag), also after it was cancelled.
-        self._bulk_mode = bulk_channel is not None
+        self._bulk_mode = self.bulk_channel is not None
         self._bulk: str | None = None
         self._bulk_queue: AbstractQueue | None = None
         self._bulk_running: dict[int, str] = {}
@@ -244,6 +247,11 @@ class LaneScheduler:
         self._bulk_timer: asyncio.TimerHandle | None = None
         # Surplus waiting tasks being given back to make room (see _make_room).
         self._leaving = 0
+        # Fair lanes' consumers cancelled to make room, until their cancel-ok (``_withdraw``):
+        # still counted, and a delivery that reaches one first is kept and run, not given back.
+        self._withdrawing: set[str] = set()
+        # ... and those whose cancel-ok came while they held a task: forgotten at its release.
+        self._withdrawn: set[str] = set()
         # The held-delivery sweep (see _sweep): id of each waiting delivery -> the loop time
         # a sweep first saw it waiting; rebuilt by every sweep, untouched per delivery.
         self.held_bound_s = held_bound_s
@@ -287,8 +295,10 @@ class LaneScheduler:
             self._queues[lane] = await self.channel.get_queue(lane, ensure=False)
         if self.bulk_channel is not None:
             self._bulk_queue = await self.bulk_channel.get_queue(self._lowest, ensure=False)
-        for lane in self._upper if self._bulk_mode else self.lanes:
-            self._opening[lane] += 1
+        first = self._upper if self._bulk_mode else self.lanes
+        for lane in first:  # all counted before the first consume: its deliveries may grow a
+            self._opening[lane] += 1  # lane toward the cap while the others are opened
+        for lane in first:
             await self._open(lane)
         if self._bulk_mode:
             await self._open_bulk()
@@ -311,6 +321,15 @@ class LaneScheduler:
         if ended is None or self._stopping:
             return
         tag, lane = ended
+        if tag in self._withdrawing or tag in self._withdrawn:
+            # Withdrawn to make room (``_withdraw``) after this task came: never re-armed;
+            # forgotten now if its cancel-ok came, else then.
+            if tag in self._withdrawn:
+                self._withdrawn.discard(tag)
+                self._lane_of.pop(tag, None)
+            self._serve_unserved()
+            self._fill()
+            return
         if not (reusable and tag in self._lane_of):  # broker-cancelled, or no ack coming
             self._drop(tag)
             self._serve_unserved()
@@ -524,8 +543,8 @@ class LaneScheduler:
                     self._on_held()
                 self._spawn(self._give_back_one(message, "held without starting"))
                 tag = message.consumer_tag or ""
-                if tag in self._lane_of:  # re-armed by the nack (a bulk consumer's window stays)
-                    self._armed(lane, tag)
+                if tag in self._lane_of and tag not in self._withdrawing | self._withdrawn:
+                    self._armed(lane, tag)  # re-armed by the nack (a bulk window stays)
         self._fill()
         self._arm_sweep()
 
@@ -673,19 +692,24 @@ class LaneScheduler:
                 self._lane_of.pop(self._ending, None)
                 self._cancelled.add(self._ending)
                 return True
-        # Fair-share lanes take room from each other only from a consumer idle for
-        # EMPTY_LANE_S (its lane is empty): an armed consumer of a lane with a backlog is
-        # about to be sent its next task, and cancelling it would give that task back, its
-        # delivery count one closer to the DLQ each time (measured: with four busy tenants
-        # and a no-op handler, one task of 3,000 reached the delivery limit that way). The
-        # next release makes room by rule 1 instead, or the lane is served once one aged.
+        if self._withdrawing:
+            return False  # a withdrawn consumer's cancel-ok is on its way: that is the room
         peers = self._peers[lane_in_need]
         # 2. an armed idle consumer of a lane that keeps another look-ahead
         for lane in reversed(self.lanes):
             if self._idle[lane] and self._lookahead(lane) >= 2:
-                tag = self._idle_empty(lane) if lane in peers else self._pop_idle(lane)
-                if tag is None:
-                    continue
+                if lane in peers:
+                    # Fair lanes take room from each other only by withdrawing a consumer idle
+                    # for EMPTY_LANE_S (likely on an empty lane), and the room counts only
+                    # from its cancel-ok: an armed consumer of a backlog is about to be sent
+                    # a task, and giving it back would bring it one closer to the DLQ (a
+                    # loaded run's 250 ms were not enough: 7 returns in a suite's run).
+                    tag = self._idle_empty(lane)
+                    if tag is None:
+                        continue
+                    self._withdraw(tag, lane)
+                    return False
+                tag = self._pop_idle(lane)
                 self._spawn(self._cancel(tag, lane))
                 self._lane_of.pop(tag, None)
                 self._cancelled.add(tag)
@@ -705,6 +729,28 @@ class LaneScheduler:
                 self._spawn(self._give_back_surplus(message, tag, lane))
                 return False
         return False
+
+    def _withdraw(self, tag: str, lane: str) -> None:
+        """Cancel the idle ``tag`` to make room: it stays counted (a delivery that reaches it
+        before its cancel-ok waits and runs as any other) until the cancel-ok; then it is
+        forgotten if it holds nothing, else when its task is released."""
+        self._withdrawing.add(tag)
+        self._spawn(self._withdrawal(tag, lane))
+
+    async def _withdrawal(self, tag: str, lane: str) -> None:
+        try:
+            await self._cancel(tag, lane)
+        finally:
+            self._withdrawing.discard(tag)
+            self._cancelled.add(tag)  # a delivery still behind the cancel-ok goes back
+        holds = any(m.consumer_tag == tag for m in self._waiting[lane]) or any(
+            t == tag for t, _ in self._running.values()
+        )
+        if holds and tag in self._lane_of:
+            self._withdrawn.add(tag)
+        else:
+            self._lane_of.pop(tag, None)
+        self._serve_unserved()
 
     def _running_per_lane(self) -> dict[str, int]:
         """How many tasks of each lane run (fair lanes' turns; counted when asked, not kept)."""
