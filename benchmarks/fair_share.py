@@ -41,7 +41,7 @@ from pydantic import BaseModel
 from weclaw_mq import App, Settings, Worker
 from weclaw_mq.policy.fair_share import Fair
 
-from .infra import delete_app_queues, forget_queue_keys
+from .infra import bench_queue_name, delete_app_queues, forget_queue_keys
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONSUME_TARGET = 0.9
@@ -92,7 +92,7 @@ async def behind_run(
 ) -> tuple[int, float]:
     """(completions between the confirm and the start, start latency in s) of tenant
     "small"'s one task published behind ``backlog`` tasks of ``heavy`` other tenants."""
-    queue = f"bench-fair-{uuid.uuid4().hex[:10]}"
+    queue = bench_queue_name("fair")
     app, state = _app(amqp_url, redis_url, queue, fair, work_s)
     state["busy_at"] = 2 * concurrency
     state["started"] = asyncio.Event()
@@ -135,7 +135,7 @@ async def throughput_run(
 ) -> tuple[float, int]:
     """Tasks per second of a no-op handler over ``n`` queued tasks of ``tenants`` tenants,
     and the deliveries given back to their queue meanwhile."""
-    queue = f"bench-fair-{uuid.uuid4().hex[:10]}"
+    queue = bench_queue_name("fair")
     app, state = _app(amqp_url, redis_url, queue, fair, 0.0)
     state["busy_at"] = n
     try:
@@ -169,7 +169,7 @@ async def throughput_run(
 
 async def publish_run(amqp_url: str, redis_url: str, *, n: int, fair: bool) -> float:
     """Publishes per second, one ``publish`` at a time, over four tenants."""
-    queue = f"bench-fair-{uuid.uuid4().hex[:10]}"
+    queue = bench_queue_name("fair")
     app, _ = _app(amqp_url, redis_url, queue, fair, 0.0)
     try:
         await app.declare()

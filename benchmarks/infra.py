@@ -39,6 +39,17 @@ FILL_CHUNK = 1000
 DRAMATIQ_SUFFIXES = (".DQ", ".XQ")
 
 
+# A smoke test sets this to a tag of its own: every queue its run names carries the tag, so
+# the test finds what its run left behind while another run shares the broker.
+RUN_TAG_ENV = "WECLAW_BENCH_RUN_TAG"
+
+
+def bench_queue_name(kind: str, *parts: str) -> str:
+    """``bench-<kind>-[<run tag>-]<parts>-<random>``: a fresh queue name for one benchmark."""
+    tag = os.environ.get(RUN_TAG_ENV)
+    return "-".join(["bench", kind, *([tag] if tag else []), *parts, uuid.uuid4().hex[:8]])
+
+
 def weclaw_spec(queue: str) -> QueueSpec:
     """The queue spec of a default weclaw_mq handler on ``queue``, built through a real
     ``App`` so it matches what the worker declares exactly."""

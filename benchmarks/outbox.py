@@ -35,7 +35,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from weclaw_mq.outbox.relay import Relay
 from weclaw_mq.wire.topology import queue_declarations
 
 from .common import make_payload
+from .infra import bench_queue_name
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 TARGET = 0.8
@@ -69,7 +69,7 @@ class Bench:
     def __init__(self, n: int, n_single: int, folder: Path) -> None:
         self.n = n
         self.n_single = n_single
-        self.queue = f"bench-outbox-{uuid.uuid4().hex[:8]}"
+        self.queue = bench_queue_name("outbox")
         self.path = folder / "outbox.db"
         common = {
             "results_enabled": False,

@@ -45,7 +45,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from benchmarks.infra import forget_task_index
+from benchmarks.infra import bench_queue_name, forget_task_index
 from benchmarks.notify_cost import AMQP_URL, REDIS_URL, Run, measure, spread
 from weclaw_mq import App, Settings, TaskQuery, TaskStatus
 from weclaw_mq.contract.naming import (
@@ -80,7 +80,7 @@ def _app(queue: str, variant: str) -> App:
 
 
 async def _consume(variant: str, n: int, concurrency: int) -> Run:
-    queue = f"bench-task-index-{variant}-{uuid.uuid4().hex[:8]}"
+    queue = bench_queue_name("task-index", variant)
     try:
         return await measure(_app(queue, variant), queue, n, concurrency, from_ready=True)
     finally:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from benchmarks.infra import bench_queue_name
 from benchmarks.notify_cost import AMQP_URL, REDIS_URL
 from weclaw_mq import App, Context, Limit, Retry, RetryPolicy, Settings, Worker, retry_after_s
 from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving, tokens_of
@@ -75,7 +75,7 @@ async def _run(
     name: str, tokens: int, window_s: float, windows: int, limit_for: Callable[[], Limit | None]
 ) -> Result:
     provider = FakeProvider({MODEL: ModelLimits(tokens, requests=100_000, window_s=window_s)})
-    queue = f"bench-token-{name}-{uuid.uuid4().hex[:8]}"
+    queue = bench_queue_name("token", name)
     # A backlog of one window more than the run can serve: the workers are never idle.
     count = (windows + 1) * tokens // (tokens_of(PROMPT) + MAX_TOKENS)
     async with serving(provider) as base_url, httpx.AsyncClient(base_url=base_url) as client:

@@ -41,7 +41,7 @@ from weclaw_mq.state import TaskState
 from weclaw_mq.wire.topology import delay_exchanges, queue_declarations
 
 from .common import make_payload
-from .infra import forget_task_index
+from .infra import bench_queue_name, forget_task_index
 
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -68,7 +68,7 @@ class Bench:
     def __init__(self, waiters: int, n: int) -> None:
         self.waiters = waiters
         self.n = n
-        self.name = f"bench-waiters-{uuid.uuid4().hex[:8]}"
+        self.name = bench_queue_name("waiters")
         self.queue = self.name
         settings = Settings(amqp_url=AMQP_URL, redis_url=named(REDIS_URL, self.name))
         self.app = App(self.name, settings=settings)

@@ -3,26 +3,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-from tests.broker_ctl import broker_ctl
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.benchmark_runs import queues_left, run_benchmark
 
 
 def test_token_budget_benchmark_smoke_run_prints_both_runs_and_the_target() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.token_budget", "--smoke"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, tag = run_benchmark("benchmarks.token_budget", "--smoke", timeout=120)
     for line in ("unbudgeted", "budgeted", "target: budgeted, 0 429s after the warm-up"):
         assert line in proc.stdout, line
-    listing = broker_ctl("list_queues", "-q", "name")
-    assert "bench-token-" not in listing, "the benchmark left its queue behind"
+    assert not queues_left(tag), "the benchmark left its queue behind"
