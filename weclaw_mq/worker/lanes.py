@@ -21,7 +21,8 @@ given back (only after tasks of one lane waited behind a burst of another).
 The slot a task frees goes to the waiting task ``pick`` chooses: the highest lane's, unless a
 lower lane was passed over ``starvation_limit`` times in a row; then its task starts next.
 A lane whose look-ahead was just started (its next task may be one round trip away) makes
-lower lanes wait for it up to ``LOOKAHEAD_GRACE_S``.
+lower lanes wait for it up to ``grace``: ``LOOKAHEAD_GRACE_S``, or twice the median of the
+latest such waits that ended in a delivery (a loaded broker's round trip), at most 250 ms.
 
 Bulk mode (given a ``bulk_channel``): while the upper lanes are quiet, the lowest lane is
 served by ONE consumer with prefetch ``concurrency + 1`` on its own channel (its acks go on
@@ -60,6 +61,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import statistics
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
@@ -78,6 +80,13 @@ log = logging.getLogger("weclaw_mq.worker")
 # within a round trip, an empty one never does, and we cannot tell them apart sooner. A slot
 # stays free that long only when a higher lane turns out to be empty: at the end of its burst.
 LOOKAHEAD_GRACE_S = 0.02
+# ... or twice the median of the latest LATENCY_SAMPLES such waits that ended in a delivery
+# (also after the grace), up to LOOKAHEAD_GRACE_MAX_S: under load a round trip takes longer
+# than 20 ms, and a lower lane would start before the higher one's next task came (a loaded
+# suite run: 8 NORMAL tasks overtook the last HIGH one where 6 may). The median, not the
+# max: a task published just after a lane emptied is no round trip.
+LOOKAHEAD_GRACE_MAX_S = 0.25
+LATENCY_SAMPLES = 16
 CANCELLED_MEMORY_S = 5.0
 # A fair lane's consumer armed this long without a delivery is on an empty lane: only such a
 # consumer is cancelled to make room for another fair lane (``_make_room``). A queue with
@@ -230,6 +239,11 @@ class LaneScheduler:
         # mark of its latest expectation (an older timer must not end a newer one).
         self._pending: dict[str, int] = {}
         self._marks = 0
+        # When each timed expectation began, and how long the latest ones that ended in a
+        # delivery took (the grace follows them, see ``grace``).
+        self._expected_at: dict[str, float] = {}
+        self._waits: deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.grace = LOOKAHEAD_GRACE_S
         # The consumer of the task being released, while ``release`` decides about it.
         self._ending: str | None = None
         self._cancel_ending = False
@@ -477,6 +491,8 @@ class LaneScheduler:
             return
         self._idle[lane].discard(tag)
         self._pending.pop(lane, None)
+        if (expected := self._expected_at.pop(lane, None)) is not None:
+            self._waited(asyncio.get_running_loop().time() - expected)
         if lane != self._lowest:
             self._upper_seen = asyncio.get_running_loop().time()
         self._waiting[lane].append(message)
@@ -887,20 +903,31 @@ class LaneScheduler:
         if (message.delivery_tag or 0) in self._running:
             self._spawn(self.release(message, reusable=False))
 
+    def _waited(self, seconds: float) -> None:
+        """A higher lane's next task came ``seconds`` after it was expected: ``grace`` (how
+        long lower lanes wait for one) becomes twice the recent median, within its bounds."""
+        if seconds > LOOKAHEAD_GRACE_MAX_S:
+            return  # the lane was empty, and a task came later
+        self._waits.append(seconds)
+        median = statistics.median(self._waits)
+        self.grace = min(max(LOOKAHEAD_GRACE_S, 2 * median), LOOKAHEAD_GRACE_MAX_S)
+
     def _expect(self, lane: str, *, timed: bool) -> None:
-        """Lower lanes wait for ``lane``'s next task (timed: for LOOKAHEAD_GRACE_S from now;
-        else until ``_expect`` is called again with timed=True)."""
+        """Lower lanes wait for ``lane``'s next task (timed: for ``grace`` from now; else
+        until ``_expect`` is called again with timed=True)."""
         if lane not in self._above_lowest:
             return  # nothing below its level waits
         self._marks += 1
         self._pending[lane] = self._marks
+        self._expected_at.pop(lane, None)
         if timed:
             loop = asyncio.get_running_loop()
-            loop.call_later(LOOKAHEAD_GRACE_S, self._grace_over, lane, self._marks)
+            self._expected_at[lane] = loop.time()
+            loop.call_later(self.grace, self._grace_over, lane, self._marks)
 
     def _grace_over(self, lane: str, mark: int) -> None:
         if self._pending.get(lane) == mark:
-            del self._pending[lane]
+            del self._pending[lane]  # its task, if it comes, still counts as a wait
             self._fill()
 
     async def _open(self, lane: str) -> None:
