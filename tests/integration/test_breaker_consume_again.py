@@ -6,7 +6,7 @@ Before the fix the session loop popped the cancelled tag, the breaker's ``pause(
 consumer to cancel, and the loop then registered its new one: the queue kept delivering while
 health said "paused", and a resume added a second consumer (twice the prefetch). The test holds
 the re-subscription inside its declare, opens the breaker there, and reads the broker's own
-consumer list. Real broker; the queue is this test's own.
+consumer count. Real broker; the queue is this test's own.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from typing import Any
 import pytest
 
 import weclaw_mq.worker.consume as consume_module
-from tests.broker_ctl import abroker_ctl
 from tests.conftest import wait_until
 from weclaw_mq import App, Breaker, Worker
 
 
-async def broker_consumers(queue: str) -> int:
-    listing = await abroker_ctl("list_consumers", "-q", "--no-table-headers", "queue_name")
-    return sum(1 for line in listing.splitlines() if line.strip() == queue)
+async def broker_consumers(amqp: Any, queue: str) -> int:
+    """The queue's consumers as its leader counts them (a passive declare): rabbitmqctl's
+    list_consumers read 0 for a live consumer once, in a run of two suites at once."""
+    declared = await amqp.declare_queue(queue, passive=True)
+    return int(declared.declaration_result.consumer_count or 0)
 
 
 async def test_a_breaker_opening_during_a_resubscription_keeps_the_queue_paused(
@@ -63,7 +64,7 @@ async def test_a_breaker_opening_during_a_resubscription_keeps_the_queue_paused(
     monkeypatch.setattr(consume_module, "declare", declare)
     monkeypatch.setattr(consume_module._SingleConsumer, "pause", pause)
     worker: Worker = await start_worker(app, concurrency=2, broker_load_check=False)
-    assert await broker_consumers(qname) == 1
+    assert await broker_consumers(amqp, qname) == 1
 
     holding.set()
     await amqp.queue_delete(qname)  # the broker cancels the consumer (basic.cancel)
@@ -73,9 +74,9 @@ async def test_a_breaker_opening_during_a_resubscription_keeps_the_queue_paused(
     release.set()
     await wait_until(lambda: qname not in worker._recovering, 20, "the re-subscription")
 
-    assert await broker_consumers(qname) == 0, "a paused queue still has a consumer"
+    assert await broker_consumers(amqp, qname) == 0, "a paused queue still has a consumer"
 
     await paused[0].resume()  # what the breaker's watch does after a good probe
-    assert await broker_consumers(qname) == 1
+    assert await broker_consumers(amqp, qname) == 1
     await paused[0].resume()  # a second resume adds no second consumer
-    assert await broker_consumers(qname) == 1
+    assert await broker_consumers(amqp, qname) == 1
