@@ -291,3 +291,28 @@ async def test_inspect_of_an_app_that_cannot_be_loaded_is_one_line(
 
     line = one_error_line(result)
     assert result.code == 3 and "no_such_module_xyz" in line, line
+
+
+async def test_a_worker_whose_app_closes_redis_during_its_stop_ends_its_run_normally(
+    make_app: Callable[..., App],
+    qname: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The record's delete fails as a closing pipe fails it (its waiter's future cancelled,
+    not the worker's task): the run still ends without raising (a test that closed its app
+    under a stopping worker saw CancelledError end the run)."""
+    app = make_app("inspect-closed-under-stop")
+    gated(app, qname)
+    worker = Worker(app)
+    running = asyncio.create_task(worker.run())
+    await asyncio.wait_for(worker.ready.wait(), 20)
+
+    async def leave_on_a_closed_pipe(self: WorkerRegistry, worker_id: str) -> None:
+        dropped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        dropped.cancel()  # what StatePipe.close does to every caller still waiting
+        await dropped
+
+    monkeypatch.setattr(WorkerRegistry, "leave", leave_on_a_closed_pipe)
+    worker.stop()
+    await asyncio.wait_for(running, 30)
+    assert running.done() and not running.cancelled() and running.exception() is None

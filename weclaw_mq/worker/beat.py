@@ -28,6 +28,7 @@ from weclaw_mq.state.worker_registry import (
     WorkerRecord,
     WorkerRegistry,
 )
+from weclaw_mq.wire.connection import cancelled_by_caller
 from weclaw_mq.worker.cancel_watch import Cancels, Watch
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -138,6 +139,16 @@ class Beat:
         not answer, the record lapses by itself."""
         try:
             await asyncio.wait_for(self._registry.leave(self.worker_id), self._leave_timeout_s)
+        except asyncio.CancelledError:
+            if cancelled_by_caller():
+                raise
+            # Not our task's: the app closed its Redis client under the stopping worker (its
+            # pipe cancels what waits), which must not end the worker's run as a cancel.
+            log.info(
+                "could not delete this worker's record for 'weclaw-mq inspect' (the app's "
+                "Redis client closed); it lapses within %g s",
+                self.ttl_s,
+            )
         except Exception as e:
             log.info(
                 "could not delete this worker's record for 'weclaw-mq inspect' (%s); it "
