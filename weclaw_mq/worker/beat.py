@@ -139,21 +139,18 @@ class Beat:
         not answer, the record lapses by itself."""
         try:
             await asyncio.wait_for(self._registry.leave(self.worker_id), self._leave_timeout_s)
-        except asyncio.CancelledError:
-            if cancelled_by_caller():
-                raise
-            # Not our task's: the app closed its Redis client under the stopping worker (its
-            # pipe cancels what waits), which must not end the worker's run as a cancel.
-            log.info(
-                "could not delete this worker's record for 'weclaw-mq inspect' (the app's "
-                "Redis client closed); it lapses within %g s",
-                self.ttl_s,
-            )
-        except Exception as e:
+        except (Exception, asyncio.CancelledError) as e:
+            why = describe(e)
+            if isinstance(e, asyncio.CancelledError):
+                if cancelled_by_caller():
+                    raise
+                # Not our task's: the app closed its Redis client under the stopping worker
+                # (its pipe cancels what waits), which must not end the worker's run.
+                why = "the app's Redis client closed"
             log.info(
                 "could not delete this worker's record for 'weclaw-mq inspect' (%s); it "
                 "lapses within %g s",
-                describe(e),
+                why,
                 self.ttl_s,
             )
 

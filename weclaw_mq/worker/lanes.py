@@ -182,10 +182,8 @@ class LaneScheduler:
         ranks = list(levels) if levels is not None else list(range(len(self.lanes)))
         # Every lane's rank, for ``pick`` (built once, not per choice).
         self._rank_of = dict(zip(self.lanes, ranks, strict=True))
-        self._levels: dict[str, int] | None = None
         self._served: dict[str, int] | None = None
         if len(set(ranks)) < len(ranks):
-            self._levels = dict(zip(self.lanes, ranks, strict=True))
             self._served = {}
         # The other lanes of each lane's level (its fair-share peers; none without levels).
         self._peers = {
@@ -559,7 +557,8 @@ class LaneScheduler:
                     self._on_held()
                 self._spawn(self._give_back_one(message, "held without starting"))
                 tag = message.consumer_tag or ""
-                if tag in self._lane_of and tag not in self._withdrawing | self._withdrawn:
+                withdrawn = tag in self._withdrawing or tag in self._withdrawn
+                if tag in self._lane_of and not withdrawn:
                     self._armed(lane, tag)  # re-armed by the nack (a bulk window stays)
         self._fill()
         self._arm_sweep()
@@ -594,7 +593,7 @@ class LaneScheduler:
     def _armed(self, lane: str, tag: str) -> None:
         """``tag`` of ``lane`` is idle (armed) from now."""
         self._idle[lane].add(tag)
-        if self._levels is not None:  # only fair lanes ask how long (``_idle_empty``)
+        if self._served is not None:  # only fair lanes ask how long (``_idle_empty``)
             self._armed_at[tag] = asyncio.get_running_loop().time()
             if len(self._armed_at) > 4 * self.cap:  # forget the tags no longer idle
                 idle = set().union(*self._idle.values())
