@@ -16,7 +16,7 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
+.PHONY: help venv install lock tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
 	bench-stream bench-priority bench-limits bench-token-budget bench-fair-share bench-task-index bench-console bench-rss bench-redis-client \
 	bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
@@ -27,7 +27,8 @@ help:
 	@echo "make services-up    make RabbitMQ + Redis answer (ops/dev-services.sh up; demo and test run it)"
 	@echo "make services-down  stop what services-up started (never a server it found running)"
 	@echo "make services-status  what answers, and what services-up started"
-	@echo "make install        create .venv and pip install -e '.[dev]' (skipped when up to date)"
+	@echo "make install        create .venv and pip install -e '.[dev]' at the locked versions (skipped when up to date)"
+	@echo "make lock           resolve the newest versions pyproject.toml allows into requirements/dev.lock"
 	@echo "make tools          install promtool and Chromium + its driver (as root with apt-get), fetch mermaid.js (npm) for the tests"
 	@echo "make lint           ruff check, ruff format --check, mypy, the import layers (lint-imports)"
 	@echo "make format         ruff format and ruff check --fix"
@@ -64,10 +65,22 @@ $(BIN)/python:
 
 install: $(STAMP)
 
-# The stamp records a finished install; pip runs again only when pyproject.toml is newer.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[dev]'
+# The stamp records a finished install; pip runs again only when pyproject.toml or the lock is
+# newer. The lock pins every package the tests and linters run on (requirements/dev.lock).
+LOCK := requirements/dev.lock
+$(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/python -m pip install --disable-pip-version-check -q -c $(LOCK) -e '.[dev]'
 	@touch $@
+
+# A new lock: the newest versions pyproject.toml's ranges allow, resolved in a fresh venv. Run
+# it on purpose, then 'make test' on the result, and commit both together.
+lock:
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(PYTHON) -m venv "$$tmp/venv" && \
+	"$$tmp/venv/bin/python" -m pip install --disable-pip-version-check -q -e '.[dev]' && \
+	{ sed -n '1,/^# Made by/p' $(LOCK); \
+	  "$$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -v '^weclaw'; } > "$$tmp/lock" && \
+	mv "$$tmp/lock" $(LOCK) && echo "$(LOCK) written: review 'git diff $(LOCK)', then make test"
 
 # promtool (Debian's prometheus package) checks ops/prometheus/alerts.yml in the tests, and the
 # example web page's test drives headless Chromium through its Debian driver (never a
@@ -121,12 +134,19 @@ tools-mermaid:
 		fi; \
 	fi
 
+# Every check runs, whatever an earlier one found: the recipe reports each failure, then fails.
+LINT_CHECKS := \
+	"$(BIN)/ruff check ." \
+	"$(BIN)/ruff format --check ." \
+	"$(BIN)/mypy" \
+	"$(BIN)/mypy consumers producers docs/hooks.py docs/site_files.py docs/examples" \
+	"$(BIN)/lint-imports --no-cache"
 lint: install
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/mypy
-	$(BIN)/mypy consumers producers docs/hooks.py docs/site_files.py docs/examples
-	$(BIN)/lint-imports --no-cache
+	@failed=""; \
+	for check in $(LINT_CHECKS); do \
+		echo "$$check"; $$check || failed="$$failed\n  $$check"; \
+	done; \
+	if [ -n "$$failed" ]; then printf "make lint: these checks failed:$$failed\n"; exit 1; fi
 
 format: install
 	$(BIN)/ruff format .

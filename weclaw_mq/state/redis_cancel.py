@@ -175,4 +175,4 @@ class RedisCancels:
         finally:
             # aclose alone (see RedisTaskStore._wait): it returns the connection to the pool.
             with contextlib.suppress(Exception):  # already broken: nothing left to return
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]

@@ -72,7 +72,7 @@ def open_client(settings: Settings) -> StateClient:
     assert topology.service_name is not None  # parse_topology requires it for Sentinel
     # The Sentinels are asked only where the primary is; they get the timeouts, not the
     # primary's password (a protected Sentinel set is not supported yet).
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
         topology.nodes,
         sentinel_kwargs={
             **common,
