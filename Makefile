@@ -16,7 +16,7 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lock tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
+.PHONY: help venv install lock test-slow test-ends tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
 	bench-stream bench-priority bench-limits bench-token-budget bench-fair-share bench-task-index bench-console bench-rss bench-redis-client \
 	bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
@@ -24,6 +24,8 @@ TEST_WORKERS ?= 3
 help:
 	@echo "make demo           install, start RabbitMQ + Redis if needed, run the end-to-end demo (DEMO_TASKS=$(DEMO_TASKS) tasks)"
 	@echo "make test           install, start RabbitMQ + Redis if needed, lint (ruff, mypy), run every test"
+	@echo "make test-slow      the tests marked slow that 'make test' leaves out (kill drills of workflows and schedules, ...); CI runs them"
+	@echo "make test-ends      the unit and core integration tests at the lowest and the newest versions pyproject.toml allows"
 	@echo "make services-up    make RabbitMQ + Redis answer (ops/dev-services.sh up; demo and test run it)"
 	@echo "make services-down  stop what services-up started (never a server it found running)"
 	@echo "make services-status  what answers, and what services-up started"
@@ -160,6 +162,24 @@ test: install tools
 	$(MAKE) --no-print-directory lint || status=1; \
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests || status=1; \
 	if [ $$status -ne 0 ]; then echo "make test: FAILED (see lint and pytest output above)"; fi; \
+	exit $$status
+
+# The tests marked slow (a minute or more each: the workflow and schedule kill drills, the
+# guarded recovery race, the crash loop through the delay queue, the benchmark's smoke run),
+# two at a time: each uses its own private nodes, queues and keys. CI runs it after 'make test'.
+test-slow: install tools
+	@ops/dev-services.sh up
+	$(BIN)/pytest -q -n 2 --dist load -m slow -rfE tests
+
+# The ranges in pyproject.toml at both ends (tests/dependency_ends.sh): the lowest versions
+# they allow, then the newest. CI runs the lowest end; the newest end only warns there, since
+# a release upstream must not turn a landed commit red (fix it, then 'make lock').
+test-ends: install
+	@ops/dev-services.sh up
+	@status=0; \
+	for end in lowest newest; do \
+		tests/dependency_ends.sh $$end || { echo "make test-ends: the $$end end failed"; status=1; }; \
+	done; \
 	exit $$status
 
 demo: install
@@ -317,4 +337,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) .tools
+	rm -rf $(VENV) .venv-ends .tools

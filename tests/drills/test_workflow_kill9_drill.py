@@ -42,7 +42,8 @@ from weclaw_mq.contract.naming import (
     workflow_parts_key,
 )
 
-pytestmark = [pytest.mark.drill, pytest.mark.slow]
+# 145 s under a loaded CI run, past the suite's default per-test timeout of 120 s.
+pytestmark = [pytest.mark.drill, pytest.mark.slow, pytest.mark.timeout(420)]
 
 GROUPS = 200
 PARTS = 10

@@ -14,17 +14,18 @@ ROOT = Path(__file__).resolve().parents[2]
 MEASURED_BY_US = {"raw", "raw-redis", "weclaw", "weclaw-guard"}
 
 
-# A clean checkout creates the benchmark's own venv (the peers) first: the run's own 420 s
-# bound, not the suite's default per-test timeout, is what this test waits for.
-@pytest.mark.slow  # 210 s in a full run: 'make drill' runs it, 'make test' does not
-@pytest.mark.timeout(480)
+# A clean checkout creates the benchmark's own venv (the peers) first: the run's own 900 s
+# bound, not the suite's default per-test timeout, is what this test waits for (420 s was
+# passed on a loaded machine that built that venv).
+@pytest.mark.slow  # 210 s in a full run: CI's 'make test-slow' and 'make drill' run it
+@pytest.mark.timeout(960)
 def test_benchmark_smoke_run_measures_weclaw_and_its_baselines(tmp_path: Path) -> None:
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "run.sh"), "--smoke", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "latest.json").read_text())
