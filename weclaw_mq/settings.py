@@ -151,7 +151,8 @@ class Settings(EnvSettings):
     # The cap of the reconnect backoff.
     reconnect_max_delay_s: float = seconds(10.0, floor=0.1, ceiling=_HOUR_S)
     # A dead peer (paused broker, blackholed link) is noticed within (heartbeat_s + 1) * 3 s.
-    heartbeat_s: int = seconds(10, floor=0, ceiling=600)
+    # Whole seconds (AMQP's unit): an int is finite; pydantic < 2.11 refuses allow_inf_nan on it.
+    heartbeat_s: int = Field(default=10, ge=0, le=600)
     # Serve Prometheus /metrics and /healthz from the worker on this port; unset: off.
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     # Where the metrics port (/metrics, /healthz) listens: this host only, unless opened on
