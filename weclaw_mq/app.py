@@ -17,6 +17,7 @@ import aio_pika
 from aio_pika.abc import HeadersType
 
 from weclaw_mq.contract.message import encode_payload
+from weclaw_mq.contract.task_ids import check_task_id
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.lifespan import HookT, Lifespan, Provider, ProviderT
 from weclaw_mq.handlers.middleware import Chain, Middleware
@@ -950,9 +951,11 @@ class App:
             The calls, oldest first; none when it reported none (or its record expired).
 
         Raises:
-            ConfigurationError: The App keeps no Redis task store.
+            ConfigurationError: A task id no task can have, or the App keeps no Redis task
+                store.
             StateUnavailableError: Redis does not answer.
         """
+        check_task_id(task_id)  # as cancel and result: '' is a mistake, not a task of no calls
         return await self._ledger().calls_of(task_id)
 
     # -- the task index (weclaw_mq.state.task_index) --------------------------------------

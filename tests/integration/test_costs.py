@@ -18,6 +18,7 @@ from tests.conftest import outcome_count, wait_until
 from tests.integration.processes import run_cli, settings_env
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
 from weclaw_mq.contract.naming import costs_key, usage_key
+from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.state.cost_ledger import MICROS
 from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
@@ -199,3 +200,12 @@ async def test_the_costs_command_prints_the_tenants_and_a_tasks_calls(
     assert table.code == 0 and "big-1" in table.stdout and "acme" in table.stdout
     bad = await run_cli("costs", "costs_app:app", "--by", "user", env=env)
     assert bad.code == 2 and "'user' is not tenant or model" in bad.stderr
+
+
+@pytest.mark.parametrize(("task_id", "says"), [("", "task id is empty"), ("a\nb", "control")])
+async def test_the_calls_of_a_task_id_no_task_can_have_are_refused_not_answered_empty(
+    make_app: Callable[..., App], task_id: str, says: str
+) -> None:
+    # As cancel and result refuse it: an empty list would read as "this task cost nothing".
+    with pytest.raises(ConfigurationError, match=says):
+        await make_app().calls(task_id)
