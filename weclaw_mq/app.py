@@ -41,7 +41,7 @@ from weclaw_mq.state.cost_ledger import Call, CostLedger, Totals, ledger_of
 from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.wire.connection import BrokerEndpoints
-from weclaw_mq.wire.topology import declare
+from weclaw_mq.wire.topology import DeclaredQueues, declare
 from weclaw_mq.workflows.plans import Stage
 from weclaw_mq.workflows.starting import cancel_workflow, start_chain, start_group
 
@@ -1006,11 +1006,13 @@ class App:
         return await self._reader.timeline(task_id, queue)
 
     # -- topology and lifecycle ---------------------------------------------------------
-    async def declare(self) -> list[str]:
+    async def declare(self) -> DeclaredQueues:
         """Declare every queue of every handler.
 
         Returns:
-            The names of the queues declared.
+            The names of the app's own queues declared (a list), and in its ``shared`` the
+            vhost's delay ladder and parking queue it declared too: those serve every app of
+            the vhost, so a teardown deletes the list, never ``shared``.
 
         Raises:
             BrokerUnavailableError: No broker answered.
