@@ -67,8 +67,8 @@ UNROUTABLE = f"{SHARED_PREFIX}unroutable"
 
 def is_shared_name(name: str) -> bool:
     """Whether ``name`` is one of the vhost's shared queues or exchanges (the delay ladder, the
-    return exchange, the parking queue, the workflow records), which every app on the vhost
-    uses: nothing of ours deletes them with an app's own queues."""
+    return exchange, the parking queue), which every app on the vhost uses: nothing of ours
+    deletes them with an app's own queues."""
     return name.startswith(SHARED_PREFIX)
 
 
