@@ -36,6 +36,7 @@ from weclaw_mq.contract.naming import (
     TASK_INDEX_QUEUES_KEY,
     cancel_key,
     fair_key,
+    is_shared_name,
     latest_key,
     queue_key_pattern,
     stream_key,
@@ -205,6 +206,9 @@ def settings_for(broker_url: str, redis_url: str, **overrides: Any) -> Settings:
 async def delete_queues(broker_url: str, names: list[str]) -> None:
     # One channel for all: deleting a queue that is not there is no error, and each handler
     # has a few dozen queues (lanes x delay queues), so a channel per queue added up.
+    shared = [name for name in names if is_shared_name(name)]
+    if shared:  # the vhost's ladder: deleting it loses every other test's waiting tasks
+        raise ValueError(f"delete_queues: {shared} are the vhost's shared queues, not a test's")
     conn = await aio_pika.connect(broker_url)
     try:
         channel = await conn.channel()

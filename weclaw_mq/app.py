@@ -17,6 +17,7 @@ import aio_pika
 from aio_pika.abc import HeadersType
 
 from weclaw_mq.contract.message import encode_payload
+from weclaw_mq.contract.task_ids import check_task_id
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.lifespan import HookT, Lifespan, Provider, ProviderT
 from weclaw_mq.handlers.middleware import Chain, Middleware
@@ -40,7 +41,7 @@ from weclaw_mq.state.cost_ledger import Call, CostLedger, Totals, ledger_of
 from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.wire.connection import BrokerEndpoints
-from weclaw_mq.wire.topology import declare
+from weclaw_mq.wire.topology import DeclaredQueues, declare
 from weclaw_mq.workflows.plans import Stage
 from weclaw_mq.workflows.starting import cancel_workflow, start_chain, start_group
 
@@ -950,9 +951,11 @@ class App:
             The calls, oldest first; none when it reported none (or its record expired).
 
         Raises:
-            ConfigurationError: The App keeps no Redis task store.
+            ConfigurationError: A task id no task can have, or the App keeps no Redis task
+                store.
             StateUnavailableError: Redis does not answer.
         """
+        check_task_id(task_id)  # as cancel and result: '' is a mistake, not a task of no calls
         return await self._ledger().calls_of(task_id)
 
     # -- the task index (weclaw_mq.state.task_index) --------------------------------------
@@ -1003,11 +1006,13 @@ class App:
         return await self._reader.timeline(task_id, queue)
 
     # -- topology and lifecycle ---------------------------------------------------------
-    async def declare(self) -> list[str]:
+    async def declare(self) -> DeclaredQueues:
         """Declare every queue of every handler.
 
         Returns:
-            The names of the queues declared.
+            The names of the app's own queues declared (a list), and in its ``shared`` the
+            vhost's delay ladder and parking queue it declared too: those serve every app of
+            the vhost, so a teardown deletes the list, never ``shared``.
 
         Raises:
             BrokerUnavailableError: No broker answered.

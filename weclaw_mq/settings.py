@@ -443,6 +443,9 @@ def _check_url(url: str, schemes: tuple[str, ...], *, need_host: bool) -> None:
         )
     if need_host and not parsed.host:
         raise ValueError(f"the URL {redact_url(url)} names no host")
+    if parsed.explicit_port == 0:
+        # aio-pika and redis-py read port 0 as "no port" and would connect to 5672 or 6379.
+        raise ValueError(f"the URL {redact_url(url)} has port 0, outside 1-65535")
 
 
 def redact_url(url: str) -> str:

@@ -199,6 +199,21 @@ MISTAKES: list[Mistake] = [
     Mistake(
         ["cancel", "a\nb"], REDIS_DOWN, ExitCode.USAGE, "control or line", id="cancel-id-newline"
     ),
+    # As cancel: a task id no task can have, not an empty answer from the cost ledger.
+    Mistake(
+        ["costs", DEMO_APP, "--task", ""],
+        REDIS_DOWN,
+        ExitCode.USAGE,
+        "task id is empty",
+        id="costs-empty-task-id",
+    ),
+    Mistake(
+        ["costs", DEMO_APP, "--task", "a\nb"],
+        REDIS_DOWN,
+        ExitCode.USAGE,
+        "control or line",
+        id="costs-task-id-newline",
+    ),
     Mistake(
         ["cancel", "some-task", "--queue", ""],
         REDIS_DOWN,

@@ -18,6 +18,8 @@ from tests.conftest import outcome_count, wait_until
 from tests.integration.processes import run_cli, settings_env
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
 from weclaw_mq.contract.naming import costs_key, usage_key
+from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.observability.metrics import UNPRICED_MODEL
 from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.state.cost_ledger import MICROS
 from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
@@ -199,3 +201,49 @@ async def test_the_costs_command_prints_the_tenants_and_a_tasks_calls(
     assert table.code == 0 and "big-1" in table.stdout and "acme" in table.stdout
     bad = await run_cli("costs", "costs_app:app", "--by", "user", env=env)
     assert bad.code == 2 and "'user' is not tenant or model" in bad.stderr
+
+
+@pytest.mark.parametrize(("task_id", "says"), [("", "task id is empty"), ("a\nb", "control")])
+async def test_the_calls_of_a_task_id_no_task_can_have_are_refused_not_answered_empty(
+    make_app: Callable[..., App], task_id: str, says: str
+) -> None:
+    # As cancel and result refuse it: an empty list would read as "this task cost nothing".
+    with pytest.raises(ConfigurationError, match=says):
+        await make_app().calls(task_id)
+
+
+async def test_models_without_a_price_share_one_metrics_label_and_keep_their_names_in_the_ledger(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    forget: list[tuple[str, list[str]]],
+) -> None:
+    # Model names are handlers' strings: a label per name would grow the metrics without end.
+    app = make_app(f"costs-{qname}")
+    app.prices = dict(PRICES)
+
+    @app.handler(qname)
+    async def complete(task: dict[str, str], ctx: Context) -> None:
+        ctx.usage(input_tokens=10, output_tokens=1, model=task["model"])
+
+    await start_worker(app)
+    made_up = [f"user-model-{n}" for n in range(20)]
+    ids = [await app.publish(qname, {"model": m}) for m in [BIG, *made_up]]
+    forget.append((app.name, ids))
+    for task_id in ids:
+        assert (await app.result(task_id, timeout_s=30)).status is TaskStatus.SUCCEEDED
+
+    def tokens_by_model() -> dict[str, float]:
+        family = next(
+            f for f in app.metrics.registry.collect() if f.name == "weclaw_mq_model_tokens"
+        )
+        return {
+            s.labels["model"]: s.value
+            for s in family.samples
+            if s.name.endswith("_total")
+            and s.labels["queue"] == qname
+            and s.labels["kind"] == "input"
+        }
+
+    assert tokens_by_model() == {BIG: 10, UNPRICED_MODEL: 10 * len(made_up)}
+    assert {c.model for c in await app.calls(ids[-1])} == {made_up[-1]}  # named where it is kept

@@ -15,6 +15,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -225,15 +226,16 @@ async def test_a_lone_command_is_on_the_wire_before_its_caller_awaits_anything(
 
 @contextlib.asynccontextmanager
 async def _through_proxy(
-    client: aioredis.Redis, socket_timeout: float
+    redis_url: str, socket_timeout: float
 ) -> AsyncIterator[tuple[TcpProxy, aioredis.Redis]]:
-    """A proxy in front of ``client``'s Redis (to cut or silence), and a client through it
-    made as the store makes its own (no retry)."""
-    target = client.connection_pool.connection_kwargs
-    proxy = TcpProxy(target["host"], target["port"])
+    """A proxy in front of the configured Redis (to cut or silence), and a client through it
+    made as the store makes its own (no retry). The client is built from the URL, so it keeps
+    the URL's db and credentials (host and port alone would write into db 0)."""
+    target = urlsplit(redis_url)
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 6379)
     await proxy.start()
-    through = aioredis.Redis(
-        host="127.0.0.1", port=proxy.port, socket_timeout=socket_timeout, retry=NO_RETRY
+    through = aioredis.Redis.from_url(
+        proxy.url_for(redis_url), socket_timeout=socket_timeout, retry=NO_RETRY
     )
     try:
         yield proxy, through
@@ -246,7 +248,7 @@ async def test_a_connection_lost_mid_batch_fails_that_batch_and_the_next_one_wor
     redis_url: str, client: aioredis.Redis, key: str
 ) -> None:
     await client.script_load(APPEND.text)
-    async with _through_proxy(client, 10) as (proxy, through):
+    async with _through_proxy(redis_url, 10) as (proxy, through):
         pipe = CountingPipe(through)
         assert await pipe.script(APPEND, [key], ["before"]) == 1  # connected, in the pool
         proxy.blackhole()  # the batch leaves; no answer comes back
@@ -265,9 +267,9 @@ async def test_a_connection_lost_mid_batch_fails_that_batch_and_the_next_one_wor
 
 
 async def test_a_batch_answered_too_late_fails_with_redis_pys_timeout(
-    client: aioredis.Redis, key: str
+    redis_url: str, client: aioredis.Redis, key: str
 ) -> None:
-    async with _through_proxy(client, 0.3) as (proxy, through):
+    async with _through_proxy(redis_url, 0.3) as (proxy, through):
         pipe = AutoPipeline(through)
         assert await pipe.script(APPEND, [key], ["before"]) == 1
         proxy.blackhole()

@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from aio_pika.abc import AbstractChannel
@@ -442,8 +443,8 @@ async def test_publishes_while_the_broker_is_down_share_few_connects_and_log_the
     amqp: AbstractChannel,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    host, port = broker_url.rsplit("@", 1)[1].split("/")[0].split(":")
-    async with TcpProxy(host, int(port)) as proxy:
+    target = urlsplit(broker_url)
+    async with TcpProxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
         common: dict[str, Any] = {
             "outbox_path": str(tmp_path / "outbox.db"),
             "outbox_relay_in_app": False,

@@ -18,6 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.conftest import close_apps, forget_task_keys, settings_for
+from tests.private_servers import PrivateRedis
 from weclaw_mq import App, ConfigurationError, Context, MemoryTaskStore, RetryPolicy, TaskQuery
 from weclaw_mq.contract.naming import timeline_key
 from weclaw_mq.state import (
@@ -389,6 +390,29 @@ async def test_the_index_drops_entries_older_than_its_age_bound(
         assert await ids_of(store, TaskQuery()) == [ids[2]]
     finally:
         await store.close()
+
+
+async def test_writers_of_a_few_records_each_keep_the_index_within_its_count_bound(
+    private_redis: PrivateRedis, qname: str
+) -> None:
+    # Each store is a short-lived producer (a script, a CLI call): none writes TRIM_EVERY
+    # records, and the index grew past its bound for good when only that many trimmed.
+    most, per_writer = 5, 3
+    for writer in range(6):
+        store = _open("redis", private_redis.url, task_index_max_entries=most)
+        try:
+            for i in range(per_writer):
+                task_id = f"{writer}-{i}-{uuid.uuid4().hex}"
+                await store.record(
+                    record(qname, task_id, S.QUEUED, writer * 10 + i), only_if_new=True
+                )
+        finally:
+            await store.close()
+    reader = _open("redis", private_redis.url, task_index_max_entries=most)
+    try:
+        assert len(await ids_of(reader, TaskQuery())) <= most + per_writer
+    finally:
+        await reader.close()
 
 
 # -- through a real worker ------------------------------------------------------------------

@@ -20,6 +20,7 @@ from weclaw_mq.contract.naming import (
     RETURN_EXCHANGE,
     UNROUTABLE,
     delay_queue_name,
+    is_shared_name,
     ladder_queue_name,
     lane_queue_name,
     parking_queue_name,
@@ -90,11 +91,12 @@ async def test_declare_creates_the_work_queue_its_dlq_and_the_vhosts_shared_ladd
 
     # Q and its DLQ of its own (no priorities: no lanes); the ladder is the vhost's.
     ladder = _ladder(200, 400)
-    assert sorted(names) == sorted([qname, f"{qname}.dlq", PARKING, *ladder])
+    assert sorted(names) == sorted([qname, f"{qname}.dlq"])
+    assert sorted(names.shared) == sorted([PARKING, *ladder])
     queues = await _queues_named(qname)
     assert set(queues) == {qname, f"{qname}.dlq"}
     everything = await asyncio.to_thread(_list_queues)
-    for name in names:
+    for name in [*names, *names.shared]:
         assert everything[name]["type"] == "quorum"
         assert everything[name]["durable"] is True
     assert queues[qname]["arguments"] == {
@@ -170,7 +172,9 @@ async def test_capped_delays_share_one_retry_queue(
 
     queues = await _queues_named(qname)
     assert sorted(queues) == sorted([qname, f"{qname}.dlq"])
-    assert sorted(n for n in names if n.startswith("weclaw_mq.delay.")) == sorted(_ladder(100, 200))
+    assert sorted(n for n in names.shared if n.startswith("weclaw_mq.delay.")) == sorted(
+        _ladder(100, 200)
+    )
     assert queues[qname]["arguments"]["x-max-length"] == 50
 
 
@@ -192,10 +196,29 @@ async def test_declare_covers_every_handler_of_the_app(
         f"{other}.dlq",
         f"{other}.lane.high",
         f"{other}.lane.urgent",
-        PARKING,
-        *_ladder(50),
     }
-    assert set(names) <= set(await asyncio.to_thread(_list_queues))
+    assert set(names.shared) == {PARKING, *_ladder(50)}
+    assert {*names, *names.shared} <= set(await asyncio.to_thread(_list_queues))
+
+
+async def test_a_teardown_that_deletes_what_declare_returned_leaves_the_vhosts_ladder(
+    make_app: Callable[..., App], qname: str, amqp: AbstractChannel
+) -> None:
+    """Issue 38, item 17: the ladder serves every app of the vhost; one app's teardown that
+    deleted "what declare returned" deleted it under all the others."""
+    app = make_app()
+    _register(app, qname, retry=RetryPolicy(max_retries=1, delay_s=0.05))
+
+    declared = await app.declare()
+    # Checked before deleting anything: the ladder here is the shared broker's, in use.
+    assert not [name for name in declared if is_shared_name(name)]
+    for name in declared:  # what a user's teardown does
+        await amqp.queue_delete(name)
+
+    everything = await asyncio.to_thread(_list_queues)
+    assert declared.shared and set(declared.shared) <= set(everything)
+    assert not set(declared) & set(everything)
+    assert declared.own == tuple(declared)
 
 
 async def test_declaring_twice_is_harmless_and_keeps_queued_messages(

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
 
 from weclaw_mq import App, ConfigurationError, Limit
+from weclaw_mq.admin.migrate import _delete_if_empty
 from weclaw_mq.contract.naming import (
     RETURN_EXCHANGE,
+    UNROUTABLE,
     delay_label,
     delay_queue_name,
     dlq_name,
+    is_shared_name,
     ladder_queue_name,
+    parking_queue_name,
     retry_queue_name,
     validate_queue_name,
 )
@@ -246,3 +252,19 @@ def test_a_handler_declares_a_bounded_number_of_quorum_queues_on_a_lane_plan() -
     assert len(shared) == 1 + len(
         {*app.handlers["plain"].queue_spec().retry_delays_ms, *DEFER_LADDER_MS}
     )
+
+
+@pytest.mark.parametrize(
+    "name", [ladder_queue_name(1_000), parking_queue_name(), RETURN_EXCHANGE, UNROUTABLE]
+)
+async def test_migrate_never_deletes_a_queue_of_the_vhosts_shared_ladder(name: str) -> None:
+    # Refused before any broker call (there is no connection here): other apps use them.
+    assert is_shared_name(name)
+    assert await _delete_if_empty(cast(Any, None), name) is False
+
+
+@pytest.mark.parametrize(
+    "name", ["work", "work.dlq", delay_queue_name("work", 1_000), "work.lane.high", "weclaw_mqx"]
+)
+def test_a_handlers_own_queues_are_not_shared_names(name: str) -> None:
+    assert not is_shared_name(name)

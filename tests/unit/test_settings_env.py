@@ -108,3 +108,24 @@ def test_a_bad_value_names_its_variable_and_never_shows_the_value(
     assert "WECLAW_MQ_AMQP_URL" in message and "WECLAW_MQ_CONCURRENCY" in message
     assert "s3cret-pw" not in message and "s3cret-pw" not in str(caught.value)
     assert "many" not in str(caught.value)
+
+
+PASSWORD = "pa55-w0rd"
+
+
+@pytest.mark.parametrize(
+    ("field", "url"),
+    [
+        ("amqp_url", f"amqp://guest:{PASSWORD}@broker:0/"),
+        ("amqp_url", f"amqps://guest:{PASSWORD}@broker:00/vhost"),
+        ("amqp_url", f"amqp://guest:{PASSWORD}@a:5672/,amqp://guest:{PASSWORD}@b:0/"),
+        ("redis_url", f"redis://:{PASSWORD}@h:0/1"),
+        ("redis_url", f"rediss://:{PASSWORD}@h:0"),
+    ],
+)
+def test_port_0_is_refused_not_read_as_the_default_port(field: str, url: str) -> None:
+    # The clients take port 0 for "no port given": amqp://host:0/ connected to 5672.
+    with pytest.raises(pydantic.ValidationError) as raised:
+        Settings(**{field: url})
+    assert "has port 0, outside 1-65535" in str(raised.value)
+    assert PASSWORD not in str(raised.value)

@@ -33,7 +33,7 @@ from weclaw_mq.admin.dlq import connected, ready_count
 from weclaw_mq.admin.dlq_message import kept_properties
 from weclaw_mq.admin.queue_stats import older_delay_queues
 from weclaw_mq.app import App
-from weclaw_mq.contract.naming import lane_queue_name
+from weclaw_mq.contract.naming import is_shared_name, lane_queue_name
 from weclaw_mq.policy.delays import STEP_DELAYS_MS
 from weclaw_mq.policy.limits import DEFER_LADDER_MS
 from weclaw_mq.policy.priority import Priority
@@ -59,7 +59,11 @@ class MigrateSummary:
 async def _delete_if_empty(conn: AbstractConnection, name: str) -> bool:
     """Delete ``name`` if it has no consumer and no message; False when not. Quorum queues
     refuse ``if-empty`` and ``if-unused``, so the counts are read just before; the fanout
-    exchange in front of a per-handler delay queue (its only way in) goes first."""
+    exchange in front of a per-handler delay queue (its only way in) goes first. Never one of
+    the vhost's shared queues: other apps use them (``naming.is_shared_name``)."""
+    if is_shared_name(name):
+        log.error("migrate does not delete %s: the vhost's shared queues serve every app", name)
+        return False
     await _delete_exchange(conn, name)
     counts = await ready_count(conn, name)
     if counts is None or counts != (0, 0):

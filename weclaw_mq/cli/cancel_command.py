@@ -17,19 +17,11 @@ import typer
 
 from weclaw_mq.app import App
 from weclaw_mq.cli.exit_codes import fail
+from weclaw_mq.cli.options import task_id_value
 from weclaw_mq.contract.naming import validate_queue_name
-from weclaw_mq.contract.task_ids import check_task_id
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.observability.tracing import configure_logging
 from weclaw_mq.state import Cancellation, CancelOutcome, TaskState
-
-
-def _task_id(value: str) -> str:
-    try:
-        check_task_id(value)
-    except ConfigurationError as e:
-        raise typer.BadParameter(str(e)) from None
-    return value
 
 
 def _queue(value: str | None) -> str | None:
@@ -46,7 +38,7 @@ def _record(state: TaskState) -> str:
 def cancel(
     task_id: Annotated[
         str,
-        typer.Argument(metavar="TASK_ID", callback=_task_id, help="The id publish returned."),
+        typer.Argument(metavar="TASK_ID", callback=task_id_value, help="The id publish returned."),
     ],
     queue: Annotated[
         str | None,

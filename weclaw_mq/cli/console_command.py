@@ -91,6 +91,23 @@ def console(
 ) -> None:
     """Serve the web console of the app: its queues and workers, run history, each task's
     timeline and live output, and its dead letters (requeue, purge)."""
+    # Before anything imports weclaw_mq.console (the host check does): it needs the extra.
+    missing = [name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        fail(
+            f"the console needs {', '.join(missing)}, not installed: {HOW_TO_GET_CONSOLE}",
+            ExitCode.CONFIG,
+        )
+    try:
+        import uvicorn
+
+        from weclaw_mq.console import Access, create_console
+        from weclaw_mq.console.detail import check_trace_url
+    except ModuleNotFoundError as e:  # a package of the extra there, one it needs not
+        package = (e.name or "weclaw_mq").partition(".")[0]
+        if package == "weclaw_mq":
+            raise
+        fail(f"the console needs {package}, not installed: {HOW_TO_GET_CONSOLE}", ExitCode.CONFIG)
     if token is not None and len(token) < TOKEN_MIN_LENGTH:
         fail(f"--token must be at least {TOKEN_MIN_LENGTH} characters", ExitCode.USAGE)
     if token is None and not is_loopback_host(host):
@@ -99,17 +116,6 @@ def console(
             "(--token or WECLAW_MQ_CONSOLE_TOKEN)",
             ExitCode.USAGE,
         )
-    missing = [name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None]
-    if missing:
-        fail(
-            f"the console needs {', '.join(missing)}, not installed: {HOW_TO_GET_CONSOLE}",
-            ExitCode.CONFIG,
-        )
-    import uvicorn
-
-    from weclaw_mq.console import Access, create_console
-    from weclaw_mq.console.detail import check_trace_url
-
     if trace_url is not None:
         try:
             check_trace_url(trace_url)

@@ -12,7 +12,7 @@ import typer
 
 from weclaw_mq.app import App
 from weclaw_mq.cli.loading import load_app
-from weclaw_mq.cli.options import AppPath
+from weclaw_mq.cli.options import AppPath, task_id_value
 from weclaw_mq.observability.tracing import configure_logging
 
 
@@ -27,7 +27,12 @@ def costs(
     ] = "tenant",
     task_id: Annotated[
         str | None,
-        typer.Option("--task", metavar="TASK_ID", help="Every model call of this task instead."),
+        typer.Option(
+            "--task",
+            metavar="TASK_ID",
+            callback=task_id_value,
+            help="Every model call of this task instead.",
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON document.")] = False,
 ) -> None:

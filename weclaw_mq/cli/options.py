@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
+from weclaw_mq.contract.task_ids import check_task_id
+from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.observability.tracing import LOG_FORMATS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -17,6 +19,16 @@ def _log_level(value: str) -> str:
     if not isinstance(logging.getLevelName(level), int):
         raise typer.BadParameter(f"{value!r} is not one of {', '.join(LOG_LEVELS)}")
     return level
+
+
+def task_id_value(value: str | None) -> str | None:
+    """A task id argument or option, refused (a usage error) unless publish could have given it."""
+    try:
+        if value is not None:
+            check_task_id(value)
+    except ConfigurationError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
 
 
 LogLevel = Annotated[

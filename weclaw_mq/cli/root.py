@@ -27,7 +27,6 @@ from weclaw_mq.cli.reloader import (
 )
 from weclaw_mq.cli.run_worker import preload, run_worker
 from weclaw_mq.cli.supervisor import Supervisor, SupervisorError, forking, parse_processes
-from weclaw_mq.contract.naming import SHARED_PREFIX
 from weclaw_mq.observability.tracing import LogFormat, configure_logging
 from weclaw_mq.settings import Settings
 from weclaw_mq.wire.broker_load import BROKER_LOAD_UNREADABLE, read_broker_load
@@ -288,13 +287,13 @@ def declare(app_path: AppPath, log_level: LogLevel = "WARNING") -> None:
     stderr) how many, and what AMQP can say of the broker's load."""
     configure_logging(log_level)
     app = load_app(app_path)
-    names = asyncio.run(app.declare())
-    for name in names:
+    declared = asyncio.run(app.declare())
+    for name in (*declared.shared, *declared):
         typer.echo(name)
-    shared = sum(name.startswith(SHARED_PREFIX) for name in names)
+    total = len(declared.shared) + len(declared)
     typer.echo(
-        f"declared {len(names)} queues: {len(names) - shared} for {len(app.handlers)} "
-        f"handler(s), {shared} shared by the vhost (the delay ladder, the parking queue)",
+        f"declared {total} queues: {len(declared)} for {len(app.handlers)} handler(s), "
+        f"{len(declared.shared)} shared by the vhost (the delay ladder, the parking queue)",
         err=True,
     )
     load = read_broker_load(app.settings.amqp_urls()[0])

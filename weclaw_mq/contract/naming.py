@@ -64,6 +64,14 @@ LADDER_INFIX = "delay."
 RETURN_EXCHANGE = f"{SHARED_PREFIX}return"
 UNROUTABLE = f"{SHARED_PREFIX}unroutable"
 
+
+def is_shared_name(name: str) -> bool:
+    """Whether ``name`` is one of the vhost's shared queues or exchanges (the delay ladder, the
+    return exchange, the parking queue), which every app on the vhost uses: nothing of ours
+    deletes them with an app's own queues."""
+    return name.startswith(SHARED_PREFIX)
+
+
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200
 _QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]*$")

@@ -111,6 +111,11 @@ class Timing:
 
 S = TypeVar("S", Count, Level, Timing)
 
+# The model label of the usage metrics for a model the App has no price for: handlers name
+# models with any string (ctx.usage), and a label each would grow without bound. The priced
+# ones are the App's own list; the cost ledger ('weclaw-mq costs --by model') names them all.
+UNPRICED_MODEL = "unpriced"
+
 
 class Family(Generic[S]):
     """A metric: its name, help, label names, and one series per label values."""

@@ -17,9 +17,10 @@ Where each write goes:
   published without results) gets no entry there, and a refused write still counts.
   One slot takes every index write: one O(log n) ZADD or two per task, far below what one
   Redis node serves, so a hot slot is accepted for an index that pages in one place.
-- The bounds: every ``TRIM_EVERY`` index writes (per store) ``TRIM_SCRIPT`` drops entries older
-  than the age bound, then the oldest past the count bound, at most ``TRIM_MOST`` per sorted set
-  per call, so a trim never blocks Redis for long, and a backlog is worked off over a few trims.
+- The bounds: at a store's first index write and every ``TRIM_EVERY`` after (per store, so a
+  process of a few writes trims too) ``TRIM_SCRIPT`` drops entries older than the age bound,
+  then the oldest past the count bound, at most ``TRIM_MOST`` per sorted set per call, so a
+  trim never blocks Redis for long, and a backlog is worked off over a few trims.
 """
 
 from __future__ import annotations
@@ -236,7 +237,9 @@ class RedisTaskIndex:
         self._read = Script.of(READ_SCRIPT)
         self._entries = Script.of(ENTRIES_SCRIPT)
         self._forget = Script.of(FORGET_SCRIPT)
-        self._writes = 0
+        # The first index write trims: a short-lived producer never reached TRIM_EVERY, and
+        # processes of a few writes each let the index grow past its bounds for good.
+        self._writes = TRIM_EVERY - 1
         self._pending: set[asyncio.Future[Any]] = set()
 
     # -- what a record write carries ----------------------------------------------------

@@ -243,13 +243,29 @@ def results_queue_declarations(
 _INEQUIVALENT_ARG = re.compile(r"inequivalent arg '([^']+)'")
 
 
+class DeclaredQueues(list[str]):
+    """What ``declare`` declared. The list itself: the app's own queues (its handlers' queues,
+    DLQs, lanes and results queues), safe to delete with the app. Apart, ``shared``: the
+    vhost's delay ladder and parking queue, which every other app of the vhost uses too."""
+
+    def __init__(self, own: Iterable[str] = (), shared: Iterable[str] = ()) -> None:
+        super().__init__(own)
+        self.shared: tuple[str, ...] = tuple(shared)
+
+    @property
+    def own(self) -> tuple[str, ...]:
+        """The app's own queues (the list's items)."""
+        return tuple(self)
+
+
 async def declare(
     channel: AbstractChannel,
     specs: Iterable[QueueSpec],
     *,
     server_version: ServerVersion | None = None,
-) -> list[str]:
-    """Declare every queue of ``specs``; returns their names. Safe to run again and again.
+) -> DeclaredQueues:
+    """Declare every queue of ``specs``; returns their names, the app's own apart from the
+    vhost's shared ones. Safe to run again and again.
 
     A conflict closes ``channel`` (AMQP's rule), so callers open a fresh one afterwards.
     The broker's version is read from ``channel`` unless ``server_version`` says it.
@@ -257,12 +273,13 @@ async def declare(
     version = server_version or await channel_server_version(channel)
     specs = list(specs)
     declared: list[str] = []
+    shared: list[str] = []
     # The shared ladder first: the exchanges the handlers' queues are bound to.
     await _declare_exchange(channel, UNROUTABLE, ExchangeType.FANOUT)
     await _declare_exchange(channel, RETURN_EXCHANGE, ExchangeType.DIRECT, alternate=UNROUTABLE)
     for name, args in ladder_declarations(specs, version):
         await _declare_queue(channel, name, args, version)
-        declared.append(name)
+        shared.append(name)
     await _bind(channel, parking_queue_name(), UNROUTABLE, "")
     for delay_ms in ladder_delays_ms(specs):
         name = ladder_queue_name(delay_ms)
@@ -282,7 +299,7 @@ async def declare(
             if name not in declared:
                 await _declare_or_keep(channel, name, args)
                 declared.append(name)
-    return declared
+    return DeclaredQueues(declared, shared)
 
 
 async def _declare_queue(

@@ -15,6 +15,7 @@ from typing import Any
 from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import BudgetExceeded
 from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.observability.metrics import UNPRICED_MODEL
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.state.cost_ledger import MICROS, NO_TENANT, Call, day_of
 from weclaw_mq.worker.admission import park_until
@@ -24,8 +25,10 @@ from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 
-# Models reported without a price, warned about once per process.
+# Models reported without a price, warned about once per process (the first few: the names
+# are handlers' strings).
 _UNPRICED: set[str] = set()
+UNPRICED_WARNED_MAX = 100
 
 
 class RunUsage:
@@ -67,7 +70,7 @@ async def record_usage(
     calls = []
     for model, input_tokens, output_tokens in usage.calls:
         price = prices.get(model)
-        if price is None and model not in _UNPRICED:
+        if price is None and model not in _UNPRICED and len(_UNPRICED) < UNPRICED_WARNED_MAX:
             _UNPRICED.add(model)
             log.warning("model %r has no price in App(prices=...): its calls cost 0", model)
         cost = 0.0 if price is None else price.of(input_tokens, output_tokens)
@@ -83,9 +86,10 @@ async def record_usage(
                 at,
             )
         )
-        rt.metrics.tokens.labels(spec.queue, model, "input").inc(input_tokens)
-        rt.metrics.tokens.labels(spec.queue, model, "output").inc(output_tokens)
-        rt.metrics.cost.labels(spec.queue, model).inc(cost)
+        label = UNPRICED_MODEL if price is None else model
+        rt.metrics.tokens.labels(spec.queue, label, "input").inc(input_tokens)
+        rt.metrics.tokens.labels(spec.queue, label, "output").inc(output_tokens)
+        rt.metrics.cost.labels(spec.queue, label).inc(cost)
     try:
         await rt.ledger.record(delivery.task_id, calls)
     except Exception as e:
