@@ -254,6 +254,9 @@ class Worker:
         # tests/integration/test_undecodable_properties.py); read tolerantly, it arrives as a
         # marker that ``process`` rejects at once.
         store = self.app.store
+        scheduler = Scheduler(self.app) if self.schedules and self.app.schedules else None
+        if scheduler is not None:
+            scheduler.book  # noqa: B018  an App without Redis fails the start, not the task
         if self.app.prices:
             self._ledger = ledger_of(
                 store,
@@ -279,9 +282,11 @@ class Worker:
             if workflows_of(store) is not None and self.app.results is not None
             else None
         )
-        # The App's schedules, when this worker fires them too (--schedules).
-        scheduler = Scheduler(self.app) if self.schedules and self.app.schedules else None
-        scheduling = asyncio.create_task(scheduler.run()) if scheduler is not None else None
+        # The App's schedules, when this worker fires them too (--schedules): started again
+        # if it dies, so a worker never stops firing them while it looks healthy.
+        scheduling = (
+            asyncio.create_task(scheduler.run_restarting()) if scheduler is not None else None
+        )
         try:
             with tolerant_properties():
                 await self._run()
