@@ -90,10 +90,11 @@ async def test_a_scheduler_that_dies_is_started_again_by_its_worker(
         await original(self, *args)
 
     monkeypatch.setattr(Scheduler, "_round", dies_once)
-    await start_worker(ticking.app, schedules=True)
+    worker = await start_worker(ticking.app, schedules=True)
     await wait_until(lambda: len(ticking.runs) >= 2, 30, "ticks fired after the restart")
     (scheduler,) = died
     assert scheduler.restarts == 1
+    assert worker.health().as_json()["scheduler"] == "leading"  # /healthz shows it
     (said,) = [m for m in scheduler_records(caplog, logging.ERROR) if "died" in m]
     assert "starting it again" in said
 

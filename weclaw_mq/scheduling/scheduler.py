@@ -63,6 +63,7 @@ class Scheduler:
         self.owner = uuid.uuid4().hex
         self.leading = False
         self.restarts = 0  # how often ``run_restarting`` started it again after it died
+        self._dead = False  # it died and waits to be started again
         self._stop = asyncio.Event()
         self._book: ScheduleBook | None = None
         self._said: bool | None = None  # whether it last said it leads
@@ -79,6 +80,16 @@ class Scheduler:
     def stop(self) -> None:
         """``run`` gives the lease up and returns after the tick it is firing, if any."""
         self._stop.set()
+
+    @property
+    def state(self) -> str:
+        """What it does now, for a worker's ``/healthz``: ``leading``, ``standing_by``,
+        ``redis_failing`` (waiting Redis out) or ``restarting`` (it died)."""
+        if self._dead:
+            return "restarting"
+        if self._redis_failures:
+            return "redis_failing"
+        return "leading" if self.leading else "standing_by"
 
     async def run(self) -> None:
         """Hold or wait for the lease and fire what is due, until ``stop``.
@@ -118,12 +129,14 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while not self._stop.is_set():
             started = loop.time()
+            self._dead = False
             try:
                 await self.run()
                 return
             except ConfigurationError:
                 raise
             except Exception:
+                self._dead = True
                 if loop.time() - started > RESTART_MAX_S:
                     delay_s = FIRST_RESTART_S  # it ran a good while: a new streak
                 self.restarts += 1
