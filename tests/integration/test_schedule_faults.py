@@ -170,3 +170,54 @@ async def test_redis_refusing_the_schedule_book_is_survived_and_firing_resumes(
         await asyncio.wait_for(running, 30)
         await admin.aclose()
         await close_apps([app], broker_url, private_redis.url)
+
+
+async def test_redis_gone_between_a_publish_and_its_mark_is_waited_out(
+    private_redis: PrivateRedis, broker_url: str, qname: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=SCHEDULER_LOG)
+    # Results off: the publish itself writes nothing to Redis, so the mark is what meets it.
+    app = App(
+        f"sched-{qname}",
+        settings=settings_for(broker_url, private_redis.url, results_enabled=False),
+    )
+    stopped: list[datetime] = []
+
+    def payload(tick: datetime) -> dict[str, str]:
+        if not stopped:  # the first tick: Redis goes between its publish and its mark
+            stopped.append(tick)
+            private_redis.stop()
+        return {"tick": tick.isoformat()}
+
+    @app.handler(qname)
+    async def tick(task: dict[str, str]) -> None:
+        return None
+
+    app.schedule("every-second", queue=qname, every_s=1, payload=payload)
+    await app.declare()
+    scheduler = Scheduler(app, lease_s=3.0)
+    running = asyncio.create_task(scheduler.run())
+    book = book_of(app.store, app.name)
+
+    async def fired() -> bool:
+        return (await book.read(["every-second"]))["every-second"].fired >= 1
+
+    try:
+        await wait_until(lambda: bool(stopped), 30, "a tick published as Redis goes")
+        # Before, the mark's StateUnavailableError ended the scheduler for good.
+        await wait_until(
+            lambda: (
+                running.done()
+                or any("Redis failed" in m for m in scheduler_records(caplog, logging.WARNING))
+            ),
+            30,
+            "the failed mark logged",
+        )
+        assert not running.done() and scheduler.state == "redis_failing"
+        private_redis.start()
+        await wait_until(fired, 30, "a tick fired and marked once Redis is back")
+        assert scheduler.state == "leading" and not running.done()
+    finally:
+        scheduler.stop()
+        await asyncio.wait_for(running, 30)
+        await close_apps([app], broker_url, private_redis.url)
