@@ -642,6 +642,7 @@ async def test_a_failed_part_cancels_one_batch_before_its_ack_and_a_sweep_the_re
     qname: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    assert hops.CANCELS_BEFORE_ACK == 200  # the batch docs/how-to/workflows.md names
     # A batch of two for five parts: what a 100k-part group is to the 200 of a real batch.
     monkeypatch.setattr(hops, "CANCELS_BEFORE_ACK", 2)
     app = make_app("wf", workflow_sweep_s=3600.0)  # no worker sweeps during the test
