@@ -4,6 +4,7 @@ steps open in order and close in reverse, a failing step unwinds only what had s
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -160,3 +161,29 @@ async def test_registering_while_open_is_refused() -> None:
             @app.on_startup
             def late() -> None:
                 return None
+
+
+async def test_two_opens_at_once_start_each_resource_once_and_the_last_close_closes_it() -> None:
+    app = App("t")
+    log: list[str] = []
+    started = asyncio.Event()
+
+    @app.resource
+    async def pool() -> AsyncIterator[Pool]:
+        log.append("open")
+        await started.wait()  # still starting when the second open comes
+        yield Pool("p")
+        log.append("close")
+
+    # A web app's lifespan and a TestBroker opening one App in one process, together.
+    first = asyncio.create_task(app.lifespan.open())
+    second = asyncio.create_task(app.lifespan.open())
+    await asyncio.sleep(0)  # one turn of the loop: each open runs until it waits
+    started.set()
+    await asyncio.gather(first, second)
+    assert log == ["open"]
+    opened = app.use(pool)
+    await app.lifespan.close()
+    assert app.use(pool) is opened and log == ["open"]  # the other opener still uses it
+    await app.lifespan.close()
+    assert log == ["open", "close"] and not app.lifespan.is_open

@@ -91,7 +91,7 @@ def test_every_replica_derives_the_same_task_id_and_payload_for_a_tick() -> None
         ({"name": "a b", "every_s": 1}, "use letters, digits"),
         ({"name": "s"}, "give one of cron= or every_s="),
         ({"name": "s", "every_s": 1, "cron": "* * * * *"}, "give one of cron= or every_s="),
-        ({"name": "s", "every_s": 0.01}, "every_s must be a number of seconds >= 0.1"),
+        ({"name": "s", "every_s": 0.01}, "every_s must be a number of seconds from 0.1"),
         ({"name": "s", "cron": "61 * * * *"}, "is not a cron expression"),
         ({"name": "s", "cron": "* * * * * *"}, "cron takes five fields"),
         ({"name": "s", "every_s": 1, "tz": "Mars/Olympus"}, "unknown time zone 'Mars/Olympus'"),
@@ -134,3 +134,25 @@ def test_app_schedule_checks_the_name_and_a_fixed_payload_against_the_handler() 
     with pytest.warns(UserWarning, match="would run twice"):
         app.schedule("often", queue="unguarded", every_s=5)
     assert list(app.schedules) == ["nightly", "often"]
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"cron": "0 0 30 2 *"}, "never fires"),  # February has no 30th
+        ({"cron": "0 0 31 4 *", "tz": "Europe/Berlin"}, "never fires"),  # nor April a 31st
+        ({"every_s": 1e300}, "every_s must be a number of seconds from 0.1 to"),
+        ({"every_s": 367 * 24 * 3600}, "a rarer tick takes cron="),
+    ],
+)
+def test_a_schedule_that_cannot_fire_is_refused_when_it_is_declared(
+    options: dict[str, object], says: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=says):
+        Schedule("s", "q", **options)  # type: ignore[arg-type]
+    app = App("t")
+    with pytest.raises(ConfigurationError, match=says):
+        app.schedule("s", queue="q", **options)  # type: ignore[arg-type]
+    assert not app.schedules
+    # Rare is not never: a leap day's tick fires every four years.
+    assert Schedule("leap", "q", cron="0 0 29 2 *").next_after(T0).month == 2

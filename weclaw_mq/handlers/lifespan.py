@@ -11,7 +11,9 @@ A worker opens the lifespan before it connects and closes it after its drain (on
 process: ``--processes 4`` opens it four times, once in each); the test kit's ``TestBroker``
 opens it on enter; anything else (a web app that publishes and wants the same clients) opens
 it with ``async with app.lifespan``. Opened again while open, it only counts: the outermost
-close unwinds it.
+close unwinds it. Two opens at once (a web app's lifespan and a ``TestBroker`` in one process)
+take turns: the second waits for the first to finish starting, then only counts, so every
+resource starts once and closes once.
 
 Resources are keyed by their provider function, not by their type: two resources of one type
 (two database pools) need no registry of names, and ``use`` returns the provider's yield type.
@@ -19,6 +21,7 @@ Resources are keyed by their provider function, not by their type: two resources
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -64,6 +67,9 @@ class Lifespan:
         self._values: dict[Callable[[], Any], Any] = {}
         self._stack: contextlib.AsyncExitStack | None = None
         self._opened = 0  # how many opens the open lifespan counts
+        # Opens and closes take turns (one lock per event loop: an App may outlive a loop).
+        self._turns: asyncio.Lock | None = None
+        self._turns_loop: asyncio.AbstractEventLoop | None = None
 
     # -- registration -------------------------------------------------------------------
     def on_startup(self, hook: HookT) -> HookT:
@@ -156,12 +162,23 @@ class Lifespan:
         ) from None
 
     # -- open and close -----------------------------------------------------------------
+    def _turn(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._turns is None or self._turns_loop is not loop:
+            self._turns, self._turns_loop = asyncio.Lock(), loop
+        return self._turns
+
     async def open(self) -> None:
-        """Run every step in order, unless open already (then only count this open).
+        """Run every step in order, unless open already (then only count this open); an
+        open that comes while another is starting waits for it, then counts.
 
         Raises:
             StartupFailedError: A step raised; the steps before it were unwound.
         """
+        async with self._turn():
+            await self._open()
+
+    async def _open(self) -> None:
         if self._stack is not None:
             self._opened += 1
             return
@@ -227,6 +244,10 @@ class Lifespan:
 
         A resource or hook that fails while closing is logged; the rest still close.
         """
+        async with self._turn():
+            await self._close_outermost()
+
+    async def _close_outermost(self) -> None:
         if self._stack is None:
             return
         self._opened -= 1

@@ -39,6 +39,8 @@ DEFAULT_GRACE_S = 10.0
 # Ticks counted one by one between the last fired and now, at most: a cron schedule whose
 # scheduler was away for years is not walked tick by tick (the count then says "at least").
 MAX_TICKS_WALKED = 10_000
+# The longest interval: ticks stay countable from the epoch (rarer ticks take a cron).
+MAX_EVERY_S = 366 * 24 * 3600.0
 
 # What a tick publishes: a value, or a function of the tick's time.
 Payload = Any | Callable[[datetime], Any]
@@ -79,11 +81,11 @@ class Schedule:
         if self.every_s is not None and not (
             isinstance(self.every_s, int | float)
             and math.isfinite(self.every_s)
-            and self.every_s >= 0.1
+            and 0.1 <= self.every_s <= MAX_EVERY_S
         ):
             raise ConfigurationError(
-                f"schedule {self.name!r}: every_s must be a number of seconds >= 0.1, "
-                f"got {self.every_s!r}"
+                f"schedule {self.name!r}: every_s must be a number of seconds from 0.1 to "
+                f"{MAX_EVERY_S:.0f} (366 days; a rarer tick takes cron=), got {self.every_s!r}"
             )
         if self.cron is not None and not (
             isinstance(self.cron, str) and croniter.is_valid(self.cron)
@@ -111,6 +113,20 @@ class Schedule:
             )
         if not (isinstance(self.grace_s, int | float) and 0 < self.grace_s < math.inf):
             raise ConfigurationError(f"schedule {self.name!r}: grace_s must be > 0 seconds")
+        self._check_it_fires()
+
+    def _check_it_fires(self) -> None:
+        """A cron that parses may still name no real day (``0 0 30 2 *``): its next tick is
+        asked for now, at import, not by the scheduler at 3 a.m."""
+        now = datetime.now(UTC)
+        try:
+            self.next_after(now)
+            self.last_at_or_before(now)
+        except Exception as e:
+            raise ConfigurationError(
+                f"schedule {self.name!r}: {self.every} never fires: no date matches it "
+                f"({type(e).__name__}: {e})"
+            ) from None
 
     @property
     def zone(self) -> ZoneInfo:

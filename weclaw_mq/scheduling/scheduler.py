@@ -30,13 +30,22 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from weclaw_mq.app import App
-from weclaw_mq.errors import ConfigurationError, StateUnavailableError
+from weclaw_mq.errors import ConfigurationError, StateCommandError, StateUnavailableError
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.policy.schedules import Schedule, from_ms, plan, to_ms
 from weclaw_mq.state import TaskState
 from weclaw_mq.state.schedule_book import ScheduleBook, ScheduleRecord, book_of
 
 log = logging.getLogger("weclaw_mq.scheduler")
+
+
+# A round that met Redis failing is tried again after this, doubled each time up to a
+# lease renewal (lease_s / 3): Redis away costs a few retries, not a log line a tick.
+FIRST_RETRY_S = 0.5
+# A scheduler that died of an unforeseen error starts again after this, doubled each time
+# up to RESTART_MAX_S (a worker's schedules never stop firing silently).
+FIRST_RESTART_S = 1.0
+RESTART_MAX_S = 60.0
 
 
 class Scheduler:
@@ -53,9 +62,14 @@ class Scheduler:
         self.lease_s = lease_s if lease_s is not None else app.settings.scheduler_lease_s
         self.owner = uuid.uuid4().hex
         self.leading = False
+        self.restarts = 0  # how often ``run_restarting`` started it again after it died
+        self._dead = False  # it died and waits to be started again
         self._stop = asyncio.Event()
         self._book: ScheduleBook | None = None
         self._said: bool | None = None  # whether it last said it leads
+        self._redis_failures = 0  # rounds in a row that met Redis failing
+        self._failing: dict[str, str] = {}  # schedule -> its failure, logged once per streak
+        self._paused: set[str] = set()  # schedules said to be paused (said once)
 
     @property
     def book(self) -> ScheduleBook:
@@ -67,8 +81,21 @@ class Scheduler:
         """``run`` gives the lease up and returns after the tick it is firing, if any."""
         self._stop.set()
 
+    @property
+    def state(self) -> str:
+        """What it does now, for a worker's ``/healthz``: ``leading``, ``standing_by``,
+        ``redis_failing`` (waiting Redis out) or ``restarting`` (it died)."""
+        if self._dead:
+            return "restarting"
+        if self._redis_failures:
+            return "redis_failing"
+        return "leading" if self.leading else "standing_by"
+
     async def run(self) -> None:
         """Hold or wait for the lease and fire what is due, until ``stop``.
+
+        A schedule that fails is logged and tried again next round while the others fire;
+        Redis failing (down, or refusing a command) is retried with backoff.
 
         Raises:
             ConfigurationError: The App keeps no Redis task store.
@@ -91,13 +118,44 @@ class Scheduler:
                 log.info("scheduler of %r stopped; lease given up", self.app.name)
             self.leading = False
 
+    async def run_restarting(self) -> None:
+        """``run``, started again after a bounded backoff each time it dies of an unforeseen
+        error (logged at ERROR with its traceback), until ``stop``: what a worker runs.
+
+        Raises:
+            ConfigurationError: The App keeps no Redis task store (a restart cannot help).
+        """
+        delay_s = FIRST_RESTART_S
+        loop = asyncio.get_running_loop()
+        while not self._stop.is_set():
+            started = loop.time()
+            self._dead = False
+            try:
+                await self.run()
+                return
+            except ConfigurationError:
+                raise
+            except Exception:
+                self._dead = True
+                if loop.time() - started > RESTART_MAX_S:
+                    delay_s = FIRST_RESTART_S  # it ran a good while: a new streak
+                self.restarts += 1
+                log.exception(
+                    "the scheduler of %r died (restart %d): starting it again in %.0f s",
+                    self.app.name,
+                    self.restarts,
+                    delay_s,
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), delay_s)
+            delay_s = min(delay_s * 2, RESTART_MAX_S)
+
     async def _round(self, book: ScheduleBook, schedules: Mapping[str, Schedule]) -> None:
         try:
             leading = await book.lead(self.owner, self.lease_s)
-        except StateUnavailableError as e:
-            if self.leading:
-                log.warning("Redis does not answer (%s): firing nothing until it does", e)
+        except (StateUnavailableError, StateCommandError) as e:
             self.leading = False
+            self._redis_failed(e)
             return
         if leading != self._said:  # at the first round, and at every change
             self._said = leading
@@ -109,68 +167,143 @@ class Scheduler:
             )
         self.leading = leading
         if leading:
-            await self.fire_due(book, schedules)
+            try:
+                await self.fire_due(book, schedules)
+            except (StateUnavailableError, StateCommandError) as e:
+                self._redis_failed(e)
+                return
+        if self._redis_failures:
+            log.info("scheduler of %r: Redis answers again", self.app.name)
+            self._redis_failures = 0
+
+    def _redis_failed(self, error: StateUnavailableError | StateCommandError) -> None:
+        """Logged at the first round of a streak; the rounds after wait longer each time."""
+        self._redis_failures += 1
+        if self._redis_failures == 1:
+            log.log(
+                logging.ERROR if isinstance(error, StateCommandError) else logging.WARNING,
+                "scheduler of %r: Redis failed (%s); firing nothing, trying again with backoff",
+                self.app.name,
+                error,
+            )
 
     def _wait_s(self, schedules: Mapping[str, Schedule]) -> float:
-        """Until the next tick of any schedule, or the lease's renewal, whichever is first."""
+        """Until the next tick of any schedule, or the lease's renewal, whichever is first;
+        after Redis failed, a backoff instead."""
         renew_s = self.lease_s / 3
+        if self._redis_failures:
+            return min(renew_s, FIRST_RETRY_S * 2.0 ** min(self._redis_failures - 1, 16))
         if not self.leading or not schedules:
             return renew_s
         now = datetime.now(UTC)
-        soonest = min(s.next_after(now) for s in schedules.values())
-        return max(0.0, min(renew_s, (soonest - now).total_seconds()))
+        ticks = []
+        for schedule in schedules.values():
+            with contextlib.suppress(Exception):  # its failure is fire_due's to report
+                ticks.append(schedule.next_after(now))
+        if not ticks:
+            return renew_s
+        return max(0.0, min(renew_s, (min(ticks) - now).total_seconds()))
 
     async def fire_due(self, book: ScheduleBook, schedules: Mapping[str, Schedule]) -> None:
-        """One pass over every schedule: publish what is due, then mark it (lease checked)."""
+        """One pass over every schedule: publish what is due, then mark it (lease checked).
+
+        A schedule that fails is logged (ERROR, once until it works again) and the others
+        still fire.
+
+        Raises:
+            StateUnavailableError, StateCommandError: Redis failed reading the records, or
+                did not answer marking a tick (the round is tried again).
+        """
         records = await book.read(list(schedules))
         for name, schedule in schedules.items():
             if self._stop.is_set():
                 return
-            record = records[name]
-            now = datetime.now(UTC)
-            last = None if record.last_tick_ms is None else from_ms(record.last_tick_ms, schedule)
-            step = plan(schedule, last, now, paused=record.paused)
-            if step.mark is None:
-                continue
-            task_id = ""
-            if step.fire is not None:
-                try:
-                    task_id = await self.app.publish(
-                        schedule.queue,
-                        schedule.task_for(step.fire),
-                        task_id=schedule.task_id_for(step.fire),
-                    )
-                except Exception as e:  # tried again next round, until the tick is missed
-                    self.app.metrics.schedule_ticks.labels(name, "failed").inc()
-                    log.error(
-                        "schedule %r: the tick of %s was not published (%s); trying again",
-                        name,
-                        step.fire.isoformat(),
-                        describe(e),
-                    )
-                    continue
-            marked = await book.mark(self.owner, name, to_ms(step.mark), task_id, step.skipped)
-            if not marked:
-                # The lease is another's now (it marks), or the tick was marked before.
-                log.info("schedule %r: tick %s was not marked here", name, step.mark.isoformat())
-                continue
-            if step.skipped:
-                self.app.metrics.schedule_ticks.labels(name, "skipped").inc(step.skipped)
+            try:
+                await self._fire(book, name, schedule, records[name])
+            except StateUnavailableError:
+                raise  # Redis away: no schedule can fire, the round waits and retries
+            except Exception as e:
+                self._failed(name, e)
+            else:
+                if self._failing.pop(name, None) is not None:
+                    log.info("schedule %r works again", name)
+
+    def _failed(self, name: str, error: Exception) -> None:
+        self.app.metrics.schedule_ticks.labels(name, "failed").inc()
+        said = describe(error)
+        if self._failing.get(name) == said:
+            return
+        self._failing[name] = said
+        log.error(
+            "schedule %r failed (%s): tried again next round; the other schedules go on",
+            name,
+            said,
+            exc_info=error,
+        )
+
+    async def _fire(
+        self, book: ScheduleBook, name: str, schedule: Schedule, record: ScheduleRecord
+    ) -> None:
+        """Publish ``schedule``'s due tick, if any, then mark it."""
+        self._say_paused(name, record.paused)
+        now = datetime.now(UTC)
+        last = None if record.last_tick_ms is None else from_ms(record.last_tick_ms, schedule)
+        step = plan(schedule, last, now, paused=record.paused)
+        if step.mark is None:
+            return
+        task_id = ""
+        if step.fire is not None:
+            try:
+                task_id = await self.app.publish(
+                    schedule.queue,
+                    schedule.task_for(step.fire),
+                    task_id=schedule.task_id_for(step.fire),
+                )
+            except Exception as e:  # tried again next round, until the tick is missed
+                self.app.metrics.schedule_ticks.labels(name, "failed").inc()
+                log.error(
+                    "schedule %r: the tick of %s was not published (%s); trying again",
+                    name,
+                    step.fire.isoformat(),
+                    describe(e),
+                )
+                return
+        marked = await book.mark(self.owner, name, to_ms(step.mark), task_id, step.skipped)
+        if not marked:
+            # The lease is another's now (it marks), or the tick was marked before.
+            log.info("schedule %r: tick %s was not marked here", name, step.mark.isoformat())
+            return
+        if step.skipped:
+            self.app.metrics.schedule_ticks.labels(name, "skipped").inc(step.skipped)
+            if not record.paused:  # a pause's skips were said once, when it was seen
                 log.warning(
                     "schedule %r: %d tick(s) missed and skipped (missed=%r)",
                     name,
                     step.skipped,
                     schedule.missed,
                 )
-            if step.fire is not None:
-                self.app.metrics.schedule_ticks.labels(name, "fired").inc()
-                log.info(
-                    "schedule %r fired the tick of %s%s as task %s",
-                    name,
-                    step.fire.isoformat(),
-                    " (late: catching up)" if step.late else "",
-                    task_id,
-                )
+        if step.fire is not None:
+            self.app.metrics.schedule_ticks.labels(name, "fired").inc()
+            log.info(
+                "schedule %r fired the tick of %s%s as task %s",
+                name,
+                step.fire.isoformat(),
+                " (late: catching up)" if step.late else "",
+                task_id,
+            )
+
+    def _say_paused(self, name: str, paused: bool) -> None:
+        """A pause is logged once when this scheduler first sees it, not at every tick."""
+        if paused and name not in self._paused:
+            self._paused.add(name)
+            log.warning(
+                "schedule %r is paused: its ticks are skipped until it is resumed "
+                "('weclaw-mq schedules resume')",
+                name,
+            )
+        elif not paused and name in self._paused:
+            self._paused.discard(name)
+            log.info("schedule %r is resumed: it fires from its next tick", name)
 
 
 @dataclass(frozen=True)

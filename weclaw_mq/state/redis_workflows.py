@@ -141,6 +141,7 @@ return ended(KEYS[1], outcome)
 # other commands of the loop iteration), not a command of the client's own.
 _ADD_DEADLINE = Script.of("return redis.call('ZADD', KEYS[1], 'NX', ARGV[1], ARGV[2])")
 _FORGET_DEADLINE = Script.of("return redis.call('ZREM', KEYS[1], ARGV[1])")
+_SWEEP_SOON = Script.of("return redis.call('ZADD', KEYS[1], 'XX', ARGV[1], ARGV[2])")
 
 _DUE = Script.of("""
 local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
@@ -275,3 +276,6 @@ class RedisWorkflowStore:
 
     async def forget_deadline(self, workflow_id: str) -> None:
         await self._script(_FORGET_DEADLINE, [WORKFLOW_DEADLINES_KEY], [workflow_id])
+
+    async def sweep_soon(self, workflow_id: str, at_ms: int) -> None:
+        await self._script(_SWEEP_SOON, [WORKFLOW_DEADLINES_KEY], [at_ms, workflow_id])

@@ -14,7 +14,9 @@ node of a cluster):
 - a group's ended parts, by part index (the part's outcome), and ``left``, the parts not yet
   ended: a part is counted once, by its index (its task id), however often it is delivered;
 - one sorted set of every workflow's deadline, which every worker sweeps (``due``): a
-  workflow still not ended at its deadline is ended ``expired`` by one of them (``expire``).
+  workflow still not ended at its deadline is ended ``expired`` by one of them (``expire``);
+  a group failed by a part has its deadline made due at once (``sweep_soon``), so a sweep
+  cancels its parts still to run.
 
 Every step that moves the state is atomic (a Lua script; a lock-free method here), and the
 first step that ends a workflow wins: its ``outcome`` is kept, and every later step answers
@@ -181,6 +183,11 @@ class WorkflowStore(Protocol):
         """Drop the workflow's deadline (it ended and its record is written)."""
         ...
 
+    async def sweep_soon(self, workflow_id: str, at_ms: int) -> None:
+        """Move the workflow's deadline to ``at_ms`` if it still has one (an ended group
+        whose parts still to run are the sweep's to cancel); a forgotten one stays so."""
+        ...
+
 
 @runtime_checkable
 class HasWorkflows(Protocol):
@@ -342,3 +349,7 @@ class MemoryWorkflowStore:
 
     async def forget_deadline(self, workflow_id: str) -> None:
         self._deadlines.pop(workflow_id, None)
+
+    async def sweep_soon(self, workflow_id: str, at_ms: int) -> None:
+        if workflow_id in self._deadlines:
+            self._deadlines[workflow_id] = at_ms

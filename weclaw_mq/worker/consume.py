@@ -176,6 +176,8 @@ class Worker:
         self._recovering: set[str] = set()
         # The lane schedulers of the current session (each owns its consumers: worker.lanes).
         self._schedulers: list[LaneScheduler] = []
+        # The App's scheduler, when this worker fires the schedules too (for ``health``).
+        self._scheduler: Scheduler | None = None
         # Decided here, not at the first session: WECLAW_MQ_OTEL=on without the extra is a
         # configuration error before anything connects.
         self._spans = app.spans
@@ -222,7 +224,12 @@ class Worker:
                 queues[spec.queue] = QueueState.PAUSED
             else:
                 queues[spec.queue] = QueueState.CONSUMING
-        return WorkerHealth(broker_open=both_open, queues=queues)
+        scheduler = self._scheduler
+        return WorkerHealth(
+            broker_open=both_open,
+            queues=queues,
+            scheduler=None if scheduler is None else scheduler.state,
+        )
 
     @property
     def abandoned(self) -> int:
@@ -254,6 +261,10 @@ class Worker:
         # tests/integration/test_undecodable_properties.py); read tolerantly, it arrives as a
         # marker that ``process`` rejects at once.
         store = self.app.store
+        scheduler = Scheduler(self.app) if self.schedules and self.app.schedules else None
+        if scheduler is not None:
+            scheduler.book  # noqa: B018  an App without Redis fails the start, not the task
+        self._scheduler = scheduler
         if self.app.prices:
             self._ledger = ledger_of(
                 store,
@@ -279,9 +290,11 @@ class Worker:
             if workflows_of(store) is not None and self.app.results is not None
             else None
         )
-        # The App's schedules, when this worker fires them too (--schedules).
-        scheduler = Scheduler(self.app) if self.schedules and self.app.schedules else None
-        scheduling = asyncio.create_task(scheduler.run()) if scheduler is not None else None
+        # The App's schedules, when this worker fires them too (--schedules): started again
+        # if it dies, so a worker never stops firing them while it looks healthy.
+        scheduling = (
+            asyncio.create_task(scheduler.run_restarting()) if scheduler is not None else None
+        )
         try:
             with tolerant_properties():
                 await self._run()

@@ -6,6 +6,7 @@ handler queue it serves is being consumed. A queue whose circuit breaker is open
 would not bring the upstream back.
 A queue is ``down`` while there is no session (connecting, reconnecting, stopping) and while
 the broker has cancelled its consumer and the worker has not consumed it again yet.
+A worker that fires the schedules (``--schedules``) also says what its scheduler does.
 """
 
 from __future__ import annotations
@@ -25,14 +26,20 @@ class QueueState(StrEnum):
 class WorkerHealth:
     broker_open: bool
     queues: Mapping[str, QueueState]
+    # The scheduler it runs (``--schedules``), as ``Scheduler.state`` says; None without. Shown,
+    # not counted in ``ok``: a restart of the worker would not mend Redis or a schedule.
+    scheduler: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.broker_open and QueueState.DOWN not in self.queues.values()
 
     def as_json(self) -> Mapping[str, object]:
-        return {
+        shown: dict[str, object] = {
             "status": "ok" if self.ok else "unavailable",
             "broker": "open" if self.broker_open else "closed",
             "queues": {queue: state.value for queue, state in self.queues.items()},
         }
+        if self.scheduler is not None:
+            shown["scheduler"] = self.scheduler
+        return shown

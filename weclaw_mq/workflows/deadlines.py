@@ -10,6 +10,10 @@ or finds the group ended. The expired workflow's record names what was missing (
 stage, a group's parts, or its callback), and those tasks are cancelled, so a part that turns
 up late is acked unrun. Lost parts are what this catches: a message purged by an operator,
 expired by RabbitMQ in its queue, or gone with a deleted queue, which no worker ever sees.
+
+The same sweep cancels the parts still to run of a group that a part failed: that part's
+delivery made the group's deadline due at once instead of sending a cancel per part before
+its ack (``workflows.hops``), so they are sent after the ack, by whichever worker sweeps.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ async def sweep(host: Host) -> int:
             if answer.now:
                 ended += 1
                 log.warning("workflow %s reached its deadline before it ended", wid)
-                await cancel_outstanding(results, plan, progress.stage, progress.ended_parts)
+            # Ended before (a group failed by a part, or a worker died before it dropped the
+            # deadline) or now: what it still waited for need not run.
+            await cancel_outstanding(results, plan, progress.stage, progress.ended_parts)
             await settle_end(host, flows, wid, answer, plan)
         if len(due) < SWEEP_BATCH:
             return ended

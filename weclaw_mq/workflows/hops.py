@@ -16,7 +16,7 @@ What each end does (``state.workflow_records`` for the steps):
 - a group's part: counted once in the join; the part that completes it publishes the
   callback (``G.then``) with the parts' results in order; with policy "fail" a failed part
   ends the group at once (its callback never runs, and the parts still to run are
-  cancelled);
+  cancelled: the next batch before its ack, the rest by the deadline sweep after it);
 - a group's callback: its end is the group's.
 
 The workflow's own record (``App.result(workflow id)``) is written from the stored outcome
@@ -33,12 +33,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.lifetime import now_ms
 from weclaw_mq.errors import ConfigurationError, PayloadError, WeclawMQError
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.state import TaskState, TaskStatus
 from weclaw_mq.state.workflow_records import Answer, Step, WorkflowStore, workflows_of
 from weclaw_mq.workflows.host import Host
-from weclaw_mq.workflows.outstanding import cancel_outstanding
+from weclaw_mq.workflows.outstanding import CANCEL_BATCH, cancel_outstanding
 from weclaw_mq.workflows.plans import (
     CHAIN,
     GROUP,
@@ -56,6 +57,10 @@ from weclaw_mq.workflows.plans import (
 )
 
 log = logging.getLogger("weclaw_mq.workflows")
+
+# A part that fails its group cancels this many of the parts still to run before its ack
+# (one batch: the next in the queue); the deadline sweep cancels the rest after the ack.
+CANCELS_BEFORE_ACK = CANCEL_BATCH
 
 # A publish that can never succeed (the payload does not fit the next handler's model, is
 # too large, or names nothing that exists): the workflow ends, instead of a retry loop.
@@ -123,10 +128,8 @@ async def _hop(
         if answer.step is Step.JOINED:
             await _joined(host, flows, wid, trace_id)
             return
-        if answer.step is Step.ENDED and answer.now:
-            # This part failed the group ("fail"): the others need not run any more.
-            await settle_end(host, flows, wid, answer)
-            await _cancel_the_rest(host, flows, wid)
+        if answer.step is Step.ENDED and _failed_by_a_part(answer):
+            await _fail_fast(host, flows, wid, answer, place.index)
             return
     else:  # THEN: the callback's end is the group's
         assert place.kind == THEN
@@ -146,17 +149,34 @@ async def _hop(
         )
 
 
-async def _cancel_the_rest(host: Host, flows: WorkflowStore, wid: str) -> None:
-    """Best effort, after the group's record: a part still to run is cancelled (acked unrun
-    when it comes); one that runs anyway finds the group ended, and is not counted."""
+def _failed_by_a_part(answer: Answer) -> bool:
+    return answer.outcome is not None and answer.outcome.get("by") == "part"
+
+
+async def _fail_fast(
+    host: Host, flows: WorkflowStore, wid: str, answer: Answer, index: int
+) -> None:
+    """A part failed the group ("fail"): the others need not run any more.
+
+    Its record is written and its deadline made due now, before this part's ack; the deadline
+    sweep (every worker's, every ``workflow_sweep_s``) then cancels every part still to run,
+    after the ack, and drops the deadline: a worker that dies right after the ack leaves the
+    due deadline to another's sweep. Only the next ``CANCELS_BEFORE_ACK`` parts (the queue's
+    head, delivered next) are cancelled here, so the delivery costs one batch however large
+    the group. A copy of the failing part (or a part that ran anyway) moves a deadline not yet
+    swept only: none sends the cancels again once they were sent."""
+    await settle_end(host, flows, wid, answer, sweep_soon=True)
+    if not answer.now:
+        return
     results = host.results
     try:
         progress = await flows.progress(wid)
         if progress is not None and results is not None:
             plan = Plan.from_json(progress.plan)
-            await cancel_outstanding(results, plan, progress.stage, progress.ended_parts)
-    except Exception as e:  # the group's end stands; its other parts run to no use
-        log.warning("could not cancel the other parts of group %s (%s)", wid, describe(e))
+            ended = progress.ended_parts | {index}  # this part, ended but not joined
+            await cancel_outstanding(results, plan, progress.stage, ended, limit=CANCELS_BEFORE_ACK)
+    except Exception as e:  # the group's end stands; the sweep cancels its other parts
+        log.warning("could not cancel the next parts of group %s (%s)", wid, describe(e))
 
 
 async def _plan(flows: WorkflowStore, workflow_id: str) -> Plan:
@@ -226,9 +246,16 @@ async def _handoff_failed(
 
 
 async def settle_end(
-    host: Host, flows: WorkflowStore, wid: str, answer: Answer, plan: Plan | None = None
+    host: Host,
+    flows: WorkflowStore,
+    wid: str,
+    answer: Answer,
+    plan: Plan | None = None,
+    *,
+    sweep_soon: bool = False,
 ) -> None:
-    """Write the ended workflow's record from its stored outcome, then drop its deadline."""
+    """Write the ended workflow's record from its stored outcome, then drop its deadline
+    (``sweep_soon``: make it due now instead, for the sweep to cancel what is still to run)."""
     if answer.outcome is None:
         return
     if plan is None:
@@ -236,7 +263,8 @@ async def settle_end(
     record = record_of(plan, answer.outcome)
     results = host.results
     assert results is not None
-    await asyncio.gather(results.record(record), flows.forget_deadline(wid))
+    deadline = flows.sweep_soon(wid, now_ms()) if sweep_soon else flows.forget_deadline(wid)
+    await asyncio.gather(results.record(record), deadline)
     if answer.now:
         host.metrics.workflows_ended.labels(plan.kind, record.status.value).inc()
         log.info("workflow %s (%s) ended %s", wid, plan.kind, record.status.value)

@@ -13,10 +13,11 @@ CANCEL_BATCH = 200
 
 
 async def cancel_outstanding(
-    store: TaskStore, plan: Plan, stage: int, ended: frozenset[int]
+    store: TaskStore, plan: Plan, stage: int, ended: frozenset[int], *, limit: int | None = None
 ) -> None:
     """Cancel the workflow's tasks that have not ended (a cancel of one that did is a no-op):
-    those not published yet are cancelled ahead, so they are acked unrun when they come."""
+    those not published yet are cancelled ahead, so they are acked unrun when they come.
+    ``limit``: only the first so many, in order (a group's parts are queued in order)."""
     wid = plan.workflow_id
     targets: list[tuple[str, str]]
     if plan.kind == CHAIN:
@@ -27,6 +28,7 @@ async def cancel_outstanding(
         ]
         if plan.then is not None:
             targets.append((callback_id(wid), plan.then.queue))
+    targets = targets[:limit]
     for first in range(0, len(targets), CANCEL_BATCH):
         await asyncio.gather(
             *(store.cancel(t, queue=q) for t, q in targets[first : first + CANCEL_BATCH])
