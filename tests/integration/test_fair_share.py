@@ -177,6 +177,51 @@ async def test_a_worker_writes_the_brokers_lane_counts_for_the_producers(
         await client.aclose()
 
 
+async def test_a_tenant_whose_task_ran_is_not_sent_back_behind_a_backlog_on_its_old_lane(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    redis_url: str,
+) -> None:
+    """Issue 38, cause (a), end to end: "light"'s one task ran on Q, then "heavy"'s backlog
+    was placed on Q (the emptiest, Q on a tie); light's next task goes to an empty lane and
+    starts within C + 1 completions, not after heavy's backlog."""
+    app = make_app()
+    events: list[tuple[str, str]] = []
+    release = asyncio.Event()
+
+    @app.handler(qname, tenant=lambda task: task.tenant, fair=Fair(lanes=4))
+    async def answer(task: Ask) -> None:
+        events.append(("start", task.tenant))
+        if task.tenant == "heavy":
+            await release.wait()
+        events.append(("end", task.tenant))
+
+    client = aioredis.Redis.from_url(redis_url)
+    book = RedisFairBook(client)
+    try:
+        await app.declare()
+        await start_worker(app, concurrency=1)
+        await app.publish(qname, Ask(tenant="light"))
+        await wait_until(lambda: ("end", "light") in events, 20, "light's first task")
+
+        async def counted_empty() -> bool:  # a worker's count after light's task started
+            return await book.loads(qname, 4) == [0, 0, 0, 0]
+
+        await wait_until(counted_empty, 10, "the workers' count of the empty lanes")
+        await app.publish_many(qname, [Ask(tenant="heavy", n=i) for i in range(200)])
+        await wait_until(lambda: ("start", "heavy") in events, 20, "heavy's backlog to start")
+        before = len(events)
+        await app.publish(qname, Ask(tenant="light", n=1))
+        queued = len(events)
+        release.set()
+        await wait_until(lambda: _started_since(events, before, "light"), 30, "light's task")
+        assert _completions_before_start(events, before, queued, "light") <= 2, events[before:]
+    finally:
+        release.set()
+        await client.aclose()
+
+
 async def test_with_redis_away_a_publish_hashes_the_tenant_and_loses_nothing(
     broker_url: str,
     redis_url: str,
