@@ -85,7 +85,7 @@ for i = 3, #KEYS do
   local f = redis.call('HMGET', KEYS[i], 'lane', 'f', 'fu', 'p')
   local lane = tonumber(f[1] or '-1')
   -- Its batches on their way: none once the latest one's deadline passed.
-  local on_way = tonumber(f[2] or '0')
+  local on_way = math.max(0, tonumber(f[2] or '0'))
   if tonumber(f[3] or '0') <= now then on_way = 0 end
   local waits = false
   if lane >= 0 and lane < LANES and LOAD[lane] > 0 then
@@ -120,6 +120,7 @@ for i = 3, #KEYS do
   local member = ARGV[(i - 3) * 3 + 5]
   if member ~= '' and redis.call('ZREM', KEYS[2], member) == 1 then
     redis.call('HINCRBY', KEYS[i], 'f', -1)
+    redis.call('PEXPIRE', KEYS[i], ttl)
   end
 end
 for i = 3, #KEYS do
@@ -346,6 +347,7 @@ class MemoryFairBook:
             if state is not None:
                 if state.until <= now:
                     state.on_way = 0
+                state.on_way = max(0, state.on_way)
                 if 0 <= state.lane < lanes and loads[state.lane] > 0:
                     waits = state.on_way > 0 or (
                         state.place is not None and gone[state.lane] < state.place
