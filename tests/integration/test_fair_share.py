@@ -16,7 +16,8 @@ from tests.conftest import close_apps, outcome_count, queue_depth, settings_for,
 from weclaw_mq import App, Priority
 from weclaw_mq.contract.naming import dlq_name, fair_key, fair_lane_name, fair_tenant_key
 from weclaw_mq.policy.fair_share import Fair, hashed_lane
-from weclaw_mq.state.fair_book import FairBook, MemoryFairBook, RedisFairBook
+from weclaw_mq.state import fair_book
+from weclaw_mq.state.fair_book import FairBook, Landing, MemoryFairBook, RedisFairBook
 
 # Long enough that a lane's next task reaches its spare consumer before the running one ends,
 # and that a published task reaches its worker within one completion (a few ms under load).
@@ -153,11 +154,11 @@ async def test_a_worker_writes_the_brokers_lane_counts_for_the_producers(
     await app.publish_many(qname, [Ask(tenant="big", n=i) for i in range(30)])
     await app.publish_many(qname, [Ask(tenant="mid", n=i) for i in range(10)])
     client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    book = RedisFairBook(client)
     try:
         # Counted by the producers as they published: "big" first into Q (all empty, Q on
         # a tie), "mid" into the next empty lane.
-        book = await client.hgetall(fair_key(qname))
-        assert {k: int(v) for k, v in book.items()} == {"n:0": 30, "n:1": 10}
+        assert await book.loads(qname, 3) == [30, 10, 0]
 
         await start_worker(app, concurrency=2)
 
@@ -167,12 +168,55 @@ async def test_a_worker_writes_the_brokers_lane_counts_for_the_producers(
 
         async def book_is_the_brokers() -> bool:
             counts = [await ready(i) for i in range(3)]
-            book = await client.hgetall(fair_key(qname))
-            written = [int(book.get(f"n:{i}", -1)) for i in range(3)]
             # The worker holds some (running and one waiting per lane): below what was sent.
-            return written == counts and counts[0] < 30 and counts[1] < 10
+            return await book.loads(qname, 3) == counts and counts[0] < 30 and counts[1] < 10
 
         await wait_until(book_is_the_brokers, 10, "the book to hold the broker's counts")
+    finally:
+        release.set()
+        await client.aclose()
+
+
+async def test_a_tenant_whose_task_ran_is_not_sent_back_behind_a_backlog_on_its_old_lane(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    redis_url: str,
+) -> None:
+    """Issue 38, cause (a), end to end: "light"'s one task ran on Q, then "heavy"'s backlog
+    was placed on Q (the emptiest, Q on a tie); light's next task goes to an empty lane and
+    starts within C + 1 completions, not after heavy's backlog."""
+    app = make_app()
+    events: list[tuple[str, str]] = []
+    release = asyncio.Event()
+
+    @app.handler(qname, tenant=lambda task: task.tenant, fair=Fair(lanes=4))
+    async def answer(task: Ask) -> None:
+        events.append(("start", task.tenant))
+        if task.tenant == "heavy":
+            await release.wait()
+        events.append(("end", task.tenant))
+
+    client = aioredis.Redis.from_url(redis_url)
+    book = RedisFairBook(client)
+    try:
+        await app.declare()
+        await start_worker(app, concurrency=1)
+        await app.publish(qname, Ask(tenant="light"))
+        await wait_until(lambda: ("end", "light") in events, 20, "light's first task")
+
+        async def counted_empty() -> bool:  # a worker's count after light's task started
+            return await book.loads(qname, 4) == [0, 0, 0, 0]
+
+        await wait_until(counted_empty, 10, "the workers' count of the empty lanes")
+        await app.publish_many(qname, [Ask(tenant="heavy", n=i) for i in range(200)])
+        await wait_until(lambda: ("start", "heavy") in events, 20, "heavy's backlog to start")
+        before = len(events)
+        await app.publish(qname, Ask(tenant="light", n=1))
+        queued = len(events)
+        release.set()
+        await wait_until(lambda: _started_since(events, before, "light"), 30, "light's task")
+        assert _completions_before_start(events, before, queued, "light") <= 2, events[before:]
     finally:
         release.set()
         await client.aclose()
@@ -209,17 +253,58 @@ async def test_with_redis_away_a_publish_hashes_the_tenant_and_loses_nothing(
         await close_apps([app], broker_url, redis_url)
 
 
+async def _published(
+    book: FairBook, queue: str, tenants: list[str], lanes: int = 4, landed: bool = True
+) -> list[int]:
+    """A producer's publish of one task per entry of ``tenants``: the book's lanes, then the
+    broker's answer told to the book. Each task's lane, in order."""
+    placed = await book.assign(queue, lanes, tenants, 60_000)
+    batches = {t: (lane, batch) for t, (lane, batch) in zip(tenants, placed, strict=True)}
+    landings = [
+        Landing(t, lane, tenants.count(t) if landed else 0, batch)
+        for t, (lane, batch) in batches.items()
+    ]
+    await book.settled(queue, lanes, landings, 60_000)
+    return [lane for lane, _ in placed]
+
+
+async def _counted(book: FairBook, queue: str, ready: list[int]) -> None:
+    """A worker's count with nothing moving: the landings, then the broker's ``ready``."""
+    covered = await book.landed(queue, len(ready))
+    await book.counted(queue, ready, covered, 60_000)
+
+
 async def _book_rules(book: FairBook, queue: str) -> None:
-    assert await book.assign(queue, 4, ["big"] * 3, 60_000) == [0, 0, 0]
-    assert await book.assign(queue, 4, ["small", "mid", "big"], 60_000) == [1, 2, 0]
+    assert await _published(book, queue, ["big"] * 3) == [0, 0, 0]
+    assert await _published(book, queue, ["small", "mid", "big"]) == [1, 2, 0]
     # Every lane busy: a new tenant shares the least loaded one (small's, 1 task).
-    assert await book.assign(queue, 4, ["x"], 60_000) == [3]
-    assert await book.assign(queue, 4, ["y"], 60_000) == [1]
-    # The broker says Q emptied: big's next task takes the emptiest lane (Q again).
-    await book.counted(queue, [0, 2, 1, 1], 60_000)
-    assert await book.assign(queue, 4, ["big"], 60_000) == [0]
-    await book.counted(queue, [5, 0, 1, 1], 60_000)
-    assert await book.assign(queue, 4, ["big", "z"], 60_000) == [0, 1]
+    assert await _published(book, queue, ["x"]) == [3]
+    assert await _published(book, queue, ["y"]) == [1]
+    assert await book.loads(queue, 4) == [4, 2, 1, 1]
+    # The broker says Q emptied: big's tasks all started, its next one takes the emptiest
+    # lane (Q again).
+    await _counted(book, queue, [0, 2, 1, 1])
+    assert await _published(book, queue, ["big"]) == [0]
+    await _counted(book, queue, [5, 0, 1, 1])
+    assert await _published(book, queue, ["big", "z"]) == [0, 1]
+    # A refused publish: its batch no longer counts, nothing landed.
+    assert await _published(book, queue, ["w"], landed=False) == [1]
+    assert await book.loads(queue, 4) == [6, 1, 1, 1]
+
+
+async def _redis_or_memory(kind: str, redis_url: str) -> tuple[FairBook, aioredis.Redis | None]:
+    if kind == "memory":
+        return MemoryFairBook(), None
+    client = aioredis.Redis.from_url(redis_url)
+    return RedisFairBook(client), client
+
+
+async def _forget(client: aioredis.Redis | None, queue: str) -> None:
+    if client is not None:
+        keys = [k async for k in client.scan_iter(f"{fair_key(queue)}*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
 
 
 @pytest.mark.parametrize("kind", ["redis", "memory"])
@@ -227,18 +312,113 @@ async def test_the_fair_book_keeps_a_tenant_on_its_lane_while_it_has_tasks_waiti
     redis_url: str, qname: str, kind: str
 ) -> None:
     """The same rules in Redis (one script for every producer) and in one process."""
-    if kind == "memory":
-        await _book_rules(MemoryFairBook(), qname)
-        return
-    client = aioredis.Redis.from_url(redis_url)
+    book, client = await _redis_or_memory(kind, redis_url)
     try:
-        await _book_rules(RedisFairBook(client), qname)
-        assert 0 < await client.pttl(fair_key(qname)) <= 60_000
-        assert 0 < await client.pttl(fair_tenant_key(qname, "big")) <= 60_000
+        await _book_rules(book, qname)
+        if client is not None:
+            assert 0 < await client.pttl(fair_key(qname)) <= 60_000
+            assert 0 < await client.pttl(fair_tenant_key(qname, "big")) <= 60_000
     finally:
-        keys = [k async for k in client.scan_iter(f"{fair_key(qname)}*")]
-        await client.delete(*keys)
-        await client.aclose()
+        await _forget(client, qname)
+
+
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+async def test_a_tenant_whose_tasks_started_leaves_its_lane_to_another_tenants_backlog(
+    redis_url: str, qname: str, kind: str
+) -> None:
+    """Issue 38, cause (a): the book asked whether the LANE had tasks waiting, so a tenant
+    whose one task had started was sent back to its old lane, behind another tenant's
+    backlog placed there since, while another lane stood empty."""
+    book, client = await _redis_or_memory(kind, redis_url)
+    try:
+        assert await _published(book, qname, ["light"]) == [0]
+        await _counted(book, qname, [0, 0, 0, 0])  # light's task started: Q is empty
+        assert await _published(book, qname, ["heavy"] * 999) == [0] * 999  # Q on a tie
+        await _counted(book, qname, [999, 0, 0, 0])
+        # light has no task waiting: the emptiest lane, not Q behind heavy's 999.
+        assert await _published(book, qname, ["light"]) == [1]
+        # While its task waits there, it keeps that lane (its tasks stay in order)...
+        assert await _published(book, qname, ["light"]) == [1]
+        await _counted(book, qname, [999, 1, 0, 0])
+        assert await _published(book, qname, ["light"]) == [1]
+        # ...and heavy keeps Q while its backlog waits.
+        assert await _published(book, qname, ["heavy"]) == [0]
+    finally:
+        await _forget(client, qname)
+
+
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+async def test_a_count_read_before_a_producers_batch_landed_does_not_wipe_it(
+    redis_url: str, qname: str, kind: str
+) -> None:
+    """Issue 38, cause (b): a worker wrote a broker count it had read before a producer's
+    batch of 2,000 landed over the producer's +2,000, so the next tenant was placed on the
+    "empty" lane holding the whole batch."""
+    book, client = await _redis_or_memory(kind, redis_url)
+    try:
+        # A worker reads the landings and the broker: every lane empty...
+        covered = await book.landed(qname, 4)
+        ready = [0, 0, 0, 0]
+        # ...meanwhile a producer's batch of 2,000 is placed, and is on its way...
+        placed = await book.assign(qname, 4, ["batch"] * 2000, 60_000)
+        lane, batch = placed[0]
+        assert lane == 0
+        # ...when the worker writes what it read.
+        await book.counted(qname, ready, covered, 60_000)
+        assert await book.loads(qname, 4) == [2000, 0, 0, 0]
+        assert await _published(book, qname, ["next"]) == [1]
+        # A second worker reads the landings and the broker (the batch not there yet); the
+        # batch lands, its producer tells the book; then the worker writes what it read.
+        covered = await book.landed(qname, 4)
+        ready = [0, 1, 0, 0]
+        await book.settled(qname, 4, [Landing("batch", 0, 2000, batch)], 60_000)
+        await book.counted(qname, ready, covered, 60_000)
+        assert await book.loads(qname, 4) == [2000, 1, 0, 0]
+        assert await _published(book, qname, ["third"]) == [2]
+        # A quiet count: the broker's truth again.
+        await _counted(book, qname, [2000, 1, 1, 0])
+        assert await book.loads(qname, 4) == [2000, 1, 1, 0]
+    finally:
+        await _forget(client, qname)
+
+
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+async def test_a_slow_workers_older_count_does_not_replace_a_newer_one(
+    redis_url: str, qname: str, kind: str
+) -> None:
+    book, client = await _redis_or_memory(kind, redis_url)
+    try:
+        await _published(book, qname, ["a"] * 5)
+        old = await book.landed(qname, 4)  # a slow worker reads, then stalls
+        await _published(book, qname, ["a"] * 5)
+        await _counted(book, qname, [3, 0, 0, 0])  # a newer count: 7 of 10 taken
+        await book.counted(qname, [5, 0, 0, 0], old, 60_000)  # the slow one's, ignored
+        assert await book.loads(qname, 4) == [3, 0, 0, 0]
+    finally:
+        await _forget(client, qname)
+
+
+async def test_a_batch_whose_producer_never_answers_stops_counting_at_its_deadline(
+    redis_url: str, qname: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer that died between its assignment and its confirm: its batch makes the lane
+    look busy for ``FLYING_MS``, not for a day."""
+    monkeypatch.setattr(fair_book, "FLYING_MS", 200)
+    client = aioredis.Redis.from_url(redis_url)
+    book = RedisFairBook(client)
+    try:
+        await book.assign(qname, 4, ["gone"] * 50, 60_000)
+        assert await book.loads(qname, 4) == [50, 0, 0, 0]
+
+        async def forgotten() -> bool:
+            return await book.loads(qname, 4) == [0, 0, 0, 0]
+
+        await wait_until(forgotten, 10, "the batch's deadline")
+        # Its tenant is not held to the lane either.
+        await _published(book, qname, ["other"])
+        assert await _published(book, qname, ["gone"]) == [1]
+    finally:
+        await _forget(client, qname)
 
 
 async def test_a_producer_reuses_a_tenants_lane_and_still_counts_every_task(
@@ -262,8 +442,7 @@ async def test_a_producer_reuses_a_tenants_lane_and_still_counts_every_task(
     try:
 
         async def counted() -> bool:
-            book = await client.hgetall(fair_key(qname))
-            return {k: int(v) for k, v in book.items()} == {"n:0": 11, "n:1": 1}
+            return await RedisFairBook(client).loads(qname, 3) == [11, 1, 0]
 
         await wait_until(counted, 5, "every publish counted in the book")
     finally:

@@ -41,7 +41,7 @@ REQUEUED_AT = f"{PREFIX}requeued-at"
 WORKFLOW = f"{PREFIX}workflow"
 
 # The tenant of a task of a handler with ``fair=`` (weclaw_mq.policy.fair_share), as its
-# producer computed it: the worker tells the fair book that one of that tenant's tasks started.
+# producer computed it to place the task on the tenant's lane (``publishing.fair_lanes``).
 TENANT = f"{PREFIX}tenant"
 
 # Model fallback chains (weclaw_mq.policy.fallback): the model the attempt that wrote the copy

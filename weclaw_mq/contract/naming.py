@@ -396,8 +396,14 @@ def models_key(app: str) -> str:
 
 # -- Redis keys of fair share (state.fair_book) ----------------------------------------------
 #
-#     weclaw_mq:fair:{Q}:<Q>               hash: "n:<i>", the tasks waiting in fair lane i
-#     weclaw_mq:fair:{Q}:<Q>:t:<tenant>    the lane the tenant's tasks go to
+#     weclaw_mq:fair:{Q}:<Q>                    hash, per fair lane i: "r:<i>" its ready tasks
+#                                               as a worker last counted them, "c:<i>" the
+#                                               tasks landed that count covers, "l:<i>" the
+#                                               tasks producers saw land there in all
+#     weclaw_mq:fair:{Q}:<Q>:flying             sorted set: batches assigned, not yet landed
+#                                               ("<lane>:<tasks>:<batch>:<i>", by deadline)
+#     weclaw_mq:fair:{Q}:<Q>:tenant:<tenant>    hash: the tenant's "lane", its batch on its
+#                                               way ("m") and its latest task's place ("p")
 #
 # In handler queue Q's own slot: a producer's assignment is one script over them.
 FAIR_KEY_PREFIX = f"{REDIS_PREFIX}:fair"
@@ -408,9 +414,15 @@ def fair_key(queue: str) -> str:
     return f"{FAIR_KEY_PREFIX}:{{{queue}}}:{queue}"
 
 
+def fair_flying_key(queue: str) -> str:
+    """Handler queue ``queue``'s batches assigned to fair lanes and not yet landed there."""
+    return f"{fair_key(queue)}:flying"
+
+
 def fair_tenant_key(queue: str, tenant: str) -> str:
-    """The fair lane of ``tenant``'s tasks in handler queue ``queue``."""
-    return f"{fair_key(queue)}:t:{tenant}"
+    """Where ``tenant``'s tasks of handler queue ``queue`` go, and whether any still wait.
+    (``:tenant:``, not the earlier ``:t:`` string keys, which a day's TTL ends.)"""
+    return f"{fair_key(queue)}:tenant:{tenant}"
 
 
 def queue_key_pattern(prefix: str, queue: str) -> str:

@@ -296,15 +296,31 @@ class PublishingEngine:
         ``queue`` is the handler queue; the message goes to its priority's lane (``_route``)."""
         assert message.message_id is not None
         spec = self._handlers.get(queue)
-        fair_lane = None
-        if spec is not None and spec.fair is not None:  # to its tenant's lane (fair_lanes)
-            (placed,) = await self._fair.place(spec, [message])
-            fair_lane = lane_name(queue, placed)
-        exchange, target = await self._route(queue, message, fair_lane)
+        fair = spec if spec is not None and spec.fair is not None else None
+        placed = None
+        if fair is not None:  # to its tenant's lane (fair_lanes)
+            (placed,) = await self._fair.place(fair, [message])
+        exchange, target = await self._route(queue, message, lane_name(queue, placed))
+        try:
+            await self._confirmed(queue, target, message, exchange)
+        except Exception:
+            if fair is not None:  # the book's count of the lane, after the broker's answer
+                self._fair.settled(fair, [placed], [False])
+            raise
+        if fair is not None:
+            self._fair.settled(fair, [placed], [True])
+        return message.message_id
+
+    async def _confirmed(
+        self, queue: str, target: str, message: aio_pika.Message, exchange: str
+    ) -> None:
+        """Publish ``message`` to ``target`` with its "queued" record; the broker's word or an
+        error."""
+        assert message.message_id is not None
         store = self._results()
         if store is None:
             await self.get_publisher().publish(target, message, exchange=exchange)
-            return message.message_id
+            return
         # The "queued" record is written beside the confirm, not after it (no added latency),
         # and only if the task has no record yet, so it can never hide a later status.
         queued = self._records.write(store, queued_state(message, queue))
@@ -316,7 +332,6 @@ class PublishingEngine:
             raise
         finally:
             await self._records.settle(queued, store, queue, refused)
-        return message.message_id
 
     # -- a batch --------------------------------------------------------------------------
     async def publish_many(
@@ -416,6 +431,7 @@ class PublishingEngine:
             else None
         )
         refused: list[str] = []
+        outcomes: Sequence[object] = ()
         try:
             outcomes = await asyncio.gather(
                 *(
@@ -431,6 +447,9 @@ class PublishingEngine:
             if queued is not None:
                 assert store is not None
                 await self._records.settle(queued, store, queue, refused)
+            if fair is not None and outcomes:  # the book's counts, after the broker's answers
+                landed = [not isinstance(o, BaseException) for o in outcomes]
+                self._fair.settled(fair, placed, landed)
         failed: dict[int, Exception] = {}
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, Exception):

@@ -2,6 +2,9 @@
 book (``state.fair_book``) by every worker consuming a handler with ``fair=``: the producers
 then place tenants by the broker's counts, not by counts that drift (a task that expired or was
 purged, a publish the broker refused). Nothing is written per task on the consume path.
+
+A count says which landings it covers: the book's landed tasks are read first, then the
+broker, so a task a producer adds meanwhile is never wiped by a count that predates it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ async def waiting_per_lane(channel: AbstractChannel, spec: HandlerSpec) -> list[
     return counts
 
 
+async def count_once(channel: AbstractChannel, spec: HandlerSpec, book: FairBook) -> None:
+    """Write ``spec``'s lane counts to ``book`` once, with the landings they cover."""
+    assert spec.fair is not None
+    covered = await book.landed(spec.queue, spec.fair.lanes)  # before the broker: see above
+    waiting = await waiting_per_lane(channel, spec)
+    await book.counted(spec.queue, waiting, covered, TENANT_KEEP_MS)
+
+
 async def count_forever(
     conn: AbstractConnection,
     specs: Sequence[HandlerSpec],
@@ -49,8 +60,7 @@ async def count_forever(
                 if channel is None or channel.is_closed:
                     channel = await conn.channel()
                 for spec in specs:
-                    waiting = await waiting_per_lane(channel, spec)
-                    await book.counted(spec.queue, waiting, TENANT_KEEP_MS)
+                    await count_once(channel, spec, book)
             except asyncio.CancelledError:
                 raise
             except Exception as e:

@@ -1,0 +1,57 @@
+"""The fair book's model test (``tests/fair_book_model.py``) against the Redis book: the
+scripts keep the rules the memory book is checked for, under stale counts, overlapping
+workers and producers answering in any order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from tests.fair_book_model import FairBookModel
+from weclaw_mq.contract.naming import fair_key
+from weclaw_mq.state.fair_book import FairBook, RedisFairBook
+
+_T = TypeVar("_T")
+
+
+def test_the_redis_fair_book_keeps_the_models_rules(redis_url: str) -> None:
+    class RedisBookModel(FairBookModel):
+        def make_book(self) -> FairBook:
+            self.loop = asyncio.new_event_loop()
+            self.client = aioredis.Redis.from_url(redis_url)
+            return RedisFairBook(self.client)
+
+        def run(self, call: Awaitable[_T]) -> _T:
+            return self.loop.run_until_complete(_awaited(call))
+
+        def teardown(self) -> None:
+            async def forget() -> None:
+                keys = [k async for k in self.client.scan_iter(f"{fair_key(self.queue)}*")]
+                if keys:
+                    await self.client.delete(*keys)
+                await self.client.aclose()
+
+            self.run(forget())
+            self.loop.close()
+
+    run_state_machine_as_test(
+        RedisBookModel,
+        settings=settings(
+            max_examples=100,
+            stateful_step_count=40,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            phases=[Phase.explicit, Phase.generate],  # a failure is reported as drawn
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+async def _awaited(call: Awaitable[_T]) -> _T:
+    return await call
