@@ -627,7 +627,7 @@ async def purge(app: App, queue: str) -> int:
 @dataclass
 class PurgeSummary:
     removed: int = 0  # deleted (dry run: would be deleted)
-    kept: int = 0  # not selected: left in the DLQ, in order
+    kept: int = 0  # not selected (or past the limit): left in the DLQ, in order
     selected: list[DeadLetter] = field(default_factory=list)  # dry run only
 
 
@@ -636,12 +636,14 @@ async def purge_matching(
     queue: str,
     *,
     where: DlqFilter,
+    limit: int | None = None,
     dry_run: bool = False,
     progress: Progress | None = None,
 ) -> PurgeSummary:
-    """Delete for good the dead letters ``where`` selects; the others stay, unchanged and in
-    order (a pass that acks the selected and keeps the rest). ``dry_run`` deletes nothing;
-    ``progress`` is told of each message visited, as in ``redrive``."""
+    """Delete for good the dead letters ``where`` selects (the first ``limit`` of them, in
+    queue order); the others stay, unchanged and in order (a pass that acks the selected and
+    keeps the rest). ``dry_run`` deletes nothing; ``progress`` is told of each message
+    visited, as in ``redrive``."""
     summary = PurgeSummary()
     visited = 0
     async with _pass(app, queue, "purge") as dlq:
@@ -649,7 +651,8 @@ async def purge_matching(
         while (message := await dlq.next()) is not None:
             visited += 1
             dead = _read(message)
-            if not where.matches(dead):
+            room = limit is None or summary.removed < limit
+            if not (room and where.matches(dead)):
                 summary.kept += 1
                 await dlq.keep(message)
             elif dry_run:
@@ -661,4 +664,6 @@ async def purge_matching(
                 await dlq.ack(message)
             if progress is not None:
                 progress(visited, total)
+            if limit is not None and summary.removed >= limit and not (summary.kept or dry_run):
+                break  # nothing rotated to the tail: the rest are still at the head, in order
     return summary

@@ -162,12 +162,8 @@ class DeadLetters:
         """The dry run of ``action``: what it would select, kept for a confirmation."""
         self._forget_old()
         queue = self.queue_of(queue)
-        if action == "requeue":
-            requeue = await dlq.redrive(self._app, queue, where=where, dry_run=True)
-            selected, kept = requeue.selected, requeue.kept + requeue.skipped
-        else:
-            purge = await dlq.purge_matching(self._app, queue, where=where, dry_run=True)
-            selected, kept = purge.selected, purge.kept
+        dry = await _carry_out(self._app, action, queue, where, None, dry_run=True)
+        selected, kept = dry.selected, dry.kept + dry.skipped
         preview = Preview(
             id=secrets.token_urlsafe(12),
             action=action,
@@ -223,21 +219,18 @@ class DeadLetters:
             job.visited, job.total = visited, total
 
         try:
+            done = await _carry_out(
+                self._app, preview.action, preview.queue, where, limit, progress=step
+            )
             if preview.action == "requeue":
-                moved = await dlq.redrive(
-                    self._app, preview.queue, where=where, limit=limit, progress=step
-                )
                 job.summary = {
-                    "moved": moved.moved,
-                    "skipped": moved.skipped,
-                    "failed": moved.failed,
-                    "kept": moved.kept,
+                    "moved": done.acted,
+                    "skipped": done.skipped,
+                    "failed": done.failed,
+                    "kept": done.kept,
                 }
             else:
-                purged = await dlq.purge_matching(
-                    self._app, preview.queue, where=where, progress=step
-                )
-                job.summary = {"removed": purged.removed, "kept": purged.kept}
+                job.summary = {"removed": done.acted, "kept": done.kept}
             job.state = "done"
         except WeclawMQError as e:
             job.state, job.error = "failed", str(e)
@@ -254,3 +247,37 @@ class DeadLetters:
         for key, job in list(self._jobs.items()):
             if job.ended_at is not None and now - job.ended_at > KEPT_S:
                 del self._jobs[key]
+
+
+@dataclass(frozen=True)
+class _Done:
+    """What a requeue or purge pass did (or, dry, would do), in one shape."""
+
+    acted: int  # moved or removed
+    kept: int
+    skipped: int
+    failed: int
+    selected: list[DeadLetter]
+
+
+async def _carry_out(
+    app: App,
+    action: Action,
+    queue: str,
+    where: DlqFilter,
+    limit: int | None,
+    *,
+    dry_run: bool = False,
+    progress: dlq.Progress | None = None,
+) -> _Done:
+    """The one place the console hands an action to the engine: the preview and the run
+    pass the same filter and limit, whichever the action (a limit the purge once dropped)."""
+    if action == "requeue":
+        moved = await dlq.redrive(
+            app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress
+        )
+        return _Done(moved.moved, moved.kept, moved.skipped, moved.failed, moved.selected)
+    purged = await dlq.purge_matching(
+        app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress
+    )
+    return _Done(purged.removed, purged.kept, 0, 0, purged.selected)
