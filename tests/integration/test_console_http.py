@@ -157,3 +157,20 @@ async def test_a_dead_letters_trace_id_links_to_the_trace_url(
     assert found, page.text
     link = f'href="https://traces.example/trace/{found.group(1)}?from=console"'
     assert link in page.text
+
+
+async def test_a_cancel_without_a_json_object_is_a_clear_400_and_cancels_nothing(
+    live_console: LiveConsole,  # noqa: F811
+) -> None:
+    client = live_console.client
+    task_id = await live_console.publish({"mode": "ok"})
+    headers = {
+        "X-CSRF-Token": csrf_of((await client.get("/")).text),
+        "Origin": live_console.base_url,
+    }
+    for body, why in [(b"", "not JSON"), (b"{oops", "not JSON"), (b"[1]", "not a JSON object")]:
+        answer = await client.post(f"/api/tasks/{task_id}/cancel", content=body, headers=headers)
+        assert answer.status_code == 400, answer.text
+        assert why in answer.json()["error"]
+    state = await live_console.console_app.status(task_id)
+    assert state is not None and state.status is TaskStatus.QUEUED
