@@ -83,5 +83,7 @@ def create_console(
 
     web = Starlette(routes=routes, lifespan=lifespan)
     web.state.console = console
-    web.add_middleware(Guard, access=console.access)
+    web.add_middleware(
+        Guard, access=console.access, sessions=console.sessions, throttle=console.throttle
+    )
     return web
