@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
@@ -269,10 +269,17 @@ class Looked:
 
 
 async def look(
-    app: App, queue: str, *, where: DlqFilter = EVERYTHING, limit: int | None = 100
+    app: App,
+    queue: str,
+    *,
+    where: DlqFilter = EVERYTHING,
+    limit: int | None = 100,
+    body_max: int | None = None,
 ) -> Looked:
     """The dead letters of ``Q.dlq`` that ``where`` selects (up to ``limit`` of them; None:
-    all), every message left in the DLQ unchanged and in order."""
+    all), every message left in the DLQ unchanged and in order. With ``body_max``, each
+    shown body longer than that keeps only its first ``body_max`` bytes (``body_size`` says
+    how long it is), so a look holds at most ``limit`` times that much of the bodies."""
     shown: list[DeadLetter] = []
     matched = total = 0
     async with _pass(app, queue, "inspect") as dlq:
@@ -282,9 +289,15 @@ async def look(
             if where.matches(dead):
                 matched += 1
                 if limit is None or len(shown) < limit:
-                    shown.append(dead)
+                    shown.append(_trimmed(dead, body_max))
             await dlq.keep(message)
     return Looked(shown, matched, total)
+
+
+def _trimmed(dead: DeadLetter, body_max: int | None) -> DeadLetter:
+    if body_max is None or len(dead.body) <= body_max:
+        return dead
+    return replace(dead, body=dead.body[:body_max], body_size=len(dead.body))
 
 
 async def inspect(
