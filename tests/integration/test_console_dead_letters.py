@@ -135,6 +135,10 @@ async def test_a_look_holds_and_serves_a_preview_of_each_body_and_the_whole_on_d
     assert absent.status_code == 404
     unnamed = await client.get("/api/dead-letters/body", params={"queue": q})
     assert unnamed.status_code == 400 and "no task id" in unnamed.json()["error"]
+    # A preview lists no body, and holds none while it counts.
+    made, selected = await DeadLetters(live_console.console_app).preview("purge", q, EVERYTHING)
+    assert len(made.task_ids) == 4 and all(d.body == b"" for d in selected)
+    assert [d.body_size for d in selected] == [*map(len, bodies.values()), 16]
     # Looking changed nothing: every dead letter still there, whole and in order.
     kept = await dlq.inspect(live_console.console_app, q, limit=None)
     assert [d.body for d in kept] == [*bodies.values(), b'{"text":"short"}']

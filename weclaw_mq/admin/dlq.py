@@ -502,6 +502,7 @@ async def redrive(
     rate_per_s: float | None = None,
     dry_run: bool = False,
     progress: Progress | None = None,
+    body_max: int | None = None,
 ) -> RequeueSummary:
     """Move the dead letters ``where`` selects (the first ``limit`` of them) back to ``Q``;
     the others stay in the DLQ, unchanged and in order.
@@ -512,7 +513,8 @@ async def redrive(
     instant leaves at most one message both in Q and in the DLQ (a duplicate, never a loss).
     A copy the broker refuses (its lane does not exist, a nack) is counted as failed and its
     original kept; a lost broker or a missing confirm stops the run (the error says why).
-    ``dry_run`` moves nothing: it is a look that lists what would move.
+    ``dry_run`` moves nothing: it is a look that lists what would move (each listed body
+    cut to ``body_max`` bytes, as in ``look``).
     """
     statuses = _QueuedStatus(app.results, queue)
     summary = RequeueSummary()
@@ -534,7 +536,7 @@ async def redrive(
                     await dlq.keep(message)
                 elif dry_run:
                     summary.moved += 1
-                    summary.selected.append(dead)
+                    summary.selected.append(_trimmed(dead, body_max))
                     await dlq.keep(message)
                 else:
                     await pace.wait()
@@ -652,11 +654,12 @@ async def purge_matching(
     limit: int | None = None,
     dry_run: bool = False,
     progress: Progress | None = None,
+    body_max: int | None = None,
 ) -> PurgeSummary:
     """Delete for good the dead letters ``where`` selects (the first ``limit`` of them, in
     queue order); the others stay, unchanged and in order (a pass that acks the selected and
     keeps the rest). ``dry_run`` deletes nothing; ``progress`` is told of each message
-    visited, as in ``redrive``."""
+    visited and ``body_max`` cuts the bodies a dry run lists, as in ``redrive``."""
     summary = PurgeSummary()
     visited = 0
     async with _pass(app, queue, "purge") as dlq:
@@ -670,7 +673,7 @@ async def purge_matching(
                 await dlq.keep(message)
             elif dry_run:
                 summary.removed += 1
-                summary.selected.append(dead)
+                summary.selected.append(_trimmed(dead, body_max))
                 await dlq.keep(message)
             else:
                 summary.removed += 1

@@ -305,12 +305,13 @@ async def _carry_out(
 ) -> _Done:
     """The one place the console hands an action to the engine: the preview and the run
     pass the same filter and limit, whichever the action (a limit the purge once dropped)."""
+    # A preview lists no bodies: a dry run over many big dead letters holds none of them.
     if action == "requeue":
         moved = await dlq.redrive(
-            app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress
+            app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress, body_max=0
         )
         return _Done(moved.moved, moved.kept, moved.skipped, moved.failed, moved.selected)
     purged = await dlq.purge_matching(
-        app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress
+        app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress, body_max=0
     )
     return _Done(purged.removed, purged.kept, 0, 0, purged.selected)
