@@ -339,3 +339,11 @@ def test_a_trace_url_needs_the_trace_id_field_and_links_it_quoted() -> None:
     for bad in ("https://traces.example/", "javascript:alert(1)//{trace_id}"):
         with pytest.raises(ConfigurationError, match="must be an http"):
             check_trace_url(bad)
+
+
+def test_the_commands_default_session_length_is_the_consoles() -> None:
+    from weclaw_mq.cli import console_command
+    from weclaw_mq.console import access
+
+    assert console_command.DEFAULT_SESSION_TTL_S == access.DEFAULT_SESSION_TTL_S
+    assert Access().session_ttl_s == access.DEFAULT_SESSION_TTL_S
