@@ -100,6 +100,13 @@ async def test_the_sign_in_form_sets_a_strict_http_only_cookie_that_is_not_the_t
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie, cookie
     assert TOKEN not in cookie
     assert (await client.get("/api/overview")).status_code == 200  # the cookie is sent now
+    # Another site's page posting wrong tokens here is refused and locks nobody out.
+    foreign = {"Origin": "https://evil.example"}
+    for _ in range(FREE_FAILURES + 3):
+        bad = await client.post("/login", data={"token": "wrong"}, headers=foreign)
+        assert bad.status_code == 401
+    again = await client.post("/login", data={"token": TOKEN}, headers=origin)
+    assert again.status_code == 303
 
 
 @pytest.mark.parametrize("console_access", GUARDED)

@@ -97,7 +97,7 @@ def test_signing_out_revokes_that_session_only() -> None:
 
 
 def test_a_session_ttl_must_be_positive() -> None:
-    for bad in (0.0, -1.0, float("nan")):
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigurationError, match="session_ttl_s"):
             Access(token=TOKEN, session_ttl_s=bad)
 

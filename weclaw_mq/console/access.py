@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 import secrets
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -82,8 +83,10 @@ class Access:
     secure_cookie: bool = False
 
     def __post_init__(self) -> None:
-        if not self.session_ttl_s > 0:
-            raise ConfigurationError(f"session_ttl_s must be above 0, not {self.session_ttl_s!r}")
+        if not (self.session_ttl_s > 0 and math.isfinite(self.session_ttl_s)):
+            raise ConfigurationError(
+                f"session_ttl_s must be a number of seconds above 0, not {self.session_ttl_s!r}"
+            )
 
     def identity(self, presented: str | None) -> str | None:
         """The caller's identity (the token's fingerprint, or ``ANONYMOUS`` when no token is

@@ -48,7 +48,8 @@ async def login(request: Request) -> Response:
         return page
     identity = console.access.identity(presented) if origin is not False else None
     if identity is None:
-        console.throttle.failed(client)
+        if origin is not False:  # another site's page posting here must not lock users out
+            console.throttle.failed(client)
         audit(client, "-", "login", outcome="refused")
         return render(request, "login.html", status_code=401, next=target, failed=True)
     console.throttle.succeeded(client)
