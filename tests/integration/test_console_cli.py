@@ -1,6 +1,7 @@
 """``weclaw-mq console MODULE:APP`` as the installed script: it refuses, in one line and with
-exit 2, to serve beyond this machine without a token; served with one, it answers a request
-carrying the token and refuses one without it; nowhere does it print the token."""
+exit 2, to serve beyond this machine without a token or over plain HTTP (unless told a TLS
+proxy stands in front); served with a token, it answers a request carrying the token and
+refuses one without it; nowhere does it print the token."""
 
 from __future__ import annotations
 
@@ -41,6 +42,26 @@ async def test_a_short_token_is_refused_in_one_line() -> None:
     assert result.code == 2
     assert "at least 16 characters" in one_error_line(result)
     assert "abc" not in result.stdout
+
+
+async def test_serving_beyond_this_machine_over_plain_http_is_refused_in_one_line() -> None:
+    result = await run_cli("console", FIXTURE_APP, "--host", "0.0.0.0", "--token", TOKEN)
+    assert result.code == 2
+    line = one_error_line(result)
+    assert "plain HTTP" in line and "--behind-tls-proxy" in line, line
+    assert TOKEN not in result.stdout + result.stderr
+
+
+async def test_behind_a_tls_proxy_a_bad_session_length_is_the_only_complaint() -> None:
+    result = await run_cli(
+        "console",
+        FIXTURE_APP,
+        *("--host", "0.0.0.0", "--token", TOKEN, "--behind-tls-proxy"),
+        *("--session-hours", "0"),
+    )
+    assert result.code == 2
+    line = one_error_line(result)
+    assert "--session-hours" in line and "plain HTTP" not in line, line
 
 
 async def test_the_served_console_answers_its_token_only(

@@ -18,7 +18,8 @@ from tests.integration.console_live import (  # noqa: F401
 )
 from weclaw_mq import TaskStatus
 from weclaw_mq.console import Access
-from weclaw_mq.console.access import fingerprint
+from weclaw_mq.console.access import SESSION_COOKIE, fingerprint
+from weclaw_mq.console.sessions import FREE_FAILURES, MAX_WAIT_S
 
 TOKEN = "s3cret-console-token-for-tests"
 GUARDED = [Access(token=TOKEN)]
@@ -99,6 +100,66 @@ async def test_the_sign_in_form_sets_a_strict_http_only_cookie_that_is_not_the_t
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie, cookie
     assert TOKEN not in cookie
     assert (await client.get("/api/overview")).status_code == 200  # the cookie is sent now
+    # Another site's page posting wrong tokens here is refused and locks nobody out.
+    foreign = {"Origin": "https://evil.example"}
+    for _ in range(FREE_FAILURES + 3):
+        bad = await client.post("/login", data={"token": "wrong"}, headers=foreign)
+        assert bad.status_code == 401
+    again = await client.post("/login", data={"token": TOKEN}, headers=origin)
+    assert again.status_code == 303
+
+
+@pytest.mark.parametrize("console_access", GUARDED)
+async def test_each_sign_in_has_its_own_expiring_session_and_signing_out_revokes_it(
+    live_console: LiveConsole,  # noqa: F811
+) -> None:
+    client = live_console.client
+    origin = {"Origin": live_console.base_url}
+    cookies = []
+    for _ in range(2):
+        signed = await client.post("/login", data={"token": TOKEN}, headers=origin)
+        assert signed.status_code == 303, signed.text
+        assert f"Max-Age={12 * 3600}" in signed.headers["set-cookie"]
+        cookies.append(signed.cookies[SESSION_COOKIE])
+    client.cookies.clear()
+    mine, other = cookies
+    assert mine != other
+
+    def as_(session: str) -> dict[str, str]:
+        return {"Cookie": f"{SESSION_COOKIE}={session}"}
+
+    assert (await client.get("/api/overview", headers=as_(mine))).status_code == 200
+    csrf = csrf_of((await client.get("/", headers=as_(mine))).text)
+    out = await client.post("/api/logout", headers={**as_(mine), **origin, "X-CSRF-Token": csrf})
+    assert out.status_code == 200, out.text
+    assert (await client.get("/api/overview", headers=as_(mine))).status_code == 401
+    assert (await client.get("/api/overview", headers=as_(other))).status_code == 200
+
+
+@pytest.mark.parametrize("console_access", GUARDED)
+async def test_wrong_tokens_are_throttled_and_a_throttled_token_is_not_even_looked_at(
+    live_console: LiveConsole,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = live_console.client
+    origin = {"Origin": live_console.base_url}
+    caplog.set_level(logging.INFO, logger="weclaw_mq.console.audit")
+    answers = [
+        (await client.post("/login", data={"token": f"wrong-{n}"}, headers=origin)).status_code
+        for n in range(12)
+    ]
+    assert answers[:FREE_FAILURES] == [401] * FREE_FAILURES
+    assert set(answers[FREE_FAILURES:]) <= {401, 429}, answers
+    # Twelve failures in a row: the next try must wait 2**7 s after the last, right or wrong.
+    right = await client.post("/login", data={"token": TOKEN}, headers=origin)
+    assert right.status_code == 429, right.text
+    assert 0 < int(right.headers["retry-after"]) <= MAX_WAIT_S
+    assert "too many wrong tokens" in right.text
+    assert SESSION_COOKIE not in right.headers.get("set-cookie", "")
+    bearer = await client.get("/api/overview", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert bearer.status_code == 429 and "retry-after" in bearer.headers
+    lines = [r.getMessage() for r in caplog.records if r.name == "weclaw_mq.console.audit"]
+    assert any('outcome="throttled"' in line for line in lines), lines
 
 
 @pytest.mark.parametrize("console_access", [Access(read_only=True)])
@@ -157,3 +218,20 @@ async def test_a_dead_letters_trace_id_links_to_the_trace_url(
     assert found, page.text
     link = f'href="https://traces.example/trace/{found.group(1)}?from=console"'
     assert link in page.text
+
+
+async def test_a_cancel_without_a_json_object_is_a_clear_400_and_cancels_nothing(
+    live_console: LiveConsole,  # noqa: F811
+) -> None:
+    client = live_console.client
+    task_id = await live_console.publish({"mode": "ok"})
+    headers = {
+        "X-CSRF-Token": csrf_of((await client.get("/")).text),
+        "Origin": live_console.base_url,
+    }
+    for body, why in [(b"", "not JSON"), (b"{oops", "not JSON"), (b"[1]", "not a JSON object")]:
+        answer = await client.post(f"/api/tasks/{task_id}/cancel", content=body, headers=headers)
+        assert answer.status_code == 400, answer.text
+        assert why in answer.json()["error"]
+    state = await live_console.console_app.status(task_id)
+    assert state is not None and state.status is TaskStatus.QUEUED

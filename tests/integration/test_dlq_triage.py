@@ -222,6 +222,21 @@ async def test_dry_run_of_requeue_and_purge_lists_the_selection_and_changes_noth
         assert without_delivery_count(new.headers) == without_delivery_count(old.headers)
 
 
+async def test_purge_with_a_limit_deletes_at_most_that_many_oldest_first(mixed: MixedDlq) -> None:
+    q = mixed.queue
+    dry = await run_cli("dlq", "purge", q, "--dry-run", "--limit", "2", env=mixed.env)
+    assert dry.code == 0, dry.stderr
+    assert "would purge 2 message(s)" in dry.stdout and "would leave 3" in dry.stdout
+    # No filter but a limit: never the whole-queue purge.
+    purged = await run_cli("dlq", "purge", q, "--yes", "--limit", "2", env=mixed.env)
+    assert purged.code == 0, purged.stderr
+    assert purged.stdout.startswith("purged 2 message(s)"), purged.stdout
+    assert await mixed.order() == ["runtime", "invalid", "loop"]
+    filtered = await run_cli("dlq", "purge", q, "--yes", "-n", "1", "--since", "1h", env=mixed.env)
+    assert filtered.stdout.startswith("purged 1 message(s)"), filtered.stdout
+    assert await mixed.order() == ["invalid", "loop"]
+
+
 async def test_export_purge_import_export_gives_back_the_same_records(
     mixed: MixedDlq, amqp: AbstractChannel, tmp_path: Path
 ) -> None:

@@ -1,5 +1,6 @@
 """The console's access rules, audit lines, escaping and DLQ filter fields, without a server:
-``console.access`` (token, session cookie, CSRF, same origin, loopback), ``console.audit``,
+``console.access`` (token, CSRF, same origin, loopback), ``console.sessions`` (sign-ins,
+throttle), ``console.audit``,
 the autoescaped templates (``console.rendering``) and ``console.dead_letters.filter_of``."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from weclaw_mq.console.audit import IDS_LISTED_MAX, audit_line
 from weclaw_mq.console.dead_letters import EXACT_MAX, Preview, filter_of
 from weclaw_mq.console.detail import check_trace_url, trace_link
 from weclaw_mq.console.events import sse_frame
+from weclaw_mq.console.sessions import FORGET_S, FREE_FAILURES, MAX_WAIT_S, Sessions, Throttle
 from weclaw_mq.console.task_views import query_of
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.state import TaskStatus
@@ -57,19 +59,88 @@ def test_the_token_is_checked_and_its_fingerprint_names_the_caller() -> None:
 def test_without_a_token_every_caller_is_anonymous() -> None:
     access = Access()
     assert access.identity(None) == ANONYMOUS
-    assert access.identity_from_session(None) == ANONYMOUS
 
 
-def test_the_session_cookie_is_not_the_token_and_dies_with_the_console() -> None:
-    access = Access(token=TOKEN)
-    cookie = access.session_value()
-    assert cookie is not None and TOKEN not in cookie
-    assert access.identity_from_session(cookie) == fingerprint(TOKEN)
-    tampered = cookie[:-1] + ("1" if cookie[-1] == "0" else "0")  # a different last digit
-    assert access.identity_from_session(tampered) is None
-    assert access.identity_from_session(None) is None
-    restarted = Access(token=TOKEN)  # another process draws another secret
-    assert restarted.identity_from_session(cookie) is None
+class FakeClock:
+    """A clock the test moves: expiry and waits are checked without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_sign_in_gets_its_own_session_id_that_is_not_the_token_and_expires() -> None:
+    clock = FakeClock()
+    sessions = Sessions(ttl_s=3600, clock=clock)
+    first, second = sessions.open("abcd1234"), sessions.open("abcd1234")
+    assert first != second and len(first) >= 40
+    assert TOKEN not in first and fingerprint(TOKEN) not in first
+    assert sessions.identity_of(first) == "abcd1234"
+    assert sessions.identity_of(first[:-1] + ("A" if first[-1] != "A" else "B")) is None
+    assert sessions.identity_of(None) is None and sessions.identity_of("") is None
+    clock.now += 3599
+    assert sessions.identity_of(first) == "abcd1234"
+    clock.now += 1
+    assert sessions.identity_of(first) is None and sessions.identity_of(second) is None
+    assert Sessions(ttl_s=3600).identity_of(first) is None  # another console process
+
+
+def test_signing_out_revokes_that_session_only() -> None:
+    sessions = Sessions(ttl_s=3600)
+    mine, other = sessions.open("abcd1234"), sessions.open("abcd1234")
+    assert sessions.revoke(mine)
+    assert sessions.identity_of(mine) is None
+    assert sessions.identity_of(other) == "abcd1234"
+    assert not sessions.revoke(mine) and not sessions.revoke(None)
+
+
+def test_a_session_ttl_must_be_positive() -> None:
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigurationError, match="session_ttl_s"):
+            Access(token=TOKEN, session_ttl_s=bad)
+
+
+def test_wrong_tokens_are_free_a_few_times_then_each_wait_doubles() -> None:
+    clock = FakeClock()
+    throttle = Throttle(clock=clock)
+    for _ in range(FREE_FAILURES):
+        assert throttle.wait_s("10.0.0.9") == 0
+        throttle.failed("10.0.0.9")
+    assert throttle.wait_s("10.0.0.9") == 1.0
+    assert throttle.wait_s("10.0.0.8") == 0  # per client
+    clock.now += 1
+    assert throttle.wait_s("10.0.0.9") == 0
+    throttle.failed("10.0.0.9")
+    assert throttle.wait_s("10.0.0.9") == 2.0
+    for _ in range(30):
+        throttle.failed("10.0.0.9")
+    assert throttle.wait_s("10.0.0.9") == MAX_WAIT_S
+    throttle.succeeded("10.0.0.9")
+    assert throttle.wait_s("10.0.0.9") == 0
+
+
+def test_a_try_made_while_throttled_is_not_looked_at_and_counts_as_a_failure() -> None:
+    clock = FakeClock()
+    throttle = Throttle(clock=clock)
+    for _ in range(FREE_FAILURES):
+        assert throttle.admit("10.0.0.9") == 0
+        throttle.failed("10.0.0.9")
+    clock.now += 0.5
+    assert throttle.admit("10.0.0.9") == 0.5  # refused: half of the first second to go
+    assert throttle.wait_s("10.0.0.9") == 2.0  # the refused try counted, from now
+
+
+def test_a_clients_failures_are_forgotten_an_hour_after_the_last() -> None:
+    clock = FakeClock()
+    throttle = Throttle(clock=clock)
+    for _ in range(FREE_FAILURES + 3):
+        throttle.failed("10.0.0.9")
+    clock.now += FORGET_S
+    assert throttle.wait_s("10.0.0.9") == 0
+    throttle.failed("10.0.0.9")  # counts from one again
+    assert throttle.wait_s("10.0.0.9") == 0
 
 
 def test_a_mutation_with_the_csrf_value_from_the_console_itself_goes_on() -> None:
@@ -268,3 +339,11 @@ def test_a_trace_url_needs_the_trace_id_field_and_links_it_quoted() -> None:
     for bad in ("https://traces.example/", "javascript:alert(1)//{trace_id}"):
         with pytest.raises(ConfigurationError, match="must be an http"):
             check_trace_url(bad)
+
+
+def test_the_commands_default_session_length_is_the_consoles() -> None:
+    from weclaw_mq.cli import console_command
+    from weclaw_mq.console import access
+
+    assert console_command.DEFAULT_SESSION_TTL_S == access.DEFAULT_SESSION_TTL_S
+    assert Access().session_ttl_s == access.DEFAULT_SESSION_TTL_S

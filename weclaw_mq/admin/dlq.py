@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
@@ -269,10 +269,17 @@ class Looked:
 
 
 async def look(
-    app: App, queue: str, *, where: DlqFilter = EVERYTHING, limit: int | None = 100
+    app: App,
+    queue: str,
+    *,
+    where: DlqFilter = EVERYTHING,
+    limit: int | None = 100,
+    body_max: int | None = None,
 ) -> Looked:
     """The dead letters of ``Q.dlq`` that ``where`` selects (up to ``limit`` of them; None:
-    all), every message left in the DLQ unchanged and in order."""
+    all), every message left in the DLQ unchanged and in order. With ``body_max``, each
+    shown body longer than that keeps only its first ``body_max`` bytes (``body_size`` says
+    how long it is), so a look holds at most ``limit`` times that much of the bodies."""
     shown: list[DeadLetter] = []
     matched = total = 0
     async with _pass(app, queue, "inspect") as dlq:
@@ -282,9 +289,15 @@ async def look(
             if where.matches(dead):
                 matched += 1
                 if limit is None or len(shown) < limit:
-                    shown.append(dead)
+                    shown.append(_trimmed(dead, body_max))
             await dlq.keep(message)
     return Looked(shown, matched, total)
+
+
+def _trimmed(dead: DeadLetter, body_max: int | None) -> DeadLetter:
+    if body_max is None or len(dead.body) <= body_max:
+        return dead
+    return replace(dead, body=dead.body[:body_max], body_size=len(dead.body))
 
 
 async def inspect(
@@ -489,6 +502,7 @@ async def redrive(
     rate_per_s: float | None = None,
     dry_run: bool = False,
     progress: Progress | None = None,
+    body_max: int | None = None,
 ) -> RequeueSummary:
     """Move the dead letters ``where`` selects (the first ``limit`` of them) back to ``Q``;
     the others stay in the DLQ, unchanged and in order.
@@ -499,7 +513,8 @@ async def redrive(
     instant leaves at most one message both in Q and in the DLQ (a duplicate, never a loss).
     A copy the broker refuses (its lane does not exist, a nack) is counted as failed and its
     original kept; a lost broker or a missing confirm stops the run (the error says why).
-    ``dry_run`` moves nothing: it is a look that lists what would move.
+    ``dry_run`` moves nothing: it is a look that lists what would move (each listed body
+    cut to ``body_max`` bytes, as in ``look``).
     """
     statuses = _QueuedStatus(app.results, queue)
     summary = RequeueSummary()
@@ -521,7 +536,7 @@ async def redrive(
                     await dlq.keep(message)
                 elif dry_run:
                     summary.moved += 1
-                    summary.selected.append(dead)
+                    summary.selected.append(_trimmed(dead, body_max))
                     await dlq.keep(message)
                 else:
                     await pace.wait()
@@ -627,7 +642,7 @@ async def purge(app: App, queue: str) -> int:
 @dataclass
 class PurgeSummary:
     removed: int = 0  # deleted (dry run: would be deleted)
-    kept: int = 0  # not selected: left in the DLQ, in order
+    kept: int = 0  # not selected (or past the limit): left in the DLQ, in order
     selected: list[DeadLetter] = field(default_factory=list)  # dry run only
 
 
@@ -636,12 +651,15 @@ async def purge_matching(
     queue: str,
     *,
     where: DlqFilter,
+    limit: int | None = None,
     dry_run: bool = False,
     progress: Progress | None = None,
+    body_max: int | None = None,
 ) -> PurgeSummary:
-    """Delete for good the dead letters ``where`` selects; the others stay, unchanged and in
-    order (a pass that acks the selected and keeps the rest). ``dry_run`` deletes nothing;
-    ``progress`` is told of each message visited, as in ``redrive``."""
+    """Delete for good the dead letters ``where`` selects (the first ``limit`` of them, in
+    queue order); the others stay, unchanged and in order (a pass that acks the selected and
+    keeps the rest). ``dry_run`` deletes nothing; ``progress`` is told of each message
+    visited and ``body_max`` cuts the bodies a dry run lists, as in ``redrive``."""
     summary = PurgeSummary()
     visited = 0
     async with _pass(app, queue, "purge") as dlq:
@@ -649,16 +667,19 @@ async def purge_matching(
         while (message := await dlq.next()) is not None:
             visited += 1
             dead = _read(message)
-            if not where.matches(dead):
+            room = limit is None or summary.removed < limit
+            if not (room and where.matches(dead)):
                 summary.kept += 1
                 await dlq.keep(message)
             elif dry_run:
                 summary.removed += 1
-                summary.selected.append(dead)
+                summary.selected.append(_trimmed(dead, body_max))
                 await dlq.keep(message)
             else:
                 summary.removed += 1
                 await dlq.ack(message)
             if progress is not None:
                 progress(visited, total)
+            if limit is not None and summary.removed >= limit and not (summary.kept or dry_run):
+                break  # nothing rotated to the tail: the rest are still at the head, in order
     return summary

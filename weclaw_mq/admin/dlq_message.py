@@ -81,6 +81,9 @@ class DeadLetter:
     trace_id: str | None
     body: bytes
     headers: dict[str, Any]
+    # The body's whole size when ``body`` holds only its first bytes (a look's preview);
+    # None when ``body`` is whole.
+    body_size: int | None = None
 
     @property
     def traceback(self) -> str | None:

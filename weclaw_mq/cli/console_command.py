@@ -1,9 +1,11 @@
 """``weclaw-mq console MODULE:APP``: serve the web console (``weclaw_mq.console``) of the app
 with uvicorn until Ctrl-C.
 
-Safe by default: it binds 127.0.0.1. Any other host needs ``--token`` (refused with one line
-and exit 2 without one), since the console can cancel tasks and requeue or purge dead
-letters; ``--read-only`` serves the pages without any of those. The console's packages
+Safe by default: it binds 127.0.0.1. Any other host needs ``--token``, since the console can
+cancel tasks and requeue or purge dead letters, and ``--behind-tls-proxy``, since the console
+speaks plain HTTP and the token and its session cookie must not cross a network in clear
+(each refused with one line and exit 2 without); ``--read-only`` serves the pages without
+any of those actions. The console's packages
 (starlette, uvicorn, jinja2) come with the ``console`` extra, imported only by this command.
 """
 
@@ -25,6 +27,8 @@ HOW_TO_GET_CONSOLE = "pip install 'weclaw_mq[console]'"
 CONSOLE_PACKAGES = ("starlette", "uvicorn", "jinja2")
 # A token shorter than this is refused: it would be guessed.
 TOKEN_MIN_LENGTH = 16
+# As weclaw_mq.console.access's, which this module may not import before the extra is known.
+DEFAULT_SESSION_TTL_S = 12 * 3600.0
 
 
 def is_loopback_host(host: str) -> bool:
@@ -41,8 +45,8 @@ def console(
             "--host",
             envvar="WECLAW_MQ_CONSOLE_HOST",
             metavar="HOST",
-            help="The address to bind. Anything but a loopback address needs --token "
-            "(and a TLS-terminating proxy in front: the console speaks plain HTTP).",
+            help="The address to bind. Anything but a loopback address needs --token and "
+            "--behind-tls-proxy (the console speaks plain HTTP).",
         ),
     ] = "127.0.0.1",
     port: Annotated[
@@ -76,6 +80,26 @@ def console(
             help="Show everything, change nothing: no cancel, requeue or purge.",
         ),
     ] = False,
+    behind_tls_proxy: Annotated[
+        bool,
+        typer.Option(
+            "--behind-tls-proxy",
+            envvar="WECLAW_MQ_CONSOLE_BEHIND_TLS_PROXY",
+            help="Say that a proxy terminating TLS stands in front (needed to bind anything but "
+            "a loopback address); the session cookie is then always marked Secure.",
+        ),
+    ] = False,
+    session_hours: Annotated[
+        float,
+        typer.Option(
+            "--session-hours",
+            envvar="WECLAW_MQ_CONSOLE_SESSION_HOURS",
+            min=0.01,
+            max=24 * 366,
+            metavar="HOURS",
+            help="How long a sign-in lasts; signing out ends it sooner.",
+        ),
+    ] = DEFAULT_SESSION_TTL_S / 3600,
     trace_url: Annotated[
         str | None,
         typer.Option(
@@ -116,6 +140,12 @@ def console(
             "(--token or WECLAW_MQ_CONSOLE_TOKEN)",
             ExitCode.USAGE,
         )
+    if not behind_tls_proxy and not is_loopback_host(host):
+        fail(
+            f"--host {host} would send the token and its session cookie over plain HTTP: put "
+            "a proxy that terminates TLS in front and pass --behind-tls-proxy",
+            ExitCode.USAGE,
+        )
     if trace_url is not None:
         try:
             check_trace_url(trace_url)
@@ -124,7 +154,13 @@ def console(
     configure_logging(log_level)
     app = load_app(app_path)
 
-    web = create_console(app, Access(token=token, read_only=read_only), trace_url=trace_url)
+    access = Access(
+        token=token,
+        read_only=read_only,
+        session_ttl_s=session_hours * 3600,
+        secure_cookie=behind_tls_proxy,
+    )
+    web = create_console(app, access, trace_url=trace_url)
     shown = f"[{host}]" if ":" in host else host
     logging.getLogger("weclaw_mq.console").info(
         "console of app %r on http://%s:%d/%s",

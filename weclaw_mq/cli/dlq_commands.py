@@ -332,6 +332,7 @@ def purge(
     yes: Annotated[
         bool, typer.Option("--yes", help="Really delete them: purged messages are gone.")
     ] = False,
+    limit: Limit = None,
     task_id: TaskIds = None,
     error_type: ErrorTypes = None,
     reason: Reasons = None,
@@ -340,12 +341,14 @@ def purge(
     dry_run: DryRun = False,
     app_path: AppOption = None,
 ) -> None:
-    """Delete dead letters of QUEUE for good: all, or those the filters select (needs --yes)."""
+    """Delete dead letters of QUEUE for good: all, or those the filters select, at most --limit
+    of them, oldest first (needs --yes)."""
     where = _filter(task_id, error_type, reason, since, until)
     source = dlq_name(queue)
     if dry_run:
         summary = _run(
-            app_path, lambda app: dlq.purge_matching(app, queue, where=where, dry_run=True)
+            app_path,
+            lambda app: dlq.purge_matching(app, queue, where=where, limit=limit, dry_run=True),
         )
         _dead_letter_table(summary.selected)
         typer.echo(
@@ -358,11 +361,11 @@ def purge(
             f"refusing to purge {source} without --yes; purged messages cannot be "
             "recovered (save them first with 'weclaw-mq dlq export', or look with --dry-run)"
         )
-    if where.everything:
+    if where.everything and limit is None:
         removed = _run(app_path, lambda app: dlq.purge(app, queue))
         typer.echo(f"purged {removed} message(s) from {source}")
         return
-    done = _run(app_path, lambda app: dlq.purge_matching(app, queue, where=where))
+    done = _run(app_path, lambda app: dlq.purge_matching(app, queue, where=where, limit=limit))
     typer.echo(
         f"purged {done.removed} message(s) from {source}{_matching(where)}; left {done.kept}"
     )

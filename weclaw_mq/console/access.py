@@ -2,8 +2,9 @@
 page. Pure: no I/O, so every rule is tested without a server.
 
 - **The token.** With a token configured every request carries it: an ``Authorization:
-  Bearer`` header (scripts) or the session cookie the login form sets (HttpOnly,
-  SameSite=Strict). Compared in constant time. Without a token the console only serves
+  Bearer`` header (scripts), or the session cookie the login form sets (HttpOnly,
+  SameSite=Strict; a random session id per sign-in, expiring, revoked by signing out: see
+  ``sessions``). Compared in constant time. Without a token the console only serves
   a loopback address, and only to requests naming a loopback host (a page of another site
   that rebinds its DNS name to 127.0.0.1 is refused by its ``Host``).
 - **CSRF.** Every mutating request carries the CSRF value the pages embed
@@ -23,14 +24,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 import secrets
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from weclaw_mq.errors import ConfigurationError
 
 SESSION_COOKIE = "weclaw_console"
 CSRF_HEADER = "x-csrf-token"
 ANONYMOUS = "anonymous"
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+DEFAULT_SESSION_TTL_S = 12 * 3600.0
 
 
 def is_loopback(host: str) -> bool:
@@ -66,11 +71,22 @@ class Access:
         read_only: Refuse every mutation.
         secret: The key of the CSRF values; drawn per console process by default, so a
             value never outlives the console that gave it.
+        session_ttl_s: How long a sign-in (its session cookie) lasts.
+        secure_cookie: Mark the session cookie Secure even when the request came over plain
+            HTTP: the console sits behind a proxy that terminates TLS.
     """
 
     token: str | None = None
     read_only: bool = False
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    secure_cookie: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.session_ttl_s > 0 and math.isfinite(self.session_ttl_s)):
+            raise ConfigurationError(
+                f"session_ttl_s must be a number of seconds above 0, not {self.session_ttl_s!r}"
+            )
 
     def identity(self, presented: str | None) -> str | None:
         """The caller's identity (the token's fingerprint, or ``ANONYMOUS`` when no token is
@@ -80,25 +96,6 @@ class Access:
         if presented is None:
             return None
         if hmac.compare_digest(presented.encode(), self.token.encode()):
-            return fingerprint(self.token)
-        return None
-
-    def session_value(self) -> str | None:
-        """The session cookie the login form sets: an HMAC of the token (never the token
-        itself), valid as long as this console process runs. None without a token."""
-        if self.token is None:
-            return None
-        return hmac.new(self.secret, b"session|" + self.token.encode(), hashlib.sha256).hexdigest()
-
-    def identity_from_session(self, cookie: str | None) -> str | None:
-        """The caller's identity for a session cookie (any caller when no token is
-        configured); None when it is missing or not this console's."""
-        expected = self.session_value()
-        if expected is None:
-            return ANONYMOUS
-        if cookie is None or self.token is None:
-            return None
-        if hmac.compare_digest(cookie.encode(), expected.encode()):
             return fingerprint(self.token)
         return None
 

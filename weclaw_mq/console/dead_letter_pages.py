@@ -1,10 +1,12 @@
-"""The dead-letters page and its actions: a look (as ``dlq list``), the dry-run preview of a
-requeue or purge, its confirmed run as a background job (and the job's progress), and
-requeueing one dead letter. Every change is audited."""
+"""The dead-letters page and its actions: a look (as ``dlq list``, each body cut to a
+preview), one dead letter's whole body, the dry-run preview of a requeue or purge, its
+confirmed run as a background job (and the job's progress), and requeueing one dead letter.
+Every change is audited."""
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -12,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from weclaw_mq.console.audit import audit
 from weclaw_mq.console.dead_letters import (
     ACTIONS,
+    BODY_PREVIEW_BYTES,
     EXACT_MAX,
     SHOWN_MAX,
     Job,
@@ -19,7 +22,7 @@ from weclaw_mq.console.dead_letters import (
     row,
 )
 from weclaw_mq.console.handling import caller_of, console_of, error_response, json_body
-from weclaw_mq.console.rendering import render
+from weclaw_mq.console.rendering import SECURITY_HEADERS, render
 from weclaw_mq.errors import ConfigurationError, WeclawMQError
 
 _DLQ_FIELDS = ("task_id", "error_type", "reason", "since", "until")
@@ -38,6 +41,7 @@ async def dead_letters_page(request: Request) -> Response:
         "matched": 0,
         "total": 0,
         "shown_max": SHOWN_MAX,
+        "body_preview_bytes": BODY_PREVIEW_BYTES,
         "problem": None,
     }
     if queue:
@@ -47,7 +51,7 @@ async def dead_letters_page(request: Request) -> Response:
             context["problem"] = str(e)
         else:
             context.update(
-                rows=[row(d) for d in seen.shown], matched=seen.matched, total=seen.total
+                rows=[row(d, queue) for d in seen.shown], matched=seen.matched, total=seen.total
             )
     return render(request, "dead_letters.html", **context)
 
@@ -55,13 +59,42 @@ async def dead_letters_page(request: Request) -> Response:
 async def dead_letters_json(request: Request) -> Response:
     console = console_of(request)
     params = dict(request.query_params)
+    queue = params.get("queue", "")
     try:
-        seen = await console.dead_letters.look(params.get("queue", ""), filter_of(params))
+        seen = await console.dead_letters.look(queue, filter_of(params))
     except WeclawMQError as e:
         return error_response(400, str(e))
     return JSONResponse(
-        {"total": seen.total, "matched": seen.matched, "dead_letters": [row(d) for d in seen.shown]}
+        {
+            "total": seen.total,
+            "matched": seen.matched,
+            "dead_letters": [row(d, queue) for d in seen.shown],
+        }
     )
+
+
+async def dead_letter_body(request: Request) -> Response:
+    """The whole body of one dead letter, as stored: UTF-8 text as ``text/plain``, other
+    bytes as a download; never rendered as a page of the console (``nosniff``)."""
+    console = console_of(request)
+    queue = request.query_params.get("queue", "")
+    task_id = request.query_params.get("task_id", "")
+    try:
+        dead = await console.dead_letters.body(queue, task_id)
+    except WeclawMQError as e:
+        return error_response(400, str(e))
+    if dead is None:
+        return error_response(404, f"no task {task_id} in {queue}.dlq")
+    try:
+        dead.body.decode("utf-8")
+    except UnicodeDecodeError:
+        disposition = f'attachment; filename="{quote(task_id, safe="")}.body"'
+        return Response(
+            dead.body,
+            media_type="application/octet-stream",
+            headers={**SECURITY_HEADERS, "content-disposition": disposition},
+        )
+    return Response(dead.body, media_type="text/plain; charset=utf-8", headers=SECURITY_HEADERS)
 
 
 async def preview(request: Request) -> Response:

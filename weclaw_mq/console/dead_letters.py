@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 from weclaw_mq.admin import dlq
 from weclaw_mq.admin.dlq_filter import DlqFilter, parse_time
@@ -37,6 +38,8 @@ EXACT_MAX = 1000
 KEPT_S = 3600.0
 # The rows one look shows (the count of all matching is told apart).
 SHOWN_MAX = 200
+# The bytes of each body a look keeps and shows; the whole body is fetched on demand.
+BODY_PREVIEW_BYTES = 2048
 
 
 def filter_of(params: Mapping[str, Any], *, now: datetime | None = None) -> DlqFilter:
@@ -67,11 +70,27 @@ def filter_of(params: Mapping[str, Any], *, now: datetime | None = None) -> DlqF
     )
 
 
-def row(dead: DeadLetter) -> dict[str, Any]:
-    """One dead letter as the page and its JSON show it (``dlq list --json``'s record)."""
+def row(dead: DeadLetter, queue: str) -> dict[str, Any]:
+    """One dead letter as the page and its JSON show it: ``dlq list --json``'s record, and
+    ``body_preview`` (its first ``BODY_PREVIEW_BYTES`` as text), ``body_size`` and
+    ``body_url`` (the whole body). A body a look cut short (``body_truncated``) has no
+    ``body``: only its preview, and the URL."""
     record = export_record(dead)
     record["traceback"] = dead.traceback
     record["dead_lettered_by"] = "broker" if dead.by_broker else "worker"
+    truncated = dead.body_size is not None
+    if truncated:
+        for name in ("body", "body_bytes", "body_encoding"):
+            record.pop(name, None)
+        record["body"] = None
+    record["body_preview"] = dead.body[:BODY_PREVIEW_BYTES].decode("utf-8", "replace")
+    record["body_size"] = dead.body_size if dead.body_size is not None else len(dead.body)
+    record["body_truncated"] = truncated
+    record["body_url"] = (
+        f"/api/dead-letters/body?{urlencode({'queue': queue, 'task_id': dead.task_id})}"
+        if dead.task_id
+        else None
+    )
     return record
 
 
@@ -154,7 +173,21 @@ class DeadLetters:
         return queue
 
     async def look(self, queue: str, where: DlqFilter) -> dlq.Looked:
-        return await dlq.look(self._app, self.queue_of(queue), where=where, limit=SHOWN_MAX)
+        """Up to ``SHOWN_MAX`` matching dead letters, each body cut to its preview: a look
+        holds at most ``SHOWN_MAX * BODY_PREVIEW_BYTES`` of bodies, however big they are."""
+        return await dlq.look(
+            self._app,
+            self.queue_of(queue),
+            where=where,
+            limit=SHOWN_MAX,
+            body_max=BODY_PREVIEW_BYTES,
+        )
+
+    async def body(self, queue: str, task_id: str) -> DeadLetter | None:
+        """The whole dead letter of ``task_id`` (the first with that id), or None."""
+        if not task_id:
+            raise ConfigurationError("no task id given")
+        return await dlq.find(self._app, self.queue_of(queue), task_id)
 
     async def preview(
         self, action: Action, queue: str, where: DlqFilter
@@ -162,12 +195,8 @@ class DeadLetters:
         """The dry run of ``action``: what it would select, kept for a confirmation."""
         self._forget_old()
         queue = self.queue_of(queue)
-        if action == "requeue":
-            requeue = await dlq.redrive(self._app, queue, where=where, dry_run=True)
-            selected, kept = requeue.selected, requeue.kept + requeue.skipped
-        else:
-            purge = await dlq.purge_matching(self._app, queue, where=where, dry_run=True)
-            selected, kept = purge.selected, purge.kept
+        dry = await _carry_out(self._app, action, queue, where, None, dry_run=True)
+        selected, kept = dry.selected, dry.kept + dry.skipped
         preview = Preview(
             id=secrets.token_urlsafe(12),
             action=action,
@@ -223,21 +252,18 @@ class DeadLetters:
             job.visited, job.total = visited, total
 
         try:
+            done = await _carry_out(
+                self._app, preview.action, preview.queue, where, limit, progress=step
+            )
             if preview.action == "requeue":
-                moved = await dlq.redrive(
-                    self._app, preview.queue, where=where, limit=limit, progress=step
-                )
                 job.summary = {
-                    "moved": moved.moved,
-                    "skipped": moved.skipped,
-                    "failed": moved.failed,
-                    "kept": moved.kept,
+                    "moved": done.acted,
+                    "skipped": done.skipped,
+                    "failed": done.failed,
+                    "kept": done.kept,
                 }
             else:
-                purged = await dlq.purge_matching(
-                    self._app, preview.queue, where=where, progress=step
-                )
-                job.summary = {"removed": purged.removed, "kept": purged.kept}
+                job.summary = {"removed": done.acted, "kept": done.kept}
             job.state = "done"
         except WeclawMQError as e:
             job.state, job.error = "failed", str(e)
@@ -254,3 +280,38 @@ class DeadLetters:
         for key, job in list(self._jobs.items()):
             if job.ended_at is not None and now - job.ended_at > KEPT_S:
                 del self._jobs[key]
+
+
+@dataclass(frozen=True)
+class _Done:
+    """What a requeue or purge pass did (or, dry, would do), in one shape."""
+
+    acted: int  # moved or removed
+    kept: int
+    skipped: int
+    failed: int
+    selected: list[DeadLetter]
+
+
+async def _carry_out(
+    app: App,
+    action: Action,
+    queue: str,
+    where: DlqFilter,
+    limit: int | None,
+    *,
+    dry_run: bool = False,
+    progress: dlq.Progress | None = None,
+) -> _Done:
+    """The one place the console hands an action to the engine: the preview and the run
+    pass the same filter and limit, whichever the action (a limit the purge once dropped)."""
+    # A preview lists no bodies: a dry run over many big dead letters holds none of them.
+    if action == "requeue":
+        moved = await dlq.redrive(
+            app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress, body_max=0
+        )
+        return _Done(moved.moved, moved.kept, moved.skipped, moved.failed, moved.selected)
+    purged = await dlq.purge_matching(
+        app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress, body_max=0
+    )
+    return _Done(purged.removed, purged.kept, 0, 0, purged.selected)

@@ -1,19 +1,28 @@
 """The console's one door: an ASGI middleware every request passes before any page or API
-runs, applying ``access``: the host check, the token (Bearer header or session cookie), and
-for a mutating request read-only, same origin and CSRF. A refused mutation is written to the
-audit log too. The pages add their own security headers (``pages.SECURITY_HEADERS``).
+runs, applying ``access``: the host check, the token (Bearer header, throttled per client
+after wrong ones, or a live session's cookie: ``sessions``), and for a mutating request
+read-only, same origin and CSRF. A refused mutation is written to the audit log too. The
+pages add their own security headers (``pages.SECURITY_HEADERS``).
 """
 
 from __future__ import annotations
 
+import math
 from urllib.parse import quote
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from weclaw_mq.console.access import CSRF_HEADER, SESSION_COOKIE, Access, mutation_refusal
+from weclaw_mq.console.access import (
+    ANONYMOUS,
+    CSRF_HEADER,
+    SESSION_COOKIE,
+    Access,
+    mutation_refusal,
+)
 from weclaw_mq.console.audit import audit
+from weclaw_mq.console.sessions import Sessions, Throttle
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Served without the token: the login form, and the package's own static assets.
@@ -29,19 +38,34 @@ def who(identity: str) -> str:
     return identity if identity == "anonymous" else f"token:{identity}"
 
 
-def _refused(request: Request, status: int, message: str) -> Response:
+def _refused(
+    request: Request, status: int, message: str, headers: dict[str, str] | None = None
+) -> Response:
     if request.url.path.startswith("/api/"):
-        return JSONResponse({"error": message}, status_code=status)
-    return PlainTextResponse(message, status_code=status)
+        return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return PlainTextResponse(message, status_code=status, headers=headers)
+
+
+def throttled(wait_s: float) -> tuple[str, dict[str, str]]:
+    """The 429's message and its ``Retry-After``, for a client that must wait ``wait_s``."""
+    seconds = max(1, math.ceil(wait_s))
+    return (
+        f"too many wrong tokens from this address: try again in {seconds} s",
+        {"retry-after": str(seconds)},
+    )
 
 
 class Guard:
     """Checks each HTTP request against ``access``; sets ``request.state.identity`` (the
     caller's fingerprint or "anonymous") and ``request.state.csrf`` for the pages."""
 
-    def __init__(self, app: ASGIApp, access: Access) -> None:
+    def __init__(
+        self, app: ASGIApp, access: Access, sessions: Sessions, throttle: Throttle
+    ) -> None:
         self.app = app
         self.access = access
+        self.sessions = sessions
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -65,9 +89,19 @@ class Guard:
             return None
         authorization = request.headers.get("authorization", "")
         bearer = authorization[7:].strip() if authorization.lower().startswith("bearer ") else None
-        identity = access.identity(bearer) if bearer is not None else None
-        if identity is None and bearer is None:
-            identity = access.identity_from_session(request.cookies.get(SESSION_COOKIE))
+        if access.token is None:
+            identity: str | None = ANONYMOUS
+        elif bearer is not None:
+            client = client_of(request)
+            wait_s = self.throttle.admit(client)
+            if wait_s > 0:  # its token is not even compared: no oracle while throttled
+                message, headers = throttled(wait_s)
+                return _refused(request, 429, message, headers)
+            identity = access.identity(bearer)
+            if identity is None:
+                self.throttle.failed(client)
+        else:
+            identity = self.sessions.identity_of(request.cookies.get(SESSION_COOKIE))
         if identity is None:
             if request.method in SAFE_METHODS and not path.startswith("/api/"):
                 target = path + (f"?{request.url.query}" if request.url.query else "")

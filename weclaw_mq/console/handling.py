@@ -16,6 +16,7 @@ from weclaw_mq.console.dead_letters import DeadLetters
 from weclaw_mq.console.guard import client_of, who
 from weclaw_mq.console.overview import Overview
 from weclaw_mq.console.rendering import SECURITY_HEADERS
+from weclaw_mq.console.sessions import Sessions, Throttle
 from weclaw_mq.errors import ConfigurationError
 
 # How often the pages poll their fragment (ms): the overview, the tasks, a running task.
@@ -24,8 +25,8 @@ REFRESH_MS = 2000
 
 @dataclass
 class Console:
-    """What the routes share: the user's App, the access rules, the cached overview and the
-    dead-letter previews and jobs."""
+    """What the routes share: the user's App, the access rules, the cached overview, the
+    dead-letter previews and jobs, the sign-in sessions and the throttle of wrong tokens."""
 
     app: App
     access: Access
@@ -33,10 +34,14 @@ class Console:
     trace_url: str | None = None
     overview: Overview = field(init=False)
     dead_letters: DeadLetters = field(init=False)
+    sessions: Sessions = field(init=False)
+    throttle: Throttle = field(init=False)
 
     def __post_init__(self) -> None:
         self.overview = Overview(self.app)
         self.dead_letters = DeadLetters(self.app)
+        self.sessions = Sessions(self.access.session_ttl_s)
+        self.throttle = Throttle()
 
 
 def console_of(request: Request) -> Console:

@@ -64,6 +64,7 @@ def create_console(
         Route("/api/tasks/{task_id}/stream", pages.task_stream),
         Route("/api/tasks/{task_id}/cancel", pages.cancel_task, methods=["POST"]),
         Route("/api/dead-letters", dlq.dead_letters_json),
+        Route("/api/dead-letters/body", dlq.dead_letter_body),
         Route("/api/dead-letters/preview", dlq.preview, methods=["POST"]),
         Route("/api/dead-letters/run", dlq.run_preview, methods=["POST"]),
         Route("/api/dead-letters/requeue-one", dlq.requeue_one, methods=["POST"]),
@@ -83,5 +84,7 @@ def create_console(
 
     web = Starlette(routes=routes, lifespan=lifespan)
     web.state.console = console
-    web.add_middleware(Guard, access=console.access)
+    web.add_middleware(
+        Guard, access=console.access, sessions=console.sessions, throttle=console.throttle
+    )
     return web

@@ -175,10 +175,10 @@ async def task_stream(request: Request) -> Response:
 async def cancel_task(request: Request) -> Response:
     app = console_of(request).app
     task_id = request.path_params["task_id"]
-    body = await json_body(request)
-    queue = body.get("queue") or None
     client, caller = caller_of(request)
+    queue: Any = None
     try:
+        queue = (await json_body(request)).get("queue") or None
         done = await details.cancel(app, task_id, queue if isinstance(queue, str) else None)
     except WeclawMQError as e:
         audit(client, caller, "cancel", task_id=task_id, queue=queue, outcome="failed", why=str(e))
