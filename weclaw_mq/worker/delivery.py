@@ -203,18 +203,16 @@ async def _process(
     begun: run_hooks.Begun | None = None
     try:
         with hold:
-            if rt.hooks is not None:  # the middleware's before_run hooks, under the lease
-                begun = await run_hooks.begin(rt.hooks, run_of(delivery, spec, task))
+            if rt.hooks is not None:  # the middleware's run: its before_run in call_handler
+                begun = run_hooks.begin(rt.hooks, run_of(delivery, spec, task))
             # If the handler ignores its cancellation, another task ends the attempt without
             # it (a partial, not a closure: made for every delivery, called for almost none).
             on_stuck = functools.partial(take_over, message, delivery, spec, rt, held, watch, begun)
             outcome: tuple[Any, BaseException | None] | None
-            if begun is not None and begun.failed is not None:
-                outcome = (None, begun.failed)  # a before_run hook failed the attempt
-            elif ticket is NO_TICKET:
+            if ticket is NO_TICKET:
                 # The common path: no limit's slot to free.
                 outcome = await call_handler(
-                    spec, task, delivery, rt, on_stuck, watch, report, model
+                    spec, task, delivery, rt, on_stuck, watch, report, model, begun
                 )
             else:
                 with ticket:  # the limits' slots are freed as the handler ends, however it ends
@@ -227,6 +225,7 @@ async def _process(
                         watch,
                         report,
                         model,
+                        begun,
                     )
                     ticket.ended(outcome)
             if outcome is not None and circuit is not None:
@@ -248,8 +247,8 @@ async def _process(
                 else after_attempt(delivery, spec, outcome[0], outcome[1])
             )
             await carry_out(end, message, delivery, spec, rt, held)
-            if begun is not None:
-                await run_hooks.finish(begun, outcome[0], outcome[1])
+        if begun is not None:  # settled: the lease is no longer kept while they run
+            await run_hooks.finish(begun, outcome[0], outcome[1])
     except BaseException as e:
         if begun is not None:
             await run_hooks.given_back(begun, e)
