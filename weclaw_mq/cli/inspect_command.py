@@ -122,6 +122,16 @@ def table(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> l
         if w.breakers:
             states = ", ".join(f"{q} {state.replace('_', ' ')}" for q, state in w.breakers.items())
             lines.append(f"  breaker not closed: {states}")
+        if w.sync_threads_stuck:
+            lines.append(
+                f"  sync threads held by calls past their timeout: {w.sync_threads_stuck} of "
+                f"{w.sync_threads}"
+                + (
+                    " (no plain-def task can start)"
+                    if w.sync_threads_stuck >= w.sync_threads
+                    else ""
+                )
+            )
         if w.tasks:
             task_rows = [
                 [

@@ -108,6 +108,10 @@ class WorkerRecord:
     # Its breakers that are not closed: queue -> "open" or "half_open" (a breaker's state
     # lives in each worker's memory; the console shows it from here).
     breakers: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Its plain-def handlers' threads (0 without such handlers) and how many are held by
+    # calls past their timeout: all of them, and no plain-def task can start.
+    sync_threads: int = 0
+    sync_threads_stuck: int = 0
 
     def to_json(self) -> str:
         document = dataclasses.asdict(self)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from time import monotonic
 
@@ -70,6 +71,19 @@ class Deadline:
         if owner._ticker is None:
             owner._start(task.get_loop())
         return self
+
+    def hold(self) -> None:
+        """Stop the clock (a plain def's call waiting for a thread): no expiry until
+        ``restart``. A cancel request (``end_now``) still ends the wait at once."""
+        if not self.expired:
+            self.at = math.inf
+
+    def restart(self) -> None:
+        """Start the clock again from now, for the whole ``timeout_s``. No effect once the
+        deadline expired."""
+        if not self.expired:
+            self.started = started = monotonic()
+            self.at = started + self.timeout_s
 
     def end_now(self) -> None:
         """Expire now (a cancel request, ``worker.cancel_watch``): the body is cancelled at once,

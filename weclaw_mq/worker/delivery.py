@@ -40,6 +40,7 @@ from weclaw_mq.worker.ends import (
     AckCancelled,
     DeadLetter,
     Defer,
+    End,
     RejectOriginal,
     after_attempt,
     carry_out,
@@ -49,6 +50,7 @@ from weclaw_mq.worker.records import record_status, release
 from weclaw_mq.worker.run_hooks import run_of
 from weclaw_mq.worker.running import call_handler, take_over
 from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.worker.sync_threads import NoThreadFree
 from weclaw_mq.worker.usage import RunUsage, record_usage, within_cap
 
 __all__ = ["process"]
@@ -228,7 +230,9 @@ async def _process(
                         begun,
                     )
                     ticket.ended(outcome)
-            if outcome is not None and circuit is not None:
+            # No thread took a plain def's call: it never started, so no attempt is spent.
+            unstarted = outcome is not None and type(outcome[1]) is NoThreadFree
+            if outcome is not None and circuit is not None and not unstarted:
                 circuit.outcome(message, outcome[1])
             if running is not None:
                 await running
@@ -236,16 +240,18 @@ async def _process(
                 return
             if usage is not None and usage.calls:  # recorded before the task's end is
                 await record_usage(rt, delivery, spec, task, usage)
-            if chained and model is not None and not watch.requested:  # the model's health
+            if chained and model is not None and not watch.requested and not unstarted:
                 error = await fallbacks.after_attempt(rt, spec, delivery, model, outcome[1])
                 outcome = (outcome[0], error)
             # Cancelled while it ran: whatever it returned or raised no longer counts (a
             # failure is not retried).
-            end = (
-                AckCancelled()
-                if watch.requested
-                else after_attempt(delivery, spec, outcome[0], outcome[1])
-            )
+            end: End
+            if watch.requested:
+                end = AckCancelled()
+            elif unstarted:
+                end = Defer(str(outcome[1]), queued_again=True)
+            else:
+                end = after_attempt(delivery, spec, outcome[0], outcome[1])
             await carry_out(end, message, delivery, spec, rt, held)
         if begun is not None:  # settled: the lease is no longer kept while they run
             await run_hooks.finish(begun, outcome[0], outcome[1])
