@@ -209,6 +209,21 @@ class WorkerRegistry:
         return sorted(records, key=lambda r: (r.host, r.pid, r.worker_id))
 
 
+async def runs(registry: WorkerRegistry, task_id: str, queue: str) -> bool | None:
+    """Is the task in flight at a live worker? True when one lists it, False when none does,
+    None when it cannot tell (a live worker of ``queue`` lists only part of its tasks).
+
+    Raises:
+        StateUnavailableError: Redis does not answer.
+    """
+    unlisted = False
+    for worker in await registry.read():
+        if any(t.task_id == task_id and t.queue == queue for t in worker.tasks):
+            return True
+        unlisted = unlisted or (worker.more > 0 and queue in worker.queues)
+    return None if unlisted else False
+
+
 def registry_of(store: object) -> WorkerRegistry | None:
     """The registry in ``store``'s Redis, sharing its auto-pipeline; None for a store that is
     not the Redis one (no Redis, no registry). Asked without importing redis-py: a

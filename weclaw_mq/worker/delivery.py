@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 from typing import Any
 
@@ -126,7 +127,7 @@ async def _process(
     if circuit is not None and not circuit.admits(message):
         # Delivered as the breaker opened (or waiting for a lane slot): parked, no attempt.
         why = f"the circuit breaker of {spec.queue!r} is {circuit.state}"
-        await carry_out(Defer(why), message, delivery, spec, rt)
+        await carry_out(Defer(why, by="breaker"), message, delivery, spec, rt)
         return
     try:
         task = spec.parse(delivery.body)
@@ -164,14 +165,14 @@ async def _process(
         if isinstance(capped, str):
             model = capped  # downgraded: the run gets the cap's cheaper model
         elif capped is not None:
-            await carry_out(capped, message, delivery, spec, rt, held)
+            await carry_out(_by(capped, "cap"), message, delivery, spec, rt, held)
             return
     # A fallback chain's model: the first up that the task has not failed on.
     chained = spec.fallback is not None and model is None
     if chained:
         chosen = await fallbacks.model_for(rt, spec, delivery)
         if not isinstance(chosen, str):
-            await carry_out(chosen, message, delivery, spec, rt, held)
+            await carry_out(_by(chosen, "fallback"), message, delivery, spec, rt, held)
             return
         model = chosen
     if model is not None:
@@ -180,7 +181,7 @@ async def _process(
     if spec.limits and rt.limiter is not None:
         admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body), model)
         if not isinstance(admitted, Ticket):
-            await carry_out(admitted, message, delivery, spec, rt, held)
+            await carry_out(_by(admitted, "limit"), message, delivery, spec, rt, held)
             return
         ticket = admitted
 
@@ -249,7 +250,7 @@ async def _process(
             if watch.requested:
                 end = AckCancelled()
             elif unstarted:
-                end = Defer(str(outcome[1]), queued_again=True)
+                end = Defer(str(outcome[1]), queued_again=True, by="threads")
             else:
                 end = after_attempt(delivery, spec, outcome[0], outcome[1])
             await carry_out(end, message, delivery, spec, rt, held)
@@ -268,3 +269,8 @@ async def _process(
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(release(rt, spec, delivery, held), RELEASE_ON_EXIT_S)
         raise
+
+
+def _by(end: End, by: str) -> End:
+    """A gate's deferral, saying which gate: its record and its first log line say so."""
+    return dataclasses.replace(end, by=by) if type(end) is Defer else end
