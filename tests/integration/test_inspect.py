@@ -368,3 +368,9 @@ async def test_status_says_a_running_task_is_on_a_worker_that_is_gone_after_a_ki
         assert shown.code == 0, shown.stderr
         document = json.loads(shown.stdout)
         assert (document["status"], document["worker_gone"]) == ("running", True)
+        env = inspecting.env(qname, worker_beat_s=beat_s)
+        listed = (await inspect_json(env))["on_gone_workers"]
+        assert [(t["task_id"], t["queue"]) for t in listed] == [(task_id, qname)]
+        table = await run_cli("inspect", FIXTURE_APP, env=env)
+        assert "1 task(s) recorded running on a worker that is gone" in table.stdout
+        assert task_id in table.stdout

@@ -28,7 +28,7 @@ from weclaw_mq.state import (
 )
 from weclaw_mq.state.expiry import as_seen_at, until_deadline_s
 from weclaw_mq.state.task_index import TaskIndex, TaskPage, TaskQuery, TimelineEvent
-from weclaw_mq.state.worker_registry import BEATS_KEPT, registry_of, runs
+from weclaw_mq.state.worker_registry import registry_of, worker_gone
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.streaming.events import check_event_id
 from weclaw_mq.streaming.reading import task_events
@@ -108,11 +108,11 @@ class ResultsReader:
         while it is younger than the registry's records live (its worker may not have
         beaten since it started), when the registry cannot tell, or cannot be read."""
         registry = registry_of(store)
-        age_s = (datetime.now(UTC) - state.updated_at).total_seconds()
-        if registry is None or age_s <= self.settings.worker_beat_s * (BEATS_KEPT + 1):
-            return state
+        beat_s = self.settings.worker_beat_s
+        if registry is None or not worker_gone([], state, beat_s, datetime.now(UTC)):
+            return state  # no registry, or too young to judge
         try:
-            if await runs(registry, state.task_id, state.queue) is not False:
+            if not worker_gone(await registry.read(), state, beat_s, datetime.now(UTC)):
                 return state
             # Read again: a task that ended between the two reads is no longer running.
             again = await store.get(state.task_id, queue=state.queue)

@@ -20,11 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from weclaw_mq.contract.naming import WORKER_INDEX_KEY, worker_key
 from weclaw_mq.state.outages import is_state_failure, state_unavailable
+from weclaw_mq.state.protocol import TaskState, TaskStatus
 
 if TYPE_CHECKING:
     from weclaw_mq.state.pipelining import AutoPipeline
@@ -209,19 +212,29 @@ class WorkerRegistry:
         return sorted(records, key=lambda r: (r.host, r.pid, r.worker_id))
 
 
-async def runs(registry: WorkerRegistry, task_id: str, queue: str) -> bool | None:
-    """Is the task in flight at a live worker? True when one lists it, False when none does,
-    None when it cannot tell (a live worker of ``queue`` lists only part of its tasks).
-
-    Raises:
-        StateUnavailableError: Redis does not answer.
-    """
+def runs(workers: Sequence[WorkerRecord], task_id: str, queue: str) -> bool | None:
+    """Is the task in flight at one of the live ``workers``? True when one lists it, False
+    when none does, None when it cannot tell (a live worker of ``queue`` lists only part of
+    its tasks)."""
     unlisted = False
-    for worker in await registry.read():
+    for worker in workers:
         if any(t.task_id == task_id and t.queue == queue for t in worker.tasks):
             return True
         unlisted = unlisted or (worker.more > 0 and queue in worker.queues)
     return None if unlisted else False
+
+
+def worker_gone(
+    workers: Sequence[WorkerRecord], state: TaskState, beat_s: float, now: datetime
+) -> bool:
+    """Is ``state``, a ``running`` record, run by no live worker? Judged only once the record
+    is older than a worker's registry record lives (``beat_s``: the workers' beat), so a
+    worker that started the task since its last beat is not taken for gone."""
+    if state.status is not TaskStatus.RUNNING:
+        return False
+    if (now - state.updated_at).total_seconds() <= beat_s * (BEATS_KEPT + 1):
+        return False
+    return runs(workers, state.task_id, state.queue) is False
 
 
 def registry_of(store: object) -> WorkerRegistry | None:
