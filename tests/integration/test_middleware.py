@@ -366,3 +366,34 @@ async def test_an_after_run_that_always_raises_logs_one_traceback_not_one_per_ta
     failures = [r for r in caplog.records if r.name == "weclaw_mq.middleware"]
     assert len([r for r in failures if r.exc_info]) == 1, [r.getMessage() for r in failures]
     assert len(failures) == 1  # the repeats fall within the minute: no line of their own
+
+
+async def test_a_before_run_that_ignores_its_cancellation_is_abandoned_like_a_stuck_handler(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app(handler_cancel_grace_s=0.2)
+    release = asyncio.Event()
+
+    class Stubborn(Middleware):
+        async def before_run(self, run: Run) -> None:
+            while not release.is_set():
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    continue  # ignores its cancellation
+
+    app.add_middleware(Stubborn())
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=0), timeout_s=0.3)
+    async def never_reached(task: dict[str, int]) -> None:
+        raise AssertionError("the handler must not run")
+
+    worker = await start_worker(app)
+    try:
+        task_id = await app.publish(qname, {"n": 1})
+        final = await app.result(task_id, timeout_s=30)
+        await wait_until(lambda: worker.abandoned == 1, 10, "the hook abandoned")
+        assert final.status is TaskStatus.DEAD_LETTERED
+        assert final.error is not None and final.error.startswith("HandlerAbandoned"), final.error
+    finally:
+        release.set()

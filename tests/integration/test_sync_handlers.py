@@ -128,6 +128,11 @@ async def test_a_blocking_call_past_its_timeout_is_retried_then_dead_lettered_an
             lambda: outcome_count(app, later, Outcome.DEFERRED) >= 2, 20, what="two deferrals"
         )
         assert later_started == []
+        # Its record says why it waits, not "running", and spent no attempt.
+        shown = await app.status(waiting)
+        assert shown is not None and shown.deferred is not None, shown
+        assert (shown.status, shown.deferred.by) == (TaskStatus.QUEUED, "threads")
+        assert "no sync thread free" in shown.deferred.why
         assert (threads.threads, threads.running) == (2, 2)  # never more than the pool's size
         released_at = time.monotonic()
     finally:

@@ -228,11 +228,13 @@ def worker_gone(
     workers: Sequence[WorkerRecord], state: TaskState, beat_s: float, now: datetime
 ) -> bool:
     """Is ``state``, a ``running`` record, run by no live worker? Judged only once the record
-    is older than a worker's registry record lives (``beat_s``: the workers' beat), so a
-    worker that started the task since its last beat is not taken for gone."""
+    is older than a worker's registry record lives (``beat_s``, or the longest beat of the
+    live ``workers``), so a worker that started the task since its last beat is not taken
+    for gone."""
     if state.status is not TaskStatus.RUNNING:
         return False
-    if (now - state.updated_at).total_seconds() <= beat_s * (BEATS_KEPT + 1):
+    longest_beat_s = max([beat_s, *(w.beat_s for w in workers)])
+    if (now - state.updated_at).total_seconds() <= longest_beat_s * (BEATS_KEPT + 1):
         return False
     return runs(workers, state.task_id, state.queue) is False
 

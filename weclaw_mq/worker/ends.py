@@ -228,7 +228,10 @@ async def carry_out(
             await _dead_letter(message, delivery, spec, rt, reason, error)
         case Defer(by=by) if by is not None:
             await asyncio.gather(
-                release(rt, spec, delivery, held), _record_deferral(rt, delivery, spec, end)
+                release(rt, spec, delivery, held),
+                # "running" is ours when our claim wrote it, or this delivery did as its
+                # handler was to start (no thread took it).
+                _record_deferral(rt, delivery, spec, end, held is not None or by == "threads"),
             )
             level = logging.INFO if deferrals(delivery) == 0 else logging.DEBUG
             await _defer(
@@ -287,11 +290,16 @@ async def _defer(
     )
 
 
-# A deferral is written over a record of a task still on its way, never over a final one.
-_NOT_FINAL = (TaskStatus.QUEUED, TaskStatus.RUNNING, TaskStatus.RETRYING, TaskStatus.STORED_LOCALLY)
+# A deferral is written over a record of a task still on its way, never over a final one;
+# over "running" only by the claim's holder (whose claim wrote it): else it may be another
+# copy's run.
+_WAITING = (TaskStatus.QUEUED, TaskStatus.RETRYING, TaskStatus.STORED_LOCALLY)
+_WAITING_OR_OURS = (*_WAITING, TaskStatus.RUNNING)
 
 
-async def _record_deferral(rt: Runtime, delivery: Delivery, spec: HandlerSpec, end: Defer) -> None:
+async def _record_deferral(
+    rt: Runtime, delivery: Delivery, spec: HandlerSpec, end: Defer, claimed: bool
+) -> None:
     """The ``queued`` record of a deferred task, saying why and when it comes back (best
     effort, as every progress status). The last failure its copy carries stays on it."""
     if rt.results is None:
@@ -314,7 +322,7 @@ async def _record_deferral(rt: Runtime, delivery: Delivery, spec: HandlerSpec, e
         count=deferrals(delivery) + 1,
     )
     try:
-        await rt.results.record(state, only_over=_NOT_FINAL)
+        await rt.results.record(state, only_over=_WAITING_OR_OURS if claimed else _WAITING)
     except Exception as e:
         log.warning("could not record the deferral (%s)", e)
 
