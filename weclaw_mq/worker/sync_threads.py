@@ -7,13 +7,14 @@ dropped, and a running one is abandoned: its outcome is ignored, and it keeps it
 counted as running, until it really returns. So abandoned calls never make the pool run more
 than ``size`` calls at once.
 
-The handler's timeout starts when a thread takes the call, not while it waits for one: a call
-waits for a thread up to its handler's timeout, and one that got none, or that came while
-every thread is held by an abandoned call (none can come back on its own), is not started and
-raises ``NoThreadFree``; the delivery parks the task without spending an attempt. One pool
-serves every plain-def handler of the worker (a pool per handler would multiply the threads,
-and the handler that hangs would still starve its own tasks): what keeps an innocent task
-safe is that waiting never costs it an attempt, and ``stuck`` puts the pool on ``/healthz``.
+The handler's timeout does not run while a call waits for a thread (it resumes when one
+takes it): a call waits for a thread up to its handler's timeout, and one that got none, or
+that came while every thread is held by an abandoned call (none can come back on its own), is
+not started and raises ``NoThreadFree``; the delivery parks the task without spending an
+attempt. One pool serves every plain-def handler of the worker (a pool per handler would
+multiply the threads, and the handler that hangs would still starve its own tasks): what
+keeps an innocent task safe is that waiting never costs it an attempt, and ``stuck`` puts the
+pool on ``/healthz``.
 
 The threads are daemon threads, not ``concurrent.futures``' (which the interpreter joins at
 exit): a call that never returns must not keep a stopped worker's process alive.
