@@ -164,6 +164,11 @@ async def test_a_tenant_at_its_cap_is_shed_parked_or_downgraded_and_others_go_on
         )
         status = await app.status(later)
         assert status is not None and status.status is TaskStatus.QUEUED
+        # It says why it waits and until when: the next UTC day.
+        assert status.deferred is not None and status.deferred.by == "cap", status
+        assert "reached its cap" in status.deferred.why
+        assert status.deferred.next_try_at is not None
+        assert status.deferred.next_try_at.date() > status.updated_at.date()
         assert fake.calls == calls_before  # the parked task did not call the model
     capped = app.metrics.registry.get_sample_value(
         "weclaw_mq_capped_tasks_total", {"queue": qname, "action": action}

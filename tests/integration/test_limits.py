@@ -338,3 +338,49 @@ async def test_a_killed_worker_frees_its_slot_after_the_lease(
         queues_to_delete.extend(queue_names(app))
         await forget_task_keys(redis_url, [qname])
         await _forget_limit_keys(redis_client, qname)
+
+
+async def test_a_task_deferred_by_a_limit_says_why_in_its_status_and_logs_its_first_deferral(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    redis_client: aioredis.Redis,
+    qname: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = make_app()
+    release = asyncio.Event()
+    started: list[int] = []
+
+    @app.handler(qname, limit=Limit(key=lambda j: j.user, concurrency=1))
+    async def work(job: Job) -> None:
+        started.append(job.n)
+        await release.wait()
+
+    caplog.set_level("DEBUG", logger="weclaw_mq.worker")
+    await start_worker(app, concurrency=2)
+    try:
+        first = await app.publish(qname, Job(user="a", n=1))
+        await wait_until(lambda: started == [1], 10, "the first task running")
+        held = await app.publish(qname, Job(user="a", n=2))
+
+        async def deferred_twice() -> bool:
+            state = await app.status(held)
+            return state is not None and state.deferred is not None and state.deferred.count >= 2
+
+        await wait_until(deferred_twice, 20, "two deferrals on the record")
+        state = await app.status(held)
+        assert state is not None and state.deferred is not None
+        assert state.status is TaskStatus.QUEUED
+        assert (state.deferred.by, state.deferred.why) == ("limit", "over its concurrency limit")
+        assert state.deferred.next_try_at is not None
+        assert state.deferred.next_try_at > state.updated_at
+        parked = [r for r in caplog.records if "over its concurrency limit" in r.getMessage()]
+        levels = [r.levelname for r in parked]
+        assert levels[0] == "INFO" and set(levels[1:]) == {"DEBUG"}, levels
+        release.set()
+        final = await app.result(held, timeout_s=20)
+        assert final.status is TaskStatus.SUCCEEDED and final.deferred is None
+        assert (await app.result(first, timeout_s=20)).status is TaskStatus.SUCCEEDED
+    finally:
+        release.set()
+        await _forget_limit_keys(redis_client, qname)

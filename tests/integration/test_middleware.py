@@ -248,3 +248,152 @@ async def test_publish_hooks_stamp_headers_and_see_every_publish_and_its_error(
         (qname, many[1], None),
         (f"{qname}-nowhere", f"{qname}-lost", "UnroutableError"),
     ]  # the refused publish was never sent: no after_publish for it
+
+
+async def test_a_before_run_past_the_handlers_timeout_ends_the_attempt_as_a_timeout(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app()
+    called: list[int] = []
+
+    class Slow(Middleware):
+        async def before_run(self, run: Run) -> None:
+            await asyncio.sleep(3)  # past the handler's 0.5 s: the hooks share its deadline
+
+    app.add_middleware(Slow())
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=0), timeout_s=0.5)
+    async def quick(task: dict[str, int]) -> None:
+        called.append(task["n"])
+
+    await start_worker(app)
+    task_id = await app.publish(qname, {"n": 1})
+    final = await app.result(task_id, timeout_s=30)
+
+    assert final.status is TaskStatus.DEAD_LETTERED
+    assert final.error is not None and final.error.startswith("HandlerTimeout"), final.error
+    assert called == []
+
+
+async def test_a_cancel_request_reaches_a_before_run_that_hangs(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app()
+    entered = asyncio.Event()
+
+    class Hanging(Middleware):
+        async def before_run(self, run: Run) -> None:
+            entered.set()
+            await asyncio.sleep(HANDLER_WAIT_S)
+
+    app.add_middleware(Hanging())
+
+    @app.handler(qname, timeout_s=HANDLER_WAIT_S * 2)
+    async def never_reached(task: dict[str, int]) -> None:
+        raise AssertionError("the handler must not run")
+
+    worker = await start_worker(app)
+    task_id = await app.publish(qname, {"n": 1})
+    await asyncio.wait_for(entered.wait(), 20)
+    await app.cancel(task_id)
+    final = await app.result(task_id, timeout_s=20)
+
+    assert final.status is TaskStatus.CANCELLED
+    # The cancel reached the hook: its delivery ended (its slot and claim are free).
+    await wait_until(lambda: worker.in_flight == 0, 20, "the delivery to end")
+
+
+async def test_a_hanging_after_run_is_cut_off_and_frees_the_delivery(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from weclaw_mq.worker import run_hooks
+
+    monkeypatch.setattr(run_hooks, "AFTER_RUN_TIMEOUT_S", 0.5)
+    app = make_app()
+    entered = asyncio.Event()
+
+    class Hanging(Middleware):
+        async def after_run(self, run: Run, end: RunEnd) -> None:
+            entered.set()
+            await asyncio.sleep(HANDLER_WAIT_S)
+
+    app.add_middleware(Hanging())
+
+    @app.handler(qname)
+    async def quick(task: dict[str, int]) -> int:
+        return task["n"]
+
+    worker = await start_worker(app)
+    task_id = await app.publish(qname, {"n": 1})
+    final = await app.result(task_id, timeout_s=30)
+    await asyncio.wait_for(entered.wait(), 20)
+
+    assert final.status is TaskStatus.SUCCEEDED
+    # The hook still sleeps; the delivery no longer waits for it.
+    await wait_until(lambda: worker.in_flight == 0, 20, "the delivery to end")
+
+
+async def test_an_after_run_that_always_raises_logs_one_traceback_not_one_per_task(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = make_app()
+    seen: list[str] = []
+
+    class Broken(Middleware):
+        async def after_run(self, run: Run, end: RunEnd) -> None:
+            seen.append(run.task_id)
+            raise RuntimeError("the metrics backend is down")
+
+    app.add_middleware(Broken())
+
+    @app.handler(qname)
+    async def quick(task: dict[str, int]) -> int:
+        return task["n"]
+
+    await start_worker(app, concurrency=4)
+    caplog.set_level("INFO", logger="weclaw_mq.middleware")
+    ids = [await app.publish(qname, {"n": n}) for n in range(12)]
+    for task_id in ids:
+        assert (await app.result(task_id, timeout_s=30)).status is TaskStatus.SUCCEEDED
+    await wait_until(lambda: len(seen) == 12, 20, "every after_run called")
+
+    failures = [r for r in caplog.records if r.name == "weclaw_mq.middleware"]
+    assert len([r for r in failures if r.exc_info]) == 1, [r.getMessage() for r in failures]
+    assert len(failures) == 1  # the repeats fall within the minute: no line of their own
+
+
+async def test_a_before_run_that_ignores_its_cancellation_is_abandoned_like_a_stuck_handler(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app(handler_cancel_grace_s=0.2)
+    release = asyncio.Event()
+
+    class Stubborn(Middleware):
+        async def before_run(self, run: Run) -> None:
+            while not release.is_set():
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    continue  # ignores its cancellation
+
+    app.add_middleware(Stubborn())
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=0), timeout_s=0.3)
+    async def never_reached(task: dict[str, int]) -> None:
+        raise AssertionError("the handler must not run")
+
+    worker = await start_worker(app)
+    try:
+        task_id = await app.publish(qname, {"n": 1})
+        final = await app.result(task_id, timeout_s=30)
+        await wait_until(lambda: worker.abandoned == 1, 10, "the hook abandoned")
+        assert final.status is TaskStatus.DEAD_LETTERED
+        assert final.error is not None and final.error.startswith("HandlerAbandoned"), final.error
+    finally:
+        release.set()

@@ -92,7 +92,9 @@ async def test_a_blocking_call_past_its_timeout_is_retried_then_dead_lettered_an
 
     later = f"{qname}-later"
 
-    @app.handler(later, timeout_s=60)
+    # A short timeout and no retry: a wait for a thread that counted against it (or spent an
+    # attempt) would dead-letter the task unstarted.
+    @app.handler(later, timeout_s=0.5, retry=RetryPolicy(max_retries=0, delay_s=0.05))
     def answers(task: dict[str, int]) -> str:
         later_started.append(time.monotonic())
         return "answered"
@@ -115,12 +117,22 @@ async def test_a_blocking_call_past_its_timeout_is_retried_then_dead_lettered_an
         # Both calls still run: each holds its thread, and the pool counts them.
         assert (threads.threads, threads.running, threads.abandoned) == (2, 2, 2)
 
-        # No thread is free: the next plain-def task waits for one, under its own timeout.
+        # No thread can come back: the next plain-def task is deferred unstarted, again and
+        # again, without spending an attempt; /healthz says the pool is stuck.
+        assert threads.stuck
+        health = worker.health()
+        assert not health.ok
+        assert health.as_json()["sync_threads"] == {"size": 2, "stuck": 2}
         waiting = await app.publish(later, {"n": 2})
         await wait_until(
-            lambda: _status_is(app, waiting, TaskStatus.RUNNING), 10, what="the task claimed"
+            lambda: outcome_count(app, later, Outcome.DEFERRED) >= 2, 20, what="two deferrals"
         )
         assert later_started == []
+        # Its record says why it waits, not "running", and spent no attempt.
+        shown = await app.status(waiting)
+        assert shown is not None and shown.deferred is not None, shown
+        assert (shown.status, shown.deferred.by) == (TaskStatus.QUEUED, "threads")
+        assert "no sync thread free" in shown.deferred.why
         assert (threads.threads, threads.running) == (2, 2)  # never more than the pool's size
         released_at = time.monotonic()
     finally:
@@ -133,6 +145,7 @@ async def test_a_blocking_call_past_its_timeout_is_retried_then_dead_lettered_an
     )
     assert later_started[0] >= released_at  # it ran in a thread an abandoned call gave back
     await wait_until(lambda: threads.running == threads.abandoned == 0, 10, what="threads freed")
+    assert not threads.stuck and worker.health().ok
     # What the abandoned calls returned in the end was dropped.
     state = await app.status(stuck)
     assert state is not None and (state.status, state.result) == (TaskStatus.DEAD_LETTERED, None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from tests.conftest import wait_until
 from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.deadlines import Deadline, Deadlines
-from weclaw_mq.worker.sync_threads import SyncThreads
+from weclaw_mq.worker.sync_threads import NoThreadFree, SyncThreads
 
 WAIT_S = 10.0  # a bound on every wait for a thread: never reached when the code is right
 
@@ -46,9 +47,14 @@ class Delivery:
     """One delivery's wait for a call, under a deadline it can expire now (as a timeout)."""
 
     def __init__(
-        self, pool: SyncThreads, deadlines: Deadlines, func: Callable[..., Any], *args: Any
+        self,
+        pool: SyncThreads,
+        deadlines: Deadlines,
+        func: Callable[..., Any],
+        *args: Any,
+        timeout_s: float = 60.0,
     ) -> None:
-        self.deadline = Deadline(deadlines, 60.0)
+        self.deadline = Deadline(deadlines, timeout_s)
         self.watch = Watch("q", "t")
         self.waiting = asyncio.Event()  # set as it calls run (which queues the call at once)
         self.task = asyncio.ensure_future(self._wait(pool, func, args))
@@ -127,36 +133,74 @@ async def test_an_abandoned_call_keeps_its_thread_until_it_returns_and_its_outco
     assert any("returned" in r.getMessage() for r in caplog.records)
 
 
-async def test_with_every_thread_held_by_abandoned_calls_a_call_waits_and_is_dropped_unrun(
+async def test_with_every_thread_held_by_abandoned_calls_a_call_is_refused_unrun(
     pool: SyncThreads, caplog: pytest.LogCaptureFixture
 ) -> None:
     deadlines = Deadlines()
     stuck = [Blocker(), Blocker()]
-    for blocker in stuck:
-        delivery = Delivery(pool, deadlines, blocker)
-        await started(blocker)
-        await delivery.time_out()
+    with caplog.at_level(logging.WARNING, "weclaw_mq.worker"):
+        for blocker in stuck:
+            delivery = Delivery(pool, deadlines, blocker)
+            await started(blocker)
+            await delivery.time_out()
     assert (pool.threads, pool.running, pool.abandoned) == (2, 2, 2)
+    assert pool.stuck
+    full = [r.getMessage() for r in caplog.records if "all 2 sync threads" in r.getMessage()]
+    assert len(full) == 1, full  # said once, as the last thread was abandoned
 
     ran: list[str] = []
-    with caplog.at_level(logging.WARNING, "weclaw_mq.worker"):
-        waiting = Delivery(pool, deadlines, ran.append, "dropped")
-        again = Delivery(pool, deadlines, ran.append, "dropped too")
-        await waiting.time_out()  # its own timeout passes while it waits for a thread
-        await again.time_out()
-    full = [r.getMessage() for r in caplog.records if "all 2 sync threads" in r.getMessage()]
-    assert len(full) == 1, full  # said once, not per call
+    for word in ("refused", "refused too"):
+        with pytest.raises(NoThreadFree, match="all 2 are held by calls past their timeout"):
+            await Delivery(pool, deadlines, ran.append, word).task
     assert pool.threads == 2  # no thread beyond the size
-    assert (pool.running, pool.abandoned) == (2, 2)  # dropped unrun: nothing abandoned more
+    assert (pool.running, pool.abandoned) == (2, 2)  # refused unrun: nothing abandoned more
 
     for blocker in stuck:
         blocker.release.set()
-    # The threads are free; the dropped calls, ahead in the queue, were skipped.
+    await wait_until(lambda: not pool.stuck, WAIT_S, what="a thread given back")
     assert await Delivery(pool, deadlines, lambda: "next").task == "next"
     assert await Delivery(pool, deadlines, lambda: "and next").task == "and next"
     assert ran == []
     await wait_until(lambda: pool.abandoned == 0, WAIT_S, what="the abandoned calls' return")
     assert pool.running == 0
+
+
+async def test_a_call_waiting_for_a_busy_thread_starts_its_clock_only_when_it_gets_one() -> None:
+    pool = SyncThreads(1)
+    try:
+        deadlines = Deadlines()
+        busy = Blocker()
+        first = Delivery(pool, deadlines, busy)
+        await started(busy)
+        second = Delivery(pool, deadlines, lambda: "ran")
+        await second.waiting.wait()
+        await wait_until(lambda: second.deadline.at == math.inf, WAIT_S, what="the clock held")
+        busy.release.set()
+        assert await first.task is None
+        assert await second.task == "ran"
+    finally:
+        pool.shutdown()
+
+
+async def test_a_call_that_gets_no_thread_within_its_timeout_is_refused_unrun() -> None:
+    pool = SyncThreads(1)
+    busy = Blocker()
+    try:
+        deadlines = Deadlines()
+        first = Delivery(pool, deadlines, busy)
+        await started(busy)
+        ran: list[str] = []
+        second = Delivery(pool, deadlines, ran.append, "never", timeout_s=0.3)
+        with pytest.raises(NoThreadFree, match=r"waited .* s for a thread; none free"):
+            await second.task
+        assert (pool.running, pool.abandoned) == (1, 0)
+        busy.release.set()
+        assert await first.task is None
+        await wait_until(lambda: pool.running == 0, WAIT_S, what="the thread free")
+        assert ran == []  # dropped: the free thread skipped it
+    finally:
+        busy.release.set()
+        pool.shutdown()
 
 
 class Own(Exception):

@@ -143,6 +143,13 @@ TASK: tuple[HeaderDoc, ...] = (
         WECLAW_MQ,
     ),
     HeaderDoc(
+        h.DEFERRALS,
+        _count(1),
+        "How often the task was parked without spending an attempt (a limit, a cap, a "
+        "fallback chain, a breaker, no free thread).",
+        WECLAW_MQ,
+    ),
+    HeaderDoc(
         h.X_DELIVERY_COUNT,
         _count(0),
         "RabbitMQ's count of returns to this queue (quorum queues).",

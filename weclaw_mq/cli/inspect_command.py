@@ -13,6 +13,7 @@ import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import typer
@@ -22,7 +23,8 @@ from weclaw_mq.cli.exit_codes import fail
 from weclaw_mq.cli.loading import load_app
 from weclaw_mq.cli.options import AppPath
 from weclaw_mq.observability.tracing import configure_logging
-from weclaw_mq.state.worker_registry import WorkerRecord, registry_of
+from weclaw_mq.state import TaskQuery, TaskState, TaskStatus
+from weclaw_mq.state.worker_registry import WorkerRecord, registry_of, worker_gone
 
 NO_REDIS = (
     "results are off (WECLAW_MQ_RESULTS_ENABLED=false) and no handler of app {app!r} is "
@@ -38,6 +40,9 @@ WORKER_COLUMNS = (
     *("IN FLIGHT", "UP", "LAST BEAT", "QUEUES"),
 )
 TASK_COLUMNS = ("TASK ID", "QUEUE", "ATTEMPT", "RUNNING FOR")
+GONE_COLUMNS = ("TASK ID", "QUEUE", "ATTEMPT", "LAST SEEN (UTC)")
+# The most running records per queue checked against the live workers.
+GONE_LISTED_MAX = 100
 
 
 def inspect_workers(
@@ -59,25 +64,42 @@ def inspect_workers(
     app = load_app(app_path)
     if not app.needs_store:
         fail(NO_REDIS.format(app=app.name))
-    records = asyncio.run(_read(app))
+    records, gone = asyncio.run(_read(app))
     queues = list(app.handlers)
     workers = [r for r in records if set(r.queues) & set(queues)]
     if as_json:
-        typer.echo(json.dumps(document(app.name, queues, workers)))
+        typer.echo(json.dumps(document(app.name, queues, workers, gone)))
     else:
-        for line in table(app.name, queues, workers):
+        for line in table(app.name, queues, workers, gone):
             typer.echo(line)
 
 
-async def _read(app: App) -> list[WorkerRecord]:
+async def _read(app: App) -> tuple[list[WorkerRecord], list[TaskState]]:
     try:
         store = app.store
         registry = registry_of(store)
         if registry is None:
             fail(NOT_REDIS.format(app=app.name, store=type(store).__name__))
-        return await registry.read()
+        records = await registry.read()
+        return records, await _on_gone_workers(app, records)
     finally:
         await app.close()
+
+
+async def _on_gone_workers(app: App, records: Sequence[WorkerRecord]) -> list[TaskState]:
+    """The app's ``running`` records (the newest ``GONE_LISTED_MAX`` per queue, from the task
+    index) that no live worker runs: their workers died. Nothing without results."""
+    if not app.settings.results_enabled:
+        return []
+    now = datetime.now(UTC)
+    gone: list[TaskState] = []
+    for queue in app.handlers:
+        page = await app.tasks(
+            TaskQuery(queue=queue, status=TaskStatus.RUNNING, limit=GONE_LISTED_MAX)
+        )
+        states = (t.state for t in page.tasks if t.state is not None)
+        gone += [s for s in states if worker_gone(records, s, app.settings.worker_beat_s, now)]
+    return gone
 
 
 def unserved(queues: Sequence[str], workers: Sequence[WorkerRecord]) -> list[str]:
@@ -86,18 +108,55 @@ def unserved(queues: Sequence[str], workers: Sequence[WorkerRecord]) -> list[str
     return [q for q in queues if q not in served]
 
 
-def document(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> dict[str, Any]:
+def document(
+    app: str,
+    queues: Sequence[str],
+    workers: Sequence[WorkerRecord],
+    gone: Sequence[TaskState] = (),
+) -> dict[str, Any]:
     """``--json``'s document."""
     return {
         "app": app,
         "queues": list(queues),
         "workers": [_rounded(asdict(w)) for w in workers],
         "unserved_queues": unserved(queues, workers),
+        "on_gone_workers": [
+            {
+                "task_id": s.task_id,
+                "queue": s.queue,
+                "attempt": s.attempt,
+                "last_seen": s.updated_at.isoformat(timespec="seconds"),
+            }
+            for s in gone
+        ],
     }
 
 
-def table(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> list[str]:
-    """The readable form: one row per worker, then each worker's running tasks."""
+def table(
+    app: str,
+    queues: Sequence[str],
+    workers: Sequence[WorkerRecord],
+    gone: Sequence[TaskState] = (),
+) -> list[str]:
+    """The readable form: one row per worker, then each worker's running tasks, then the
+    tasks recorded running on a worker that is gone."""
+    return _workers_table(app, queues, workers) + _gone_table(gone)
+
+
+def _gone_table(gone: Sequence[TaskState]) -> list[str]:
+    if not gone:
+        return []
+    rows = [
+        [s.task_id, s.queue, str(s.attempt), s.updated_at.strftime("%Y-%m-%d %H:%M:%S")]
+        for s in gone
+    ]
+    header = (
+        f"{len(gone)} task(s) recorded running on a worker that is gone (no live worker runs it):"
+    )
+    return ["", header, *("  " + line for line in columns(GONE_COLUMNS, rows))]
+
+
+def _workers_table(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> list[str]:
     idle = unserved(queues, workers)
     if not workers:
         return [f"no live worker consumes the queues of app {app!r} ({', '.join(queues)})"]
@@ -122,6 +181,16 @@ def table(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> l
         if w.breakers:
             states = ", ".join(f"{q} {state.replace('_', ' ')}" for q, state in w.breakers.items())
             lines.append(f"  breaker not closed: {states}")
+        if w.sync_threads_stuck:
+            lines.append(
+                f"  sync threads held by calls past their timeout: {w.sync_threads_stuck} of "
+                f"{w.sync_threads}"
+                + (
+                    " (no plain-def task can start)"
+                    if w.sync_threads_stuck >= w.sync_threads
+                    else ""
+                )
+            )
         if w.tasks:
             task_rows = [
                 [

@@ -49,6 +49,10 @@ TENANT = f"{PREFIX}tenant"
 MODEL = f"{PREFIX}model"
 MODELS_TRIED = f"{PREFIX}models-tried"
 
+# How often the task was parked without an attempt (a limit, a cap, a fallback chain, a
+# breaker, no free thread): the first deferral is logged at INFO, the later ones at DEBUG.
+DEFERRALS = f"{PREFIX}deferrals"
+
 # The error's stable name (part of the wire format, see failures.error_type); the class's
 # module path beside it is for people only and changes when code moves.
 ERROR_TYPE = f"{PREFIX}error-type"

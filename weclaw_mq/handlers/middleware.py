@@ -7,11 +7,14 @@ hooks in reverse (the first added wraps all the others), once each per run or pu
 - ``before_run(run)``: the task is admitted (not a duplicate, not expired, not cancelled,
   within its limits) and its handler is about to be called. An exception here is the
   attempt's failure, retried or dead-lettered like the handler's own (the handler is not
-  called, the later ``before_run`` hooks are skipped).
+  called, the later ``before_run`` hooks are skipped). It runs under the handler's timeout
+  and cancel requests: the hooks and the handler share one deadline.
 - ``after_run(run, end)``: the attempt has ended and its message is settled; ``end.outcome``
   is how, as ``weclaw_mq_messages_total{outcome}`` counts it (acked, retried, dead_lettered,
   cancelled, and deferred, duplicate or requeued when the ending could not go as decided).
-  An exception here is logged: the message is settled already.
+  An exception here is logged (a middleware's first with its traceback, then one short line
+  a minute with the count): the message is settled already. The worker gives the hooks
+  5 s (``worker.run_hooks.AFTER_RUN_TIMEOUT_S``), then cancels them.
 - ``before_publish(publish)``: before a task is sent (``publish``, each task of
   ``publish_many``, ``ctx.publish``); it may add headers to ``publish.message``. An exception
   here is the publish's: nothing is sent, the caller gets it.
@@ -29,6 +32,7 @@ delivery and per publish (``make bench-own-cost`` counts the calls).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +43,10 @@ from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.observability.metrics import Outcome
 
 log = logging.getLogger("weclaw_mq.middleware")
+
+# After a hook's first failure (logged with its traceback), at most one line per hook per
+# this many seconds, with the count: a hook that always fails must not flood the log.
+REPEAT_LOG_S = 60.0
 
 
 @dataclass
@@ -153,6 +161,8 @@ class Chain:
         # Read per delivery and per publish instead of a call: anything to run at all?
         self.runs = False
         self.publishes = False
+        # (middleware id, hook) -> [failures not yet logged, when a line was last logged]
+        self._failures: dict[tuple[int, str], list[float]] = {}
 
     def add(self, middleware: Middleware) -> None:
         """Append ``middleware``: its ``before_*`` hooks run after those added before it."""
@@ -192,8 +202,8 @@ class Chain:
         for middleware in self._after_run:
             try:
                 await middleware.after_run(run, end)
-            except Exception:
-                log.exception("%r.after_run failed", middleware)
+            except Exception as e:
+                self._failed(middleware, "after_run", e)
 
     async def before_publish(self, publishes: Sequence[Publish]) -> None:
         """Each ``before_publish`` in order, for each task; an exception is raised."""
@@ -209,5 +219,31 @@ class Chain:
             for i, publish in enumerate(publishes):
                 try:
                     await middleware.after_publish(publish, errors.get(i))
-                except Exception:
-                    log.exception("%r.after_publish failed", middleware)
+                except Exception as e:
+                    self._failed(middleware, "after_publish", e)
+
+    def _failed(self, middleware: Middleware, hook: str, error: Exception) -> None:
+        """Log a hook's failure: the first with its traceback, then one line per
+        ``REPEAT_LOG_S`` saying how many failed since."""
+        key = (id(middleware), hook)
+        now = time.monotonic()
+        seen = self._failures.get(key)
+        if seen is None:
+            self._failures[key] = [0, now]
+            log.exception(
+                "%r.%s failed (later failures of this hook: one line a minute)", middleware, hook
+            )
+            return
+        seen[0] += 1
+        if now - seen[1] < REPEAT_LOG_S:
+            return
+        log.error(
+            "%r.%s failed %d more time(s) in %.0f s, the last with %s: %s",
+            middleware,
+            hook,
+            seen[0],
+            now - seen[1],
+            type(error).__name__,
+            error,
+        )
+        seen[0], seen[1] = 0, now

@@ -21,12 +21,14 @@ from weclaw_mq.state import (
     Cancellation,
     CancelOutcome,
     TaskState,
+    TaskStatus,
     TaskStore,
     is_state_failure,
     state_unavailable,
 )
 from weclaw_mq.state.expiry import as_seen_at, until_deadline_s
 from weclaw_mq.state.task_index import TaskIndex, TaskPage, TaskQuery, TimelineEvent
+from weclaw_mq.state.worker_registry import registry_of, worker_gone
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.streaming.events import check_event_id
 from weclaw_mq.streaming.reading import task_events
@@ -95,8 +97,32 @@ class ResultsReader:
             if is_state_failure(e):
                 raise state_unavailable(e) from e
             raise
+        if state is not None and state.status is TaskStatus.RUNNING:
+            state = await self._seen_running(store, state)
         # Past its deadline, a task nobody ran reads as expired (see state.expiry).
         return as_seen_at(state, datetime.now(UTC))
+
+    async def _seen_running(self, store: TaskStore, state: TaskState) -> TaskState:
+        """A ``running`` record, marked ``worker_gone`` when no live worker runs the task
+        (the worker registry says so). Read only: the record is not rewritten. Unchanged
+        while it is younger than the registry's records live (its worker may not have
+        beaten since it started), when the registry cannot tell, or cannot be read."""
+        registry = registry_of(store)
+        beat_s = self.settings.worker_beat_s
+        if registry is None or not worker_gone([], state, beat_s, datetime.now(UTC)):
+            return state  # no registry, or too young to judge
+        try:
+            if not worker_gone(await registry.read(), state, beat_s, datetime.now(UTC)):
+                return state
+            # Read again: a task that ended between the two reads is no longer running.
+            again = await store.get(state.task_id, queue=state.queue)
+        except Exception:  # best effort: the record as it stands
+            return state
+        if again is None or again.status is not TaskStatus.RUNNING:
+            return again if again is not None else state
+        if again.updated_at != state.updated_at:
+            return again  # a new attempt started meanwhile
+        return again.model_copy(update={"worker_gone": True})
 
     async def result(self, task_id: str, queue: str | None, timeout_s: float) -> TaskState:
         """The task's final record, waited for (``App.result``)."""

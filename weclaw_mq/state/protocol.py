@@ -79,6 +79,24 @@ class TaskStatus(StrEnum):
         )
 
 
+class Deferral(BaseModel):
+    """Why a task waits without spending an attempt: the last deferral a worker recorded.
+
+    Attributes:
+        by: What deferred it: ``limit``, ``cap``, ``fallback``, ``breaker`` or ``threads``
+            (no plain-def thread free).
+        why: What it said, with the key where there is one (the limit's kind, the capped
+            tenant, the queue whose models are down).
+        next_try_at: When it comes back to a worker (it may be deferred again then).
+        count: How many times the task was deferred so far.
+    """
+
+    by: str
+    why: str
+    next_try_at: datetime | None = None
+    count: int = 1
+
+
 class TaskState(BaseModel):
     """A task's record in one queue, as ``App.status`` and ``App.result`` answer it.
 
@@ -97,6 +115,13 @@ class TaskState(BaseModel):
             if any.
         model: The model the attempt that wrote the record called (``ctx.model``: a fallback
             chain's choice, or a capped tenant's cheaper model), None for a handler without.
+        deferred: On a ``queued`` record a worker wrote as it parked the task without an
+            attempt (a limit, a cap, a fallback chain, a breaker, no free thread): why, and
+            when it comes back; None otherwise.
+        worker_gone: Set by the reader, never stored: the record reads ``running`` but no
+            live worker runs the task (its worker died; the copy on the broker runs again
+            once the broker or the guard's lease gives it back). ``updated_at`` is when it was
+            last known to run.
     """
 
     task_id: str
@@ -114,6 +139,10 @@ class TaskState(BaseModel):
     session_id: str | None = None
     # The model of the attempt that wrote it (weclaw_mq.policy.fallback, policy.costs' cap).
     model: str | None = None
+    # The last deferral (a worker parked it without an attempt): why, and its next try.
+    deferred: Deferral | None = None
+    # A reader's finding (App.status), never written by a worker: running, on no live worker.
+    worker_gone: bool = False
 
 
 class Claim(StrEnum):

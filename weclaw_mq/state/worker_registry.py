@@ -20,11 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from weclaw_mq.contract.naming import WORKER_INDEX_KEY, worker_key
 from weclaw_mq.state.outages import is_state_failure, state_unavailable
+from weclaw_mq.state.protocol import TaskState, TaskStatus
 
 if TYPE_CHECKING:
     from weclaw_mq.state.pipelining import AutoPipeline
@@ -108,6 +111,10 @@ class WorkerRecord:
     # Its breakers that are not closed: queue -> "open" or "half_open" (a breaker's state
     # lives in each worker's memory; the console shows it from here).
     breakers: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Its plain-def handlers' threads (0 without such handlers) and how many are held by
+    # calls past their timeout: all of them, and no plain-def task can start.
+    sync_threads: int = 0
+    sync_threads_stuck: int = 0
 
     def to_json(self) -> str:
         document = dataclasses.asdict(self)
@@ -203,6 +210,33 @@ class WorkerRegistry:
             written_ms = lapse_ms - record.ttl_s * 1000
             records.append(record.aged(max(0.0, (now_ms - written_ms) / 1000)))
         return sorted(records, key=lambda r: (r.host, r.pid, r.worker_id))
+
+
+def runs(workers: Sequence[WorkerRecord], task_id: str, queue: str) -> bool | None:
+    """Is the task in flight at one of the live ``workers``? True when one lists it, False
+    when none does, None when it cannot tell (a live worker of ``queue`` lists only part of
+    its tasks)."""
+    unlisted = False
+    for worker in workers:
+        if any(t.task_id == task_id and t.queue == queue for t in worker.tasks):
+            return True
+        unlisted = unlisted or (worker.more > 0 and queue in worker.queues)
+    return None if unlisted else False
+
+
+def worker_gone(
+    workers: Sequence[WorkerRecord], state: TaskState, beat_s: float, now: datetime
+) -> bool:
+    """Is ``state``, a ``running`` record, run by no live worker? Judged only once the record
+    is older than a worker's registry record lives (``beat_s``, or the longest beat of the
+    live ``workers``), so a worker that started the task since its last beat is not taken
+    for gone."""
+    if state.status is not TaskStatus.RUNNING:
+        return False
+    longest_beat_s = max([beat_s, *(w.beat_s for w in workers)])
+    if (now - state.updated_at).total_seconds() <= longest_beat_s * (BEATS_KEPT + 1):
+        return False
+    return runs(workers, state.task_id, state.queue) is False
 
 
 def registry_of(store: object) -> WorkerRegistry | None:

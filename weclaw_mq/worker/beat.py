@@ -48,6 +48,7 @@ class Beat:
         interval_s: How often the record is written.
         leave_timeout_s: How long ``leave`` waits for Redis.
         breakers: The worker's breakers that are not closed (queue -> state), now.
+        sync_threads: Its plain-def threads now: (size, held by calls past their timeout).
     """
 
     def __init__(
@@ -63,9 +64,11 @@ class Beat:
         interval_s: float,
         leave_timeout_s: float,
         breakers: Callable[[], dict[str, str]] = dict,
+        sync_threads: Callable[[], tuple[int, int]] = lambda: (0, 0),
     ) -> None:
         self._registry = registry
         self._breakers = breakers
+        self._sync_threads = sync_threads
         self.worker_id = worker_id
         self._app = app
         self._queues = tuple(queues)
@@ -90,6 +93,7 @@ class Beat:
             RunningTask(w.task_id, w.queue, w.attempt, None if at is None else round(now - at, 3))
             for at, w in listed
         )
+        threads, stuck = self._sync_threads()
         return WorkerRecord(
             worker_id=self.worker_id,
             app=self._app,
@@ -106,6 +110,8 @@ class Beat:
             beat_s=self.interval_s,
             ttl_s=self.ttl_s,
             breakers=self._breakers(),
+            sync_threads=threads,
+            sync_threads_stuck=stuck,
         )
 
     async def run(self, stopping: asyncio.Event) -> None:

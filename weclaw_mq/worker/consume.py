@@ -225,10 +225,13 @@ class Worker:
             else:
                 queues[spec.queue] = QueueState.CONSUMING
         scheduler = self._scheduler
+        threads = self.sync_threads
         return WorkerHealth(
             broker_open=both_open,
             queues=queues,
             scheduler=None if scheduler is None else scheduler.state,
+            sync_threads=threads.size if any(s.is_sync for s in self.specs) else 0,
+            sync_threads_stuck=threads.abandoned,
         )
 
     @property
@@ -327,7 +330,13 @@ class Worker:
             interval_s=self.settings.worker_beat_s,
             leave_timeout_s=self.settings.redis_timeout_s,
             breakers=self._open_breakers,
+            sync_threads=self._sync_thread_counts,
         )
+
+    def _sync_thread_counts(self) -> tuple[int, int]:
+        """(threads, held by calls past their timeout): (0, 0) without plain-def handlers."""
+        health = self.health()
+        return health.sync_threads, health.sync_threads_stuck
 
     def _open_breakers(self) -> dict[str, str]:
         """This worker's breakers that are not closed, for its heartbeat (the console)."""

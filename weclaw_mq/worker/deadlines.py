@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from time import monotonic
 
@@ -31,6 +32,7 @@ class Deadline:
     per delivery)."""
 
     __slots__ = (
+        "_left",
         "_owner",
         "_task",
         "abandoned",
@@ -70,6 +72,19 @@ class Deadline:
         if owner._ticker is None:
             owner._start(task.get_loop())
         return self
+
+    def hold(self) -> None:
+        """Stop the clock (a plain def's call waiting for a thread): no expiry until
+        ``restart``. A cancel request (``end_now``) still ends the wait at once."""
+        if not self.expired and self.at != math.inf:
+            self._left = max(self.at - monotonic(), 0.0)
+            self.at = math.inf
+
+    def restart(self) -> None:
+        """Start the held clock again, with the time it had left. No effect once the deadline
+        expired, or when it was not held."""
+        if not self.expired and self.at == math.inf:  # (``_left`` is set by ``hold``)
+            self.at = monotonic() + self._left
 
     def end_now(self) -> None:
         """Expire now (a cancel request, ``worker.cancel_watch``): the body is cancelled at once,

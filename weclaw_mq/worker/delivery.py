@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 from typing import Any
 
@@ -40,6 +41,7 @@ from weclaw_mq.worker.ends import (
     AckCancelled,
     DeadLetter,
     Defer,
+    End,
     RejectOriginal,
     after_attempt,
     carry_out,
@@ -49,6 +51,7 @@ from weclaw_mq.worker.records import record_status, release
 from weclaw_mq.worker.run_hooks import run_of
 from weclaw_mq.worker.running import call_handler, take_over
 from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.worker.sync_threads import NoThreadFree
 from weclaw_mq.worker.usage import RunUsage, record_usage, within_cap
 
 __all__ = ["process"]
@@ -124,7 +127,7 @@ async def _process(
     if circuit is not None and not circuit.admits(message):
         # Delivered as the breaker opened (or waiting for a lane slot): parked, no attempt.
         why = f"the circuit breaker of {spec.queue!r} is {circuit.state}"
-        await carry_out(Defer(why), message, delivery, spec, rt)
+        await carry_out(Defer(why, by="breaker"), message, delivery, spec, rt)
         return
     try:
         task = spec.parse(delivery.body)
@@ -162,14 +165,14 @@ async def _process(
         if isinstance(capped, str):
             model = capped  # downgraded: the run gets the cap's cheaper model
         elif capped is not None:
-            await carry_out(capped, message, delivery, spec, rt, held)
+            await carry_out(_by(capped, "cap"), message, delivery, spec, rt, held)
             return
     # A fallback chain's model: the first up that the task has not failed on.
     chained = spec.fallback is not None and model is None
     if chained:
         chosen = await fallbacks.model_for(rt, spec, delivery)
         if not isinstance(chosen, str):
-            await carry_out(chosen, message, delivery, spec, rt, held)
+            await carry_out(_by(chosen, "fallback"), message, delivery, spec, rt, held)
             return
         model = chosen
     if model is not None:
@@ -178,7 +181,7 @@ async def _process(
     if spec.limits and rt.limiter is not None:
         admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body), model)
         if not isinstance(admitted, Ticket):
-            await carry_out(admitted, message, delivery, spec, rt, held)
+            await carry_out(_by(admitted, "limit"), message, delivery, spec, rt, held)
             return
         ticket = admitted
 
@@ -203,18 +206,16 @@ async def _process(
     begun: run_hooks.Begun | None = None
     try:
         with hold:
-            if rt.hooks is not None:  # the middleware's before_run hooks, under the lease
-                begun = await run_hooks.begin(rt.hooks, run_of(delivery, spec, task))
+            if rt.hooks is not None:  # the middleware's run: its before_run in call_handler
+                begun = run_hooks.begin(rt.hooks, run_of(delivery, spec, task))
             # If the handler ignores its cancellation, another task ends the attempt without
             # it (a partial, not a closure: made for every delivery, called for almost none).
             on_stuck = functools.partial(take_over, message, delivery, spec, rt, held, watch, begun)
             outcome: tuple[Any, BaseException | None] | None
-            if begun is not None and begun.failed is not None:
-                outcome = (None, begun.failed)  # a before_run hook failed the attempt
-            elif ticket is NO_TICKET:
+            if ticket is NO_TICKET:
                 # The common path: no limit's slot to free.
                 outcome = await call_handler(
-                    spec, task, delivery, rt, on_stuck, watch, report, model
+                    spec, task, delivery, rt, on_stuck, watch, report, model, begun
                 )
             else:
                 with ticket:  # the limits' slots are freed as the handler ends, however it ends
@@ -227,9 +228,12 @@ async def _process(
                         watch,
                         report,
                         model,
+                        begun,
                     )
                     ticket.ended(outcome)
-            if outcome is not None and circuit is not None:
+            # No thread took a plain def's call: it never started, so no attempt is spent.
+            unstarted = outcome is not None and type(outcome[1]) is NoThreadFree
+            if outcome is not None and circuit is not None and not unstarted:
                 circuit.outcome(message, outcome[1])
             if running is not None:
                 await running
@@ -237,19 +241,21 @@ async def _process(
                 return
             if usage is not None and usage.calls:  # recorded before the task's end is
                 await record_usage(rt, delivery, spec, task, usage)
-            if chained and model is not None and not watch.requested:  # the model's health
+            if chained and model is not None and not watch.requested and not unstarted:
                 error = await fallbacks.after_attempt(rt, spec, delivery, model, outcome[1])
                 outcome = (outcome[0], error)
             # Cancelled while it ran: whatever it returned or raised no longer counts (a
             # failure is not retried).
-            end = (
-                AckCancelled()
-                if watch.requested
-                else after_attempt(delivery, spec, outcome[0], outcome[1])
-            )
+            end: End
+            if watch.requested:
+                end = AckCancelled()
+            elif unstarted:
+                end = Defer(str(outcome[1]), queued_again=True, by="threads")
+            else:
+                end = after_attempt(delivery, spec, outcome[0], outcome[1])
             await carry_out(end, message, delivery, spec, rt, held)
-            if begun is not None:
-                await run_hooks.finish(begun, outcome[0], outcome[1])
+        if begun is not None:  # settled: the lease is no longer kept while they run
+            await run_hooks.finish(begun, outcome[0], outcome[1])
     except BaseException as e:
         if begun is not None:
             await run_hooks.given_back(begun, e)
@@ -263,3 +269,8 @@ async def _process(
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(release(rt, spec, delivery, held), RELEASE_ON_EXIT_S)
         raise
+
+
+def _by(end: End, by: str) -> End:
+    """A gate's deferral, saying which gate: its record and its first log line say so."""
+    return dataclasses.replace(end, by=by) if type(end) is Defer else end

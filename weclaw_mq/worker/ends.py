@@ -27,14 +27,14 @@ import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
 
 from weclaw_mq.contract import headers as h
-from weclaw_mq.contract.lifetime import left_ms, now_ms
+from weclaw_mq.contract.lifetime import as_datetime, left_ms, now_ms
 from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import ResultNotStored, TaskExpired, UnserialisableResult
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.policy.failures import describe, error_type, safe_text
 from weclaw_mq.policy.retry import DeadLetterReason, GiveUp, RetryLater, decide, delay_queue_set
-from weclaw_mq.state import Finish, TaskState, TaskStatus
+from weclaw_mq.state import Deferral, Finish, TaskState, TaskStatus
 from weclaw_mq.worker import announce as notify
 from weclaw_mq.worker.records import (
     record_quietly,
@@ -45,6 +45,7 @@ from weclaw_mq.worker.records import (
     to_inbox,
 )
 from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.worker.settle import deferrals
 from weclaw_mq.workflows.hops import after_end, tagged
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -90,13 +91,17 @@ class Defer:
     ``delay_ms`` None: the handler's first retry delay. ``queued_again``: the claim had
     written ``running``, so ``queued`` is written back as it is released. ``not_before_ms``:
     a due time past this hop (epoch ms), written on the task: it hops until then
-    (``admission.parked_until_due``)."""
+    (``admission.parked_until_due``). ``by``: what deferred it (``limit``, ``cap``,
+    ``fallback``, ``breaker``, ``threads``): then the ``queued`` record says so
+    (``TaskState.deferred``), and the task's first deferral is logged at INFO, later ones
+    at DEBUG."""
 
     why: str
     delay_ms: int | None = None
     level: int | None = None
     queued_again: bool = False
     not_before_ms: int | None = None
+    by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +226,17 @@ async def carry_out(
         case DeadLetter(reason=reason, error=error):
             await release(rt, spec, delivery, held)
             await _dead_letter(message, delivery, spec, rt, reason, error)
+        case Defer(by=by) if by is not None:
+            await asyncio.gather(
+                release(rt, spec, delivery, held),
+                # "running" is ours when our claim wrote it, or this delivery did as its
+                # handler was to start (no thread took it).
+                _record_deferral(rt, delivery, spec, end, held is not None or by == "threads"),
+            )
+            level = logging.INFO if deferrals(delivery) == 0 else logging.DEBUG
+            await _defer(
+                message, delivery, spec, rt, end.why, end.delay_ms, level, end.not_before_ms
+            )
         case Defer():
             if end.queued_again and held is not None:
                 # The claim wrote "running": it waits in a delay queue now.
@@ -272,6 +288,43 @@ async def _defer(
         level=level,
         not_before_ms=not_before_ms,
     )
+
+
+# A deferral is written over a record of a task still on its way, never over a final one;
+# over "running" only by the claim's holder (whose claim wrote it): else it may be another
+# copy's run.
+_WAITING = (TaskStatus.QUEUED, TaskStatus.RETRYING, TaskStatus.STORED_LOCALLY)
+_WAITING_OR_OURS = (*_WAITING, TaskStatus.RUNNING)
+
+
+async def _record_deferral(
+    rt: Runtime, delivery: Delivery, spec: HandlerSpec, end: Defer, claimed: bool
+) -> None:
+    """The ``queued`` record of a deferred task, saying why and when it comes back (best
+    effort, as every progress status). The last failure its copy carries stays on it."""
+    if rt.results is None:
+        return
+    if end.not_before_ms is not None:
+        due_ms = end.not_before_ms
+    else:
+        due_ms = now_ms() + (spec.retry.delay_ms(1) if end.delay_ms is None else end.delay_ms)
+    failed = delivery.headers.get(h.ERROR_TYPE)
+    state = task_state(
+        delivery,
+        spec,
+        TaskStatus.QUEUED,
+        error=None if failed is None else f"{failed}: {delivery.headers.get(h.ERROR_MESSAGE, '')}",
+    )
+    state.deferred = Deferral(
+        by=end.by or "",
+        why=end.why,
+        next_try_at=as_datetime(due_ms),
+        count=deferrals(delivery) + 1,
+    )
+    try:
+        await rt.results.record(state, only_over=_WAITING_OR_OURS if claimed else _WAITING)
+    except Exception as e:
+        log.warning("could not record the deferral (%s)", e)
 
 
 async def _announced(

@@ -53,6 +53,7 @@ async def call_handler(
     watch: Watch,
     usage: Callable[[int, int, str | None], None] | None = None,
     model: str | None = None,
+    begun: Begun | None = None,
 ) -> tuple[Any, BaseException | None] | None:
     """Run the handler under its timeout: (its result, None), (None, the error), or None when
     it ignored its cancellation and ``on_stuck`` ended the attempt without it.
@@ -63,7 +64,9 @@ async def call_handler(
     cancel of this task from outside (the worker stopping hard) passes through.
 
     ``usage``: where ``ctx.usage`` reports the run's model calls (``worker.usage``);
-    ``model``: the model the worker chose for the run (``ctx.model``).
+    ``model``: the model the worker chose for the run (``ctx.model``); ``begun``: the
+    middleware's run, whose ``before_run`` hooks run first, under the same deadline and
+    cancel watch (an exception of theirs is the attempt's failure; the handler is not called).
     """
     args: tuple[Any, ...] = (task,)
     emitter: Emitter | None = None
@@ -105,7 +108,10 @@ async def call_handler(
     try:
         with deadline:
             watch.attach(deadline)
-            if spec.is_sync:
+            failed = None if begun is None else await run_hooks.before(begun)
+            if failed is not None:
+                error = failed  # a before_run hook failed the attempt
+            elif spec.is_sync:
                 result = await rt.threads.run(
                     spec.func, args, name=spec.name, deadline=deadline, watch=watch
                 )

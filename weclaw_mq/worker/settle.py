@@ -79,6 +79,12 @@ def carried_headers(delivery: Delivery) -> dict[str, Any]:
     return out
 
 
+def deferrals(delivery: Delivery) -> int:
+    """How often the task was parked without an attempt before this delivery (its header)."""
+    value = delivery.headers.get(h.DEFERRALS)
+    return value if type(value) is int and value > 0 else 0
+
+
 def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dict[str, Any]:
     """The source's headers plus what went wrong; first-failure time survives every hop."""
     out = carried_headers(delivery)
@@ -256,6 +262,7 @@ class Settler:
         headers = carried_headers(delivery)
         if not_before_ms is not None:
             headers[h.NOT_BEFORE] = not_before_ms
+        headers[h.DEFERRALS] = deferrals(delivery) + 1
         if not await self._move(message, delivery, lane, headers, queue=queue, exchange=target):
             return False
         self._ended(

@@ -5,8 +5,16 @@ A call in a thread cannot be cancelled. When the awaiting delivery gives up on i
 timeout, a cancel request, the worker stopping hard), a call still waiting for a thread is
 dropped, and a running one is abandoned: its outcome is ignored, and it keeps its thread,
 counted as running, until it really returns. So abandoned calls never make the pool run more
-than ``size`` calls at once; while every thread is held by one, new calls wait for a thread
-under their own deadline (and are dropped when it passes, unstarted).
+than ``size`` calls at once.
+
+The handler's timeout does not run while a call waits for a thread (it resumes when one
+takes it): a call waits for a thread up to its handler's timeout, and one that got none, or
+that came while every thread is held by an abandoned call (none can come back on its own), is
+not started and raises ``NoThreadFree``; the delivery parks the task without spending an
+attempt. One pool serves every plain-def handler of the worker (a pool per handler would
+multiply the threads, and the handler that hangs would still starve its own tasks): what
+keeps an innocent task safe is that waiting never costs it an attempt, and ``stuck`` puts the
+pool on ``/healthz``.
 
 The threads are daemon threads, not ``concurrent.futures``' (which the interpreter joins at
 exit): a call that never returns must not keep a stopped worker's process alive.
@@ -15,6 +23,7 @@ exit): a call that never returns must not keep a stopped worker's process alive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -33,6 +42,11 @@ from weclaw_mq.worker.deadlines import Deadline
 log = logging.getLogger("weclaw_mq.worker")
 
 
+class NoThreadFree(Exception):
+    """No thread took a plain-def call: it was not started (the delivery defers the task,
+    no attempt spent)."""
+
+
 @dataclass(slots=True)
 class _Call:
     future: Future[Any]
@@ -40,6 +54,8 @@ class _Call:
     args: tuple[Any, ...]
     # The delivery's context vars (its trace ids, its span): the handler's log lines carry them.
     context: contextvars.Context
+    # Called (from the thread) as a thread takes the call: the handler's clock starts.
+    on_start: Callable[[], object] | None = None
 
 
 @dataclass
@@ -52,6 +68,11 @@ class _Generation:
     queued: int = 0  # calls put on ``work`` and not yet taken by a thread
     running: int = 0  # calls in a thread, abandoned ones included
     abandoned: int = 0  # running calls whose delivery gave up on them
+
+
+def _answer(taken: asyncio.Future[bool], started: bool) -> None:
+    if not taken.done():  # the first answer stands (a thread, or the timer)
+        taken.set_result(started)
 
 
 class SyncThreads:
@@ -87,6 +108,12 @@ class SyncThreads:
         now = self._now
         return 0 if now is None else now.abandoned
 
+    @property
+    def stuck(self) -> bool:
+        """Every thread is held by an abandoned call: no plain-def call can start until one
+        returns on its own (``/healthz`` says so; a restart frees them)."""
+        return self.abandoned >= self.size
+
     async def run(
         self,
         func: Callable[..., Any],
@@ -112,19 +139,30 @@ class SyncThreads:
             BaseException: What ``func`` raised; ``CancelledError`` when the wait is
                 cancelled, and then the call is dropped or abandoned.
         """
-        call = _Call(Future(), func, args, contextvars.copy_context())
+        loop = asyncio.get_running_loop()
+        # True once a thread took the call, False when none did within the handler's timeout.
+        taken: asyncio.Future[bool] = loop.create_future()
+        call = _Call(
+            Future(),
+            func,
+            args,
+            contextvars.copy_context(),
+            lambda: loop.call_soon_threadsafe(_answer, taken, True),
+        )
         with self._lock:
             now = self._now
             if now is None:
                 now = self._now = _Generation()
+            if now.abandoned >= self.size:
+                raise NoThreadFree(
+                    f"no sync thread free: all {self.size} are held by calls past their "
+                    "timeout, still running"
+                )
             now.queued += 1
             # A thread per call waiting for one, up to ``size``: abandoned calls keep theirs.
             start = now.threads < self.size and now.queued > now.threads - now.running
             if start:
                 now.threads += 1
-            full = now.abandoned >= self.size
-            say_full = full and not self._said_full  # once per time it fills up
-            self._said_full = full
         if start:
             threading.Thread(
                 target=self._serve,
@@ -132,18 +170,28 @@ class SyncThreads:
                 name=f"weclaw-mq-sync-{now.threads}",
                 daemon=True,
             ).start()
-        if say_full:
-            log.warning(
-                "all %d sync threads are held by abandoned calls (past their timeout or "
-                "cancelled, still running): plain-def tasks wait for a thread under their own "
-                "timeout (raise WECLAW_MQ_SYNC_THREADS, or give the blocking calls a timeout "
-                "of their own)",
-                self.size,
-            )
         now.work.put(call)
+        waiting = asyncio.wrap_future(call.future)
+        asked = time.monotonic()
+        deadline.hold()  # the handler's clock starts when a thread takes the call
+        # A plain await on a future, not wait_for: a cancel that meets the answer (Python
+        # 3.11's wait_for may swallow it then) still ends the wait.
+        timer = loop.call_later(deadline.timeout_s, _answer, taken, False)
         try:
-            return await asyncio.wrap_future(call.future)
+            if not await taken and call.future.cancel():  # unstarted: it never will be
+                raise NoThreadFree(
+                    f"waited {time.monotonic() - asked:.3g} s for a thread; none free "
+                    f"({self.running} of {self.size} busy, {self.abandoned} of them past "
+                    "their timeout)"
+                )
+            timer.cancel()
+            deadline.restart()
+            return await waiting
+        except NoThreadFree:
+            waiting.cancel()
+            raise
         except BaseException:
+            timer.cancel()
             self._gave_up(call, now, name, deadline, watch)
             raise
 
@@ -157,6 +205,17 @@ class SyncThreads:
         with self._lock:
             now.abandoned += 1
             held = now.abandoned
+            say_full = held >= self.size and not self._said_full  # once per time it fills up
+            if say_full:
+                self._said_full = True
+        if say_full:
+            log.warning(
+                "all %d sync threads are held by abandoned calls (past their timeout or "
+                "cancelled, still running): plain-def tasks are deferred, no attempt spent, "
+                "until one returns, and /healthz says so (raise WECLAW_MQ_SYNC_THREADS, or "
+                "give the blocking calls a timeout of their own)",
+                self.size,
+            )
         if watch.requested:
             log.info(
                 "sync handler %s was cancelled while running: its thread is left to see "
@@ -182,6 +241,8 @@ class SyncThreads:
         def returned(_: Future[Any]) -> None:  # in the call's thread, or here if it just ended
             with self._lock:
                 now.abandoned -= 1
+                if now.abandoned < self.size:
+                    self._said_full = False
             log.info(
                 "abandoned sync handler %s returned %.3g s after it was abandoned; its outcome "
                 "is dropped",
@@ -208,6 +269,10 @@ class SyncThreads:
                 now.running += 1
         if not started:
             return  # its delivery gave up before it started
+        if call.on_start is not None:
+            # A closed loop (RuntimeError): the worker is gone, no one waits for the call.
+            with contextlib.suppress(RuntimeError):
+                call.on_start()
         error: BaseException | None = None
         result: Any = None
         try:
