@@ -39,6 +39,7 @@ from aio_pika.abc import AbstractChannel
 
 from tests.conftest import delete_queues, forget_task_keys, next_message, wait_until
 from tests.integration.dead_endpoints import closed_port
+from tests.parsing import parse_source
 from weclaw_mq import App, CancelOutcome, TaskStatus, Worker
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import (
@@ -95,7 +96,7 @@ class Examples:
         self.monkeypatch.setenv("WECLAW_MQ_AMQP_URL", amqp_url or self.broker_url)
         self.monkeypatch.setenv("WECLAW_MQ_REDIS_URL", self.redis_url)
         path = HOWTO / file
-        tree = ast.fix_missing_locations(_Rename(names).visit(ast.parse(path.read_text())))
+        tree = ast.fix_missing_locations(_Rename(names).visit(parse_source(path.read_text())))
         name = f"docs_howto_{path.stem}_{len(self.modules)}_{self.prefix[7:15]}"
         module = ModuleType(name)
         module.__file__ = str(path)

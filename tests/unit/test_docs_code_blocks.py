@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.parsing import parse_source
+
 ROOT = Path(__file__).resolve().parents[2]
 HOWTO = ROOT / "docs" / "examples" / "howto"
 HOWTO_TEST = ROOT / "tests" / "integration" / "test_docs_howto_examples.py"
@@ -103,7 +105,7 @@ def docs_block_problem(block: Block, root: Path = ROOT) -> str | None:
 
 def without_docstring(source: str) -> str:
     """``source`` after its module docstring (and the blank lines after it)."""
-    body = ast.parse(source).body
+    body = parse_source(source).body
     first = body[0] if body else None
     if (
         isinstance(first, ast.Expr)

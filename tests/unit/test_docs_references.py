@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 import weclaw_mq
+from tests.parsing import parse_source
 from weclaw_mq import Settings
 from weclaw_mq.admin import asyncapi
 from weclaw_mq.admin.dlq_message import DEAD_LETTER_REASONS
@@ -168,7 +169,7 @@ def environment_variables() -> frozenset[str]:
 def environment_reads(source: str) -> set[str]:
     """Names read with ``os.environ.get/[]/pop/setdefault`` or ``os.getenv``: a literal, or a
     module-level constant holding one."""
-    tree = ast.parse(source)
+    tree = parse_source(source)
     constants: dict[str, object] = {}
     for statement in tree.body:
         target = value = None

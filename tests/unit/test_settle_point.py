@@ -9,6 +9,7 @@ import ast
 import typing
 from pathlib import Path
 
+from tests.parsing import parse_source
 from weclaw_mq.worker import ends
 
 WORKER = Path(__file__).resolve().parents[2] / "weclaw_mq" / "worker"
@@ -20,7 +21,7 @@ MESSAGE_SETTLES = {"ack", "nack", "reject"}
 def calls(path: Path) -> list[tuple[int, str, str]]:
     """(line, the called object's last name, the method) of every ``x.y.method(...)`` call."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parse_source(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             owner = node.func.value
             name = (
@@ -61,7 +62,7 @@ def test_only_the_settler_acks_nacks_or_rejects_a_message() -> None:
 def test_carry_out_has_a_case_for_every_end() -> None:
     kinds = set(typing.get_args(ends.End))
     source = (WORKER / "ends.py").read_text(encoding="utf-8")
-    tree = ast.parse(source)
+    tree = parse_source(source)
     carry_out = next(
         n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name == "carry_out"
     )

@@ -13,6 +13,8 @@ import ast
 from collections import Counter
 from pathlib import Path
 
+from tests.parsing import parse_source
+
 TESTS = Path(__file__).resolve().parents[1]
 CLIENT_CLASSES = {"Redis", "StrictRedis"}
 
@@ -27,7 +29,7 @@ HOST_AND_PORT_ALLOWED = {
 
 def _clients_from_host_and_port(path: Path) -> int:
     calls = 0
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_source(path.read_text(), str(path))):
         if not isinstance(node, ast.Call):
             continue
         func = node.func
