@@ -237,15 +237,19 @@ async def _process(
                 return
             if usage is not None and usage.calls:  # recorded before the task's end is
                 await record_usage(rt, delivery, spec, task, usage)
+            probed: Defer | None = None  # a failed probe of a model: parked, no attempt spent
             if chained and model is not None and not watch.requested:  # the model's health
                 error = await fallbacks.after_attempt(rt, spec, delivery, model, outcome[1])
-                outcome = (outcome[0], error)
+                if isinstance(error, Defer):
+                    probed = error
+                else:
+                    outcome = (outcome[0], error)
             # Cancelled while it ran: whatever it returned or raised no longer counts (a
             # failure is not retried).
             end = (
                 AckCancelled()
                 if watch.requested
-                else after_attempt(delivery, spec, outcome[0], outcome[1])
+                else probed or after_attempt(delivery, spec, outcome[0], outcome[1])
             )
             await carry_out(end, message, delivery, spec, rt, held)
             if begun is not None:
