@@ -5,6 +5,7 @@ parked or downgraded as its ``Cap`` says, losing nothing; ``weclaw-mq costs`` pr
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -17,7 +18,7 @@ import redis.asyncio as aioredis
 from tests.conftest import outcome_count, wait_until
 from tests.integration.processes import run_cli, settings_env
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
-from weclaw_mq.contract.naming import costs_key, usage_key
+from weclaw_mq.contract.naming import CAP_KEY_PREFIX, costs_key, usage_key
 from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.state.cost_ledger import MICROS
 from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
@@ -47,6 +48,9 @@ async def forget(redis_url: str) -> AsyncIterator[list[tuple[str, list[str]]]]:
     day = datetime.now(UTC).date().isoformat()
     for name, ids in apps:
         await client.delete(costs_key(name, day), *(usage_key(t) for t in ids))
+        # The tenants' reservations against their caps.
+        async for key in client.scan_iter(match=f"{CAP_KEY_PREFIX}:{len(name)}:{name}:*"):
+            await client.delete(key)
     await client.aclose()
 
 
@@ -199,3 +203,41 @@ async def test_the_costs_command_prints_the_tenants_and_a_tasks_calls(
     assert table.code == 0 and "big-1" in table.stdout and "acme" in table.stdout
     bad = await run_cli("costs", "costs_app:app", "--by", "user", env=env)
     assert bad.code == 2 and "'user' is not tenant or model" in bad.stderr
+
+
+async def test_a_cap_at_concurrency_10_ends_within_one_runs_cost_of_it(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    forget: list[tuple[str, list[str]]],
+) -> None:
+    # Issue 38 item 5: the cap was check-then-run, so ten tasks started at once past it (a
+    # cap of 2.0 ended at 10.0). Each run now reserves its estimate (here the day's mean run,
+    # learned from the first) before it starts and settles to its real cost when it ends.
+    _, client = provider
+    app = make_app(f"costs-cap10-{qname}")
+    run_cost = 0.25  # 100 prompt tokens at 2.0 per 1k + 20 answer tokens at 2.5 per 1k
+    app.prices = {BIG: Price(input_per_1k=2.0, output_per_1k=2.5)}
+
+    @app.handler(qname, tenant=lambda t: t["tenant"], cap=Cap(per_day=2.0, action="shed"))
+    async def complete(task: dict[str, Any], ctx: Context) -> str:
+        body = {"model": BIG, "prompt": "a" * 400, "max_tokens": 20, "tenant": "acme"}
+        usage = (await client.post("/v1/complete", json=body)).json()["usage"]
+        await asyncio.sleep(0.2)  # a model call takes a while: the runs overlap
+        ctx.usage(
+            input_tokens=usage["input_tokens"], output_tokens=usage["output_tokens"], model=BIG
+        )
+        return BIG
+
+    await start_worker(app, concurrency=10)
+    ids = [await app.publish(qname, {"tenant": "acme"}) for _ in range(20)]
+    forget.append((app.name, ids))
+    finals = [await app.result(t, timeout_s=60) for t in ids]
+
+    spent = sum(t.cost for t in await app.costs(days=1, by="tenant"))
+    assert spent <= 2.0 + run_cost + 1e-9, spent  # the cap, plus at most one run's error
+    ran = [f for f in finals if f.status is TaskStatus.SUCCEEDED]
+    shed = [f for f in finals if f.reason == "budget_exceeded"]
+    assert len(ran) + len(shed) == 20
+    assert len(ran) >= 7  # the cap was used, not left idle

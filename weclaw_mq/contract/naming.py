@@ -354,7 +354,10 @@ def schedule_key(app: str, name: str) -> str:
 #     weclaw_mq:usage:{T}                  task T's model calls (a list of JSON: queue, attempt,
 #                                          model, tenant, tokens, cost), beside T's records
 #     weclaw_mq:costs:{costs}:<A>:<day>    app A's totals of one UTC day (a hash: cost in
-#                                          millionths and tokens per tenant and per model)
+#                                          millionths and tokens per tenant and per model,
+#                                          cost and runs per queue)
+#     weclaw_mq:cap:<A>:<day>:{t=<T>}:*    tenant T's reservations against its daily cap
+#                                          (a token limit's keys: starts, tokens, total, ...)
 #
 # A day's totals share one hash tag: one HGETALL per day reads them; a few increments per
 # model call, not per delivery.
@@ -371,6 +374,17 @@ def usage_key(task_id: str) -> str:
 def costs_key(app: str, day: str) -> str:
     """App ``app``'s cost and token totals of UTC day ``day`` (``YYYY-MM-DD``)."""
     return f"{COSTS_KEY_PREFIX}:{app}:{day}"
+
+
+CAP_KEY_PREFIX = f"{REDIS_PREFIX}:cap"
+
+
+def cap_keys(app: str, tenant: str, day: str) -> tuple[str, str, str, str, str]:
+    """The (slots, starts, tokens, total, blocked) keys of tenant ``tenant``'s reservations
+    against its cap on UTC day ``day``: a token limit's keys (``worker.limiting``), in one slot."""
+    tag = "t=" + tenant.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    base = f"{CAP_KEY_PREFIX}:{len(app.encode())}:{app}:{day}:{{{tag}}}"
+    return (f"{base}:slots", f"{base}:starts", f"{base}:tokens", f"{base}:total", f"{base}:blocked")
 
 
 # -- Redis keys of model fallbacks (state.model_health) -----------------------------------------

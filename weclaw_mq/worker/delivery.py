@@ -157,9 +157,12 @@ async def _process(
             await carry_out(cancelled, message, delivery, spec, rt, held)
             return
     model: str | None = None
+    reserved = NO_TICKET  # the run's estimated cost, reserved against its tenant's cap
     if spec.cap is not None:  # the tenant's daily cap: before the limits take their slots
         capped = await within_cap(rt, spec, task)
-        if isinstance(capped, str):
+        if isinstance(capped, Ticket):
+            reserved = capped
+        elif isinstance(capped, str):
             model = capped  # downgraded: the run gets the cap's cheaper model
         elif capped is not None:
             await carry_out(capped, message, delivery, spec, rt, held)
@@ -169,6 +172,7 @@ async def _process(
     if chained:
         chosen = await fallbacks.model_for(rt, spec, delivery)
         if not isinstance(chosen, str):
+            reserved.release()
             await carry_out(chosen, message, delivery, spec, rt, held)
             return
         model = chosen
@@ -178,9 +182,11 @@ async def _process(
     if spec.limits and rt.limiter is not None:
         admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body), model)
         if not isinstance(admitted, Ticket):
+            reserved.release()
             await carry_out(admitted, message, delivery, spec, rt, held)
             return
         ticket = admitted
+    ticket = ticket.joined(reserved)  # settled as the handler ends, with the limits' slots
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it. Again with one when the claim's record could not
@@ -198,7 +204,9 @@ async def _process(
         else _NOT_HELD
     )
     # The run's model calls (ctx.usage), where they are costed or settle a token limit.
-    usage = RunUsage(ticket, model) if rt.ledger is not None or ticket.budgets else None
+    usage = (
+        RunUsage(ticket, model, rt.app.prices) if rt.ledger is not None or ticket.budgets else None
+    )
     report = None if usage is None else usage.report
     begun: run_hooks.Begun | None = None
     try:

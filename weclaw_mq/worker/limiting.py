@@ -149,6 +149,9 @@ return 0
 # limit keeps a start in its window this much longer than ``per_s``, so a start admitted as
 # the oldest leaves finds the provider's window freed too (``make bench-token-budget``: 429s).
 TOKEN_WINDOW_MARGIN_MS = 200
+# A cap's reservations stay in their window this long: longer than the UTC day their keys
+# are named after, so each counts until the day's keys expire.
+CAP_WINDOW_S = 2 * 86_400.0
 # Until a handler's first release says how long its slots are held, a task refused a slot
 # expects one to free in this long.
 FIRST_HOLD_ESTIMATE_MS = 1000.0
@@ -186,12 +189,17 @@ class Ticket:
         holder: str,
         slots: Sequence[tuple[str, _Which]],
         budgets: Sequence[tuple[str, str, str]] = (),
+        spends: Sequence[tuple[str, str, str]] = (),
     ) -> None:
         self._limiter = limiter
         self.holder = holder
         self.slots = tuple(slots)  # (slots key, which limit)
         # The (tokens, total, blocked) keys of each token limit the start was admitted under.
         self.budgets = tuple(budgets)
+        # The (holder, tokens, total) keys of a cap's reservation of the run's cost
+        # (``Limiter.reserve``): settled with ``spent_micros``, 0 if it reported nothing.
+        self.spends = tuple(spends)
+        self.spent_micros = 0
         # What the handler reported using (ctx.usage), None if it reported nothing: then the
         # estimate stands.
         self.used: int | None = None
@@ -203,6 +211,24 @@ class Ticket:
     def report(self, tokens: int) -> None:
         """Add ``tokens`` to what this start used (``ctx.usage``); settled when it ends."""
         self.used = (self.used or 0) + tokens
+
+    def report_cost(self, micros: int) -> None:
+        """Add a call's cost to what this run spent against its cap; settled when it ends."""
+        self.spent_micros += micros
+
+    def joined(self, other: Ticket) -> Ticket:
+        """One ticket holding this one's slots and budgets and ``other``'s reservations."""
+        if other is NO_TICKET:
+            return self
+        if self is NO_TICKET:
+            return other
+        both = Ticket(self._limiter, self.holder, self.slots, self.budgets, other.spends)
+        other.spends = ()
+        return both
+
+    def release(self) -> None:
+        """Free what it holds without a run (a later gate stopped the task)."""
+        self.__exit__(None, None, None)
 
     def ended(self, outcome: tuple[Any, BaseException | None] | None) -> None:
         """Note a 429's ``Retry(after_s=)`` the attempt ended with, for the token limits."""
@@ -218,9 +244,9 @@ class Ticket:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._limiter is not None and (self.slots or self.budgets):
+        if self._limiter is not None and (self.slots or self.budgets or self.spends):
             self._limiter.let_go(self, (time.monotonic() - self._since) * 1000)
-            self.slots = self.budgets = ()
+            self.slots = self.budgets = self.spends = ()
 
 
 # A start no limit holds (the handler has none, or every key function said None).
@@ -262,6 +288,7 @@ class _Call:
     limit: Limit
     keys: tuple[str, str, str, str, str]
     need: int
+    period_ms: int  # how long a start stays in the window of its rate or tokens
 
 
 def _estimate(limit: Limit, task: Any, body_bytes: int) -> int:
@@ -325,7 +352,10 @@ class Limiter:
             if limited:
                 need = _estimate(limit, task, body_bytes) if limit.tokens else 0
                 keys = (*limit_keys(queue, index, key), *token_keys(queue, index, key))
-                calls.append(_Call(index, limit, keys, need))
+                # A start leaves a token limit's window this much after the provider's
+                # clock lets it go: it called the provider a little after its admission.
+                margin = TOKEN_WINDOW_MARGIN_MS if limit.tokens else 0
+                calls.append(_Call(index, limit, keys, need, limit.period_ms + margin))
         if not calls:
             return NO_TICKET
         try:
@@ -356,6 +386,27 @@ class Limiter:
         budgets = [(c.keys[2], c.keys[3], c.keys[4]) for c in admitted if c.limit.tokens]
         return Ticket(self, holder, slots, budgets)
 
+    async def reserve(
+        self, keys: tuple[str, str, str, str, str], budget: int, need: int
+    ) -> Ticket | Held:
+        """Reserve ``need`` of ``budget`` under ``keys`` (``naming.cap_keys``: a tenant's
+        day), as a token limit admits a start's estimate: a ticket whose ``spends`` settle
+        to what the run reported (``report_cost``), or a refusal while what is reserved and
+        spent already leaves no room for ``need`` (the day's first start always fits).
+        ``StateUnavailableError`` when Redis does not answer."""
+        holder = new_owner()
+        day = Limit(tokens=max(1, budget), per_s=CAP_WINDOW_S)
+        call = _Call(-1, day, keys, need, day.period_ms)
+        try:
+            [(verdict, wait_ms)] = await self._ask(holder, [call])
+        except Exception as e:
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
+        if verdict != b"ok":
+            return Held(LimitKind(verdict.decode()), deferral_ms(wait_ms))
+        return Ticket(self, holder, (), (), [(holder, keys[2], keys[3])])
+
     async def _ask(self, holder: str, calls: list[_Call]) -> list[Any]:
         loop = asyncio.get_running_loop()
         answers = []
@@ -366,9 +417,7 @@ class Limiter:
                 self._lease_ms,
                 limit.concurrency or 0,
                 limit.rate or 0,
-                # A start leaves a token limit's window this much after the provider's clock
-                # lets it go: it called the provider a little after its admission.
-                limit.period_ms + (TOKEN_WINDOW_MARGIN_MS if limit.tokens else 0),
+                call.period_ms,
                 limit.tokens or 0,
                 call.need,
             ]
@@ -462,6 +511,8 @@ class Limiter:
                 )
             if ticket.blocked_ms:
                 self._corrections.append((self._block, [blocked], [ticket.blocked_ms]))
+        for holder, tokens, total in ticket.spends:
+            self._corrections.append((self._settle, [tokens, total], [holder, ticket.spent_micros]))
         for key, which in ticket.slots:
             self._held.discard((key, ticket.holder))
             self._releases.append((key, ticket.holder))
