@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -145,10 +147,18 @@ return 0
 """
 """Extend a held slot's lease. KEYS: slots. ARGV: holder, lease_ms. 0: the slot was lost."""
 
-# How long after its admission a start's provider call is taken to happen, at most: a token
-# limit keeps a start in its window this much longer than ``per_s``, so a start admitted as
-# the oldest leaves finds the provider's window freed too (``make bench-token-budget``: 429s).
+# How long after its admission a start's provider call is taken to happen, at most, before
+# this worker measured any (``Limiter.margin_ms``): a token limit keeps a start in its window
+# this much longer than ``per_s``, so a start admitted as the oldest leaves finds the
+# provider's window freed too (``make bench-token-budget``: 429s).
 TOKEN_WINDOW_MARGIN_MS = 200
+# The learned margin: this percentile of the last ``MARGIN_SAMPLES`` measured delays from a
+# start's admission to its call's answer (its first ``ctx.usage``; its end, for a 429), per
+# key, never under ``MIN_MARGIN_MS``. An answer comes after the provider counted the call, so
+# the measure errs long: a start is held a little longer, never let go early.
+MARGIN_PERCENTILE = 0.99
+MARGIN_SAMPLES = 200
+MIN_MARGIN_MS = 50
 # A cap's reservations stay in their window this long: longer than the UTC day their keys
 # are named after, so each counts until the day's keys expire.
 CAP_WINDOW_S = 2 * 86_400.0
@@ -190,6 +200,7 @@ class Ticket:
         slots: Sequence[tuple[str, _Which]],
         budgets: Sequence[tuple[str, str, str]] = (),
         spends: Sequence[tuple[str, str, str]] = (),
+        since: float | None = None,
     ) -> None:
         self._limiter = limiter
         self.holder = holder
@@ -206,11 +217,18 @@ class Ticket:
         # A 429's Retry-After the attempt ended with (Retry(after_s=)): its keys admit
         # nothing for that long.
         self.blocked_ms: int | None = None
-        self._since = time.monotonic()
+        # From the admission to its first call's answer (ms): the token limits' margin.
+        self.called_ms: float | None = None
+        # The attempt ended with a 429 (``Retry``): its window is shrunk at once.
+        self.refused = False
+        # When its admission was asked for (monotonic): before Redis's clock stamped it.
+        self._since = time.monotonic() if since is None else since
 
     def report(self, tokens: int) -> None:
         """Add ``tokens`` to what this start used (``ctx.usage``); settled when it ends."""
         self.used = (self.used or 0) + tokens
+        if self.called_ms is None:
+            self.called_ms = (time.monotonic() - self._since) * 1000
 
     def report_cost(self, micros: int) -> None:
         """Add a call's cost to what this run spent against its cap; settled when it ends."""
@@ -222,7 +240,9 @@ class Ticket:
             return self
         if self is NO_TICKET:
             return other
-        both = Ticket(self._limiter, self.holder, self.slots, self.budgets, other.spends)
+        both = Ticket(
+            self._limiter, self.holder, self.slots, self.budgets, other.spends, self._since
+        )
         other.spends = ()
         return both
 
@@ -234,6 +254,9 @@ class Ticket:
         """Note a 429's ``Retry(after_s=)`` the attempt ended with, for the token limits."""
         if self.budgets and outcome is not None and isinstance(outcome[1], Retry):
             self.blocked_ms = outcome[1].after_ms
+            self.refused = True
+            if self.called_ms is None:  # its call was answered (429) before this
+                self.called_ms = (time.monotonic() - self._since) * 1000
 
     def __enter__(self) -> Ticket:
         return self
@@ -320,6 +343,12 @@ class Limiter:
         # How long a slot is held, per (queue, limit index): a running mean of this worker's
         # holds, the expected wait of a task refused a slot.
         self._hold_ms: dict[_Which, float] = {}
+        # Per token limit's key (its tokens key): the latest admission-to-call delays (ms),
+        # and the margin they give (``margin_ms``), kept as the samples come.
+        self._delays: dict[str, deque[float]] = {}
+        self._margins: dict[str, int] = {}
+        # The delay of a start that met a 429, and for how many more samples it holds.
+        self._after_429: dict[str, tuple[float, int]] = {}
         # Admission script calls waiting for this loop turn's batch: (keys, args, answer).
         self._asked: list[tuple[list[str], list[str | int], asyncio.Future[Any]]] = []
         self._asking: asyncio.Task[None] | None = None
@@ -354,10 +383,11 @@ class Limiter:
                 keys = (*limit_keys(queue, index, key), *token_keys(queue, index, key))
                 # A start leaves a token limit's window this much after the provider's
                 # clock lets it go: it called the provider a little after its admission.
-                margin = TOKEN_WINDOW_MARGIN_MS if limit.tokens else 0
+                margin = self.margin_ms(keys[2]) if limit.tokens else 0
                 calls.append(_Call(index, limit, keys, need, limit.period_ms + margin))
         if not calls:
             return NO_TICKET
+        asked_at = time.monotonic()
         try:
             answers = await self._ask(holder, calls)
         except Exception as e:
@@ -384,7 +414,30 @@ class Limiter:
         if slots and self._renewer is None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_while_held())
         budgets = [(c.keys[2], c.keys[3], c.keys[4]) for c in admitted if c.limit.tokens]
-        return Ticket(self, holder, slots, budgets)
+        return Ticket(self, holder, slots, budgets, since=asked_at)
+
+    def margin_ms(self, tokens_key: str) -> int:
+        """How much longer than ``per_s`` a start of the token limit's key stays in its
+        window: a high percentile of its measured admission-to-call delays."""
+        return self._margins.get(tokens_key, TOKEN_WINDOW_MARGIN_MS)
+
+    def learned(self, tokens_key: str, delay_ms: float, refused: bool) -> None:
+        """A start's admission-to-call delay. One that met a 429 (its call reached a provider
+        whose window we thought had room) raises the key's margin to it at once, and holds
+        it there while it is among the key's samples."""
+        delays = self._delays.get(tokens_key)
+        if delays is None:
+            delays = self._delays[tokens_key] = deque(maxlen=MARGIN_SAMPLES)
+        delays.append(delay_ms)
+        ranked = sorted(delays)
+        margin = ranked[math.ceil(MARGIN_PERCENTILE * len(ranked)) - 1]  # the max, under 100
+        floor, left = self._after_429.get(tokens_key, (0.0, 0))
+        if refused:
+            floor, left = max(delay_ms, floor if left else 0.0), MARGIN_SAMPLES
+        if left:
+            self._after_429[tokens_key] = (floor, left - 1)
+            margin = max(margin, floor)
+        self._margins[tokens_key] = max(MIN_MARGIN_MS, round(margin))
 
     async def reserve(
         self, keys: tuple[str, str, str, str, str], budget: int, need: int
@@ -505,6 +558,8 @@ class Limiter:
         """Free ``ticket``'s slots (the handler ended, however): renewal stops now, the
         ``ZREM`` goes out with the next batch of releases."""
         for tokens, total, blocked in ticket.budgets:
+            if ticket.called_ms is not None:
+                self.learned(tokens, ticket.called_ms, ticket.refused)
             if ticket.used is not None:
                 self._corrections.append(
                     (self._settle, [tokens, total], [ticket.holder, ticket.used])
