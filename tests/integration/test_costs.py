@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -18,7 +18,8 @@ import redis.asyncio as aioredis
 from tests.conftest import outcome_count, wait_until
 from tests.integration.processes import run_cli, settings_env
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
-from weclaw_mq.contract.naming import CAP_KEY_PREFIX, costs_key, usage_key
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import CAP_KEY_PREFIX, MIDNIGHT_QUEUE, costs_key, usage_key
 from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.state.cost_ledger import MICROS
 from weclaw_mq.testing.fake_provider import FakeProvider, ModelLimits, serving
@@ -241,3 +242,44 @@ async def test_a_cap_at_concurrency_10_ends_within_one_runs_cost_of_it(
     shed = [f for f in finals if f.reason == "budget_exceeded"]
     assert len(ran) + len(shed) == 20
     assert len(ran) >= 7  # the cap was used, not left idle
+
+
+async def test_a_task_parked_until_midnight_takes_one_move_into_the_midnight_queue(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    forget: list[tuple[str, list[str]]],
+    amqp: Any,
+) -> None:
+    # Issue 38 item 5: a task parked until the next UTC day hopped through the delay ladder
+    # (1,024 s at most per hop: ~84 moves a day). It now waits in one place, expiring then.
+    _, client = provider
+    app = build(make_app, qname, client, cap=Cap(per_day=0.001, action="park"))
+    await start_worker(app, concurrency=1)
+    first = await app.publish(qname, {"tenant": "acme", "model": BIG, "prompt": "a" * 400})
+    forget.append((app.name, [first]))
+    assert (await app.result(first, timeout_s=30)).result == BIG
+    parked = await app.publish(qname, {"tenant": "acme", "model": BIG, "prompt": "b"})
+    forget[-1][1].append(parked)
+    await wait_until(lambda: outcome_count(app, qname, "deferred") >= 1, 20, "the park")
+
+    now = datetime.now(UTC)
+    midnight = datetime.combine(now.date(), datetime.min.time(), UTC) + timedelta(days=1)
+    found = None
+    for _ in range(50):  # the midnight queue is the vhost's: skip (and keep) any other's
+        message = await amqp.get_queue(MIDNIGHT_QUEUE, ensure=False)
+        got = await message.get(no_ack=False, fail=False)
+        if got is None:
+            break
+        if got.message_id == parked:
+            found = got
+            await got.ack()  # the test's own task: taken out, not left for midnight
+            break
+        await got.nack(requeue=True)
+    assert found is not None, "the parked task is not in the midnight queue"
+    assert found.expiration is not None
+    left_s = (midnight - now).total_seconds()
+    assert left_s - 60 <= float(found.expiration) <= left_s + 1  # expires at midnight
+    assert found.headers[h.NOT_BEFORE] == int(midnight.timestamp() * 1000)
+    assert outcome_count(app, qname, "deferred") == 1  # one move, no hop since

@@ -53,6 +53,9 @@ CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
 #     weclaw_mq.unroutable        its alternate exchange (fanout), bound to the parking queue
 #     weclaw_mq.unroutable.dlq    the parking queue: a delayed task whose queue is gone; read
 #                                 and requeued by the DLQ tools as the DLQ of "weclaw_mq.unroutable"
+#     weclaw_mq.midnight          a task parked until the next UTC midnight (a tenant past its
+#                                 daily cap), in one hop: a queue (per-message TTL) and the
+#                                 fanout exchange in front; declared for handlers with such a cap
 #
 # No handler queue may start with "weclaw_mq.", so none of these is a handler's name.
 SHARED_PREFIX = "weclaw_mq."
@@ -63,6 +66,9 @@ GROUP_RECORD_QUEUE = f"{SHARED_PREFIX}group"
 LADDER_INFIX = "delay."
 RETURN_EXCHANGE = f"{SHARED_PREFIX}return"
 UNROUTABLE = f"{SHARED_PREFIX}unroutable"
+# Every message in it is due at the same instant (the next UTC midnight), so per-message TTLs
+# hold none behind another (RabbitMQ expires only at the head).
+MIDNIGHT_QUEUE = f"{SHARED_PREFIX}midnight"
 
 # Names we add beside Q must still fit AMQP's 255-byte limit.
 _MAX_QUEUE_NAME = 200

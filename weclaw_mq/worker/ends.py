@@ -90,13 +90,15 @@ class Defer:
     ``delay_ms`` None: the handler's first retry delay. ``queued_again``: the claim had
     written ``running``, so ``queued`` is written back as it is released. ``not_before_ms``:
     a due time past this hop (epoch ms), written on the task: it hops until then
-    (``admission.parked_until_due``)."""
+    (``admission.parked_until_due``). ``at_midnight``: ``not_before_ms`` is the next UTC
+    midnight, reached in one hop through the vhost's midnight queue."""
 
     why: str
     delay_ms: int | None = None
     level: int | None = None
     queued_again: bool = False
     not_before_ms: int | None = None
+    at_midnight: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +233,15 @@ async def carry_out(
             else:
                 await release(rt, spec, delivery, held)
             await _defer(
-                message, delivery, spec, rt, end.why, end.delay_ms, end.level, end.not_before_ms
+                message,
+                delivery,
+                spec,
+                rt,
+                end.why,
+                end.delay_ms,
+                end.level,
+                end.not_before_ms,
+                end.at_midnight,
             )
         case AckDuplicate(mark_done=mark_done):
             if mark_done and rt.store is not None:
@@ -262,6 +272,7 @@ async def _defer(
     delay_ms: int | None = None,
     level: int | None = None,
     not_before_ms: int | None = None,
+    at_midnight: bool = False,
 ) -> None:
     await rt.settler.defer(
         message,
@@ -271,6 +282,7 @@ async def _defer(
         why=why,
         level=level,
         not_before_ms=not_before_ms,
+        at_midnight=at_midnight,
     )
 
 
