@@ -87,16 +87,22 @@ if rate > 0 or budget > 0 then
           break
         end
       end
+      -- The window's entries are due later than the keys expire when the margin grew since.
+      for k = 2, 4 do
+        if redis.call('PTTL', KEYS[k]) < 2 * period then
+          redis.call('PEXPIRE', KEYS[k], 2 * period)
+        end
+      end
       return {'tokens', wait}
     end
   end
   redis.call('ZADD', KEYS[2], now, ARGV[1])
-  redis.call('PEXPIRE', KEYS[2], period)
+  redis.call('PEXPIRE', KEYS[2], 2 * period)
   if budget > 0 then
     redis.call('HSET', KEYS[3], ARGV[1], need)
     redis.call('INCRBY', KEYS[4], need)
-    redis.call('PEXPIRE', KEYS[3], period)
-    redis.call('PEXPIRE', KEYS[4], period)
+    redis.call('PEXPIRE', KEYS[3], 2 * period)
+    redis.call('PEXPIRE', KEYS[4], 2 * period)
   end
 end
 if conc > 0 then
@@ -112,7 +118,9 @@ rate (0: none), period_ms, token budget (0: none), the start's estimated tokens.
 Returns {'ok', 0}, {'concurrency', 0}, {'rate' or 'tokens', ms until enough of the window's
 starts leave it} or {'blocked', ms the 429's Retry-After still runs}. Every entry of ``slots``
 ends by now + lease, so the key's own TTL (lease) outlives them all and an idle key disappears
-by itself; likewise ``starts`` and a token limit's keys after one period. A start estimated
+by itself; likewise ``starts`` and a token limit's keys after two periods: twice, because a
+token limit's period grows with its learned margin after the keys' TTL was set, and a key
+expiring with its entries still due would empty the window at once. A start estimated
 over the whole budget is admitted into an empty window (it could never fit otherwise).
 """
 
@@ -159,6 +167,9 @@ TOKEN_WINDOW_MARGIN_MS = 200
 MARGIN_PERCENTILE = 0.99
 MARGIN_SAMPLES = 200
 MIN_MARGIN_MS = 50
+# The learned margin is this much the percentile: room for a delay a little past any seen
+# yet (a loaded loop, an admission batched behind others).
+MARGIN_HEADROOM = 1.25
 # A cap's reservations stay in their window this long: longer than the UTC day their keys
 # are named after, so each counts until the day's keys expire.
 CAP_WINDOW_S = 2 * 86_400.0
@@ -437,7 +448,7 @@ class Limiter:
         if left:
             self._after_429[tokens_key] = (floor, left - 1)
             margin = max(margin, floor)
-        self._margins[tokens_key] = max(MIN_MARGIN_MS, round(margin))
+        self._margins[tokens_key] = max(MIN_MARGIN_MS, round(margin * MARGIN_HEADROOM))
 
     async def reserve(
         self, keys: tuple[str, str, str, str, str], budget: int, need: int
