@@ -5,9 +5,10 @@ parked or downgraded as its ``Cap`` says, losing nothing; ``weclaw-mq costs`` pr
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -17,7 +18,8 @@ import redis.asyncio as aioredis
 from tests.conftest import outcome_count, wait_until
 from tests.integration.processes import run_cli, settings_env
 from weclaw_mq import App, Context, RetryPolicy, TaskStatus
-from weclaw_mq.contract.naming import costs_key, usage_key
+from weclaw_mq.contract import headers as h
+from weclaw_mq.contract.naming import CAP_KEY_PREFIX, MIDNIGHT_QUEUE, costs_key, usage_key
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.observability.metrics import UNPRICED_MODEL
 from weclaw_mq.policy.costs import Cap, Price
@@ -49,6 +51,9 @@ async def forget(redis_url: str) -> AsyncIterator[list[tuple[str, list[str]]]]:
     day = datetime.now(UTC).date().isoformat()
     for name, ids in apps:
         await client.delete(costs_key(name, day), *(usage_key(t) for t in ids))
+        # The tenants' reservations against their caps.
+        async for key in client.scan_iter(match=f"{CAP_KEY_PREFIX}:{len(name)}:{name}:*"):
+            await client.delete(key)
     await client.aclose()
 
 
@@ -252,3 +257,82 @@ async def test_models_without_a_price_share_one_metrics_label_and_keep_their_nam
 
     assert tokens_by_model() == {BIG: 10, UNPRICED_MODEL: 10 * len(made_up)}
     assert {c.model for c in await app.calls(ids[-1])} == {made_up[-1]}  # named where it is kept
+
+
+async def test_a_cap_at_concurrency_10_ends_within_one_runs_cost_of_it(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    forget: list[tuple[str, list[str]]],
+) -> None:
+    # Issue 38 item 5: the cap was check-then-run, so ten tasks started at once past it (a
+    # cap of 2.0 ended at 10.0). Each run now reserves its estimate (here the day's mean run,
+    # learned from the first) before it starts and settles to its real cost when it ends.
+    _, client = provider
+    app = make_app(f"costs-cap10-{qname}")
+    run_cost = 0.25  # 100 prompt tokens at 2.0 per 1k + 20 answer tokens at 2.5 per 1k
+    app.prices = {BIG: Price(input_per_1k=2.0, output_per_1k=2.5)}
+
+    @app.handler(qname, tenant=lambda t: t["tenant"], cap=Cap(per_day=2.0, action="shed"))
+    async def complete(task: dict[str, Any], ctx: Context) -> str:
+        body = {"model": BIG, "prompt": "a" * 400, "max_tokens": 20, "tenant": "acme"}
+        usage = (await client.post("/v1/complete", json=body)).json()["usage"]
+        await asyncio.sleep(0.2)  # a model call takes a while: the runs overlap
+        ctx.usage(
+            input_tokens=usage["input_tokens"], output_tokens=usage["output_tokens"], model=BIG
+        )
+        return BIG
+
+    await start_worker(app, concurrency=10)
+    ids = [await app.publish(qname, {"tenant": "acme"}) for _ in range(20)]
+    forget.append((app.name, ids))
+    finals = [await app.result(t, timeout_s=60) for t in ids]
+
+    spent = sum(t.cost for t in await app.costs(days=1, by="tenant"))
+    assert spent <= 2.0 + run_cost + 1e-9, spent  # the cap, plus at most one run's error
+    ran = [f for f in finals if f.status is TaskStatus.SUCCEEDED]
+    shed = [f for f in finals if f.reason == "budget_exceeded"]
+    assert len(ran) + len(shed) == 20
+    assert len(ran) >= 7  # the cap was used, not left idle
+
+
+async def test_a_task_parked_until_midnight_takes_one_move_into_the_midnight_queue(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    forget: list[tuple[str, list[str]]],
+    amqp: Any,
+) -> None:
+    # Issue 38 item 5: a task parked until the next UTC day hopped through the delay ladder
+    # (1,024 s at most per hop: ~84 moves a day). It now waits in one place, expiring then.
+    _, client = provider
+    app = build(make_app, qname, client, cap=Cap(per_day=0.001, action="park"))
+    await start_worker(app, concurrency=1)
+    first = await app.publish(qname, {"tenant": "acme", "model": BIG, "prompt": "a" * 400})
+    forget.append((app.name, [first]))
+    assert (await app.result(first, timeout_s=30)).result == BIG
+    parked = await app.publish(qname, {"tenant": "acme", "model": BIG, "prompt": "b"})
+    forget[-1][1].append(parked)
+    await wait_until(lambda: outcome_count(app, qname, "deferred") >= 1, 20, "the park")
+
+    now = datetime.now(UTC)
+    midnight = datetime.combine(now.date(), datetime.min.time(), UTC) + timedelta(days=1)
+    found = None
+    for _ in range(50):  # the midnight queue is the vhost's: skip (and keep) any other's
+        message = await amqp.get_queue(MIDNIGHT_QUEUE, ensure=False)
+        got = await message.get(no_ack=False, fail=False)
+        if got is None:
+            break
+        if got.message_id == parked:
+            found = got
+            await got.ack()  # the test's own task: taken out, not left for midnight
+            break
+        await got.nack(requeue=True)
+    assert found is not None, "the parked task is not in the midnight queue"
+    assert found.expiration is not None
+    left_s = (midnight - now).total_seconds()
+    assert left_s - 60 <= float(found.expiration) <= left_s + 1  # expires at midnight
+    assert found.headers[h.NOT_BEFORE] == int(midnight.timestamp() * 1000)
+    assert outcome_count(app, qname, "deferred") == 1  # one move, no hop since

@@ -177,22 +177,49 @@ async def test_every_model_down_parks_the_task_and_the_dead_letter_names_the_mod
         client,
         redis_url,
         forget,
-        fallback=Fallback([A, B], failures=1, cool_down_s=1.0),
+        fallback=Fallback([A, B], failures=1, cool_down_s=0.5),
         retry=RetryPolicy(max_retries=2, delay_s=0.05, multiplier=1),
     )
     await start_worker(app, concurrency=1)
     fake.down.update({A, B})
-    task_id = await app.publish(qname, {"prompt": "nobody answers"})
-    final = await app.result(task_id, timeout_s=30)
+    parked = await app.publish(qname, {"prompt": "nobody answers yet"})
 
+    def probes_failed() -> float:
+        value = app.metrics.registry.get_sample_value(
+            "weclaw_mq_model_attempts_total",
+            {"queue": qname, "model": A, "outcome": "probe_failed"},
+        )
+        return value or 0.0
+
+    # A failed (down), B failed (down), then both were down: parked, no attempt spent; each
+    # cool-down's end, one probe, whose failure parks it again without spending one either.
+    await wait_until(lambda: probes_failed() >= 2, 30, "two failed probes of A")
+    assert seen[:2] == [(1, A), (2, B)]
+    assert max(a for a, _ in seen) == 3  # every probe ran as attempt 3, none spent it
+    assert outcome_count(app, qname, "deferred") >= 2
+    state = await app.status(parked)
+    assert state is not None and state.status is not TaskStatus.DEAD_LETTERED
+    fake.down.clear()
+    assert (await app.result(parked, timeout_s=30)).status is TaskStatus.SUCCEEDED
+
+    # Its retries spent while models still answer at times: the dead letter names them.
+    fake.down.update({A, B})
+    app_dl, seen_dl = build(
+        make_app,
+        f"{qname}-dl",
+        client,
+        redis_url,
+        forget,
+        fallback=Fallback([A, B], failures=5, cool_down_s=0.5),
+        retry=RetryPolicy(max_retries=2, delay_s=0.05, multiplier=1),
+    )
+    await start_worker(app_dl, concurrency=1)
+    task_id = await app_dl.publish(f"{qname}-dl", {"prompt": "nobody answers"})
+    final = await app_dl.result(task_id, timeout_s=30)
     assert final.status is TaskStatus.DEAD_LETTERED and final.reason == "retries_exhausted"
     assert final.model == A  # its last attempt's
-    # A failed (down), B failed (down), then both were down: parked, no attempt spent, until
-    # A's cool-down ended; its third attempt failed on A again.
-    assert [m for _, m in seen] == [A, B, A]
-    assert [a for a, _ in seen] == [1, 2, 3]
-    assert outcome_count(app, qname, "deferred") >= 1
-    copy = await get_message(amqp, dlq_name(qname))
+    assert seen_dl == [(1, A), (2, B), (3, A)]
+    copy = await get_message(amqp, dlq_name(f"{qname}-dl"))
     assert copy is not None
     assert copy.headers[h.MODEL] == A
     assert [m.decode() if isinstance(m, bytes) else m for m in copy.headers[h.MODELS_TRIED]] == [
@@ -271,3 +298,88 @@ def test_a_per_model_limit_needs_a_model_to_count() -> None:
 
         @app.handler("q", limit=Limit(per_model=True, rate=1))
         async def answer(task: dict[str, str]) -> None: ...
+
+
+async def test_an_outage_of_every_model_is_probed_by_one_task_and_dead_letters_none(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    provider: tuple[FakeProvider, httpx.AsyncClient],
+    redis_url: str,
+    forget: list[str],
+) -> None:
+    # Issue 38 item 4: once a cool-down ended, every free slot sent a task to the model at
+    # once, each spending an attempt, and a long outage dead-lettered many of them.
+    fake, client = provider
+    cool_down_s, concurrency, outage_s = 0.5, 10, 8.0
+    app, seen = build(
+        make_app,
+        qname,
+        client,
+        redis_url,
+        forget,
+        fallback=Fallback([A, B], failures=2, cool_down_s=cool_down_s),
+        retry=RetryPolicy(max_retries=2, delay_s=0.05, multiplier=1),
+    )
+    await start_worker(app, concurrency=concurrency)
+    health = health_of(app.store, app.name)
+    fake.down.update({A, B})
+    ids = [await app.publish(qname, {"prompt": f"p{n}"}) for n in range(30)]
+
+    async def both_down() -> bool:
+        _, down = await health.down_until([A, B])
+        return A in down and B in down
+
+    await wait_until(both_down, 20, "both models taken down")
+    loop = asyncio.get_running_loop()
+    tripped_at, calls_at_trip = loop.time(), fake.calls
+    await asyncio.sleep(outage_s)  # the outage lasts: this is the time under test
+    failed_calls = fake.calls - calls_at_trip
+    elapsed = loop.time() - tripped_at
+    fake.down.clear()
+    finals = [await app.result(t, timeout_s=60) for t in ids]
+
+    assert [f.status for f in finals] == [TaskStatus.SUCCEEDED] * 30  # none dead-lettered
+    # After the trip, one probe per model per cool-down (each fails fast), plus the attempts
+    # that were already running when the second model went down.
+    probes_bound = 2 * (elapsed / cool_down_s + 2) + concurrency
+    assert failed_calls <= probes_bound, (failed_calls, probes_bound)
+    probe_failures = app.metrics.registry.get_sample_value(
+        "weclaw_mq_model_attempts_total", {"queue": qname, "model": A, "outcome": "probe_failed"}
+    )
+    assert probe_failures is not None and probe_failures >= 1
+    # No task spent an attempt on a failed probe: at most one per model before it was parked.
+    assert max(attempt for attempt, _ in seen) <= 3
+
+
+async def test_a_handlers_own_timeout_does_not_count_as_the_models_failure(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    forget: list[str],
+) -> None:
+    app = make_app(f"fallback-timeout-{qname}")
+    forget.append(models_key(app.name))
+    seen: list[tuple[int, str]] = []
+
+    @app.handler(
+        qname,
+        fallback=Fallback([A, B], failures=1, cool_down_s=60),
+        retry=RetryPolicy(max_retries=1, delay_s=0.05),
+        timeout_s=0.2,
+    )
+    async def answer(task: dict[str, str], ctx: Context) -> str:
+        seen.append((ctx.attempt, ctx.model or ""))
+        if ctx.attempt == 1:
+            await asyncio.sleep(30)  # past the handler's own timeout
+        return ctx.model or ""
+
+    await start_worker(app, concurrency=1)
+    task_id = await app.publish(qname, {"prompt": "slow"})
+    assert (await app.result(task_id, timeout_s=20)).status is TaskStatus.SUCCEEDED
+    _, down = await health_of(app.store, app.name).down_until([A, B])
+    assert down == {}  # one failure would take A down for 60 s: the timeout did not count
+    taken_down = app.metrics.registry.get_sample_value(
+        "weclaw_mq_model_attempts_total", {"queue": qname, "model": A, "outcome": "taken_down"}
+    )
+    assert taken_down is None

@@ -73,3 +73,33 @@ def test_limit_keys_share_one_hash_tag_whatever_the_key_holds() -> None:
     keys = ["u1", "", "}", "{x}", "%7D", "*", None]
     assert len({limit_keys("q", 0, k)[0] for k in keys}) == len(keys)
     assert limit_keys("q", 0, "u1") != limit_keys("q", 1, "u1")
+
+
+def test_a_token_limits_margin_is_learned_from_its_delays_and_a_429_raises_it_at_once() -> None:
+    import redis.asyncio as aioredis
+
+    from weclaw_mq.worker.limiting import MIN_MARGIN_MS, TOKEN_WINDOW_MARGIN_MS, Limiter
+
+    def room(ms: float) -> int:
+        return round(ms * 1.25)  # MARGIN_HEADROOM
+
+    limiter = Limiter(aioredis.Redis(), lease_s=1)  # no round trip: learning is local
+    assert limiter.margin_ms("k") == TOKEN_WINDOW_MARGIN_MS  # nothing measured yet
+    for delay in (10.0, 20.0, 30.0):
+        limiter.learned("k", delay, refused=False)
+    assert limiter.margin_ms("k") == MIN_MARGIN_MS  # short delays: the floor
+    limiter.learned("k", 640.0, refused=False)
+    assert limiter.margin_ms("k") == room(640)  # under 100 samples: the longest
+    assert limiter.margin_ms("other") == TOKEN_WINDOW_MARGIN_MS  # per key
+    for _ in range(200):
+        limiter.learned("k", 100.0, refused=False)
+    assert limiter.margin_ms("k") == room(100)  # the 99th percentile of the last 200
+    limiter.learned("k", 900.0, refused=False)
+    assert limiter.margin_ms("k") == room(100)  # one late call among 200 is not the percentile..
+    limiter.learned("k", 900.0, refused=True)
+    assert limiter.margin_ms("k") == room(900)  # ...but one that met a 429 raises it at once
+    limiter.learned("k", 100.0, refused=False)
+    assert limiter.margin_ms("k") == room(900)  # and holds it while it is among the samples
+    for _ in range(200):
+        limiter.learned("k", 100.0, refused=False)
+    assert limiter.margin_ms("k") == room(100)

@@ -53,6 +53,9 @@ CANCEL_CHANNEL = f"{REDIS_PREFIX}:cancels"
 #     weclaw_mq.unroutable        its alternate exchange (fanout), bound to the parking queue
 #     weclaw_mq.unroutable.dlq    the parking queue: a delayed task whose queue is gone; read
 #                                 and requeued by the DLQ tools as the DLQ of "weclaw_mq.unroutable"
+#     weclaw_mq.midnight          a task parked until the next UTC midnight (a tenant past its
+#                                 daily cap), in one hop: a queue (per-message TTL) and the
+#                                 fanout exchange in front; declared for handlers with such a cap
 #
 # No handler queue may start with "weclaw_mq.", so none of these is a handler's name.
 SHARED_PREFIX = "weclaw_mq."
@@ -63,6 +66,9 @@ GROUP_RECORD_QUEUE = f"{SHARED_PREFIX}group"
 LADDER_INFIX = "delay."
 RETURN_EXCHANGE = f"{SHARED_PREFIX}return"
 UNROUTABLE = f"{SHARED_PREFIX}unroutable"
+# Every message in it is due at the same instant (the next UTC midnight), so per-message TTLs
+# hold none behind another (RabbitMQ expires only at the head).
+MIDNIGHT_QUEUE = f"{SHARED_PREFIX}midnight"
 
 
 def is_shared_name(name: str) -> bool:
@@ -362,7 +368,10 @@ def schedule_key(app: str, name: str) -> str:
 #     weclaw_mq:usage:{T}                  task T's model calls (a list of JSON: queue, attempt,
 #                                          model, tenant, tokens, cost), beside T's records
 #     weclaw_mq:costs:{costs}:<A>:<day>    app A's totals of one UTC day (a hash: cost in
-#                                          millionths and tokens per tenant and per model)
+#                                          millionths and tokens per tenant and per model,
+#                                          cost and runs per queue)
+#     weclaw_mq:cap:<A>:<day>:{t=<T>}:*    tenant T's reservations against its daily cap
+#                                          (a token limit's keys: starts, tokens, total, ...)
 #
 # A day's totals share one hash tag: one HGETALL per day reads them; a few increments per
 # model call, not per delivery.
@@ -379,6 +388,17 @@ def usage_key(task_id: str) -> str:
 def costs_key(app: str, day: str) -> str:
     """App ``app``'s cost and token totals of UTC day ``day`` (``YYYY-MM-DD``)."""
     return f"{COSTS_KEY_PREFIX}:{app}:{day}"
+
+
+CAP_KEY_PREFIX = f"{REDIS_PREFIX}:cap"
+
+
+def cap_keys(app: str, tenant: str, day: str) -> tuple[str, str, str, str, str]:
+    """The (slots, starts, tokens, total, blocked) keys of tenant ``tenant``'s reservations
+    against its cap on UTC day ``day``: a token limit's keys (``worker.limiting``), in one slot."""
+    tag = "t=" + tenant.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    base = f"{CAP_KEY_PREFIX}:{len(app.encode())}:{app}:{day}:{{{tag}}}"
+    return (f"{base}:slots", f"{base}:starts", f"{base}:tokens", f"{base}:total", f"{base}:blocked")
 
 
 # -- Redis keys of model fallbacks (state.model_health) -----------------------------------------

@@ -88,6 +88,7 @@ class HandlerSpec:
             queue_type=self.queue_type,
             priorities=self.priorities,
             fair_lanes=self.fair.lanes if self.fair is not None else 1,
+            parks_until_midnight=self.cap is not None and self.cap.action == "park",
         )
 
     def tenant_of(self, task: Any) -> str:

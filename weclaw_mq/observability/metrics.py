@@ -273,7 +273,8 @@ class Metrics:
             ["queue", "action"],
         )
         # Model fallback chains (weclaw_mq.policy.fallback): attempts by the model they called
-        # and what that said of it (succeeded, failed, taken_down, blocked by a Retry-After).
+        # and what that said of it (succeeded, failed, taken_down, blocked by a Retry-After,
+        # probe_failed: the one probe of a model whose cool-down ended failed).
         self.model_attempts = _counter(
             "weclaw_mq_model_attempts",
             "Attempts of handlers with a fallback chain, by queue, model and outcome.",

@@ -11,13 +11,18 @@ model=)``; the worker turns them into a cost with the App's price table and reco
 the task and in the tenant's and the model's daily totals (``state.cost_ledger``). A tenant
 whose day's total reached its ``Cap`` gets its next tasks parked until the next UTC day,
 dead-lettered (reason ``budget_exceeded``), or run on a cheaper model (``ctx.model``).
+
+Each run reserves its estimated cost against the cap before it starts (atomically, across
+workers) and settles to what it reported when it ends, so tasks running at once cannot
+together spend past the cap by more than their estimates' errors.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from weclaw_mq.errors import ConfigurationError
 
@@ -69,15 +74,21 @@ class Cap:
             ``"downgrade"``: run with ``ctx.model`` set to ``model`` (the handler calls that
             model instead of its own).
         model: The cheaper model of ``"downgrade"``.
+        estimate: A function of the validated task returning what its run is expected to
+            cost (in the price table's currency), reserved against the cap as it starts;
+            default the mean cost of the handler's runs recorded that day (and, before
+            one was, the rest of the cap: the day's first run runs alone).
 
     Raises:
-        ConfigurationError: A cap that is not a number > 0, an unknown action, or a downgrade
-            without a model (or a model without a downgrade).
+        ConfigurationError: A cap that is not a number > 0, an unknown action, a downgrade
+            without a model (or a model without a downgrade), or an ``estimate`` that is
+            not callable.
     """
 
     per_day: float
     action: CapAction = "park"
     model: str | None = None
+    estimate: Callable[[Any], float] | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -93,6 +104,15 @@ class Cap:
             )
         if (self.action == "downgrade") != (self.model is not None):
             raise ConfigurationError('Cap model= goes with action="downgrade" (the cheaper model)')
+        if self.estimate is not None and not callable(self.estimate):
+            raise ConfigurationError(
+                f"Cap estimate must be a function of the task, got {self.estimate!r}"
+            )
+
+    @property
+    def per_day_micros(self) -> int:
+        """``per_day`` in millionths of the currency, as the ledger counts."""
+        return round(self.per_day * 1_000_000)
 
 
 def check_prices(prices: object) -> dict[str, Price]:

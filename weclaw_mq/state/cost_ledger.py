@@ -5,7 +5,8 @@ A task's calls are a list beside its records (its hash tag), kept as long as its
 (``result_ttl_s``): every attempt's, retries and downgrades included. A day's totals are one
 hash per app and UTC day (``contract.naming.costs_key``), kept ``cost_days_kept`` days: costs
 in millionths of the price table's currency (integers: sums are exact) and tokens, per
-tenant and per model. A call is recorded with one pipelined round trip after its attempt ends.
+tenant and per model, and cost and runs per queue (a cap's estimate of one run). A call is
+recorded with one pipelined round trip after its attempt ends.
 
 redis-py is not imported here: an app without prices never loads it (``ledger_of``).
 """
@@ -101,7 +102,11 @@ class CostLedger:
                 totals.hincrby(day, f"{who}:cost", call.cost_micros)
                 totals.hincrby(day, f"{who}:in", call.input_tokens)
                 totals.hincrby(day, f"{who}:out", call.output_tokens)
+            totals.hincrby(day, f"queue:{call.queue}:cost", call.cost_micros)
             totals.expire(day, self._days_ttl_s)
+        # One run per record (an attempt's calls): what a run of the queue costs on average.
+        first = calls[0]
+        totals.hincrby(costs_key(self.app, first.at[:10]), f"queue:{first.queue}:runs", 1)
         await answered(task.execute())
         await answered(totals.execute())
 
@@ -114,6 +119,18 @@ class CostLedger:
         """What ``tenant`` spent on UTC day ``day``, in millionths."""
         value = await answered(self._client.hget(costs_key(self.app, day), f"tenant:{tenant}:cost"))
         return int(value) if value is not None else 0
+
+    async def cap_reading(self, tenant: str, queue: str, day: str) -> tuple[int, int | None]:
+        """What ``tenant`` spent on UTC day ``day``, and what a run of ``queue`` cost on
+        average that day (None before one was recorded), both in millionths."""
+        spent, cost, runs = await answered(
+            self._client.hmget(
+                costs_key(self.app, day),
+                [f"tenant:{tenant}:cost", f"queue:{queue}:cost", f"queue:{queue}:runs"],
+            )
+        )
+        mean = int(cost or 0) // int(runs) if runs is not None and int(runs) > 0 else None
+        return int(spent or 0), mean
 
     async def totals(self, days: int, *, by: str, today: date | None = None) -> list[Totals]:
         """Totals per tenant or per model (``by``) over the last ``days`` UTC days, the most

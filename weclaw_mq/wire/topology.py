@@ -79,6 +79,7 @@ from aio_pika.abc import AbstractChannel
 
 from weclaw_mq.contract.naming import (
     DLQ_SUFFIX,
+    MIDNIGHT_QUEUE,
     RETURN_EXCHANGE,
     UNROUTABLE,
     dlq_name,
@@ -114,6 +115,9 @@ class QueueSpec:
     priorities: bool = False
     # The queues of its NORMAL level (``fair=``: Q and ``Q.lane.f<i>``; 1: Q alone).
     fair_lanes: int = 1
+    # Parks tasks until the next UTC midnight (a ``Cap(action="park")``): the vhost's
+    # midnight queue is declared for it.
+    parks_until_midnight: bool = False
 
     def lane_queues(self, version: ServerVersion | None) -> list[str]:
         """Q and its lane queues on ``version``, highest priority first, Q last (Q alone for
@@ -181,11 +185,18 @@ def delay_queue_arguments(delay_ms: int) -> dict[str, object]:
     return args
 
 
+def midnight_queue_arguments() -> dict[str, object]:
+    """The vhost's midnight queue: as a delay queue, but each message carries its own TTL
+    (``expiration``: until the next UTC midnight), all due at the same instant."""
+    return _quorum_dead_lettering(None)
+
+
 def delay_exchanges(spec: QueueSpec) -> list[str]:
     """The fanout exchanges of the shared delay queues ``spec`` publishes to, each named as
     (and bound to) its queue; exchanges hold no file handle on the broker. Shared by every
     handler of the vhost: never deleted with one."""
-    return [ladder_queue_name(d) for d in spec.retry_delays_ms]
+    midnight = [MIDNIGHT_QUEUE] if spec.parks_until_midnight else []
+    return [ladder_queue_name(d) for d in spec.retry_delays_ms] + midnight
 
 
 def ladder_delays_ms(specs: Iterable[QueueSpec]) -> list[int]:
@@ -199,9 +210,12 @@ def ladder_declarations(
     """The shared queues ``specs`` need: the parking queue first, then one delay queue per
     delay. The same names and arguments for every app of a vhost, so declaring is no
     conflict; nobody deletes them per handler."""
+    specs = list(specs)
     decls: list[tuple[str, dict[str, object]]] = [(parking_queue_name(), dlq_arguments(version))]
     for delay_ms in ladder_delays_ms(specs):
         decls.append((ladder_queue_name(delay_ms), delay_queue_arguments(delay_ms)))
+    if any(spec.parks_until_midnight for spec in specs):
+        decls.append((MIDNIGHT_QUEUE, midnight_queue_arguments()))
     return decls
 
 
@@ -281,8 +295,8 @@ async def declare(
         await _declare_queue(channel, name, args, version)
         shared.append(name)
     await _bind(channel, parking_queue_name(), UNROUTABLE, "")
-    for delay_ms in ladder_delays_ms(specs):
-        name = ladder_queue_name(delay_ms)
+    midnight = [MIDNIGHT_QUEUE] if any(s.parks_until_midnight for s in specs) else []
+    for name in [*(ladder_queue_name(d) for d in ladder_delays_ms(specs)), *midnight]:
         await _declare_exchange(channel, name, ExchangeType.FANOUT)
         # A fanout ignores the binding's key: "" says so.
         await _bind(channel, name, name, "")

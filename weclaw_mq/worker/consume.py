@@ -392,7 +392,7 @@ class Worker:
         failures = 0
         conn: AbstractConnection | None = None
         publishing: AbstractConnection | None = None
-        if any(s.limits for s in self.specs):
+        if any(s.limits or s.cap is not None for s in self.specs):  # a cap reserves there
             self._limiter = Limiter.open(self.settings)
         try:
             while not self._stop.is_set():

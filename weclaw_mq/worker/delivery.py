@@ -160,9 +160,12 @@ async def _process(
             await carry_out(cancelled, message, delivery, spec, rt, held)
             return
     model: str | None = None
+    reserved = NO_TICKET  # the run's estimated cost, reserved against its tenant's cap
     if spec.cap is not None:  # the tenant's daily cap: before the limits take their slots
         capped = await within_cap(rt, spec, task)
-        if isinstance(capped, str):
+        if isinstance(capped, Ticket):
+            reserved = capped
+        elif isinstance(capped, str):
             model = capped  # downgraded: the run gets the cap's cheaper model
         elif capped is not None:
             await carry_out(_by(capped, "cap"), message, delivery, spec, rt, held)
@@ -172,6 +175,7 @@ async def _process(
     if chained:
         chosen = await fallbacks.model_for(rt, spec, delivery)
         if not isinstance(chosen, str):
+            reserved.release()
             await carry_out(_by(chosen, "fallback"), message, delivery, spec, rt, held)
             return
         model = chosen
@@ -181,9 +185,11 @@ async def _process(
     if spec.limits and rt.limiter is not None:
         admitted = await within_limits(spec, rt, rt.limiter, task, len(delivery.body), model)
         if not isinstance(admitted, Ticket):
+            reserved.release()
             await carry_out(_by(admitted, "limit"), message, delivery, spec, rt, held)
             return
         ticket = admitted
+    ticket = ticket.joined(reserved)  # settled as the handler ends, with the limits' slots
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it. Again with one when the claim's record could not
@@ -201,7 +207,9 @@ async def _process(
         else _NOT_HELD
     )
     # The run's model calls (ctx.usage), where they are costed or settle a token limit.
-    usage = RunUsage(ticket, model) if rt.ledger is not None or ticket.budgets else None
+    usage = (
+        RunUsage(ticket, model, rt.app.prices) if rt.ledger is not None or ticket.budgets else None
+    )
     report = None if usage is None else usage.report
     begun: run_hooks.Begun | None = None
     try:
@@ -241,9 +249,13 @@ async def _process(
                 return
             if usage is not None and usage.calls:  # recorded before the task's end is
                 await record_usage(rt, delivery, spec, task, usage)
+            probed: Defer | None = None  # a failed probe of a model: parked, no attempt spent
             if chained and model is not None and not watch.requested and not unstarted:
                 error = await fallbacks.after_attempt(rt, spec, delivery, model, outcome[1])
-                outcome = (outcome[0], error)
+                if isinstance(error, Defer):
+                    probed = error
+                else:
+                    outcome = (outcome[0], error)
             # Cancelled while it ran: whatever it returned or raised no longer counts (a
             # failure is not retried).
             end: End
@@ -251,6 +263,8 @@ async def _process(
                 end = AckCancelled()
             elif unstarted:
                 end = Defer(str(outcome[1]), queued_again=True, by="threads")
+            elif probed is not None:
+                end = _by(probed, "fallback")
             else:
                 end = after_attempt(delivery, spec, outcome[0], outcome[1])
             await carry_out(end, message, delivery, spec, rt, held)

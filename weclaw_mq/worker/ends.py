@@ -91,10 +91,11 @@ class Defer:
     ``delay_ms`` None: the handler's first retry delay. ``queued_again``: the claim had
     written ``running``, so ``queued`` is written back as it is released. ``not_before_ms``:
     a due time past this hop (epoch ms), written on the task: it hops until then
-    (``admission.parked_until_due``). ``by``: what deferred it (``limit``, ``cap``,
-    ``fallback``, ``breaker``, ``threads``): then the ``queued`` record says so
-    (``TaskState.deferred``), and the task's first deferral is logged at INFO, later ones
-    at DEBUG."""
+    (``admission.parked_until_due``). ``at_midnight``: ``not_before_ms`` is the next UTC
+    midnight, reached in one hop through the vhost's midnight queue. ``by``: what deferred it
+    (``limit``, ``cap``, ``fallback``, ``breaker``, ``threads``): then the ``queued`` record
+    says so (``TaskState.deferred``), and the task's first deferral is logged at INFO, later
+    ones at DEBUG."""
 
     why: str
     delay_ms: int | None = None
@@ -102,6 +103,7 @@ class Defer:
     queued_again: bool = False
     not_before_ms: int | None = None
     by: str | None = None
+    at_midnight: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +249,15 @@ async def carry_out(
             else:
                 await release(rt, spec, delivery, held)
             await _defer(
-                message, delivery, spec, rt, end.why, end.delay_ms, end.level, end.not_before_ms
+                message,
+                delivery,
+                spec,
+                rt,
+                end.why,
+                end.delay_ms,
+                end.level,
+                end.not_before_ms,
+                end.at_midnight,
             )
         case AckDuplicate(mark_done=mark_done):
             if mark_done and rt.store is not None:
@@ -278,6 +288,7 @@ async def _defer(
     delay_ms: int | None = None,
     level: int | None = None,
     not_before_ms: int | None = None,
+    at_midnight: bool = False,
 ) -> None:
     await rt.settler.defer(
         message,
@@ -287,6 +298,7 @@ async def _defer(
         why=why,
         level=level,
         not_before_ms=not_before_ms,
+        at_midnight=at_midnight,
     )
 
 

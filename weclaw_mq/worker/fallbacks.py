@@ -6,6 +6,11 @@ The model is written on the task's retry and dead-letter copies (``x-weclaw-mode
 ``x-weclaw-models-tried``: every model its attempts failed on), so the next attempt moves on
 down the list and ``weclaw-mq dlq show`` says which models failed. Only a handler with
 ``fallback=`` comes here.
+
+When a model's cool-down ends, one attempt (of every worker's) probes it, as a breaker's
+half-open does; the rest stay parked without spending attempts. The probe's success brings it
+up for all; its failure takes it down again and parks the probing task without spending its
+attempt either (the model failed, not the task), however long the outage lasts.
 """
 
 from __future__ import annotations
@@ -15,18 +20,20 @@ import logging
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import now_ms
 from weclaw_mq.contract.message import Delivery
-from weclaw_mq.errors import InvalidPayload, UnserialisableResult
+from weclaw_mq.errors import HandlerTimeout, InvalidPayload, UnserialisableResult
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.policy.fallback import choose
 from weclaw_mq.policy.signals import Reject, Retry
+from weclaw_mq.state.model_health import PROBE_RECHECK_MS
 from weclaw_mq.worker.admission import park_until
-from weclaw_mq.worker.ends import End
+from weclaw_mq.worker.ends import Defer, End
 from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 
-# Failures that say nothing of the model: the task itself is at fault.
-_NOT_THE_MODELS = (Reject, InvalidPayload, UnserialisableResult)
+# Failures that say nothing of the model: the task itself is at fault (a handler's own
+# timeout included: the handler chose how long a call may take, not the model).
+_NOT_THE_MODELS = (Reject, InvalidPayload, UnserialisableResult, HandlerTimeout)
 
 
 def tried_models(delivery: Delivery) -> list[str]:
@@ -45,11 +52,21 @@ async def model_for(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> str |
     if rt.health is None:
         return fallback.models[0]
     try:
-        now, down = await rt.health.down_until(fallback.models)
+        now, down, half_open = await rt.health.read(fallback.models)
     except Exception as e:  # health unknown: walk the list by what the task tried
         log.warning("the models' health could not be read (%s); choosing without it", e)
-        now, down = 0, {}
+        now, down, half_open = 0, {}, set()
+    lease_ms = round(max(fallback.cool_down_s, spec.timeout_s) * 1000)
     pick = choose(fallback, tried, down, now)
+    while isinstance(pick, str) and pick in half_open:
+        try:  # its cool-down is over: one attempt probes it, the others see it down
+            if await rt.health.probe(pick, delivery.task_id, lease_ms):
+                return pick
+        except Exception as e:
+            log.warning("the probe of model %r could not be taken (%s)", pick, e)
+        half_open.discard(pick)  # another attempt probes it: down for us, for now
+        down[pick] = now + PROBE_RECHECK_MS
+        pick = choose(fallback, tried, down, now)
     if isinstance(pick, str):
         return pick
     why = f"every model of {spec.queue!r} is down for {pick / 1000:.3g} s more"
@@ -58,26 +75,33 @@ async def model_for(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> str |
 
 async def after_attempt(
     rt: Runtime, spec: HandlerSpec, delivery: Delivery, model: str, error: BaseException | None
-) -> BaseException | None:
+) -> BaseException | Defer | None:
     """Tell the chain how the attempt on ``model`` ended; a failed one's copy names it.
 
     Returns the attempt's error as its retry should see it: a 429's ``Retry(after_s=)``
     takes ``model`` down for that long, and the task's next attempt goes to the next model
     after the policy's delay, not after the Retry-After (when every model is down then, it
-    waits for the first to come back, without spending an attempt)."""
+    waits for the first to come back, without spending an attempt). A ``Defer`` when the
+    attempt was the probe of a half-open model and failed: the model is down again, and the
+    task is parked without spending its attempt."""
     fallback = spec.fallback
     assert fallback is not None
-    if error is not None:
-        delivery.headers[h.MODEL] = model
-        delivery.headers[h.MODELS_TRIED] = [*tried_models(delivery), model]
+    owner = delivery.task_id
     if rt.health is None or isinstance(error, _NOT_THE_MODELS):
+        if error is not None:
+            _name_on_copy(delivery, model)
+            if rt.health is not None:  # its probe, if it held one, is free for another
+                try:
+                    await rt.health.released(model, owner)
+                except Exception as e:
+                    log.warning("could not free the probe of model %r (%s)", model, e)
         return error
     try:
         if error is None:
-            await rt.health.succeeded(model)
+            await rt.health.succeeded(model, owner)
             outcome = "succeeded"
         elif isinstance(error, Retry) and error.after_ms:
-            await rt.health.block(model, error.after_ms)
+            await rt.health.block(model, error.after_ms, owner)
             outcome = "blocked"
             if len(fallback.models) > 1:
                 moved_on = Retry(f"{error.reason} (on {model}: the next model is tried)")
@@ -85,9 +109,17 @@ async def after_attempt(
                 error = moved_on
         else:
             downed = await rt.health.failed(
-                model, fallback.failures, round(fallback.cool_down_s * 1000)
+                model, fallback.failures, round(fallback.cool_down_s * 1000), owner
             )
             outcome = "taken_down" if downed else "failed"
+            if downed == 2:
+                rt.metrics.model_attempts.labels(spec.queue, model, "probe_failed").inc()
+                log.warning(
+                    "the probe of model %r failed: skipped for %g s more",
+                    model,
+                    fallback.cool_down_s,
+                )
+                return Defer(f"the probe of model {model!r} failed", queued_again=True)
             if downed:
                 log.warning(
                     "model %r failed %d attempts in a row: skipped for %g s",
@@ -97,6 +129,16 @@ async def after_attempt(
                 )
     except Exception as e:  # the attempt's end stands; the chain learns next time
         log.warning("could not record the model's health (%s)", e)
+        if error is not None:
+            _name_on_copy(delivery, model)
         return error
+    if error is not None:
+        _name_on_copy(delivery, model)
     rt.metrics.model_attempts.labels(spec.queue, model, outcome).inc()
     return error
+
+
+def _name_on_copy(delivery: Delivery, model: str) -> None:
+    """The failed attempt's model, on the copy its retry or dead letter travels as."""
+    delivery.headers[h.MODEL] = model
+    delivery.headers[h.MODELS_TRIED] = [*tried_models(delivery), model]

@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -85,16 +87,22 @@ if rate > 0 or budget > 0 then
           break
         end
       end
+      -- The window's entries are due later than the keys expire when the margin grew since.
+      for k = 2, 4 do
+        if redis.call('PTTL', KEYS[k]) < 2 * period then
+          redis.call('PEXPIRE', KEYS[k], 2 * period)
+        end
+      end
       return {'tokens', wait}
     end
   end
   redis.call('ZADD', KEYS[2], now, ARGV[1])
-  redis.call('PEXPIRE', KEYS[2], period)
+  redis.call('PEXPIRE', KEYS[2], 2 * period)
   if budget > 0 then
     redis.call('HSET', KEYS[3], ARGV[1], need)
     redis.call('INCRBY', KEYS[4], need)
-    redis.call('PEXPIRE', KEYS[3], period)
-    redis.call('PEXPIRE', KEYS[4], period)
+    redis.call('PEXPIRE', KEYS[3], 2 * period)
+    redis.call('PEXPIRE', KEYS[4], 2 * period)
   end
 end
 if conc > 0 then
@@ -110,7 +118,9 @@ rate (0: none), period_ms, token budget (0: none), the start's estimated tokens.
 Returns {'ok', 0}, {'concurrency', 0}, {'rate' or 'tokens', ms until enough of the window's
 starts leave it} or {'blocked', ms the 429's Retry-After still runs}. Every entry of ``slots``
 ends by now + lease, so the key's own TTL (lease) outlives them all and an idle key disappears
-by itself; likewise ``starts`` and a token limit's keys after one period. A start estimated
+by itself; likewise ``starts`` and a token limit's keys after two periods: twice, because a
+token limit's period grows with its learned margin after the keys' TTL was set, and a key
+expiring with its entries still due would empty the window at once. A start estimated
 over the whole budget is admitted into an empty window (it could never fit otherwise).
 """
 
@@ -145,10 +155,24 @@ return 0
 """
 """Extend a held slot's lease. KEYS: slots. ARGV: holder, lease_ms. 0: the slot was lost."""
 
-# How long after its admission a start's provider call is taken to happen, at most: a token
-# limit keeps a start in its window this much longer than ``per_s``, so a start admitted as
-# the oldest leaves finds the provider's window freed too (``make bench-token-budget``: 429s).
+# How long after its admission a start's provider call is taken to happen, at most, before
+# this worker measured any (``Limiter.margin_ms``): a token limit keeps a start in its window
+# this much longer than ``per_s``, so a start admitted as the oldest leaves finds the
+# provider's window freed too (``make bench-token-budget``: 429s).
 TOKEN_WINDOW_MARGIN_MS = 200
+# The learned margin: this percentile of the last ``MARGIN_SAMPLES`` measured delays from a
+# start's admission to its call's answer (its first ``ctx.usage``; its end, for a 429), per
+# key, never under ``MIN_MARGIN_MS``. An answer comes after the provider counted the call, so
+# the measure errs long: a start is held a little longer, never let go early.
+MARGIN_PERCENTILE = 0.99
+MARGIN_SAMPLES = 200
+MIN_MARGIN_MS = 50
+# The learned margin is this much the percentile: room for a delay a little past any seen
+# yet (a loaded loop, an admission batched behind others).
+MARGIN_HEADROOM = 1.25
+# A cap's reservations stay in their window this long: longer than the UTC day their keys
+# are named after, so each counts until the day's keys expire.
+CAP_WINDOW_S = 2 * 86_400.0
 # Until a handler's first release says how long its slots are held, a task refused a slot
 # expects one to free in this long.
 FIRST_HOLD_ESTIMATE_MS = 1000.0
@@ -186,28 +210,64 @@ class Ticket:
         holder: str,
         slots: Sequence[tuple[str, _Which]],
         budgets: Sequence[tuple[str, str, str]] = (),
+        spends: Sequence[tuple[str, str, str]] = (),
+        since: float | None = None,
     ) -> None:
         self._limiter = limiter
         self.holder = holder
         self.slots = tuple(slots)  # (slots key, which limit)
         # The (tokens, total, blocked) keys of each token limit the start was admitted under.
         self.budgets = tuple(budgets)
+        # The (holder, tokens, total) keys of a cap's reservation of the run's cost
+        # (``Limiter.reserve``): settled with ``spent_micros``, 0 if it reported nothing.
+        self.spends = tuple(spends)
+        self.spent_micros = 0
         # What the handler reported using (ctx.usage), None if it reported nothing: then the
         # estimate stands.
         self.used: int | None = None
         # A 429's Retry-After the attempt ended with (Retry(after_s=)): its keys admit
         # nothing for that long.
         self.blocked_ms: int | None = None
-        self._since = time.monotonic()
+        # From the admission to its first call's answer (ms): the token limits' margin.
+        self.called_ms: float | None = None
+        # The attempt ended with a 429 (``Retry``): its window is shrunk at once.
+        self.refused = False
+        # When its admission was asked for (monotonic): before Redis's clock stamped it.
+        self._since = time.monotonic() if since is None else since
 
     def report(self, tokens: int) -> None:
         """Add ``tokens`` to what this start used (``ctx.usage``); settled when it ends."""
         self.used = (self.used or 0) + tokens
+        if self.called_ms is None:
+            self.called_ms = (time.monotonic() - self._since) * 1000
+
+    def report_cost(self, micros: int) -> None:
+        """Add a call's cost to what this run spent against its cap; settled when it ends."""
+        self.spent_micros += micros
+
+    def joined(self, other: Ticket) -> Ticket:
+        """One ticket holding this one's slots and budgets and ``other``'s reservations."""
+        if other is NO_TICKET:
+            return self
+        if self is NO_TICKET:
+            return other
+        both = Ticket(
+            self._limiter, self.holder, self.slots, self.budgets, other.spends, self._since
+        )
+        other.spends = ()
+        return both
+
+    def release(self) -> None:
+        """Free what it holds without a run (a later gate stopped the task)."""
+        self.__exit__(None, None, None)
 
     def ended(self, outcome: tuple[Any, BaseException | None] | None) -> None:
         """Note a 429's ``Retry(after_s=)`` the attempt ended with, for the token limits."""
         if self.budgets and outcome is not None and isinstance(outcome[1], Retry):
             self.blocked_ms = outcome[1].after_ms
+            self.refused = True
+            if self.called_ms is None:  # its call was answered (429) before this
+                self.called_ms = (time.monotonic() - self._since) * 1000
 
     def __enter__(self) -> Ticket:
         return self
@@ -218,9 +278,9 @@ class Ticket:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._limiter is not None and (self.slots or self.budgets):
+        if self._limiter is not None and (self.slots or self.budgets or self.spends):
             self._limiter.let_go(self, (time.monotonic() - self._since) * 1000)
-            self.slots = self.budgets = ()
+            self.slots = self.budgets = self.spends = ()
 
 
 # A start no limit holds (the handler has none, or every key function said None).
@@ -262,6 +322,7 @@ class _Call:
     limit: Limit
     keys: tuple[str, str, str, str, str]
     need: int
+    period_ms: int  # how long a start stays in the window of its rate or tokens
 
 
 def _estimate(limit: Limit, task: Any, body_bytes: int) -> int:
@@ -293,6 +354,12 @@ class Limiter:
         # How long a slot is held, per (queue, limit index): a running mean of this worker's
         # holds, the expected wait of a task refused a slot.
         self._hold_ms: dict[_Which, float] = {}
+        # Per token limit's key (its tokens key): the latest admission-to-call delays (ms),
+        # and the margin they give (``margin_ms``), kept as the samples come.
+        self._delays: dict[str, deque[float]] = {}
+        self._margins: dict[str, int] = {}
+        # The delay of a start that met a 429, and for how many more samples it holds.
+        self._after_429: dict[str, tuple[float, int]] = {}
         # Admission script calls waiting for this loop turn's batch: (keys, args, answer).
         self._asked: list[tuple[list[str], list[str | int], asyncio.Future[Any]]] = []
         self._asking: asyncio.Task[None] | None = None
@@ -325,9 +392,13 @@ class Limiter:
             if limited:
                 need = _estimate(limit, task, body_bytes) if limit.tokens else 0
                 keys = (*limit_keys(queue, index, key), *token_keys(queue, index, key))
-                calls.append(_Call(index, limit, keys, need))
+                # A start leaves a token limit's window this much after the provider's
+                # clock lets it go: it called the provider a little after its admission.
+                margin = self.margin_ms(keys[2]) if limit.tokens else 0
+                calls.append(_Call(index, limit, keys, need, limit.period_ms + margin))
         if not calls:
             return NO_TICKET
+        asked_at = time.monotonic()
         try:
             answers = await self._ask(holder, calls)
         except Exception as e:
@@ -354,7 +425,51 @@ class Limiter:
         if slots and self._renewer is None:
             self._renewer = asyncio.get_running_loop().create_task(self._renew_while_held())
         budgets = [(c.keys[2], c.keys[3], c.keys[4]) for c in admitted if c.limit.tokens]
-        return Ticket(self, holder, slots, budgets)
+        return Ticket(self, holder, slots, budgets, since=asked_at)
+
+    def margin_ms(self, tokens_key: str) -> int:
+        """How much longer than ``per_s`` a start of the token limit's key stays in its
+        window: a high percentile of its measured admission-to-call delays."""
+        return self._margins.get(tokens_key, TOKEN_WINDOW_MARGIN_MS)
+
+    def learned(self, tokens_key: str, delay_ms: float, refused: bool) -> None:
+        """A start's admission-to-call delay. One that met a 429 (its call reached a provider
+        whose window we thought had room) raises the key's margin to it at once, and holds
+        it there while it is among the key's samples."""
+        delays = self._delays.get(tokens_key)
+        if delays is None:
+            delays = self._delays[tokens_key] = deque(maxlen=MARGIN_SAMPLES)
+        delays.append(delay_ms)
+        ranked = sorted(delays)
+        margin = ranked[math.ceil(MARGIN_PERCENTILE * len(ranked)) - 1]  # the max, under 100
+        floor, left = self._after_429.get(tokens_key, (0.0, 0))
+        if refused:
+            floor, left = max(delay_ms, floor if left else 0.0), MARGIN_SAMPLES
+        if left:
+            self._after_429[tokens_key] = (floor, left - 1)
+            margin = max(margin, floor)
+        self._margins[tokens_key] = max(MIN_MARGIN_MS, round(margin * MARGIN_HEADROOM))
+
+    async def reserve(
+        self, keys: tuple[str, str, str, str, str], budget: int, need: int
+    ) -> Ticket | Held:
+        """Reserve ``need`` of ``budget`` under ``keys`` (``naming.cap_keys``: a tenant's
+        day), as a token limit admits a start's estimate: a ticket whose ``spends`` settle
+        to what the run reported (``report_cost``), or a refusal while what is reserved and
+        spent already leaves no room for ``need`` (the day's first start always fits).
+        ``StateUnavailableError`` when Redis does not answer."""
+        holder = new_owner()
+        day = Limit(tokens=max(1, budget), per_s=CAP_WINDOW_S)
+        call = _Call(-1, day, keys, need, day.period_ms)
+        try:
+            [(verdict, wait_ms)] = await self._ask(holder, [call])
+        except Exception as e:
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
+        if verdict != b"ok":
+            return Held(LimitKind(verdict.decode()), deferral_ms(wait_ms))
+        return Ticket(self, holder, (), (), [(holder, keys[2], keys[3])])
 
     async def _ask(self, holder: str, calls: list[_Call]) -> list[Any]:
         loop = asyncio.get_running_loop()
@@ -366,9 +481,7 @@ class Limiter:
                 self._lease_ms,
                 limit.concurrency or 0,
                 limit.rate or 0,
-                # A start leaves a token limit's window this much after the provider's clock
-                # lets it go: it called the provider a little after its admission.
-                limit.period_ms + (TOKEN_WINDOW_MARGIN_MS if limit.tokens else 0),
+                call.period_ms,
                 limit.tokens or 0,
                 call.need,
             ]
@@ -456,12 +569,16 @@ class Limiter:
         """Free ``ticket``'s slots (the handler ended, however): renewal stops now, the
         ``ZREM`` goes out with the next batch of releases."""
         for tokens, total, blocked in ticket.budgets:
+            if ticket.called_ms is not None:
+                self.learned(tokens, ticket.called_ms, ticket.refused)
             if ticket.used is not None:
                 self._corrections.append(
                     (self._settle, [tokens, total], [ticket.holder, ticket.used])
                 )
             if ticket.blocked_ms:
                 self._corrections.append((self._block, [blocked], [ticket.blocked_ms]))
+        for holder, tokens, total in ticket.spends:
+            self._corrections.append((self._settle, [tokens, total], [holder, ticket.spent_micros]))
         for key, which in ticket.slots:
             self._held.discard((key, ticket.holder))
             self._releases.append((key, ticket.holder))

@@ -26,7 +26,7 @@ from aio_pika.abc import AbstractIncomingMessage, HeadersType
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import now_ms
 from weclaw_mq.contract.message import Delivery, build_message
-from weclaw_mq.contract.naming import dlq_name, ladder_queue_name, source_lane
+from weclaw_mq.contract.naming import MIDNIGHT_QUEUE, dlq_name, ladder_queue_name, source_lane
 from weclaw_mq.errors import WeclawMQError
 from weclaw_mq.observability.metrics import Metrics, Outcome
 from weclaw_mq.policy.delays import next_hop_ms, schedule
@@ -255,15 +255,30 @@ class Settler:
         why: str,
         level: int | None = None,
         not_before_ms: int | None = None,
+        at_midnight: bool = False,
     ) -> bool:
         """Park the task in a delay queue without counting an attempt: it did not fail.
-        ``not_before_ms``: its due time beyond this hop, written on it (it hops until then)."""
+        ``not_before_ms``: its due time beyond this hop, written on it (it hops until then).
+        ``at_midnight``: that due time is the next UTC midnight: one hop through the
+        midnight queue, the message's own TTL running until then."""
         target, lane = _delay_target(message, queue, delay_ms)
         headers = carried_headers(delivery)
+        expiration_ms = None
         if not_before_ms is not None:
             headers[h.NOT_BEFORE] = not_before_ms
+            if at_midnight:
+                target, expiration_ms = MIDNIGHT_QUEUE, max(1, not_before_ms - now_ms())
+                delay_ms = expiration_ms
         headers[h.DEFERRALS] = deferrals(delivery) + 1
-        if not await self._move(message, delivery, lane, headers, queue=queue, exchange=target):
+        if not await self._move(
+            message,
+            delivery,
+            lane,
+            headers,
+            queue=queue,
+            exchange=target,
+            expiration_ms=expiration_ms,
+        ):
             return False
         self._ended(
             queue,
@@ -304,12 +319,15 @@ class Settler:
         *,
         queue: str,
         exchange: str = "",
+        expiration_ms: int | None = None,
     ) -> bool:
         """Publish a copy to ``target`` (a routing key: through ``exchange``, a delay queue's,
-        when given), then ack the source."""
+        when given), then ack the source. ``expiration_ms``: the copy's own TTL."""
         copy = build_message(
             delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
         )
+        if expiration_ms is not None:
+            copy.expiration = expiration_ms / 1000  # aio-pika takes seconds
         # A native priority travels in the property (the header x-weclaw-priority is in
         # ``headers``): the copy is served at the same level when it comes back.
         copy.priority = message.priority

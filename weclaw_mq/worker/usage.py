@@ -9,13 +9,17 @@ call for it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from weclaw_mq.contract.message import Delivery
+from weclaw_mq.contract.naming import cap_keys
 from weclaw_mq.errors import BudgetExceeded
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import UNPRICED_MODEL
+from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.state.cost_ledger import MICROS, NO_TENANT, Call, day_of
 from weclaw_mq.worker.admission import park_until
@@ -34,15 +38,23 @@ UNPRICED_WARNED_MAX = 100
 class RunUsage:
     """The model calls one run reported (``ctx.usage``), as (model, input, output)."""
 
-    def __init__(self, ticket: Ticket, model: str | None) -> None:
+    def __init__(
+        self, ticket: Ticket, model: str | None, prices: Mapping[str, Price] | None = None
+    ) -> None:
         self._ticket = ticket
         self._model = model
+        self._prices = prices or {}
         self.calls: list[tuple[str, int, int]] = []
 
     def report(self, input_tokens: int, output_tokens: int, model: str | None) -> None:
-        self.calls.append((model or self._model or "-", input_tokens, output_tokens))
+        called = model or self._model or "-"
+        self.calls.append((called, input_tokens, output_tokens))
         if self._ticket.budgets:  # the token limits settle with it when the run ends
             self._ticket.report(input_tokens + output_tokens)
+        if self._ticket.spends:  # and a cap's reservation, with its cost
+            price = self._prices.get(called)
+            if price is not None:
+                self._ticket.report_cost(round(price.of(input_tokens, output_tokens) * MICROS))
 
 
 def tenant_of(spec: HandlerSpec, task: Any) -> str:
@@ -96,23 +108,62 @@ async def record_usage(
         log.warning("could not record the task's model usage (%s: %s)", type(e).__name__, e)
 
 
-async def within_cap(rt: Runtime, spec: HandlerSpec, task: Any) -> End | str | None:
-    """Before the handler: None to run as is; the model to run on (a downgrade); or the end of
-    a task whose tenant spent its day's cap (parked until the next UTC day, or shed)."""
+async def within_cap(rt: Runtime, spec: HandlerSpec, task: Any) -> End | str | Ticket | None:
+    """Before the handler: None to run as is; the ticket of the run's cost reserved against
+    the cap (settled when the run ends); the model to run on (a downgrade); or the end of a
+    task whose tenant spent its day's cap (parked until the next UTC day, or shed), or whose
+    estimate does not fit beside the runs that hold the rest of it now (parked 1 s)."""
     cap = spec.cap
     if cap is None or rt.ledger is None:
         return None
     tenant = tenant_of(spec, task)
     now = datetime.now(UTC)
+    day = day_of(now)
     try:
-        spent = await rt.ledger.spent_micros(tenant, day_of(now))
+        spent, mean = await rt.ledger.cap_reading(tenant, spec.queue, day)
     except Exception as e:  # the cap cannot tell: run it (the bill is recorded all the same)
         log.warning("the tenant's spending could not be read (%s); running uncapped", e)
         return None
-    if spent < round(cap.per_day * MICROS):
+    budget = cap.per_day_micros
+    if spent >= budget:
+        return _capped(rt, spec, cap, tenant, spent, now)
+    if rt.limiter is None:
         return None
+    need = _estimate_micros(cap, task, mean, budget - spent)
+    try:
+        reserved = await rt.limiter.reserve(cap_keys(rt.app.name, tenant, day), budget, need)
+    except Exception as e:  # as an unreadable spending: run it, billed all the same
+        log.warning("the tenant's cap could not reserve the run's cost (%s); running", e)
+        return None
+    if isinstance(reserved, Ticket):
+        return reserved
+    if spent + need > budget:  # what it spent leaves no room for this run: the cap is reached
+        return _capped(rt, spec, cap, tenant, spent, now)
+    # Runs under way hold the rest; they settle (often under their estimates) as they end.
+    why = f"tenant {tenant!r}'s runs under way hold the rest of its cap of {cap.per_day:g}"
+    return park_until(spec, int(now.timestamp() * 1000) + 1000, why)
+
+
+def _estimate_micros(cap: Cap, task: Any, mean: int | None, left: int) -> int:
+    """The cost a run reserves: the cap's ``estimate``, else the day's mean run of the
+    handler, else (none yet) all that is left of the cap, so the first runs alone."""
+    if cap.estimate is None:
+        return left if mean is None else mean
+    try:
+        value = float(cap.estimate(task))
+    except Exception as e:  # the bill must not fail the task: reserve as without estimate=
+        log.warning("the cap's estimate raised %s: %s", type(e).__name__, e)
+        return left if mean is None else mean
+    return max(0, round(value * MICROS))
+
+
+def _capped(
+    rt: Runtime, spec: HandlerSpec, cap: Cap, tenant: str, spent: int, now: datetime
+) -> End | str:
+    """The end (or the downgrade's model) of a task whose tenant reached its cap today."""
     rt.metrics.capped.labels(spec.queue, cap.action).inc()
     if cap.action == "downgrade":
+        assert cap.model is not None
         return cap.model
     if cap.action == "shed":
         why = BudgetExceeded(
@@ -121,4 +172,5 @@ async def within_cap(rt: Runtime, spec: HandlerSpec, task: Any) -> End | str | N
         return DeadLetter(DeadLetterReason.BUDGET_EXCEEDED, why)
     tomorrow = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC)
     reached = f"tenant {tenant!r} reached its cap of {cap.per_day:g} for today"
-    return park_until(spec, int(tomorrow.timestamp() * 1000), reached)
+    # One move: the midnight queue holds it until then (not ~84 hops through the ladder).
+    return replace(park_until(spec, int(tomorrow.timestamp() * 1000), reached), at_midnight=True)
