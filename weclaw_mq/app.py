@@ -33,6 +33,7 @@ from weclaw_mq.policy.priority import QUORUM, Priority
 from weclaw_mq.policy.retry import RetryPolicy
 from weclaw_mq.policy.schedules import DEFAULT_GRACE_S, MissedPolicy, Payload, Schedule
 from weclaw_mq.publishing.engine import PublishingEngine
+from weclaw_mq.publishing.sync_client import SyncClient
 from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.settings import Settings
 from weclaw_mq.state import Cancellation, TaskState, TaskStore, open_store
@@ -117,8 +118,20 @@ class App:
         # OpenTelemetry spans (weclaw_mq.observability.otel): decided on first use, once; False
         # until then.
         self._spans: Spans | bool | None = False
+        self._declares = declare
+        self._streams_given = streams
+        # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
+        self._made_in = sys._getframe(1).f_globals.get("__name__")
+        self._sync: SyncClient | None = None
+        # What a forked child dropped (``_after_fork``): kept, so no finaliser closes the
+        # parent's sockets from the child.
+        self._from_parent: list[object] = []
+        self._open_parts()
+
+    def _open_parts(self) -> None:
+        """The publishing engine and the results reader; each opens its connections lazily."""
         self._engine = PublishingEngine(
-            name,
+            self.name,
             self.settings,
             self.metrics,
             self.broker,
@@ -126,19 +139,43 @@ class App:
             results=self._results,
             spans=self._current_spans,
             # Looked up when called: the declare of this App as it is then.
-            declare=(lambda: self.declare()) if declare else None,
+            declare=(lambda: self.declare()) if self._declares else None,
             chain=self.middleware,
             owner=self,
-            # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
-            made_in=sys._getframe(1).f_globals.get("__name__"),
+            made_in=self._made_in,
         )
         self._reader = ResultsReader(
             self.settings,
             results=self._results,
             store=lambda: self.store,
-            streams=streams,
+            streams=self._streams_given,
             local=lambda: self._engine.local,
         )
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's connections (they are the parent's
+        sockets, served by the parent's loop) and open new ones at the next call. A store or
+        streams passed in by the caller stay: the caller makes them per process."""
+        self._from_parent.extend(
+            (self._engine, self._reader, self._store if self._owns_store else None)
+        )
+        if self._owns_store:
+            self._store = None
+        self._open_parts()
+
+    @property
+    def sync(self) -> SyncClient:
+        """This App's API as blocking calls, for code without an event loop.
+
+        For a Django or Flask view or a script: ``app.sync.publish(queue, payload)``,
+        ``publish_many``, ``status``, ``result``, ``cancel``, ``stream``. Safe from any
+        thread; the calls run on one background event loop per process
+        (``weclaw_mq.publishing.sync_client``) and raise what the async methods raise. Use
+        an App either this way or with ``await``, not both.
+        """
+        if self._sync is None:
+            self._sync = SyncClient(self)
+        return self._sync
 
     # -- registration -------------------------------------------------------------------
     def handler(
