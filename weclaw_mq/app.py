@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import aio_pika
 from aio_pika.abc import HeadersType
@@ -50,7 +50,11 @@ _T = TypeVar("_T")
 if TYPE_CHECKING:
     import sqlite3
 
+    import psycopg
     from prometheus_client import CollectorRegistry
+    from sqlalchemy import Connection
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
 
     from weclaw_mq.outbox import Outbox
 
@@ -1070,22 +1074,51 @@ class App:
         """
         return await self._engine.start_outbox()
 
+    @overload
     def add_to_outbox(
         self,
-        conn: sqlite3.Connection,
+        conn: psycopg.AsyncConnection[Any] | AsyncSession | AsyncConnection,
         queue: str,
         payload: Any,
         *,
         task_id: str | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
-    ) -> str:
-        """Add a task to the outbox inside the caller's own SQLite transaction on ``conn``.
+    ) -> Awaitable[str]: ...
 
-        The relay sends it once the caller commits, and never if the caller rolls back.
+    @overload
+    def add_to_outbox(
+        self,
+        conn: sqlite3.Connection | psycopg.Connection[Any] | Session | Connection | Any,
+        queue: str,
+        payload: Any,
+        *,
+        task_id: str | None = None,
+        trace_id: str | None = None,
+        headers: HeadersType | None = None,
+    ) -> str: ...
+
+    def add_to_outbox(
+        self,
+        conn: Any,
+        queue: str,
+        payload: Any,
+        *,
+        task_id: str | None = None,
+        trace_id: str | None = None,
+        headers: HeadersType | None = None,
+    ) -> str | Awaitable[str]:
+        """Add a task inside the caller's own database transaction on ``conn``.
+
+        The relay sends it once the caller commits, and never if the caller rolls back. On
+        PostgreSQL the table comes from ``weclaw-mq outbox migrate --postgres URL`` and the
+        relay is ``weclaw-mq outbox relay --postgres URL`` (docs/how-to/outbox.md).
 
         Args:
-            conn: A connection to the outbox file, inside the caller's transaction.
+            conn: The caller's connection, inside its transaction: a ``sqlite3`` connection
+                to the outbox file; a psycopg 3 ``Connection`` or ``AsyncConnection``; an
+                SQLAlchemy ``Session`` or ``Connection`` (or their async forms) on
+                PostgreSQL; or Django's ``connection`` inside ``transaction.atomic()``.
             queue: The handler queue.
             payload: The task, checked like ``publish`` checks it (``prepare``).
             task_id: The task's id; default a new one.
@@ -1093,11 +1126,13 @@ class App:
             headers: Extra AMQP headers.
 
         Returns:
-            The task id.
+            The task id; for an async connection, an awaitable of it.
 
         Raises:
             PayloadError: As in ``prepare`` (and its subclasses).
-            ConfigurationError: As in ``prepare``.
+            ConfigurationError: As in ``prepare``; or ``conn`` is none of the connections
+                above (a Django one outside ``transaction.atomic()`` or not on PostgreSQL).
+            OutboxUnusableError: The database holds no outbox table (or file).
         """
         return self._engine.add_to_outbox(conn, queue, payload, task_id, trace_id, headers)
 

@@ -34,7 +34,7 @@ from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
 from weclaw_mq.contract.naming import session_id_or_none
 from weclaw_mq.errors import BrokerUnavailableError
 from weclaw_mq.observability.metrics import Metrics
-from weclaw_mq.outbox.store import Outbox, OutboxRow, row_headers
+from weclaw_mq.outbox.store import OutboxRow, RelayStore, row_headers
 from weclaw_mq.policy.broker_version import ServerVersion
 from weclaw_mq.policy.priority import QUORUM, priority_from_header, route
 from weclaw_mq.settings import Settings
@@ -64,7 +64,7 @@ WINDOWS_IN_FLIGHT = 2
 class Relay:
     def __init__(
         self,
-        outbox: Outbox,
+        outbox: RelayStore,
         settings: Settings,
         metrics: Metrics,
         *,
