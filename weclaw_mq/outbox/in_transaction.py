@@ -79,8 +79,8 @@ def _sqlalchemy(conn: Any) -> Any:
 
 
 def _is_django(conn: Any) -> bool:
-    django_db = sys.modules.get("django.db.backends.base.base")
-    return django_db is not None and isinstance(conn, django_db.BaseDatabaseWrapper)
+    # A database wrapper, or ``django.db.connection`` (a proxy that forwards to one).
+    return type(conn).__module__.startswith("django.") and hasattr(conn, "in_atomic_block")
 
 
 def _django(conn: Any, values: tuple[Any, ...]) -> None:
