@@ -16,7 +16,7 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lock tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
+.PHONY: help venv install lock tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-postgres-outbox bench-sync-client bench-notify \
 	bench-stream bench-priority bench-limits bench-token-budget bench-fair-share bench-task-index bench-console bench-rss bench-redis-client \
 	bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
@@ -184,6 +184,8 @@ drill: install
 bench:
 	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
 	$(MAKE) --no-print-directory bench-outbox
+	$(MAKE) --no-print-directory bench-postgres-outbox
+	$(MAKE) --no-print-directory bench-sync-client
 	$(MAKE) --no-print-directory bench-redis-client
 	$(MAKE) --no-print-directory bench-start
 	$(MAKE) --no-print-directory bench-io-high
@@ -197,6 +199,15 @@ bench:
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
 bench-outbox: install
 	$(BIN)/python -m benchmarks.outbox $(OUTBOX_BENCH_ARGS)
+
+# The PostgreSQL outbox (docs/how-to/outbox.md): the INSERT's cost to the user's transaction,
+# commit -> confirm p50/p99 with LISTEN/NOTIFY (target p99 < 50 ms), drain rate of 1 and 3 relays.
+bench-postgres-outbox: install
+	$(BIN)/python -m benchmarks.postgres_outbox $(PG_OUTBOX_BENCH_ARGS)
+
+# app.sync.publish from 8 threads against async publish at the same concurrency (target >= 0.8x).
+bench-sync-client: install
+	$(BIN)/python -m benchmarks.sync_client $(SYNC_BENCH_ARGS)
 
 # docs/design/performance.md, "own work per delivery": process() against a bare handler call (needs only
 # the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.

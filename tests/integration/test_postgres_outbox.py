@@ -108,6 +108,46 @@ async def test_a_task_committed_with_the_order_is_published_after_the_commit_and
     assert outbox.count() == 0  # deleted after its confirm
 
 
+class CommitsDuringThePass(PostgresOutbox):
+    """Commits one task after the relay's pass found nothing more, and waits until the
+    NOTIFY woke the relay: the moment between a pass's last claim and its wait."""
+
+    def __init__(self, url: str, add: Callable[[], str]) -> None:
+        super().__init__(url)
+        self.add, self.added = add, ""
+        self.relay: Relay | None = None
+
+    async def stats(self) -> Any:
+        if not self.added and self.relay is not None and self.relay.sent:
+            self.added = await asyncio.to_thread(self.add)
+            await wait_until(lambda: self.relay is not None and self.relay._wake.is_set(), 20)
+        return await super().stats()
+
+
+async def test_a_task_committed_while_a_pass_ends_is_sent_without_waiting_for_the_poll(
+    outbox: PgSchema, app: App, qname: str, amqp: AbstractChannel
+) -> None:
+    def commit_one() -> str:
+        with outbox.connect() as conn, conn.transaction():
+            return app.add_to_outbox(conn, qname, {"order": "late"})
+
+    store = CommitsDuringThePass(outbox.url, commit_one)
+    relay = store.relay = Relay(store, app.settings, Metrics())
+    stop = asyncio.Event()
+    running = asyncio.create_task(run_relay(relay, outbox.url, stop))
+    try:
+        first = commit_one()
+        # The second is committed at the end of the pass that sent the first; the poll
+        # interval is an hour, so only the wake it caused can send it.
+        await wait_until(lambda: relay.sent == 2, 20, "the late task to be sent")
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 30)
+        await store.close()
+    ids = [(await get_message(amqp, qname)).message_id for _ in range(2)]  # type: ignore[union-attr]
+    assert ids == [first, store.added]
+
+
 async def test_a_rolled_back_transaction_publishes_nothing(
     outbox: PgSchema, app: App, qname: str, relays: Callable[[], Any], amqp: AbstractChannel
 ) -> None:

@@ -107,6 +107,9 @@ class Relay:
         failures = 0
         try:
             while not stop.is_set():
+                # Cleared before the pass, not after: a wake while it runs (a row committed
+                # after its last claim) must start the next pass, not wait for the interval.
+                self._wake.clear()
                 try:
                     await self.drain()
                     failures = 0
@@ -131,10 +134,10 @@ class Relay:
                     log.error("outbox relay: pass failed (%s: %s)", type(e).__name__, e)
                     await self._drop_link()
                 await self._update_gauges()
-                self._wake.clear()
                 delay = interval
                 if failures:
                     delay = max(interval, backoff_s(failures, self.settings.reconnect_max_delay_s))
+                    self._wake.clear()  # a failing broker is backed off from, woken or not
                 waits = {
                     asyncio.ensure_future(stop.wait()),
                     asyncio.ensure_future(self._wake.wait()),
