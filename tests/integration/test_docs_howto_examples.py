@@ -427,6 +427,33 @@ async def test_outbox_page_postgres_order_and_its_task_commit_together_then_the_
     assert pg_schema.count() == 0
 
 
+# -- from-celery.md -------------------------------------------------------------------------
+
+
+async def test_from_celery_page_port_runs_every_call_it_maps(
+    examples: Examples, start_worker: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = examples.load("from_celery.py", queues=["add", "fetch", "count-words", "total"])
+    app = example.app
+    chains = recording(app, "chain", monkeypatch)
+    groups = recording(app, "group", monkeypatch)
+    await start_worker(app)
+    try:
+        got = await example.calls()
+    finally:
+        for wid in [*chains, *groups]:
+            examples.redis_keys += workflow_keys(wid)
+
+    assert got == {
+        "answer": 5,
+        "cancelled": CancelOutcome.CANCELLED,
+        "fetched": ("<p>the page at https://example.org</p>", 3),
+        "words": 4,
+        "summed": 10,
+    }
+    assert "nightly-add" in app.schedules
+
+
 # -- cancel.md ------------------------------------------------------------------------------
 
 
