@@ -16,7 +16,7 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lock tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-postgres-outbox bench-sync-client bench-notify \
+.PHONY: help venv install lock tools tools-mermaid test lint format docs-code demo drill bench bench-own-cost bench-outbox bench-postgres-outbox bench-sync-client bench-notify \
 	bench-stream bench-priority bench-limits bench-token-budget bench-fair-share bench-task-index bench-console bench-rss bench-redis-client \
 	bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
@@ -139,7 +139,7 @@ LINT_CHECKS := \
 	"$(BIN)/ruff check ." \
 	"$(BIN)/ruff format --check ." \
 	"$(BIN)/mypy" \
-	"$(BIN)/mypy consumers producers docs/hooks.py docs/site_files.py docs/examples" \
+	"$(BIN)/mypy consumers producers docs/hooks.py docs/inline_code.py docs/examples" \
 	"$(BIN)/lint-imports --no-cache"
 lint: install
 	@failed=""; \
@@ -147,6 +147,10 @@ lint: install
 		echo "$$check"; $$check || failed="$$failed\n  $$check"; \
 	done; \
 	if [ -n "$$failed" ]; then printf "make lint: these checks failed:$$failed\n"; exit 1; fi
+
+# Copy the example sections into the how-to and tutorial pages again (docs/inline_code.py).
+docs-code: install
+	$(BIN)/python -m docs.inline_code
 
 format: install
 	$(BIN)/ruff format .
