@@ -131,7 +131,7 @@ async def _typed_add(task: Sum) -> int:
     return task.a + task.b
 
 
-async def test_status_cancel_and_stream_from_a_thread(
+async def test_status_cancel_stream_and_a_batch_from_a_thread(
     producer: App, worker_app: App, qname: str
 ) -> None:
     def run() -> tuple[Any, ...]:
@@ -140,6 +140,9 @@ async def test_status_cancel_and_stream_from_a_thread(
         status = producer.sync.status(task_id, queue=qname)
         later = producer.sync.publish(qname, {"a": 0, "b": 0}, delay_s=60)
         cancelled = producer.sync.cancel(later, queue=qname)
+        batch = producer.sync.publish_many(qname, [{"a": n, "b": n} for n in range(3)])
+        sums = [producer.sync.result(t, timeout_s=30).result for t in batch]
+        assert sums == [0, 2, 4]
         return events, status, cancelled, producer.sync.status(later, queue=qname)
 
     events, status, cancelled, later = await asyncio.wait_for(asyncio.to_thread(run), 60)
