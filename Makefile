@@ -16,7 +16,7 @@ DEMO_TASKS ?= 10
 TEST_WORKERS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help venv install lock test-slow test-ends tools tools-mermaid test lint format demo drill bench bench-own-cost bench-outbox bench-notify \
+.PHONY: help venv install lock test-slow test-ends tools tools-mermaid test lint format docs-code demo drill bench bench-own-cost bench-outbox bench-postgres-outbox bench-sync-client bench-notify \
 	bench-stream bench-priority bench-limits bench-token-budget bench-fair-share bench-task-index bench-console bench-rss bench-redis-client \
 	bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
@@ -141,7 +141,7 @@ LINT_CHECKS := \
 	"$(BIN)/ruff check ." \
 	"$(BIN)/ruff format --check ." \
 	"$(BIN)/mypy" \
-	"$(BIN)/mypy consumers producers docs/hooks.py docs/site_files.py docs/examples" \
+	"$(BIN)/mypy consumers producers docs/hooks.py docs/inline_code.py docs/examples" \
 	"$(BIN)/lint-imports --no-cache"
 lint: install
 	@failed=""; \
@@ -149,6 +149,10 @@ lint: install
 		echo "$$check"; $$check || failed="$$failed\n  $$check"; \
 	done; \
 	if [ -n "$$failed" ]; then printf "make lint: these checks failed:$$failed\n"; exit 1; fi
+
+# Copy the example sections into the how-to and tutorial pages again (docs/inline_code.py).
+docs-code: install
+	$(BIN)/python -m docs.inline_code
 
 format: install
 	$(BIN)/ruff format .
@@ -204,6 +208,8 @@ drill: install
 bench:
 	PYTHON=$(PYTHON) benchmarks/run.sh $(BENCH_ARGS)
 	$(MAKE) --no-print-directory bench-outbox
+	$(MAKE) --no-print-directory bench-postgres-outbox
+	$(MAKE) --no-print-directory bench-sync-client
 	$(MAKE) --no-print-directory bench-redis-client
 	$(MAKE) --no-print-directory bench-start
 	$(MAKE) --no-print-directory bench-io-high
@@ -217,6 +223,15 @@ bench:
 # publish and publish_many (target: drain >= 0.8x publish_many). ~15 s.
 bench-outbox: install
 	$(BIN)/python -m benchmarks.outbox $(OUTBOX_BENCH_ARGS)
+
+# The PostgreSQL outbox (docs/how-to/outbox.md): the INSERT's cost to the user's transaction,
+# commit -> confirm p50/p99 with LISTEN/NOTIFY (target p99 < 50 ms), drain rate of 1 and 3 relays.
+bench-postgres-outbox: install
+	$(BIN)/python -m benchmarks.postgres_outbox $(PG_OUTBOX_BENCH_ARGS)
+
+# app.sync.publish from 8 threads against async publish at the same concurrency (target >= 0.8x).
+bench-sync-client: install
+	$(BIN)/python -m benchmarks.sync_client $(SYNC_BENCH_ARGS)
 
 # docs/design/performance.md, "own work per delivery": process() against a bare handler call (needs only
 # the project's .venv). OWN_COST_ARGS="--n 20000 --rounds 5" are the defaults.

@@ -226,6 +226,26 @@ def section_lines(lines: list[str], section: str) -> list[str] | None:
     return lines[begin + 1 : stop]
 
 
+def shown_code(paths: tuple[str, ...], root: Path = ROOT) -> str | None:
+    """What the site shows for ``--8<--`` includes of ``paths`` (one a line), as
+    pymdownx.snippets does with mkdocs.yml's options; None if a file or section is missing."""
+    parts: list[str] = []
+    for ref in paths:
+        name, _, section = ref.partition(":")
+        file = root / name
+        if not file.is_file():
+            return None
+        lines = file.read_text(encoding="utf-8").rstrip("\n").split("\n")
+        if section:
+            inside = section_lines(lines, section)
+            if inside is None:
+                return None
+            lines = inside
+        text = "\n".join(line for line in lines if not _SECTION_MARK.search(line))
+        parts.append(textwrap.dedent(text) if section else text)  # dedent_subsections
+    return "\n".join(parts)
+
+
 # -- mkdocstrings' ::: lines ---------------------------------------------------------------
 
 # "::: weclaw_mq.App" and the indented options below it.

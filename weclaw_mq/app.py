@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import aio_pika
 from aio_pika.abc import HeadersType
@@ -34,6 +34,7 @@ from weclaw_mq.policy.priority import QUORUM, Priority
 from weclaw_mq.policy.retry import RetryPolicy
 from weclaw_mq.policy.schedules import DEFAULT_GRACE_S, MissedPolicy, Payload, Schedule
 from weclaw_mq.publishing.engine import PublishingEngine
+from weclaw_mq.publishing.sync_client import SyncClient
 from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.settings import Settings
 from weclaw_mq.state import Cancellation, TaskState, TaskStore, open_store
@@ -50,7 +51,11 @@ _T = TypeVar("_T")
 if TYPE_CHECKING:
     import sqlite3
 
+    import psycopg
     from prometheus_client import CollectorRegistry
+    from sqlalchemy import Connection
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
 
     from weclaw_mq.outbox import Outbox
 
@@ -118,8 +123,20 @@ class App:
         # OpenTelemetry spans (weclaw_mq.observability.otel): decided on first use, once; False
         # until then.
         self._spans: Spans | bool | None = False
+        self._declares = declare
+        self._streams_given = streams
+        # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
+        self._made_in = sys._getframe(1).f_globals.get("__name__")
+        self._sync: SyncClient | None = None
+        # What a forked child dropped (``_after_fork``): kept, so no finaliser closes the
+        # parent's sockets from the child.
+        self._from_parent: list[object] = []
+        self._open_parts()
+
+    def _open_parts(self) -> None:
+        """The publishing engine and the results reader; each opens its connections lazily."""
         self._engine = PublishingEngine(
-            name,
+            self.name,
             self.settings,
             self.metrics,
             self.broker,
@@ -127,19 +144,43 @@ class App:
             results=self._results,
             spans=self._current_spans,
             # Looked up when called: the declare of this App as it is then.
-            declare=(lambda: self.declare()) if declare else None,
+            declare=(lambda: self.declare()) if self._declares else None,
             chain=self.middleware,
             owner=self,
-            # The module that made this App, so an UnroutableError can name 'MODULE:APP'.
-            made_in=sys._getframe(1).f_globals.get("__name__"),
+            made_in=self._made_in,
         )
         self._reader = ResultsReader(
             self.settings,
             results=self._results,
             store=lambda: self.store,
-            streams=streams,
+            streams=self._streams_given,
             local=lambda: self._engine.local,
         )
+
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's connections (they are the parent's
+        sockets, served by the parent's loop) and open new ones at the next call. A store or
+        streams passed in by the caller stay: the caller makes them per process."""
+        self._from_parent.extend(
+            (self._engine, self._reader, self._store if self._owns_store else None)
+        )
+        if self._owns_store:
+            self._store = None
+        self._open_parts()
+
+    @property
+    def sync(self) -> SyncClient:
+        """This App's API as blocking calls, for code without an event loop.
+
+        For a Django or Flask view or a script: ``app.sync.publish(queue, payload)``,
+        ``publish_many``, ``status``, ``result``, ``cancel``, ``stream``. Safe from any
+        thread; the calls run on one background event loop per process
+        (``weclaw_mq.publishing.sync_client``) and raise what the async methods raise. Use
+        an App either this way or with ``await``, not both.
+        """
+        if self._sync is None:
+            self._sync = SyncClient(self)
+        return self._sync
 
     # -- registration -------------------------------------------------------------------
     def handler(
@@ -1038,22 +1079,51 @@ class App:
         """
         return await self._engine.start_outbox()
 
+    @overload
     def add_to_outbox(
         self,
-        conn: sqlite3.Connection,
+        conn: psycopg.AsyncConnection[Any] | AsyncSession | AsyncConnection,
         queue: str,
         payload: Any,
         *,
         task_id: str | None = None,
         trace_id: str | None = None,
         headers: HeadersType | None = None,
-    ) -> str:
-        """Add a task to the outbox inside the caller's own SQLite transaction on ``conn``.
+    ) -> Awaitable[str]: ...
 
-        The relay sends it once the caller commits, and never if the caller rolls back.
+    @overload
+    def add_to_outbox(
+        self,
+        conn: sqlite3.Connection | psycopg.Connection[Any] | Session | Connection | Any,
+        queue: str,
+        payload: Any,
+        *,
+        task_id: str | None = None,
+        trace_id: str | None = None,
+        headers: HeadersType | None = None,
+    ) -> str: ...
+
+    def add_to_outbox(
+        self,
+        conn: Any,
+        queue: str,
+        payload: Any,
+        *,
+        task_id: str | None = None,
+        trace_id: str | None = None,
+        headers: HeadersType | None = None,
+    ) -> str | Awaitable[str]:
+        """Add a task inside the caller's own database transaction on ``conn``.
+
+        The relay sends it once the caller commits, and never if the caller rolls back. On
+        PostgreSQL the table comes from ``weclaw-mq outbox migrate --postgres URL`` and the
+        relay is ``weclaw-mq outbox relay --postgres URL`` (docs/how-to/outbox.md).
 
         Args:
-            conn: A connection to the outbox file, inside the caller's transaction.
+            conn: The caller's connection, inside its transaction: a ``sqlite3`` connection
+                to the outbox file; a psycopg 3 ``Connection`` or ``AsyncConnection``; an
+                SQLAlchemy ``Session`` or ``Connection`` (or their async forms) on
+                PostgreSQL; or Django's ``connection`` inside ``transaction.atomic()``.
             queue: The handler queue.
             payload: The task, checked like ``publish`` checks it (``prepare``).
             task_id: The task's id; default a new one.
@@ -1061,11 +1131,13 @@ class App:
             headers: Extra AMQP headers.
 
         Returns:
-            The task id.
+            The task id; for an async connection, an awaitable of it.
 
         Raises:
             PayloadError: As in ``prepare`` (and its subclasses).
-            ConfigurationError: As in ``prepare``.
+            ConfigurationError: As in ``prepare``; or ``conn`` is none of the connections
+                above (a Django one outside ``transaction.atomic()`` or not on PostgreSQL).
+            OutboxUnusableError: The database holds no outbox table (or file).
         """
         return self._engine.add_to_outbox(conn, queue, payload, task_id, trace_id, headers)
 

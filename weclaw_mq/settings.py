@@ -238,6 +238,9 @@ class Settings(EnvSettings):
     outbox_claim_s: float = seconds(60.0, floor=1, ceiling=_DAY_S)
     # Start the relay inside the producer process (App); off: run 'weclaw-mq outbox relay'.
     outbox_relay_in_app: bool = True
+    # The PostgreSQL outbox (weclaw_mq.outbox.postgres): the database whose weclaw_outbox
+    # table 'weclaw-mq outbox relay/status/migrate' use when no --postgres URL is given.
+    outbox_postgres_url: SecretStr | None = None
     # Streamed partial output (ctx.emit): a chunk's JSON size, and chunks per attempt; over
     # either, emit raises StreamLimitError in the handler. Streams live for result_ttl_s.
     stream_max_chunk_bytes: int = Field(default=64 * 1024, ge=1)

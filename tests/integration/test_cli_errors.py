@@ -416,6 +416,7 @@ EVERY_COMMAND = {
     "dlq import": ["dlq", "import", "some-queue", "/dev/null"],
     "outbox status": ["outbox", "status", "--path", "/nonexistent-dir/outbox.db"],
     "outbox relay": ["outbox", "relay", "--path", "/nonexistent-dir/outbox.db", "--once"],
+    "outbox migrate": ["outbox", "migrate", "--postgres", "postgresql://nobody@127.0.0.1:1/x"],
 }
 
 

@@ -39,6 +39,7 @@ from aio_pika.abc import AbstractChannel
 
 from tests.conftest import delete_queues, forget_task_keys, next_message, wait_until
 from tests.integration.dead_endpoints import closed_port
+from tests.integration.postgres_db import PgSchema
 from tests.parsing import parse_source
 from weclaw_mq import App, CancelOutcome, TaskStatus, Worker
 from weclaw_mq.contract import headers as h
@@ -400,6 +401,58 @@ async def test_outbox_page_task_added_in_your_own_transaction_is_sent_after_the_
     (task_id,) = added
     final = await example.app.result(task_id, timeout_s=20)
     assert (final.status, final.result) == (TaskStatus.SUCCEEDED, {"invoice": "for book"})
+
+
+async def test_outbox_page_postgres_order_and_its_task_commit_together_then_the_task_runs(
+    examples: Examples, start_worker: Callable[..., Any], pg_schema: PgSchema
+) -> None:
+    from weclaw_mq.outbox.postgres import migrate
+
+    await migrate(pg_schema.url)
+    example = examples.load(
+        "outbox_postgres.py",
+        queues=["invoices"],
+        paths={"postgresql://shop@localhost/shop": pg_schema.url},
+    )
+    await start_worker(example.app)
+    example.create_tables()
+    stop = asyncio.Event()
+    relay = asyncio.create_task(example.relay_until(stop))
+    try:
+        task_id = await asyncio.to_thread(example.place_order)
+        final = await example.app.result(task_id, timeout_s=20)
+    finally:
+        stop.set()
+        await asyncio.wait_for(relay, 30)
+    assert (final.status, final.result) == (TaskStatus.SUCCEEDED, {"invoice": "for book"})
+    assert pg_schema.count() == 0
+
+
+# -- from-celery.md -------------------------------------------------------------------------
+
+
+async def test_from_celery_page_port_runs_every_call_it_maps(
+    examples: Examples, start_worker: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = examples.load("from_celery.py", queues=["add", "fetch", "count-words", "total"])
+    app = example.app
+    chains = recording(app, "chain", monkeypatch)
+    groups = recording(app, "group", monkeypatch)
+    await start_worker(app)
+    try:
+        got = await example.calls()
+    finally:
+        for wid in [*chains, *groups]:
+            examples.redis_keys += workflow_keys(wid)
+
+    assert got == {
+        "answer": 5,
+        "cancelled": CancelOutcome.CANCELLED,
+        "fetched": ("<p>the page at https://example.org</p>", 3),
+        "words": 4,
+        "summed": 10,
+    }
+    assert "nightly-add" in app.schedules
 
 
 # -- cancel.md ------------------------------------------------------------------------------

@@ -1,6 +1,13 @@
 """Every Python code block of the docs is code that a test runs.
 
-A ```python block of docs/**/*.md is either
+A how-to or tutorial page (docs/how-to/, docs/tutorial/) shows its code inline, so it reads the
+same on a code host as on the site: each such block follows a ``<!-- code: PATH[:SECTION]
+... -->`` line naming the example files (and sections) it is a copy of, and must equal them as
+the site's snippets would show them (sections dedented, marker lines left out, joined by a
+newline). The files are run by tests/integration/test_docs_howto_examples.py (docs/examples/
+howto/) and tests/unit/test_docs_site.py (the tutorial's).
+
+Any other ```python block of docs/**/*.md is either
 
 - a snippet include (``--8<-- "docs/examples/....py"`` or ``...py:section``, pymdownx.snippets)
   of a file that exists, with that section marked in it: the files under docs/examples/howto/
@@ -23,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from docs.site_files import shown_code
 from tests.parsing import parse_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +46,10 @@ RUN_BY_NAME = {
 _FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*python\b.*$")
 _INCLUDE = re.compile(r'^-+8<-+\s+"(?P<path>[^":]+)(?::(?P<section>[\w-]+))?"$')
 _NAMED = re.compile(r"^# (?P<name>\w+\.py)$")
+_MARKER = re.compile(r"^[ \t]*<!-- code: (?P<paths>[^>]+?) -->[ \t]*$")
+_ANY_FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*\S.*$")
+# The pages whose code is shown inline (a copy of its example file, checked here).
+INLINE_PAGES = ("docs/how-to/", "docs/tutorial/")
 
 
 @dataclass(frozen=True)
@@ -45,18 +57,21 @@ class Block:
     page: str  # relative to the repository root
     line: int  # of the opening fence, 1-based
     lines: tuple[str, ...]  # the block's lines, without the fences and their indent
+    # The files (and sections) the ``<!-- code: ... -->`` line before the fence names.
+    copied_from: tuple[str, ...] = ()
 
     def where(self) -> str:
         return f"{self.page}:{self.line}"
 
 
-def python_blocks(page: Path, root: Path = ROOT) -> list[Block]:
-    """The ```python blocks of a Markdown page (also inside lists: indented fences)."""
+def python_blocks(page: Path, root: Path = ROOT, *, any_language: bool = False) -> list[Block]:
+    """The ```python blocks of a Markdown page (also inside lists: indented fences); with
+    ``any_language``, every fenced block that names a language."""
     blocks: list[Block] = []
     lines = page.read_text(encoding="utf-8").splitlines()
     i = 0
     while i < len(lines):
-        opened = _FENCE_OPEN.match(lines[i])
+        opened = (_ANY_FENCE_OPEN if any_language else _FENCE_OPEN).match(lines[i])
         if opened is None:
             i += 1
             continue
@@ -67,9 +82,38 @@ def python_blocks(page: Path, root: Path = ROOT) -> list[Block]:
         while j < len(lines) and not close.match(lines[j]):
             body.append(lines[j].removeprefix(indent))
             j += 1
-        blocks.append(Block(page.relative_to(root).as_posix(), i + 1, tuple(body)))
+        marker = _MARKER.match(lines[i - 1]) if i > 0 else None
+        copied = tuple(marker["paths"].split()) if marker else ()
+        blocks.append(Block(page.relative_to(root).as_posix(), i + 1, tuple(body), copied))
         i = j + 1
     return blocks
+
+
+def inline_problem(block: Block, root: Path = ROOT) -> str | None:
+    """Why a block of a how-to or tutorial page is not an exact copy of the example sections
+    its ``<!-- code: ... -->`` line names; None if it is one."""
+    if any(_INCLUDE.match(line.strip()) for line in block.lines):
+        return (
+            f"{block.where()}: a snippet include shows as a bare line on a code host; put the "
+            "code inline after a '<!-- code: docs/examples/...py:section -->' line"
+        )
+    if not block.copied_from:
+        if (block.page, block.lines[0].strip() if block.lines else "") in RUN_BY_NAME:
+            return None
+        return (
+            f"{block.where()}: inline code with no '<!-- code: docs/examples/...py:section -->' "
+            "line before it naming the file a test runs"
+        )
+    for ref in block.copied_from:
+        problem = include_problem(Block(block.page, block.line, (f'--8<-- "{ref}"',)), root)
+        if problem is not None:
+            return problem
+    if "\n".join(block.lines) != shown_code(block.copied_from, root):
+        return (
+            f"{block.where()}: differs from {' '.join(block.copied_from)}; copy the sections "
+            "into the block again"
+        )
+    return None
 
 
 def include_problem(block: Block, root: Path = ROOT) -> str | None:
@@ -98,6 +142,8 @@ def include_problem(block: Block, root: Path = ROOT) -> str | None:
 
 
 def docs_block_problem(block: Block, root: Path = ROOT) -> str | None:
+    if block.page.startswith(INLINE_PAGES):
+        return inline_problem(block, root)
     if block.lines and (block.page, block.lines[0].strip()) in RUN_BY_NAME:
         return None
     return include_problem(block, root)
@@ -146,6 +192,20 @@ def test_every_python_block_of_the_docs_is_an_included_file_or_run_by_name() -> 
     assert not problems, "\n".join(problems)
 
 
+def test_every_code_copy_of_a_howto_or_tutorial_page_equals_its_example_file() -> None:
+    pages = [p for p in docs_pages() if p.relative_to(ROOT).as_posix().startswith(INLINE_PAGES)]
+    blocks = [b for page in pages for b in python_blocks(page, any_language=True)]
+    copies = [b for b in blocks if b.copied_from]
+    assert len(copies) >= 30  # the walk found the pages' copies
+    problems = [p for b in copies if (p := inline_problem(b)) is not None]
+    problems += [
+        f"{b.where()}: a snippet include shows as a bare line on a code host; inline it"
+        for b in blocks
+        if any(_INCLUDE.match(line.strip()) for line in b.lines)
+    ]
+    assert not problems, "\n".join(problems)
+
+
 def test_the_blocks_run_by_name_are_on_their_pages() -> None:
     found = {
         (b.page, b.lines[0].strip())
@@ -157,13 +217,10 @@ def test_the_blocks_run_by_name_are_on_their_pages() -> None:
 
 
 def test_every_howto_example_file_is_included_by_a_page_and_run_by_the_integration_test() -> None:
+    blocks = [b for page in docs_pages() for b in python_blocks(page)]
     included = {
-        m["path"]
-        for page in docs_pages()
-        for b in python_blocks(page)
-        for line in b.lines
-        if (m := _INCLUDE.match(line.strip()))
-    }
+        m["path"] for b in blocks for line in b.lines if (m := _INCLUDE.match(line.strip()))
+    } | {ref.partition(":")[0] for b in blocks for ref in b.copied_from}
     runner = HOWTO_TEST.read_text(encoding="utf-8")
     files = sorted(HOWTO.glob("*.py"))
     assert files
@@ -207,6 +264,33 @@ EXAMPLE = '"""The docstring."""\n\n# --8<-- [start:one]\nx = 1\n# --8<-- [end:on
     ],
 )
 def test_a_docs_block_passes_only_as_an_include_of_an_existing_file_and_section(
+    tmp_path: Path, block: str, problem: str | None
+) -> None:
+    write(tmp_path, "docs/examples/x.py", EXAMPLE)
+    page = write(tmp_path, "docs/design/page.md", f"# A page\n\n{block}\n\nText.\n")
+
+    (found,) = python_blocks(page, tmp_path)
+    answer = docs_block_problem(found, tmp_path)
+
+    if problem is None:
+        assert answer is None
+    else:
+        assert answer is not None and problem in answer, answer
+
+
+@pytest.mark.parametrize(
+    ("block", "problem"),
+    [
+        ("<!-- code: docs/examples/x.py:one -->\n```python\nx = 1\n```", None),
+        ("<!-- code: docs/examples/x.py:one -->\n```python\nx = 2\n```", "differs from"),
+        ("<!-- code: docs/examples/x.py:two -->\n```python\nx = 1\n```", "has no"),
+        ("<!-- code: docs/examples/y.py -->\n```python\nx = 1\n```", "does not exist"),
+        ("```python\nx = 1\n```", "no '<!-- code:"),
+        ('```python\n--8<-- "docs/examples/x.py:one"\n```', "bare line on a code host"),
+        ("  <!-- code: docs/examples/x.py:one -->\n  ```python\n  x = 1\n  ```", None),
+    ],
+)
+def test_a_howto_block_passes_only_as_an_exact_copy_of_the_example_it_names(
     tmp_path: Path, block: str, problem: str | None
 ) -> None:
     write(tmp_path, "docs/examples/x.py", EXAMPLE)

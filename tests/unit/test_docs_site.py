@@ -215,6 +215,20 @@ def test_the_topology_page_draws_the_names_the_code_derives(site: Path) -> None:
 
 # The how-to pages' includes of a file's section: --8<-- "docs/examples/howto/x.py:name".
 _SECTION_INCLUDE = re.compile(r'^--8<-- "(docs/examples/howto/[\w/]+\.py):([\w-]+)"$', re.M)
+# A how-to page's inline copy names its sections on the line before the block.
+_COPIED_FROM = re.compile(r"^[ \t]*<!-- code: ([^>]+?) -->[ \t]*$", re.M)
+_HOWTO_SECTION = re.compile(r"^(docs/examples/howto/[\w/]+\.py):([\w-]+)$")
+
+
+def shown_sections(markdown: str) -> list[tuple[str, str]]:
+    """The (file, section) pairs a page shows: its includes and its inline copies."""
+    copied = [
+        (m[1], m[2])
+        for refs in _COPIED_FROM.findall(markdown)
+        for ref in refs.split()
+        if (m := _HOWTO_SECTION.match(ref))
+    ]
+    return [*_SECTION_INCLUDE.findall(markdown), *copied]
 
 
 def section_lines(path: Path, name: str) -> list[str]:
@@ -230,7 +244,7 @@ def test_the_how_to_pages_show_their_example_sections_whole_and_at_the_margin(
     shown = 0
     for page in sorted((ROOT / "docs").rglob("*.md")):
         built = page.relative_to(ROOT / "docs").with_suffix(".html")
-        for file, name in _SECTION_INCLUDE.findall(page.read_text(encoding="utf-8")):
+        for file, name in shown_sections(page.read_text(encoding="utf-8")):
             text = page_text(site, built.as_posix())
             lines = [ln for ln in section_lines(ROOT / file, name) if ln.strip()]
             margin = min(len(ln) - len(ln.lstrip()) for ln in lines)

@@ -311,3 +311,59 @@ def test_publishing_a_payload_whose_validator_raises_a_key_error_is_a_validation
     # prepare() is publish's check before anything is sent: no broker needed to see it refuse
     with pytest.raises(PayloadValidationError, match="KeyError"):
         app.prepare("strict", {"text": "unknown"})
+
+
+def test_a_celery_style_handler_is_refused_with_what_to_write_instead() -> None:
+    app = _app()
+
+    def add(x, y):  # type: ignore[no-untyped-def]
+        return x + y
+
+    with pytest.raises(ConfigurationError) as raised:
+        app.handler("add")(add)
+    message = str(raised.value)
+    assert "a handler takes one payload argument and an optional `ctx: Context`" in message
+    assert "put `x` and `y` in a pydantic model" in message
+    assert "add" not in app.handlers
+
+
+def test_a_second_parameter_annotated_as_anything_but_the_context_is_refused() -> None:
+    app = _app()
+
+    async def add(x: int, y: int) -> int:
+        return x + y
+
+    with pytest.raises(ConfigurationError, match="put `x` and `y` in a pydantic model"):
+        app.handler("add")(add)
+
+
+@pytest.mark.parametrize("shape", ["varargs", "required_keyword"])
+def test_a_handler_the_worker_cannot_call_is_refused(shape: str) -> None:
+    app = _app()
+
+    async def varargs(*values: int) -> None:
+        return None
+
+    async def required_keyword(task: Prompt, *, lang: str) -> None:
+        return None
+
+    func = varargs if shape == "varargs" else required_keyword
+    with pytest.raises(ConfigurationError, match="a handler takes one payload argument"):
+        app.handler("summarise")(func)
+
+
+def test_the_context_is_recognised_by_its_type_or_by_its_name() -> None:
+    app = _app()
+
+    async def typed(task: Prompt, context: Context) -> None:
+        return None
+
+    def named(task, ctx):  # type: ignore[no-untyped-def]
+        return None
+
+    async def anything(task: Prompt, c: Any) -> None:
+        return None
+
+    for queue, func in (("typed", typed), ("named", named), ("anything", anything)):
+        app.handler(queue)(func)
+        assert app.handlers[queue].takes_context is True

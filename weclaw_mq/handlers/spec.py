@@ -142,6 +142,78 @@ def _is_sync(func: HandlerFunc, queue: str) -> bool:
     return True
 
 
+# The worker calls ``func(task)`` or ``func(task, ctx)``: a second parameter that is not the
+# context (``def add(x, y)``, Celery style) would get a Context and fail on every run.
+_SIGNATURE_HELP = (
+    "a handler takes one payload argument and an optional `ctx: Context`, as in "
+    "`async def handle(task: MyTask, ctx: Context)`"
+)
+# Unannotated second parameters taken for the context by their name.
+_CONTEXT_NAMES = frozenset({"ctx", "context", "_ctx", "_context", "_"})
+
+
+def _is_context(annotation: Any) -> bool:
+    # By name, not isinstance: weclaw_mq.context sits in a layer above this one.
+    return any(
+        c.__module__ == "weclaw_mq.context" and c.__qualname__ == "Context"
+        for c in getattr(annotation, "__mro__", ())
+    )
+
+
+def _check_signature(
+    func: HandlerFunc, queue: str, hints: dict[str, Any]
+) -> list[inspect.Parameter]:
+    """The handler's (task) or (task, ctx) parameters; any other signature is refused with
+    what to write instead."""
+    all_params = list(inspect.signature(func).parameters.values())
+    params = [p for p in all_params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    payload_like = [p.name for p in params if not _is_context(hints.get(p.name))]
+    if (
+        any(p.kind is p.VAR_POSITIONAL for p in all_params)
+        or len(params) > 2
+        or (len(params) == 2 and not _takes_context(params[1], hints))
+    ):
+        names = " and ".join(f"`{n}`" for n in payload_like) or "the values"
+        raise ConfigurationError(
+            f"handler for {queue!r} ({_name(func)}) takes {_shown(all_params)}, got "
+            f"{len(params)} parameters: {_SIGNATURE_HELP}; put {names} in a pydantic model "
+            "and take that as the payload"
+        )
+    if not params:
+        raise ConfigurationError(
+            f"handler for {queue!r} ({_name(func)}) takes {_shown(all_params)}, got 0 "
+            f"parameters: {_SIGNATURE_HELP}"
+        )
+    required_kw = [p.name for p in all_params if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    if required_kw:
+        raise ConfigurationError(
+            f"handler for {queue!r} ({_name(func)}) has required keyword-only parameters "
+            f"{', '.join(required_kw)} that no task fills: {_SIGNATURE_HELP}; give them "
+            "defaults or put them in the payload's model"
+        )
+    return params
+
+
+def _takes_context(param: inspect.Parameter, hints: dict[str, Any]) -> bool:
+    annotation = hints.get(param.name)
+    if annotation is None or annotation is Any:
+        return param.name in _CONTEXT_NAMES or annotation is Any
+    return _is_context(annotation)
+
+
+def _name(func: HandlerFunc) -> str:
+    return getattr(func, "__qualname__", repr(func))
+
+
+def _shown(params: list[inspect.Parameter]) -> str:
+    # Names only: with postponed annotations str(p) would quote every type.
+    stars: dict[inspect._ParameterKind, str] = {
+        inspect.Parameter.VAR_POSITIONAL: "*",
+        inspect.Parameter.VAR_KEYWORD: "**",
+    }
+    return "(" + ", ".join(stars.get(p.kind, "") + p.name for p in params) + ")"
+
+
 def _first_error(e: ValidationError) -> str:
     errors = e.errors(include_url=False)
     head = errors[0]
@@ -174,15 +246,11 @@ def build_spec(
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
     is_sync = _is_sync(func, queue)
-    params = [
-        p
-        for p in inspect.signature(func).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    if not 1 <= len(params) <= 2:
-        raise ConfigurationError(
-            f"handler for {queue!r} must take (task) or (task, ctx), got {len(params)} parameters"
-        )
+    try:
+        hints = typing.get_type_hints(func)
+    except Exception as e:  # an unresolvable forward reference
+        raise ConfigurationError(f"cannot resolve the type hints of {func!r}: {e}") from e
+    params = _check_signature(func, queue, hints)
     if timeout_s <= 0:
         raise ConfigurationError(f"timeout_s for {queue!r} must be > 0, got {timeout_s}")
     if delivery_limit < 1:
@@ -221,10 +289,6 @@ def build_spec(
             f"fair for {queue!r} needs to know a task's tenant: give tenant= (a function of "
             "the task) or Fair(key=...)"
         )
-    try:
-        hints = typing.get_type_hints(func)
-    except Exception as e:  # an unresolvable forward reference
-        raise ConfigurationError(f"cannot resolve the type hints of {func!r}: {e}") from e
     annotation = hints.get(params[0].name, Any)
     try:
         adapter: TypeAdapter[Any] = TypeAdapter(annotation)

@@ -34,7 +34,7 @@ from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
 from weclaw_mq.contract.naming import session_id_or_none
 from weclaw_mq.errors import BrokerUnavailableError
 from weclaw_mq.observability.metrics import Metrics
-from weclaw_mq.outbox.store import Outbox, OutboxRow, row_headers
+from weclaw_mq.outbox.store import OutboxRow, RelayStore, row_headers
 from weclaw_mq.policy.broker_version import ServerVersion
 from weclaw_mq.policy.priority import QUORUM, priority_from_header, route
 from weclaw_mq.settings import Settings
@@ -64,7 +64,7 @@ WINDOWS_IN_FLIGHT = 2
 class Relay:
     def __init__(
         self,
-        outbox: Outbox,
+        outbox: RelayStore,
         settings: Settings,
         metrics: Metrics,
         *,
@@ -107,6 +107,9 @@ class Relay:
         failures = 0
         try:
             while not stop.is_set():
+                # Cleared before the pass, not after: a wake while it runs (a row committed
+                # after its last claim) must start the next pass, not wait for the interval.
+                self._wake.clear()
                 try:
                     await self.drain()
                     failures = 0
@@ -131,10 +134,10 @@ class Relay:
                     log.error("outbox relay: pass failed (%s: %s)", type(e).__name__, e)
                     await self._drop_link()
                 await self._update_gauges()
-                self._wake.clear()
                 delay = interval
                 if failures:
                     delay = max(interval, backoff_s(failures, self.settings.reconnect_max_delay_s))
+                    self._wake.clear()  # a failing broker is backed off from, woken or not
                 waits = {
                     asyncio.ensure_future(stop.wait()),
                     asyncio.ensure_future(self._wake.wait()),

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from aio_pika.message import Message
 from pamqp.commands import Basic
@@ -128,6 +128,21 @@ class OutboxStats:
     failing: int  # rows whose last send failed (unroutable, nacked, ...)
     last_error: str | None
     file_bytes: int  # the database file and its WAL
+
+
+class RelayStore(Protocol):
+    """What the relay (``outbox.relay``) needs of an outbox: the SQLite file's ``Outbox`` and
+    the PostgreSQL table's ``PostgresOutbox`` both are one."""
+
+    async def claim(self, limit: int, lease_s: float) -> list[OutboxRow]: ...
+
+    async def delete(self, seqs: Sequence[int]) -> None: ...
+
+    async def release(self, failed: Sequence[tuple[int, str]], retry_in_s: float) -> None: ...
+
+    async def stats(self) -> OutboxStats: ...
+
+    async def close(self) -> None: ...
 
 
 def row_values(queue: str, message: Message) -> tuple[str, str, bytes, bytes, float]:

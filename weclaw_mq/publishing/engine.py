@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +48,6 @@ from weclaw_mq.wire.connection import BrokerEndpoints
 from weclaw_mq.wire.producer import Publisher
 
 if TYPE_CHECKING:
-    # Imported where used: only an app with an outbox loads sqlite3 (an idle worker's RSS).
-    import sqlite3
-
     from weclaw_mq.outbox import Outbox
     from weclaw_mq.outbox.fallback import LocalFallback
 
@@ -467,16 +464,16 @@ class PublishingEngine:
 
     def add_to_outbox(
         self,
-        conn: sqlite3.Connection,
+        conn: Any,
         queue: str,
         payload: Any,
         task_id: str | None,
         trace_id: str | None,
         headers: HeadersType | None,
-    ) -> str:
+    ) -> str | Awaitable[str]:
         """The task prepared and added in the caller's transaction on ``conn``
-        (``App.add_to_outbox``)."""
-        from weclaw_mq.outbox import add_message
+        (``App.add_to_outbox``); an awaitable for an async connection."""
+        from weclaw_mq.outbox.in_transaction import add_in_transaction
 
         message = self.prepare(
             queue,
@@ -489,8 +486,16 @@ class PublishingEngine:
             priority=None,
             delay_s=None,
         )
-        add_message(conn, queue, message)
-        return message.message_id or ""
+        added = message.message_id or ""
+        pending = add_in_transaction(conn, queue, message)
+        if pending is None:
+            return added
+
+        async def inserted() -> str:
+            await pending
+            return added
+
+        return inserted()
 
     async def stored_locally(self, task_id: str) -> bool:
         """Whether the outbox holds the task now (``App.stored_locally``)."""
