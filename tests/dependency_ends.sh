@@ -18,12 +18,13 @@ END=${1:?usage: tests/dependency_ends.sh lowest|newest}
 UV=.venv/bin/uv
 LOCK=requirements/dev.lock
 VENV=.venv-ends/$END
-EXTRAS="--extra console --extra otel --extra reload --extra uvloop --extra examples"
+EXTRAS="--extra console --extra otel --extra reload --extra uvloop --extra examples --extra postgres"
 # The tests' own tools, at the lock's versions at both ends.
 TOOLS="pytest pytest-asyncio pytest-timeout pytest-xdist httpx hypothesis selenium pyyaml jsonschema import-linter opentelemetry-sdk"
 INTEGRATION="test_promises test_idempotency test_retry_and_dead_letter test_outcomes test_settlement
 	test_streams test_cancel test_workflows test_schedules test_token_limits test_sync_handlers
-	test_publishing test_dlq_ops test_task_stores test_wire_compat_broker test_console_http"
+	test_publishing test_dlq_ops test_task_stores test_wire_compat_broker test_console_http
+	test_postgres_outbox test_sync_client"
 
 [ -x "$UV" ] || { echo "test-ends needs .venv with uv: run 'make install' first"; exit 1; }
 tmp=$(mktemp -d)
@@ -40,7 +41,7 @@ lowest)
 import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 deps = list(project["dependencies"])
-for extra in ("console", "otel", "reload", "uvloop", "examples"):
+for extra in ("console", "otel", "reload", "uvloop", "examples", "postgres"):
     deps += project["optional-dependencies"][extra]
 print(" ".join(sorted({re.split(r"[<>=\[ ;]", d)[0].lower() for d in deps})))
 PY

@@ -237,7 +237,15 @@ async def carry_out(
             )
             level = logging.INFO if deferrals(delivery) == 0 else logging.DEBUG
             await _defer(
-                message, delivery, spec, rt, end.why, end.delay_ms, level, end.not_before_ms
+                message,
+                delivery,
+                spec,
+                rt,
+                end.why,
+                end.delay_ms,
+                level,
+                end.not_before_ms,
+                end.at_midnight,
             )
         case Defer():
             if end.queued_again and held is not None:
