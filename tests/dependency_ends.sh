@@ -67,7 +67,7 @@ newest)
 	;;
 esac
 
-echo "the $END end: $("$VENV/bin/python" -m pip list 2>/dev/null | grep -iE '^(aio-pika|pydantic|redis|typer|croniter|prometheus.client|starlette) ' | tr -s ' ' | tr '\n' ',' | sed 's/,$//')"
+echo "the $END end: $("$UV" pip freeze 2>/dev/null | grep -iE '^(aio-pika|pydantic|redis|typer|croniter|prometheus.client|starlette|psycopg|sqlalchemy)==' | tr '\n' ' ')"
 status=0
 if [ "$END" = newest ]; then
 	"$VENV/bin/mypy" || status=1
