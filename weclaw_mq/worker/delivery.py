@@ -189,7 +189,8 @@ async def _process(
             await carry_out(_by(admitted, "limit"), message, delivery, spec, rt, held)
             return
         ticket = admitted
-    ticket = ticket.joined(reserved)  # settled as the handler ends, with the limits' slots
+    if reserved is not NO_TICKET:  # settled as the handler ends, with the limits' slots
+        ticket = ticket.joined(reserved)
 
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it. Again with one when the claim's record could not
