@@ -228,27 +228,17 @@ async def carry_out(
         case DeadLetter(reason=reason, error=error):
             await release(rt, spec, delivery, held)
             await _dead_letter(message, delivery, spec, rt, reason, error)
-        case Defer(by=by) if by is not None:
-            await asyncio.gather(
-                release(rt, spec, delivery, held),
-                # "running" is ours when our claim wrote it, or this delivery did as its
-                # handler was to start (no thread took it).
-                _record_deferral(rt, delivery, spec, end, held is not None or by == "threads"),
-            )
-            level = logging.INFO if deferrals(delivery) == 0 else logging.DEBUG
-            await _defer(
-                message,
-                delivery,
-                spec,
-                rt,
-                end.why,
-                end.delay_ms,
-                level,
-                end.not_before_ms,
-                end.at_midnight,
-            )
-        case Defer():
-            if end.queued_again and held is not None:
+        case Defer(by=by):
+            level = end.level
+            if by is not None:
+                await asyncio.gather(
+                    release(rt, spec, delivery, held),
+                    # "running" is ours when our claim wrote it, or this delivery did as its
+                    # handler was to start (no thread took it).
+                    _record_deferral(rt, delivery, spec, end, held is not None or by == "threads"),
+                )
+                level = logging.INFO if deferrals(delivery) == 0 else logging.DEBUG
+            elif end.queued_again and held is not None:
                 # The claim wrote "running": it waits in a delay queue now.
                 await asyncio.gather(
                     release(rt, spec, delivery, held),
@@ -263,7 +253,7 @@ async def carry_out(
                 rt,
                 end.why,
                 end.delay_ms,
-                end.level,
+                level,
                 end.not_before_ms,
                 end.at_midnight,
             )
