@@ -24,6 +24,7 @@ from pydantic import BaseModel
 
 from tests.conftest import outcome_count, settings_for, wait_until
 from tests.integration.processes import one_error_line, run_cli, settings_env
+from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Reject, RetryPolicy, Settings, TaskState, TaskStatus, Worker
 from weclaw_mq.admin import dlq
 from weclaw_mq.contract import headers as h
@@ -635,60 +636,68 @@ async def test_a_failed_part_cancels_the_parts_still_to_run(backend: Backend, qn
     assert [r.status for r in rest] == [TaskStatus.CANCELLED] * 2
 
 
-async def test_a_failed_part_cancels_one_batch_before_its_ack_and_a_sweep_the_rest_after(
-    make_app: Callable[..., App],
-    start_worker: Callable[..., Any],
-    redis_url: str,
-    qname: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert hops.CANCELS_BEFORE_ACK == 200  # the batch docs/how-to/workflows.md names
-    # A batch of two for five parts: what a 100k-part group is to the 200 of a real batch.
-    monkeypatch.setattr(hops, "CANCELS_BEFORE_ACK", 2)
-    app = make_app("wf", workflow_sweep_s=3600.0)  # no worker sweeps during the test
-    queue = f"{qname}-part"
-    ran: list[int] = []
-    workers: list[Worker] = []
+class TestTheSweepAfterTheAck:
+    @pytest.fixture
+    def redis_url(self, private_redis: PrivateRedis) -> str:
+        """A Redis of this test's own: any worker sweeps every due group of its Redis, and on
+        the shared one another test's (or another suite's) worker swept this group early."""
+        return private_redis.url
 
-    @app.handler(queue)
-    async def part(n: int) -> int:
-        ran.append(n)
-        if n == 0:
-            workers[0].stop()  # the worker goes as this part is acked: it sweeps nothing
-            raise Reject("the first chunk is unreadable")
-        return n
+    async def test_a_failed_part_cancels_one_batch_before_its_ack_and_a_sweep_the_rest_after(
+        self,
+        make_app: Callable[..., App],
+        start_worker: Callable[..., Any],
+        redis_url: str,
+        qname: str,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        assert hops.CANCELS_BEFORE_ACK == 200  # the batch docs/how-to/workflows.md names
+        # A batch of two for five parts: what a 100k-part group is to the 200 of a real batch.
+        monkeypatch.setattr(hops, "CANCELS_BEFORE_ACK", 2)
+        app = make_app("wf", workflow_sweep_s=3600.0)  # no worker of its own sweeps meanwhile
+        queue = f"{qname}-part"
+        ran: list[int] = []
+        workers: list[Worker] = []
 
-    workers.append(await start_worker(app, concurrency=1))
-    group_id = await app.group(queue, range(5))
-    try:
-        state = await app.result(group_id, timeout_s=WAIT_S)
-        assert state.status is TaskStatus.DEAD_LETTERED
-        await wait_until(
-            lambda: outcome_count(app, queue, "dead_lettered") == 1, WAIT_S, "part 0 settled"
-        )
-        assert ran == [0]
-        results = app.results
-        assert results is not None
-        ids = [f"{group_id}.{i}" for i in range(1, 5)]
-        # Before the ack, the queue's next two; the rest is owed, not sent in that delivery.
-        cancelled = [await results.is_cancelled(queue, t) for t in ids]
-        assert cancelled == [True, True, False, False]
-        client = aioredis.Redis.from_url(redis_url)
+        @app.handler(queue)
+        async def part(n: int) -> int:
+            ran.append(n)
+            if n == 0:
+                workers[0].stop()  # the worker goes as this part is acked: it sweeps nothing
+                raise Reject("the first chunk is unreadable")
+            return n
+
+        workers.append(await start_worker(app, concurrency=1))
+        group_id = await app.group(queue, range(5))
         try:
-            due_ms = await client.zscore(WORKFLOW_DEADLINES_KEY, group_id)
+            state = await app.result(group_id, timeout_s=WAIT_S)
+            assert state.status is TaskStatus.DEAD_LETTERED
+            await wait_until(
+                lambda: outcome_count(app, queue, "dead_lettered") == 1, WAIT_S, "part 0 settled"
+            )
+            assert ran == [0]
+            results = app.results
+            assert results is not None
+            ids = [f"{group_id}.{i}" for i in range(1, 5)]
+            # Before the ack, the queue's next two; the rest is owed, not sent in that delivery.
+            cancelled = [await results.is_cancelled(queue, t) for t in ids]
+            assert cancelled == [True, True, False, False]
+            client = aioredis.Redis.from_url(redis_url)
+            try:
+                due_ms = await client.zscore(WORKFLOW_DEADLINES_KEY, group_id)
+            finally:
+                await client.aclose()
+            assert due_ms is not None and due_ms <= time.time() * 1000  # due now: any sweep
+            # Another worker's sweep (the one that acked is gone) cancels the rest, once.
+            await sweep(app)
+            assert [await results.is_cancelled(queue, t) for t in ids] == [True] * 4
+            await start_worker(app, concurrency=1)
+            for task_id in ids:
+                end = await app.result(task_id, queue=queue, timeout_s=WAIT_S)
+                assert end.status is TaskStatus.CANCELLED
+            assert ran == [0]
         finally:
-            await client.aclose()
-        assert due_ms is not None and due_ms <= time.time() * 1000  # due now: any sweep
-        # Another worker's sweep (the one that acked is gone) cancels the rest, once.
-        await sweep(app)
-        assert [await results.is_cancelled(queue, t) for t in ids] == [True] * 4
-        await start_worker(app, concurrency=1)
-        for task_id in ids:
-            end = await app.result(task_id, queue=queue, timeout_s=WAIT_S)
-            assert end.status is TaskStatus.CANCELLED
-        assert ran == [0]
-    finally:
-        await forget_workflows(redis_url, [group_id], [])
+            await forget_workflows(redis_url, [group_id], [])
 
 
 class Order(BaseModel):
