@@ -9,6 +9,7 @@ limiter's own bookkeeping.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -363,19 +364,23 @@ async def test_a_task_deferred_by_a_limit_says_why_in_its_status_and_logs_its_fi
         await wait_until(lambda: started == [1], 10, "the first task running")
         held = await app.publish(qname, Job(user="a", n=2))
 
-        async def deferred_twice() -> bool:
-            state = await app.status(held)
-            return state is not None and state.deferred is not None and state.deferred.count >= 2
+        def parked() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if "over its concurrency limit" in r.getMessage()]
 
-        await wait_until(deferred_twice, 20, "two deferrals on the record")
+        async def deferred_twice() -> bool:
+            # The record is written before the move, the log line after it: wait for both.
+            state = await app.status(held)
+            on_record = state is not None and state.deferred is not None
+            return on_record and state.deferred.count >= 2 and len(parked()) >= 2
+
+        await wait_until(deferred_twice, 20, "two deferrals on the record and in the log")
         state = await app.status(held)
         assert state is not None and state.deferred is not None
         assert state.status is TaskStatus.QUEUED
         assert (state.deferred.by, state.deferred.why) == ("limit", "over its concurrency limit")
         assert state.deferred.next_try_at is not None
         assert state.deferred.next_try_at > state.updated_at
-        parked = [r for r in caplog.records if "over its concurrency limit" in r.getMessage()]
-        levels = [r.levelname for r in parked]
+        levels = [r.levelname for r in parked()]
         assert levels[0] == "INFO" and set(levels[1:]) == {"DEBUG"}, levels
         release.set()
         final = await app.result(held, timeout_s=20)
