@@ -49,6 +49,8 @@ PY
 	grep '==' "$LOCK" | while IFS= read -r line; do
 		name=$(printf '%s' "${line%%==*}" | tr 'A-Z_' 'a-z-')
 		case " $direct " in *" $name "*) continue ;; esac
+		# A direct dependency's own parts (pydantic-core, psycopg-binary, typer-slim) follow it.
+		for d in $direct; do case "$name" in "$d"-*) continue 2 ;; esac; done
 		case "$name" in opentelemetry-*) continue ;; esac
 		printf '%s\n' "$line"
 	done >"$tmp/others.txt"
