@@ -290,16 +290,33 @@ class PublishingEngine:
     async def _send(self, queue: str, message: aio_pika.Message) -> str:
         """Publish a prepared message, with its "queued" record; the broker's word or an error.
 
-        ``queue`` is the handler queue; the message goes to its priority's lane (``_route``)."""
+        ``queue`` is the handler queue; the message goes to its priority's lane (``_route``).
+        One coroutine, inline: a helper's frame would be paid by every publish, fair or not."""
         assert message.message_id is not None
         spec = self._handlers.get(queue)
         fair = spec if spec is not None and spec.fair is not None else None
-        placed = None
+        placed = fair_lane = None
         if fair is not None:  # to its tenant's lane (fair_lanes)
             (placed,) = await self._fair.place(fair, [message])
-        exchange, target = await self._route(queue, message, lane_name(queue, placed))
+            fair_lane = lane_name(queue, placed)
+        exchange, target = await self._route(queue, message, fair_lane)
         try:
-            await self._confirmed(queue, target, message, exchange)
+            store = self._results()
+            if store is None:
+                await self.get_publisher().publish(target, message, exchange=exchange)
+            else:
+                # The "queued" record is written beside the confirm, not after it (no added
+                # latency), and only if the task has no record yet, so it can never hide a
+                # later status.
+                queued = self._records.write(store, queued_state(message, queue))
+                refused: list[str] = []
+                try:
+                    await self.get_publisher().publish(target, message, exchange=exchange)
+                except STORED_NOTHING:
+                    refused.append(message.message_id)
+                    raise
+                finally:
+                    await self._records.settle(queued, store, queue, refused)
         except Exception:
             if fair is not None:  # the book's count of the lane, after the broker's answer
                 self._fair.settled(fair, [placed], [False])
@@ -307,28 +324,6 @@ class PublishingEngine:
         if fair is not None:
             self._fair.settled(fair, [placed], [True])
         return message.message_id
-
-    async def _confirmed(
-        self, queue: str, target: str, message: aio_pika.Message, exchange: str
-    ) -> None:
-        """Publish ``message`` to ``target`` with its "queued" record; the broker's word or an
-        error."""
-        assert message.message_id is not None
-        store = self._results()
-        if store is None:
-            await self.get_publisher().publish(target, message, exchange=exchange)
-            return
-        # The "queued" record is written beside the confirm, not after it (no added latency),
-        # and only if the task has no record yet, so it can never hide a later status.
-        queued = self._records.write(store, queued_state(message, queue))
-        refused: list[str] = []
-        try:
-            await self.get_publisher().publish(target, message, exchange=exchange)
-        except STORED_NOTHING:
-            refused.append(message.message_id)
-            raise
-        finally:
-            await self._records.settle(queued, store, queue, refused)
 
     # -- a batch --------------------------------------------------------------------------
     async def publish_many(
