@@ -43,8 +43,9 @@ async def test_the_task_page_says_a_running_task_is_on_a_worker_that_is_gone(
 ) -> None:
     app, queue = live_console.console_app, live_console.queue
     task_id = uuid.uuid4().hex
-    # Written a minute ago by a worker no longer in the registry (no worker runs here).
-    started = datetime.now(UTC) - timedelta(minutes=1)
+    # Written an hour ago by a worker no longer in the registry (no worker runs here): older
+    # than four of the longest beat any live worker on the shared Redis may have (300 s).
+    started = datetime.now(UTC) - timedelta(hours=1)
     try:
         state = TaskState(task_id=task_id, queue=queue, status=TaskStatus.RUNNING, attempt=1)
         assert await app.store.record(state.model_copy(update={"updated_at": started}))

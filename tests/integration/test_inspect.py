@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import settings_for, wait_until
+from tests.conftest import PrivateRedis, settings_for, wait_until
 from tests.integration.fixture_apps.guard_app import APP_PATH as GUARD_APP
 from tests.integration.processes import (
     FIXTURE_APP,
@@ -318,59 +318,69 @@ async def test_a_worker_whose_app_closes_redis_during_its_stop_ends_its_run_norm
     assert running.done() and not running.cancelled() and running.exception() is None
 
 
-async def test_status_says_a_running_task_is_on_a_worker_that_is_gone_after_a_kill_9(
-    inspecting: Inspecting, qname: str
-) -> None:
-    from datetime import UTC, datetime
+class TestAWorkerGoneAfterAKill9:
+    @pytest.fixture
+    def redis_url(self, private_redis: PrivateRedis) -> str:
+        """A Redis of this test's own: a running record is judged only once it is older than
+        the longest beat of the live workers in its Redis, and on the shared one another
+        test's worker beats every 60 s (a clean-clone CI read ``worker_gone`` False)."""
+        return private_redis.url
 
-    from tests.integration.fixture_apps.worker_app import read_events
+    async def test_status_says_a_running_task_is_on_a_worker_that_is_gone_after_a_kill_9(
+        self, inspecting: Inspecting, qname: str
+    ) -> None:
+        from datetime import UTC, datetime
 
-    beat_s = 0.2
-    async with worker_fleet(
-        queue=qname,
-        work_dir=inspecting.record_dir,
-        broker_url=inspecting.broker_url,
-        redis_url=inspecting.redis_url,
-        worker_beat_s=beat_s,
-    ) as fleet:
-        app = fleet.app
-        process = await fleet.start_consuming(sleep_s=120)
-        task_id = await app.publish(qname, {"text": "long"})
-        await wait_until(
-            lambda: any(e.task_id == task_id for e in read_events(fleet.record_dir)),
-            20,
-            "the task started",
-        )
-        # Older than the registry's records live: judged against the beats from here on.
-        grace_s = beat_s * 4
+        from tests.integration.fixture_apps.worker_app import read_events
 
-        async def old_enough() -> bool:
+        beat_s = 0.2
+        async with worker_fleet(
+            queue=qname,
+            work_dir=inspecting.record_dir,
+            broker_url=inspecting.broker_url,
+            redis_url=inspecting.redis_url,
+            worker_beat_s=beat_s,
+        ) as fleet:
+            app = fleet.app
+            process = await fleet.start_consuming(sleep_s=120)
+            task_id = await app.publish(qname, {"text": "long"})
+            await wait_until(
+                lambda: any(e.task_id == task_id for e in read_events(fleet.record_dir)),
+                20,
+                "the task started",
+            )
+            # Older than the registry's records live: judged against the beats from here on.
+            grace_s = beat_s * 4
+
+            async def old_enough() -> bool:
+                state = await app.status(task_id)
+                assert state is not None
+                return (datetime.now(UTC) - state.updated_at).total_seconds() > grace_s * 2
+
+            await wait_until(old_enough, 20, "the running record older than the beats")
+            alive = await app.status(task_id)
+            assert alive is not None and alive.status.value == "running" and not alive.worker_gone
+
+            process.kill()
+
+            async def gone() -> bool:
+                state = await app.status(task_id)
+                return state is not None and state.worker_gone
+
+            await wait_until(gone, 3 * beat_s + 20, "status to say the worker is gone")
             state = await app.status(task_id)
-            assert state is not None
-            return (datetime.now(UTC) - state.updated_at).total_seconds() > grace_s * 2
-
-        await wait_until(old_enough, 20, "the running record older than the beats")
-        alive = await app.status(task_id)
-        assert alive is not None and alive.status.value == "running" and not alive.worker_gone
-
-        process.kill()
-
-        async def gone() -> bool:
-            state = await app.status(task_id)
-            return state is not None and state.worker_gone
-
-        await wait_until(gone, 3 * beat_s + 20, "status to say the worker is gone")
-        state = await app.status(task_id)
-        assert state is not None and state.status.value == "running"  # the truth, not rewritten
-        stored = await app.store.get(task_id)
-        assert stored is not None and not stored.worker_gone
-        shown = await run_cli("status", task_id, env=inspecting.env(qname, worker_beat_s=beat_s))
-        assert shown.code == 0, shown.stderr
-        document = json.loads(shown.stdout)
-        assert (document["status"], document["worker_gone"]) == ("running", True)
-        env = inspecting.env(qname, worker_beat_s=beat_s)
-        listed = (await inspect_json(env))["on_gone_workers"]
-        assert [(t["task_id"], t["queue"]) for t in listed] == [(task_id, qname)]
-        table = await run_cli("inspect", FIXTURE_APP, env=env)
-        assert "1 task(s) recorded running on a worker that is gone" in table.stdout
-        assert task_id in table.stdout
+            assert state is not None and state.status.value == "running"  # the truth, not rewritten
+            stored = await app.store.get(task_id)
+            assert stored is not None and not stored.worker_gone
+            shown = await run_cli(
+                "status", task_id, env=inspecting.env(qname, worker_beat_s=beat_s)
+            )
+            assert shown.code == 0, shown.stderr
+            document = json.loads(shown.stdout)
+            assert (document["status"], document["worker_gone"]) == ("running", True)
+            env = inspecting.env(qname, worker_beat_s=beat_s)
+            listed = (await inspect_json(env))["on_gone_workers"]
+            assert [(t["task_id"], t["queue"]) for t in listed] == [(task_id, qname)]
+            table = await run_cli("inspect", FIXTURE_APP, env=env)
+            assert "1 task(s) recorded running on a worker that is gone" in table.stdout
+            assert task_id in table.stdout
