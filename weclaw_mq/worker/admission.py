@@ -1,23 +1,40 @@
-"""The gates a delivery passes before its handler runs: due yet, the guard's claim, still
-alive, not cancelled, within its limits. Each answers "go on" or the ``End`` the delivery
-takes instead (``ends.carry_out`` settles it); none settles anything itself."""
+"""The gates a delivery passes before its handler runs (``admit``): well-formed, due yet, its
+breaker closed, decoded, the guard's claim, still alive, not cancelled, then the handler's own
+gates (a tenant's cap, a fallback chain's model, its limits). Each answers "go on" (None) or
+the ``End`` the delivery takes instead (``delivery._process`` carries it out); none settles
+anything itself."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import left_ms, now_ms
 from weclaw_mq.contract.message import Delivery
-from weclaw_mq.errors import InvalidPayload, StateCommandError, TaskExpired
+from weclaw_mq.contract.undecodable import undecodable
+from weclaw_mq.errors import (
+    InvalidPayload,
+    StateCommandError,
+    TaskExpired,
+    UndecodableBody,
+    WorkerCrashLoop,
+)
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.policy.delays import next_hop_ms, not_before_ms
 from weclaw_mq.policy.retry import DeadLetterReason, delay_queue_set
 from weclaw_mq.state import Claim, TaskStatus, TaskStore, new_owner
+from weclaw_mq.worker.attempt import Attempt
 from weclaw_mq.worker.cancel_watch import Watch
-from weclaw_mq.worker.ends import AckCancelled, AckDuplicate, DeadLetter, Defer, End
-from weclaw_mq.worker.limiting import NO_TICKET, Held, Limiter, Ticket
+from weclaw_mq.worker.ends import (
+    AckCancelled,
+    AckDuplicate,
+    DeadLetter,
+    Defer,
+    End,
+    RejectOriginal,
+    by,
+)
+from weclaw_mq.worker.limiting import NO_TICKET, Held
 from weclaw_mq.worker.records import record_status, task_state
 from weclaw_mq.worker.runtime import Runtime
 
@@ -60,6 +77,76 @@ def parked_until_due(delivery: Delivery, spec: HandlerSpec) -> Defer | None:
         return None
     hop_ms = next_hop_ms(left, delay_queue_set(spec.retry))
     return Defer(f"due in {left / 1000:.3g} s", delay_ms=hop_ms)
+
+
+async def admit(a: Attempt) -> End | None:
+    """The delivery's checks and gates, in order: None when its handler may run, else the
+    end it takes instead. Cheap checks first (no round trip), then the guard's claim, then
+    the task's own lifetime and cancel, then the handler's own gates (``Pipeline.gates``)."""
+    delivery, spec, rt = a.delivery, a.spec, a.rt
+    headers = delivery.headers
+    if h.UNDECODABLE_PROPERTIES in headers and undecodable(headers) is not None:
+        # Its properties did not decode (the worker reads them tolerantly, see Worker.run), so
+        # no copy of it can be built: the broker moves the original to Q.dlq, where the DLQ
+        # tools show it as "undecodable_properties". (The membership test first: the common
+        # delivery pays no call.)
+        return RejectOriginal()
+    if delivery.returns > spec.delivery_limit:
+        # The broker enforces the limit within one stint in Q; this catches a task that
+        # keeps killing workers while hopping through the guard's delay queue.
+        crash = WorkerCrashLoop(
+            f"the task went back unsettled {delivery.returns} times (its worker died or "
+            f"lost its connection); delivery limit {spec.delivery_limit}"
+        )
+        return DeadLetter(DeadLetterReason.DELIVERY_LIMIT, crash)
+    if len(delivery.body) > rt.settings.max_message_bytes:
+        # The same bound as publish: another producer's huge body is not parsed or stored.
+        too_large = InvalidPayload(
+            f"the body is {len(delivery.body)} bytes, over max_message_bytes "
+            f"({rt.settings.max_message_bytes})"
+        )
+        return DeadLetter(DeadLetterReason.INVALID_PAYLOAD, too_large)
+    # Asked only of a task that carries a not-before time (a delayed publish, a retry).
+    if h.NOT_BEFORE in headers:
+        parked = parked_until_due(delivery, spec)
+        if parked is not None:
+            return parked
+    circuit = a.pipeline.circuit
+    if circuit is not None and not circuit.admits(a.message):
+        # Delivered as the breaker opened (or waiting for a lane slot): parked, no attempt.
+        return Defer(f"the circuit breaker of {spec.queue!r} is {circuit.state}", by="breaker")
+    try:
+        a.task = spec.parse(delivery.body)
+    except UndecodableBody as e:
+        return DeadLetter(DeadLetterReason.UNDECODABLE, e)
+    except InvalidPayload as e:
+        return DeadLetter(DeadLetterReason.INVALID_PAYLOAD, e)
+    if rt.store is not None and spec.idempotent:
+        claimed = await pass_guard(delivery, spec, rt.store, rt)
+        if isinstance(claimed, str):
+            a.held = claimed
+        elif not isinstance(claimed, Unguarded):
+            return claimed
+    if h.EXPIRES_AT in headers:
+        late = await expired_on_arrival(delivery, spec, rt, a.held)
+        if late is not None:
+            return late
+    # Only a request, or the marker of a delivery that claims nothing, can cancel it here:
+    # the common path pays no call.
+    if a.watch.requested or (rt.store is not None and not spec.idempotent):
+        cancelled = await cancelled_before_start(delivery, spec, rt, a.watch)
+        if cancelled is not None:
+            return cancelled
+    for gate in a.pipeline.gates:
+        end = await gate(a)
+        if end is not None:
+            a.let_go()  # what the earlier gates took: no run holds it
+            return end
+    if a.model is not None:
+        delivery.model = a.model  # on its records: the status says which model runs it
+    if a.reserved is not NO_TICKET:  # settled as the handler ends, with the limits' slots
+        a.ticket = a.ticket.joined(a.reserved)
+    return None
 
 
 async def pass_guard(
@@ -150,32 +237,31 @@ async def cancelled_before_start(
     return AckCancelled() if watch.requested else None
 
 
-async def within_limits(
-    spec: HandlerSpec,
-    rt: Runtime,
-    limiter: Limiter,
-    task: Any,
-    body_bytes: int,
-    model: str | None = None,
-) -> Ticket | End:
-    """The ticket of a start within the handler's limits, or the end of a delivery that may
-    not start: deferred (over a limit, or Redis down) or dead-lettered (a key function
-    failed). A deferral spends no attempt and frees the claim for the copy that returns."""
+async def within_limits(a: Attempt) -> End | None:
+    """The limits' gate: the start's ticket taken (its slots freed as the handler ends), or
+    the end of a delivery that may not start: deferred (over a limit, or Redis down) or
+    dead-lettered (a key function failed). A deferral spends no attempt and frees the claim
+    for the copy that returns."""
+    spec, rt = a.spec, a.rt
+    assert rt.limiter is not None  # in the pipeline only with one
     try:
-        answer = await limiter.admit(spec.queue, spec.limits, task, body_bytes, model)
+        answer = await rt.limiter.admit(
+            spec.queue, spec.limits, a.task, len(a.delivery.body), a.model
+        )
     except InvalidPayload as e:
         return DeadLetter(DeadLetterReason.INVALID_PAYLOAD, e)
     except StateCommandError as e:  # as for the guard
         log.error("the limits' store refused the admission: %s", e)
-        return Defer("Redis refused the limits' command")
+        return by(Defer("Redis refused the limits' command"), "limit")
     except Exception as e:  # Redis unreachable or failing: as for the guard
         if rt.settings.guard_on_redis_down == "run_unguarded":
             log.warning("limits unavailable (%s); running UNLIMITED as configured", e)
-            return NO_TICKET
+            return None
         log.warning("limits unavailable (%s: %s)", type(e).__name__, e)
-        return Defer("Redis is down, the limits cannot tell")
+        return by(Defer("Redis is down, the limits cannot tell"), "limit")
     if not isinstance(answer, Held):
-        return answer
+        a.ticket = answer
+        return None
     rt.metrics.limit_deferred(spec.queue, answer.kind).inc()
     return Defer(
         f"over its {answer.kind} limit",
@@ -183,4 +269,5 @@ async def within_limits(
         # Routine under load (one line per deferral would drown the log): the metric counts.
         level=logging.DEBUG,
         queued_again=True,
+        by="limit",
     )

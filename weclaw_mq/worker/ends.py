@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import pydantic_core
@@ -131,6 +131,11 @@ class GiveBack:
 End = (
     Store | AckDuplicate | AckCancelled | Reattempt | Defer | DeadLetter | RejectOriginal | GiveBack
 )
+
+
+def by(end: End, gate: str) -> End:
+    """A gate's deferral, saying which gate: its record and its first log line say so."""
+    return replace(end, by=gate) if type(end) is Defer else end
 
 
 # -- deciding an attempt's end -------------------------------------------------------------

@@ -26,7 +26,8 @@ from weclaw_mq.policy.fallback import choose
 from weclaw_mq.policy.signals import Reject, Retry
 from weclaw_mq.state.model_health import PROBE_RECHECK_MS
 from weclaw_mq.worker.admission import park_until
-from weclaw_mq.worker.ends import Defer, End
+from weclaw_mq.worker.attempt import Attempt
+from weclaw_mq.worker.ends import Defer, End, by
 from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -44,8 +45,21 @@ def tried_models(delivery: Delivery) -> list[str]:
     return [m.decode() if isinstance(m, bytes) else m for m in value if isinstance(m, str | bytes)]
 
 
-async def model_for(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> str | End:
-    """The model of this attempt, or a deferral while every model of the chain is down."""
+async def model_for(a: Attempt) -> End | None:
+    """The fallback chain's gate: the attempt's model (``a.model``), the first up that the
+    task has not failed on; or a deferral while every model of the chain is down. A task a
+    cap downgraded runs on the cap's model, outside the chain."""
+    if a.model is not None:
+        return None
+    chosen = await _chosen(a.rt, a.spec, a.delivery)
+    if not isinstance(chosen, str):
+        return by(chosen, "fallback")
+    a.model = chosen
+    a.chained = True
+    return None
+
+
+async def _chosen(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> str | End:
     fallback = spec.fallback
     assert fallback is not None
     tried = tried_models(delivery)

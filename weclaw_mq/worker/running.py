@@ -17,24 +17,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aio_pika.abc import AbstractIncomingMessage
-
 from weclaw_mq.context import Context
-from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import HandlerAbandoned, HandlerTimeout
-from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability import tracing
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.streaming.emitter import Emitter
 from weclaw_mq.wire.connection import cancelled_by_caller
 from weclaw_mq.worker import run_hooks
-from weclaw_mq.worker.cancel_watch import Watch
+from weclaw_mq.worker.attempt import Attempt
 from weclaw_mq.worker.deadlines import Deadline
 from weclaw_mq.worker.ends import AckCancelled, after_attempt, carry_out
 from weclaw_mq.worker.records import session_of
-from weclaw_mq.worker.run_hooks import Begun
-from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import settled_as
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -45,15 +39,9 @@ DRAIN_ON_FAILURE_S = 1.0
 
 
 async def call_handler(
-    spec: HandlerSpec,
-    task: Any,
-    delivery: Delivery,
-    rt: Runtime,
+    a: Attempt,
     on_stuck: Callable[[asyncio.Task[Any]], None],
-    watch: Watch,
     usage: Callable[[int, int, str | None], None] | None = None,
-    model: str | None = None,
-    begun: Begun | None = None,
 ) -> tuple[Any, BaseException | None] | None:
     """Run the handler under its timeout: (its result, None), (None, the error), or None when
     it ignored its cancellation and ``on_stuck`` ended the attempt without it.
@@ -63,11 +51,12 @@ async def call_handler(
     never stops the worker (a worker stops on SIGTERM/SIGINT or ``Worker.stop``). Only a
     cancel of this task from outside (the worker stopping hard) passes through.
 
-    ``usage``: where ``ctx.usage`` reports the run's model calls (``worker.usage``);
-    ``model``: the model the worker chose for the run (``ctx.model``); ``begun``: the
-    middleware's run, whose ``before_run`` hooks run first, under the same deadline and
-    cancel watch (an exception of theirs is the attempt's failure; the handler is not called).
+    ``usage``: where ``ctx.usage`` reports the run's model calls (``worker.usage``). The
+    model the worker chose for the run is ``a.model`` (``ctx.model``); the middleware's run
+    (``a.begun``) has its ``before_run`` hooks run first, under the same deadline and cancel
+    watch (an exception of theirs is the attempt's failure; the handler is not called).
     """
+    spec, task, delivery, rt, watch, begun = a.spec, a.task, a.delivery, a.rt, a.watch, a.begun
     args: tuple[Any, ...] = (task,)
     emitter: Emitter | None = None
     if spec.takes_context:
@@ -95,10 +84,10 @@ async def call_handler(
             # A plain def's thread reaches the loop through it (ctx.emit_sync, publish_sync).
             loop=asyncio.get_running_loop() if spec.is_sync else None,
             usage_sink=usage,
-            model=model,
+            model=a.model,
         )
         args = (task, ctx)
-    timing = rt.metrics.handler_timing(spec.queue)
+    timing = a.pipeline.timing
     started = time.perf_counter()
     if emitter is not None:
         on_stuck = _silencing(emitter, on_stuck)
@@ -165,33 +154,26 @@ def _silencing(
     return stuck
 
 
-def take_over(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    held: str | None,
-    watch: Watch,
-    begun: Begun | None,
-    stuck: asyncio.Task[Any],
-) -> None:
+def take_over(a: Attempt, stuck: asyncio.Task[Any]) -> None:
     """What the deadline ticker calls (bound to a delivery by ``functools.partial``) when the
     handler is still running ``grace`` after its cancellation: end the attempt as a failure in
     a new task, so the message is retried or dead-lettered (acked, if the task was
     cancelled), the claim released, and the worker's slot freed."""
-    ending = _end_abandoned(message, delivery, spec, rt, held, watch, begun)
-    rt.take_over(message, spec, rt, stuck, ending)
+    a.rt.take_over(a.message, a.spec, a.rt, stuck, _end_abandoned(a))
 
 
-async def _end_abandoned(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    held: str | None,
-    watch: Watch,
-    begun: Begun | None,
-) -> None:
+async def _end_abandoned(a: Attempt) -> None:
+    """The abandoned attempt's end, carried out in a task of its own (the delivery's task
+    waits on the stuck handler)."""
+    message, delivery, spec, rt, held, watch, begun = (
+        a.message,
+        a.delivery,
+        a.spec,
+        a.rt,
+        a.held,
+        a.watch,
+        a.begun,
+    )
     token = tracing.enter(delivery)
     # This task's own list of the outcome its ending counts, for the middleware's after_run.
     seen: list[Outcome] = []

@@ -72,3 +72,6 @@ class Runtime:
     ledger: CostLedger | None = None
     # The models' health of the App's fallback chains (``worker.fallbacks``), else None.
     health: ModelHealth | None = None
+    # Each handler queue's ``worker.attempt.Pipeline``, made at its first delivery (typed
+    # Any: attempt.py reads this module, and an import back would close a cycle).
+    pipelines: dict[str, Any] = field(default_factory=dict)

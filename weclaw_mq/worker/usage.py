@@ -23,7 +23,8 @@ from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.state.cost_ledger import MICROS, NO_TENANT, Call, day_of
 from weclaw_mq.worker.admission import park_until
-from weclaw_mq.worker.ends import DeadLetter, End
+from weclaw_mq.worker.attempt import Attempt
+from weclaw_mq.worker.ends import DeadLetter, End, by
 from weclaw_mq.worker.limiting import Ticket
 from weclaw_mq.worker.runtime import Runtime
 
@@ -108,11 +109,23 @@ async def record_usage(
         log.warning("could not record the task's model usage (%s: %s)", type(e).__name__, e)
 
 
-async def within_cap(rt: Runtime, spec: HandlerSpec, task: Any) -> End | str | Ticket | None:
-    """Before the handler: None to run as is; the ticket of the run's cost reserved against
-    the cap (settled when the run ends); the model to run on (a downgrade); or the end of a
-    task whose tenant spent its day's cap (parked until the next UTC day, or shed), or whose
-    estimate does not fit beside the runs that hold the rest of it now (parked 1 s)."""
+async def within_cap(a: Attempt) -> End | None:
+    """The cap's gate, before the limits take their slots: go on as is; with the run's cost
+    reserved against the cap (``a.reserved``, settled when the run ends); on the cap's
+    cheaper model (``a.model``, a downgrade); or the end of a task whose tenant spent its
+    day's cap (parked until the next UTC day, or shed), or whose estimate does not fit beside
+    the runs that hold the rest of it now (parked 1 s)."""
+    capped = await _cap_reading(a.rt, a.spec, a.task)
+    if isinstance(capped, Ticket):
+        a.reserved = capped
+    elif isinstance(capped, str):
+        a.model = capped  # downgraded: the run gets the cap's cheaper model
+    elif capped is not None:
+        return by(capped, "cap")
+    return None
+
+
+async def _cap_reading(rt: Runtime, spec: HandlerSpec, task: Any) -> End | str | Ticket | None:
     cap = spec.cap
     if cap is None or rt.ledger is None:
         return None
