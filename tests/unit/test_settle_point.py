@@ -81,3 +81,35 @@ def test_the_checks_see_a_settle_outside_its_place(tmp_path: Path) -> None:
     )
     found = {(owner, method) for _, owner, method in calls(stray)}
     assert ("settler", "defer") in found and ("message", "ack") in found
+
+
+def carry_out_calls() -> dict[str, int]:
+    """``file:function`` -> how many calls of ``carry_out`` it makes, over the worker."""
+    found: dict[str, int] = {}
+    for path in sorted(WORKER.glob("*.py")):
+        tree = parse_source(path.read_text(encoding="utf-8"))
+        for func in ast.walk(tree):
+            if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            n = sum(
+                1
+                for node in ast.walk(func)
+                if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "carry_out"
+            )
+            if n:
+                found[f"{path.name}:{func.name}"] = n
+    return found
+
+
+def test_a_delivery_carries_out_its_one_end_in_one_place() -> None:
+    # A delivery's stages answer with an End; one call carries it out. Besides it: the end
+    # of an attempt abandoned by its handler (a task of its own), and the give-back of a
+    # message never read (the worker stops, its consumer is gone).
+    assert carry_out_calls() == {
+        "delivery.py:_to_the_end": 1,
+        "running.py:_end_abandoned": 1,
+        "ends.py:give_back": 1,
+        "in_flight.py:_give_back": 1,
+    }

@@ -27,7 +27,7 @@ from weclaw_mq.wire.connection import cancelled_by_caller
 from weclaw_mq.worker import run_hooks
 from weclaw_mq.worker.attempt import Attempt
 from weclaw_mq.worker.deadlines import Deadline
-from weclaw_mq.worker.ends import AckCancelled, after_attempt, carry_out
+from weclaw_mq.worker.ends import AckCancelled, End, after_attempt, carry_out
 from weclaw_mq.worker.records import session_of
 from weclaw_mq.worker.settle import settled_as
 
@@ -165,46 +165,36 @@ def take_over(a: Attempt, stuck: asyncio.Task[Any]) -> None:
 async def _end_abandoned(a: Attempt) -> None:
     """The abandoned attempt's end, carried out in a task of its own (the delivery's task
     waits on the stuck handler)."""
-    message, delivery, spec, rt, held, watch, begun = (
-        a.message,
-        a.delivery,
-        a.spec,
-        a.rt,
-        a.held,
-        a.watch,
-        a.begun,
-    )
-    token = tracing.enter(delivery)
+    spec, grace_s = a.spec, a.rt.settings.handler_cancel_grace_s
+    token = tracing.enter(a.delivery)
     # This task's own list of the outcome its ending counts, for the middleware's after_run.
     seen: list[Outcome] = []
-    if begun is not None:
+    if a.begun is not None:
         settled_as.set(seen)
     try:
-        grace_s = rt.settings.handler_cancel_grace_s
-        if watch.requested:
+        error: BaseException
+        end: End
+        if a.watch.requested:
             log.error(
                 "handler still running %.3g s after it was cancelled on request (it ignores "
                 "cancellation); ending the attempt without it",
                 grace_s,
             )
-            await carry_out(AckCancelled(), message, delivery, spec, rt, held)
-            if begun is not None:
-                await run_hooks.abandoned(begun, seen, asyncio.CancelledError())
-            return
-        log.error(
-            "handler still running %.3g s after it was cancelled at its timeout of %.3g s "
-            "(it ignores cancellation); ending the attempt without it",
-            grace_s,
-            spec.timeout_s,
-        )
-        error = HandlerAbandoned(
-            f"handler ran past its timeout of {spec.timeout_s} s and ignored its cancellation "
-            f"for {grace_s} s"
-        )
-        await carry_out(
-            after_attempt(delivery, spec, None, error), message, delivery, spec, rt, held
-        )
-        if begun is not None:
-            await run_hooks.abandoned(begun, seen, error)
+            error, end = asyncio.CancelledError(), AckCancelled()
+        else:
+            log.error(
+                "handler still running %.3g s after it was cancelled at its timeout of %.3g s "
+                "(it ignores cancellation); ending the attempt without it",
+                grace_s,
+                spec.timeout_s,
+            )
+            error = HandlerAbandoned(
+                f"handler ran past its timeout of {spec.timeout_s} s and ignored its "
+                f"cancellation for {grace_s} s"
+            )
+            end = after_attempt(a.delivery, spec, None, error)
+        await carry_out(end, a.message, a.delivery, spec, a.rt, a.held)
+        if a.begun is not None:
+            await run_hooks.abandoned(a.begun, seen, error)
     finally:
         tracing.leave(token)
