@@ -10,10 +10,12 @@ from weclaw_mq.context import Context
 from weclaw_mq.errors import WeclawMQError
 
 # What a middleware's hooks are given: importable from here, beside Middleware (in __all__).
+from weclaw_mq.handlers.middleware import Defer as Defer
 from weclaw_mq.handlers.middleware import Middleware
 from weclaw_mq.handlers.middleware import Publish as Publish
 from weclaw_mq.handlers.middleware import Run as Run
 from weclaw_mq.handlers.middleware import RunEnd as RunEnd
+from weclaw_mq.handlers.middleware import Usage as Usage
 from weclaw_mq.handlers.notifications import TaskNotification
 from weclaw_mq.observability.metrics import Outcome as Outcome
 from weclaw_mq.policy.breaker import Breaker, UpstreamDown

@@ -28,6 +28,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -622,6 +623,43 @@ async def test_limits_page_holds_one_users_replies_to_two_at_once_without_spendi
     assert [f.attempt for f in finals] == [1] * 6  # a deferral spends no attempt
     assert example.PEAK["u1"] == 2, example.PEAK  # reached, never exceeded
     assert (await app.result(embedded, timeout_s=10)).result == [3.0]
+
+
+# -- admission.md ---------------------------------------------------------------------------
+
+
+async def test_admission_page_quota_parks_the_third_run_and_dead_letters_an_unknown_customer(
+    examples: Examples, start_worker: Callable[..., Any]
+) -> None:
+    now = datetime.now(UTC)
+    if now.minute == 59 and now.second >= 30:  # the quota's hour must not turn during the test
+        await asyncio.sleep(61 - now.second)
+    example = examples.load("admission.py", queues=["questions"])
+    app, queue = example.app, examples.queue("questions")
+    try:
+        await start_worker(app)
+        acme = [await app.publish(queue, {"customer": "acme"}) for _ in range(3)]
+        mallory = await app.publish(queue, {"customer": "mallory"})
+        finals = [await app.result(t, timeout_s=30) for t in (*acme[:2], mallory)]
+
+        async def parked() -> bool:
+            state = await app.status(acme[2])
+            return state is not None and state.deferred is not None
+
+        await wait_until(parked, 30, "the third run parked by the quota")
+        third = await app.status(acme[2])
+        assert third is not None and third.deferred is not None
+        assert (third.status, third.deferred.by) == (TaskStatus.QUEUED, "quota")
+        assert third.deferred.why == "customer 'acme' used its 2 runs this hour"
+        assert [f.result for f in finals[:2]] == [
+            {"answer": "hello, acme", "calls": [["small", 12, 3]]}
+        ] * 2
+        assert finals[2].status is TaskStatus.DEAD_LETTERED
+        assert finals[2].error == "Reject: customer 'mallory' has no contract"
+    finally:
+        client = example.quota.redis
+        examples.redis_keys += [k.decode() async for k in client.scan_iter(f"quota:{queue}:*")]
+        await client.aclose()
 
 
 # -- breaker.md -----------------------------------------------------------------------------

@@ -1,14 +1,26 @@
 """Middleware: the team's own code around every handler run and every publish.
 
-A ``Middleware`` subclass overrides any of four async hooks; ``app.add_middleware(m)`` adds it
-to the App's chain. ``before_*`` hooks run in the order the middleware was added, ``after_*``
-hooks in reverse (the first added wraps all the others), once each per run or publish:
+A ``Middleware`` subclass overrides any of its async hooks; ``app.add_middleware(m)`` adds it
+to the App's chain. ``admit``, ``before_*`` and ``around_run`` hooks run in the order the
+middleware was added, ``after_*`` hooks in reverse (the first added wraps all the others),
+once each per run or publish:
 
+- ``admit(run)``: the task passed the worker's own gates (not a duplicate, not expired, not
+  cancelled; the guard's claim is held) and the handler's own gates (its cap, fallback chain
+  and limits) come next. It answers None to go on, or a ``Defer`` to park the task without
+  spending an attempt (until a time, or to be asked again after a delay); raising is the
+  attempt's failure (``Reject`` dead-letters at once, ``Retry`` retries). The hooks run under
+  the handler's ``timeout_s`` with the claim's lease kept: one past it ends the attempt as a
+  ``HandlerTimeout``.
 - ``before_run(run)``: the task is admitted (not a duplicate, not expired, not cancelled,
   within its limits) and its handler is about to be called. An exception here is the
   attempt's failure, retried or dead-lettered like the handler's own (the handler is not
   called, the later ``before_run`` hooks are skipped). It runs under the handler's timeout
   and cancel requests: the hooks and the handler share one deadline.
+- ``around_run(run, call)``: around the handler's call, after the ``before_run`` hooks, under
+  the same deadline and cancel watch; ``await call()`` runs the rest (the next middleware's
+  ``around_run``, then the handler) and returns its result, which the hook returns. An
+  exception is the attempt's failure.
 - ``after_run(run, end)``: the attempt has ended and its message is settled; ``end.outcome``
   is how, as ``weclaw_mq_messages_total{outcome}`` counts it (acked, retried, dead_lettered,
   cancelled, and deferred, duplicate or requeued when the ending could not go as decided).
@@ -21,9 +33,11 @@ hooks in reverse (the first added wraps all the others), once each per run or pu
 - ``after_publish(publish, error)``: once the broker confirmed (``error`` None), or the
   publish failed; an exception here is logged.
 
-``run.state`` and ``publish.state`` are dicts for a middleware's own values between its two
-hooks. ``before_run`` runs in the delivery's own task, so a ``ContextVar`` it sets is seen by
-the handler (a plain ``def``'s thread gets a copy of the context).
+``run.state`` and ``publish.state`` are dicts for a middleware's own values between its
+hooks; ``run.model`` is the model the worker chose for the run, and ``run.usage`` the model
+calls the handler reported so far (``ctx.usage``). ``before_run`` runs in the delivery's own
+task, so a ``ContextVar`` it sets is seen by the handler (a plain ``def``'s thread gets a copy
+of the context).
 
 With no middleware the worker and the publisher make no call for it: one attribute check per
 delivery and per publish (``make bench-own-cost`` counts the calls).
@@ -33,8 +47,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import aio_pika
@@ -62,7 +77,10 @@ class Run:
         headers: The message's AMQP headers.
         task: The task as the handler receives it (validated by its model).
         session_id: The task's session, if any.
-        state: The middleware's own values between ``before_run`` and ``after_run``.
+        state: The middleware's own values between its hooks (``admit`` to ``after_run``).
+        model: The model the worker chose for the run (a fallback chain's, a cap's
+            downgrade), or None; set once the handler's own gates passed.
+        usage: The model calls the handler reported so far (``ctx.usage``), in order.
     """
 
     task_id: str
@@ -74,6 +92,58 @@ class Run:
     task: Any
     session_id: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+    usage: list[Usage] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One model call a run reported (``ctx.usage``).
+
+    Args:
+        model: The model called (the run's model when the handler named none), or ``-``.
+        input_tokens: The call's input tokens.
+        output_tokens: The call's output tokens.
+    """
+
+    model: str
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Defer:
+    """An ``admit`` hook's answer: park the task without spending an attempt.
+
+    With ``until``, the task waits until then (hopping through the handler's delay queues)
+    and is admitted again; with ``after_s``, it is asked again after that long; with neither,
+    after the handler's first retry delay. Its ``queued`` record says so (``deferred``, by
+    ``by``), and its first deferral is logged at INFO (``quiet``: DEBUG, for a deferral that
+    is routine under load).
+
+    Args:
+        why: Why, in the log line and the task's record.
+        until: When it may run (an aware datetime), or None.
+        after_s: Ask again after this many seconds, or None.
+        by: What deferred it, in the record (``TaskState.deferred.by``).
+        quiet: Log its deferrals at DEBUG.
+    """
+
+    why: str
+    until: datetime | None = None
+    after_s: float | None = None
+    by: str = "middleware"
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.until is not None and self.after_s is not None:
+            raise ConfigurationError("Defer takes until= or after_s=, not both")
+        if self.until is not None and self.until.tzinfo is None:
+            raise ConfigurationError(f"Defer(until=) needs an aware datetime, got {self.until}")
+        if self.after_s is not None and not 0 <= self.after_s <= 86_400:
+            raise ConfigurationError(f"Defer(after_s=) must be 0..86400 s, got {self.after_s}")
+        if not self.by or not self.by.isprintable() or len(self.by) > 64:
+            raise ConfigurationError(f"Defer(by=) must be 1..64 printable characters: {self.by!r}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +184,30 @@ class Publish:
 class Middleware:
     """Subclass it and override the hooks you need; every hook here does nothing."""
 
+    async def admit(self, run: Run) -> Defer | None:
+        """Called before the handler's own gates; may park the task without an attempt.
+
+        Args:
+            run: The run (``run.task`` is decoded; the guard's claim is held).
+
+        Returns:
+            None to go on, or a ``Defer``. Raising fails the attempt (``Reject``: to the
+            DLQ now).
+        """
+        return None
+
+    async def around_run(self, run: Run, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Called around the handler's call, under its deadline; returns what ``call`` did.
+
+        Args:
+            run: The run.
+            call: Runs the rest (later middleware, then the handler); returns its result.
+
+        Returns:
+            The run's result (what ``await call()`` returned, as a rule).
+        """
+        return await call()
+
     async def before_run(self, run: Run) -> None:
         """Called before the handler runs; raising fails the attempt.
 
@@ -145,6 +239,15 @@ class Middleware:
         """
 
 
+def _wrapped(
+    middleware: Middleware, run: Run, call: Callable[[], Awaitable[Any]]
+) -> Callable[[], Awaitable[Any]]:
+    async def wrapped() -> Any:
+        return await middleware.around_run(run, call)
+
+    return wrapped
+
+
 def _overrides(middleware: Middleware, hook: str) -> bool:
     return getattr(type(middleware), hook) is not getattr(Middleware, hook)
 
@@ -154,12 +257,16 @@ class Chain:
 
     def __init__(self) -> None:
         self.middleware: list[Middleware] = []
+        self._admit: list[Middleware] = []
+        self._around_run: list[Middleware] = []
         self._before_run: list[Middleware] = []
         self._after_run: list[Middleware] = []
         self._before_publish: list[Middleware] = []
         self._after_publish: list[Middleware] = []
         # Read per delivery and per publish instead of a call: anything to run at all?
         self.runs = False
+        self.admits = False
+        self.wraps = False
         self.publishes = False
         # (middleware id, hook) -> [failures not yet logged, when a line was last logged]
         self._failures: dict[tuple[int, str], list[float]] = {}
@@ -174,6 +281,8 @@ class Chain:
             raise ConfigurationError(f"{middleware!r} is added twice")
         self.middleware.append(middleware)
         for hook, members in (
+            ("admit", self._admit),
+            ("around_run", self._around_run),
             ("before_run", self._before_run),
             ("before_publish", self._before_publish),
         ):
@@ -185,8 +294,29 @@ class Chain:
         ):
             if _overrides(middleware, hook):
                 members.insert(0, middleware)  # the last added runs first
-        self.runs = bool(self._before_run or self._after_run)
+        self.admits = bool(self._admit)
+        self.wraps = bool(self._around_run)
+        self.runs = bool(self._before_run or self._after_run or self.wraps or self.admits)
         self.publishes = bool(self._before_publish or self._after_publish)
+
+    async def admit(self, run: Run) -> Defer | None:
+        """Each ``admit`` in order, until one defers; an exception is raised (the attempt's
+        failure)."""
+        for middleware in self._admit:
+            answer = await middleware.admit(run)
+            if answer is not None:
+                if not isinstance(answer, Defer):
+                    raise TypeError(
+                        f"{middleware!r}.admit returned {answer!r}: None or a weclaw_mq.Defer"
+                    )
+                return answer
+        return None
+
+    async def around_run(self, run: Run, call: Callable[[], Awaitable[Any]]) -> Any:
+        """The ``around_run`` hooks nested, the first added outermost, around ``call``."""
+        for middleware in reversed(self._around_run):
+            call = _wrapped(middleware, run, call)
+        return await call()
 
     async def before_run(self, run: Run) -> Exception | None:
         """Each ``before_run`` in order; the first exception stops them and is returned."""

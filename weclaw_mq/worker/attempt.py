@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from weclaw_mq.contract.message import Delivery
+from weclaw_mq.handlers.middleware import Run
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.limiting import NO_TICKET, Ticket
@@ -45,6 +46,7 @@ class Attempt:
         "recording",
         "reserved",
         "rt",
+        "run",
         "spec",
         "task",
         "ticket",
@@ -80,6 +82,9 @@ class Attempt:
         # How the run ended: (its result, None) or (None, the error); None before it ended,
         # or when it was abandoned (the task that took over ended the attempt).
         self.outcome: tuple[Any, BaseException | None] | None = None
+        # The middleware's view of the run, made by its admit hooks (``admit_hooks``) or
+        # as its run begins.
+        self.run: Run | None = None
 
     def let_go(self) -> None:
         """Free the slots and the reservation the gates took, for a delivery that a later

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections.abc import Callable
 
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -26,6 +27,7 @@ from weclaw_mq.observability import tracing
 from weclaw_mq.state import TaskStatus
 from weclaw_mq.worker import fallbacks, run_hooks
 from weclaw_mq.worker.admission import admit, within_limits
+from weclaw_mq.worker.admit_hooks import admitted
 from weclaw_mq.worker.attempt import Attempt, Gate, Pipeline
 from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.ends import AckCancelled, Defer, End, after_attempt, by, carry_out
@@ -121,9 +123,12 @@ async def _run(a: Attempt) -> End | None:
     usage = (
         RunUsage(ticket, model, rt.app.prices) if rt.ledger is not None or ticket.budgets else None
     )
-    report = None if usage is None else usage.report
+    report: Callable[[int, int, str | None], None] | None = None if usage is None else usage.report
     if rt.hooks is not None:  # the middleware's run: its before_run in call_handler
-        a.begun = run_hooks.begin(rt.hooks, run_of(delivery, spec, a.task))
+        run = a.run or run_of(delivery, spec, a.task)
+        run.model = model
+        a.begun = run_hooks.begin(rt.hooks, run)
+        report = run_hooks.reporting(run, report)
     # If the handler ignores its cancellation, another task ends the attempt without it (a
     # partial, not a closure: made for every delivery, called for almost none).
     on_stuck = functools.partial(take_over, a)
@@ -168,6 +173,8 @@ def _made(spec: HandlerSpec, rt: Runtime) -> Pipeline:
     order (a tenant's cap before the limits take their slots, the fallback chain's model
     before the limits that count by model)."""
     gates: list[Gate] = []
+    if rt.hooks is not None and rt.hooks.admits:  # the team's own rules take no slot
+        gates.append(admitted)
     if spec.cap is not None and rt.ledger is not None:
         gates.append(within_cap)
     if spec.fallback is not None:

@@ -19,11 +19,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from weclaw_mq.contract.message import Delivery
-from weclaw_mq.handlers.middleware import Chain, Run, RunEnd
+from weclaw_mq.handlers.middleware import Chain, Run, RunEnd, Usage
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.worker.records import session_of
@@ -72,6 +73,20 @@ def begin(hooks: Chain, run: Run) -> Begun:
     begun = Begun(hooks, run, time.perf_counter(), [])
     settled_as.set(begun.seen)
     return begun
+
+
+def reporting(
+    run: Run, sink: Callable[[int, int, str | None], None] | None
+) -> Callable[[int, int, str | None], None]:
+    """Where ``ctx.usage`` reports a hooked run's model calls: ``run.usage``, then ``sink``
+    (the limits' and the ledger's, when the run has one)."""
+
+    def report(input_tokens: int, output_tokens: int, model: str | None) -> None:
+        run.usage.append(Usage(model or run.model or "-", input_tokens, output_tokens))
+        if sink is not None:
+            sink(input_tokens, output_tokens, model)
+
+    return report
 
 
 async def before(begun: Begun) -> Exception | None:

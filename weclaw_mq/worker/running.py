@@ -12,6 +12,7 @@ handler was abandoned and ``take_over`` ended the attempt without it), and
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 
 from weclaw_mq.context import Context
 from weclaw_mq.errors import HandlerAbandoned, HandlerTimeout
+from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability import tracing
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.policy.failures import describe
@@ -26,9 +28,11 @@ from weclaw_mq.streaming.emitter import Emitter
 from weclaw_mq.wire.connection import cancelled_by_caller
 from weclaw_mq.worker import run_hooks
 from weclaw_mq.worker.attempt import Attempt
+from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.deadlines import Deadline
 from weclaw_mq.worker.ends import AckCancelled, End, after_attempt, carry_out
 from weclaw_mq.worker.records import session_of
+from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import settled_as
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -100,6 +104,9 @@ async def call_handler(
             failed = None if begun is None else await run_hooks.before(begun)
             if failed is not None:
                 error = failed  # a before_run hook failed the attempt
+            elif begun is not None and begun.hooks.wraps:  # around_run hooks around the call
+                call = functools.partial(_called, spec, args, rt, deadline, watch)
+                result = await begun.hooks.around_run(begun.run, call)
             elif spec.is_sync:
                 result = await rt.threads.run(
                     spec.func, args, name=spec.name, deadline=deadline, watch=watch
@@ -139,6 +146,15 @@ async def call_handler(
         timeout.__cause__ = error if not isinstance(error, TimeoutError) else None
         return None, timeout
     return result, error
+
+
+async def _called(
+    spec: HandlerSpec, args: tuple[Any, ...], rt: Runtime, deadline: Deadline, watch: Watch
+) -> Any:
+    """The handler's call, as the middleware's ``around_run`` hooks run it."""
+    if spec.is_sync:
+        return await rt.threads.run(spec.func, args, name=spec.name, deadline=deadline, watch=watch)
+    return await spec.func(*args)
 
 
 def _silencing(

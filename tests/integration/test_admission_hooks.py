@@ -1,0 +1,168 @@
+"""The middleware seam on the real broker and Redis: ``admit`` hooks park a task without an
+attempt (``Defer``) and end like a handler past its deadline when they hang; ``around_run``
+hooks nest in order around the handler's call, under its deadline, and see the run's model
+calls. (The page's quota example, which dead-letters with ``Reject``, runs in
+test_docs_howto_examples.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tests.conftest import wait_until
+from weclaw_mq import App, Context, Defer, Middleware, RetryPolicy, Run, TaskStatus
+
+FAST = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)
+# The bound of a hook's wait on the test: never reached when the code is right.
+HOOK_WAIT_S = 60.0
+
+
+async def deferred_by(app: App, task_id: str, by: str) -> bool:
+    state = await app.status(task_id)
+    return state is not None and state.deferred is not None and state.deferred.by == by
+
+
+async def test_a_deferral_asked_again_after_a_delay_spends_no_attempt(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app()
+    is_open = asyncio.Event()
+    asked: list[int] = []
+
+    class Gate(Middleware):
+        async def admit(self, run: Run) -> Defer | None:
+            asked.append(run.attempt)
+            return None if is_open.is_set() else Defer("the gate is shut", after_s=0.2, by="gate")
+
+    app.add_middleware(Gate())
+
+    @app.handler(qname, retry=FAST)
+    async def work(task: dict[str, int], ctx: Context) -> int:
+        return ctx.attempt
+
+    await start_worker(app)
+    task_id = await app.publish(qname, {"n": 1})
+
+    async def parked() -> bool:
+        return await deferred_by(app, task_id, "gate")
+
+    await wait_until(parked, 30, "the task parked by the gate")
+    is_open.set()
+    final = await app.result(task_id, timeout_s=30)
+    assert final.status is TaskStatus.SUCCEEDED
+    assert final.result == 1  # its deferrals spent no attempt
+    assert len(asked) >= 2 and set(asked) == {1}
+
+
+async def test_an_admit_hook_past_the_handlers_timeout_fails_the_attempt_as_a_timeout(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app()
+    admitted: list[int] = []
+    hung = asyncio.Event()
+
+    class Slow(Middleware):
+        async def admit(self, run: Run) -> Defer | None:
+            admitted.append(run.attempt)
+            if run.attempt == 1:
+                hung.set()
+                await asyncio.sleep(HOOK_WAIT_S)  # cancelled at the handler's deadline
+            return None
+
+    app.add_middleware(Slow())
+    ran: list[int] = []
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=0), timeout_s=0.3)
+    async def once(task: dict[str, int], ctx: Context) -> int:
+        ran.append(ctx.attempt)
+        return ctx.attempt
+
+    @app.handler(f"{qname}-2", retry=FAST, timeout_s=0.3)
+    async def twice(task: dict[str, int], ctx: Context) -> int:
+        ran.append(ctx.attempt)
+        return ctx.attempt
+
+    await start_worker(app)
+    failed = await app.publish(qname, {"n": 1})
+    final = await app.result(failed, timeout_s=30)
+    assert hung.is_set()
+    assert final.status is TaskStatus.DEAD_LETTERED
+    assert final.error is not None and final.error.startswith("HandlerTimeout: admit hooks")
+    retried = await app.publish(f"{qname}-2", {"n": 2})
+    second = await app.result(retried, timeout_s=30)
+    # Its claim was freed as its first attempt failed: the retry ran at once.
+    assert (second.status, second.result) == (TaskStatus.SUCCEEDED, 2)
+    assert ran == [2] and admitted == [1, 1, 2]
+
+
+async def test_around_run_hooks_nest_in_order_and_see_the_runs_model_calls(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app()
+    order: list[str] = []
+
+    class Outer(Middleware):
+        async def around_run(self, run: Run, call: Callable[[], Awaitable[Any]]) -> Any:
+            order.append("outer in")
+            try:
+                return await call()
+            finally:
+                order.append("outer out")
+
+    class Inner(Middleware):
+        async def around_run(self, run: Run, call: Callable[[], Awaitable[Any]]) -> Any:
+            order.append("inner in")
+            result = await call()
+            order.append("inner out")
+            return result
+
+    class Labelled(Middleware):  # innermost: its result is what the others pass on
+        async def around_run(self, run: Run, call: Callable[[], Awaitable[Any]]) -> Any:
+            result = await call()
+            calls = [(u.model, u.input_tokens, u.output_tokens) for u in run.usage]
+            return {"answer": result, "model": run.model, "calls": calls}
+
+    app.add_middleware(Outer())
+    app.add_middleware(Inner())
+    app.add_middleware(Labelled())
+
+    @app.handler(qname)
+    async def answer(task: dict[str, str], ctx: Context) -> str:
+        order.append("handler")
+        ctx.usage(input_tokens=10, output_tokens=5, model="small")
+        ctx.usage(input_tokens=3, output_tokens=1, model="large")
+        return task["q"].upper()
+
+    await start_worker(app)
+    final = await app.result(await app.publish(qname, {"q": "hi"}), timeout_s=30)
+    assert final.result == {
+        "answer": "HI",
+        "model": None,
+        "calls": [["small", 10, 5], ["large", 3, 1]],
+    }
+    assert order == ["outer in", "inner in", "handler", "inner out", "outer out"]
+
+
+async def test_an_around_run_hook_that_hangs_ends_at_the_handlers_deadline(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app()
+
+    class Hangs(Middleware):
+        async def around_run(self, run: Run, call: Callable[[], Awaitable[Any]]) -> Any:
+            await asyncio.sleep(HOOK_WAIT_S)  # cancelled at the handler's deadline
+            return await call()
+
+    app.add_middleware(Hangs())
+    ran: list[int] = []
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=0), timeout_s=0.3)
+    async def work(task: dict[str, int]) -> None:
+        ran.append(task["n"])
+
+    await start_worker(app)
+    final = await app.result(await app.publish(qname, {"n": 1}), timeout_s=30)
+    assert final.status is TaskStatus.DEAD_LETTERED
+    assert final.error == "HandlerTimeout: handler ran past its timeout of 0.3 s"
+    assert ran == []

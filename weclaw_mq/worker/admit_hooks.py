@@ -1,0 +1,77 @@
+"""The middleware's ``admit`` hooks (``handlers.middleware``) as a gate of a handler's
+pipeline: after the worker's own gates, before the handler's (its cap, fallback chain and
+limits), so a task the team's own rule parks takes no slot.
+
+The hooks run under the handler's ``timeout_s`` with the claim's lease kept: past it, the
+attempt fails as a ``HandlerTimeout`` (retried or dead-lettered by the handler's policy), as a
+handler past its deadline does. An exception of theirs is the attempt's failure (``Reject``:
+the DLQ now). A ``Defer`` parks the task without spending an attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import UTC, datetime, timedelta
+
+from weclaw_mq.contract.lifetime import now_ms
+from weclaw_mq.errors import HandlerTimeout
+from weclaw_mq.handlers.middleware import Defer as Deferred
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.wire.connection import cancelled_by_caller
+from weclaw_mq.worker.admission import park_until
+from weclaw_mq.worker.attempt import Attempt
+from weclaw_mq.worker.ends import Defer, End, after_attempt
+from weclaw_mq.worker.run_hooks import run_of
+
+
+async def admitted(a: Attempt) -> End | None:
+    """Run the ``admit`` hooks: None to go on, else the end their answer (or failure) is."""
+    spec, rt = a.spec, a.rt
+    assert rt.hooks is not None  # in the pipeline only with admit hooks
+    run = a.run = run_of(a.delivery, spec, a.task)
+    held = a.held is not None and rt.store is not None
+    bound = asyncio.timeout(spec.timeout_s)
+    try:
+        with (
+            rt.store.holding(spec.queue, a.delivery.task_id, a.held)  # type: ignore[union-attr,arg-type]
+            if held
+            else contextlib.nullcontext()
+        ):
+            async with bound:
+                answer = await rt.hooks.admit(run)
+    except asyncio.CancelledError as e:
+        if cancelled_by_caller():
+            raise
+        return after_attempt(a.delivery, spec, None, e)  # raised by a hook itself
+    except Exception as e:
+        if isinstance(e, TimeoutError) and bound.expired():
+            e = HandlerTimeout(f"admit hooks ran past the handler's timeout of {spec.timeout_s} s")
+        return after_attempt(a.delivery, spec, None, e)
+    return None if answer is None else parked(answer, spec)
+
+
+def parked(answer: Deferred, spec: HandlerSpec) -> End:
+    """The worker's end for a hook's ``Defer``: parked until its time (the next UTC midnight
+    in one hop, through the midnight queue), or for the handler's first retry delay."""
+    if answer.until is None and answer.after_s is None:
+        return Defer(answer.why, queued_again=True, by=answer.by)
+    if answer.until is not None:
+        due_ms = round(answer.until.timestamp() * 1000)
+    else:
+        due_ms = now_ms() + round((answer.after_s or 0) * 1000)
+    end = park_until(spec, due_ms, answer.why)
+    return Defer(
+        end.why,
+        delay_ms=end.delay_ms,
+        queued_again=True,
+        not_before_ms=end.not_before_ms,
+        by=answer.by,
+        at_midnight=due_ms == _next_midnight_ms(),
+    )
+
+
+def _next_midnight_ms() -> int:
+    today = datetime.now(UTC).date()
+    midnight = datetime.combine(today + timedelta(days=1), datetime.min.time(), UTC)
+    return round(midnight.timestamp() * 1000)
