@@ -51,6 +51,9 @@ from weclaw_mq.wire.topology import queue_declarations
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
 
+# Settings under which the keys a test leaves behind expire in minutes, not the 24 h defaults.
+SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
+
 HOW_TO_GET_A_BROKER = services.HOW_TO_GET_RABBITMQ
 HOW_TO_GET_REDIS = services.HOW_TO_GET_REDIS
 

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from tests.conftest import (
+    SHORT_TTLS,
     delete_queues,
     forget_task_keys,
     outcome_count,
@@ -45,8 +46,6 @@ from weclaw_mq import App, Context, ResultTimeoutError, RetryPolicy, TaskStatus
 from weclaw_mq.contract.naming import guard_key, task_keys
 from weclaw_mq.observability.metrics import Outcome
 
-# Keys this file leaves behind expire soon instead of after the 24 h defaults.
-SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 FAST_RETRY = RetryPolicy(max_retries=3, delay_s=0.2)
 
 

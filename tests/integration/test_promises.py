@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from tests.broker_ctl import abroker_ctl
-from tests.conftest import close_connections, consuming_connection, wait_until
+from tests.conftest import SHORT_TTLS, close_connections, consuming_connection, wait_until
 from tests.integration.processes import (
     OpenFleet,
     QueueCounts,
@@ -49,9 +49,6 @@ from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, Reject, RetryPolicy, TaskState, TaskStatus
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import dlq_name, done_channel
-
-# Records this file leaves behind expire soon instead of after the 24 h defaults.
-SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 
 
 class Job(BaseModel):

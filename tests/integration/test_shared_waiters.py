@@ -11,20 +11,18 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from tests.conftest import close_apps, settings_for, wait_until
+from tests.conftest import SHORT_TTLS, close_apps, settings_for, wait_until
 from weclaw_mq import App, TaskStatus
 from weclaw_mq.contract.naming import done_channel, stream_key
 from weclaw_mq.state import TaskState
 from weclaw_mq.streaming import StreamEvent
 from weclaw_mq.streaming.events import chunk_entry, encode_data
 
-SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 # A small pool: before, each waiter held one of these for its whole wait.
 POOL = 8
 WAITERS = 10_000
