@@ -51,6 +51,9 @@ from weclaw_mq.wire.topology import queue_declarations
 AMQP_URL = os.environ.get("WECLAW_MQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("WECLAW_MQ_REDIS_URL", "redis://127.0.0.1:6379/0")
 
+# Settings under which the keys a test leaves behind expire in minutes, not the 24 h defaults.
+SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
+
 HOW_TO_GET_A_BROKER = services.HOW_TO_GET_RABBITMQ
 HOW_TO_GET_REDIS = services.HOW_TO_GET_REDIS
 
@@ -108,8 +111,19 @@ def broker_url(request: pytest.FixtureRequest) -> str:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "on_private_redis: every redis_url of the test (so every make_app app) is its own "
+        "private_redis, which it may stop and start",
+    )
+
+
 @pytest.fixture
 def redis_url(request: pytest.FixtureRequest) -> str:
+    if request.node.get_closest_marker("on_private_redis") is not None:
+        private: PrivateRedis = request.getfixturevalue("private_redis")
+        return private.url
     return _service_url(
         "Redis",
         REDIS_URL,
@@ -199,6 +213,16 @@ def qname(request: pytest.FixtureRequest) -> str:
     return f"t-{short}-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A client of the test's Redis; bounded, as a test may have stopped its private one."""
+    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
 def settings_for(broker_url: str, redis_url: str, **overrides: Any) -> Settings:
     return Settings(**{"amqp_url": broker_url, "redis_url": redis_url, **overrides})
 
@@ -238,6 +262,12 @@ async def make_app(broker_url: str, redis_url: str) -> AsyncIterator[Callable[..
 
 async def close_apps(apps: Iterable[App], broker_url: str, redis_url: str) -> None:
     """Close ``apps``, delete every queue they own and forget their tasks' Redis keys."""
+    await forget_task_keys(redis_url, await close_and_delete_queues(apps, broker_url))
+
+
+async def close_and_delete_queues(apps: Iterable[App], broker_url: str) -> set[str]:
+    """Close ``apps`` and delete every queue they own; their handlers' queues. Alone for an
+    app whose Redis is not the test's (nothing of it to forget there)."""
     names: list[str] = []
     queues: set[str] = set()
     for app in apps:
@@ -246,7 +276,7 @@ async def close_apps(apps: Iterable[App], broker_url: str, redis_url: str) -> No
             names.extend(n for n, _ in queue_declarations(spec.queue_spec()))
             queues.add(spec.queue)
     await delete_queues(broker_url, sorted(set(names)))
-    await forget_task_keys(redis_url, queues)
+    return queues
 
 
 async def forget_limit_keys(redis_url: str, queue: str) -> None:

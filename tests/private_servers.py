@@ -254,15 +254,25 @@ class PrivateRedis:
     def answers(self) -> bool:
         import redis  # only here: the reaper script must run on the standard library alone
 
-        client = redis.Redis(
-            unix_socket_path=str(self.socket), password=self.password, socket_connect_timeout=1
+        return pings(
+            redis.Redis(
+                unix_socket_path=str(self.socket),
+                password=self.password,
+                socket_connect_timeout=1,
+            )
         )
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-        finally:
-            client.close()
+
+
+def pings(client: Any) -> bool:
+    """Whether the (synchronous) redis ``client`` answers PING; it is closed either way."""
+    import redis  # only here: the reaper script must run on the standard library alone
+
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
 
 
 def free_port(*, bus_offset: int = 0) -> int:
@@ -357,15 +367,7 @@ class TcpRedis:
         )
 
     def answers(self) -> bool:
-        import redis
-
-        client = self.client()
-        try:
-            return bool(client.ping())
-        except redis.RedisError:
-            return False
-        finally:
-            client.close()
+        return pings(self.client())
 
 
 def _subfolder(folder: Path, name: str) -> Path:

@@ -34,7 +34,7 @@ from tests.drills.conftest import (
     NodeSpace,
     single_node,
 )
-from tests.private_servers import PrivateServers, TcpRedis, free_port, wait_for
+from tests.private_servers import PrivateServers, TcpRedis, free_port, pings, wait_for
 from weclaw_mq import App, Context, Settings, StateUnavailableError, TaskStatus
 from weclaw_mq.errors import BrokerUnavailableError
 from weclaw_mq.wire.connection import BrokerEndpoints
@@ -147,12 +147,7 @@ def _tls_ping(port: int, certs: Certs) -> bool:
         ssl_keyfile=certs["client.key"],
         socket_timeout=2,
     )
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
+    return pings(client)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,11 @@ def closed_port() -> int:
     return port
 
 
+def closed_broker_url() -> str:
+    """An AMQP URL whose port is closed: a broker that is down."""
+    return f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
+
+
 @contextlib.asynccontextmanager
 async def silent_server(accepted: asyncio.Event | None = None) -> AsyncIterator[int]:
     """A TCP server on a free port that accepts connections, reads, and never answers;

@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,6 +280,10 @@ def queue_names(app: App) -> list[str]:
     return sorted(
         {n for spec in app.handlers.values() for n, _ in queue_declarations(spec.queue_spec())}
     )
+
+
+# What the ``open_fleet`` fixture gives: ``worker_fleet`` with the test's own names bound.
+OpenFleet = Callable[..., contextlib.AbstractAsyncContextManager[WorkerFleet]]
 
 
 @contextlib.asynccontextmanager

@@ -14,12 +14,11 @@ from aio_pika.abc import AbstractChannel
 
 from consumers import demo
 from producers.api import RETRY_AFTER_S, create_app
-from tests.conftest import delete_queues, settings_for
+from tests.conftest import close_and_delete_queues, settings_for
 from tests.integration.dead_endpoints import closed_port
 from tests.integration.live_server import serving
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App
-from weclaw_mq.wire.topology import queue_declarations
 
 
 @contextlib.asynccontextmanager
@@ -39,11 +38,7 @@ async def own_app(broker_url: str, redis_url: str, **overrides: object) -> Async
     try:
         yield mq
     finally:
-        await mq.close()
-        names = [
-            n for spec in mq.handlers.values() for n, _ in queue_declarations(spec.queue_spec())
-        ]
-        await delete_queues(broker_url, names)
+        await close_and_delete_queues([mq], broker_url)
 
 
 async def test_the_same_key_answers_the_first_task_and_another_body_answers_409(

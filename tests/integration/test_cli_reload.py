@@ -22,13 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
+from tests.conftest import close_apps, settings_for, wait_until
 from tests.drills.drill_app import Job
 from tests.integration.processes import (
     CONSUMING_MARK,
     REPO_ROOT,
     WorkerProcess,
-    queue_names,
     spawn_cli_worker,
 )
 from tests.private_servers import running
@@ -175,9 +174,7 @@ async def reloading(
     finally:
         for process in reloading.processes:
             kill_with_children(process)
-        await app.close()
-        await delete_queues(broker_url, queue_names(app))
-        await forget_task_keys(redis_url, [qname])
+        await close_apps([app], broker_url, redis_url)
 
 
 async def start_consuming(reloading: Reloading) -> WorkerProcess:

@@ -25,6 +25,7 @@ import pytest
 import redis
 
 from tests.conftest import AMQP_URL, REDIS_URL
+from tests.private_servers import pings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "ops" / "dev-services.sh"
@@ -116,13 +117,7 @@ def kill_leftovers(tags: set[tuple[int, str]]) -> None:
 
 
 def redis_answers(url: str) -> bool:
-    client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
-    finally:
-        client.close()
+    return pings(redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3))
 
 
 def answers_within(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:

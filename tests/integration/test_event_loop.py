@@ -6,16 +6,12 @@ import signal
 from pathlib import Path
 
 from tests.conftest import wait_until
-from tests.integration.processes import one_error_line, run_cli, worker_fleet
+from tests.integration.processes import OpenFleet, one_error_line, run_cli
 from weclaw_mq.worker import event_loop
 
 
-async def test_a_worker_on_uvloop_runs_tasks_to_their_result(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
-) -> None:
-    async with worker_fleet(
-        queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
-    ) as fleet:
+async def test_a_worker_on_uvloop_runs_tasks_to_their_result(open_fleet: OpenFleet) -> None:
+    async with open_fleet() as fleet:
         worker = fleet.start(concurrency=4, extra_args=["--loop", "uvloop"])
         await worker.wait_consuming()
         assert "event loop: uvloop" in worker.log()
@@ -26,15 +22,9 @@ async def test_a_worker_on_uvloop_runs_tasks_to_their_result(
 
 
 async def test_the_setting_chooses_uvloop_for_the_supervisors_children_too(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+    open_fleet: OpenFleet,
 ) -> None:
-    async with worker_fleet(
-        queue=qname,
-        work_dir=tmp_path,
-        broker_url=broker_url,
-        redis_url=redis_url,
-        event_loop="uvloop",
-    ) as fleet:
+    async with open_fleet(event_loop="uvloop") as fleet:
         supervisor = fleet.start(extra_args=["--processes", "2"])
         await wait_until(
             lambda: (

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import delete_queues, forget_task_keys, load_module, settings_for
+from tests.conftest import close_apps, forget_task_keys, load_module, settings_for
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, BatchPublishError, TaskStatus, UnroutableError
-from weclaw_mq.wire.topology import queue_declarations
 
 MODULE = """from weclaw_mq import App, Settings
 
@@ -32,13 +31,7 @@ async def reply(task: dict) -> dict:
 async def cleanup(broker_url: str, redis_url: str) -> AsyncIterator[list[App]]:
     apps: list[App] = []
     yield apps
-    for app in apps:
-        await app.close()
-        names = [
-            n for spec in app.handlers.values() for n, _ in queue_declarations(spec.queue_spec())
-        ]
-        await delete_queues(broker_url, names)
-        await forget_task_keys(redis_url, list(app.handlers))
+    await close_apps(apps, broker_url, redis_url)
 
 
 def load(folder: Path, name: str, **values: str) -> Any:

@@ -53,15 +53,6 @@ def _settings(redis_url: str, **overrides: Any) -> Settings:
 
 
 @pytest.fixture
-async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
-@pytest.fixture
 def queue() -> str:
     return f"t-lease-{uuid.uuid4().hex[:8]}"
 

@@ -5,7 +5,6 @@ dials the broker through a TCP proxy of this test; the shared broker itself is n
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,7 +12,7 @@ import httpx
 
 from tests.conftest import wait_until
 from tests.drills.tcp_proxy import TcpProxy
-from tests.integration.processes import worker_fleet
+from tests.integration.processes import OpenFleet
 from tests.private_servers import free_port
 
 
@@ -38,16 +37,13 @@ async def _health_becomes(port: int, code: int, what: str) -> dict[str, Any]:
 
 
 async def test_healthz_goes_503_while_the_broker_link_is_cut_and_200_when_it_heals(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+    open_fleet: OpenFleet, broker_url: str, qname: str
 ) -> None:
     target = urlsplit(broker_url)
     async with TcpProxy(target.hostname or "127.0.0.1", target.port or 5672) as proxy:
         port = free_port()
-        async with worker_fleet(
-            queue=qname,
-            work_dir=tmp_path,
+        async with open_fleet(
             broker_url=proxy.url_for(broker_url),
-            redis_url=redis_url,
             metrics_port=port,
             heartbeat_s=2,
             reconnect_max_delay_s=1.0,

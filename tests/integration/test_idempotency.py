@@ -15,7 +15,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from tests.conftest import (
+    SHORT_TTLS,
     delete_queues,
     forget_task_keys,
     outcome_count,
@@ -45,8 +46,6 @@ from weclaw_mq import App, Context, ResultTimeoutError, RetryPolicy, TaskStatus
 from weclaw_mq.contract.naming import guard_key, task_keys
 from weclaw_mq.observability.metrics import Outcome
 
-# Keys this file leaves behind expire soon instead of after the 24 h defaults.
-SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 FAST_RETRY = RetryPolicy(max_retries=3, delay_s=0.2)
 
 
@@ -61,13 +60,6 @@ def settled(apps: list[App], queue: str) -> float:
         outcome_count(app, queue, Outcome.ACKED) + outcome_count(app, queue, Outcome.DUPLICATE)
         for app in apps
     )
-
-
-@pytest.fixture
-async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=5, socket_timeout=5)
-    yield client
-    await client.aclose()
 
 
 # -- the guard ----------------------------------------------------------------------------
@@ -257,14 +249,10 @@ async def test_worker_killed_after_storing_the_result_but_before_the_ack_does_no
 # -- Redis going away under a consuming worker ----------------------------------------------
 
 
+@pytest.mark.on_private_redis
 class TestRedisGoingAway:
     """Redis stopped under a consuming worker and started again: a redis-server of each
     test's own (``private_redis``), never the shared one, which other runs are using."""
-
-    @pytest.fixture
-    def redis_url(self, private_redis: PrivateRedis) -> str:
-        """Every app of these tests (``make_app``) stores its state in the private Redis."""
-        return private_redis.url
 
     async def test_tasks_published_while_redis_is_down_are_deferred_then_run_once_when_it_returns(
         self,

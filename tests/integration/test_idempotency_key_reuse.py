@@ -13,11 +13,10 @@ import redis.asyncio as aioredis
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, forget_task_keys, queue_depth, settings_for
+from tests.conftest import close_and_delete_queues, forget_task_keys, queue_depth, settings_for
 from tests.integration.dead_endpoints import closed_port, silent_server
 from weclaw_mq import App, IdempotencyConflictError
 from weclaw_mq.contract.naming import body_key
-from weclaw_mq.wire.topology import queue_declarations
 
 
 class Ask(BaseModel):
@@ -158,9 +157,7 @@ async def test_a_redis_that_never_answers_skips_the_check_and_the_task_is_publis
             published = await mq.publish(qname, {"text": "a"}, task_id=key, refuse_other_body=True)
             depth = await queue_depth(amqp, qname)
         finally:
-            await mq.close()
-            declared = queue_declarations(mq.handlers[qname].queue_spec())
-            await delete_queues(broker_url, [name for name, _ in declared])
+            await close_and_delete_queues([mq], broker_url)
 
     assert published == key
     assert depth == 1
@@ -185,6 +182,4 @@ async def test_without_results_nothing_is_compared_and_publishing_needs_no_redis
         assert await queue_depth(amqp, qname) == 2
         assert mq.store is None
     finally:
-        await mq.close()
-        declared = queue_declarations(mq.handlers[qname].queue_spec())
-        await delete_queues(broker_url, [name for name, _ in declared])
+        await close_and_delete_queues([mq], broker_url)

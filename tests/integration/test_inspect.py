@@ -1,7 +1,7 @@
 """``weclaw-mq inspect`` against the real broker and Redis: what each live worker runs now.
 
 Workers run in this process (``start_worker``) or as ``weclaw-mq worker`` processes
-(``worker_fleet``); ``inspect`` runs as the installed script, on the fixture app whose queue
+(``open_fleet``); ``inspect`` runs as the installed script, on the fixture app whose queue
 the test names, so it lists the workers of that queue only (Redis is shared). The registry is
 also read directly (``WorkerRegistry``) to wait for a beat without sleeping.
 """
@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import PrivateRedis, settings_for, wait_until
+from tests.conftest import settings_for, wait_until
 from tests.integration.fixture_apps.guard_app import APP_PATH as GUARD_APP
 from tests.integration.processes import (
     FIXTURE_APP,
+    OpenFleet,
     one_error_line,
     run_cli,
     settings_env,
-    worker_fleet,
 )
 from weclaw_mq import App, Worker
 from weclaw_mq.state.redis_clients import open_client
@@ -182,16 +182,10 @@ async def test_a_worker_stopped_gracefully_disappears_at_once(
 
 
 async def test_a_worker_killed_without_stopping_disappears_after_its_ttl(
-    inspecting: Inspecting, qname: str
+    inspecting: Inspecting, open_fleet: OpenFleet, qname: str
 ) -> None:
     beat_s = 1.0
-    async with worker_fleet(
-        queue=qname,
-        work_dir=inspecting.record_dir,
-        broker_url=inspecting.broker_url,
-        redis_url=inspecting.redis_url,
-        worker_beat_s=beat_s,
-    ) as fleet:
+    async with open_fleet(worker_beat_s=beat_s) as fleet:
         process = await fleet.start_consuming()
 
         async def listed() -> WorkerRecord | None:
@@ -318,29 +312,21 @@ async def test_a_worker_whose_app_closes_redis_during_its_stop_ends_its_run_norm
     assert running.done() and not running.cancelled() and running.exception() is None
 
 
+@pytest.mark.on_private_redis
 class TestAWorkerGoneAfterAKill9:
-    @pytest.fixture
-    def redis_url(self, private_redis: PrivateRedis) -> str:
-        """A Redis of this test's own: a running record is judged only once it is older than
-        the longest beat of the live workers in its Redis, and on the shared one another
-        test's worker beats every 60 s (a clean-clone CI read ``worker_gone`` False)."""
-        return private_redis.url
+    """A Redis of this test's own: a running record is judged only once it is older than
+    the longest beat of the live workers in its Redis, and on the shared one another
+    test's worker beats every 60 s (a clean-clone CI read ``worker_gone`` False)."""
 
     async def test_status_says_a_running_task_is_on_a_worker_that_is_gone_after_a_kill_9(
-        self, inspecting: Inspecting, qname: str
+        self, inspecting: Inspecting, open_fleet: OpenFleet, qname: str
     ) -> None:
         from datetime import UTC, datetime
 
         from tests.integration.fixture_apps.worker_app import read_events
 
         beat_s = 0.2
-        async with worker_fleet(
-            queue=qname,
-            work_dir=inspecting.record_dir,
-            broker_url=inspecting.broker_url,
-            redis_url=inspecting.redis_url,
-            worker_beat_s=beat_s,
-        ) as fleet:
+        async with open_fleet(worker_beat_s=beat_s) as fleet:
             app = fleet.app
             process = await fleet.start_consuming(sleep_s=120)
             task_id = await app.publish(qname, {"text": "long"})

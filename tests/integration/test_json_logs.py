@@ -12,11 +12,10 @@ from typing import Any
 
 from aio_pika.abc import AbstractChannel
 
-from tests.conftest import delete_queues, forget_task_keys, queue_depth, settings_for
+from tests.conftest import close_apps, delete_queues, queue_depth, settings_for
 from tests.integration.fixture_apps.logging_app import LOGGED_PASSWORD, LOGGER, build_app
 from tests.integration.processes import (
     one_error_line,
-    queue_names,
     run_cli,
     settings_env,
     spawn_cli_worker,
@@ -82,9 +81,7 @@ async def test_a_json_worker_writes_one_object_per_line_with_the_task_identifier
     finally:
         if worker is not None:
             worker.kill()
-        await app.close()
-        await delete_queues(broker_url, queue_names(app))
-        await forget_task_keys(redis_url, [qname])
+        await close_apps([app], broker_url, redis_url)
 
     text = log_path.read_text()  # the worker's stderr (and its stdout, which stays empty)
     records = _records(text)

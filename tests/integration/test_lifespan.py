@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for
-from tests.integration.processes import REPO_ROOT, queue_names, spawn_cli_worker
+from tests.conftest import close_apps, settings_for
+from tests.integration.processes import REPO_ROOT, spawn_cli_worker
 from weclaw_mq import App, Context, TaskStatus
 from weclaw_mq.errors import ResourceUnavailableError
 from weclaw_mq.testing import TestBroker
@@ -112,9 +112,7 @@ async def producer(broker_url: str, redis_url: str, qname: str) -> AsyncIterator
     try:
         yield app
     finally:
-        await app.close()
-        await delete_queues(broker_url, queue_names(app))
-        await forget_task_keys(redis_url, [qname, f"{qname}-sync"])
+        await close_apps([app], broker_url, redis_url)
 
 
 def _spawn(folder: Folder, app: App, tmp_path: Path, qname: str) -> Any:

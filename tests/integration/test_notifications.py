@@ -366,15 +366,6 @@ async def fleet(
         await client.aclose()
 
 
-@pytest.fixture
-async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
 async def test_a_worker_killed_between_storing_the_result_and_notifying_notifies_on_redelivery(
     fleet: Fleet, broker_url: str, redis_client: aioredis.Redis, start_worker: Callable[..., Any]
 ) -> None:

@@ -14,7 +14,7 @@ import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from tests.conftest import forget_task_keys, get_message, queue_depth, settings_for, wait_until
 from tests.drills.tcp_proxy import TcpProxy
+from tests.integration.conftest import DEAD_URL
 from tests.integration.dead_endpoints import closed_port
 from weclaw_mq import App, PublishNackedError, TaskStatus
 from weclaw_mq.contract.message import build_message
@@ -33,8 +34,6 @@ from weclaw_mq.errors import OutboxFullError, OutboxUnusableError
 from weclaw_mq.outbox import Outbox, OutboxRow
 from weclaw_mq.outbox.relay import Relay
 from weclaw_mq.outbox.store import OutboxFile
-
-DEAD_URL = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
 
 
 class Job(BaseModel):
@@ -67,24 +66,9 @@ async def drain(app: App) -> int:
 
 
 @pytest.fixture
-async def dead_app(redis_url: str, qname: str) -> AsyncIterator[Callable[..., App]]:
-    """Apps whose broker is a closed port (with ``qname``'s handler), closed at teardown;
-    their Redis keys go with the ``make_app`` apps of the same queue, or with ``qname``'s."""
-    apps: list[App] = []
-
-    def build(**overrides: Any) -> App:
-        app = with_handler(
-            App("down", settings=settings_for(DEAD_URL, redis_url, **overrides)),
-            qname,
-            priorities=True,
-        )
-        apps.append(app)
-        return app
-
-    yield build
-    for app in apps:
-        await app.close()
-    await forget_task_keys(redis_url, [qname])
+def dead_app(down_apps: Callable[..., App], qname: str) -> Callable[..., App]:
+    """``down_apps`` with ``qname``'s handler."""
+    return lambda **overrides: with_handler(down_apps(**overrides), qname, priorities=True)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +17,11 @@ import pytest
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import forget_task_keys, queue_depth, settings_for, wait_until
-from tests.integration.dead_endpoints import closed_port
+from tests.conftest import queue_depth, wait_until
 from weclaw_mq import App, Reject, TaskState, TaskStatus
 from weclaw_mq.contract.naming import dlq_name
 from weclaw_mq.errors import ConfirmTimeoutError
 from weclaw_mq.outbox.relay import Relay
-
-DEAD_URL = f"amqp://guest:guest@127.0.0.1:{closed_port()}/"
 
 
 class Job(BaseModel):
@@ -51,26 +48,10 @@ async def drain(app: App) -> int:
 
 
 @pytest.fixture
-async def down(redis_url: str, qname: str, tmp_path: Path) -> AsyncIterator[Callable[..., App]]:
+def down(down_apps: Callable[..., App], tmp_path: Path) -> Callable[..., App]:
     """Apps whose broker is a closed port, on the test's outbox file; closed at teardown."""
-    apps: list[App] = []
-
-    def build(**overrides: Any) -> App:
-        settings = settings_for(
-            DEAD_URL,
-            redis_url,
-            outbox_path=str(tmp_path / "outbox.db"),
-            outbox_relay_in_app=False,
-            **overrides,
-        )
-        app = App("down", settings=settings)
-        apps.append(app)
-        return app
-
-    yield build
-    for app in apps:
-        await app.close()
-    await forget_task_keys(redis_url, [qname])
+    path = str(tmp_path / "outbox.db")
+    return lambda **overrides: down_apps(outbox_path=path, outbox_relay_in_app=False, **overrides)
 
 
 @pytest.fixture

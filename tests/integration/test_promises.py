@@ -25,7 +25,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import aiormq
@@ -34,8 +33,9 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel
 
 from tests.broker_ctl import abroker_ctl
-from tests.conftest import close_connections, consuming_connection, wait_until
+from tests.conftest import SHORT_TTLS, close_connections, consuming_connection, wait_until
 from tests.integration.processes import (
+    OpenFleet,
     QueueCounts,
     WorkerFleet,
     WorkerProcess,
@@ -44,15 +44,11 @@ from tests.integration.processes import (
     fresh_ready_counts,
     queue_names,
     take_one,
-    worker_fleet,
 )
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, Reject, RetryPolicy, TaskState, TaskStatus
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import dlq_name, done_channel
-
-# Records this file leaves behind expire soon instead of after the 24 h defaults.
-SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 
 
 class Job(BaseModel):
@@ -287,14 +283,8 @@ CRASH_LEASE_S = 10.0
 
 
 @pytest.fixture
-async def crash_fleet(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
-) -> AsyncIterator[WorkerFleet]:
-    async with worker_fleet(
-        queue=qname,
-        work_dir=tmp_path,
-        broker_url=broker_url,
-        redis_url=redis_url,
+async def crash_fleet(open_fleet: OpenFleet) -> AsyncIterator[WorkerFleet]:
+    async with open_fleet(
         delivery_limit=CRASH_LIMIT,
         retry_delay_s=0.2,
         guard_lease_s=CRASH_LEASE_S,
@@ -443,14 +433,11 @@ async def test_a_connection_cut_between_the_move_to_the_delay_queue_and_the_ack_
 # -- "no ack" before the result is stored, read from the broker ------------------------------
 
 
+@pytest.mark.on_private_redis
 class TestNoAckBeforeTheResultIsStored:
     """Redis goes away between the handler's return and the result's store: the worker must
     hold the delivery unacked until the result is stored. Whether it acked is read from the
     broker's unacked count, not from the worker's metrics. This Redis is the test's own."""
-
-    @pytest.fixture
-    def redis_url(self, private_redis: PrivateRedis) -> str:
-        return private_redis.url
 
     async def test_the_broker_holds_the_task_unacked_until_its_result_is_stored(
         self,

@@ -11,21 +11,18 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
+from tests.conftest import SHORT_TTLS, close_apps, settings_for, wait_until
 from weclaw_mq import App, TaskStatus
 from weclaw_mq.contract.naming import done_channel, stream_key
 from weclaw_mq.state import TaskState
 from weclaw_mq.streaming import StreamEvent
 from weclaw_mq.streaming.events import chunk_entry, encode_data
-from weclaw_mq.wire.topology import queue_declarations
 
-SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 # A small pool: before, each waiter held one of these for its whole wait.
 POOL = 8
 WAITERS = 10_000
@@ -57,10 +54,7 @@ async def named_app(broker_url: str, redis_url: str, qname: str) -> AsyncIterato
     try:
         yield app, name
     finally:
-        await app.close()
-        names = [n for s in app.handlers.values() for n, _ in queue_declarations(s.queue_spec())]
-        await delete_queues(broker_url, names)
-        await forget_task_keys(redis_url, [qname])
+        await close_apps([app], broker_url, redis_url)
 
 
 async def test_ten_thousand_result_waiters_share_a_few_connections_and_publish_still_answers(

@@ -8,26 +8,19 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import wait_until
-from tests.integration.processes import WorkerFleet, ready_count_is, worker_fleet
+from tests.integration.processes import OpenFleet, WorkerFleet, ready_count_is
 from weclaw_mq.cli.run_worker import FORCED_EXIT_CODE, HARD_EXIT_MARGIN_S
 
 GRACE_S = 0.5
 
 
 @pytest.fixture
-async def fleet(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
-) -> AsyncIterator[WorkerFleet]:
-    async with worker_fleet(
-        queue=qname,
-        work_dir=tmp_path,
-        broker_url=broker_url,
-        redis_url=redis_url,
+async def fleet(open_fleet: OpenFleet) -> AsyncIterator[WorkerFleet]:
+    async with open_fleet(
         shutdown_grace_s=GRACE_S,
         # The handler's own timeout is far away: only the stop bounds it here.
         handler_timeout_s=600,

@@ -26,15 +26,6 @@ class Step(BaseModel):
 
 
 @pytest.fixture
-async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
-@pytest.fixture
 async def forget_keys(redis_client: aioredis.Redis) -> AsyncIterator[list[tuple[str, str]]]:
     """(queue, task id) pairs whose Redis keys are deleted at teardown."""
     pairs: list[tuple[str, str]] = []
@@ -215,14 +206,11 @@ async def test_status_and_result_raise_state_unavailable_when_redis_never_answer
                 await asyncio.wait_for(app.result("some-task", queue="q", timeout_s=5), 10)
 
 
+@pytest.mark.on_private_redis
 class TestResultWaitersAcrossARedisRestart:
     """A result() waiter cut off by a Redis restart gives its pub/sub connection back to the
     pool; before, each such waiter leaked one, until the pool was exhausted. The Redis is
     this test's own (``private_redis``)."""
-
-    @pytest.fixture
-    def redis_url(self, private_redis: PrivateRedis) -> str:
-        return private_redis.url
 
     async def test_a_waiter_cut_off_by_a_redis_restart_returns_its_connection(
         self, make_app: Callable[..., App], private_redis: PrivateRedis, qname: str

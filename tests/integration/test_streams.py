@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from tests.conftest import delete_queues, running_private_redis, settings_for
 from tests.integration.fixture_apps.worker_app import Job
-from tests.integration.processes import queue_names, worker_fleet
+from tests.integration.processes import queue_names
 from tests.private_servers import PrivateRedis
 from weclaw_mq import App, Context, MemoryTaskStore, Retry
 from weclaw_mq.contract.naming import stream_key
@@ -122,15 +122,9 @@ def shown_text(events: list[StreamEvent]) -> list[Any]:
     return shown
 
 
-async def test_a_worker_killed_mid_stream_streams_again_under_a_new_marker(
-    broker_url, redis_url, qname, tmp_path
-):
+async def test_a_worker_killed_mid_stream_streams_again_under_a_new_marker(open_fleet, qname):
     words = [f"word{i}" for i in range(20)]
-    async with worker_fleet(
-        queue=qname,
-        work_dir=tmp_path,
-        broker_url=broker_url,
-        redis_url=redis_url,
+    async with open_fleet(
         guard_lease_s=1.0,  # the dead worker's claim lapses fast
         retry_delay_s=0.2,
     ) as fleet:

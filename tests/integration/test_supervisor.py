@@ -21,12 +21,12 @@ from tests.integration.fixture_apps.worker_app import build_app
 from tests.integration.processes import (
     CONSUMING_MARK,
     FIXTURE_APP,
+    OpenFleet,
     WorkerFleet,
     WorkerProcess,
     all_empty,
     queue_names,
     run_cli,
-    worker_fleet,
 )
 from tests.private_servers import children_of, running
 from weclaw_mq import TaskStatus
@@ -48,11 +48,9 @@ async def _start_supervised(fleet: WorkerFleet, processes: int, **kwargs: object
 
 
 async def test_sigterm_drains_every_child_and_the_supervisor_exits_0(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+    open_fleet: OpenFleet, broker_url: str, qname: str
 ) -> None:
-    async with worker_fleet(
-        queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
-    ) as fleet:
+    async with open_fleet() as fleet:
         supervisor = await _start_supervised(fleet, 2, concurrency=2, sleep_s=1.5)
         ids = await fleet.publish_jobs(4)
         await wait_until(lambda: len(fleet.events("started")) == 4, 20, "4 tasks started")
@@ -75,11 +73,9 @@ def _command_line(pid: int) -> bytes:
 
 
 async def test_children_are_forked_from_the_supervisor_that_loaded_the_app(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+    open_fleet: OpenFleet,
 ) -> None:
-    async with worker_fleet(
-        queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
-    ) as fleet:
+    async with open_fleet() as fleet:
         supervisor = await _start_supervised(fleet, 2, concurrency=2)
         children = children_of(supervisor.pid)
         assert len(children) == 2, children
@@ -95,16 +91,10 @@ async def test_children_are_forked_from_the_supervisor_that_loaded_the_app(
 
 
 async def test_a_killed_child_is_started_again_and_nothing_is_lost(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+    open_fleet: OpenFleet, broker_url: str, qname: str
 ) -> None:
     # The killed child's claims lapse after the lease; then its tasks run elsewhere.
-    async with worker_fleet(
-        queue=qname,
-        work_dir=tmp_path,
-        broker_url=broker_url,
-        redis_url=redis_url,
-        guard_lease_s=2.0,
-    ) as fleet:
+    async with open_fleet(guard_lease_s=2.0) as fleet:
         supervisor = await _start_supervised(fleet, 2, concurrency=2, sleep_s=0.5)
         ids = await fleet.publish_jobs(12)
         await wait_until(lambda: len(fleet.events("started")) >= 2, 20, "tasks started")
@@ -201,12 +191,8 @@ def test_processes_refuses_nonsense(text: str) -> None:
         parse_processes(text)
 
 
-async def test_children_stop_when_the_supervisor_is_killed(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
-) -> None:
-    async with worker_fleet(
-        queue=qname, work_dir=tmp_path, broker_url=broker_url, redis_url=redis_url
-    ) as fleet:
+async def test_children_stop_when_the_supervisor_is_killed(open_fleet: OpenFleet) -> None:
+    async with open_fleet() as fleet:
         supervisor = await _start_supervised(fleet, 2)
         children = children_of(supervisor.pid)
         assert len(children) == 2, children

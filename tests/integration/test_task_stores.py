@@ -18,6 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.conftest import (
+    SHORT_TTLS,
     close_apps,
     forget_task_keys,
     next_message,
@@ -43,8 +44,6 @@ from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.state import TaskState, TaskStore, open_store
 from weclaw_mq.state.redis_clients import StateClient, open_client
 
-# Keys the Redis store leaves behind expire soon instead of after the 24 h defaults.
-SHORT_TTLS: dict[str, Any] = {"result_ttl_s": 120, "done_ttl_s": 120}
 FAST_RETRY = RetryPolicy(max_retries=3, delay_s=0.2)
 
 

@@ -14,18 +14,16 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import aio_pika
 import pytest
 from pydantic import BaseModel
 
 from tests.conftest import wait_until
-from weclaw_mq import App, Reject, RetryPolicy, Settings, TaskState, TaskStatus
-from weclaw_mq.admin import dlq
-from weclaw_mq.testing import DeadLetter, TestBroker, outcome_counts
+from tests.integration.scenario_backends import WAIT_S, MemoryBackend, RealBackend
+from weclaw_mq import App, Reject, RetryPolicy, TaskState, TaskStatus
+from weclaw_mq.testing import DeadLetter, outcome_counts
 
 # Short enough for the real broker's delay queues, long enough to be a delay.
 FAST_RETRY = RetryPolicy(max_retries=2, delay_s=0.05, multiplier=2.0)
-WAIT_S = 30.0
 
 
 class Order(BaseModel):
@@ -64,48 +62,17 @@ class Backend:
         return outcome_counts(app, queue)
 
 
-class Memory(Backend):
-    name = "memory"
-
-    def __init__(self, stack: contextlib.AsyncExitStack) -> None:
-        self.stack = stack
-        self.broker: TestBroker | None = None
-
-    def app(self, **settings: Any) -> App:
-        # Nothing to reach: a broker or Redis touched by mistake would fail the test.
-        dead = {"amqp_url": "amqp://guest:guest@127.0.0.1:1/", "redis_url": "redis://127.0.0.1:1"}
-        return App("kit", settings=Settings(_env_file=None, **{**dead, **settings}))  # type: ignore[call-arg]
+class Memory(MemoryBackend, Backend):
+    app_name = "kit"
 
     async def start(self, app: App) -> None:
-        self.broker = await self.stack.enter_async_context(TestBroker(app))
-
-    def _broker(self) -> TestBroker:
-        assert self.broker is not None, "start() first"
-        return self.broker
+        await self.open_broker(app)
 
     async def publish_raw(self, queue: str, body: bytes, task_id: str) -> None:
         await self._broker().publish_raw(queue, body, task_id=task_id)
 
-    async def final(self, app: App, task_id: str, queue: str) -> TaskState:
-        await self._broker().run_until_idle()
-        state = await app.status(task_id, queue=queue)
-        assert state is not None and state.status.terminal, state
-        return state
 
-    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
-        return self._broker().dead_letters(queue)
-
-
-class Real(Backend):
-    name = "rabbitmq"
-
-    def __init__(
-        self, make_app: Callable[..., App], start_worker: Callable[..., Any], broker_url: str
-    ) -> None:
-        self.make_app = make_app
-        self.start_worker = start_worker
-        self.broker_url = broker_url
-
+class Real(RealBackend, Backend):
     def app(self, **settings: Any) -> App:
         return self.make_app("kit", **settings)
 
@@ -113,19 +80,7 @@ class Real(Backend):
         await self.start_worker(app)
 
     async def publish_raw(self, queue: str, body: bytes, task_id: str) -> None:
-        conn = await aio_pika.connect(self.broker_url)
-        try:
-            channel = await conn.channel()
-            message = aio_pika.Message(body, message_id=task_id, content_type="application/json")
-            await channel.default_exchange.publish(message, routing_key=queue)
-        finally:
-            await conn.close()
-
-    async def final(self, app: App, task_id: str, queue: str) -> TaskState:
-        return await app.result(task_id, queue=queue, timeout_s=WAIT_S)
-
-    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
-        return await dlq.inspect(app, queue)
+        await self.publish_body(queue, body, task_id)
 
     async def outcomes(self, app: App, queue: str, expected: dict[str, int]) -> dict[str, int]:
         with contextlib.suppress(AssertionError):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,11 +16,11 @@ import pytest
 from tests.broker_ctl import abroker_ctl
 from tests.conftest import wait_until
 from tests.integration.processes import (
+    OpenFleet,
     WorkerFleet,
     ready_count,
     ready_count_is,
     take_one,
-    worker_fleet,
 )
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import dlq_name
@@ -32,14 +31,8 @@ GUARD_LEASE_S = 1.5
 
 
 @pytest.fixture
-async def fleet(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
-) -> AsyncIterator[WorkerFleet]:
-    async with worker_fleet(
-        queue=qname,
-        work_dir=tmp_path,
-        broker_url=broker_url,
-        redis_url=redis_url,
+async def fleet(open_fleet: OpenFleet) -> AsyncIterator[WorkerFleet]:
+    async with open_fleet(
         delivery_limit=DELIVERY_LIMIT,
         max_retries=1,
         retry_delay_s=0.1,

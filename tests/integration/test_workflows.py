@@ -24,9 +24,8 @@ from pydantic import BaseModel
 
 from tests.conftest import outcome_count, settings_for, wait_until
 from tests.integration.processes import one_error_line, run_cli, settings_env
-from tests.private_servers import PrivateRedis
-from weclaw_mq import App, Reject, RetryPolicy, Settings, TaskState, TaskStatus, Worker
-from weclaw_mq.admin import dlq
+from tests.integration.scenario_backends import WAIT_S, MemoryBackend, RealBackend
+from weclaw_mq import App, Reject, RetryPolicy, TaskState, TaskStatus, Worker
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import (
     CHAIN_RECORD_QUEUE,
@@ -39,11 +38,10 @@ from weclaw_mq.contract.naming import (
     workflow_key,
     workflow_parts_key,
 )
-from weclaw_mq.testing import DeadLetter, TestBroker
+from weclaw_mq.testing import DeadLetter
 from weclaw_mq.workflows import PartResult, hops
 from weclaw_mq.workflows.deadlines import sweep
 
-WAIT_S = 30.0
 FAST_RETRY = RetryPolicy(max_retries=1, delay_s=0.05)
 
 
@@ -83,34 +81,19 @@ class Backend:
         raise NotImplementedError
 
 
-class Memory(Backend):
-    name = "memory"
+class Memory(MemoryBackend, Backend):
+    app_name = "wf"
 
     def __init__(self, stack: contextlib.AsyncExitStack) -> None:
-        self.stack = stack
-        self.broker: TestBroker | None = None
+        super().__init__(stack)
         self.ids = []
         self.sessions = []
 
-    def app(self, **settings: Any) -> App:
-        dead = {"amqp_url": "amqp://guest:guest@127.0.0.1:1/", "redis_url": "redis://127.0.0.1:1"}
-        return App("wf", settings=Settings(_env_file=None, **{**dead, **settings}))  # type: ignore[call-arg]
-
     async def open(self, app: App) -> None:
-        self.broker = await self.stack.enter_async_context(TestBroker(app))
-
-    def _broker(self) -> TestBroker:
-        assert self.broker is not None, "open() first"
-        return self.broker
+        await self.open_broker(app)
 
     async def run(self, app: App) -> None:
         await self._broker().run_until_idle()
-
-    async def final(self, app: App, task_id: str, queue: str | None = None) -> TaskState:
-        await self._broker().run_until_idle()
-        state = await app.status(task_id, queue=queue)
-        assert state is not None and state.status.terminal, state
-        return state
 
     async def remove(self, queue: str, task_id: str) -> None:
         assert self._broker().purge(queue, task_id=task_id) == 1
@@ -123,19 +106,12 @@ class Memory(Backend):
         await self._broker().publish_raw(queue, body, task_id=task_id, headers={h.WORKFLOW: tag})
         await self._broker().run_until_idle()
 
-    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
-        return self._broker().dead_letters(queue)
 
-
-class Real(Backend):
-    name = "rabbitmq"
-
+class Real(RealBackend, Backend):
     def __init__(
         self, make_app: Callable[..., App], start_worker: Callable[..., Any], broker_url: str
     ) -> None:
-        self.make_app = make_app
-        self.start_worker = start_worker
-        self.broker_url = broker_url
+        super().__init__(make_app, start_worker, broker_url)
         self.ids = []
         self.sessions = []
 
@@ -147,9 +123,6 @@ class Real(Backend):
 
     async def run(self, app: App) -> None:
         await self.start_worker(app)
-
-    async def final(self, app: App, task_id: str, queue: str | None = None) -> TaskState:
-        return await app.result(task_id, queue=queue, timeout_s=WAIT_S)
 
     async def remove(self, queue: str, task_id: str) -> None:
         conn = await aio_pika.connect(self.broker_url)
@@ -174,27 +147,13 @@ class Real(Backend):
         await asyncio.sleep(0)  # the worker's sweep ends it: ``final`` waits for that
 
     async def redeliver(self, app: App, queue: str, task_id: str, tag: str, body: bytes) -> None:
-        conn = await aio_pika.connect(self.broker_url)
-        try:
-            channel = await conn.channel(publisher_confirms=True)
-            message = aio_pika.Message(
-                body,
-                message_id=task_id,
-                content_type="application/json",
-                headers={h.WORKFLOW: tag},
-            )
-            await channel.default_exchange.publish(message, routing_key=queue)
-        finally:
-            await conn.close()
+        await self.publish_body(queue, body, task_id, headers={h.WORKFLOW: tag})
 
         async def acked() -> bool:
             counts = app.metrics.messages.labels(queue, "duplicate").value
             return counts >= 1
 
         await wait_until(acked, WAIT_S, "the copy acked as a duplicate")
-
-    async def dead_letters(self, app: App, queue: str) -> list[DeadLetter]:
-        return await dlq.inspect(app, queue)
 
 
 @pytest.fixture
@@ -636,12 +595,10 @@ async def test_a_failed_part_cancels_the_parts_still_to_run(backend: Backend, qn
     assert [r.status for r in rest] == [TaskStatus.CANCELLED] * 2
 
 
+@pytest.mark.on_private_redis
 class TestTheSweepAfterTheAck:
-    @pytest.fixture
-    def redis_url(self, private_redis: PrivateRedis) -> str:
-        """A Redis of this test's own: any worker sweeps every due group of its Redis, and on
-        the shared one another test's (or another suite's) worker swept this group early."""
-        return private_redis.url
+    """A Redis of this test's own: any worker sweeps every due group of its Redis, and on
+    the shared one another test's (or another suite's) worker swept this group early."""
 
     async def test_a_failed_part_cancels_one_batch_before_its_ack_and_a_sweep_the_rest_after(
         self,
