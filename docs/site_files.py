@@ -259,8 +259,11 @@ def with_api_text(markdown: str) -> str:
         found = _resolve(match.group("name"))
         if found is None:
             return match.group(0)  # mkdocstrings fails the build on it
-        members = not re.search(r"^\s*members:\s*false\s*$", match.group("options"), re.M)
-        return "\n".join(_api_text(match.group("name"), found, members=members)) + "\n"
+        options = match.group("options")
+        members = not re.search(r"^\s*members:\s*false\s*$", options, re.M)
+        inherited = bool(re.search(r"^\s*inherited_members:\s*true\s*$", options, re.M))
+        text = _api_text(match.group("name"), found, members=members, inherited=inherited)
+        return "\n".join(text) + "\n"
 
     return _DIRECTIVE.sub(document, markdown)
 
@@ -281,7 +284,7 @@ def _resolve(dotted: str) -> Any:
     return None
 
 
-def _api_text(dotted: str, found: Any, *, members: bool) -> list[str]:
+def _api_text(dotted: str, found: Any, *, members: bool, inherited: bool = False) -> list[str]:
     name = dotted.rpartition(".")[2]
     kind = "class " if inspect.isclass(found) else "def " if callable(found) else ""
     lines = [f"### `{name}`", "", "```python", f"{kind}{name}{_signature(found)}", "```", ""]
@@ -295,7 +298,7 @@ def _api_text(dotted: str, found: Any, *, members: bool) -> list[str]:
     if inspect.isclass(found) and issubclass(found, Enum):
         lines += ["Members: " + ", ".join(f"`{m.name}` (`{m.value!r}`)" for m in found), ""]
     if members and inspect.isclass(found):
-        for attr, value in vars(found).items():
+        for attr, value in _members(found, inherited=inherited).items():
             function = (
                 value.fget if isinstance(value, property) else getattr(value, "__func__", value)
             )
@@ -307,6 +310,18 @@ def _api_text(dotted: str, found: Any, *, members: bool) -> list[str]:
             if method_doc:
                 lines += [method_doc, ""]
     return lines
+
+
+def _members(cls: type, *, inherited: bool) -> dict[str, Any]:
+    """The class's own members; with ``inherited``, then those of its bases in this package
+    (the App's topics in ``weclaw_mq/facade/``), as mkdocstrings' ``inherited_members``."""
+    found = dict(vars(cls))
+    if inherited:
+        for base in cls.__mro__[1:]:
+            if base.__module__.startswith("weclaw_mq."):
+                for attr, value in vars(base).items():
+                    found.setdefault(attr, value)
+    return found
 
 
 def _signature(found: Any) -> str:

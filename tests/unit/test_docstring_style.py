@@ -75,6 +75,13 @@ def public_callables(package: Any) -> Iterator[tuple[str, Any]]:
                 continue
             if member.is_function or (member.is_attribute and "property" in member.labels):
                 yield f"{name}.{member_name}", member
+        # And what it inherits from the package's own classes (App's topics in facade/).
+        for member_name, alias in obj.inherited_members.items():
+            member = alias.final_target
+            if member_name.startswith("_") or not member.path.startswith("weclaw_mq."):
+                continue
+            if member.is_function or (member.is_attribute and "property" in member.labels):
+                yield f"{name}.{member_name}", member
 
 
 def _is_error(obj: Any) -> bool:

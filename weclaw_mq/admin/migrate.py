@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from aio_pika.abc import AbstractConnection
 from pamqp.commands import Basic
 
-from weclaw_mq.admin.dlq import connected, ready_count
 from weclaw_mq.admin.dlq_message import kept_properties
+from weclaw_mq.admin.dlq_pass import connected, ready_count
 from weclaw_mq.admin.queue_stats import older_delay_queues
 from weclaw_mq.app import App
 from weclaw_mq.contract.naming import is_shared_name, lane_queue_name

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractConnection
 
-from weclaw_mq.admin.dlq import connected, ready_count
+from weclaw_mq.admin.dlq_pass import connected, ready_count
 from weclaw_mq.app import App
 from weclaw_mq.contract.naming import (
     delay_queue_name,

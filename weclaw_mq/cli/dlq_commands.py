@@ -1,4 +1,6 @@
-"""``weclaw-mq dlq ...`` and ``weclaw-mq stats``: thin over ``dlq`` and ``queue_stats``."""
+"""``weclaw-mq dlq ...`` and ``weclaw-mq stats``: thin over ``dlq`` (looks, export, import),
+``dlq_action.DlqAction`` (requeue, purge: its preview is the ``--dry-run``) and
+``queue_stats``."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from weclaw_mq.admin import dlq, dlq_message, queue_stats
+from weclaw_mq.admin.dlq_action import DlqAction
 from weclaw_mq.admin.dlq_filter import DlqFilter, parse_time
+from weclaw_mq.admin.dlq_pass import Progress
 from weclaw_mq.app import App
 from weclaw_mq.cli.exit_codes import fail
 from weclaw_mq.cli.loading import load_app
@@ -244,7 +248,7 @@ def _rate(value: str | None) -> float | None:
 
 
 @contextmanager
-def _progress_bar(show: bool | None, what: str) -> Iterator[dlq.Progress | None]:
+def _progress_bar(show: bool | None, what: str) -> Iterator[Progress | None]:
     """A rich progress bar on stderr: by default only when stderr is a terminal (a script or
     a pipe gets only the summary); ``--progress``/``--no-progress`` decide otherwise."""
     if not (sys.stderr.isatty() if show is None else show):
@@ -295,34 +299,28 @@ def requeue(
 ) -> None:
     """Move dead letters back to QUEUE at attempt 1 (publish+confirm, then ack the DLQ copy)."""
     where = _filter(task_id, error_type, reason, since, until)
-    per_s = _rate(rate)
+    action = DlqAction("requeue", queue, where, limit, rate_per_s=_rate(rate))
     source = dlq_name(queue)
     with _progress_bar(progress, f"requeue {source}") as step:
         summary = _run(
             app_path,
-            lambda app: dlq.redrive(
-                app,
-                queue,
-                where=where,
-                limit=limit,
-                rate_per_s=per_s,
-                dry_run=dry_run,
-                progress=step,
+            lambda app: (
+                action.preview(app, progress=step) if dry_run else action.apply(app, progress=step)
             ),
         )
     left = f"skipped {summary.skipped}, failed {summary.failed}, left {summary.kept}"
     if dry_run:
         _dead_letter_table(summary.selected)
         typer.echo(
-            f"dry run: would move {summary.moved} message(s) from {source} to {queue}"
+            f"dry run: would move {summary.acted} message(s) from {source} to {queue}"
             f"{_matching(where)}; would skip {summary.skipped}, leave {summary.kept}; "
             "nothing changed"
         )
         return
-    typer.echo(f"moved {summary.moved} message(s) from {source} to {queue}; {left}")
+    typer.echo(f"moved {summary.acted} message(s) from {source} to {queue}; {left}")
     if summary.failed:
         fail(f"the broker refused {summary.failed} message(s); they stay in {source}")
-    if task_id and summary.moved == 0:
+    if task_id and summary.acted == 0:
         fail(f"none of the task ids is in {source}")
 
 
@@ -344,15 +342,13 @@ def purge(
     """Delete dead letters of QUEUE for good: all, or those the filters select, at most --limit
     of them, oldest first (needs --yes)."""
     where = _filter(task_id, error_type, reason, since, until)
+    action = DlqAction("purge", queue, where, limit)
     source = dlq_name(queue)
     if dry_run:
-        summary = _run(
-            app_path,
-            lambda app: dlq.purge_matching(app, queue, where=where, limit=limit, dry_run=True),
-        )
+        summary = _run(app_path, action.preview)
         _dead_letter_table(summary.selected)
         typer.echo(
-            f"dry run: would purge {summary.removed} message(s) from {source}{_matching(where)}; "
+            f"dry run: would purge {summary.acted} message(s) from {source}{_matching(where)}; "
             f"would leave {summary.kept}; nothing changed"
         )
         return
@@ -361,14 +357,11 @@ def purge(
             f"refusing to purge {source} without --yes; purged messages cannot be "
             "recovered (save them first with 'weclaw-mq dlq export', or look with --dry-run)"
         )
-    if where.everything and limit is None:
-        removed = _run(app_path, lambda app: dlq.purge(app, queue))
-        typer.echo(f"purged {removed} message(s) from {source}")
+    done = _run(app_path, action.apply)
+    if where.everything and limit is None:  # the broker's purge of the whole queue
+        typer.echo(f"purged {done.acted} message(s) from {source}")
         return
-    done = _run(app_path, lambda app: dlq.purge_matching(app, queue, where=where, limit=limit))
-    typer.echo(
-        f"purged {done.removed} message(s) from {source}{_matching(where)}; left {done.kept}"
-    )
+    typer.echo(f"purged {done.acted} message(s) from {source}{_matching(where)}; left {done.kept}")
 
 
 FileOrDash = Annotated[

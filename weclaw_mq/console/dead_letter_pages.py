@@ -11,9 +11,9 @@ from urllib.parse import quote
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from weclaw_mq.admin.dlq_action import ACTION_KINDS
 from weclaw_mq.console.audit import audit
 from weclaw_mq.console.dead_letters import (
-    ACTIONS,
     BODY_PREVIEW_BYTES,
     EXACT_MAX,
     SHOWN_MAX,
@@ -102,8 +102,8 @@ async def preview(request: Request) -> Response:
     try:
         body = await json_body(request)
         action = body.get("action")
-        if action not in ACTIONS:
-            raise ConfigurationError(f"action {action!r} is not one of {', '.join(ACTIONS)}")
+        if action not in ACTION_KINDS:
+            raise ConfigurationError(f"action {action!r} is not one of {', '.join(ACTION_KINDS)}")
         where = filter_of(body)
         made, selected = await console.dead_letters.preview(action, str(body.get("queue")), where)
     except WeclawMQError as e:

@@ -1,13 +1,14 @@
-"""The dead-letters page's engine: the same filter (``admin.dlq_filter.DlqFilter``) and the
-same passes (``admin.dlq``) as ``weclaw-mq dlq list / requeue / purge``, so the console and
-the CLI select and move exactly the same messages.
+"""The dead-letters page's engine: the same filter (``admin.dlq_filter.DlqFilter``), looks
+(``admin.dlq``) and action object (``admin.dlq_action.DlqAction``) as ``weclaw-mq dlq list /
+requeue / purge``, so the console and the CLI select and move exactly the same messages.
 
-A bulk action is two steps. The **preview** is the dry run of the action (a pass that moves
+A bulk action is two steps. The **preview** is the ``DlqAction``'s preview (a pass that moves
 nothing) and is kept here under an id, with the exact task ids it listed. The
-**confirmation** names that id, and the run selects those task ids (with the filter they
-were chosen by): what moves is what the operator saw, not what happens to match by then.
-A preview of more than ``EXACT_MAX`` dead letters, or one holding a message without a task
-id, runs as its filter with a limit of the count previewed instead (the preview says so).
+**confirmation** names that id, and the run applies the action ``pinned`` to them: those
+task ids (with the filter they were chosen by), so what moves is what the operator saw, not
+what happens to match by then. A preview of more than ``EXACT_MAX`` dead letters, or one
+holding a message without a task id, runs as its filter with a limit of the count previewed
+instead (the preview says so); a preview of none runs on none.
 
 A run is a background job: the page polls its progress (messages visited of those in the
 DLQ when the pass started) until it ends with the action's summary.
@@ -19,19 +20,20 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 from urllib.parse import urlencode
 
 from weclaw_mq.admin import dlq
+from weclaw_mq.admin.dlq_action import ActionKind, DlqAction, pins_ids
 from weclaw_mq.admin.dlq_filter import DlqFilter, parse_time
 from weclaw_mq.admin.dlq_message import DeadLetter, export_record
 from weclaw_mq.app import App
 from weclaw_mq.errors import ConfigurationError, WeclawMQError
 
-Action = Literal["requeue", "purge"]
-ACTIONS: tuple[Action, ...] = ("requeue", "purge")
+# The page's word for a DLQ action's kind (its routes and jobs say "action").
+Action = ActionKind
 # A preview of at most this many runs by their task ids; a bigger one by its filter and count.
 EXACT_MAX = 1000
 # Previews and finished jobs are forgotten after this long.
@@ -109,13 +111,17 @@ class Preview:
     @property
     def exact(self) -> bool:
         """Whether the run selects the previewed task ids (else the filter and the count)."""
-        return len(self.task_ids) <= EXACT_MAX and all(self.task_ids)
+        return pins_ids(self.task_ids, EXACT_MAX)
+
+    def planned(self) -> DlqAction:
+        """The action the confirmed run applies: this preview's, pinned to what it listed."""
+        previewed = DlqAction(self.action, self.queue, self.where)
+        return previewed.pinned(self.task_ids, by_id_max=EXACT_MAX)
 
     def run_filter(self) -> tuple[DlqFilter, int | None]:
         """The filter and limit the confirmed run uses."""
-        if self.exact:
-            return replace(self.where, task_ids=frozenset(self.task_ids)), None
-        return self.where, len(self.task_ids)
+        planned = self.planned()
+        return planned.where, planned.limit
 
 
 @dataclass
@@ -195,7 +201,8 @@ class DeadLetters:
         """The dry run of ``action``: what it would select, kept for a confirmation."""
         self._forget_old()
         queue = self.queue_of(queue)
-        dry = await _carry_out(self._app, action, queue, where, None, dry_run=True)
+        # A preview lists no bodies: a dry run over many big dead letters holds none of them.
+        dry = await DlqAction(action, queue, where).preview(self._app, body_max=0)
         selected, kept = dry.selected, dry.kept + dry.skipped
         preview = Preview(
             id=secrets.token_urlsafe(12),
@@ -234,8 +241,7 @@ class DeadLetters:
         if not task_id:
             raise ConfigurationError("no task id given")
         where = DlqFilter.of(task_ids=[task_id])
-        moved = await dlq.redrive(self._app, self.queue_of(queue), where=where, limit=1)
-        return moved.moved
+        return (await DlqAction("requeue", self.queue_of(queue), where, 1).apply(self._app)).acted
 
     def job(self, job_id: str) -> Job | None:
         return self._jobs.get(job_id)
@@ -246,15 +252,11 @@ class DeadLetters:
             await asyncio.wait(set(self._tasks))
 
     async def _run(self, preview: Preview, job: Job, on_end: Callable[[Job], None] | None) -> None:
-        where, limit = preview.run_filter()
-
         def step(visited: int, total: int) -> None:
             job.visited, job.total = visited, total
 
         try:
-            done = await _carry_out(
-                self._app, preview.action, preview.queue, where, limit, progress=step
-            )
+            done = await preview.planned().apply(self._app, progress=step)
             if preview.action == "requeue":
                 job.summary = {
                     "moved": done.acted,
@@ -280,38 +282,3 @@ class DeadLetters:
         for key, job in list(self._jobs.items()):
             if job.ended_at is not None and now - job.ended_at > KEPT_S:
                 del self._jobs[key]
-
-
-@dataclass(frozen=True)
-class _Done:
-    """What a requeue or purge pass did (or, dry, would do), in one shape."""
-
-    acted: int  # moved or removed
-    kept: int
-    skipped: int
-    failed: int
-    selected: list[DeadLetter]
-
-
-async def _carry_out(
-    app: App,
-    action: Action,
-    queue: str,
-    where: DlqFilter,
-    limit: int | None,
-    *,
-    dry_run: bool = False,
-    progress: dlq.Progress | None = None,
-) -> _Done:
-    """The one place the console hands an action to the engine: the preview and the run
-    pass the same filter and limit, whichever the action (a limit the purge once dropped)."""
-    # A preview lists no bodies: a dry run over many big dead letters holds none of them.
-    if action == "requeue":
-        moved = await dlq.redrive(
-            app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress, body_max=0
-        )
-        return _Done(moved.moved, moved.kept, moved.skipped, moved.failed, moved.selected)
-    purged = await dlq.purge_matching(
-        app, queue, where=where, limit=limit, dry_run=dry_run, progress=progress, body_max=0
-    )
-    return _Done(purged.removed, purged.kept, 0, 0, purged.selected)

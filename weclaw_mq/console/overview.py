@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from weclaw_mq.admin.dlq import connected
+from weclaw_mq.admin.dlq_pass import connected
 from weclaw_mq.admin.queue_stats import QueueStats, handler_retry_delays_ms, stats_on
 from weclaw_mq.app import App
 from weclaw_mq.errors import ConfigurationError, WeclawMQError
