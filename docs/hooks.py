@@ -590,7 +590,8 @@ def constant_comments(source: Path, class_name: str | None) -> dict[str, str]:
 def contract_layers() -> list[list[str]]:
     """The layers of pyproject.toml's import contract, top first; each a list of siblings."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    (contract,) = config["tool"]["importlinter"]["contracts"]
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["type"] == "layers"]
     return [[name.strip() for name in layer.split("|")] for layer in contract["layers"]]
 
 

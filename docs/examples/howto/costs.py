@@ -22,7 +22,7 @@ async def call_model(model: str, prompt: str) -> Reply:
 
 # --8<-- [start:module]
 from weclaw_mq import App, Context  # noqa: E402
-from weclaw_mq.policy.costs import Cap, Price  # noqa: E402
+from weclaw_mq.llm import Cap, Price  # noqa: E402
 
 app = App(
     "answers",

@@ -10,7 +10,7 @@ import asyncio
 from pydantic import BaseModel
 
 from weclaw_mq import App
-from weclaw_mq.policy.fair_share import Fair
+from weclaw_mq.llm import Fair
 
 app = App("answers")
 

@@ -11,7 +11,7 @@ import os
 import httpx
 
 from weclaw_mq import App, Context, Retry, UpstreamDown, retry_after_s
-from weclaw_mq.policy.fallback import Fallback
+from weclaw_mq.llm import Fallback
 
 app = App("answers")
 client = httpx.AsyncClient(base_url=os.environ.get("PROVIDER_URL", "http://127.0.0.1:8080"))

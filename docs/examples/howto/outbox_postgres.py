@@ -11,9 +11,7 @@ import asyncio
 import psycopg
 
 from weclaw_mq import App
-from weclaw_mq.observability.metrics import Metrics
-from weclaw_mq.outbox.postgres import PostgresOutbox, run_relay
-from weclaw_mq.outbox.relay import Relay
+from weclaw_mq.outbox import PostgresOutbox, Relay, run_relay
 
 DATABASE_URL = "postgresql://shop@localhost/shop"
 app = App("shop")
@@ -42,6 +40,6 @@ def place_order() -> str:
 async def relay_until(stop: asyncio.Event) -> None:
     # --8<-- [start:relay]
     # What 'weclaw-mq outbox relay --postgres URL' runs, here inside your own process:
-    relay = Relay(await PostgresOutbox.open(DATABASE_URL), app.settings, Metrics())
+    relay = Relay(await PostgresOutbox.open(DATABASE_URL), app.settings, app.metrics)
     await run_relay(relay, DATABASE_URL, stop)
     # --8<-- [end:relay]
