@@ -374,14 +374,11 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
                 scheduler.retire()
             self._schedulers = []
 
-    async def _consume(self, conn: AbstractConnection, publishing: AbstractConnection) -> None:
-        declare_channel = await conn.channel()
-        await declare(declare_channel, [s.queue_spec() for s in self.specs])
-        await declare_channel.close()
-
-        version = server_version(conn)
-        laned = [s for s in self.specs if len(s.queue_spec().lane_queues(version)) > 1]
-        single = [s for s in self.specs if s not in laned]
+    async def _channels(
+        self, conn: AbstractConnection, *, laned: bool
+    ) -> tuple[AbstractChannel, AbstractChannel, AbstractChannel | None]:
+        """A session's consuming channel (prefetch = concurrency), its lane consumers' (the
+        same one without laned handlers) and its lanes' bulk consumers' (None without)."""
         channel = await conn.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.concurrency)
         # Lane consumers hold one message each (worker.lanes): their own channel, prefetch 1.
@@ -396,6 +393,62 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
             if LANES_BULK:
                 bulk_channel = await conn.channel(publisher_confirms=False)
                 await bulk_channel.set_qos(prefetch_count=self.concurrency + 1)
+        return channel, lane_channel, bulk_channel
+
+    async def _serve(
+        self,
+        conn: AbstractConnection,
+        publishing: AbstractConnection,
+        channels: tuple[AbstractChannel, AbstractChannel, AbstractChannel],
+        watches: list[Coroutine[Any, Any, None]],
+        cancelled: asyncio.Queue[str],
+        runtime: Runtime,
+        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
+        pausable: dict[str, _SingleConsumer],
+    ) -> None:
+        """Until ``stop`` or a lost connection, channel or breaker watch (returns either way),
+        subscribe again each consumer the broker cancels."""
+        channel, lane_channel, bulk_channel = channels
+        stop = asyncio.ensure_future(self._stop.wait())
+        lost = asyncio.ensure_future(
+            # A breaker's watch returns only when it could not change the consumers.
+            _first(
+                when_lost(conn),
+                when_lost(publishing),
+                channel.closed(),
+                lane_channel.closed(),
+                bulk_channel.closed(),
+                *watches,
+            )
+        )
+        try:
+            while not (stop.done() or lost.done()):
+                next_cancel = asyncio.ensure_future(cancelled.get())
+                try:
+                    await asyncio.wait(
+                        {stop, lost, next_cancel}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    next_cancel.cancel()
+                if next_cancel.done() and not next_cancel.cancelled():
+                    if stop.done() or lost.done():
+                        continue
+                    await self._broker_cancelled(
+                        next_cancel.result(), conn, channel, runtime, consumers, pausable
+                    )
+        finally:
+            stop.cancel()
+            lost.cancel()
+
+    async def _consume(self, conn: AbstractConnection, publishing: AbstractConnection) -> None:
+        declare_channel = await conn.channel()
+        await declare(declare_channel, [s.queue_spec() for s in self.specs])
+        await declare_channel.close()
+
+        version = server_version(conn)
+        laned = [s for s in self.specs if len(s.queue_spec().lane_queues(version)) > 1]
+        single = [s for s in self.specs if s not in laned]
+        channel, lane_channel, bulk_channel = await self._channels(conn, laned=bool(laned))
         schedulers: list[LaneScheduler] = []
         self._schedulers = schedulers
         runtime = self._runtime(publishing, schedulers if laned else None)
@@ -427,36 +480,18 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         )
         self.ready.set()
 
-        stop = asyncio.ensure_future(self._stop.wait())
-        lost = asyncio.ensure_future(
-            # A breaker's watch returns only when it could not change the consumers.
-            _first(
-                when_lost(conn),
-                when_lost(publishing),
-                channel.closed(),
-                lane_channel.closed(),
-                (bulk_channel or channel).closed(),
-                *watches,
-            )
-        )
         try:
-            while not (stop.done() or lost.done()):
-                next_cancel = asyncio.ensure_future(cancelled.get())
-                try:
-                    await asyncio.wait(
-                        {stop, lost, next_cancel}, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    next_cancel.cancel()
-                if next_cancel.done() and not next_cancel.cancelled():
-                    if stop.done() or lost.done():
-                        continue
-                    await self._broker_cancelled(
-                        next_cancel.result(), conn, channel, runtime, consumers, pausable
-                    )
+            await self._serve(
+                conn,
+                publishing,
+                (channel, lane_channel, bulk_channel or channel),
+                watches,
+                cancelled,
+                runtime,
+                consumers,
+                pausable,
+            )
         finally:
-            stop.cancel()
-            lost.cancel()
             if counting is not None:
                 counting.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
