@@ -167,7 +167,7 @@ class Settings(EnvSettings):
 
     # Idempotency guard and result store (Redis).
     # Per pool (the task store's, the stream store's, the limiter's), per process. A worker
-    # needs a fixed few whatever its concurrency (worker.consume.REDIS_CONNECTIONS_NEEDED:
+    # needs a fixed few whatever its concurrency (worker.start_checks.REDIS_CONNECTIONS_NEEDED:
     # commands share the auto-pipeline); past the limit a command fails like an outage.
     redis_max_connections: int = Field(default=1024, ge=4)
     # Redis connect, socket and pool-wait timeout.

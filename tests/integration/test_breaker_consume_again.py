@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-import weclaw_mq.worker.consume as consume_module
+import weclaw_mq.worker.subscriptions as subscriptions_module
 from tests.conftest import wait_until
 from weclaw_mq import App, Breaker, Worker
 
@@ -45,7 +45,7 @@ async def test_a_breaker_opening_during_a_resubscription_keeps_the_queue_paused(
     holding = asyncio.Event()
     inside = asyncio.Event()
     release = asyncio.Event()
-    real_declare = consume_module.declare
+    real_declare = subscriptions_module.declare
 
     async def declare(channel: Any, specs: Any) -> Any:
         declared = await real_declare(channel, specs)
@@ -55,14 +55,14 @@ async def test_a_breaker_opening_during_a_resubscription_keeps_the_queue_paused(
         return declared
 
     paused: list[Any] = []
-    real_pause = consume_module._SingleConsumer.pause
+    real_pause = subscriptions_module._SingleConsumer.pause
 
     async def pause(self: Any) -> None:
         await real_pause(self)
         paused.append(self)
 
-    monkeypatch.setattr(consume_module, "declare", declare)
-    monkeypatch.setattr(consume_module._SingleConsumer, "pause", pause)
+    monkeypatch.setattr(subscriptions_module, "declare", declare)
+    monkeypatch.setattr(subscriptions_module._SingleConsumer, "pause", pause)
     worker: Worker = await start_worker(app, concurrency=2, broker_load_check=False)
     assert await broker_consumers(amqp, qname) == 1
 

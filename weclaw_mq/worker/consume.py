@@ -5,9 +5,11 @@ per queue: a worker never holds a message it is not processing (prefetch=1, gene
 A handler with priority lanes (``priority.plan_priorities``) is consumed by ``lanes``
 instead: at most N in flight, and at most N + one message per lane held.
 
-Every bound of a stop is here: in-flight handlers get ``shutdown_grace_s``, then are cancelled
-and get ``DRAIN_CANCEL_S`` to give their messages back; a handler that ignores even that is
-left behind (its message returns to the queue when the connection closes).
+Every bound of a stop is here and in ``draining``: in-flight handlers get ``shutdown_grace_s``,
+then are cancelled and get ``DRAIN_CANCEL_S`` to give their messages back; a handler that ignores
+even that is left behind (its message returns to the queue when the connection closes).
+The worker's other topics are its mixins: ``start_checks`` (checks and warnings at start),
+``status`` (its heartbeat), ``subscriptions`` (a session's consumers and dispatch).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import aiormq
@@ -35,16 +37,12 @@ from weclaw_mq.contract.undecodable import tolerant_properties
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.policy.breaker import CircuitState
-from weclaw_mq.policy.broker_version import ServerVersion
-from weclaw_mq.policy.failures import describe
 from weclaw_mq.scheduling.scheduler import Scheduler
-from weclaw_mq.settings import BROKER_CONSUMER_TIMEOUT_S, duration_bounds
+from weclaw_mq.settings import duration_bounds
 from weclaw_mq.state.cost_ledger import CostLedger, ledger_of
 from weclaw_mq.state.fair_book import fair_book_of
 from weclaw_mq.state.model_health import ModelHealth, health_of
-from weclaw_mq.state.worker_registry import registry_of
 from weclaw_mq.state.workflow_records import workflows_of
-from weclaw_mq.wire.broker_load import read_broker_load
 from weclaw_mq.wire.connection import (
     CLOSE_TIMEOUT_S,
     LINK_ERRORS,
@@ -55,19 +53,22 @@ from weclaw_mq.wire.connection import (
 )
 from weclaw_mq.wire.producer import Publisher
 from weclaw_mq.wire.topology import declare
-from weclaw_mq.worker import ends
-from weclaw_mq.worker.beat import Beat
 from weclaw_mq.worker.cancel_watch import Cancels
 from weclaw_mq.worker.deadlines import Deadlines
+from weclaw_mq.worker.draining import DRAIN_CANCEL_S as DRAIN_CANCEL_S
+from weclaw_mq.worker.draining import Draining
 from weclaw_mq.worker.fair_counts import count_forever
 from weclaw_mq.worker.health import QueueState, WorkerHealth
 from weclaw_mq.worker.in_flight import InFlight
-from weclaw_mq.worker.incoming import consume
 from weclaw_mq.worker.lanes import LaneScheduler
 from weclaw_mq.worker.limiting import Limiter
-from weclaw_mq.worker.pausing import Pausable, QueueCircuit
+from weclaw_mq.worker.pausing import QueueCircuit
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
+from weclaw_mq.worker.start_checks import REDIS_CONNECTIONS_NEEDED as REDIS_CONNECTIONS_NEEDED
+from weclaw_mq.worker.start_checks import StartChecks
+from weclaw_mq.worker.status import Status
+from weclaw_mq.worker.subscriptions import Subscriptions, _broker_cancels, _SingleConsumer
 from weclaw_mq.worker.sync_threads import SyncThreads
 from weclaw_mq.workflows.deadlines import sweep_forever
 
@@ -78,17 +79,8 @@ log = logging.getLogger("weclaw_mq.worker")
 # (for comparing the two; benchmarks/priority.py).
 LANES_BULK = os.environ.get("WECLAW_MQ_LANES_BULK", "1") != "0"
 
-# After the grace, cancelled handlers get this long to give their messages back.
-DRAIN_CANCEL_S = 5.0
 
-# The most connections one of a worker's Redis pools takes, whatever its concurrency: the
-# store's auto-pipeline (one round trip at a time), its cancel subscription and one lone
-# command (state.redis); the stream store's writes (streaming.redis.WRITES_IN_FLIGHT); the
-# limiter's round trips (worker.limiting.ROUND_TRIPS_IN_FLIGHT) and its renewer.
-REDIS_CONNECTIONS_NEEDED = 8
-
-
-class Worker:
+class Worker(StartChecks, Status, Draining, Subscriptions):
     """Consumes the handler queues of an App and runs their handlers.
 
     Args:
@@ -315,79 +307,6 @@ class Worker:
             if beat is not None:
                 await beat.leave()
 
-    def _beat(self, store: object) -> Beat | None:
-        registry = registry_of(store)
-        if registry is None:
-            return None
-        return Beat(
-            registry,
-            worker_id=self.worker_id,
-            app=self.app.name,
-            queues=[s.queue for s in self.specs],
-            concurrency=self.concurrency,
-            cancels=self.cancels,
-            state=self._state,
-            interval_s=self.settings.worker_beat_s,
-            leave_timeout_s=self.settings.redis_timeout_s,
-            breakers=self._open_breakers,
-            sync_threads=self._sync_thread_counts,
-        )
-
-    def _sync_thread_counts(self) -> tuple[int, int]:
-        """(threads, held by calls past their timeout): (0, 0) without plain-def handlers."""
-        health = self.health()
-        return health.sync_threads, health.sync_threads_stuck
-
-    def _open_breakers(self) -> dict[str, str]:
-        """This worker's breakers that are not closed, for its heartbeat (the console)."""
-        return {
-            queue: circuit.state.value
-            for queue, circuit in self._circuits.items()
-            if circuit.state is not CircuitState.CLOSED
-        }
-
-    def _state(self) -> str:
-        if self._stop.is_set():
-            return "stopping"
-        return "consuming" if self.ready.is_set() else "connecting"
-
-    async def _say_if_redis_is_away(self) -> None:
-        """Once, at start: a Redis that does not answer, and what the worker does meanwhile
-        (it consumes, and the log would otherwise look healthy); then once when it answers."""
-        wait_s = self.settings.redis_timeout_s + 1.0  # a refused connect fails well before
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.cancels.listening.wait(), wait_s)
-            return
-        meanwhile = []
-        if any(s.idempotent for s in self.specs):
-            if self.settings.guard_on_redis_down == "run_unguarded":
-                meanwhile.append("guarded tasks run UNGUARDED (GUARD_ON_REDIS_DOWN=run_unguarded)")
-            else:
-                meanwhile.append("guarded tasks wait in their delay queues, never run unguarded")
-        if self.app.results is not None:
-            meanwhile.append(
-                "results cannot be stored (a finished task goes back to its queue after "
-                f"{self.settings.result_store_patience_s:g} s)"
-            )
-        meanwhile.append("cancel requests go unheard")
-        log.warning(
-            "Redis at %s does not answer (no reply within %.0f s): the worker consumes, but "
-            "until Redis answers %s",
-            self.settings.redis_url_redacted(),
-            wait_s,
-            "; ".join(meanwhile),
-        )
-        await self.cancels.listening.wait()
-        log.info("Redis answers now: guarded tasks run, cancel requests are heard")
-
-    async def _warn_about_broker_load(self) -> None:
-        """One line at start when the broker is within 10 % of its file-handle or memory
-        limit, where that can be read at all (``broker_load``)."""
-        url = self.settings.amqp_urls()[0]
-        load = await asyncio.to_thread(read_broker_load, url)
-        if load is not None and (warning := load.warning()) is not None:
-            log.warning("%s", warning)
-
     async def _run(self) -> None:
         failures = 0
         conn: AbstractConnection | None = None
@@ -455,14 +374,11 @@ class Worker:
                 scheduler.retire()
             self._schedulers = []
 
-    async def _consume(self, conn: AbstractConnection, publishing: AbstractConnection) -> None:
-        declare_channel = await conn.channel()
-        await declare(declare_channel, [s.queue_spec() for s in self.specs])
-        await declare_channel.close()
-
-        version = server_version(conn)
-        laned = [s for s in self.specs if len(s.queue_spec().lane_queues(version)) > 1]
-        single = [s for s in self.specs if s not in laned]
+    async def _channels(
+        self, conn: AbstractConnection, *, laned: bool
+    ) -> tuple[AbstractChannel, AbstractChannel, AbstractChannel | None]:
+        """A session's consuming channel (prefetch = concurrency), its lane consumers' (the
+        same one without laned handlers) and its lanes' bulk consumers' (None without)."""
         channel = await conn.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=self.concurrency)
         # Lane consumers hold one message each (worker.lanes): their own channel, prefetch 1.
@@ -477,6 +393,62 @@ class Worker:
             if LANES_BULK:
                 bulk_channel = await conn.channel(publisher_confirms=False)
                 await bulk_channel.set_qos(prefetch_count=self.concurrency + 1)
+        return channel, lane_channel, bulk_channel
+
+    async def _serve(
+        self,
+        conn: AbstractConnection,
+        publishing: AbstractConnection,
+        channels: tuple[AbstractChannel, AbstractChannel, AbstractChannel],
+        watches: list[Coroutine[Any, Any, None]],
+        cancelled: asyncio.Queue[str],
+        runtime: Runtime,
+        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
+        pausable: dict[str, _SingleConsumer],
+    ) -> None:
+        """Until ``stop`` or a lost connection, channel or breaker watch (returns either way),
+        subscribe again each consumer the broker cancels."""
+        channel, lane_channel, bulk_channel = channels
+        stop = asyncio.ensure_future(self._stop.wait())
+        lost = asyncio.ensure_future(
+            # A breaker's watch returns only when it could not change the consumers.
+            _first(
+                when_lost(conn),
+                when_lost(publishing),
+                channel.closed(),
+                lane_channel.closed(),
+                bulk_channel.closed(),
+                *watches,
+            )
+        )
+        try:
+            while not (stop.done() or lost.done()):
+                next_cancel = asyncio.ensure_future(cancelled.get())
+                try:
+                    await asyncio.wait(
+                        {stop, lost, next_cancel}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    next_cancel.cancel()
+                if next_cancel.done() and not next_cancel.cancelled():
+                    if stop.done() or lost.done():
+                        continue
+                    await self._broker_cancelled(
+                        next_cancel.result(), conn, channel, runtime, consumers, pausable
+                    )
+        finally:
+            stop.cancel()
+            lost.cancel()
+
+    async def _consume(self, conn: AbstractConnection, publishing: AbstractConnection) -> None:
+        declare_channel = await conn.channel()
+        await declare(declare_channel, [s.queue_spec() for s in self.specs])
+        await declare_channel.close()
+
+        version = server_version(conn)
+        laned = [s for s in self.specs if len(s.queue_spec().lane_queues(version)) > 1]
+        single = [s for s in self.specs if s not in laned]
+        channel, lane_channel, bulk_channel = await self._channels(conn, laned=bool(laned))
         schedulers: list[LaneScheduler] = []
         self._schedulers = schedulers
         runtime = self._runtime(publishing, schedulers if laned else None)
@@ -508,36 +480,18 @@ class Worker:
         )
         self.ready.set()
 
-        stop = asyncio.ensure_future(self._stop.wait())
-        lost = asyncio.ensure_future(
-            # A breaker's watch returns only when it could not change the consumers.
-            _first(
-                when_lost(conn),
-                when_lost(publishing),
-                channel.closed(),
-                lane_channel.closed(),
-                (bulk_channel or channel).closed(),
-                *watches,
-            )
-        )
         try:
-            while not (stop.done() or lost.done()):
-                next_cancel = asyncio.ensure_future(cancelled.get())
-                try:
-                    await asyncio.wait(
-                        {stop, lost, next_cancel}, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    next_cancel.cancel()
-                if next_cancel.done() and not next_cancel.cancelled():
-                    if stop.done() or lost.done():
-                        continue
-                    await self._broker_cancelled(
-                        next_cancel.result(), conn, channel, runtime, consumers, pausable
-                    )
+            await self._serve(
+                conn,
+                publishing,
+                (channel, lane_channel, bulk_channel or channel),
+                watches,
+                cancelled,
+                runtime,
+                consumers,
+                pausable,
+            )
         finally:
-            stop.cancel()
-            lost.cancel()
             if counting is not None:
                 counting.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -551,53 +505,6 @@ class Worker:
                 await asyncio.wait_for(queue.cancel(tag), CLOSE_TIMEOUT_S)
         for scheduler in schedulers:
             await scheduler.stop()
-
-    async def _subscribe(
-        self,
-        channel: AbstractChannel,
-        spec: HandlerSpec,
-        runtime: Runtime,
-        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
-        pausable: dict[str, _SingleConsumer],
-        watches: list[Coroutine[Any, Any, None]],
-    ) -> None:
-        """Consume a single (unlaned) handler's queue; with a breaker, watch it too."""
-        queue = await channel.get_queue(spec.queue, ensure=False)
-        tag = await consume(queue, self._dispatcher(spec, runtime))
-        consumers[tag] = (spec, queue)
-        if spec.queue in self._circuits:
-            on_message = self._dispatcher(spec, runtime)
-            single_consumer = _SingleConsumer(
-                spec, queue, on_message, consumers, self._stop, self._recovering
-            )
-            pausable[spec.queue] = single_consumer
-            watches.append(self._watch(spec, runtime, single_consumer))
-
-    async def _broker_cancelled(
-        self,
-        tag: str,
-        conn: AbstractConnection,
-        channel: AbstractChannel,
-        runtime: Runtime,
-        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
-        pausable: dict[str, _SingleConsumer],
-    ) -> None:
-        """The broker cancelled consumer ``tag``: subscribe its queue again (a single
-        handler's) or let its lane scheduler do so."""
-        if tag in consumers:
-            spec, _ = consumers.pop(tag)
-            self._recovering.add(spec.queue)
-            queue, new_tag = await self._consume_again(conn, channel, spec, runtime)
-            paused = pausable.get(spec.queue)
-            if paused is not None and paused.paused:
-                # Its breaker opened while we subscribed again: the new consumer would
-                # deliver beside the pause (resume() subscribes anew).
-                await queue.cancel(new_tag)
-            else:
-                consumers[new_tag] = (spec, queue)
-            self._recovering.discard(spec.queue)
-        for scheduler in self._schedulers:
-            await scheduler.broker_cancelled(tag)
 
     def _runtime(
         self, publishing: AbstractConnection, schedulers: list[LaneScheduler] | None
@@ -635,235 +542,6 @@ class Worker:
             ledger=self._ledger,
             health=self._health,
         )
-
-    def _lane_scheduler(
-        self,
-        conn: AbstractConnection,
-        channel: AbstractChannel,
-        spec: HandlerSpec,
-        runtime: Runtime,
-        version: ServerVersion | None,
-        bulk_channel: AbstractChannel | None = None,
-    ) -> LaneScheduler:
-        async def give_back(message: AbstractIncomingMessage, why: str) -> None:
-            await ends.give_back(message, spec, runtime, why, logging.INFO)
-
-        async def redeclare() -> None:
-            declaring = await conn.channel()
-            await declare(declaring, [spec.queue_spec()])
-            await declaring.close()
-
-        lane_levels = spec.queue_spec().lane_levels(version)
-        return LaneScheduler(
-            channel,
-            [lane for lane, _ in lane_levels],
-            concurrency=self.concurrency,
-            starvation_limit=self.settings.priority_starvation_limit,
-            start=functools.partial(self._start, spec, runtime),
-            give_back=give_back,
-            redeclare=redeclare,
-            bulk_channel=bulk_channel,
-            held_bound_s=self.settings.held_delivery_s,
-            on_held=lambda: self.app.metrics.held_deliveries.labels(spec.queue).inc(),
-            levels=[rank for _, rank in lane_levels],
-        )
-
-    async def _consume_again(
-        self,
-        conn: AbstractConnection,
-        channel: AbstractChannel,
-        spec: HandlerSpec,
-        runtime: Runtime,
-    ) -> tuple[AbstractQueue, str]:
-        """Consume ``spec``'s queue again after the broker cancelled our consumer.
-
-        The queue is declared first, as at start (it may have been deleted): consuming from
-        a missing queue would close the channel of every other consumer too. Any failure ends
-        the session, and the reconnect path declares and consumes everything afresh.
-        """
-        log.warning("the broker cancelled our consumer of %r; consuming it again", spec.queue)
-        try:
-            declaring = await conn.channel()
-            await declare(declaring, [spec.queue_spec()])
-            await declaring.close()
-            queue = await channel.get_queue(spec.queue, ensure=False)
-            tag = await consume(queue, self._dispatcher(spec, runtime))
-        except (*LINK_ERRORS, RuntimeError) as e:  # RuntimeError: aio-pika's "closed"
-            raise aiormq.exceptions.ConnectionClosed(
-                320, f"could not consume {spec.queue!r} again: {describe(e)}"
-            ) from e
-        log.info("consuming %s again", spec.queue)
-        return queue, tag
-
-    def _dispatcher(
-        self, spec: HandlerSpec, runtime: Runtime
-    ) -> Callable[[AbstractIncomingMessage], Awaitable[None]]:
-        async def on_message(message: AbstractIncomingMessage) -> None:
-            if self._stop.is_set():
-                # Arrived after we decided to stop: given back now, so another worker can
-                # take it while this one drains (which may last the whole grace period).
-                await ends.give_back(message, spec, runtime, "the worker is stopping", logging.INFO)
-                return
-            # Our own task, not aiormq's: aiormq cancels its callback tasks when the
-            # connection drops, and a model call that is paid for should still finish and
-            # store its result even if its ack can no longer be sent.
-            self._start(spec, runtime, message)
-
-        return on_message
-
-    def _start(
-        self, spec: HandlerSpec, runtime: Runtime, message: AbstractIncomingMessage
-    ) -> asyncio.Task[None]:
-        """Process ``message`` in a task of ours, counted in flight, settled on every path."""
-        return self._in_flight.start(message, spec, runtime)
-
-    def _watch(
-        self, spec: HandlerSpec, runtime: Runtime, consumers: Pausable
-    ) -> Coroutine[Any, Any, None]:
-        start = functools.partial(self._start, spec, runtime)
-        return self._circuits[spec.queue].watch(consumers, start)
-
-    def _take_over(
-        self,
-        message: AbstractIncomingMessage,
-        spec: HandlerSpec,
-        rt: Runtime,
-        stuck: asyncio.Task[Any],
-        ending: Coroutine[Any, Any, None],
-    ) -> None:
-        """Run ``ending`` (the delivery's failure path) in place of ``stuck``, whose handler
-        ignored its cancellation: the slot and the message are freed, the handler left."""
-        self._abandoned.add(stuck)
-        stuck.add_done_callback(self._abandoned.discard)
-        self._in_flight.replace(message, spec, rt, stuck, ending)
-
-    async def _drain(self) -> None:
-        """Wait for in-flight handlers up to the grace period, then cancel the rest; they
-        give their messages back. Bounded: a handler that ignores its cancellation is left."""
-        running = self._in_flight.all()
-        if not running:
-            return
-        log.info(
-            "waiting up to %.0f s for %d in-flight task(s)", self.shutdown_grace_s, len(running)
-        )
-        _, pending = await asyncio.wait(running, timeout=self.shutdown_grace_s)
-        if not pending:
-            return
-        for task in pending:
-            task.cancel()
-        log.warning(
-            "%d task(s) still running after the grace period were cancelled; their messages "
-            "go back to the queue",
-            len(pending),
-        )
-        _, stuck = await asyncio.wait(pending, timeout=DRAIN_CANCEL_S)
-        if stuck:
-            log.error(
-                "%d handler(s) ignored their cancellation; leaving them behind (their messages "
-                "return to the queue when the connection closes)",
-                len(stuck),
-            )
-            for task in stuck:
-                self._in_flight.forget(task)
-                self._abandoned.add(task)
-                task.add_done_callback(self._abandoned.discard)
-
-    def _check_redis_pool(self) -> None:
-        if self.app.store is None:
-            return
-        if self.settings.redis_max_connections < REDIS_CONNECTIONS_NEEDED:
-            raise ConfigurationError(
-                f"a worker needs up to {REDIS_CONNECTIONS_NEEDED} Redis connections per pool, "
-                f"over WECLAW_MQ_REDIS_MAX_CONNECTIONS={self.settings.redis_max_connections}; "
-                "raise it"
-            )
-
-    def _warn_about_sync_threads(self) -> None:
-        sync = [s.queue for s in self.specs if s.is_sync]
-        if len(sync) * self.concurrency > self.sync_threads.size:
-            log.warning(
-                "plain-def handler(s) of %s may run %d calls at once (concurrency %d each), "
-                "over WECLAW_MQ_SYNC_THREADS=%d: the calls beyond it wait for a thread under "
-                "their timeout",
-                ", ".join(sync),
-                len(sync) * self.concurrency,
-                self.concurrency,
-                self.sync_threads.size,
-            )
-
-    def _warn_about_consumer_timeout(self) -> None:
-        for spec in self.specs:
-            if spec.timeout_s >= BROKER_CONSUMER_TIMEOUT_S:
-                log.warning(
-                    "handler for %r may run %.0f s, past RabbitMQ's consumer_timeout (30 min by "
-                    "default): the broker would close the channel and requeue its messages. "
-                    "Raise it in rabbitmq.conf, e.g. 'consumer_timeout = %d' (milliseconds)",
-                    spec.queue,
-                    spec.timeout_s,
-                    int(spec.timeout_s * 1000 * 2),
-                )
-
-
-class _SingleConsumer:
-    """The consumer of a handler queue without lanes (in ``consumers``, the session's
-    tag -> (spec, queue) map), as its circuit breaker pauses and resumes it.
-
-    ``paused`` is the breaker's word, kept here because the session loop may be subscribing
-    the queue again (after the broker cancelled its consumer) when the breaker opens: it
-    finds no tag to cancel then, and the loop drops the consumer it made once it sees
-    ``paused``. Likewise a resume during that re-subscription adds nothing: the loop's new
-    consumer is the queue's one."""
-
-    def __init__(
-        self,
-        spec: HandlerSpec,
-        queue: AbstractQueue,
-        on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
-        consumers: dict[str, tuple[HandlerSpec, AbstractQueue]],
-        stopping: asyncio.Event,
-        recovering: set[str],
-    ) -> None:
-        self.spec = spec
-        self.queue = queue
-        self.on_message = on_message
-        self.consumers = consumers
-        self.stopping = stopping
-        self.recovering = recovering  # queues the session loop is subscribing again
-        self.paused = False
-
-    async def pause(self) -> None:
-        self.paused = True
-        for tag, (spec, queue) in list(self.consumers.items()):
-            if spec is self.spec:
-                del self.consumers[tag]
-                await queue.cancel(tag)
-
-    async def resume(self) -> None:
-        self.paused = False
-        if self.stopping.is_set():
-            return  # the stop cancels consumers: none is added behind it
-        if self.spec.queue in self.recovering:
-            return  # the session loop's re-subscription is the queue's consumer
-        if any(spec is self.spec for spec, _ in self.consumers.values()):
-            return  # consuming already: a second consumer would double the prefetch
-        tag = await consume(self.queue, self.on_message)
-        self.consumers[tag] = (self.spec, self.queue)
-
-    async def fetch(self) -> AbstractIncomingMessage | None:
-        return await self.queue.get(no_ack=False, fail=False)
-
-
-async def _broker_cancels(channels: set[AbstractChannel]) -> asyncio.Queue[str]:
-    """The consumer tags the broker cancels on its own (basic.cancel) on ``channels``: when a
-    queue is deleted, on some quorum leader changes, and on RabbitMQ 4.3's consumer timeout;
-    the channel stays open and nothing else would tell us that no more deliveries come."""
-    cancelled: asyncio.Queue[str] = asyncio.Queue()
-    for ch in channels:
-        underlay = await ch.get_underlay_channel()
-        underlay.on_consumer_cancel_callbacks.add(
-            lambda frame: cancelled.put_nowait(frame.consumer_tag or "")
-        )
-    return cancelled
 
 
 async def _release(schedulers: list[LaneScheduler], message: AbstractIncomingMessage) -> None:

@@ -1,0 +1,76 @@
+"""How a worker's stop ends its in-flight deliveries: within the grace, then cancelled, then
+left behind; and a handler that ignored its cancellation, taken over.
+
+A mixin of ``consume.Worker``: it reads the worker's attributes declared below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.worker.in_flight import InFlight
+from weclaw_mq.worker.runtime import Runtime
+
+log = logging.getLogger("weclaw_mq.worker")
+
+# After the grace, cancelled handlers get this long to give their messages back.
+DRAIN_CANCEL_S = 5.0
+
+
+class Draining:
+    """The worker's drain at a stop, and its abandoned handlers."""
+
+    shutdown_grace_s: float
+    _in_flight: InFlight
+    _abandoned: set[asyncio.Task[Any]]
+
+    def _take_over(
+        self,
+        message: AbstractIncomingMessage,
+        spec: HandlerSpec,
+        rt: Runtime,
+        stuck: asyncio.Task[Any],
+        ending: Coroutine[Any, Any, None],
+    ) -> None:
+        """Run ``ending`` (the delivery's failure path) in place of ``stuck``, whose handler
+        ignored its cancellation: the slot and the message are freed, the handler left."""
+        self._abandoned.add(stuck)
+        stuck.add_done_callback(self._abandoned.discard)
+        self._in_flight.replace(message, spec, rt, stuck, ending)
+
+    async def _drain(self) -> None:
+        """Wait for in-flight handlers up to the grace period, then cancel the rest; they
+        give their messages back. Bounded: a handler that ignores its cancellation is left."""
+        running = self._in_flight.all()
+        if not running:
+            return
+        log.info(
+            "waiting up to %.0f s for %d in-flight task(s)", self.shutdown_grace_s, len(running)
+        )
+        _, pending = await asyncio.wait(running, timeout=self.shutdown_grace_s)
+        if not pending:
+            return
+        for task in pending:
+            task.cancel()
+        log.warning(
+            "%d task(s) still running after the grace period were cancelled; their messages "
+            "go back to the queue",
+            len(pending),
+        )
+        _, stuck = await asyncio.wait(pending, timeout=DRAIN_CANCEL_S)
+        if stuck:
+            log.error(
+                "%d handler(s) ignored their cancellation; leaving them behind (their messages "
+                "return to the queue when the connection closes)",
+                len(stuck),
+            )
+            for task in stuck:
+                self._in_flight.forget(task)
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned.discard)
