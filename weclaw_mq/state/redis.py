@@ -58,6 +58,7 @@ from weclaw_mq.state.redis_workflows import RedisWorkflowStore
 from weclaw_mq.state.schedule_book import ScheduleBook
 from weclaw_mq.state.transitions import TRANSITIONS
 from weclaw_mq.state.worker_registry import WorkerRegistry
+from weclaw_mq.state.workflow_records import HasWorkflows
 
 # (The ``type: ignore[arg-type]`` on scripts called in a pipeline: redis-py's AsyncScript
 # annotation omits the cluster pipeline, which it runs like any client.)
@@ -239,8 +240,13 @@ return ARGV[1]
 """
 
 
-class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads):
+class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads, HasWorkflows):
     """``TaskStore`` on Redis; its failures surface as ``StateUnavailableError``.
+
+    Its methods do what the protocols it implements say, where their docstrings are written
+    (``TaskStore``, ``TaskIndex``, ``FingerprintStore``, ``RecordsSoon``, ``HasWorkflows``).
+    Each raises ``StateUnavailableError`` when Redis fails or does not answer, and
+    ``StateCommandError`` when Redis answered with an error (not an outage).
 
     Args:
         client: The redis-py client (one Redis, a Cluster or a Sentinel set).
@@ -331,11 +337,7 @@ class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads):
         return WorkerRegistry(self._redis, self._pipe)
 
     def workflow_store(self) -> RedisWorkflowStore:
-        """The workflows (``state.workflow_records``) in this store's Redis.
-
-        Returns:
-            The workflow store; its steps share the store's auto-pipeline.
-        """
+        # Its steps share the store's auto-pipeline.
         if self._workflows is None:
             self._workflows = RedisWorkflowStore(self._redis, self._pipe)
         return self._workflows
@@ -387,10 +389,7 @@ class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads):
         return ScheduleBook(self._redis, app)
 
     async def close(self) -> None:
-        """Stop renewing leases, close the wake-up subscription and the auto-pipeline.
-
-        The client is closed too when the store owns it (``owns_client``).
-        """
+        # The renewer, the wake-up subscription, the auto-pipeline; the client if it is ours.
         renewer, self._renewer = self._renewer, None
         if renewer is not None and renewer.get_loop() is asyncio.get_running_loop():
             renewer.cancel()

@@ -36,7 +36,7 @@ from weclaw_mq.state.cancel_records import (
 )
 from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import AutoPipeline
-from weclaw_mq.state.protocol import Cancellation, CancelOutcome, TaskState
+from weclaw_mq.state.protocol import Cancellation, CancelOutcome, TaskState, TaskStore
 from weclaw_mq.state.redis_clients import REDIS_FAILURES, StateClient
 from weclaw_mq.state.redis_index import RedisTaskIndex
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S
@@ -186,45 +186,19 @@ class RedisCancels:
                 await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
 
-class RedisCancelling:
+class RedisCancelling(TaskStore):
     """The Redis task store's cancel methods (``RedisTaskStore`` inherits them): each is one
     call to its ``RedisCancels``, with redis-py's errors turned into ``StateUnavailableError``."""
 
     _cancels: RedisCancels  # set by RedisTaskStore.__init__
 
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
-        """Cancel the task unless its record is final: ``TaskStore.cancel``.
-
-        Args:
-            task_id: The task's id.
-            queue: The queue; without it, the latest record and every queue.
-
-        Returns:
-            What happened.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             return await self._cancels.cancel(task_id, queue)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def is_cancelled(self, queue: str, task_id: str) -> bool:
-        """Does a cancel marker cover (queue, task id)? ``TaskStore.is_cancelled``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-
-        Returns:
-            True when a cancel covers it.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             return await self._cancels.is_cancelled(queue, task_id)
         except REDIS_FAILURES as e:
@@ -235,14 +209,7 @@ class RedisCancelling:
         on_cancel: Callable[[str, str | None], None],
         on_subscribed: Callable[[], Awaitable[None]],
     ) -> None:
-        """Until cancelled, pass on each cancel to ``on_cancel``: ``TaskStore.watch_cancels``.
-
-        A failed subscription is logged (once per outage) and made again, with backoff.
-
-        Args:
-            on_cancel: Called as ``on_cancel(task_id, queue or None for all)``.
-            on_subscribed: Awaited after each (re)subscription.
-        """
+        # A failed subscription is logged (once per outage) and made again, with backoff.
         failures = 0
 
         async def subscribed() -> None:

@@ -66,21 +66,6 @@ class RedisGuard(RedisRecords):
     async def claim(
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
-        """Claim (queue, task id) for ``owner``: ``TaskStore.claim``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The attempt's token.
-            running: A record to write when the claim is granted.
-
-        Returns:
-            The answer, as ``TaskStore.claim`` gives it.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         keys = [guard_key(queue, task_id), cancel_key(task_id)]
         args: list[str | int] = [_RUNNING + owner + self._of_worker, self._lease_ms, DONE, queue]
         if running is not None:
@@ -156,18 +141,7 @@ class RedisGuard(RedisRecords):
 
     @contextlib.contextmanager
     def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
-        """Keep ``owner``'s claim alive while the body runs: ``TaskStore.holding``.
-
-        The store's renewer extends every held lease in one batch, every third of the lease.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The claim's holder.
-
-        Returns:
-            A context manager around the body.
-        """
+        # No timer of its own: the store's renewer extends every held lease in one batch.
         key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker
         self._held[key] = value
         self._renewing()
@@ -226,17 +200,6 @@ class RedisGuard(RedisRecords):
                     )
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
-        """Drop the claim if ``owner`` still holds it: ``TaskStore.release``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The claim's holder.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker
         if self._held.get(key) == value:
             del self._held[key]  # given up: no renewal may find it gone and cry "lost"
@@ -248,21 +211,6 @@ class RedisGuard(RedisRecords):
     async def finish(
         self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
     ) -> Finish:
-        """Mark (queue, task id) done and write ``result``: ``TaskStore.finish``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            result: The final record, if any.
-            owner: The claim's holder, checked; None marks done whoever holds it.
-
-        Returns:
-            The answer, as ``TaskStore.finish`` gives it.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         key = guard_key(queue, task_id)
         keys = [key]
         args: list[str | int] = [DONE, self._done_ttl_ms]

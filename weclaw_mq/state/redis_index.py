@@ -52,6 +52,7 @@ from weclaw_mq.state.redis_clients import REDIS_FAILURES
 from weclaw_mq.state.task_index import (
     SPARSE_STATUSES,
     TIMELINE_MAX_EVENTS,
+    TaskIndex,
     TaskPage,
     TaskQuery,
     TimelineEvent,
@@ -358,45 +359,18 @@ class RedisTaskIndex:
         return read_timeline([as_text(r) for r in raw], queue)
 
 
-class RedisIndexReads:
+class RedisIndexReads(TaskIndex):
     """The Redis task store's reads of its task index (``RedisTaskStore`` inherits them)."""
 
     index: RedisTaskIndex  # set by RedisTaskStore.__init__
 
     async def list_tasks(self, query: TaskQuery) -> TaskPage:
-        """One page of indexed tasks, newest first: ``TaskIndex.list_tasks``.
-
-        Args:
-            query: The filters, page size and cursor.
-
-        Returns:
-            The page.
-
-        Raises:
-            ConfigurationError: The index is off.
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             return await self.index.list_tasks(query)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def timeline(self, task_id: str, *, queue: str | None = None) -> list[TimelineEvent]:
-        """The task's record writes, oldest first: ``TaskIndex.timeline``.
-
-        Args:
-            task_id: The task's id.
-            queue: Only the events of this queue.
-
-        Returns:
-            The events ([] when none are kept).
-
-        Raises:
-            ConfigurationError: The index is off.
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             return await self.index.timeline(task_id, queue)
         except REDIS_FAILURES as e:

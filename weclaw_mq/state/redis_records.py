@@ -17,11 +17,12 @@ from weclaw_mq.errors import ResultTimeoutError
 from weclaw_mq.state.expiry import record_ttl_s
 from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import AutoPipeline, Script
-from weclaw_mq.state.protocol import TaskState, TaskStatus
+from weclaw_mq.state.protocol import RecordsSoon, TaskState, TaskStatus, TaskStore
 from weclaw_mq.state.redis_clients import REDIS_FAILURES, StateClient
 from weclaw_mq.state.redis_index import RedisTaskIndex
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S
 from weclaw_mq.state.redis_wakeups import Wakeups
+from weclaw_mq.state.reuse import FingerprintStore
 from weclaw_mq.state.transitions import narrowing
 
 
@@ -30,7 +31,7 @@ def _only_over_arg(only_over: Collection[TaskStatus] | None) -> str:
     return "-" if only_over is None else " ".join(sorted(s.value for s in only_over))
 
 
-class RedisRecords:
+class RedisRecords(TaskStore, FingerprintStore, RecordsSoon):
     """A task's records on Redis, and the wake-ups of those who wait for one to turn final."""
 
     # Set by RedisTaskStore.__init__.
@@ -72,20 +73,6 @@ class RedisRecords:
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> bool:
-        """Write ``state`` if its status may follow the stored one: ``TaskStore.record``.
-
-        Args:
-            state: The record to write.
-            only_if_new: Only where no record exists.
-            only_over: Only where none exists or it reads one of those statuses.
-
-        Returns:
-            True when written, False when refused.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         over = _only_over_arg(narrowing(only_if_new, only_over))
         keys, args = self._record_call(state, over)
         try:
@@ -94,16 +81,7 @@ class RedisRecords:
             raise state_unavailable(e) from e
 
     def record_soon(self, state: TaskState, *, only_if_new: bool = False) -> asyncio.Future[Any]:
-        """``record`` started now, sent with the auto-pipeline's next batch (``RecordsSoon``).
-
-        Args:
-            state: The record to write.
-            only_if_new: Only where no record exists.
-
-        Returns:
-            A future that answers whether it was written, or fails with redis-py's error
-            (unwrapped: the caller only logs it).
-        """
+        # Sent with the auto-pipeline's next batch: no task of its own, a round trip sooner.
         over = _only_over_arg(narrowing(only_if_new, None))
         return self._pipe.script(self._record, *self._record_call(state, over))
 
@@ -114,17 +92,6 @@ class RedisRecords:
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> None:
-        """``record`` for each of ``states``: ``TaskStore.record_many``.
-
-        Args:
-            states: The records to write.
-            only_if_new: As in ``record``.
-            only_over: As in ``record``.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         if not states:
             return
         try:
@@ -157,16 +124,6 @@ class RedisRecords:
         )
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
-        """Drop the task's record if it reads ``queued``: ``TaskStore.forget_queued``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         keys = [state_key(queue, task_id), latest_key(task_id)]
         try:
             forgot = await self._pipe.script(
@@ -180,21 +137,6 @@ class RedisRecords:
     async def keep_fingerprint(
         self, queue: str, task_id: str, fingerprint: str, ttl_s: float
     ) -> str:
-        """Keep ``fingerprint`` unless one is kept already (``state.reuse.FingerprintStore``).
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            fingerprint: The body's fingerprint.
-            ttl_s: How long to keep it, in seconds.
-
-        Returns:
-            The fingerprint kept now (``fingerprint`` when none was).
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         args = [fingerprint, max(1, int(ttl_s * 1000))]
         try:
             kept = await self._pipe.script(self._keep_fingerprint, [body_key(queue, task_id)], args)
@@ -203,19 +145,6 @@ class RedisRecords:
         return kept.decode() if isinstance(kept, bytes) else str(kept)
 
     async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
-        """The task's record in ``queue``: ``TaskStore.get``.
-
-        Args:
-            task_id: The task's id.
-            queue: The queue; without it, the task's latest record.
-
-        Returns:
-            The record, or None when none is kept.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             if queue is None:
                 raw = await self._pipe.script(self._get_latest, [latest_key(task_id)], [])
@@ -226,21 +155,6 @@ class RedisRecords:
         return TaskState.model_validate_json(raw) if raw is not None else None
 
     async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
-        """The record once terminal: ``TaskStore.wait``.
-
-        Args:
-            task_id: The task's id.
-            timeout_s: How long to wait, in seconds.
-            queue: As in ``get``.
-
-        Returns:
-            The terminal record.
-
-        Raises:
-            ResultTimeoutError: None within ``timeout_s``.
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             return await self._wait(task_id, timeout_s, queue)
         except REDIS_FAILURES as e:
