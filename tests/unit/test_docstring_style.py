@@ -8,7 +8,9 @@ something, has a ``Returns:`` or ``Yields:`` section. A class documents its cons
 parameters (a dataclass's fields) in its own docstring or in its ``__init__``'s: the page
 merges the two (``merge_init_into_class``). Error classes are exempt from ``Args:`` and may
 wrap their one sentence over two lines: docs/reference/errors.md shows them, and their
-constructors are the library's to call.
+constructors are the library's to call. A store's method without a docstring of its own shows
+the one of the protocol method it implements (griffe-inherited-docstrings, which mkdocs.yml
+loads too).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from weclaw_mq.errors import WeclawMQError
 griffe = pytest.importorskip(
     "griffe", reason="griffe comes with mkdocstrings: pip install -e '.[dev]'"
 )
+# The stores' methods take the docstrings of the protocol methods they implement, as on the page.
+INHERITED_DOCSTRINGS = pytest.importorskip(
+    "griffe_inherited_docstrings", reason="pip install -e '.[dev]'"
+).__name__
 
 ROOT = Path(__file__).resolve().parents[2]
 # Parameters no docstring lists: the instance and the class.
@@ -45,6 +51,7 @@ def _load() -> Any:
         search_paths=[str(ROOT)],
         docstring_parser="google",
         allow_inspection=False,
+        extensions=griffe.load_extensions(INHERITED_DOCSTRINGS),
     )
 
 

@@ -42,10 +42,13 @@ from weclaw_mq.state.protocol import (
     Finish,
     TaskState,
     TaskStatus,
+    TaskStore,
 )
+from weclaw_mq.state.reuse import FingerprintStore
 from weclaw_mq.state.task_index import (
     SPARSE_STATUSES,
     TIMELINE_MAX_EVENTS,
+    TaskIndex,
     TaskPage,
     TaskQuery,
     TimelineEvent,
@@ -56,7 +59,7 @@ from weclaw_mq.state.task_index import (
     to_ms,
 )
 from weclaw_mq.state.transitions import may_follow, narrowing
-from weclaw_mq.state.workflow_records import MemoryWorkflowStore
+from weclaw_mq.state.workflow_records import HasWorkflows, MemoryWorkflowStore
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this
 
@@ -79,10 +82,11 @@ class _Marker:
     scopes: set[str] = field(default_factory=set)
 
 
-class MemoryTaskStore:
+class MemoryTaskStore(TaskStore, TaskIndex, FingerprintStore, HasWorkflows):
     """A ``TaskStore`` in one process, with the Redis store's rules (for tests).
 
-    Its methods do what ``TaskStore``'s say.
+    Its methods do what the protocols it implements say, where their docstrings are written
+    (``TaskStore``, ``TaskIndex``, ``FingerprintStore``, ``HasWorkflows``).
 
     Args:
         ttl_s: How long a record (and a cancel marker) is kept, in seconds; a record with a
@@ -146,17 +150,6 @@ class MemoryTaskStore:
     async def claim(
         self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
     ) -> Claim:
-        """Claim (queue, task id) for ``owner``: ``TaskStore.claim``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The attempt's token.
-            running: A record to write when the claim is granted.
-
-        Returns:
-            The answer, as ``TaskStore.claim`` gives it.
-        """
         if self._is_cancelled(queue, task_id):
             return Claim.CANCELLED
         key = (queue, task_id)
@@ -170,16 +163,6 @@ class MemoryTaskStore:
 
     @contextlib.contextmanager
     def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
-        """Keep ``owner``'s claim alive while the body runs: ``TaskStore.holding``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The claim's holder.
-
-        Returns:
-            A context manager; on exit the lease runs its full length from then.
-        """
         key = (queue, task_id)
         self._held[key] = owner
         try:
@@ -193,13 +176,6 @@ class MemoryTaskStore:
                     entry.expires_at = self._clock() + self._lease_s
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
-        """Drop the claim if ``owner`` still holds it: ``TaskStore.release``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The claim's holder.
-        """
         key = (queue, task_id)
         current = self._live(self._claims, key)
         if current is not None and current.value == owner:
@@ -208,17 +184,6 @@ class MemoryTaskStore:
     async def finish(
         self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
     ) -> Finish:
-        """Mark (queue, task id) done and write ``result``: ``TaskStore.finish``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            result: The final record, if any.
-            owner: The claim's holder, checked; None marks done whoever holds it.
-
-        Returns:
-            The answer, as ``TaskStore.finish`` gives it.
-        """
         key = (queue, task_id)
         current = self._live(self._claims, key)
         if current is not None and current.value == _DONE:
@@ -287,17 +252,6 @@ class MemoryTaskStore:
                     del sparse[key]
 
     async def list_tasks(self, query: TaskQuery) -> TaskPage:
-        """One page of indexed tasks, newest first: ``TaskIndex.list_tasks``.
-
-        Args:
-            query: The filters, page size and cursor.
-
-        Returns:
-            The page.
-
-        Raises:
-            ConfigurationError: The index is off.
-        """
         if not self.task_index:
             raise index_off()
         # The sorted set the Redis store reads for the query: a sparse status's, a queue's, all.
@@ -324,18 +278,6 @@ class MemoryTaskStore:
         return await scan_page(query, entries, records)
 
     async def timeline(self, task_id: str, *, queue: str | None = None) -> list[TimelineEvent]:
-        """The task's record writes, oldest first: ``TaskIndex.timeline``.
-
-        Args:
-            task_id: The task's id.
-            queue: Only the events of this queue.
-
-        Returns:
-            The events ([] when none are kept).
-
-        Raises:
-            ConfigurationError: The index is off.
-        """
         if not self.task_index:
             raise index_off()
         timeline = self._timelines.get(task_id)
@@ -350,16 +292,6 @@ class MemoryTaskStore:
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> bool:
-        """Write ``state`` if its status may follow the stored one: ``TaskStore.record``.
-
-        Args:
-            state: The record to write.
-            only_if_new: Only where no record exists.
-            only_over: Only where none exists or it reads one of those statuses.
-
-        Returns:
-            True when written, False when refused.
-        """
         return self._write(state, only_if_new=only_if_new, only_over=only_over)
 
     async def record_many(
@@ -369,23 +301,10 @@ class MemoryTaskStore:
         only_if_new: bool = False,
         only_over: Collection[TaskStatus] | None = None,
     ) -> None:
-        """``record`` for each of ``states``: ``TaskStore.record_many``.
-
-        Args:
-            states: The records to write.
-            only_if_new: As in ``record``.
-            only_over: As in ``record``.
-        """
         for state in states:
             self._write(state, only_if_new=only_if_new, only_over=only_over)
 
     async def forget_queued(self, queue: str, task_id: str) -> None:
-        """Drop the task's record if it reads ``queued``: ``TaskStore.forget_queued``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-        """
         key = (queue, task_id)
         current = self._live(self._records, key)
         if current is None:
@@ -401,17 +320,6 @@ class MemoryTaskStore:
     async def keep_fingerprint(
         self, queue: str, task_id: str, fingerprint: str, ttl_s: float
     ) -> str:
-        """Keep ``fingerprint`` unless one is kept already (``state.reuse.FingerprintStore``).
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            fingerprint: The body's fingerprint.
-            ttl_s: How long to keep it, in seconds.
-
-        Returns:
-            The fingerprint kept now (``fingerprint`` when none was).
-        """
         key = (queue, task_id)
         kept = self._live(self._fingerprints, key)
         if kept is not None:
@@ -429,31 +337,9 @@ class MemoryTaskStore:
         return TaskState.model_validate_json(entry.value) if entry is not None else None
 
     async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
-        """The task's record in ``queue``: ``TaskStore.get``.
-
-        Args:
-            task_id: The task's id.
-            queue: The queue; without it, the task's latest record.
-
-        Returns:
-            The record, or None when none is kept.
-        """
         return self._read(task_id, queue)
 
     async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
-        """The record once terminal: ``TaskStore.wait``.
-
-        Args:
-            task_id: The task's id.
-            timeout_s: How long to wait, in seconds.
-            queue: As in ``get``.
-
-        Returns:
-            The terminal record.
-
-        Raises:
-            ResultTimeoutError: None within ``timeout_s``.
-        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -472,15 +358,6 @@ class MemoryTaskStore:
 
     # -- cancellation (state.cancel_records) ------------------------------------------------------
     async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
-        """Cancel the task unless its record is final: ``TaskStore.cancel``.
-
-        Args:
-            task_id: The task's id.
-            queue: The queue; without it, the latest record and every queue.
-
-        Returns:
-            What happened.
-        """
         # No await from the read to the writes: the whole cancel is one step, as in Redis.
         state = self._read(task_id, queue)
         other = other_record(state, self._read(task_id, None), queue)
@@ -509,15 +386,6 @@ class MemoryTaskStore:
         )
 
     async def is_cancelled(self, queue: str, task_id: str) -> bool:
-        """Does a cancel marker cover (queue, task id)? ``TaskStore.is_cancelled``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-
-        Returns:
-            True when a cancel covers it.
-        """
         return self._is_cancelled(queue, task_id)
 
     async def watch_cancels(
@@ -525,12 +393,7 @@ class MemoryTaskStore:
         on_cancel: Callable[[str, str | None], None],
         on_subscribed: Callable[[], Awaitable[None]],
     ) -> None:
-        """Until cancelled, pass on each cancel to ``on_cancel``: ``TaskStore.watch_cancels``.
-
-        Args:
-            on_cancel: Called as ``on_cancel(task_id, queue or None for all)``.
-            on_subscribed: Awaited once, when watching starts.
-        """
+        # Every cancel of this process reaches it from here on: one subscription, never lost.
         self._cancel_watchers.append(on_cancel)
         try:
             await on_subscribed()
@@ -547,13 +410,7 @@ class MemoryTaskStore:
         return self._fair_book
 
     def workflow_store(self) -> MemoryWorkflowStore:
-        """The workflows (``state.workflow_records``) beside these tasks, in memory too.
-
-        Returns:
-            The workflow store.
-        """
         return self._workflows
 
     async def close(self) -> None:
-        """Nothing to release: a no-op."""
-        return None
+        return None  # nothing to release

@@ -414,6 +414,14 @@ class RecordsSoon(Protocol):
     "queued" record so, before the broker's confirm, and a round trip sooner."""
 
     def record_soon(self, state: TaskState, *, only_if_new: bool = False) -> Awaitable[Any]:
-        """``record`` started now: a future that answers whether it was written, or fails
-        with the store's error (unwrapped: the caller only logs it)."""
+        """``record`` started now, sent with the store's next batch.
+
+        Args:
+            state: The record to write.
+            only_if_new: Only where no record exists.
+
+        Returns:
+            A future that answers whether it was written, or fails with the store's error
+            (unwrapped: the caller only logs it).
+        """
         ...

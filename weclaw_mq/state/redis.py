@@ -13,6 +13,12 @@ worker whose heartbeat lapsed (it died) takes the claim over at once, instead of
 the lease. That check is a second step, on the busy path only, not inside the claim script:
 on a Redis Cluster the heartbeat key lives in another slot than the task's keys.
 
+``RedisTaskStore`` holds its constructor, the books beside the tasks in its Redis and
+``close``; its methods by topic live in the classes it inherits: ``state.redis_guard`` (the
+claim, leases, heartbeat, release and finish), ``state.redis_records`` (records, their reads
+and ``wait``), ``state.redis_cancel`` (cancellation) and ``state.redis_index`` (the index's
+reads).
+
 For results to survive a Redis restart, Redis must persist them (``appendonly yes``); a Redis
 that keeps nothing on disk forgets every result (and every done marker) when it restarts.
 """
@@ -21,66 +27,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import logging
 import math
 import os
 import socket
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
-from redis.exceptions import RedisError
-
-from weclaw_mq.contract.naming import (
-    body_key,
-    cancel_key,
-    done_channel,
-    guard_key,
-    heartbeat_key,
-    latest_key,
-    state_key,
-)
-from weclaw_mq.errors import ResultTimeoutError
+from weclaw_mq.contract.naming import heartbeat_key
 from weclaw_mq.settings import Settings
 from weclaw_mq.state.cost_ledger import CostLedger
-from weclaw_mq.state.expiry import record_ttl_s
 from weclaw_mq.state.fair_book import RedisFairBook
 from weclaw_mq.state.model_health import ModelHealth
-from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import DEFAULT_MAX_BATCH, AutoPipeline, Script
-from weclaw_mq.state.protocol import Cancellation, Claim, Finish, TaskState, TaskStatus
-from weclaw_mq.state.redis_cancel import RedisCancels
+from weclaw_mq.state.redis_cancel import RedisCancelling, RedisCancels
+from weclaw_mq.state.redis_clients import REDIS_FAILURES as REDIS_FAILURES  # (its former home)
 from weclaw_mq.state.redis_clients import StateClient, is_cluster
 from weclaw_mq.state.redis_clients import (
     open_client as open_client,  # its former home: still importable here
 )
-from weclaw_mq.state.redis_index import INDEX_FORGET_LUA, INDEX_WRITE_LUA, RedisTaskIndex
-from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # (tests read it here)
+from weclaw_mq.state.redis_guard import _OF_WORKER, RedisGuard
+from weclaw_mq.state.redis_index import (
+    INDEX_FORGET_LUA,
+    INDEX_WRITE_LUA,
+    RedisIndexReads,
+    RedisTaskIndex,
+)
+from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # noqa: F401 (tests read it here)
 from weclaw_mq.state.redis_wakeups import Wakeups
 from weclaw_mq.state.redis_workflows import RedisWorkflowStore
 from weclaw_mq.state.schedule_book import ScheduleBook
-from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
-from weclaw_mq.state.transitions import TRANSITIONS, narrowing
+from weclaw_mq.state.transitions import TRANSITIONS
 from weclaw_mq.state.worker_registry import WorkerRegistry
-
-log = logging.getLogger("weclaw_mq.state")
-
-# The guard key's value: "done", or "running:<owner>@<worker id>" while an attempt holds it
-# (a value without "@<worker id>", of an older worker, holds until its lease lapses).
-DONE = "done"
-_RUNNING = "running:"
-_OF_WORKER = "@"
+from weclaw_mq.state.workflow_records import HasWorkflows
 
 # (The ``type: ignore[arg-type]`` on scripts called in a pipeline: redis-py's AsyncScript
 # annotation omits the cluster pipeline, which it runs like any client.)
-
-# Redis failing or not answering, as redis-py raises it (its errors, and socket errors that
-# escape it): the store turns each into StateUnavailableError (``state.is_state_failure``
-# answers the same without importing redis-py).
-REDIS_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
 
 
 def _lua_transitions() -> str:
@@ -259,24 +240,13 @@ return ARGV[1]
 """
 
 
-# Every answer the claim script gives, as str and as bytes (decode_responses or not).
-_CLAIMS: dict[str | bytes, Claim] = {
-    **{c.value: c for c in Claim},
-    **{c.value.encode(): c for c in Claim},
-}
-_FINISHES: dict[str | bytes, Finish] = {
-    **{f.value: f for f in Finish},
-    **{f.value.encode(): f for f in Finish},
-}
-
-
-def _only_over_arg(only_over: Collection[TaskStatus] | None) -> str:
-    """``only_over`` as the record script's argument ('-': not narrowed)."""
-    return "-" if only_over is None else " ".join(sorted(s.value for s in only_over))
-
-
-class RedisTaskStore:
+class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads, HasWorkflows):
     """``TaskStore`` on Redis; its failures surface as ``StateUnavailableError``.
+
+    Its methods do what the protocols it implements say, where their docstrings are written
+    (``TaskStore``, ``TaskIndex``, ``FingerprintStore``, ``RecordsSoon``, ``HasWorkflows``).
+    Each raises ``StateUnavailableError`` when Redis fails or does not answer, and
+    ``StateCommandError`` when Redis answered with an error (not an outage).
 
     Args:
         client: The redis-py client (one Redis, a Cluster or a Sentinel set).
@@ -358,585 +328,6 @@ class RedisTaskStore:
         self._alive = Script.of(_ALIVE)
         self._wakeups: Wakeups | None = None
 
-    # -- the guard ----------------------------------------------------------------------
-    async def claim(
-        self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
-    ) -> Claim:
-        """Claim (queue, task id) for ``owner``: ``TaskStore.claim``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The attempt's token.
-            running: A record to write when the claim is granted.
-
-        Returns:
-            The answer, as ``TaskStore.claim`` gives it.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        keys = [guard_key(queue, task_id), cancel_key(task_id)]
-        args: list[str | int] = [_RUNNING + owner + self._of_worker, self._lease_ms, DONE, queue]
-        if running is not None:
-            keys += self._record_keys(running)
-            args += [running.status.value, running.model_dump_json(), self._ttl_ms]
-            args += self.index.block(running)
-        self._renewing()
-        try:
-            # The claim names our heartbeat: on the first claims (or after the renewer could
-            # not beat for a while) it is written just before, in the same batch.
-            beat = self._beat_for_claims()
-            answer = await self._pipe.script(self._claim, keys, args)
-            if beat is not None:
-                await beat
-            # A dict lookup, not Claim(value): an enum call by value costs several Python
-            # calls on every guarded delivery (Python 3.11).
-            claim = _CLAIMS.get(answer)
-            return claim if claim is not None else await self._claim_from(answer, keys, args)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    async def _claim_from(self, holder: Any, keys: list[str], args: list[str | int]) -> Claim:
-        """Busy: take the claim over if its holder's worker is gone (no heartbeat), else
-        ``Claim.BUSY``. Only a copy of a task someone holds pays these round trips."""
-        text = holder.decode() if isinstance(holder, bytes) else str(holder)
-        if not text.startswith(_RUNNING):
-            return Claim(text)  # an answer this code does not know: ValueError
-        worker = text.rpartition(_OF_WORKER)[2] if _OF_WORKER in text else self.worker_id
-        if worker == self.worker_id:  # ours (alive), or of an older worker: its lease rules
-            return Claim.BUSY
-        if await self._pipe.script(self._alive, [heartbeat_key(worker)], []):
-            return Claim.BUSY
-        again = _CLAIMS.get(await self._pipe.script(self._claim, keys, [*args, holder]))
-        if again is None:  # another copy took it over first
-            return Claim.BUSY
-        if again is Claim.ACQUIRED:
-            log.info("took over the claim on %s from worker %s, which is gone", keys[0], worker)
-        return again
-
-    def _beat_for_claims(self) -> asyncio.Future[Any] | None:
-        """None while our heartbeat surely lives on; else the beat to send (one, shared by
-        the claims issued meanwhile)."""
-        if time.monotonic() <= self._alive_until - self.heartbeat_ttl_s / 2:
-            return None
-        beating = self._beating
-        if (
-            beating is None
-            or beating.done()
-            or beating.get_loop() is not asyncio.get_running_loop()
-        ):
-            beating = self._beating = self._send_beat()
-        return beating
-
-    def _send_beat(self) -> asyncio.Future[Any]:
-        sent = time.monotonic()
-        beat = self._pipe.script(
-            self._beat, [self._heartbeat_key], [self._heartbeat_value, self._heartbeat_ttl_ms]
-        )
-        beat.add_done_callback(functools.partial(self._beaten, sent))
-        return beat
-
-    def _beaten(self, sent: float, beat: asyncio.Future[Any]) -> None:
-        if not beat.cancelled() and beat.exception() is None:
-            self._alive_until = max(self._alive_until, sent + self.heartbeat_ttl_s)
-
-    def _renewing(self) -> None:
-        """The renewer runs on this loop: started on first use, and again on a new loop (a
-        store reused under another ``asyncio.run``: the old loop's task is dead with it)."""
-        loop = asyncio.get_running_loop()
-        renewer = self._renewer
-        if renewer is None or renewer.get_loop() is not loop or renewer.done():
-            self._renewer = loop.create_task(self._renew())
-
-    @contextlib.contextmanager
-    def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:
-        """Keep ``owner``'s claim alive while the body runs: ``TaskStore.holding``.
-
-        The store's renewer extends every held lease in one batch, every third of the lease.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The claim's holder.
-
-        Returns:
-            A context manager around the body.
-        """
-        key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker
-        self._held[key] = value
-        self._renewing()
-        try:
-            yield
-        finally:
-            if self._held.get(key) == value:
-                del self._held[key]
-
-    async def _renew(self) -> None:
-        """Until the store closes (or its loop ends): our heartbeat every third of its TTL,
-        and every held lease every third of the lease, together in one batch."""
-        tick_s = min(self.heartbeat_ttl_s, self.lease_s) / 3
-        beat_due = leases_due = time.monotonic() + tick_s
-        failing = 0
-        while True:
-            await asyncio.sleep(max(0.0, min(beat_due, leases_due) - time.monotonic()))
-            now = time.monotonic()
-            beat = now >= beat_due
-            held = list(self._held.items()) if now >= leases_due else []
-            if beat:
-                beat_due = now + self.heartbeat_ttl_s / 3
-            if now >= leases_due:
-                leases_due = now + self.lease_s / 3
-            try:
-                # Issued together: one pipeline (or several of at most max_batch), and no
-                # SCRIPT EXISTS round trip first, as redis-py's own pipeline of scripts makes.
-                renewed = await asyncio.gather(
-                    *([self._send_beat()] if beat else []),
-                    *(
-                        self._pipe.script(self._extend, [k], [v, self._lease_ms, DONE])
-                        for k, v in held
-                    ),
-                )
-            except Exception as e:  # a Redis blip must not kill the handlers
-                if not failing:  # once per outage, not every tick
-                    log.warning(
-                        "could not renew this worker's heartbeat and %d lease(s) (%s: %s); "
-                        "others take its claims over if this lasts %.3g s",
-                        len(held),
-                        type(e).__name__,
-                        e,
-                        max(0.0, self._alive_until - time.monotonic()),
-                    )
-                failing += 1
-                continue
-            if failing:
-                log.info("renewed the heartbeat and leases again after %d failed tries", failing)
-                failing = 0
-            for (key, value), ok in zip(held, renewed[len(renewed) - len(held) :], strict=True):
-                if not ok and self._held.get(key) == value:
-                    log.warning(
-                        "lost the lease on %s (it lapsed or was taken); another worker may "
-                        "run the task too",
-                        key,
-                    )
-
-    async def release(self, queue: str, task_id: str, owner: str) -> None:
-        """Drop the claim if ``owner`` still holds it: ``TaskStore.release``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            owner: The claim's holder.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker
-        if self._held.get(key) == value:
-            del self._held[key]  # given up: no renewal may find it gone and cry "lost"
-        try:
-            await self._pipe.script(self._release, [key], [value])
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    async def finish(
-        self, queue: str, task_id: str, result: TaskState | None, *, owner: str | None = None
-    ) -> Finish:
-        """Mark (queue, task id) done and write ``result``: ``TaskStore.finish``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            result: The final record, if any.
-            owner: The claim's holder, checked; None marks done whoever holds it.
-
-        Returns:
-            The answer, as ``TaskStore.finish`` gives it.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        key = guard_key(queue, task_id)
-        keys = [key]
-        args: list[str | int] = [DONE, self._done_ttl_ms]
-        if result is not None:
-            keys += self._record_keys(result)
-            args += [
-                result.status.value,
-                result.model_dump_json(),
-                self._ttl_ms,
-                done_channel(result.task_id),
-                result.queue,
-                *self.index.block(result),
-            ]
-        value = None if owner is None else _RUNNING + owner + self._of_worker
-        if value is not None:
-            args.append(value)
-        try:
-            answer = await self._pipe.script(self._finish, keys, args)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-        # Held (renewed) until the finish returned: a result write that retries keeps it.
-        if value is not None and self._held.get(key) == value:
-            del self._held[key]
-        finish = _FINISHES.get(answer)
-        return finish if finish is not None else Finish(answer)
-
-    # -- the records --------------------------------------------------------------------
-    @staticmethod
-    def _record_keys(state: TaskState) -> list[str]:
-        return [state_key(state.queue, state.task_id), latest_key(state.task_id)]
-
-    def _record_ttl_ms(self, state: TaskState) -> int:
-        return int(record_ttl_s(state, self._ttl_ms / 1000, datetime.now(UTC)) * 1000)
-
-    def _record_call(self, state: TaskState, only_over: str) -> tuple[list[str], list[Any]]:
-        """The record script's KEYS and ARGV for writing ``state``."""
-        return self._record_keys(state), [
-            state.status.value,
-            state.model_dump_json(),
-            self._record_ttl_ms(state),
-            only_over,
-            done_channel(state.task_id),
-            state.queue,
-            *self.index.block(state),
-        ]
-
-    async def record(
-        self,
-        state: TaskState,
-        *,
-        only_if_new: bool = False,
-        only_over: Collection[TaskStatus] | None = None,
-    ) -> bool:
-        """Write ``state`` if its status may follow the stored one: ``TaskStore.record``.
-
-        Args:
-            state: The record to write.
-            only_if_new: Only where no record exists.
-            only_over: Only where none exists or it reads one of those statuses.
-
-        Returns:
-            True when written, False when refused.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        over = _only_over_arg(narrowing(only_if_new, only_over))
-        keys, args = self._record_call(state, over)
-        try:
-            return bool(await self._pipe.script(self._record, keys, args))
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    def record_soon(self, state: TaskState, *, only_if_new: bool = False) -> asyncio.Future[Any]:
-        """``record`` started now, sent with the auto-pipeline's next batch (``RecordsSoon``).
-
-        Args:
-            state: The record to write.
-            only_if_new: Only where no record exists.
-
-        Returns:
-            A future that answers whether it was written, or fails with redis-py's error
-            (unwrapped: the caller only logs it).
-        """
-        over = _only_over_arg(narrowing(only_if_new, None))
-        return self._pipe.script(self._record, *self._record_call(state, over))
-
-    async def record_many(
-        self,
-        states: Sequence[TaskState],
-        *,
-        only_if_new: bool = False,
-        only_over: Collection[TaskStatus] | None = None,
-    ) -> None:
-        """``record`` for each of ``states``: ``TaskStore.record_many``.
-
-        Args:
-            states: The records to write.
-            only_if_new: As in ``record``.
-            only_over: As in ``record``.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        if not states:
-            return
-        try:
-            await self._record_many(states, only_if_new, narrowing(only_if_new, only_over))
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    async def _record_many(
-        self,
-        states: Sequence[TaskState],
-        only_if_new: bool,
-        only_over: Collection[TaskStatus] | None,
-    ) -> None:
-        if only_if_new and not any(st.status.terminal for st in states) and not self._cluster:
-            # The publish_many case: one script call for the whole batch, not one per task
-            # (not on a cluster: the tasks' keys are in different slots).
-            keys: list[str] = []
-            # One TTL for the batch: the longest any of its records needs.
-            args: list[Any] = [max(self._record_ttl_ms(st) for st in states)]
-            args.append(4 if self.index.enabled else 2)  # ARGV per task
-            for st in states:
-                keys += self._record_keys(st)
-                args += [st.status.value, st.model_dump_json(), *self.index.block(st)]
-            await self._record_new_many(keys=keys, args=args)
-            return
-        # Queued together in this loop iteration: one pipeline (up to the batch bound).
-        over = _only_over_arg(only_over)
-        await asyncio.gather(
-            *(self._pipe.script(self._record, *self._record_call(st, over)) for st in states)
-        )
-
-    async def forget_queued(self, queue: str, task_id: str) -> None:
-        """Drop the task's record if it reads ``queued``: ``TaskStore.forget_queued``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        keys = [state_key(queue, task_id), latest_key(task_id)]
-        try:
-            forgot = await self._pipe.script(
-                self._forget_queued, keys, self.index.forget_args(queue, task_id)
-            )
-            if forgot:
-                await self.index.forget_beside(queue, task_id)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    async def keep_fingerprint(
-        self, queue: str, task_id: str, fingerprint: str, ttl_s: float
-    ) -> str:
-        """Keep ``fingerprint`` unless one is kept already (``state.reuse.FingerprintStore``).
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-            fingerprint: The body's fingerprint.
-            ttl_s: How long to keep it, in seconds.
-
-        Returns:
-            The fingerprint kept now (``fingerprint`` when none was).
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        args = [fingerprint, max(1, int(ttl_s * 1000))]
-        try:
-            kept = await self._pipe.script(self._keep_fingerprint, [body_key(queue, task_id)], args)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-        return kept.decode() if isinstance(kept, bytes) else str(kept)
-
-    async def get(self, task_id: str, *, queue: str | None = None) -> TaskState | None:
-        """The task's record in ``queue``: ``TaskStore.get``.
-
-        Args:
-            task_id: The task's id.
-            queue: The queue; without it, the task's latest record.
-
-        Returns:
-            The record, or None when none is kept.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        try:
-            if queue is None:
-                raw = await self._pipe.script(self._get_latest, [latest_key(task_id)], [])
-            else:
-                raw = await self._pipe.hget(state_key(queue, task_id), "state")
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-        return TaskState.model_validate_json(raw) if raw is not None else None
-
-    async def wait(self, task_id: str, timeout_s: float, *, queue: str | None = None) -> TaskState:
-        """The record once terminal: ``TaskStore.wait``.
-
-        Args:
-            task_id: The task's id.
-            timeout_s: How long to wait, in seconds.
-            queue: As in ``get``.
-
-        Returns:
-            The terminal record.
-
-        Raises:
-            ResultTimeoutError: None within ``timeout_s``.
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        try:
-            return await self._wait(task_id, timeout_s, queue)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    def wakeups(self) -> Wakeups:
-        """This store's one subscription on the running loop (``state.redis_wakeups``).
-
-        Returns:
-            The subscription, shared by every waiter; made again on a new loop (the old one
-            died with its loop).
-        """
-        loop = asyncio.get_running_loop()
-        wakeups = self._wakeups
-        if wakeups is None or wakeups.loop is not loop:
-            wakeups = self._wakeups = Wakeups(self._redis)
-        return wakeups
-
-    async def _wait(self, task_id: str, timeout_s: float, queue: str | None) -> TaskState:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        # Watched before the first read, which waits for the subscription: a result stored
-        # in between still wakes us. The channel is per task id; a wake-up for another
-        # queue's record costs one re-read.
-        wakeups = self.wakeups()
-        watch = wakeups.watch(done_channel(task_id))
-        try:
-            while True:
-                left = deadline - loop.time()
-                # Unsubscribed (not yet, or the connection was lost): re-read on a beat.
-                await watch.wait(left if watch.subscribed else min(left, _RECHECK_S))
-                state = await self.get(task_id, queue=queue)
-                if state is not None and state.status.terminal:
-                    return state
-                if deadline - loop.time() <= 0:
-                    raise ResultTimeoutError(task_id, timeout_s, state)
-        finally:
-            wakeups.unwatch(watch)
-
-    # -- cancellation (state.cancel_records, state.redis_cancel) ----------------------------------
-    async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
-        """Cancel the task unless its record is final: ``TaskStore.cancel``.
-
-        Args:
-            task_id: The task's id.
-            queue: The queue; without it, the latest record and every queue.
-
-        Returns:
-            What happened.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        try:
-            return await self._cancels.cancel(task_id, queue)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    async def is_cancelled(self, queue: str, task_id: str) -> bool:
-        """Does a cancel marker cover (queue, task id)? ``TaskStore.is_cancelled``.
-
-        Args:
-            queue: The handler queue.
-            task_id: The task's id.
-
-        Returns:
-            True when a cancel covers it.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        try:
-            return await self._cancels.is_cancelled(queue, task_id)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    async def watch_cancels(
-        self,
-        on_cancel: Callable[[str, str | None], None],
-        on_subscribed: Callable[[], Awaitable[None]],
-    ) -> None:
-        """Until cancelled, pass on each cancel to ``on_cancel``: ``TaskStore.watch_cancels``.
-
-        A failed subscription is logged (once per outage) and made again, with backoff.
-
-        Args:
-            on_cancel: Called as ``on_cancel(task_id, queue or None for all)``.
-            on_subscribed: Awaited after each (re)subscription.
-        """
-        failures = 0
-
-        async def subscribed() -> None:
-            nonlocal failures
-            if failures:
-                log.info("cancel requests heard again after %d failed subscription(s)", failures)
-            failures = 0
-            await on_subscribed()
-
-        while True:
-            try:
-                await self._cancels.listen(on_cancel, subscribed)
-            except Exception as e:  # Redis failing, or on_subscribed's reads: listen again
-                failures += 1
-                delay_s = min(0.1 * 2**failures, _RECHECK_S)
-                # Once per outage: a retry every 2 s would fill the log with one fact.
-                log.log(
-                    logging.WARNING if failures == 1 else logging.DEBUG,
-                    "cancel requests unheard (%s: %s); subscribing again every %.1f s or less",
-                    type(e).__name__,
-                    e,
-                    _RECHECK_S,
-                )
-                await asyncio.sleep(delay_s)
-
-    # -- the task index (state.task_index, state.redis_index) ------------------------------
-    async def list_tasks(self, query: TaskQuery) -> TaskPage:
-        """One page of indexed tasks, newest first: ``TaskIndex.list_tasks``.
-
-        Args:
-            query: The filters, page size and cursor.
-
-        Returns:
-            The page.
-
-        Raises:
-            ConfigurationError: The index is off.
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        try:
-            return await self.index.list_tasks(query)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
-    async def timeline(self, task_id: str, *, queue: str | None = None) -> list[TimelineEvent]:
-        """The task's record writes, oldest first: ``TaskIndex.timeline``.
-
-        Args:
-            task_id: The task's id.
-            queue: Only the events of this queue.
-
-        Returns:
-            The events ([] when none are kept).
-
-        Raises:
-            ConfigurationError: The index is off.
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
-        try:
-            return await self.index.timeline(task_id, queue)
-        except REDIS_FAILURES as e:
-            raise state_unavailable(e) from e
-
     def worker_registry(self) -> WorkerRegistry:
         """The worker registry (``weclaw-mq inspect``) in this store's Redis.
 
@@ -946,11 +337,7 @@ class RedisTaskStore:
         return WorkerRegistry(self._redis, self._pipe)
 
     def workflow_store(self) -> RedisWorkflowStore:
-        """The workflows (``state.workflow_records``) in this store's Redis.
-
-        Returns:
-            The workflow store; its steps share the store's auto-pipeline.
-        """
+        # Its steps share the store's auto-pipeline.
         if self._workflows is None:
             self._workflows = RedisWorkflowStore(self._redis, self._pipe)
         return self._workflows
@@ -1002,10 +389,7 @@ class RedisTaskStore:
         return ScheduleBook(self._redis, app)
 
     async def close(self) -> None:
-        """Stop renewing leases, close the wake-up subscription and the auto-pipeline.
-
-        The client is closed too when the store owns it (``owns_client``).
-        """
+        # The renewer, the wake-up subscription, the auto-pipeline; the client if it is ours.
         renewer, self._renewer = self._renewer, None
         if renewer is not None and renewer.get_loop() is asyncio.get_running_loop():
             renewer.cancel()

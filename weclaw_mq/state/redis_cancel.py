@@ -1,12 +1,16 @@
 """Cancellation on Redis (the rules are in ``state.cancel_records``): the cancel script, the marker
-read, and the one subscription per worker to cancel requests.
+read, and the one subscription per worker to cancel requests; and the store's cancel methods
+(``RedisCancelling``, which ``RedisTaskStore`` inherits).
 
-Redis errors escape as redis-py raises them: ``RedisTaskStore`` wraps them at its boundary.
+Redis errors escape ``RedisCancels`` as redis-py raises them: ``RedisCancelling`` wraps them
+at the store's boundary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -30,10 +34,14 @@ from weclaw_mq.state.cancel_records import (
     request_message,
     scope_of,
 )
+from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import AutoPipeline
-from weclaw_mq.state.protocol import Cancellation, CancelOutcome, TaskState
-from weclaw_mq.state.redis_clients import StateClient
+from weclaw_mq.state.protocol import Cancellation, CancelOutcome, TaskState, TaskStore
+from weclaw_mq.state.redis_clients import REDIS_FAILURES, StateClient
 from weclaw_mq.state.redis_index import RedisTaskIndex
+from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S
+
+log = logging.getLogger("weclaw_mq.state")
 
 # The records a cancel decides on, in one round trip. KEYS: latest[, record]. Returns
 # {record key, state JSON, latest pointer, latest state JSON}, '' for what does not exist
@@ -176,3 +184,53 @@ class RedisCancels:
             # aclose alone (see RedisTaskStore._wait): it returns the connection to the pool.
             with contextlib.suppress(Exception):  # already broken: nothing left to return
                 await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+
+
+class RedisCancelling(TaskStore):
+    """The Redis task store's cancel methods (``RedisTaskStore`` inherits them): each is one
+    call to its ``RedisCancels``, with redis-py's errors turned into ``StateUnavailableError``."""
+
+    _cancels: RedisCancels  # set by RedisTaskStore.__init__
+
+    async def cancel(self, task_id: str, *, queue: str | None = None) -> Cancellation:
+        try:
+            return await self._cancels.cancel(task_id, queue)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def is_cancelled(self, queue: str, task_id: str) -> bool:
+        try:
+            return await self._cancels.is_cancelled(queue, task_id)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def watch_cancels(
+        self,
+        on_cancel: Callable[[str, str | None], None],
+        on_subscribed: Callable[[], Awaitable[None]],
+    ) -> None:
+        # A failed subscription is logged (once per outage) and made again, with backoff.
+        failures = 0
+
+        async def subscribed() -> None:
+            nonlocal failures
+            if failures:
+                log.info("cancel requests heard again after %d failed subscription(s)", failures)
+            failures = 0
+            await on_subscribed()
+
+        while True:
+            try:
+                await self._cancels.listen(on_cancel, subscribed)
+            except Exception as e:  # Redis failing, or on_subscribed's reads: listen again
+                failures += 1
+                delay_s = min(0.1 * 2**failures, _RECHECK_S)
+                # Once per outage: a retry every 2 s would fill the log with one fact.
+                log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "cancel requests unheard (%s: %s); subscribing again every %.1f s or less",
+                    type(e).__name__,
+                    e,
+                    _RECHECK_S,
+                )
+                await asyncio.sleep(delay_s)

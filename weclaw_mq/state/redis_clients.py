@@ -21,7 +21,7 @@ from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.sentinel import Sentinel
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException
+from redis.exceptions import RedisClusterException, RedisError
 
 from weclaw_mq.config.tls import TlsOptions, client_context
 from weclaw_mq.errors import ConfigurationError
@@ -29,6 +29,11 @@ from weclaw_mq.settings import Settings
 
 StateClient: TypeAlias = aioredis.Redis | RedisCluster
 """What the store talks to: ``RedisCluster`` routes each command to its slot's node."""
+
+# Redis failing or not answering, as redis-py raises it (its errors, and socket errors that
+# escape it): the store turns each into StateUnavailableError (``state.is_state_failure``
+# answers the same without importing redis-py).
+REDIS_FAILURES: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
 
 # A closed connection is noticed at its next use after this many idle seconds.
 _HEALTH_CHECK_S = 30

@@ -21,6 +21,8 @@ Where each write goes:
   process of a few writes trims too) ``TRIM_SCRIPT`` drops entries older than the age bound,
   then the oldest past the count bound, at most ``TRIM_MOST`` per sorted set per call, so a
   trim never blocks Redis for long, and a backlog is worked off over a few trims.
+- The reads: ``RedisTaskIndex.list_tasks`` and ``timeline``, which the store's
+  ``RedisIndexReads`` (inherited by ``RedisTaskStore``) calls.
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ from weclaw_mq.contract.naming import (
     task_index_status_key,
     timeline_key,
 )
+from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import AutoPipeline, Script
 from weclaw_mq.state.protocol import TaskState, TaskStatus
+from weclaw_mq.state.redis_clients import REDIS_FAILURES
 from weclaw_mq.state.task_index import (
     SPARSE_STATUSES,
     TIMELINE_MAX_EVENTS,
+    TaskIndex,
     TaskPage,
     TaskQuery,
     TimelineEvent,
@@ -352,3 +357,21 @@ class RedisTaskIndex:
             raise index_off()
         raw: Sequence[Any] = await self._redis.lrange(timeline_key(task_id), 0, -1)
         return read_timeline([as_text(r) for r in raw], queue)
+
+
+class RedisIndexReads(TaskIndex):
+    """The Redis task store's reads of its task index (``RedisTaskStore`` inherits them)."""
+
+    index: RedisTaskIndex  # set by RedisTaskStore.__init__
+
+    async def list_tasks(self, query: TaskQuery) -> TaskPage:
+        try:
+            return await self.index.list_tasks(query)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
+
+    async def timeline(self, task_id: str, *, queue: str | None = None) -> list[TimelineEvent]:
+        try:
+            return await self.index.timeline(task_id, queue)
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e

@@ -43,6 +43,15 @@ class FingerprintStore(Protocol):
     async def keep_fingerprint(
         self, queue: str, task_id: str, fingerprint: str, ttl_s: float
     ) -> str:
-        """Keep ``fingerprint`` for (queue, task id) for ``ttl_s`` unless one is kept already,
-        in one atomic step; returns the one kept now (``fingerprint`` when it was free)."""
+        """Keep ``fingerprint`` for (queue, task id) unless one is kept already, in one atomic step.
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            fingerprint: The body's fingerprint.
+            ttl_s: How long to keep it, in seconds.
+
+        Returns:
+            The fingerprint kept now (``fingerprint`` when none was).
+        """
         ...

@@ -194,7 +194,11 @@ class HasWorkflows(Protocol):
     """A ``TaskStore`` that keeps workflows beside its tasks (the Redis and memory stores)."""
 
     def workflow_store(self) -> WorkflowStore:
-        """The workflow store beside this task store."""
+        """The workflows (``state.workflow_records``) beside this task store's tasks.
+
+        Returns:
+            The workflow store.
+        """
         ...
 
 
