@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -23,12 +23,59 @@ from weclaw_mq.cli.options import AppPath, LogLevel
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.observability.tracing import configure_logging
 
+if TYPE_CHECKING:
+    from weclaw_mq.app import App
+    from weclaw_mq.console import Access
+
 HOW_TO_GET_CONSOLE = "pip install 'weclaw_mq[console]'"
 CONSOLE_PACKAGES = ("starlette", "uvicorn", "jinja2")
 # A token shorter than this is refused: it would be guessed.
 TOKEN_MIN_LENGTH = 16
 # As weclaw_mq.console.access's, which this module may not import before the extra is known.
 DEFAULT_SESSION_TTL_S = 12 * 3600.0
+
+
+# Who may use the console, and for how long (weclaw_mq.console.access).
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="WECLAW_MQ_CONSOLE_TOKEN",
+        metavar="TOKEN",
+        show_default=False,
+        help=f"The access token (at least {TOKEN_MIN_LENGTH} characters): every request "
+        "carries it, as 'Authorization: Bearer TOKEN' or the cookie of the sign-in form. "
+        "Prefer the environment variable: a command line is visible to every user.",
+    ),
+]
+ReadOnlyOption = Annotated[
+    bool,
+    typer.Option(
+        "--read-only",
+        envvar="WECLAW_MQ_CONSOLE_READ_ONLY",
+        help="Show everything, change nothing: no cancel, requeue or purge.",
+    ),
+]
+BehindTlsProxyOption = Annotated[
+    bool,
+    typer.Option(
+        "--behind-tls-proxy",
+        envvar="WECLAW_MQ_CONSOLE_BEHIND_TLS_PROXY",
+        help="Say that a proxy terminating TLS stands in front (needed to bind anything but "
+        "a loopback address); the session cookie is then always marked Secure.",
+    ),
+]
+SessionHoursOption = Annotated[
+    float,
+    typer.Option(
+        "--session-hours",
+        envvar="WECLAW_MQ_CONSOLE_SESSION_HOURS",
+        min=0.01,
+        max=24 * 366,
+        metavar="HOURS",
+        help="How long a sign-in lasts; signing out ends it sooner.",
+    ),
+]
 
 
 def is_loopback_host(host: str) -> bool:
@@ -60,46 +107,10 @@ def console(
             help="The port to bind.",
         ),
     ] = 8765,
-    token: Annotated[
-        str | None,
-        typer.Option(
-            "--token",
-            envvar="WECLAW_MQ_CONSOLE_TOKEN",
-            metavar="TOKEN",
-            show_default=False,
-            help=f"The access token (at least {TOKEN_MIN_LENGTH} characters): every request "
-            "carries it, as 'Authorization: Bearer TOKEN' or the cookie of the sign-in form. "
-            "Prefer the environment variable: a command line is visible to every user.",
-        ),
-    ] = None,
-    read_only: Annotated[
-        bool,
-        typer.Option(
-            "--read-only",
-            envvar="WECLAW_MQ_CONSOLE_READ_ONLY",
-            help="Show everything, change nothing: no cancel, requeue or purge.",
-        ),
-    ] = False,
-    behind_tls_proxy: Annotated[
-        bool,
-        typer.Option(
-            "--behind-tls-proxy",
-            envvar="WECLAW_MQ_CONSOLE_BEHIND_TLS_PROXY",
-            help="Say that a proxy terminating TLS stands in front (needed to bind anything but "
-            "a loopback address); the session cookie is then always marked Secure.",
-        ),
-    ] = False,
-    session_hours: Annotated[
-        float,
-        typer.Option(
-            "--session-hours",
-            envvar="WECLAW_MQ_CONSOLE_SESSION_HOURS",
-            min=0.01,
-            max=24 * 366,
-            metavar="HOURS",
-            help="How long a sign-in lasts; signing out ends it sooner.",
-        ),
-    ] = DEFAULT_SESSION_TTL_S / 3600,
+    token: TokenOption = None,
+    read_only: ReadOnlyOption = False,
+    behind_tls_proxy: BehindTlsProxyOption = False,
+    session_hours: SessionHoursOption = DEFAULT_SESSION_TTL_S / 3600,
     trace_url: Annotated[
         str | None,
         typer.Option(
@@ -115,6 +126,16 @@ def console(
 ) -> None:
     """Serve the web console of the app: its queues and workers, run history, each task's
     timeline and live output, and its dead letters (requeue, purge)."""
+    _require_the_extra()
+    _refuse_unsafe_options(host, token, behind_tls_proxy, trace_url)
+    configure_logging(log_level)
+    app = load_app(app_path)
+    access = _access(token, read_only, session_hours, behind_tls_proxy)
+    _serve(app, access, host, port, trace_url, log_level)
+
+
+def _require_the_extra() -> None:
+    """Fail (exit CONFIG, naming the extra) unless the console's packages import."""
     # Before anything imports weclaw_mq.console (the host check does): it needs the extra.
     missing = [name for name in CONSOLE_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
@@ -123,15 +144,22 @@ def console(
             ExitCode.CONFIG,
         )
     try:
-        import uvicorn
-
-        from weclaw_mq.console import Access, create_console
-        from weclaw_mq.console.detail import check_trace_url
+        for module in ("uvicorn", "weclaw_mq.console", "weclaw_mq.console.detail"):
+            importlib.import_module(module)
     except ModuleNotFoundError as e:  # a package of the extra there, one it needs not
         package = (e.name or "weclaw_mq").partition(".")[0]
         if package == "weclaw_mq":
             raise
         fail(f"the console needs {package}, not installed: {HOW_TO_GET_CONSOLE}", ExitCode.CONFIG)
+
+
+def _refuse_unsafe_options(
+    host: str, token: str | None, behind_tls_proxy: bool, trace_url: str | None
+) -> None:
+    """Fail (exit USAGE) on a short token, on a host beyond this machine without a token and
+    a TLS proxy, and on a trace URL that is not one."""
+    from weclaw_mq.console.detail import check_trace_url
+
     if token is not None and len(token) < TOKEN_MIN_LENGTH:
         fail(f"--token must be at least {TOKEN_MIN_LENGTH} characters", ExitCode.USAGE)
     if token is None and not is_loopback_host(host):
@@ -151,15 +179,27 @@ def console(
             check_trace_url(trace_url)
         except ConfigurationError as e:
             fail(f"--trace-url: {e}", ExitCode.USAGE)
-    configure_logging(log_level)
-    app = load_app(app_path)
 
-    access = Access(
+
+def _access(token: str | None, read_only: bool, session_hours: float, secure: bool) -> Access:
+    from weclaw_mq.console import Access
+
+    return Access(
         token=token,
         read_only=read_only,
         session_ttl_s=session_hours * 3600,
-        secure_cookie=behind_tls_proxy,
+        secure_cookie=secure,
     )
+
+
+def _serve(
+    app: App, access: Access, host: str, port: int, trace_url: str | None, log_level: str
+) -> None:
+    """Serve the app's console on ``host:port`` with uvicorn until Ctrl-C."""
+    import uvicorn
+
+    from weclaw_mq.console import create_console
+
     web = create_console(app, access, trace_url=trace_url)
     shown = f"[{host}]" if ":" in host else host
     logging.getLogger("weclaw_mq.console").info(
@@ -167,7 +207,7 @@ def console(
         app.name,
         shown,
         port,
-        " (read-only)" if read_only else "",
+        " (read-only)" if access.read_only else "",
     )
     # uvicorn's own access log would print every poll; the audit log says what changed.
     uvicorn.run(web, host=host, port=port, log_level=log_level.lower(), access_log=False)

@@ -125,6 +125,29 @@ def _supervise(
         raise typer.Exit(code)
 
 
+# The development reloader's options (weclaw_mq.cli.reloader).
+ReloadOption = Annotated[
+    bool,
+    typer.Option(
+        "--reload",
+        metavar="",
+        help="For development: run the worker in a child process and restart it, "
+        "gracefully, when a *.py file under the watched folders changes (needs the "
+        "'reload' extra: watchfiles). Not with --processes.",
+    ),
+]
+ReloadDirsOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--reload-dir",
+        metavar="DIR",
+        exists=True,
+        file_okay=False,
+        help="With --reload: watch this folder (repeatable). Default: the current one "
+        "and the app's package's.",
+    ),
+]
+
 # The worker's parameters its reloader's child does not take: the reloader's own, and
 # --processes (refused with --reload).
 _RELOADER_ONLY = frozenset({"reload", "reload_dirs", "processes"})
@@ -223,27 +246,8 @@ def worker(
             "Default: WECLAW_MQ_EVENT_LOOP, else asyncio.",
         ),
     ] = None,
-    reload: Annotated[
-        bool,
-        typer.Option(
-            "--reload",
-            metavar="",
-            help="For development: run the worker in a child process and restart it, "
-            "gracefully, when a *.py file under the watched folders changes (needs the "
-            "'reload' extra: watchfiles). Not with --processes.",
-        ),
-    ] = False,
-    reload_dirs: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--reload-dir",
-            metavar="DIR",
-            exists=True,
-            file_okay=False,
-            help="With --reload: watch this folder (repeatable). Default: the current one "
-            "and the app's package's.",
-        ),
-    ] = None,
+    reload: ReloadOption = False,
+    reload_dirs: ReloadDirsOption = None,
     schedules: Annotated[
         bool | None,
         typer.Option(
@@ -264,17 +268,29 @@ def worker(
     if reload:
         _reload(ctx, app_path, processes, reload_dirs or [])
         return
-    app = load_app(app_path)
+    _work(load_app(app_path), processes, concurrency, queue or None, metrics_port, loop, schedules)
+
+
+def _work(
+    app: App,
+    processes: int,
+    concurrency: int | None,
+    queues: list[str] | None,
+    metrics_port: int | None,
+    loop: str | None,
+    schedules: bool | None,
+) -> None:
+    """Run the app's worker in this process, or ``processes`` of them under a supervisor."""
     loop_name: EventLoopName = (
         "uvloop" if (loop or app.settings.event_loop) == "uvloop" else "asyncio"
     )
     if processes > 1:
-        _supervise(app, processes, concurrency, queue or None, metrics_port, loop_name, schedules)
+        _supervise(app, processes, concurrency, queues, metrics_port, loop_name, schedules)
         return
     main = run_worker(
         app,
         concurrency=concurrency,
-        queues=queue or None,
+        queues=queues,
         metrics_port=metrics_port,
         schedules=schedules,
     )

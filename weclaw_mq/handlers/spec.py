@@ -246,56 +246,13 @@ def build_spec(
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
     is_sync = _is_sync(func, queue)
-    try:
-        hints = typing.get_type_hints(func)
-    except Exception as e:  # an unresolvable forward reference
-        raise ConfigurationError(f"cannot resolve the type hints of {func!r}: {e}") from e
+    hints = _type_hints(func)
     params = _check_signature(func, queue, hints)
-    if timeout_s <= 0:
-        raise ConfigurationError(f"timeout_s for {queue!r} must be > 0, got {timeout_s}")
-    if delivery_limit < 1:
-        raise ConfigurationError(f"delivery_limit for {queue!r} must be >= 1")
-    if max_length is not None and max_length < 1:
-        raise ConfigurationError(f"max_length for {queue!r} must be >= 1")
-    check_ttl(ttl_s, f"ttl_s for {queue!r}")
-    if not isinstance(priorities, bool):
-        raise ConfigurationError(f"priorities for {queue!r} must be True or False")
-    if breaker is not None and not isinstance(breaker, Breaker):
-        raise ConfigurationError(f"breaker for {queue!r} must be a Breaker, got {breaker!r}")
-    if tenant is not None and not callable(tenant):
-        raise ConfigurationError(f"tenant for {queue!r} must be a function of the task")
-    if cap is not None and not isinstance(cap, Cap):
-        raise ConfigurationError(f"cap for {queue!r} must be a Cap, got {cap!r}")
-    if fallback is not None and not isinstance(fallback, Fallback):
-        raise ConfigurationError(f"fallback for {queue!r} must be a Fallback, got {fallback!r}")
-    if (
-        any(limit.per_model for limit in limits)
-        and fallback is None
-        and (cap is None or cap.model is None)
-    ):
-        raise ConfigurationError(
-            f"a per_model limit of {queue!r} counts per model: give the handler fallback= (or "
-            "a cap= with a model) so each attempt has one"
-        )
-    if fair is True:
-        fair = Fair()
-    elif fair is False:
-        fair = None
-    if fair is not None and not isinstance(fair, Fair):
-        raise ConfigurationError(f"fair for {queue!r} must be a Fair or True, got {fair!r}")
-    fair_key = None if fair is None else (fair.key or tenant)
-    if fair is not None and fair_key is None:
-        raise ConfigurationError(
-            f"fair for {queue!r} needs to know a task's tenant: give tenant= (a function of "
-            "the task) or Fair(key=...)"
-        )
+    _check_run_options(queue, timeout_s, delivery_limit, max_length, ttl_s, priorities)
+    _check_policies(queue, limits, breaker, tenant, cap, fallback)
+    fair, fair_key = _fair_share(queue, fair, tenant)
     annotation = hints.get(params[0].name, Any)
-    try:
-        adapter: TypeAdapter[Any] = TypeAdapter(annotation)
-    except Exception as e:
-        raise ConfigurationError(
-            f"handler for {queue!r}: pydantic cannot validate {annotation!r}: {e}"
-        ) from e
+    adapter = _adapter(queue, annotation)
     return HandlerSpec(
         queue=queue,
         func=func,
@@ -321,3 +278,87 @@ def build_spec(
         fair=fair,
         fair_key=fair_key,
     )
+
+
+def _type_hints(func: HandlerFunc) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(func)
+    except Exception as e:  # an unresolvable forward reference
+        raise ConfigurationError(f"cannot resolve the type hints of {func!r}: {e}") from e
+
+
+def _check_run_options(
+    queue: str,
+    timeout_s: float,
+    delivery_limit: int,
+    max_length: int | None,
+    ttl_s: float,
+    priorities: bool,
+) -> None:
+    """Refuse a run option out of its range: the timeout, the delivery limit, the length
+    bound, the tasks' lifetime, the priorities flag."""
+    if timeout_s <= 0:
+        raise ConfigurationError(f"timeout_s for {queue!r} must be > 0, got {timeout_s}")
+    if delivery_limit < 1:
+        raise ConfigurationError(f"delivery_limit for {queue!r} must be >= 1")
+    if max_length is not None and max_length < 1:
+        raise ConfigurationError(f"max_length for {queue!r} must be >= 1")
+    check_ttl(ttl_s, f"ttl_s for {queue!r}")
+    if not isinstance(priorities, bool):
+        raise ConfigurationError(f"priorities for {queue!r} must be True or False")
+
+
+def _check_policies(
+    queue: str,
+    limits: tuple[Limit, ...],
+    breaker: Breaker | None,
+    tenant: KeyFunc | None,
+    cap: Cap | None,
+    fallback: Fallback | None,
+) -> None:
+    """Refuse a policy of the wrong type, and per-model limits where no attempt names a model."""
+    if breaker is not None and not isinstance(breaker, Breaker):
+        raise ConfigurationError(f"breaker for {queue!r} must be a Breaker, got {breaker!r}")
+    if tenant is not None and not callable(tenant):
+        raise ConfigurationError(f"tenant for {queue!r} must be a function of the task")
+    if cap is not None and not isinstance(cap, Cap):
+        raise ConfigurationError(f"cap for {queue!r} must be a Cap, got {cap!r}")
+    if fallback is not None and not isinstance(fallback, Fallback):
+        raise ConfigurationError(f"fallback for {queue!r} must be a Fallback, got {fallback!r}")
+    if (
+        any(limit.per_model for limit in limits)
+        and fallback is None
+        and (cap is None or cap.model is None)
+    ):
+        raise ConfigurationError(
+            f"a per_model limit of {queue!r} counts per model: give the handler fallback= (or "
+            "a cap= with a model) so each attempt has one"
+        )
+
+
+def _fair_share(
+    queue: str, fair: Fair | bool | None, tenant: KeyFunc | None
+) -> tuple[Fair | None, KeyFunc | None]:
+    """``fair=`` as a ``Fair`` or None, and the function naming a task's tenant for it."""
+    if fair is True:
+        fair = Fair()
+    elif fair is False:
+        fair = None
+    if fair is not None and not isinstance(fair, Fair):
+        raise ConfigurationError(f"fair for {queue!r} must be a Fair or True, got {fair!r}")
+    fair_key = None if fair is None else (fair.key or tenant)
+    if fair is not None and fair_key is None:
+        raise ConfigurationError(
+            f"fair for {queue!r} needs to know a task's tenant: give tenant= (a function of "
+            "the task) or Fair(key=...)"
+        )
+    return fair, fair_key
+
+
+def _adapter(queue: str, annotation: Any) -> TypeAdapter[Any]:
+    try:
+        return TypeAdapter(annotation)
+    except Exception as e:
+        raise ConfigurationError(
+            f"handler for {queue!r}: pydantic cannot validate {annotation!r}: {e}"
+        ) from e

@@ -163,8 +163,30 @@ def _histogram(
     return Family("histogram", name, documentation, labelnames, lambda: Timing(bounds))
 
 
+_AnyFamily = Family[Count] | Family[Level] | Family[Timing]
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # In the order they are exported (prometheus_client's: the order of creation).
+        self._families: tuple[_AnyFamily, ...] = (
+            *self._declare_deliveries(),
+            *self._declare_outbox(),
+            *self._declare_per_queue(),
+            *self._declare_workflows_and_schedules(),
+            *self._declare_model_usage(),
+        )
+        self._registry: CollectorRegistry | None = None
+        if registry is not None:  # the caller's: prometheus_client is loaded already
+            self._export_to(registry)
+
+        # One dict lookup per message for the labelled series of the hot path.
+        self._settled: dict[tuple[str, Outcome], Count] = {}
+        self._published: dict[tuple[str, str], Count] = {}
+        self._timing: dict[str, Timing] = {}
+
+    def _declare_deliveries(self) -> tuple[_AnyFamily, ...]:
+        """Publishes, settled deliveries, handler run time, in-flight deliveries, reconnects."""
         self.published = _counter(
             "weclaw_mq_published", "Publishes by outcome.", ["queue", "outcome"]
         )
@@ -178,8 +200,17 @@ class Metrics:
         self.reconnects = _counter(
             "weclaw_mq_reconnects", "Broker connections re-established.", ["role"]
         )
-        # The local outbox (weclaw_mq.outbox): tasks stored there instead of on the broker,
-        # tasks its relay got confirmed, and its size as the relay last read it.
+        return (
+            self.published,
+            self.messages,
+            self.handler_seconds,
+            self.in_flight,
+            self.reconnects,
+        )
+
+    def _declare_outbox(self) -> tuple[_AnyFamily, ...]:
+        """The local outbox (weclaw_mq.outbox): tasks stored there instead of on the broker,
+        tasks its relay got confirmed, and its size as the relay last read it."""
         self.outbox_stored = _counter(
             "weclaw_mq_outbox_stored", "Tasks stored in the local outbox.", ["queue"]
         )
@@ -195,6 +226,11 @@ class Metrics:
         )
         self.outbox_rows = outbox_rows.labels()
         self.outbox_oldest_age = outbox_oldest_age.labels()
+        return (self.outbox_stored, self.outbox_relayed, outbox_rows, outbox_oldest_age)
+
+    def _declare_per_queue(self) -> tuple[_AnyFamily, ...]:
+        """What a handler queue's policies did: limits, notifications, breakers, held
+        deliveries."""
         # Tasks a handler's limit held back (weclaw_mq.policy.limits): by the handler queue and the
         # limit's kind only, never by key (a user id per label would grow without bound).
         self.limit_deferrals = _counter(
@@ -225,8 +261,18 @@ class Metrics:
             "Deliveries held unstarted past the bound while a slot was free, given back.",
             ["queue"],
         )
-        # Workflows (weclaw_mq.workflows): ends by kind and status, group sizes, and the time
-        # from a group's start to its callback's publish (its join).
+        return (
+            self.limit_deferrals,
+            self.notifications,
+            self.breaker_state,
+            self.breaker_opened,
+            self.held_deliveries,
+        )
+
+    def _declare_workflows_and_schedules(self) -> tuple[_AnyFamily, ...]:
+        """Workflows (weclaw_mq.workflows) and schedules (weclaw_mq.scheduling)."""
+        # Workflows: ends by kind and status, group sizes, and the time from a group's start
+        # to its callback's publish (its join).
         self.workflows_ended = _counter(
             "weclaw_mq_workflows_ended",
             "Workflows ended, by kind (chain, group) and status.",
@@ -243,8 +289,8 @@ class Metrics:
         )
         self.group_parts = group_parts.labels()
         self.group_join_seconds = group_join_seconds.labels()
-        # Schedules (weclaw_mq.scheduling): ticks by schedule and outcome (fired, skipped as
-        # missed, failed to publish: tried again), and whether this process's scheduler leads.
+        # Schedules: ticks by schedule and outcome (fired, skipped as missed, failed to
+        # publish: tried again), and whether this process's scheduler leads.
         self.schedule_ticks = _counter(
             "weclaw_mq_schedule_ticks",
             "Schedule ticks by schedule and outcome (fired, skipped, failed).",
@@ -254,6 +300,16 @@ class Metrics:
             "weclaw_mq_scheduler_leader",
             "1 while this process's scheduler holds the lease and fires the ticks, else 0.",
         )
+        return (
+            self.workflows_ended,
+            group_parts,
+            group_join_seconds,
+            self.schedule_ticks,
+            self.scheduler_leader,
+        )
+
+    def _declare_model_usage(self) -> tuple[_AnyFamily, ...]:
+        """Model usage, costs, caps and fallback attempts."""
         # Model usage handlers report (ctx.usage) in an App with prices (weclaw_mq.policy.costs):
         # by queue and model only; tenants are 'weclaw-mq costs'' (a label each would grow
         # without bound).
@@ -280,40 +336,7 @@ class Metrics:
             "Attempts of handlers with a fallback chain, by queue, model and outcome.",
             ["queue", "model", "outcome"],
         )
-        # In the order they are exported (prometheus_client's: the order of creation).
-        self._families: tuple[Family[Count] | Family[Level] | Family[Timing], ...] = (
-            self.published,
-            self.messages,
-            self.handler_seconds,
-            self.in_flight,
-            self.reconnects,
-            self.outbox_stored,
-            self.outbox_relayed,
-            outbox_rows,
-            outbox_oldest_age,
-            self.limit_deferrals,
-            self.notifications,
-            self.breaker_state,
-            self.breaker_opened,
-            self.held_deliveries,
-            self.workflows_ended,
-            group_parts,
-            group_join_seconds,
-            self.schedule_ticks,
-            self.scheduler_leader,
-            self.tokens,
-            self.cost,
-            self.capped,
-            self.model_attempts,
-        )
-        self._registry: CollectorRegistry | None = None
-        if registry is not None:  # the caller's: prometheus_client is loaded already
-            self._export_to(registry)
-
-        # One dict lookup per message for the labelled series of the hot path.
-        self._settled: dict[tuple[str, Outcome], Count] = {}
-        self._published: dict[tuple[str, str], Count] = {}
-        self._timing: dict[str, Timing] = {}
+        return (self.tokens, self.cost, self.capped, self.model_attempts)
 
     @property
     def registry(self) -> CollectorRegistry:

@@ -212,21 +212,9 @@ class Publisher:
                 )
                 await target.publish(message, routing_key=routing_key, mandatory=True)
         except aiormq.exceptions.PublishError as e:
-            self._count(queue, "unroutable")
-            raise UnroutableError(
-                f"no queue named {queue!r}: run 'weclaw-mq declare' or start a worker first",
-                queue=queue,
-                task_id=task_id,
-            ) from e
+            raise self._unroutable(queue, task_id, "queue") from e
         except aiormq.exceptions.DeliveryError as e:
-            self._count(queue, "nacked")
-            self._note_nack()
-            raise PublishNackedError(
-                f"the broker refused the message for {queue!r} (queue full or broker "
-                "failure); nothing was stored, publish again later",
-                queue=queue,
-                task_id=task_id,
-            ) from e
+            raise self._nacked(queue, task_id) from e
         except BrokerUnavailableError as e:
             # A refused connection fails fast, before our deadline: count it like a slow one.
             self._count(queue, "unavailable")
@@ -235,30 +223,12 @@ class Publisher:
             # Raised by the connect, which knows no task: say which publish it failed.
             raise BrokerUnavailableError(str(e), queue=queue, task_id=task_id) from e
         except TimeoutError as e:
-            if not sent:
-                self._count(queue, "unavailable")
-                raise BrokerUnavailableError(
-                    f"no connection to RabbitMQ within {timeout_s} s; nothing was sent",
-                    queue=queue,
-                    task_id=task_id,
-                ) from e
-            self._count(queue, "timeout")
-            raise ConfirmTimeoutError(
-                f"no confirm for {queue!r} within {timeout_s} s; the message may or may not "
-                "be stored: republish with the same task_id",
-                queue=queue,
-                task_id=task_id,
-            ) from e
+            raise self._timed_out(queue, task_id, timeout_s, sent=sent) from e
         except aiormq.exceptions.ChannelNotFoundEntity as e:
             # Only a publish to a named exchange can meet this (the default one always
             # exists): the broker closed the channel before routing anything.
             self._channel = None
-            self._count(queue, "unroutable")
-            raise UnroutableError(
-                f"no exchange named {queue!r}: run 'weclaw-mq declare' or start a worker first",
-                queue=queue,
-                task_id=task_id,
-            ) from e
+            raise self._unroutable(queue, task_id, "exchange") from e
         except asyncio.CancelledError as e:
             if cancelled_by_caller():
                 raise
@@ -268,13 +238,46 @@ class Publisher:
         except (TypeError, ValueError) as e:
             # aiormq encodes the frames before writing any (App.prepare checks them first;
             # this keeps a message built elsewhere inside our error tree): nothing was sent.
-            raise MessageEncodingError(
-                # pamqp's message holds the value's repr, which can be as long as the value.
-                f"the message for {queue!r} cannot be encoded in AMQP ({str(e)[:200]}); "
-                "nothing was sent"
-            ) from e
+            raise _unencodable(queue, e) from e
         self._nack_streak = 0
         self._count(queue, "confirmed")
+
+    # A failed publish's errors, counted: out of line, off the path of a confirmed publish.
+    def _unroutable(self, queue: str, task_id: str, kind: str) -> UnroutableError:
+        self._count(queue, "unroutable")
+        return UnroutableError(
+            f"no {kind} named {queue!r}: run 'weclaw-mq declare' or start a worker first",
+            queue=queue,
+            task_id=task_id,
+        )
+
+    def _nacked(self, queue: str, task_id: str) -> PublishNackedError:
+        self._count(queue, "nacked")
+        self._note_nack()
+        return PublishNackedError(
+            f"the broker refused the message for {queue!r} (queue full or broker "
+            "failure); nothing was stored, publish again later",
+            queue=queue,
+            task_id=task_id,
+        )
+
+    def _timed_out(
+        self, queue: str, task_id: str, timeout_s: float, *, sent: bool
+    ) -> BrokerUnavailableError | ConfirmTimeoutError:
+        if not sent:
+            self._count(queue, "unavailable")
+            return BrokerUnavailableError(
+                f"no connection to RabbitMQ within {timeout_s} s; nothing was sent",
+                queue=queue,
+                task_id=task_id,
+            )
+        self._count(queue, "timeout")
+        return ConfirmTimeoutError(
+            f"no confirm for {queue!r} within {timeout_s} s; the message may or may not "
+            "be stored: republish with the same task_id",
+            queue=queue,
+            task_id=task_id,
+        )
 
     def _lost(self, queue: str, task_id: str, cause: str) -> ConnectionLostError:
         self._count(queue, "connection_lost")
@@ -325,6 +328,13 @@ class Publisher:
                 await _close_quietly(conn)
         elif channel is not None and not channel.is_closed:
             await _close_quietly(channel)  # on a borrowed connection: only what is ours
+
+
+def _unencodable(queue: str, e: TypeError | ValueError) -> MessageEncodingError:
+    return MessageEncodingError(
+        # pamqp's message holds the value's repr, which can be as long as the value.
+        f"the message for {queue!r} cannot be encoded in AMQP ({str(e)[:200]}); nothing was sent"
+    )
 
 
 async def _close_quietly(link: AbstractChannel | AbstractConnection) -> None:

@@ -149,28 +149,7 @@ class SyncThreads:
             contextvars.copy_context(),
             lambda: loop.call_soon_threadsafe(_answer, taken, True),
         )
-        with self._lock:
-            now = self._now
-            if now is None:
-                now = self._now = _Generation()
-            if now.abandoned >= self.size:
-                raise NoThreadFree(
-                    f"no sync thread free: all {self.size} are held by calls past their "
-                    "timeout, still running"
-                )
-            now.queued += 1
-            # A thread per call waiting for one, up to ``size``: abandoned calls keep theirs.
-            start = now.threads < self.size and now.queued > now.threads - now.running
-            if start:
-                now.threads += 1
-        if start:
-            threading.Thread(
-                target=self._serve,
-                args=(now,),
-                name=f"weclaw-mq-sync-{now.threads}",
-                daemon=True,
-            ).start()
-        now.work.put(call)
+        now = self._enqueue(call)
         waiting = asyncio.wrap_future(call.future)
         asked = time.monotonic()
         deadline.hold()  # the handler's clock starts when a thread takes the call
@@ -194,6 +173,36 @@ class SyncThreads:
             timer.cancel()
             self._gave_up(call, now, name, deadline, watch)
             raise
+
+    def _enqueue(self, call: _Call) -> _Generation:
+        """Put ``call`` on the work queue, with one more thread if none is idle (up to ``size``).
+
+        Raises:
+            NoThreadFree: Abandoned calls hold every thread: the call is not queued.
+        """
+        with self._lock:
+            now = self._now
+            if now is None:
+                now = self._now = _Generation()
+            if now.abandoned >= self.size:
+                raise NoThreadFree(
+                    f"no sync thread free: all {self.size} are held by calls past their "
+                    "timeout, still running"
+                )
+            now.queued += 1
+            # A thread per call waiting for one, up to ``size``: abandoned calls keep theirs.
+            start = now.threads < self.size and now.queued > now.threads - now.running
+            if start:
+                now.threads += 1
+        if start:
+            threading.Thread(
+                target=self._serve,
+                args=(now,),
+                name=f"weclaw-mq-sync-{now.threads}",
+                daemon=True,
+            ).start()
+        now.work.put(call)
+        return now
 
     def _gave_up(
         self, call: _Call, now: _Generation, name: str, deadline: Deadline, watch: Watch
