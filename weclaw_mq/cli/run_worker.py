@@ -26,8 +26,8 @@ from weclaw_mq.worker.event_loop import EventLoopName
 
 log = logging.getLogger("weclaw_mq.worker")
 
-# Past the grace: cancelled handlers give their messages back (worker.DRAIN_CANCEL_S), the
-# connection and Redis close (a few seconds each at most); then the watchdog ends the process.
+# Past the grace: cancelled handlers give their messages back (worker.draining.DRAIN_CANCEL_S),
+# the connection and Redis close (a few seconds each at most); then the watchdog ends the process.
 HARD_EXIT_MARGIN_S = 10.0
 # Exit status of a stop the watchdog (or a second signal) had to force.
 FORCED_EXIT_CODE = 1

@@ -53,7 +53,7 @@ def open_client(settings: Settings) -> StateClient:
     if topology is None:
         # Not redis-py's BlockingConnectionPool: its condition and timeout cost CPU on every
         # command (benchmarks/README.md, "Numbers behind the code"). A worker takes a bounded
-        # number of its connections at any concurrency (worker.consume,
+        # number of its connections at any concurrency (worker.start_checks,
         # REDIS_CONNECTIONS_NEEDED). A pool passed in: its connections retry nothing, so the
         # store's auto-pipeline sends its hot commands on them itself (state.pipelining's lean
         # path; so for Sentinel's).
