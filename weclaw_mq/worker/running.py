@@ -60,37 +60,11 @@ async def call_handler(
     (``a.begun``) has its ``before_run`` hooks run first, under the same deadline and cancel
     watch (an exception of theirs is the attempt's failure; the handler is not called).
     """
-    spec, task, delivery, rt, watch, begun = a.spec, a.task, a.delivery, a.rt, a.watch, a.begun
+    spec, task, rt, watch, begun = a.spec, a.task, a.rt, a.watch, a.begun
     args: tuple[Any, ...] = (task,)
     emitter: Emitter | None = None
     if spec.takes_context:
-        session_id = session_of(delivery)
-        app = rt.app
-        emitter = Emitter(
-            lambda: app.streams,
-            task_id=delivery.task_id,
-            attempt=delivery.attempt,
-            session_id=session_id,
-            max_chunk_bytes=rt.settings.stream_max_chunk_bytes,
-            max_chunks=rt.settings.stream_max_chunks,
-        )
-        ctx = Context(
-            task_id=delivery.task_id,
-            trace_id=delivery.trace_id,
-            queue=spec.queue,
-            attempt=delivery.attempt,
-            redelivered=delivery.redelivered,
-            headers=delivery.headers,
-            app=rt.app,
-            session_id=session_id,
-            emitter=emitter,
-            cancel_requested=watch.event(),
-            # A plain def's thread reaches the loop through it (ctx.emit_sync, publish_sync).
-            loop=asyncio.get_running_loop() if spec.is_sync else None,
-            usage_sink=usage,
-            model=a.model,
-        )
-        args = (task, ctx)
+        args, emitter = _with_context(a, usage)
     timing = a.pipeline.timing
     started = time.perf_counter()
     if emitter is not None:
@@ -134,18 +108,61 @@ async def call_handler(
             await emitter.wind_down(DRAIN_ON_FAILURE_S)
         emitter.close()
     if deadline.abandoned:
-        log.warning(
-            "a handler abandoned for ignoring its cancellation ended after all (%s); "
-            "its outcome is dropped: the task was already retried or dead-lettered",
-            "returned" if error is None else describe(error),
-        )
+        _dropped(error)
         return None
     if deadline.expired and error is not None:
-        # Whatever the handler made of our cancellation (re-raised, wrapped), it timed out.
-        timeout = HandlerTimeout(f"handler ran past its timeout of {spec.timeout_s} s")
-        timeout.__cause__ = error if not isinstance(error, TimeoutError) else None
-        return None, timeout
+        return None, _timed_out(spec, error)
     return result, error
+
+
+def _with_context(
+    a: Attempt, usage: Callable[[int, int, str | None], None] | None
+) -> tuple[tuple[Any, ...], Emitter]:
+    """The handler's arguments with its ``Context``, and the emitter its stream writes to."""
+    spec, delivery, rt = a.spec, a.delivery, a.rt
+    session_id = session_of(delivery)
+    app = rt.app
+    emitter = Emitter(
+        lambda: app.streams,
+        task_id=delivery.task_id,
+        attempt=delivery.attempt,
+        session_id=session_id,
+        max_chunk_bytes=rt.settings.stream_max_chunk_bytes,
+        max_chunks=rt.settings.stream_max_chunks,
+    )
+    ctx = Context(
+        task_id=delivery.task_id,
+        trace_id=delivery.trace_id,
+        queue=spec.queue,
+        attempt=delivery.attempt,
+        redelivered=delivery.redelivered,
+        headers=delivery.headers,
+        app=rt.app,
+        session_id=session_id,
+        emitter=emitter,
+        cancel_requested=a.watch.event(),
+        # A plain def's thread reaches the loop through it (ctx.emit_sync, publish_sync).
+        loop=asyncio.get_running_loop() if spec.is_sync else None,
+        usage_sink=usage,
+        model=a.model,
+    )
+    return (a.task, ctx), emitter
+
+
+def _dropped(error: BaseException | None) -> None:
+    """The late outcome of a handler abandoned for ignoring its cancellation: logged, dropped."""
+    log.warning(
+        "a handler abandoned for ignoring its cancellation ended after all (%s); "
+        "its outcome is dropped: the task was already retried or dead-lettered",
+        "returned" if error is None else describe(error),
+    )
+
+
+def _timed_out(spec: HandlerSpec, error: BaseException) -> HandlerTimeout:
+    """Whatever the handler made of our cancellation (re-raised, wrapped), it timed out."""
+    timeout = HandlerTimeout(f"handler ran past its timeout of {spec.timeout_s} s")
+    timeout.__cause__ = error if not isinstance(error, TimeoutError) else None
+    return timeout
 
 
 async def _called(
