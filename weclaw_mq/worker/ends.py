@@ -410,13 +410,32 @@ async def _store(
             why = f"could not write the final reply to the inbox of {session_id!r}: {e}"
             await rt.settler.give_back(message, queue=spec.queue, why=why, level=logging.ERROR)
             return
-    if state is not None and not await _announced(
-        message, delivery, spec, rt, await notify.announce(delivery, spec, rt, state)
-    ):
-        return
-    if h.WORKFLOW in delivery.headers and not await _told(message, delivery, spec, rt, state):
-        return
-    await rt.settler.ack(message, queue=spec.queue)
+    if state is None or await _heard(message, delivery, spec, rt, state):
+        await rt.settler.ack(message, queue=spec.queue)
+
+
+async def _heard(
+    message: AbstractIncomingMessage,
+    delivery: Delivery,
+    spec: HandlerSpec,
+    rt: Runtime,
+    final: TaskState | None,
+    *,
+    told: TaskState | None = None,
+    error_type: str | None = None,
+) -> bool:
+    """True once ``final`` is announced (``notify=``) and the task's workflow heard of its end
+    (``told``, default ``final``); else the task is parked, to try again when it comes back,
+    and False. Before the settle, always: a crash in between redelivers it, and it tries again."""
+    if final is None:
+        return True
+    failed = await notify.announce(delivery, spec, rt, final, error_type=error_type)
+    if failed is not None:
+        await _defer(message, delivery, spec, rt, failed)
+        return False
+    if h.WORKFLOW not in delivery.headers:
+        return True
+    return await _told(message, delivery, spec, rt, final if told is None else told)
 
 
 async def _told(
@@ -523,13 +542,8 @@ async def _ack_cancelled(
         log.warning("could not record the cancel (%s)", e)
     # Announced before the ack, like every end (worker/notify.py): a publish that fails parks
     # the task, and its copy comes back to the cancel marker (or the done mark) and tries again.
-    if state is not None and not await _announced(
-        message, delivery, spec, rt, await notify.announce(delivery, spec, rt, state)
-    ):
-        return
-    if h.WORKFLOW in delivery.headers and not await _told(message, delivery, spec, rt, state):
-        return
-    await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
+    if await _heard(message, delivery, spec, rt, state):
+        await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
 
 
 async def _dead_letter(
@@ -542,17 +556,16 @@ async def _dead_letter(
 ) -> None:
     if rt.spans is not None:
         rt.spans.failed(error)
-    final = task_state(
+    announced = task_state(
         delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
     )
-    failed = await notify.announce(delivery, spec, rt, final, error_type=error_type(error))
-    if not await _announced(message, delivery, spec, rt, failed):
-        return
     status = TaskStatus.EXPIRED if reason is DeadLetterReason.EXPIRED else TaskStatus.DEAD_LETTERED
     final = task_state(delivery, spec, status, error=describe(error), reason=reason.value)
     # Its workflow hears of it before the move, as the notification does: after it, a crash
     # would leave the task in the DLQ and the workflow waiting for its deadline.
-    if h.WORKFLOW in delivery.headers and not await _told(message, delivery, spec, rt, final):
+    if not await _heard(
+        message, delivery, spec, rt, announced, told=final, error_type=error_type(error)
+    ):
         return
     if await rt.settler.dead_letter(
         message, delivery, queue=spec.queue, reason=reason.value, error=error
