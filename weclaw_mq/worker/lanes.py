@@ -88,8 +88,9 @@ Subscribe = Callable[..., Awaitable[str]]
 
 
 class LaneScheduler:
-    """The consumers of one handler's lanes on ``channel`` (which has prefetch 1), and the
-    choice of the next task to start when a slot frees."""
+    """The consumers of one handler's lanes on ``channel`` (which has prefetch 1): opened,
+    counted, cancelled, and the tasks they hold started when a slot frees, as the lane
+    policies decide (``lane_priority``, ``lane_fairness``, ``lane_room``)."""
 
     def __init__(
         self,
