@@ -23,7 +23,7 @@ from weclaw_mq.policy.priority import CLASSIC, QUORUM, plan_priorities, route
 from weclaw_mq.settings import Settings
 from weclaw_mq.testing import TestBroker
 from weclaw_mq.wire.topology import QueueSpec
-from weclaw_mq.worker.lanes import pick
+from weclaw_mq.worker.lane_priority import pick
 
 
 class Ask(BaseModel):

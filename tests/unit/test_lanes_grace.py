@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from weclaw_mq.worker.lanes import LOOKAHEAD_GRACE_MAX_S, LOOKAHEAD_GRACE_S, LaneScheduler
+from weclaw_mq.worker.lane_priority import LOOKAHEAD_GRACE_MAX_S, LOOKAHEAD_GRACE_S
+from weclaw_mq.worker.lanes import LaneScheduler
 
 
 async def _nothing(*_: Any) -> None:

@@ -34,7 +34,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from weclaw_mq.worker import lanes as lanes_module
-from weclaw_mq.worker.lanes import LOOKAHEAD_GRACE_S, LaneScheduler
+from weclaw_mq.worker.lane_priority import LOOKAHEAD_GRACE_S
+from weclaw_mq.worker.lanes import LaneScheduler
 
 LANES = ["urgent", "high", "normal"]  # highest first; the lowest is the handler queue
 CONCURRENCY = 3

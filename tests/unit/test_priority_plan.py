@@ -18,7 +18,7 @@ from weclaw_mq.contract.naming import (
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.policy.broker_version import ServerVersion
 from weclaw_mq.policy.priority import parse_priority, plan_priorities, priority_from_header, route
-from weclaw_mq.worker.lanes import pick
+from weclaw_mq.worker.lane_priority import pick
 
 
 @pytest.mark.parametrize(

@@ -13,16 +13,14 @@ Each lane keeps at least one consumer that is not running a task (its look-ahead
 holding the lane's waiting task). A consumer whose task ended stays, re-armed by its ack, so
 a busy lane keeps its consumers as one prefetch-C consumer would keep its window, with nothing
 opened or cancelled. Only when a lane has no look-ahead left (its last waiting task started)
-and the cap is reached is a consumer cancelled to make room, in this order: the one whose task
-is ending (cancelled before its ack, so the broker never sends it another), an armed idle one
-of a lane that has another look-ahead, else a surplus waiting task of the lowest such lane is
-given back (only after tasks of one lane waited behind a burst of another).
+and the cap is reached is a consumer cancelled to make room, as ``lane_room.take_room``
+decides: the one whose task is ending (cancelled before its ack, so the broker never sends it
+another), an armed idle one of a lane that has another look-ahead, else a surplus waiting task
+of the lowest such lane is given back.
 
-The slot a task frees goes to the waiting task ``pick`` chooses: the highest lane's, unless a
-lower lane was passed over ``starvation_limit`` times in a row; then its task starts next.
-A lane whose look-ahead was just started (its next task may be one round trip away) makes
-lower lanes wait for it up to ``grace``: ``LOOKAHEAD_GRACE_S``, or twice the median of the
-latest such waits that ended in a delivery (a loaded broker's round trip), at most 250 ms.
+The slot a task frees goes to the waiting task ``lane_priority.LanePriorities`` chooses: the
+highest lane's, unless a lower lane was starved; a lane whose look-ahead was just started
+makes lower lanes wait for it up to a grace that follows the broker's round trip.
 
 Bulk mode (given a ``bulk_channel``): while the upper lanes are quiet, the lowest lane is
 served by ONE consumer with prefetch ``concurrency + 1`` on its own channel (its acks go on
@@ -40,13 +38,10 @@ lane to make room. The circuit breaker's pause and the broker's cancel of the bu
 also end bulk mode.
 
 Fair share (``levels``, ``policy.fair_share``): lanes of one level are a handler's fair lanes,
-taken in turn (``pick``: the one with the fewest tasks running, then the one served least
-recently); a lane of the same level never holds another back when pending. They take room
-from each other without giving any task back: the next release cancels its own consumer
-before the ack (rule 1), or a consumer idle for ``EMPTY_LANE_S`` is withdrawn: cancelled, and
-still counted until its cancel-ok, so a task the broker sent it meanwhile waits and runs
-there (an armed consumer of a backlog is about to be sent one; a give-back would bring that
-task one closer to the DLQ). No bulk mode: the lowest level is several tenants' lanes.
+taken in turn, that take room from each other without giving any task back
+(``lane_fairness.FairLanes``): a withdrawn idle consumer is still counted until its
+cancel-ok, so a task the broker sent it meanwhile waits and runs there. No bulk mode: the
+lowest level is several tenants' lanes.
 
 One owner per consumer: a scheduler counts every consumer it opens from before its consume is
 sent; a delivery on any other consumer is never adopted (that consumer is cancelled, the task
@@ -61,37 +56,22 @@ import asyncio
 import contextlib
 import functools
 import logging
-import statistics
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
-from weclaw_mq.policy.fair_share import next_in_turn
 from weclaw_mq.wire.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
 from weclaw_mq.worker.incoming import consume
+from weclaw_mq.worker.lane_fairness import EMPTY_LANE_S, FairLanes
+from weclaw_mq.worker.lane_priority import LanePriorities
+from weclaw_mq.worker.lane_room import take_room
 
 log = logging.getLogger("weclaw_mq.worker")
 
-# After a lane's spare was opened (from its consume-ok) or re-armed (from the ack that frees
-# it), how long lower lanes wait for that lane's next task: a queue with messages delivers one
-# within a round trip, an empty one never does, and we cannot tell them apart sooner. A slot
-# stays free that long only when a higher lane turns out to be empty: at the end of its burst.
-LOOKAHEAD_GRACE_S = 0.02
-# ... or twice the median of the latest LATENCY_SAMPLES such waits that ended in a delivery
-# (also after the grace), up to LOOKAHEAD_GRACE_MAX_S: under load a round trip takes longer
-# than 20 ms, and a lower lane would start before the higher one's next task came (a loaded
-# suite run: 8 NORMAL tasks overtook the last HIGH one where 6 may). The median, not the
-# max: a task published just after a lane emptied is no round trip.
-LOOKAHEAD_GRACE_MAX_S = 0.25
-LATENCY_SAMPLES = 16
 CANCELLED_MEMORY_S = 5.0
-# A fair lane's consumer armed this long without a delivery is on an empty lane: only such a
-# consumer is cancelled to make room for another fair lane (``_make_room``). A queue with
-# messages sends one within a round trip; a loaded broker may take tens of milliseconds.
-EMPTY_LANE_S = 0.25
 # Bulk mode comes back only after no upper-lane task was delivered for this long (and the
 # worker is idle): an occasional URGENT task does not flap the consumers at every task, and
 # a switch (a cancel, a consume) costs two round trips, nothing next to a second.
@@ -107,53 +87,10 @@ HELD_BOUND_S = 30.0
 Subscribe = Callable[..., Awaitable[str]]
 
 
-def pick(
-    lanes: Sequence[str],
-    waiting: Sequence[str],
-    skipped: dict[str, int],
-    limit: int,
-    pending: Collection[str] = (),
-    levels: Mapping[str, int] | None = None,
-    served: Mapping[str, int] | None = None,
-    running: Mapping[str, int] | None = None,
-) -> str | None:
-    """The lane whose waiting task starts next, updating ``skipped`` (pure: unit-tested).
-
-    ``lanes`` is highest first; ``waiting`` the lanes with a task waiting. The highest
-    waiting lane wins, unless a lower one was passed over ``limit`` times in a row: then the
-    highest such starved lane wins. Each lower waiting lane passed over counts one skip.
-    None (wait) when a lane above the winner is ``pending``: its spare consumer was just
-    opened and its next task may be on the way (a starved lane does not wait).
-
-    ``levels`` (lane -> rank, 0 highest; default: each lane its own level, in order): lanes
-    of one level are fair-share lanes, taken in turn: of the winner's level, the lane with the
-    fewest tasks ``running``, then the one ``served`` least recently, wins
-    (``policy.fair_share.next_in_turn``); a lane of its own level neither holds it back when
-    pending nor counts a skip.
-    """
-    candidates = [lane for lane in lanes if lane in waiting]
-    if not candidates:
-        return None
-    rank_of = levels if levels is not None else {lane: i for i, lane in enumerate(lanes)}
-    starved = [lane for lane in candidates if skipped.get(lane, 0) >= limit]
-    choice = starved[0] if starved else candidates[0]
-    rank = rank_of[choice]
-    if not starved and served is not None:
-        peers = [lane for lane in candidates if rank_of[lane] == rank]
-        if len(peers) > 1:
-            choice = next_in_turn(peers, served, running)
-    if not starved and any(rank_of[lane] < rank for lane in pending):
-        return None
-    for lane in candidates:
-        if rank_of[lane] > rank:
-            skipped[lane] = skipped.get(lane, 0) + 1
-    skipped[choice] = 0
-    return choice
-
-
 class LaneScheduler:
-    """The consumers of one handler's lanes on ``channel`` (which has prefetch 1), and the
-    choice of the next task to start when a slot frees."""
+    """The consumers of one handler's lanes on ``channel`` (which has prefetch 1): opened,
+    counted, cancelled, and the tasks they hold started when a slot frees, as the lane
+    policies decide (``lane_priority``, ``lane_fairness``, ``lane_room``)."""
 
     def __init__(
         self,
@@ -178,37 +115,25 @@ class LaneScheduler:
         self._lowest = self.lanes[-1]
         self._upper = tuple(self.lanes[:-1])
         # Each lane's level (``pick``'s levels): lanes sharing one are fair-share lanes, served
-        # in turn (``_served``: the serial of each one's latest start); None: one lane a level.
+        # in turn; None: one lane a level. Built once, not per choice.
         ranks = list(levels) if levels is not None else list(range(len(self.lanes)))
-        # Every lane's rank, for ``pick`` (built once, not per choice).
-        self._rank_of = dict(zip(self.lanes, ranks, strict=True))
-        self._served: dict[str, int] | None = None
-        if len(set(ranks)) < len(ranks):
-            self._served = {}
-        # The other lanes of each lane's level (its fair-share peers; none without levels).
-        self._peers = {
-            lane: frozenset(o for o, r in self._rank_of.items() if r == rank and o != lane)
-            for lane, rank in self._rank_of.items()
-        }
-        self._serial = 0
+        rank_of = dict(zip(self.lanes, ranks, strict=True))
+        # The decisions: which lane starts next (with the grace lower lanes wait), and the
+        # fair lanes' peers, turns and withdrawable idle consumers.
+        self._priorities = LanePriorities(self.lanes, rank_of, starvation_limit=starvation_limit)
+        self._fair = FairLanes(rank_of, memory=4 * (concurrency + len(self.lanes)))
         # The channel of the bulk consumer (prefetch concurrency + 1), None: no bulk mode. Not
         # for fair lanes: the lowest level is several tenants' lanes, a bulk consumer would
         # serve one of them, and leaving bulk mode gives back what it held.
-        self.bulk_channel = None if self._peers[self._lowest] else bulk_channel
-        # Fair lanes: when each idle consumer was armed (``_idle_empty``), and the timer that
-        # serves the unserved lanes once the youngest of them is old enough.
-        self._armed_at: dict[str, float] = {}
+        self.bulk_channel = None if self._fair.peers[self._lowest] else bulk_channel
+        # Fair lanes: the timer that serves the unserved lanes once the youngest idle consumer
+        # of a peer lane is old enough to be withdrawn.
         self._empty_timer: asyncio.TimerHandle | None = None
-        # The lanes of a level above the lowest lane's: only those hold it back when pending.
-        self._above_lowest = frozenset(
-            lane for lane, rank in zip(self.lanes, ranks, strict=True) if rank < ranks[-1]
-        )
         # Each lane's consumer callback: a plain coroutine function, which aio-pika recognises
         # per delivery with fewer calls than a functools.partial.
         self._deliveries = {lane: self._delivery_callback(lane) for lane in self.lanes}
         self.concurrency = concurrency
         self.cap = concurrency + len(self.lanes)
-        self.starvation_limit = starvation_limit
         self._start = start
         self._give_back = give_back
         self._redeclare = redeclare
@@ -224,7 +149,11 @@ class LaneScheduler:
         self._opening_tags: set[str] = set()
         # delivery tag -> (consumer tag, lane) of every running task
         self._running: dict[int, tuple[str, str]] = {}
-        self._skipped: dict[str, int] = dict.fromkeys(self.lanes, 0)
+        # The lane whose waiting task starts next, or None (``LanePriorities.choose``): a
+        # partial, not a method that delegates, for one call fewer per delivery.
+        self._choose: Callable[[], str | None] = functools.partial(
+            self._priorities.choose, self._waiting, self._fair.served, self._running_per_lane
+        )
         self._stopping = False
         # Set once a stop has cancelled every consumer of ours: from then on a delivery that
         # still arrives is given back at once (before, it would come straight back to us).
@@ -233,15 +162,6 @@ class LaneScheduler:
         # (and are deferred by the breaker, ``delivery``).
         self._paused = False
         self._background: set[asyncio.Task[None]] = set()
-        # Lanes whose next task may be on its way (see ``pick``'s pending), each with the
-        # mark of its latest expectation (an older timer must not end a newer one).
-        self._pending: dict[str, int] = {}
-        self._marks = 0
-        # When each timed expectation began, and how long the latest ones that ended in a
-        # delivery took (the grace follows them, see ``grace``).
-        self._expected_at: dict[str, float] = {}
-        self._waits: deque[float] = deque(maxlen=LATENCY_SAMPLES)
-        self.grace = LOOKAHEAD_GRACE_S
         # The consumer of the task being released, while ``release`` decides about it.
         self._ending: str | None = None
         self._cancel_ending = False
@@ -299,7 +219,32 @@ class LaneScheduler:
 
     def pending_lanes(self) -> list[str]:
         """Lanes whose next task may be on its way, so lower lanes wait (``pick``'s pending)."""
-        return list(self._pending)
+        return list(self._priorities.pending)
+
+    @property
+    def grace(self) -> float:
+        """How long lower lanes wait for a higher lane's next task (``LanePriorities``)."""
+        return self._priorities.grace
+
+    # The priority policy's state under the names the unit tests of the scheduler use.
+    @property
+    def _pending(self) -> dict[str, int]:
+        return self._priorities.pending
+
+    @_pending.setter
+    def _pending(self, pending: dict[str, int]) -> None:
+        self._priorities.pending = pending
+
+    @property
+    def _skipped(self) -> dict[str, int]:
+        return self._priorities.skipped
+
+    @_skipped.setter
+    def _skipped(self, skipped: dict[str, int]) -> None:
+        self._priorities.skipped = skipped
+
+    def _waited(self, seconds: float) -> None:
+        self._priorities.waited(seconds)
 
     async def start(self) -> None:
         self._arm_sweep()
@@ -488,9 +433,9 @@ class LaneScheduler:
             await self._disown(tag, self._queues[lane], message)
             return
         self._idle[lane].discard(tag)
-        self._pending.pop(lane, None)
-        if (expected := self._expected_at.pop(lane, None)) is not None:
-            self._waited(asyncio.get_running_loop().time() - expected)
+        priorities = self._priorities
+        if lane in priorities.pending or lane in priorities.expected_at:
+            priorities.delivered(lane, asyncio.get_running_loop().time())
         if lane != self._lowest:
             self._upper_seen = asyncio.get_running_loop().time()
         self._waiting[lane].append(message)
@@ -569,22 +514,9 @@ class LaneScheduler:
         self._idle[lane].discard(tag)
         return tag
 
-    def _idle_empty(self, lane: str) -> str | None:
-        """An idle consumer of ``lane`` armed at least ``EMPTY_LANE_S`` ago (its lane is empty:
-        nothing was sent to it), taken out of the idle set; None if none is that old yet (a
-        retry of the unserved lanes is timed for when the youngest would be)."""
-        now = asyncio.get_running_loop().time()
-        aged = sorted(
-            t for t in self._idle[lane] if now - self._armed_at.get(t, now) >= EMPTY_LANE_S
-        )
-        if aged:
-            self._idle[lane].discard(aged[0])
-            return aged[0]
-        if self._empty_timer is None:
-            self._empty_timer = asyncio.get_running_loop().call_later(
-                EMPTY_LANE_S, self._empty_time
-            )
-        return None
+    def _withdrawable(self, lane: str) -> str | None:
+        """An idle consumer of the fair lane ``lane`` old enough to withdraw (``FairLanes``)."""
+        return self._fair.withdrawable(self._idle[lane], asyncio.get_running_loop().time())
 
     def _empty_time(self) -> None:
         self._empty_timer = None
@@ -593,11 +525,8 @@ class LaneScheduler:
     def _armed(self, lane: str, tag: str) -> None:
         """``tag`` of ``lane`` is idle (armed) from now."""
         self._idle[lane].add(tag)
-        if self._served is not None:  # only fair lanes ask how long (``_idle_empty``)
-            self._armed_at[tag] = asyncio.get_running_loop().time()
-            if len(self._armed_at) > 4 * self.cap:  # forget the tags no longer idle
-                idle = set().union(*self._idle.values())
-                self._armed_at = {t: at for t, at in self._armed_at.items() if t in idle}
+        if self._fair.served is not None:  # only fair lanes ask how long (``_withdrawable``)
+            self._fair.armed(tag, asyncio.get_running_loop().time(), self._idle)
 
     def _lookahead(self, lane: str) -> int:
         """Consumers of ``lane`` that are not running a task."""
@@ -613,9 +542,8 @@ class LaneScheduler:
                 return
             message = self._waiting[chosen].popleft()
             tag = message.consumer_tag or ""
-            if self._served is not None:
-                self._serial += 1
-                self._served[chosen] = self._serial
+            if self._fair.served is not None:
+                self._fair.started(chosen)
             if self._bulk_mode:
                 if chosen == self._lowest:
                     self._bulk_running[message.delivery_tag or 0] = tag
@@ -634,44 +562,13 @@ class LaneScheduler:
             if not self._waiting[chosen]:
                 if self._lookahead(chosen) == 0:
                     self._renew(chosen)
-                elif chosen in self._above_lowest:  # nothing below the lowest level waits
-                    self._expect(chosen, timed=True)
+                elif chosen in self._priorities.above_lowest:  # nothing below the lowest waits
+                    self._expect(chosen)
             if self.consumers < self.cap:
                 # Grow toward the cap in the lane that is busy: prefetch-1 consumers are the
                 # window a single prefetch-C consumer would have (fast handlers need it).
                 self._opening[chosen] += 1
                 self._spawn(self._open(chosen))
-
-    def _choose(self) -> str | None:
-        """``pick`` over the lanes with a task waiting. The steady state of a handler whose
-        tasks are all NORMAL (only the lowest lane has tasks) is decided here without
-        building the lists ``pick`` takes: the same answer, fewer calls per delivery."""
-        waiting = self._waiting
-        for lane in self._upper:
-            if waiting[lane]:
-                candidates = [lane for lane in self.lanes if waiting[lane]]
-                return pick(
-                    self.lanes,
-                    candidates,
-                    self._skipped,
-                    self.starvation_limit,
-                    self._pending,
-                    self._rank_of,
-                    self._served,
-                    self._running_per_lane() if self._served is not None else None,
-                )
-        if not waiting[self._lowest]:
-            return None
-        # As pick: the only candidate wins, unless a lane of a higher level is pending and it
-        # is not starved (only upper lanes are ever pending, see _expect).
-        if (
-            self._pending
-            and self._skipped[self._lowest] < self.starvation_limit
-            and not self._above_lowest.isdisjoint(self._pending)
-        ):
-            return None
-        self._skipped[self._lowest] = 0
-        return self._lowest
 
     def _renew(self, lane: str) -> None:
         """``lane`` has no look-ahead left: open a consumer, making room under the cap. With
@@ -682,7 +579,7 @@ class LaneScheduler:
             return
         self._unserved.discard(lane)
         self._opening[lane] += 1
-        self._expect(lane, timed=False)  # timed from its consume-ok
+        self._priorities.expect(lane)  # timed from its consume-ok (``_open``)
         self._spawn(self._open(lane))
 
     def _serve_unserved(self) -> None:
@@ -695,55 +592,52 @@ class LaneScheduler:
                 self._unserved.discard(lane)
 
     def _make_room(self, lane_in_need: str) -> bool:
-        if self._leaving:
-            return False  # a surplus task is on its way back: that is the room
-        # 1. the consumer of the task being released (cancelled before its ack), if its
-        #    lane keeps another look-ahead
+        """Carry out ``take_room`` for ``lane_in_need``: True if the room is there now (a
+        consumer cancelled), False if none is, or only from a cancel-ok or a give-back."""
+        ending = None
         if self._ending is not None and not self._cancel_ending:
             lane = self._lane_of.get(self._ending)
-            if lane is not None and self._ending in self._idle[lane] and self._lookahead(lane) >= 2:
-                self._idle[lane].discard(self._ending)
-                self._cancel_ending = True
-                self._lane_of.pop(self._ending, None)
-                self._cancelled.add(self._ending)
-                return True
-        if self._withdrawing:
-            return False  # a withdrawn consumer's cancel-ok is on its way: that is the room
-        peers = self._peers[lane_in_need]
-        # 2. an armed idle consumer of a lane that keeps another look-ahead
-        for lane in reversed(self.lanes):
-            if self._idle[lane] and self._lookahead(lane) >= 2:
-                if lane in peers:
-                    # Fair lanes take room from each other only by withdrawing a consumer idle
-                    # for EMPTY_LANE_S (likely on an empty lane), and the room counts only
-                    # from its cancel-ok: an armed consumer of a backlog is about to be sent
-                    # a task, and giving it back would bring it one closer to the DLQ (a
-                    # loaded run's 250 ms were not enough: 7 returns in a suite's run).
-                    tag = self._idle_empty(lane)
-                    if tag is None:
-                        continue
-                    self._withdraw(tag, lane)
-                    return False
-                tag = self._pop_idle(lane)
-                self._spawn(self._cancel(tag, lane))
-                self._lane_of.pop(tag, None)
-                self._cancelled.add(tag)
-                return True
-        # 3. a surplus waiting task of the lowest such lane goes back to its queue
-        for lane in reversed(self.lanes):
-            if lane in peers:
-                continue
-            if len(self._waiting[lane]) >= 2:
-                message = self._waiting[lane].pop()
-                tag = message.consumer_tag or ""
-                self._lane_of.pop(tag, None)
-                self._cancelled.add(tag)
-                # Counted until it is given back (after its consumer's cancel-ok): the room
-                # is there only then, and the unserved lane is served from there.
-                self._leaving += 1
-                self._spawn(self._give_back_surplus(message, tag, lane))
-                return False
-        return False
+            if lane is not None:
+                ending = (self._ending, lane)
+        room, young = take_room(
+            lane_in_need,
+            self.lanes,
+            idle=self._idle,
+            waiting=self._waiting,
+            opening=self._opening,
+            peers=self._fair.peers[lane_in_need],
+            ending=ending,
+            leaving=bool(self._leaving),
+            withdrawing=bool(self._withdrawing),
+            withdrawable=self._withdrawable,
+        )
+        if young and self._empty_timer is None:  # retried once the youngest is old enough
+            loop = asyncio.get_running_loop()
+            self._empty_timer = loop.call_later(EMPTY_LANE_S, self._empty_time)
+        if room is None:
+            return False
+        lane, tag = room.lane, room.tag
+        if room.how == "surplus":
+            message = self._waiting[lane].pop()
+            tag = message.consumer_tag or ""
+            self._lane_of.pop(tag, None)
+            self._cancelled.add(tag)
+            # Counted until it is given back (after its consumer's cancel-ok): the room
+            # is there only then, and the unserved lane is served from there.
+            self._leaving += 1
+            self._spawn(self._give_back_surplus(message, tag, lane))
+            return False
+        self._idle[lane].discard(tag)
+        if room.how == "withdraw":
+            self._withdraw(tag, lane)
+            return False
+        if room.how == "ending":
+            self._cancel_ending = True  # release cancels it before the ack
+        else:
+            self._spawn(self._cancel(tag, lane))
+        self._lane_of.pop(tag, None)
+        self._cancelled.add(tag)
+        return True
 
     def _withdraw(self, tag: str, lane: str) -> None:
         """Cancel the idle ``tag`` to make room: it stays counted (a delivery that reaches it
@@ -902,31 +796,15 @@ class LaneScheduler:
         if (message.delivery_tag or 0) in self._running:
             self._spawn(self.release(message, reusable=False))
 
-    def _waited(self, seconds: float) -> None:
-        """A higher lane's next task came ``seconds`` after it was expected: ``grace`` (how
-        long lower lanes wait for one) becomes twice the recent median, within its bounds."""
-        if seconds > LOOKAHEAD_GRACE_MAX_S:
-            return  # the lane was empty, and a task came later
-        self._waits.append(seconds)
-        median = statistics.median(self._waits)
-        self.grace = min(max(LOOKAHEAD_GRACE_S, 2 * median), LOOKAHEAD_GRACE_MAX_S)
-
-    def _expect(self, lane: str, *, timed: bool) -> None:
-        """Lower lanes wait for ``lane``'s next task (timed: for ``grace`` from now; else
-        until ``_expect`` is called again with timed=True)."""
-        if lane not in self._above_lowest:
-            return  # nothing below its level waits
-        self._marks += 1
-        self._pending[lane] = self._marks
-        self._expected_at.pop(lane, None)
-        if timed:
-            loop = asyncio.get_running_loop()
-            self._expected_at[lane] = loop.time()
-            loop.call_later(self.grace, self._grace_over, lane, self._marks)
+    def _expect(self, lane: str) -> None:
+        """Lower lanes wait for ``lane``'s next task for the grace from now."""
+        loop = asyncio.get_running_loop()
+        mark = self._priorities.expect(lane, loop.time())
+        if mark is not None:
+            loop.call_later(self._priorities.grace, self._grace_over, lane, mark)
 
     def _grace_over(self, lane: str, mark: int) -> None:
-        if self._pending.get(lane) == mark:
-            del self._pending[lane]  # its task, if it comes, still counts as a wait
+        if self._priorities.grace_over(lane, mark):
             self._fill()
 
     async def _open(self, lane: str) -> None:
@@ -948,8 +826,8 @@ class LaneScheduler:
             if tag in self._opening_tags:  # else an early delivery did it
                 self._opening_tags.discard(tag)
                 self._opening[lane] -= 1
-            if lane in self._pending:
-                self._expect(lane, timed=True)
+            if lane in self._priorities.pending:
+                self._expect(lane)
             self._serve_unserved()
 
     def _register(self, tag: str, lane: str) -> None:
