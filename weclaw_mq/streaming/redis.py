@@ -23,7 +23,7 @@ from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import AutoPipeline, Script
 from weclaw_mq.state.redis import REDIS_FAILURES, open_client
 from weclaw_mq.state.redis_clients import StateClient
-from weclaw_mq.state.redis_wakeups import RECHECK_S, Wakeups
+from weclaw_mq.state.redis_wakeups import RECHECK_S, LoopWakeups
 from weclaw_mq.streaming.events import Entry, StreamEvent, decode, next_id
 from weclaw_mq.streaming.protocol import READ_BATCH, StreamStore
 
@@ -185,7 +185,7 @@ class RedisStreamStore(StreamStore):
         self._end = Script.of(_END)
         self._deliver_alone = Script.of(_DELIVER)
         self._read_script = Script.of(_READ)
-        self._wakeups: Wakeups | None = None
+        self._wakeups = LoopWakeups(client)
         self._writing = asyncio.Semaphore(WRITES_IN_FLIGHT)
 
     def _deliver_args(self, entries: Sequence[Entry]) -> list[Any]:
@@ -226,13 +226,6 @@ class RedisStreamStore(StreamStore):
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
-    def _wakeups_here(self) -> Wakeups:
-        loop = asyncio.get_running_loop()
-        wakeups = self._wakeups
-        if wakeups is None or wakeups.loop is not loop:
-            wakeups = self._wakeups = Wakeups(self._redis)
-        return wakeups
-
     async def _read_now(self, key: str, after: str, count: int) -> list[StreamEvent]:
         # RESP2: [[key, [[id, [field, value, ...]], ...]]], or None; typed loosely.
         answer: Any = await self._pipe.script(self._read_script, [key], [after, count])
@@ -251,7 +244,7 @@ class RedisStreamStore(StreamStore):
         deadline = loop.time() + timeout_s
         # Watched before the first read, which waits for the subscription: an entry written
         # in between still wakes us.
-        wakeups = self._wakeups_here()
+        wakeups = self._wakeups.here()
         watch = wakeups.watch(key)
         try:
             while True:
@@ -316,9 +309,7 @@ class RedisStreamStore(StreamStore):
 
     async def close(self) -> None:
         # The wake-up subscription, the auto-pipeline; the client if it is ours (owns_client).
-        wakeups, self._wakeups = self._wakeups, None
-        if wakeups is not None and wakeups.loop is asyncio.get_running_loop():
-            await wakeups.close()
+        await self._wakeups.close()
         await self._pipe.close()
         if self._owns_client:
             await self._redis.aclose()
