@@ -1,7 +1,8 @@
 """A store method's docstring is written once, on the protocol it implements.
 
-``MemoryTaskStore`` and ``RedisTaskStore`` name the protocols they implement as their bases,
-and keep no copy of those methods' docstrings: the API page shows the protocol's (mkdocs.yml
+``MemoryTaskStore`` and ``RedisTaskStore`` (and the stream stores, ``MemoryStreamStore`` and
+``RedisStreamStore``) name the protocols they implement as their bases, and keep no copy of
+those methods' docstrings: the API page shows the protocol's (mkdocs.yml
 loads griffe-inherited-docstrings; tests/unit/test_docstring_style.py reads them the same way),
 and the page's markdown copy (docs/site_files.py) gets it from ``inspect.getdoc``.
 """
@@ -19,9 +20,13 @@ from weclaw_mq.state.redis import RedisTaskStore
 from weclaw_mq.state.reuse import FingerprintStore
 from weclaw_mq.state.task_index import TaskIndex
 from weclaw_mq.state.workflow_records import HasWorkflows
+from weclaw_mq.streaming.memory import MemoryStreamStore
+from weclaw_mq.streaming.protocol import StreamStore
+from weclaw_mq.streaming.redis import RedisStreamStore
 
-PROTOCOLS = (TaskStore, TaskIndex, FingerprintStore, RecordsSoon, HasWorkflows)
+PROTOCOLS = (TaskStore, TaskIndex, FingerprintStore, RecordsSoon, HasWorkflows, StreamStore)
 STORES = (MemoryTaskStore, RedisTaskStore)
+STREAM_STORES = (MemoryStreamStore, RedisStreamStore)
 
 
 def _methods(protocol: type) -> list[str]:
@@ -34,7 +39,7 @@ def _methods(protocol: type) -> list[str]:
 
 def implemented() -> Iterator[tuple[type, type, str]]:
     """(store, protocol, method name) of each protocol method a store implements."""
-    for store in STORES:
+    for store in STORES + STREAM_STORES:
         for protocol in PROTOCOLS:
             if protocol in store.__mro__:
                 for name in _methods(protocol):
@@ -54,6 +59,11 @@ def test_each_store_names_the_protocols_it_implements(store: type) -> None:
     bases = set(store.__mro__)
     assert {TaskStore, TaskIndex, FingerprintStore, HasWorkflows} <= bases
     assert (RecordsSoon in bases) is (store is RedisTaskStore)
+
+
+@pytest.mark.parametrize("store", STREAM_STORES, ids=lambda s: s.__name__)
+def test_each_stream_store_names_stream_store_as_its_base(store: type) -> None:
+    assert StreamStore in store.__mro__
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -152,6 +154,42 @@ def _filter(
         raise typer.BadParameter(str(e)) from None
 
 
+# The filter options of every command that selects dead letters, in this order after --limit.
+_FILTER_OPTIONS = [
+    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=kind)
+    for name, kind in [
+        ("task_id", TaskIds),
+        ("error_type", ErrorTypes),
+        ("reason", Reasons),
+        ("since", Since),
+        ("until", Until),
+    ]
+]
+
+
+def _filtered(command: Callable[..., None]) -> Callable[..., None]:
+    """The command with the filter options (``--task-id`` to ``--until``) after its
+    ``limit``, and its keyword ``where`` given the ``DlqFilter`` they make: declared once, for
+    every command, and shown in the same place in each one's --help."""
+    signature = inspect.signature(command, eval_str=True)
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        if parameter.name != "where":
+            parameters.append(parameter)
+        if parameter.name == "limit":
+            parameters += _FILTER_OPTIONS
+
+    @functools.wraps(command)
+    def run(**options: Any) -> None:
+        where = _filter(*(options.pop(option.name) for option in _FILTER_OPTIONS))
+        command(**options, where=where)
+
+    # Typer reads a command's parameters from its signature and its annotations.
+    run.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    run.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
+    return run
+
+
 def _dead_letter_table(dead: Sequence[dlq_message.DeadLetter]) -> None:
     _table(
         ["TASK_ID", "REASON", "ERROR_TYPE", "ATTEMPTS", "LAST_FAILURE"],
@@ -173,19 +211,16 @@ def _matching(where: DlqFilter) -> str:
 
 
 @dlq_cli.command("list")
+@_filtered
 def list_(
     queue: Queue,
     limit: Limit = 100,
-    task_id: TaskIds = None,
-    error_type: ErrorTypes = None,
-    reason: Reasons = None,
-    since: Since = None,
-    until: Until = None,
     as_json: JsonOutput = False,
     app_path: AppOption = None,
+    *,
+    where: DlqFilter,
 ) -> None:
     """One line per dead letter (left in the DLQ): task id, reason, error, attempts, time."""
-    where = _filter(task_id, error_type, reason, since, until)
     seen = _run(app_path, lambda app: dlq.look(app, queue, where=where, limit=limit))
     if as_json:
         typer.echo(
@@ -274,14 +309,10 @@ def _progress_bar(show: bool | None, what: str) -> Iterator[Progress | None]:
 
 
 @dlq_cli.command()
+@_filtered
 def requeue(
     queue: Queue,
     limit: Limit = None,
-    task_id: TaskIds = None,
-    error_type: ErrorTypes = None,
-    reason: Reasons = None,
-    since: Since = None,
-    until: Until = None,
     rate: Annotated[
         str | None,
         typer.Option("--rate", metavar="N/s", help="At most N messages per second (e.g. 50/s)."),
@@ -296,9 +327,10 @@ def requeue(
         ),
     ] = None,
     app_path: AppOption = None,
+    *,
+    where: DlqFilter,
 ) -> None:
     """Move dead letters back to QUEUE at attempt 1 (publish+confirm, then ack the DLQ copy)."""
-    where = _filter(task_id, error_type, reason, since, until)
     action = DlqAction("requeue", queue, where, limit, rate_per_s=_rate(rate))
     source = dlq_name(queue)
     with _progress_bar(progress, f"requeue {source}") as step:
@@ -320,28 +352,25 @@ def requeue(
     typer.echo(f"moved {summary.acted} message(s) from {source} to {queue}; {left}")
     if summary.failed:
         fail(f"the broker refused {summary.failed} message(s); they stay in {source}")
-    if task_id and summary.acted == 0:
+    if where.task_ids and summary.acted == 0:
         fail(f"none of the task ids is in {source}")
 
 
 @dlq_cli.command()
+@_filtered
 def purge(
     queue: Queue,
     yes: Annotated[
         bool, typer.Option("--yes", help="Really delete them: purged messages are gone.")
     ] = False,
     limit: Limit = None,
-    task_id: TaskIds = None,
-    error_type: ErrorTypes = None,
-    reason: Reasons = None,
-    since: Since = None,
-    until: Until = None,
     dry_run: DryRun = False,
     app_path: AppOption = None,
+    *,
+    where: DlqFilter,
 ) -> None:
     """Delete dead letters of QUEUE for good: all, or those the filters select, at most --limit
     of them, oldest first (needs --yes)."""
-    where = _filter(task_id, error_type, reason, since, until)
     action = DlqAction("purge", queue, where, limit)
     source = dlq_name(queue)
     if dry_run:
@@ -373,19 +402,16 @@ FileOrDash = Annotated[
 
 
 @dlq_cli.command()
+@_filtered
 def export(
     queue: Queue,
     file: FileOrDash,
     limit: Limit = None,
-    task_id: TaskIds = None,
-    error_type: ErrorTypes = None,
-    reason: Reasons = None,
-    since: Since = None,
-    until: Until = None,
     app_path: AppOption = None,
+    *,
+    where: DlqFilter,
 ) -> None:
     """Write the dead letters as JSON lines (left in the DLQ); FILE is overwritten."""
-    where = _filter(task_id, error_type, reason, since, until)
     target: Any = sys.stdout if file == "-" else Path(file)
     written = _run(app_path, lambda app: dlq.export(app, queue, target, limit=limit, where=where))
     typer.echo(

@@ -53,7 +53,7 @@ from weclaw_mq.state.redis_index import (
     RedisTaskIndex,
 )
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # noqa: F401 (tests read it here)
-from weclaw_mq.state.redis_wakeups import Wakeups
+from weclaw_mq.state.redis_wakeups import LoopWakeups
 from weclaw_mq.state.redis_workflows import RedisWorkflowStore
 from weclaw_mq.state.schedule_book import ScheduleBook
 from weclaw_mq.state.transitions import TRANSITIONS
@@ -326,7 +326,7 @@ class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads, HasWorkflows)
         self._beating: asyncio.Future[Any] | None = None  # the beat the claims wait for
         self._beat = Script.of(_BEAT)
         self._alive = Script.of(_ALIVE)
-        self._wakeups: Wakeups | None = None
+        self._wakeups = LoopWakeups(client)  # this store's one subscription per event loop
 
     def worker_registry(self) -> WorkerRegistry:
         """The worker registry (``weclaw-mq inspect``) in this store's Redis.
@@ -395,9 +395,7 @@ class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads, HasWorkflows)
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
-        wakeups, self._wakeups = self._wakeups, None
-        if wakeups is not None and wakeups.loop is asyncio.get_running_loop():
-            await wakeups.close()
+        await self._wakeups.close()
         await self._pipe.close()
         if self._owns_client:
             await self._redis.aclose()

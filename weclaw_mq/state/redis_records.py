@@ -21,7 +21,7 @@ from weclaw_mq.state.protocol import RecordsSoon, TaskState, TaskStatus, TaskSto
 from weclaw_mq.state.redis_clients import REDIS_FAILURES, StateClient
 from weclaw_mq.state.redis_index import RedisTaskIndex
 from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S
-from weclaw_mq.state.redis_wakeups import Wakeups
+from weclaw_mq.state.redis_wakeups import LoopWakeups
 from weclaw_mq.state.reuse import FingerprintStore
 from weclaw_mq.state.transitions import narrowing
 
@@ -45,7 +45,7 @@ class RedisRecords(TaskStore, FingerprintStore, RecordsSoon):
     _forget_queued: Script
     _get_latest: Script
     _keep_fingerprint: Script
-    _wakeups: Wakeups | None
+    _wakeups: LoopWakeups
 
     @staticmethod
     def _record_keys(state: TaskState) -> list[str]:
@@ -160,26 +160,13 @@ class RedisRecords(TaskStore, FingerprintStore, RecordsSoon):
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
-    def wakeups(self) -> Wakeups:
-        """This store's one subscription on the running loop (``state.redis_wakeups``).
-
-        Returns:
-            The subscription, shared by every waiter; made again on a new loop (the old one
-            died with its loop).
-        """
-        loop = asyncio.get_running_loop()
-        wakeups = self._wakeups
-        if wakeups is None or wakeups.loop is not loop:
-            wakeups = self._wakeups = Wakeups(self._redis)
-        return wakeups
-
     async def _wait(self, task_id: str, timeout_s: float, queue: str | None) -> TaskState:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         # Watched before the first read, which waits for the subscription: a result stored
         # in between still wakes us. The channel is per task id; a wake-up for another
         # queue's record costs one re-read.
-        wakeups = self.wakeups()
+        wakeups = self._wakeups.here()
         watch = wakeups.watch(done_channel(task_id))
         try:
             while True:

@@ -97,6 +97,36 @@ class _Channel:
         self.idle_since: float | None = None  # loop time its last watcher left
 
 
+class LoopWakeups:
+    """A store's one ``Wakeups``, on the running event loop: made when first asked for, and
+    made again on a new loop (the old one died with its loop).
+
+    Args:
+        client: The store's redis-py client.
+    """
+
+    def __init__(self, client: StateClient) -> None:
+        self._client = client
+        self._wakeups: Wakeups | None = None
+
+    def here(self) -> Wakeups:
+        """The subscription on the running loop, shared by every waiter of the store.
+
+        Returns:
+            The ``Wakeups``.
+        """
+        wakeups = self._wakeups
+        if wakeups is None or wakeups.loop is not asyncio.get_running_loop():
+            wakeups = self._wakeups = Wakeups(self._client)
+        return wakeups
+
+    async def close(self) -> None:
+        """Close the subscription if it is the running loop's (another loop's died with it)."""
+        wakeups, self._wakeups = self._wakeups, None
+        if wakeups is not None and wakeups.loop is asyncio.get_running_loop():
+            await wakeups.close()
+
+
 class Wakeups:
     """The watched channels of one store on one event loop, and the one connection that
     hears them. ``watch``/``unwatch`` are synchronous and cheap; the connection is opened on

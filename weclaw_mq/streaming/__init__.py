@@ -14,15 +14,6 @@ if TYPE_CHECKING:
     from weclaw_mq.streaming.redis import RedisStreamStore, open_redis_streams
 
 
-def _memory_store_is_a_stream_store(store: MemoryStreamStore) -> StreamStore:
-    """Typed as ``StreamStore``: mypy checks that both stores keep the protocol."""
-    return store
-
-
-def _redis_store_is_a_stream_store(store: RedisStreamStore) -> StreamStore:
-    return store
-
-
 def __getattr__(name: str) -> Any:
     # The Redis store (and redis-py with it) is loaded when first asked for, as in ``state``:
     # a worker with results off never loads it.

@@ -23,13 +23,13 @@ from weclaw_mq.streaming.events import (
     expired_entry,
     id_key,
 )
-from weclaw_mq.streaming.protocol import READ_BATCH
+from weclaw_mq.streaming.protocol import READ_BATCH, StreamStore
 
 
-class MemoryStreamStore:
+class MemoryStreamStore(StreamStore):
     """A ``StreamStore`` in one process, with the Redis store's rules (for tests).
 
-    Its methods do what ``StreamStore``'s say.
+    Its methods do what ``StreamStore`` says, where their docstrings are written.
 
     Args:
         inbox_ttl_s: How long an inbox entry is kept unconfirmed, in seconds.
@@ -67,28 +67,12 @@ class MemoryStreamStore:
     async def write(
         self, task_id: str, entries: Sequence[Entry], *, session_id: str | None
     ) -> None:
-        """Append to the task's stream and the inbox: ``StreamStore.write``.
-
-        Args:
-            task_id: The task's id.
-            entries: The events, encoded.
-            session_id: The session whose inbox gets them too, or None.
-        """
         for entry in entries:
             self._append("task:" + task_id, entry)
         if session_id is not None:
             await self.deliver(session_id, entries)
 
     async def end(self, task_id: str, final: Entry) -> str:
-        """Append ``final`` unless the stream ends with it already: ``StreamStore.end``.
-
-        Args:
-            task_id: The task's id.
-            final: The final event, encoded.
-
-        Returns:
-            The id of the final the stream ends with.
-        """
         key = "task:" + task_id
         log = self._logs.get(key)
         if not (log and log[-1][1] == final):
@@ -112,17 +96,6 @@ class MemoryStreamStore:
     async def read(
         self, task_id: str, after: str, timeout_s: float, *, count: int = READ_BATCH
     ) -> list[StreamEvent]:
-        """The task's events after ``after``: ``StreamStore.read``.
-
-        Args:
-            task_id: The task's id.
-            after: An event id; only later events are read.
-            timeout_s: How long to wait for one when there is none yet, in seconds.
-            count: At most this many.
-
-        Returns:
-            The events, oldest first; empty when none came in time.
-        """
         return await self._read("task:" + task_id, after, timeout_s, count)
 
     def _expire(self, session_id: str) -> None:
@@ -148,15 +121,6 @@ class MemoryStreamStore:
             self._append(key, expired_entry(tasks, lost))
 
     async def deliver(self, session_id: str, entries: Sequence[Entry]) -> int:
-        """Append to the session's inbox only: ``StreamStore.deliver``.
-
-        Args:
-            session_id: The session.
-            entries: The events, encoded.
-
-        Returns:
-            How many of its oldest entries were dropped.
-        """
         key = "inbox:" + session_id
         self._expire(session_id)
         for entry in entries:
@@ -177,44 +141,17 @@ class MemoryStreamStore:
         expire: bool = True,
         count: int = READ_BATCH,
     ) -> list[StreamEvent]:
-        """``read`` for the session's inbox: ``StreamStore.read_inbox``.
-
-        Args:
-            session_id: The session.
-            after: An event id; only later events are read.
-            timeout_s: How long to wait for one when there is none yet, in seconds.
-            expire: Remove entries past ``inbox_ttl_s`` first.
-            count: At most this many.
-
-        Returns:
-            The events, oldest first; empty when none came in time.
-        """
         if expire:
             self._expire(session_id)
         return await self._read("inbox:" + session_id, after, timeout_s, count)
 
     async def confirm(self, session_id: str, upto: str) -> None:
-        """Remove the entries up to and including ``upto``: ``StreamStore.confirm``.
-
-        Args:
-            session_id: The session.
-            upto: An event id.
-        """
         key = "inbox:" + session_id
         end = id_key(upto)
         self._logs[key] = [(i, e) for i, e in self._logs.get(key, []) if id_key(i) > end]
 
     async def dropped(self, session_id: str) -> int:
-        """How many entries the inbox dropped because it was full: ``StreamStore.dropped``.
-
-        Args:
-            session_id: The session.
-
-        Returns:
-            The number of entries dropped.
-        """
         return self._dropped.get(session_id, 0)
 
     async def close(self) -> None:
-        """Nothing to release: a no-op."""
-        return None
+        return None  # nothing to release

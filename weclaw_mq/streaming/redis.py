@@ -23,9 +23,9 @@ from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import AutoPipeline, Script
 from weclaw_mq.state.redis import REDIS_FAILURES, open_client
 from weclaw_mq.state.redis_clients import StateClient
-from weclaw_mq.state.redis_wakeups import RECHECK_S, Wakeups
+from weclaw_mq.state.redis_wakeups import RECHECK_S, LoopWakeups
 from weclaw_mq.streaming.events import Entry, StreamEvent, decode, next_id
-from weclaw_mq.streaming.protocol import READ_BATCH
+from weclaw_mq.streaming.protocol import READ_BATCH, StreamStore
 
 # Lua helpers shared by the scripts. Entry fields are k (kind) and e (JSON).
 _FIELDS_LUA = """
@@ -148,8 +148,12 @@ def _text(value: Any) -> str:
 WRITES_IN_FLIGHT = 8
 
 
-class RedisStreamStore:
+class RedisStreamStore(StreamStore):
     """``StreamStore`` on Redis (Redis Streams).
+
+    Its methods do what ``StreamStore`` says, where their docstrings are written. Each raises
+    ``StateUnavailableError`` when Redis fails or does not answer, and ``StateCommandError``
+    when Redis answered with an error (not an outage).
 
     Args:
         client: The redis-py client (one Redis, a Cluster or a Sentinel set).
@@ -181,7 +185,7 @@ class RedisStreamStore:
         self._end = Script.of(_END)
         self._deliver_alone = Script.of(_DELIVER)
         self._read_script = Script.of(_READ)
-        self._wakeups: Wakeups | None = None
+        self._wakeups = LoopWakeups(client)
         self._writing = asyncio.Semaphore(WRITES_IN_FLIGHT)
 
     def _deliver_args(self, entries: Sequence[Entry]) -> list[Any]:
@@ -193,17 +197,6 @@ class RedisStreamStore:
     async def write(
         self, task_id: str, entries: Sequence[Entry], *, session_id: str | None
     ) -> None:
-        """Append to the task's stream and the inbox: ``StreamStore.write``.
-
-        Args:
-            task_id: The task's id.
-            entries: The events, encoded.
-            session_id: The session whose inbox gets them too, or None.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         key = stream_key(task_id)
         try:
             # One round trip: the task's stream and the inbox are on different hash tags, so
@@ -225,19 +218,6 @@ class RedisStreamStore:
             raise state_unavailable(e) from e
 
     async def end(self, task_id: str, final: Entry) -> str:
-        """Append ``final`` unless the stream ends with it already: ``StreamStore.end``.
-
-        Args:
-            task_id: The task's id.
-            final: The final event, encoded.
-
-        Returns:
-            The id of the final the stream ends with.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             final_id = await self._pipe.script(
                 self._end, [stream_key(task_id)], [final.body, self._ttl_ms]
@@ -245,13 +225,6 @@ class RedisStreamStore:
             return final_id.decode() if isinstance(final_id, bytes) else str(final_id)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
-
-    def _wakeups_here(self) -> Wakeups:
-        loop = asyncio.get_running_loop()
-        wakeups = self._wakeups
-        if wakeups is None or wakeups.loop is not loop:
-            wakeups = self._wakeups = Wakeups(self._redis)
-        return wakeups
 
     async def _read_now(self, key: str, after: str, count: int) -> list[StreamEvent]:
         # RESP2: [[key, [[id, [field, value, ...]], ...]]], or None; typed loosely.
@@ -271,7 +244,7 @@ class RedisStreamStore:
         deadline = loop.time() + timeout_s
         # Watched before the first read, which waits for the subscription: an entry written
         # in between still wakes us.
-        wakeups = self._wakeups_here()
+        wakeups = self._wakeups.here()
         watch = wakeups.watch(key)
         try:
             while True:
@@ -288,40 +261,12 @@ class RedisStreamStore:
     async def read(
         self, task_id: str, after: str, timeout_s: float, *, count: int = READ_BATCH
     ) -> list[StreamEvent]:
-        """The task's events after ``after``: ``StreamStore.read``.
-
-        Args:
-            task_id: The task's id.
-            after: An event id; only later events are read.
-            timeout_s: How long to wait for one when there is none yet, in seconds.
-            count: At most this many.
-
-        Returns:
-            The events, oldest first; empty when none came in time.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             return await self._read(stream_key(task_id), after, timeout_s, count)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def deliver(self, session_id: str, entries: Sequence[Entry]) -> int:
-        """Append to the session's inbox only: ``StreamStore.deliver``.
-
-        Args:
-            session_id: The session.
-            entries: The events, encoded.
-
-        Returns:
-            How many of its oldest entries were dropped.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             dropped = await self._pipe.script(
                 self._deliver_alone,
@@ -341,22 +286,6 @@ class RedisStreamStore:
         expire: bool = True,
         count: int = READ_BATCH,
     ) -> list[StreamEvent]:
-        """``read`` for the session's inbox: ``StreamStore.read_inbox``.
-
-        Args:
-            session_id: The session.
-            after: An event id; only later events are read.
-            timeout_s: How long to wait for one when there is none yet, in seconds.
-            expire: Remove entries past ``inbox_ttl_s`` first.
-            count: At most this many.
-
-        Returns:
-            The events, oldest first; empty when none came in time.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         key = inbox_key(session_id)
         try:
             if expire:
@@ -366,34 +295,12 @@ class RedisStreamStore:
             raise state_unavailable(e) from e
 
     async def confirm(self, session_id: str, upto: str) -> None:
-        """Remove the entries up to and including ``upto``: ``StreamStore.confirm``.
-
-        Args:
-            session_id: The session.
-            upto: An event id.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             await self._redis.xtrim(inbox_key(session_id), minid=next_id(upto), approximate=False)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
     async def dropped(self, session_id: str) -> int:
-        """How many entries the inbox dropped because it was full: ``StreamStore.dropped``.
-
-        Args:
-            session_id: The session.
-
-        Returns:
-            The number of entries dropped.
-
-        Raises:
-            StateUnavailableError: Redis fails or does not answer.
-            StateCommandError: Redis answered with an error (not an outage).
-        """
         try:
             raw = await self._redis.hget(inbox_trace_key(session_id), "dropped")
         except REDIS_FAILURES as e:
@@ -401,13 +308,8 @@ class RedisStreamStore:
         return int(raw) if raw is not None else 0
 
     async def close(self) -> None:
-        """Close the wake-up subscription and the auto-pipeline.
-
-        The client is closed too when the store owns it (``owns_client``).
-        """
-        wakeups, self._wakeups = self._wakeups, None
-        if wakeups is not None and wakeups.loop is asyncio.get_running_loop():
-            await wakeups.close()
+        # The wake-up subscription, the auto-pipeline; the client if it is ours (owns_client).
+        await self._wakeups.close()
         await self._pipe.close()
         if self._owns_client:
             await self._redis.aclose()

@@ -134,9 +134,6 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         self._stop = asyncio.Event()
         # Per queue, for the in-flight gauge; every delivery being processed is in one set.
         self._in_flight = InFlight(s.queue for s in self.specs)
-        # Tasks whose handler ignored its cancellation: they hold no message any more, are no
-        # longer in flight, and a stop does not wait for them.
-        self._abandoned: set[asyncio.Task[Any]] = set()
         self._deadlines = Deadlines()
         # The threads of its plain-def handlers: one pool for the worker, across reconnects,
         # its threads made as calls need them and let go when ``run`` returns.
@@ -229,7 +226,7 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
     @property
     def abandoned(self) -> int:
         """Handlers still running that ignored their cancellation (they hold no message)."""
-        return len(self._abandoned)
+        return len(self._in_flight.abandoned)
 
     async def run(self) -> None:
         """Consume until ``stop``, reconnecting whenever the broker connection is lost.
@@ -533,7 +530,7 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
             metrics=self.app.metrics,
             store=self.app.store,
             results=self.app.results,
-            take_over=self._take_over,
+            take_over=self._in_flight.replace,
             limiter=self._limiter,
             cancels=self.cancels,
             circuits=self._circuits,

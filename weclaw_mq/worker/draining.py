@@ -1,5 +1,6 @@
 """How a worker's stop ends its in-flight deliveries: within the grace, then cancelled, then
-left behind; and a handler that ignored its cancellation, taken over.
+left behind (``InFlight.abandon``; a handler that ignored its cancellation mid-delivery is
+taken over by ``InFlight.replace``).
 
 A mixin of ``consume.Worker``: it reads the worker's attributes declared below.
 """
@@ -8,14 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any
 
-from aio_pika.abc import AbstractIncomingMessage
-
-from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.worker.in_flight import InFlight
-from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -24,25 +19,10 @@ DRAIN_CANCEL_S = 5.0
 
 
 class Draining:
-    """The worker's drain at a stop, and its abandoned handlers."""
+    """The worker's drain at a stop."""
 
     shutdown_grace_s: float
     _in_flight: InFlight
-    _abandoned: set[asyncio.Task[Any]]
-
-    def _take_over(
-        self,
-        message: AbstractIncomingMessage,
-        spec: HandlerSpec,
-        rt: Runtime,
-        stuck: asyncio.Task[Any],
-        ending: Coroutine[Any, Any, None],
-    ) -> None:
-        """Run ``ending`` (the delivery's failure path) in place of ``stuck``, whose handler
-        ignored its cancellation: the slot and the message are freed, the handler left."""
-        self._abandoned.add(stuck)
-        stuck.add_done_callback(self._abandoned.discard)
-        self._in_flight.replace(message, spec, rt, stuck, ending)
 
     async def _drain(self) -> None:
         """Wait for in-flight handlers up to the grace period, then cancel the rest; they
@@ -71,6 +51,4 @@ class Draining:
                 len(stuck),
             )
             for task in stuck:
-                self._in_flight.forget(task)
-                self._abandoned.add(task)
-                task.add_done_callback(self._abandoned.discard)
+                self._in_flight.abandon(task)

@@ -23,6 +23,9 @@ log = logging.getLogger("weclaw_mq.worker")
 class InFlight:
     def __init__(self, queues: Iterable[str] = ()) -> None:
         self._tasks: dict[str, set[asyncio.Task[None]]] = {q: set() for q in queues}
+        # Tasks whose handler ignored its cancellation: they hold no message any more, are no
+        # longer in flight, and a stop does not wait for them; held here until they end.
+        self.abandoned: set[asyncio.Task[Any]] = set()
 
     def add_queue(self, queue: str) -> None:
         self._tasks.setdefault(queue, set())
@@ -58,13 +61,16 @@ class InFlight:
     ) -> None:
         """Run ``ending`` (the delivery's failure path) in place of ``stuck``, whose handler
         ignored its cancellation: the slot and the message are freed, the handler left."""
-        self.forget(stuck)
+        self.abandon(stuck)
         self._track(spec.queue, settled(message, spec, rt, ending))
 
-    def forget(self, task: asyncio.Task[Any]) -> None:
-        """No longer count ``task`` (a handler left behind); it keeps running."""
+    def abandon(self, task: asyncio.Task[Any]) -> None:
+        """No longer count ``task`` (a handler left behind); it keeps running, in
+        ``abandoned`` until it ends."""
         for tasks in self._tasks.values():
             tasks.discard(task)
+        self.abandoned.add(task)
+        task.add_done_callback(self.abandoned.discard)
 
     def _track(self, queue: str, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(work)
