@@ -96,6 +96,55 @@ async def test_an_admit_hook_past_the_handlers_timeout_fails_the_attempt_as_a_ti
     assert ran == [2] and admitted == [1, 1, 2]
 
 
+async def test_an_admit_hook_that_ignores_its_cancellation_is_abandoned_like_a_stuck_handler(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    app = make_app(handler_cancel_grace_s=0.2)
+    release = asyncio.Event()
+    stuck: list[str] = []
+
+    class Stubborn(Middleware):
+        async def admit(self, run: Run) -> Defer | None:
+            if run.queue != qname:
+                return None
+            stuck.append(run.task_id)
+            while not release.is_set():
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    continue  # ignores its cancellation
+            return None
+
+    app.add_middleware(Stubborn())
+    ran: list[str] = []
+
+    @app.handler(qname, retry=RetryPolicy(max_retries=0), timeout_s=0.3)
+    async def never_reached(task: dict[str, int]) -> None:
+        raise AssertionError("the handler must not run")
+
+    @app.handler(f"{qname}-2", timeout_s=5)
+    async def other(task: dict[str, int], ctx: Context) -> None:
+        ran.append(ctx.task_id)
+
+    worker = await start_worker(app)
+    try:
+        task_id = await app.publish(qname, {"n": 1})
+        final = await app.result(task_id, timeout_s=30)
+        await wait_until(lambda: worker.abandoned == 1, 10, "the hook abandoned")
+        assert final.status is TaskStatus.DEAD_LETTERED
+        assert final.error is not None, final
+        assert final.error.startswith("HandlerAbandoned: an admit hook ran past its timeout")
+        # The slot and the claim are free: the worker goes on with other tasks.
+        other_id = await app.publish(f"{qname}-2", {"n": 2})
+        assert (await app.result(other_id, timeout_s=30)).status is TaskStatus.SUCCEEDED
+        assert ran == [other_id] and stuck == [task_id]
+    finally:
+        release.set()
+    # The hook returned at last: its delivery's task settles nothing more, runs no handler.
+    await wait_until(lambda: worker.abandoned == 0, 10, "the abandoned hook's task ended")
+    assert (await app.status(task_id)).status is TaskStatus.DEAD_LETTERED  # type: ignore[union-attr]
+
+
 async def test_around_run_hooks_nest_in_order_and_see_the_runs_model_calls(
     make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
 ) -> None:

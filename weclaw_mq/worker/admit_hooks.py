@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from weclaw_mq.contract.lifetime import now_ms
 from weclaw_mq.errors import HandlerTimeout
@@ -21,34 +23,56 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.wire.connection import cancelled_by_caller
 from weclaw_mq.worker.admission import park_until
 from weclaw_mq.worker.attempt import Attempt
-from weclaw_mq.worker.ends import Defer, End, after_attempt
+from weclaw_mq.worker.deadlines import Deadline
+from weclaw_mq.worker.ends import Defer, End, GiveBack, after_attempt
 from weclaw_mq.worker.run_hooks import run_of
+from weclaw_mq.worker.running import take_over
 
 
 async def admitted(a: Attempt) -> End | None:
-    """Run the ``admit`` hooks: None to go on, else the end their answer (or failure) is."""
+    """Run the ``admit`` hooks: None to go on, else the end their answer (or failure) is.
+
+    A hook still running ``handler_cancel_grace_s`` after its cancellation at the timeout is
+    left behind as a stuck handler is: another task ends the attempt (``running.take_over``)
+    and ``a.taken_over`` tells the delivery's task to settle nothing."""
     spec, rt = a.spec, a.rt
     assert rt.hooks is not None  # in the pipeline only with admit hooks
     run = a.run = run_of(a.delivery, spec, a.task)
     held = a.held is not None and rt.store is not None
-    bound = asyncio.timeout(spec.timeout_s)
+    grace_s = rt.settings.handler_cancel_grace_s
+    deadline = Deadline(rt.deadlines, spec.timeout_s, functools.partial(_stuck, a), grace_s)
+    holding = (
+        rt.store.holding(spec.queue, a.delivery.task_id, a.held)  # type: ignore[union-attr,arg-type]
+        if held
+        else contextlib.nullcontext()
+    )
+    end: End | None
     try:
-        with (
-            rt.store.holding(spec.queue, a.delivery.task_id, a.held)  # type: ignore[union-attr,arg-type]
-            if held
-            else contextlib.nullcontext()
-        ):
-            async with bound:
-                answer = await rt.hooks.admit(run)
+        with holding, deadline:
+            answer = await rt.hooks.admit(run)
     except asyncio.CancelledError as e:
         if cancelled_by_caller():
             raise
-        return after_attempt(a.delivery, spec, None, e)  # raised by a hook itself
+        end = after_attempt(a.delivery, spec, None, e)  # raised by a hook itself
     except Exception as e:
-        if isinstance(e, TimeoutError) and bound.expired():
+        if isinstance(e, TimeoutError) and deadline.expired:
             e = HandlerTimeout(f"admit hooks ran past the handler's timeout of {spec.timeout_s} s")
-        return after_attempt(a.delivery, spec, None, e)
-    return None if answer is None else parked(answer, spec)
+        end = after_attempt(a.delivery, spec, None, e)
+    else:
+        end = None if answer is None else parked(answer, spec)
+    # Taken over: the later gates must not run, and ``_process`` carries out no end.
+    return _TAKEN_OVER if a.taken_over else end
+
+
+# What the gate answers once another task ended the attempt: it stops the later gates and is
+# never carried out (``delivery._process`` reads ``taken_over`` first).
+_TAKEN_OVER = GiveBack("an admit hook was abandoned; the task that took over ended it")
+
+
+def _stuck(a: Attempt, stuck: asyncio.Task[Any]) -> None:
+    """The deadline's call for a hook still running a grace after its cancellation."""
+    a.taken_over = True
+    take_over(a, stuck)
 
 
 def parked(answer: Deferred, spec: HandlerSpec) -> End:

@@ -48,6 +48,7 @@ class Attempt:
         "rt",
         "run",
         "spec",
+        "taken_over",
         "task",
         "ticket",
         "watch",
@@ -85,6 +86,9 @@ class Attempt:
         # The middleware's view of the run, made by its admit hooks (``admit_hooks``) or
         # as its run begins.
         self.run: Run | None = None
+        # An admit hook ignored its cancellation past the timeout: another task ended the
+        # attempt (``running.take_over``), and this delivery's task settles nothing more.
+        self.taken_over = False
 
     def let_go(self) -> None:
         """Free the slots and the reservation the gates took, for a delivery that a later

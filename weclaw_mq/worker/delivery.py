@@ -75,6 +75,8 @@ async def _process(
     a = Attempt(message, delivery, spec, rt, watch, rt.pipelines.get(spec.queue) or _made(spec, rt))
     try:
         end = await admit(a)
+        if a.taken_over:  # an admit hook ignored its cancellation: ended by another task
+            return
         if end is None and a.held is not None and rt.store is not None:
             # The claim's lease is kept from the handler's start until its ending returned (a
             # result write that retries included): a lapsed lease would let a copy run it.

@@ -215,14 +215,16 @@ async def _end_abandoned(a: Attempt) -> None:
             )
             error, end = asyncio.CancelledError(), AckCancelled()
         else:
+            what = "an admit hook" if a.taken_over else "handler"
             log.error(
-                "handler still running %.3g s after it was cancelled at its timeout of %.3g s "
+                "%s still running %.3g s after it was cancelled at its timeout of %.3g s "
                 "(it ignores cancellation); ending the attempt without it",
+                what,
                 grace_s,
                 spec.timeout_s,
             )
             error = HandlerAbandoned(
-                f"handler ran past its timeout of {spec.timeout_s} s and ignored its "
+                f"{what} ran past its timeout of {spec.timeout_s} s and ignored its "
                 f"cancellation for {grace_s} s"
             )
             end = after_attempt(a.delivery, spec, None, error)
