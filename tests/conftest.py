@@ -368,6 +368,16 @@ async def wait_until(predicate: Callable[[], Any], timeout_s: float = 10.0, what
         await asyncio.sleep(0.02)
 
 
+async def ignoring_cancels(release: asyncio.Event) -> None:
+    """Wait for ``release``, swallowing every cancellation meanwhile: a handler or hook that
+    ignores being told to stop (the worker abandons it after its grace)."""
+    while not release.is_set():
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            continue
+
+
 # -- reading the broker back with plain aio-pika, independent of weclaw_mq ---------------------
 
 

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tests.conftest import wait_until
+from tests.conftest import ignoring_cancels, wait_until
 from weclaw_mq import App, Context, Defer, Middleware, RetryPolicy, Run, TaskStatus
 
 FAST = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)
@@ -108,11 +108,7 @@ async def test_an_admit_hook_that_ignores_its_cancellation_is_abandoned_like_a_s
             if run.queue != qname:
                 return None
             stuck.append(run.task_id)
-            while not release.is_set():
-                try:
-                    await release.wait()
-                except asyncio.CancelledError:
-                    continue  # ignores its cancellation
+            await ignoring_cancels(release)
             return None
 
     app.add_middleware(Stubborn())

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from tests.conftest import outcome_count, queue_depth, settings_for, wait_until
+from tests.conftest import ignoring_cancels, outcome_count, queue_depth, settings_for, wait_until
 from tests.integration.dead_endpoints import closed_port
 from tests.integration.processes import one_error_line, run_cli, settings_env
 from weclaw_mq import App, CancelOutcome, Context, RetryPolicy, TaskStatus
@@ -247,11 +247,7 @@ async def test_a_handler_that_ignores_its_cancel_is_left_behind_and_the_task_ack
     @app.handler(qname, retry=RetryPolicy(max_retries=3, delay_s=0.2))
     async def stubborn(task: dict[str, int]) -> str:
         started.set()
-        while not release.is_set():
-            try:
-                await release.wait()
-            except asyncio.CancelledError:
-                continue  # ignores being told to stop
+        await ignoring_cancels(release)
         completed.append(True)
         return "too late"
 

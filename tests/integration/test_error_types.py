@@ -15,7 +15,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel
 from pydantic import BaseModel
 
-from tests.conftest import next_message
+from tests.conftest import ignoring_cancels, next_message
 from weclaw_mq import App, ConfigurationError, Reject, Retry, RetryPolicy
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import dlq_name
@@ -75,11 +75,7 @@ async def test_each_kind_of_failure_is_dead_lettered_under_its_documented_error_
             case "timeout":
                 await asyncio.sleep(30)
             case "abandoned":
-                while not release.is_set():
-                    try:
-                        await release.wait()
-                    except asyncio.CancelledError:
-                        continue  # ignores being told to stop
+                await ignoring_cancels(release)
             case "unserialisable":
                 return Unstorable()
         return None

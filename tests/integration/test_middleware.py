@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import ignoring_cancels, wait_until
 from weclaw_mq import (
     App,
     Context,
@@ -180,11 +180,7 @@ async def test_an_abandoned_handler_is_reported_once_by_the_task_that_ended_it(
 
     @app.handler(qname, retry=RetryPolicy(max_retries=0), timeout_s=0.3)
     async def stubborn(task: dict[str, int]) -> None:
-        while not release.is_set():
-            try:
-                await release.wait()
-            except asyncio.CancelledError:
-                continue  # ignores its cancellation
+        await ignoring_cancels(release)
 
     await start_worker(app)
     task_id = await app.publish(qname, {"n": 1})
@@ -376,11 +372,7 @@ async def test_a_before_run_that_ignores_its_cancellation_is_abandoned_like_a_st
 
     class Stubborn(Middleware):
         async def before_run(self, run: Run) -> None:
-            while not release.is_set():
-                try:
-                    await release.wait()
-                except asyncio.CancelledError:
-                    continue  # ignores its cancellation
+            await ignoring_cancels(release)
 
     app.add_middleware(Stubborn())
 

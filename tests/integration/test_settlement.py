@@ -19,6 +19,7 @@ from pydantic import BaseModel, field_validator
 from tests.conftest import (
     delete_queues,
     forget_task_keys,
+    ignoring_cancels,
     next_message,
     outcome_count,
     settings_for,
@@ -185,11 +186,7 @@ async def test_handler_that_swallows_its_cancellation_is_abandoned_and_the_task_
     async def stubborn(task: Job, ctx: Context) -> dict[str, int]:
         seen.append((ctx.task_id, ctx.attempt))
         if task.text == "stubborn" and ctx.attempt == 1:
-            while not release.is_set():
-                try:
-                    await release.wait()
-                except asyncio.CancelledError:
-                    continue  # ignores being told to stop
+            await ignoring_cancels(release)
         return {"attempt": ctx.attempt}
 
     worker = await start_worker(app, concurrency=1)
