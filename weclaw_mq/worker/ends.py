@@ -559,8 +559,12 @@ async def _dead_letter(
     announced = task_state(
         delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
     )
-    status = TaskStatus.EXPIRED if reason is DeadLetterReason.EXPIRED else TaskStatus.DEAD_LETTERED
-    final = task_state(delivery, spec, status, error=describe(error), reason=reason.value)
+    # Its record says "expired" where the notification said "dead_lettered"; else the same.
+    final = (
+        task_state(delivery, spec, TaskStatus.EXPIRED, error=describe(error), reason=reason.value)
+        if reason is DeadLetterReason.EXPIRED
+        else announced
+    )
     # Its workflow hears of it before the move, as the notification does: after it, a crash
     # would leave the task in the DLQ and the workflow waiting for its deadline.
     if not await _heard(
