@@ -29,40 +29,40 @@ def test_a_quick_broker_keeps_the_20_ms_grace() -> None:
     lanes = _scheduler()
     assert lanes.grace == LOOKAHEAD_GRACE_S
     for _ in range(8):
-        lanes._waited(0.002)
+        lanes._priorities.waited(0.002)
     assert lanes.grace == LOOKAHEAD_GRACE_S
 
 
 def test_a_slow_round_trip_doubles_into_the_grace() -> None:
     lanes = _scheduler()
     for _ in range(8):
-        lanes._waited(0.06)
+        lanes._priorities.waited(0.06)
     assert lanes.grace == 0.12
 
 
 def test_one_late_arrival_does_not_move_the_median() -> None:
     lanes = _scheduler()
     for _ in range(8):
-        lanes._waited(0.002)
-    lanes._waited(0.2)  # a task published just after the lane emptied
+        lanes._priorities.waited(0.002)
+    lanes._priorities.waited(0.2)  # a task published just after the lane emptied
     assert lanes.grace == LOOKAHEAD_GRACE_S
 
 
 def test_the_grace_is_bounded_and_a_wait_past_the_bound_is_no_sample() -> None:
     lanes = _scheduler()
     for _ in range(8):
-        lanes._waited(0.2)
+        lanes._priorities.waited(0.2)
     assert lanes.grace == LOOKAHEAD_GRACE_MAX_S
     fresh = _scheduler()
     for _ in range(8):
-        fresh._waited(30.0)  # the lane was empty; a task came much later
+        fresh._priorities.waited(30.0)  # the lane was empty; a task came much later
     assert fresh.grace == LOOKAHEAD_GRACE_S
 
 
 def test_the_grace_follows_the_latest_waits() -> None:
     lanes = _scheduler()
     for _ in range(16):
-        lanes._waited(0.1)
+        lanes._priorities.waited(0.1)
     for _ in range(16):
-        lanes._waited(0.001)
+        lanes._priorities.waited(0.001)
     assert lanes.grace == LOOKAHEAD_GRACE_S

@@ -188,15 +188,17 @@ def test_the_schedulers_choice_is_picks_in_every_state() -> None:
         )
         for lane, has in zip(LANES, waiting, strict=True):
             scheduler._waiting[lane] = deque([cast(Any, object())] if has else [])
-        scheduler._pending = {lane: 1 for lane, on in zip(LANES[:2], pending, strict=True) if on}
-        scheduler._skipped = dict(zip(LANES, counts, strict=True))
-        expected_skipped = dict(scheduler._skipped)
+        scheduler._priorities.pending = {
+            lane: 1 for lane, on in zip(LANES[:2], pending, strict=True) if on
+        }
+        scheduler._priorities.skipped = dict(zip(LANES, counts, strict=True))
+        expected_skipped = dict(scheduler._priorities.skipped)
         expected = pick(
             LANES,
             [lane for lane, has in zip(LANES, waiting, strict=True) if has],
             expected_skipped,
             limit,
-            scheduler._pending,
+            scheduler._priorities.pending,
         )
         assert scheduler._choose() == expected
-        assert scheduler._skipped == expected_skipped
+        assert scheduler._priorities.skipped == expected_skipped

@@ -226,26 +226,6 @@ class LaneScheduler:
         """How long lower lanes wait for a higher lane's next task (``LanePriorities``)."""
         return self._priorities.grace
 
-    # The priority policy's state under the names the unit tests of the scheduler use.
-    @property
-    def _pending(self) -> dict[str, int]:
-        return self._priorities.pending
-
-    @_pending.setter
-    def _pending(self, pending: dict[str, int]) -> None:
-        self._priorities.pending = pending
-
-    @property
-    def _skipped(self) -> dict[str, int]:
-        return self._priorities.skipped
-
-    @_skipped.setter
-    def _skipped(self, skipped: dict[str, int]) -> None:
-        self._priorities.skipped = skipped
-
-    def _waited(self, seconds: float) -> None:
-        self._priorities.waited(seconds)
-
     async def start(self) -> None:
         self._arm_sweep()
         for lane in self.lanes:
