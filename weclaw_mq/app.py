@@ -24,6 +24,7 @@ from weclaw_mq.facade.workflows_and_costs import WorkflowsAndCosts
 from weclaw_mq.handlers.lifespan import Lifespan
 from weclaw_mq.handlers.middleware import Chain
 from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.llm.resources import ModelResources
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.observability.otel import Spans, spans_for
 from weclaw_mq.policy.costs import Price, check_prices
@@ -113,6 +114,15 @@ class App(Registration, Reading, WorkflowsAndCosts, LocalOutbox):
         # What a forked child dropped (``_after_fork``): kept, so no finaliser closes the
         # parent's sockets from the child.
         self._from_parent: list[object] = []
+        # The LLM layer's state in Redis, opened with the lifespan as the handlers need it.
+        self._models = ModelResources(
+            self.name,
+            self.settings,
+            lambda: bool(self.prices),
+            lambda: self._handlers.values(),
+            lambda: self.store,
+        )
+        self.lifespan.resource(self._models.opened)
         self._open_parts()
 
     def _open_parts(self) -> None:

@@ -67,7 +67,7 @@ class Context:
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # The worker's event loop, for a plain def's emit_sync and publish_sync from its thread.
     loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
-    # Where ``usage`` reports the run's model calls (worker.usage), when anything counts them.
+    # Where ``usage`` reports the run's model calls (llm.usage), when anything counts them.
     usage_sink: Callable[[int, int, str | None], None] | None = field(default=None, repr=False)
     # The model the worker chose for this run (a tenant past its cap, downgraded), else None.
     model: str | None = None

@@ -4,7 +4,7 @@ Every command of a delivery's path shares a bounded number of pooled connections
 claims, finishes, records and lease renewals go through its auto-pipeline (one round trip at
 a time), cancel requests through one subscription, ``ctx.emit``'s writes through at most
 ``streaming.redis.WRITES_IN_FLIGHT`` at once, a limit's admissions and releases through at
-most ``worker.limiting.ROUND_TRIPS_IN_FLIGHT``. So concurrency 2,000 runs on a handful.
+most ``llm.limiting.ROUND_TRIPS_IN_FLIGHT``. So concurrency 2,000 runs on a handful.
 """
 
 from __future__ import annotations

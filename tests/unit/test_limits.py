@@ -78,7 +78,7 @@ def test_limit_keys_share_one_hash_tag_whatever_the_key_holds() -> None:
 def test_a_token_limits_margin_is_learned_from_its_delays_and_a_429_raises_it_at_once() -> None:
     import redis.asyncio as aioredis
 
-    from weclaw_mq.worker.limiting import MIN_MARGIN_MS, TOKEN_WINDOW_MARGIN_MS, Limiter
+    from weclaw_mq.llm.limiting import MIN_MARGIN_MS, TOKEN_WINDOW_MARGIN_MS, Limiter
 
     def room(ms: float) -> int:
         return round(ms * 1.25)  # MARGIN_HEADROOM

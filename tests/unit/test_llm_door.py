@@ -40,3 +40,28 @@ def test_no_howto_example_imports_a_deep_module_of_the_package() -> None:
             if found and found[1] not in doors:
                 deep.append(f"{path.name}: {line.strip()}")
     assert not deep, "\n".join(deep)
+
+
+def test_the_llm_features_are_middleware_on_the_public_seam_only() -> None:
+    # The library's cap, fallback chain, limits and costs are one Middleware subclass that
+    # overrides public hooks and nothing else of it: what a team's own middleware can do.
+    from weclaw_mq.llm.calls import ModelCalls
+
+    assert issubclass(ModelCalls, weclaw_mq.Middleware)
+    hooks = {name for name in vars(weclaw_mq.Middleware) if not name.startswith("_")}
+    overridden = {
+        name
+        for name, value in vars(ModelCalls).items()
+        if not name.startswith("_") and callable(value)
+    }
+    assert overridden and overridden <= hooks, overridden - hooks
+
+
+def test_no_module_of_the_llm_layer_imports_the_worker() -> None:
+    # Beside the layers contract (tests/unit/test_layers.py), said where one looks for it.
+    found = []
+    for path in sorted((ROOT / "weclaw_mq" / "llm").glob("*.py")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if re.match(r"\s*(from|import) weclaw_mq\.(worker|app|facade)\b", line):
+                found.append(f"{path.name}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -395,7 +395,7 @@ CAP_KEY_PREFIX = f"{REDIS_PREFIX}:cap"
 
 def cap_keys(app: str, tenant: str, day: str) -> tuple[str, str, str, str, str]:
     """The (slots, starts, tokens, total, blocked) keys of tenant ``tenant``'s reservations
-    against its cap on UTC day ``day``: a token limit's keys (``worker.limiting``), in one slot."""
+    against its cap on UTC day ``day``: a token limit's keys (``llm.limiting``), in one slot."""
     tag = "t=" + tenant.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
     base = f"{CAP_KEY_PREFIX}:{len(app.encode())}:{app}:{day}:{{{tag}}}"
     return (f"{base}:slots", f"{base}:starts", f"{base}:tokens", f"{base}:total", f"{base}:blocked")

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from weclaw_mq.contract.message import encode_payload
 from weclaw_mq.errors import ConfigurationError
@@ -16,6 +16,7 @@ from weclaw_mq.handlers.lifespan import HookT, Lifespan, Provider, ProviderT
 from weclaw_mq.handlers.middleware import Chain, Middleware
 from weclaw_mq.handlers.notifications import notify_target
 from weclaw_mq.handlers.spec import HandlerFunc, HandlerSpec, build_spec
+from weclaw_mq.llm.calls import handler_chain
 from weclaw_mq.policy.breaker import Breaker
 from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.policy.fair_share import Fair
@@ -26,6 +27,11 @@ from weclaw_mq.policy.retry import RetryPolicy
 from weclaw_mq.policy.schedules import DEFAULT_GRACE_S, MissedPolicy, Payload, Schedule
 from weclaw_mq.settings import Settings
 
+if TYPE_CHECKING:
+    from weclaw_mq.llm.resources import ModelResources
+    from weclaw_mq.observability.metrics import Metrics
+    from weclaw_mq.state import TaskStore
+
 _T = TypeVar("_T")
 
 
@@ -33,12 +39,37 @@ class Registration:
     """Registering what a worker runs (``App`` inherits these methods)."""
 
     # Set by App.__init__.
+    name: str
     settings: Settings
     prices: dict[str, Price]
+    metrics: Metrics
     lifespan: Lifespan
     middleware: Chain
     _handlers: dict[str, HandlerSpec]
     _schedules: dict[str, Schedule]
+    # The LLM layer's state in Redis (limiter, ledger, models' health): a resource of the
+    # App's lifespan, opening what its handlers and prices need then.
+    _models: ModelResources
+
+    @property
+    def store(self) -> TaskStore | None:
+        raise NotImplementedError  # App's
+
+    def handler_chain(self, spec: HandlerSpec) -> Chain | None:
+        """The middleware a handler's runs pass: the App's, then the handler's own.
+
+        The handler's own are the LLM layer's (``weclaw_mq.llm``): its cap, fallback chain,
+        limits and costs, when it has any. A worker asks once per handler.
+
+        Args:
+            spec: The handler.
+
+        Returns:
+            The chain, or None when no hook of it runs.
+        """
+        return handler_chain(
+            self.middleware, self._models, self.name, self.settings, self.metrics, self.prices, spec
+        )
 
     def handler(
         self,

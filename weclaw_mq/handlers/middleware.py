@@ -7,9 +7,11 @@ once each per run or publish:
 
 - ``admit(run)``: the task passed the worker's own gates (not a duplicate, not expired, not
   cancelled; the guard's claim is held) and the handler's own gates (its cap, fallback chain
-  and limits) come next. It answers None to go on, or a ``Defer`` to park the task without
-  spending an attempt (until a time, or to be asked again after a delay); raising is the
-  attempt's failure (``Reject`` dead-letters at once, ``Retry`` retries). The hooks run under
+  and limits, themselves middleware of the LLM layer) come next. It answers None to go on, a
+  ``Defer`` to park the task without spending an attempt (until a time, or to be asked again
+  after a delay), or a ``DeadLetter`` to move it to the DLQ with a reason; it may set
+  ``run.model`` (the model the handler runs on); raising is the attempt's failure
+  (``Reject`` dead-letters at once, ``Retry`` retries). The hooks run under
   the handler's ``timeout_s`` with the claim's lease kept: one past it ends the attempt as a
   ``HandlerTimeout``.
 - ``before_run(run)``: the task is admitted (not a duplicate, not expired, not cancelled,
@@ -21,6 +23,16 @@ once each per run or publish:
   the same deadline and cancel watch; ``await call()`` runs the rest (the next middleware's
   ``around_run``, then the handler) and returns its result, which the hook returns. An
   exception is the attempt's failure.
+- ``after_call(run, call)``: the handler's call ended (it returned, raised, timed out, or never
+  started), outside its deadline, before the attempt's end is decided and stored; last added
+  first. ``call`` says how (``CallEnd``). It answers None to let that stand, an exception to
+  be the attempt's failure as the retry policy sees it (in place of ``call.error``), or a
+  ``Defer`` to park the task without spending the attempt. An exception raised here is the
+  attempt's failure.
+- ``let_go(run)``: a run this middleware's ``admit`` let through will not reach
+  ``after_call``: a later ``admit`` hook parked or failed it, or the worker gave the message
+  back (it stops hard, or the handler was abandoned at its deadline). A plain function, for
+  freeing what ``admit`` took (a slot, a reservation) without a round trip of its own.
 - ``after_run(run, end)``: the attempt has ended and its message is settled; ``end.outcome``
   is how, as ``weclaw_mq_messages_total{outcome}`` counts it (acked, retried, dead_lettered,
   cancelled, and deferred, duplicate or requeued when the ending could not go as decided).
@@ -34,10 +46,13 @@ once each per run or publish:
   publish failed; an exception here is logged.
 
 ``run.state`` and ``publish.state`` are dicts for a middleware's own values between its
-hooks; ``run.model`` is the model the worker chose for the run, and ``run.usage`` the model
-calls the handler reported so far (``ctx.usage``). ``before_run`` runs in the delivery's own
-task, so a ``ContextVar`` it sets is seen by the handler (a plain ``def``'s thread gets a copy
-of the context).
+hooks; ``run.model`` is the model chosen for the run (by an ``admit`` hook), and ``run.usage``
+the model calls the handler reported so far (``ctx.usage``). ``before_run`` runs in the
+delivery's own task, so a ``ContextVar`` it sets is seen by the handler (a plain ``def``'s
+thread gets a copy of the context).
+
+A handler's own middleware (its cap, fallback chain and limits: ``weclaw_mq.llm``) runs after
+the App's, in the same hooks: the library's LLM features use this seam and no other.
 
 With no middleware the worker and the publisher make no call for it: one attribute check per
 delivery and per publish (``make bench-own-cost`` counts the calls).
@@ -56,6 +71,7 @@ import aio_pika
 
 from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.observability.metrics import Outcome
+from weclaw_mq.policy.retry import DeadLetterReason
 
 log = logging.getLogger("weclaw_mq.middleware")
 
@@ -74,12 +90,14 @@ class Run:
         queue: The handler queue.
         attempt: This attempt's number (1 = the first run).
         redelivered: Whether the broker delivered this message before.
-        headers: The message's AMQP headers.
+        headers: The message's AMQP headers. The task's next copy (a retry, a deferral, its
+            dead letter) carries them: a hook may add its own ``x-`` headers here.
         task: The task as the handler receives it (validated by its model).
         session_id: The task's session, if any.
+        size: The message body's length in bytes.
         state: The middleware's own values between its hooks (``admit`` to ``after_run``).
-        model: The model the worker chose for the run (a fallback chain's, a cap's
-            downgrade), or None; set once the handler's own gates passed.
+        model: The model chosen for the run (a fallback chain's, a cap's downgrade), or
+            None; an ``admit`` hook may set it (``ctx.model`` in the handler).
         usage: The model calls the handler reported so far (``ctx.usage``), in order.
     """
 
@@ -88,9 +106,10 @@ class Run:
     queue: str
     attempt: int
     redelivered: bool
-    headers: Mapping[str, Any]
+    headers: dict[str, Any]
     task: Any
     session_id: str | None = None
+    size: int = 0
     state: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
     usage: list[Usage] = field(default_factory=list)
@@ -104,11 +123,13 @@ class Usage:
         model: The model called (the run's model when the handler named none), or ``-``.
         input_tokens: The call's input tokens.
         output_tokens: The call's output tokens.
+        at: When it was reported (``time.monotonic()``); not compared.
     """
 
     model: str
     input_tokens: int
     output_tokens: int
+    at: float = field(default_factory=time.monotonic, compare=False)
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,43 @@ class Defer:
             raise ConfigurationError(f"Defer(after_s=) must be 0..86400 s, got {self.after_s}")
         if not self.by or not self.by.isprintable() or len(self.by) > 64:
             raise ConfigurationError(f"Defer(by=) must be 1..64 printable characters: {self.by!r}")
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """An ``admit`` hook's answer: move the task to its DLQ now, without running it.
+
+    Args:
+        error: Why, as the DLQ and the task's record show it.
+        reason: The dead-letter reason (``x-weclaw-dead-letter-reason``), one of
+            ``weclaw_mq.policy.retry.DeadLetterReason``'s values.
+    """
+
+    error: BaseException
+    reason: str = "rejected"
+
+    def __post_init__(self) -> None:
+        if self.reason not in DeadLetterReason._value2member_map_:
+            known = ", ".join(r.value for r in DeadLetterReason)
+            raise ConfigurationError(f"DeadLetter(reason=) must be one of {known}: {self.reason!r}")
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    """How the handler's call ended, for ``after_call``.
+
+    Args:
+        result: What it returned (None unless it returned).
+        error: What it raised (a timeout as ``HandlerTimeout``), or None.
+        cancelled: A cancel request came while it ran: its outcome no longer counts.
+        started: False when the call never started (no thread was free for a plain
+            ``def``): the attempt is not spent.
+    """
+
+    result: Any
+    error: BaseException | None
+    cancelled: bool = False
+    started: bool = True
 
 
 @dataclass(frozen=True)
@@ -184,17 +242,40 @@ class Publish:
 class Middleware:
     """Subclass it and override the hooks you need; every hook here does nothing."""
 
-    async def admit(self, run: Run) -> Defer | None:
-        """Called before the handler's own gates; may park the task without an attempt.
+    async def admit(self, run: Run) -> Defer | DeadLetter | None:
+        """Called before the handler runs; may park the task without an attempt.
 
         Args:
             run: The run (``run.task`` is decoded; the guard's claim is held).
 
         Returns:
-            None to go on, or a ``Defer``. Raising fails the attempt (``Reject``: to the
-            DLQ now).
+            None to go on, a ``Defer``, or a ``DeadLetter``. Raising fails the attempt
+            (``Reject``: to the DLQ now).
         """
         return None
+
+    async def after_call(self, run: Run, call: CallEnd) -> BaseException | Defer | None:
+        """Called when the handler's call ended, before the attempt's end is decided.
+
+        Args:
+            run: The run (``run.usage``: every model call it reported).
+            call: How the call ended.
+
+        Returns:
+            None to let it stand, the exception the retry policy should see instead of
+            ``call.error``, or a ``Defer`` to park the task without spending the attempt.
+        """
+        return None
+
+    def let_go(self, run: Run) -> None:
+        """Called instead of ``after_call`` for a run ``admit`` let through: free what it took.
+
+        The run will not end its call here: a later ``admit`` hook parked or failed it, or
+        the worker gave its message back (a hard stop, an abandoned handler).
+
+        Args:
+            run: The run.
+        """
 
     async def around_run(self, run: Run, call: Callable[[], Awaitable[Any]]) -> Any:
         """Called around the handler's call, under its deadline; returns what ``call`` did.
@@ -261,12 +342,15 @@ class Chain:
         self._around_run: list[Middleware] = []
         self._before_run: list[Middleware] = []
         self._after_run: list[Middleware] = []
+        self._after_call: list[Middleware] = []
+        self._let_go: list[Middleware] = []
         self._before_publish: list[Middleware] = []
         self._after_publish: list[Middleware] = []
         # Read per delivery and per publish instead of a call: anything to run at all?
         self.runs = False
         self.admits = False
         self.wraps = False
+        self.calls = False  # after_call or let_go hooks: the run's end is told to them
         self.publishes = False
         # (middleware id, hook) -> [failures not yet logged, when a line was last logged]
         self._failures: dict[tuple[int, str], list[float]] = {}
@@ -288,29 +372,85 @@ class Chain:
         ):
             if _overrides(middleware, hook):
                 members.append(middleware)
+        if _overrides(middleware, "let_go"):
+            self._let_go.append(middleware)
         for hook, members in (
             ("after_run", self._after_run),
+            ("after_call", self._after_call),
             ("after_publish", self._after_publish),
         ):
             if _overrides(middleware, hook):
                 members.insert(0, middleware)  # the last added runs first
         self.admits = bool(self._admit)
         self.wraps = bool(self._around_run)
-        self.runs = bool(self._before_run or self._after_run or self.wraps or self.admits)
+        self.calls = bool(self._after_call or self._let_go)
+        self.runs = bool(
+            self._before_run or self._after_run or self.wraps or self.admits or self.calls
+        )
         self.publishes = bool(self._before_publish or self._after_publish)
 
-    async def admit(self, run: Run) -> Defer | None:
-        """Each ``admit`` in order, until one defers; an exception is raised (the attempt's
-        failure)."""
-        for middleware in self._admit:
-            answer = await middleware.admit(run)
-            if answer is not None:
-                if not isinstance(answer, Defer):
+    def joined(self, own: Sequence[Middleware]) -> Chain:
+        """A chain of this one's middleware, then ``own`` (a handler's): ``self`` when
+        ``own`` is empty."""
+        if not own:
+            return self
+        chain = Chain()
+        for middleware in (*self.middleware, *own):
+            chain.add(middleware)
+        return chain
+
+    async def admit(self, run: Run) -> Defer | DeadLetter | None:
+        """Each ``admit`` in order, until one parks or dead-letters the task; an exception is
+        raised (the attempt's failure). Those that let it through before are let go."""
+        for i, middleware in enumerate(self._admit):
+            try:
+                answer = await middleware.admit(run)
+                if answer is not None and not isinstance(answer, Defer | DeadLetter):
                     raise TypeError(
-                        f"{middleware!r}.admit returned {answer!r}: None or a weclaw_mq.Defer"
+                        f"{middleware!r}.admit returned {answer!r}: None, a weclaw_mq.Defer "
+                        "or a weclaw_mq.DeadLetter"
                     )
+            except BaseException:
+                self._let_go_of(run, self._admit[:i])
+                raise
+            if answer is not None:
+                self._let_go_of(run, self._admit[:i])
                 return answer
         return None
+
+    async def after_call(self, run: Run, call: CallEnd) -> BaseException | Defer | None:
+        """Each ``after_call``, last added first: the error as the last changed it (each
+        sees the one before's in ``call.error``), or the first ``Defer``; an exception
+        raised by a hook is the attempt's failure."""
+        changed: BaseException | None = None
+        for middleware in self._after_call:
+            try:
+                answer = await middleware.after_call(run, call)
+            except Exception as e:  # the attempt's failure, decided by its retry policy
+                answer = e
+            if isinstance(answer, Defer):
+                return answer
+            if answer is not None:
+                if not isinstance(answer, BaseException):
+                    raise TypeError(
+                        f"{middleware!r}.after_call returned {answer!r}: None, an exception "
+                        "or a weclaw_mq.Defer"
+                    )
+                changed = answer
+                call = CallEnd(None, answer, call.cancelled, call.started)
+        return changed
+
+    def let_go(self, run: Run) -> None:
+        """Each ``let_go``: the run admitted will not end its call here."""
+        self._let_go_of(run, self._let_go)
+
+    def _let_go_of(self, run: Run, admitted: Sequence[Middleware]) -> None:
+        for middleware in admitted:
+            if middleware in self._let_go:
+                try:
+                    middleware.let_go(run)
+                except Exception as e:
+                    self._failed(middleware, "let_go", e)
 
     async def around_run(self, run: Run, call: Callable[[], Awaitable[Any]]) -> Any:
         """The ``around_run`` hooks nested, the first added outermost, around ``call``."""

@@ -12,7 +12,7 @@ by default the payload's JSON length / 4) fit, and settled with what the handler
 (``ctx.usage``), so the estimate's error does not accumulate. A task over a limit is deferred: moved
 to one of the handler's delay queues without spending an attempt, so it leaves the worker's
 prefetch window at once and other keys flow past it. The counting lives in Redis
-(``worker.limiting``), with leases that lapse when a worker dies.
+(``llm.limiting``), with leases that lapse when a worker dies.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Whether each model of an app's fallback chains is up, in Redis, for every worker at once
-(``policy.fallback`` says what it means; ``worker.fallbacks`` uses it).
+(``policy.fallback`` says what it means; ``llm.fallbacks`` uses it).
 
 One hash per app (``contract.naming.models_key``): ``<model>:until``, the Redis time (epoch
 ms) the model is down until (kept past it until a success: half-open), ``<model>:fails``, the

@@ -240,6 +240,9 @@ class TestBroker:
             cancels=self.cancels,
             threads=self._threads,
             hooks=app.middleware if app.middleware.runs else None,
+            # The App's middleware alone: the LLM layer's (limits, caps, costs, fallbacks)
+            # needs Redis, which the test kit does without.
+            handler_middleware=False,
         )
         for queue, spec in app.handlers.items():
             if queue in self._handlers:

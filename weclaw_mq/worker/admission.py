@@ -1,6 +1,7 @@
 """The gates a delivery passes before its handler runs (``admit``): well-formed, due yet, its
-breaker closed, decoded, the guard's claim, still alive, not cancelled, then the handler's own
-gates (a tenant's cap, a fallback chain's model, its limits). Each answers "go on" (None) or
+breaker closed, decoded, the guard's claim, still alive, not cancelled, then the handler's
+middleware's ``admit`` hooks (the App's, then its own: its cap, fallback chain and limits,
+``weclaw_mq.llm``). Each answers "go on" (None) or
 the ``End`` the delivery takes instead (``delivery._process`` carries it out); none settles
 anything itself."""
 
@@ -32,9 +33,7 @@ from weclaw_mq.worker.ends import (
     Defer,
     End,
     RejectOriginal,
-    by,
 )
-from weclaw_mq.worker.limiting import NO_TICKET, Held
 from weclaw_mq.worker.records import record_status, task_state
 from weclaw_mq.worker.runtime import Runtime
 
@@ -82,7 +81,8 @@ def parked_until_due(delivery: Delivery, spec: HandlerSpec) -> Defer | None:
 async def admit(a: Attempt) -> End | None:
     """The delivery's checks and gates, in order: None when its handler may run, else the
     end it takes instead. Cheap checks first (no round trip), then the guard's claim, then
-    the task's own lifetime and cancel, then the handler's own gates (``Pipeline.gates``)."""
+    the task's own lifetime and cancel, then the handler's own gates (``Pipeline.gates``:
+    the middleware's ``admit`` hooks)."""
     delivery, spec, rt = a.delivery, a.spec, a.rt
     headers = delivery.headers
     if h.UNDECODABLE_PROPERTIES in headers and undecodable(headers) is not None:
@@ -144,8 +144,6 @@ async def admit(a: Attempt) -> End | None:
             return end
     if a.model is not None:
         delivery.model = a.model  # on its records: the status says which model runs it
-    if a.reserved is not NO_TICKET:  # settled as the handler ends, with the limits' slots
-        a.ticket = a.ticket.joined(a.reserved)
     return None
 
 
@@ -235,39 +233,3 @@ async def cancelled_before_start(
         except Exception as e:  # unknown: run it; a cancel request still reaches the handler
             log.warning("could not read the cancel marker (%s)", e)
     return AckCancelled() if watch.requested else None
-
-
-async def within_limits(a: Attempt) -> End | None:
-    """The limits' gate: the start's ticket taken (its slots freed as the handler ends), or
-    the end of a delivery that may not start: deferred (over a limit, or Redis down) or
-    dead-lettered (a key function failed). A deferral spends no attempt and frees the claim
-    for the copy that returns."""
-    spec, rt = a.spec, a.rt
-    assert rt.limiter is not None  # in the pipeline only with one
-    try:
-        answer = await rt.limiter.admit(
-            spec.queue, spec.limits, a.task, len(a.delivery.body), a.model
-        )
-    except InvalidPayload as e:
-        return DeadLetter(DeadLetterReason.INVALID_PAYLOAD, e)
-    except StateCommandError as e:  # as for the guard
-        log.error("the limits' store refused the admission: %s", e)
-        return by(Defer("Redis refused the limits' command"), "limit")
-    except Exception as e:  # Redis unreachable or failing: as for the guard
-        if rt.settings.guard_on_redis_down == "run_unguarded":
-            log.warning("limits unavailable (%s); running UNLIMITED as configured", e)
-            return None
-        log.warning("limits unavailable (%s: %s)", type(e).__name__, e)
-        return by(Defer("Redis is down, the limits cannot tell"), "limit")
-    if not isinstance(answer, Held):
-        a.ticket = answer
-        return None
-    rt.metrics.limit_deferred(spec.queue, answer.kind).inc()
-    return Defer(
-        f"over its {answer.kind} limit",
-        delay_ms=answer.delay_ms,
-        # Routine under load (one line per deferral would drown the log): the metric counts.
-        level=logging.DEBUG,
-        queued_again=True,
-        by="limit",
-    )

@@ -1,6 +1,7 @@
-"""The middleware's ``admit`` hooks (``handlers.middleware``) as a gate of a handler's
-pipeline: after the worker's own gates, before the handler's (its cap, fallback chain and
-limits), so a task the team's own rule parks takes no slot.
+"""The middleware's ``admit`` hooks (``handlers.middleware``) as the gate of a handler's
+pipeline, after the worker's own checks: the App's hooks, then the handler's own (its cap,
+fallback chain and limits, ``weclaw_mq.llm``), so a task the team's own rule parks takes no
+slot.
 
 The hooks run under the handler's ``timeout_s`` with the claim's lease kept: past it, the
 attempt fails as a ``HandlerTimeout`` (retried or dead-lettered by the handler's policy), as a
@@ -13,18 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from weclaw_mq.contract.lifetime import now_ms
 from weclaw_mq.errors import HandlerTimeout
+from weclaw_mq.handlers.middleware import DeadLetter as DeadLettered
 from weclaw_mq.handlers.middleware import Defer as Deferred
 from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.wire.connection import cancelled_by_caller
 from weclaw_mq.worker.admission import park_until
 from weclaw_mq.worker.attempt import Attempt
 from weclaw_mq.worker.deadlines import Deadline
-from weclaw_mq.worker.ends import Defer, End, GiveBack, after_attempt
+from weclaw_mq.worker.ends import DeadLetter, Defer, End, GiveBack, after_attempt
 from weclaw_mq.worker.run_hooks import run_of
 from weclaw_mq.worker.running import take_over
 
@@ -35,8 +39,8 @@ async def admitted(a: Attempt) -> End | None:
     A hook still running ``handler_cancel_grace_s`` after its cancellation at the timeout is
     left behind as a stuck handler is: another task ends the attempt (``running.take_over``)
     and ``a.taken_over`` tells the delivery's task to settle nothing."""
-    spec, rt = a.spec, a.rt
-    assert rt.hooks is not None  # in the pipeline only with admit hooks
+    spec, rt, hooks = a.spec, a.rt, a.pipeline.hooks
+    assert hooks is not None  # in the pipeline only with admit hooks
     run = a.run = run_of(a.delivery, spec, a.task)
     held = a.held is not None and rt.store is not None
     grace_s = rt.settings.handler_cancel_grace_s
@@ -49,7 +53,7 @@ async def admitted(a: Attempt) -> End | None:
     end: End | None
     try:
         with holding, deadline:
-            answer = await rt.hooks.admit(run)
+            answer = await hooks.admit(run)
     except asyncio.CancelledError as e:
         if cancelled_by_caller():
             raise
@@ -59,7 +63,14 @@ async def admitted(a: Attempt) -> End | None:
             e = HandlerTimeout(f"admit hooks ran past the handler's timeout of {spec.timeout_s} s")
         end = after_attempt(a.delivery, spec, None, e)
     else:
-        end = None if answer is None else parked(answer, spec)
+        if answer is None:
+            a.admitted = True
+            a.model = run.model
+            end = None
+        elif isinstance(answer, DeadLettered):
+            end = DeadLetter(DeadLetterReason(answer.reason), answer.error)
+        else:
+            end = parked(answer, spec)
     # Taken over: the later gates must not run, and ``_process`` carries out no end.
     return _TAKEN_OVER if a.taken_over else end
 
@@ -78,8 +89,9 @@ def _stuck(a: Attempt, stuck: asyncio.Task[Any]) -> None:
 def parked(answer: Deferred, spec: HandlerSpec) -> End:
     """The worker's end for a hook's ``Defer``: parked until its time (the next UTC midnight
     in one hop, through the midnight queue), or for the handler's first retry delay."""
+    level = logging.DEBUG if answer.quiet else None
     if answer.until is None and answer.after_s is None:
-        return Defer(answer.why, queued_again=True, by=answer.by)
+        return Defer(answer.why, level=level, queued_again=True, by=answer.by)
     if answer.until is not None:
         due_ms = round(answer.until.timestamp() * 1000)
     else:
@@ -88,6 +100,7 @@ def parked(answer: Deferred, spec: HandlerSpec) -> End:
     return Defer(
         end.why,
         delay_ms=end.delay_ms,
+        level=level,
         queued_again=True,
         not_before_ms=end.not_before_ms,
         by=answer.by,

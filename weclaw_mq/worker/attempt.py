@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING, Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from weclaw_mq.contract.message import Delivery
-from weclaw_mq.handlers.middleware import Run
+from weclaw_mq.handlers.middleware import Chain, Run
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.worker.cancel_watch import Watch
-from weclaw_mq.worker.limiting import NO_TICKET, Ticket
 
 if TYPE_CHECKING:
     from weclaw_mq.observability.metrics import Timing
@@ -35,8 +34,8 @@ class Attempt:
 
     # Slots, set positionally: made for every delivery, so it costs one call and no dict.
     __slots__ = (
+        "admitted",
         "begun",
-        "chained",
         "delivery",
         "held",
         "message",
@@ -44,13 +43,11 @@ class Attempt:
         "outcome",
         "pipeline",
         "recording",
-        "reserved",
         "rt",
         "run",
         "spec",
         "taken_over",
         "task",
-        "ticket",
         "watch",
     )
 
@@ -71,12 +68,10 @@ class Attempt:
         self.pipeline = pipeline
         self.task: Any = None  # the task as the handler receives it, once decoded
         self.held: str | None = None  # the claim's owner token, while we hold the claim
-        self.model: str | None = None  # the model chosen for the run (a cap, a fallback)
-        self.chained = False  # the model came from the handler's fallback chain
-        # The limits' slots (freed as the handler ends), and a cap's reservation of the run's
-        # cost (joined to it before the run).
-        self.ticket: Ticket = NO_TICKET
-        self.reserved: Ticket = NO_TICKET
+        self.model: str | None = None  # the model an admit hook chose for the run (run.model)
+        # The middleware's admit hooks let the run through, and its after_call (or let_go)
+        # hooks have not been told how it ended yet.
+        self.admitted = False
         self.begun: Begun | None = None  # the middleware's run, when the App has run hooks
         # The "running" record written beside the handler, while it is being written.
         self.recording: asyncio.Task[None] | None = None
@@ -91,10 +86,13 @@ class Attempt:
         self.taken_over = False
 
     def let_go(self) -> None:
-        """Free the slots and the reservation the gates took, for a delivery that a later
-        gate stopped before its run."""
-        self.reserved.release()
-        self.ticket.release()
+        """Tell the middleware that let the run through that its call will not end here (a
+        hard stop, an abandoned handler): they free what they took (a slot, a reservation)."""
+        if self.admitted:
+            self.admitted = False
+            hooks = self.pipeline.hooks
+            if hooks is not None and self.run is not None:
+                hooks.let_go(self.run)
 
 
 # A gate of a handler's own (its features): "go on" (None), or the delivery's end.
@@ -104,8 +102,10 @@ Gate = Callable[[Attempt], Awaitable["End | None"]]
 @dataclass(frozen=True, slots=True)
 class Pipeline:
     """What every delivery of one handler passes in this worker, made at its first delivery:
-    the handler's own gates in order, its circuit breaker, its timing metric."""
+    its gates in order, its circuit breaker, its timing metric, and its middleware (the
+    App's, then its own: ``App.handler_chain``), None when no hook runs."""
 
     gates: tuple[Gate, ...]
     circuit: QueueCircuit | None
     timing: Timing
+    hooks: Chain | None

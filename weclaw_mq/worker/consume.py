@@ -39,9 +39,7 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.policy.breaker import CircuitState
 from weclaw_mq.scheduling.scheduler import Scheduler
 from weclaw_mq.settings import duration_bounds
-from weclaw_mq.state.cost_ledger import CostLedger, ledger_of
 from weclaw_mq.state.fair_book import fair_book_of
-from weclaw_mq.state.model_health import ModelHealth, health_of
 from weclaw_mq.state.workflow_records import workflows_of
 from weclaw_mq.wire.connection import (
     CLOSE_TIMEOUT_S,
@@ -61,7 +59,6 @@ from weclaw_mq.worker.fair_counts import count_forever
 from weclaw_mq.worker.health import QueueState, WorkerHealth
 from weclaw_mq.worker.in_flight import InFlight
 from weclaw_mq.worker.lanes import LaneScheduler
-from weclaw_mq.worker.limiting import Limiter
 from weclaw_mq.worker.pausing import QueueCircuit
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
@@ -138,12 +135,6 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         # The threads of its plain-def handlers: one pool for the worker, across reconnects,
         # its threads made as calls need them and let go when ``run`` returns.
         self.sync_threads = SyncThreads(self.settings.sync_threads)
-        # One per run, across reconnects: the slots it holds outlive a broker session.
-        self._limiter: Limiter | None = None
-        # Where the App's reported model usage is costed and recorded (App(prices=)).
-        self._ledger: CostLedger | None = None
-        # Where the models of its handlers' fallback chains are known up or down.
-        self._health: ModelHealth | None = None
         # Cancel requests for the deliveries in flight (worker.cancel_watch).
         self.cancels = Cancels()
         # Per worker, not per session: a reconnect keeps each breaker's state.
@@ -257,15 +248,6 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         if scheduler is not None:
             scheduler.book  # noqa: B018  an App without Redis fails the start, not the task
         self._scheduler = scheduler
-        if self.app.prices:
-            self._ledger = ledger_of(
-                store,
-                self.app.name,
-                usage_ttl_s=self.settings.result_ttl_s,
-                days_kept=self.settings.cost_days_kept,
-            )
-        if any(s.fallback is not None for s in self.specs):
-            self._health = health_of(store, self.app.name)
         # One subscription to cancel requests for the whole worker, whatever its sessions.
         listener = asyncio.create_task(self.cancels.listen(store)) if store is not None else None
         announcer = asyncio.create_task(self._say_if_redis_is_away()) if listener else None
@@ -308,8 +290,6 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         failures = 0
         conn: AbstractConnection | None = None
         publishing: AbstractConnection | None = None
-        if any(s.limits or s.cap is not None for s in self.specs):  # a cap reserves there
-            self._limiter = Limiter.open(self.settings)
         try:
             while not self._stop.is_set():
                 conn = await self.app.broker.connect_with_retry(name=self._name, stop=self._stop)
@@ -352,9 +332,6 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         finally:
             self.ready.clear()
             await asyncio.gather(*(_close(c) for c in (conn, publishing) if c is not None))
-            if self._limiter is not None:
-                limiter, self._limiter = self._limiter, None
-                await limiter.close()
 
     async def _session(self, conn: AbstractConnection, publishing: AbstractConnection) -> None:
         """Consume on ``conn`` and publish (retries, dead letters, notifications) on
@@ -523,7 +500,7 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
                 else functools.partial(_release, schedulers),
                 retry_level=logging.getLevelName(self.settings.retry_log_level),
                 tracebacks=self.settings.failure_tracebacks,
-                observed=self.app.middleware.runs,
+                observed=any(self.app.handler_chain(s) is not None for s in self.specs),
             ),
             deadlines=self._deadlines,
             threads=self.sync_threads,
@@ -531,13 +508,10 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
             store=self.app.store,
             results=self.app.results,
             take_over=self._in_flight.replace,
-            limiter=self._limiter,
             cancels=self.cancels,
             circuits=self._circuits,
             spans=self._spans,
             hooks=self.app.middleware if self.app.middleware.runs else None,
-            ledger=self._ledger,
-            health=self._health,
         )
 
 

@@ -1,13 +1,14 @@
 """One delivery, start to end: a pipeline of stages, and its one ending carried out.
 
 ``process`` reads the delivery and passes it through its stages: ``admission.admit`` (the
-checks, the guard's claim, the handler's own gates: its cap, its fallback chain, its limits),
-then ``_run`` (the handler, and what its outcome becomes). Each stage answers "go on" (None)
-or an ``End``; ``_process`` hands the one ``End`` to ``ends.carry_out``, the one place that
-settles, once. No stage settles, releases or publishes a move (``tests/unit/
-test_settle_point.py``). Nothing acks before the handler returned and its result was stored;
-a path that raises is given back by the worker (``in_flight.settled``). Whatever the handler
-does (returns anything, raises anything, ignores its cancellation) ends the attempt as a
+checks, the guard's claim, then the middleware's ``admit`` hooks: the App's and the handler's
+own, its cap, fallback chain and limits among them, ``weclaw_mq.llm``), then ``_run`` (the
+handler, the middleware's ``after_call`` hooks, and what its outcome becomes). Each stage
+answers "go on" (None) or an ``End``; ``_process`` hands the one ``End`` to ``ends.carry_out``,
+the one place that settles, once. No stage settles, releases or publishes a move
+(``tests/unit/test_settle_point.py``). Nothing acks before the handler returned and its result
+was stored; a path that raises is given back by the worker (``in_flight.settled``). Whatever the
+handler does (returns anything, raises anything, ignores its cancellation) ends the attempt as a
 success or a failure with a reason; only a cancel of the delivery's own task (the worker
 stopping hard) escapes.
 """
@@ -22,22 +23,21 @@ from collections.abc import Callable
 from aio_pika.abc import AbstractIncomingMessage
 
 from weclaw_mq.contract.message import Delivery, read_delivery
+from weclaw_mq.handlers.middleware import Defer as Deferred
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability import tracing
 from weclaw_mq.state import TaskStatus
-from weclaw_mq.worker import fallbacks, run_hooks
-from weclaw_mq.worker.admission import admit, within_limits
-from weclaw_mq.worker.admit_hooks import admitted
+from weclaw_mq.worker import run_hooks
+from weclaw_mq.worker.admission import admit
+from weclaw_mq.worker.admit_hooks import admitted, parked
 from weclaw_mq.worker.attempt import Attempt, Gate, Pipeline
 from weclaw_mq.worker.cancel_watch import Watch
-from weclaw_mq.worker.ends import AckCancelled, Defer, End, after_attempt, by, carry_out
-from weclaw_mq.worker.limiting import NO_TICKET
+from weclaw_mq.worker.ends import AckCancelled, Defer, End, after_attempt, carry_out
 from weclaw_mq.worker.records import record_status, release
 from weclaw_mq.worker.run_hooks import run_of
 from weclaw_mq.worker.running import call_handler, take_over
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.sync_threads import NoThreadFree
-from weclaw_mq.worker.usage import RunUsage, record_usage, within_cap
 
 __all__ = ["process"]
 
@@ -90,8 +90,9 @@ async def _process(
         if a.begun is not None:
             await run_hooks.given_back(a.begun, e)
         # Stopping hard, or a bug of ours: the worker gives the message back. Free the claim
-        # (and the limits' slots) so the next delivery runs at once, not after the lease
-        # (owner-checked: a no-op once the task is done or another worker holds it).
+        # (and what the middleware took: the limits' slots) so the next delivery runs at
+        # once, not after the lease (owner-checked: a no-op once the task is done or another
+        # worker holds it).
         if a.recording is not None:
             a.recording.cancel()
         a.let_go()
@@ -115,31 +116,22 @@ async def _to_the_end(a: Attempt, end: End | None) -> None:
 async def _run(a: Attempt) -> End | None:
     """The handler's run and what its outcome becomes; None when the handler ignored its
     cancellation and the task that took over ended the attempt without it."""
-    delivery, spec, rt, model, ticket = a.delivery, a.spec, a.rt, a.model, a.ticket
+    delivery, spec, rt, hooks = a.delivery, a.spec, a.rt, a.pipeline.hooks
     # Without a claim (that wrote it), the "running" record is written beside the handler:
     # a model call need not wait for it. Again with one when the claim's record could not
     # name the attempt's model yet (chosen after the claim).
-    if rt.results is not None and (a.held is None or model is not None):
+    if rt.results is not None and (a.held is None or a.model is not None):
         a.recording = asyncio.create_task(record_status(rt, delivery, spec, _RUNNING))
-    # The run's model calls (ctx.usage), where they are costed or settle a token limit.
-    usage = (
-        RunUsage(ticket, model, rt.app.prices) if rt.ledger is not None or ticket.budgets else None
-    )
-    report: Callable[[int, int, str | None], None] | None = None if usage is None else usage.report
-    if rt.hooks is not None:  # the middleware's run: its before_run in call_handler
+    report: Callable[[int, int, str | None], None] | None = None
+    if hooks is not None:  # the middleware's run: its before_run in call_handler
         run = a.run or run_of(delivery, spec, a.task)
-        run.model = model
-        a.begun = run_hooks.begin(rt.hooks, run)
-        report = run_hooks.reporting(run, report)
+        run.model = a.model
+        a.begun = run_hooks.begin(hooks, run)
+        report = run_hooks.reporting(run)  # the run's model calls (ctx.usage), in run.usage
     # If the handler ignores its cancellation, another task ends the attempt without it (a
     # partial, not a closure: made for every delivery, called for almost none).
     on_stuck = functools.partial(take_over, a)
-    if ticket is NO_TICKET:  # the common path: no limit's slot to free
-        outcome = await call_handler(a, on_stuck, report)
-    else:
-        with ticket:  # the limits' slots are freed as the handler ends, however it ends
-            outcome = await call_handler(a, on_stuck, report)
-            ticket.ended(outcome)
+    outcome = await call_handler(a, on_stuck, report)
     # No thread took a plain def's call: it never started, so no attempt is spent.
     unstarted = outcome is not None and type(outcome[1]) is NoThreadFree
     circuit = a.pipeline.circuit
@@ -148,16 +140,16 @@ async def _run(a: Attempt) -> End | None:
     if a.recording is not None:
         await a.recording
     if outcome is None:
+        a.let_go()  # abandoned: what the middleware took is freed as the handler ended
         return None
-    if usage is not None and usage.calls:  # recorded before the task's end is
-        await record_usage(rt, delivery, spec, a.task, usage)
-    probed: Defer | None = None  # a failed probe of a model: parked, no attempt spent
-    if a.chained and model is not None and not a.watch.requested and not unstarted:
-        error = await fallbacks.after_attempt(rt, spec, delivery, model, outcome[1])
-        if isinstance(error, Defer):
-            probed = error
-        else:
-            outcome = (outcome[0], error)
+    deferred: End | None = None  # an after_call hook's Defer: parked, no attempt spent
+    if a.begun is not None and a.begun.hooks.calls:
+        a.admitted = False  # told here, not let go
+        answer = await run_hooks.after_call(a.begun, outcome, a.watch.requested, not unstarted)
+        if isinstance(answer, Deferred):
+            deferred = parked(answer, spec)
+        elif answer is not None:
+            outcome = (None, answer)
     a.outcome = outcome
     # Cancelled while it ran: whatever it returned or raised no longer counts (a failure is
     # not retried).
@@ -165,26 +157,20 @@ async def _run(a: Attempt) -> End | None:
         return AckCancelled()
     if unstarted:
         return Defer(str(outcome[1]), queued_again=True, by="threads")
-    if probed is not None:
-        return by(probed, "fallback")
+    if deferred is not None:
+        return deferred
     return after_attempt(delivery, spec, outcome[0], outcome[1])
 
 
 def _made(spec: HandlerSpec, rt: Runtime) -> Pipeline:
-    """The handler's pipeline in this worker, made at its first delivery: its own gates in
-    order (a tenant's cap before the limits take their slots, the fallback chain's model
-    before the limits that count by model)."""
+    """The handler's pipeline in this worker, made at its first delivery: its middleware
+    (the App's, then its own: ``App.handler_chain``), whose admit hooks are its gate."""
+    hooks = rt.app.handler_chain(spec) if rt.handler_middleware else rt.hooks
     gates: list[Gate] = []
-    if rt.hooks is not None and rt.hooks.admits:  # the team's own rules take no slot
+    if hooks is not None and hooks.admits:
         gates.append(admitted)
-    if spec.cap is not None and rt.ledger is not None:
-        gates.append(within_cap)
-    if spec.fallback is not None:
-        gates.append(fallbacks.model_for)
-    if spec.limits and rt.limiter is not None:
-        gates.append(within_limits)
     made = Pipeline(
-        tuple(gates), rt.circuits.get(spec.queue), rt.metrics.handler_timing(spec.queue)
+        tuple(gates), rt.circuits.get(spec.queue), rt.metrics.handler_timing(spec.queue), hooks
     )
     rt.pipelines[spec.queue] = made
     return made

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weclaw_mq.contract.message import Delivery
-from weclaw_mq.handlers.middleware import Chain, Run, RunEnd, Usage
+from weclaw_mq.handlers.middleware import CallEnd, Chain, Defer, Run, RunEnd, Usage
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.worker.records import session_of
@@ -50,6 +50,7 @@ def run_of(delivery: Delivery, spec: HandlerSpec, task: Any) -> Run:
         headers=delivery.headers,
         task=task,
         session_id=session_of(delivery),
+        size=len(delivery.body),
     )
 
 
@@ -75,16 +76,13 @@ def begin(hooks: Chain, run: Run) -> Begun:
     return begun
 
 
-def reporting(
-    run: Run, sink: Callable[[int, int, str | None], None] | None
-) -> Callable[[int, int, str | None], None]:
-    """Where ``ctx.usage`` reports a hooked run's model calls: ``run.usage``, then ``sink``
-    (the limits' and the ledger's, when the run has one)."""
+def reporting(run: Run) -> Callable[[int, int, str | None], None]:
+    """Where ``ctx.usage`` reports a hooked run's model calls: ``run.usage``, in order, each
+    with the time it was reported."""
+    usage = run.usage
 
     def report(input_tokens: int, output_tokens: int, model: str | None) -> None:
-        run.usage.append(Usage(model or run.model or "-", input_tokens, output_tokens))
-        if sink is not None:
-            sink(input_tokens, output_tokens, model)
+        usage.append(Usage(model or run.model or "-", input_tokens, output_tokens))
 
     return report
 
@@ -95,6 +93,15 @@ async def before(begun: Begun) -> Exception | None:
     exception that failed the attempt, or None."""
     begun.failed = await begun.hooks.before_run(begun.run)
     return begun.failed
+
+
+async def after_call(
+    begun: Begun, outcome: tuple[Any, BaseException | None], cancelled: bool, started: bool
+) -> BaseException | Defer | None:
+    """The ``after_call`` hooks, as the handler's call ended (outside its deadline): the
+    error the retry policy sees instead of the call's, a ``Defer``, or None."""
+    call = CallEnd(outcome[0], outcome[1], cancelled, started)
+    return await begun.hooks.after_call(begun.run, call)
 
 
 async def finish(begun: Begun, result: Any, error: BaseException | None) -> None:

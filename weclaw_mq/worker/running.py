@@ -55,7 +55,7 @@ async def call_handler(
     never stops the worker (a worker stops on SIGTERM/SIGINT or ``Worker.stop``). Only a
     cancel of this task from outside (the worker stopping hard) passes through.
 
-    ``usage``: where ``ctx.usage`` reports the run's model calls (``worker.usage``). The
+    ``usage``: where ``ctx.usage`` reports the run's model calls (``llm.usage``). The
     model the worker chose for the run is ``a.model`` (``ctx.model``); the middleware's run
     (``a.begun``) has its ``before_run`` hooks run first, under the same deadline and cancel
     watch (an exception of theirs is the attempt's failure; the handler is not called).

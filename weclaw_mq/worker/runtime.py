@@ -14,11 +14,8 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.settings import Settings
 from weclaw_mq.state import TaskStore
-from weclaw_mq.state.cost_ledger import CostLedger
-from weclaw_mq.state.model_health import ModelHealth
 from weclaw_mq.worker.cancel_watch import Cancels
 from weclaw_mq.worker.deadlines import Deadlines
-from weclaw_mq.worker.limiting import Limiter
 from weclaw_mq.worker.pausing import QueueCircuit
 from weclaw_mq.worker.settle import Settler
 from weclaw_mq.worker.sync_threads import SyncThreads
@@ -54,8 +51,6 @@ class Runtime:
         ],
         None,
     ]
-    # Counts the handlers' limits in Redis; None when no handler has one.
-    limiter: Limiter | None = None
     # The deliveries being processed, for cancel requests (worker.cancel_watch).
     cancels: Cancels = field(default_factory=Cancels)
     # The circuit breaker of each handler queue that has one (``worker.pausing``).
@@ -68,10 +63,9 @@ class Runtime:
     # The App's middleware when it has run hooks (``worker.run_hooks``), else None: one
     # check per delivery.
     hooks: Chain | None = None
-    # The App's cost ledger when it has prices (``worker.usage``), else None.
-    ledger: CostLedger | None = None
-    # The models' health of the App's fallback chains (``worker.fallbacks``), else None.
-    health: ModelHealth | None = None
+    # Whether a handler's runs pass its own middleware too (``App.handler_chain``: its cap,
+    # fallback chain, limits, costs); the test kit runs the App's alone.
+    handler_middleware: bool = True
     # Each handler queue's ``worker.attempt.Pipeline``, made at its first delivery (typed
     # Any: attempt.py reads this module, and an import back would close a cycle).
     pipelines: dict[str, Any] = field(default_factory=dict)

@@ -23,7 +23,7 @@ log = logging.getLogger("weclaw_mq.worker")
 # The most connections one of a worker's Redis pools takes, whatever its concurrency: the
 # store's auto-pipeline (one round trip at a time), its cancel subscription and one lone
 # command (state.redis); the stream store's writes (streaming.redis.WRITES_IN_FLIGHT); the
-# limiter's round trips (worker.limiting.ROUND_TRIPS_IN_FLIGHT) and its renewer.
+# limiter's round trips (llm.limiting.ROUND_TRIPS_IN_FLIGHT) and its renewer.
 REDIS_CONNECTIONS_NEEDED = 8
 
 

@@ -1,4 +1,5 @@
-"""A handler's model fallback chain at work (``policy.fallback``): the model of each attempt,
+"""A handler's model fallback chain at work (``policy.fallback``), as a part of its
+``ModelCalls`` middleware (``llm.calls``): the model of each attempt,
 chosen from its models' health in Redis (``state.model_health``), and what the attempt's end
 says of that model.
 
@@ -16,19 +17,17 @@ attempt either (the model failed, not the task), however long the outage lasts.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from weclaw_mq.contract import headers as h
-from weclaw_mq.contract.lifetime import now_ms
-from weclaw_mq.contract.message import Delivery
 from weclaw_mq.errors import HandlerTimeout, InvalidPayload, UnserialisableResult
+from weclaw_mq.handlers.middleware import Defer, Run
 from weclaw_mq.handlers.spec import HandlerSpec
+from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.policy.fallback import choose
 from weclaw_mq.policy.signals import Reject, Retry
-from weclaw_mq.state.model_health import PROBE_RECHECK_MS
-from weclaw_mq.worker.admission import park_until
-from weclaw_mq.worker.attempt import Attempt
-from weclaw_mq.worker.ends import Defer, End, by
-from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.state.model_health import PROBE_RECHECK_MS, ModelHealth
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -37,36 +36,24 @@ log = logging.getLogger("weclaw_mq.worker")
 _NOT_THE_MODELS = (Reject, InvalidPayload, UnserialisableResult, HandlerTimeout)
 
 
-def tried_models(delivery: Delivery) -> list[str]:
+def tried_models(headers: Mapping[str, Any]) -> list[str]:
     """The models this task's earlier attempts failed on, as its copy says."""
-    value = delivery.headers.get(h.MODELS_TRIED)
+    value = headers.get(h.MODELS_TRIED)
     if not isinstance(value, list):
         return []
     return [m.decode() if isinstance(m, bytes) else m for m in value if isinstance(m, str | bytes)]
 
 
-async def model_for(a: Attempt) -> End | None:
-    """The fallback chain's gate: the attempt's model (``a.model``), the first up that the
-    task has not failed on; or a deferral while every model of the chain is down. A task a
-    cap downgraded runs on the cap's model, outside the chain."""
-    if a.model is not None:
-        return None
-    chosen = await _chosen(a.rt, a.spec, a.delivery)
-    if not isinstance(chosen, str):
-        return by(chosen, "fallback")
-    a.model = chosen
-    a.chained = True
-    return None
-
-
-async def _chosen(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> str | End:
+async def model_for(health: ModelHealth | None, spec: HandlerSpec, run: Run) -> str | Defer:
+    """The attempt's model: the first of the chain up that the task has not failed on; or a
+    deferral while every model of the chain is down."""
     fallback = spec.fallback
     assert fallback is not None
-    tried = tried_models(delivery)
-    if rt.health is None:
+    tried = tried_models(run.headers)
+    if health is None:
         return fallback.models[0]
     try:
-        now, down, half_open = await rt.health.read(fallback.models)
+        now, down, half_open = await health.read(fallback.models)
     except Exception as e:  # health unknown: walk the list by what the task tried
         log.warning("the models' health could not be read (%s); choosing without it", e)
         now, down, half_open = 0, {}, set()
@@ -74,7 +61,7 @@ async def _chosen(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> str | E
     pick = choose(fallback, tried, down, now)
     while isinstance(pick, str) and pick in half_open:
         try:  # its cool-down is over: one attempt probes it, the others see it down
-            if await rt.health.probe(pick, delivery.task_id, lease_ms):
+            if await health.probe(pick, run.task_id, lease_ms):
                 return pick
         except Exception as e:
             log.warning("the probe of model %r could not be taken (%s)", pick, e)
@@ -84,11 +71,16 @@ async def _chosen(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> str | E
     if isinstance(pick, str):
         return pick
     why = f"every model of {spec.queue!r} is down for {pick / 1000:.3g} s more"
-    return park_until(spec, now_ms() + pick, why)
+    return Defer(why, after_s=pick / 1000, by="fallback")
 
 
 async def after_attempt(
-    rt: Runtime, spec: HandlerSpec, delivery: Delivery, model: str, error: BaseException | None
+    health: ModelHealth | None,
+    metrics: Metrics,
+    spec: HandlerSpec,
+    run: Run,
+    model: str,
+    error: BaseException | None,
 ) -> BaseException | Defer | None:
     """Tell the chain how the attempt on ``model`` ended; a failed one's copy names it.
 
@@ -100,40 +92,40 @@ async def after_attempt(
     task is parked without spending its attempt."""
     fallback = spec.fallback
     assert fallback is not None
-    owner = delivery.task_id
-    if rt.health is None or isinstance(error, _NOT_THE_MODELS):
+    owner = run.task_id
+    if health is None or isinstance(error, _NOT_THE_MODELS):
         if error is not None:
-            _name_on_copy(delivery, model)
-            if rt.health is not None:  # its probe, if it held one, is free for another
+            _name_on_copy(run, model)
+            if health is not None:  # its probe, if it held one, is free for another
                 try:
-                    await rt.health.released(model, owner)
+                    await health.released(model, owner)
                 except Exception as e:
                     log.warning("could not free the probe of model %r (%s)", model, e)
         return error
     try:
         if error is None:
-            await rt.health.succeeded(model, owner)
+            await health.succeeded(model, owner)
             outcome = "succeeded"
         elif isinstance(error, Retry) and error.after_ms:
-            await rt.health.block(model, error.after_ms, owner)
+            await health.block(model, error.after_ms, owner)
             outcome = "blocked"
             if len(fallback.models) > 1:
                 moved_on = Retry(f"{error.reason} (on {model}: the next model is tried)")
                 moved_on.__cause__ = error
                 error = moved_on
         else:
-            downed = await rt.health.failed(
+            downed = await health.failed(
                 model, fallback.failures, round(fallback.cool_down_s * 1000), owner
             )
             outcome = "taken_down" if downed else "failed"
             if downed == 2:
-                rt.metrics.model_attempts.labels(spec.queue, model, "probe_failed").inc()
+                metrics.model_attempts.labels(spec.queue, model, "probe_failed").inc()
                 log.warning(
                     "the probe of model %r failed: skipped for %g s more",
                     model,
                     fallback.cool_down_s,
                 )
-                return Defer(f"the probe of model {model!r} failed", queued_again=True)
+                return Defer(f"the probe of model {model!r} failed", by="fallback")
             if downed:
                 log.warning(
                     "model %r failed %d attempts in a row: skipped for %g s",
@@ -144,15 +136,16 @@ async def after_attempt(
     except Exception as e:  # the attempt's end stands; the chain learns next time
         log.warning("could not record the model's health (%s)", e)
         if error is not None:
-            _name_on_copy(delivery, model)
+            _name_on_copy(run, model)
         return error
     if error is not None:
-        _name_on_copy(delivery, model)
-    rt.metrics.model_attempts.labels(spec.queue, model, outcome).inc()
+        _name_on_copy(run, model)
+    metrics.model_attempts.labels(spec.queue, model, outcome).inc()
     return error
 
 
-def _name_on_copy(delivery: Delivery, model: str) -> None:
-    """The failed attempt's model, on the copy its retry or dead letter travels as."""
-    delivery.headers[h.MODEL] = model
-    delivery.headers[h.MODELS_TRIED] = [*tried_models(delivery), model]
+def _name_on_copy(run: Run, model: str) -> None:
+    """The failed attempt's model, on the copy its retry or dead letter travels as (the
+    copy carries the delivery's headers)."""
+    run.headers[h.MODEL] = model
+    run.headers[h.MODELS_TRIED] = [*tried_models(run.headers), model]

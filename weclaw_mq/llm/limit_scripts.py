@@ -1,4 +1,4 @@
-"""The Lua scripts of a handler's limits (``worker.limiting``), run in Redis with Redis's clock.
+"""The Lua scripts of a handler's limits (``llm.limiting``), run in Redis with Redis's clock.
 
 Each script's docstring, under it, says its keys, its arguments and its answer.
 """

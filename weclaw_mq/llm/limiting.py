@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 from weclaw_mq.contract.naming import limit_keys, token_keys
 from weclaw_mq.errors import InvalidPayload
+from weclaw_mq.llm.limit_scripts import ADMIT_SCRIPT, BLOCK_SCRIPT, RENEW_SCRIPT, SETTLE_SCRIPT
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.policy.limits import Limit, LimitKind, deferral_ms, early_deferral_ms
 from weclaw_mq.policy.signals import Retry
 from weclaw_mq.settings import Settings
 from weclaw_mq.state.outages import is_state_failure, state_unavailable
 from weclaw_mq.state.protocol import new_owner
-from weclaw_mq.worker.limit_scripts import ADMIT_SCRIPT, BLOCK_SCRIPT, RENEW_SCRIPT, SETTLE_SCRIPT
 
 if TYPE_CHECKING:  # redis-py is loaded only when a handler has a limit (a lighter worker)
     from weclaw_mq.state.redis_clients import StateClient
@@ -127,11 +127,12 @@ class Ticket:
         # When its admission was asked for (monotonic): before Redis's clock stamped it.
         self._since = time.monotonic() if since is None else since
 
-    def report(self, tokens: int) -> None:
-        """Add ``tokens`` to what this start used (``ctx.usage``); settled when it ends."""
+    def report(self, tokens: int, at: float | None = None) -> None:
+        """Add ``tokens`` to what this start used (``ctx.usage``, reported at ``at``,
+        monotonic); settled when it ends."""
         self.used = (self.used or 0) + tokens
         if self.called_ms is None:
-            self.called_ms = (time.monotonic() - self._since) * 1000
+            self.called_ms = ((time.monotonic() if at is None else at) - self._since) * 1000
 
     def report_cost(self, micros: int) -> None:
         """Add a call's cost to what this run spent against its cap; settled when it ends."""
@@ -153,10 +154,10 @@ class Ticket:
         """Free what it holds without a run (a later gate stopped the task)."""
         self.__exit__(None, None, None)
 
-    def ended(self, outcome: tuple[Any, BaseException | None] | None) -> None:
+    def ended(self, error: BaseException | None) -> None:
         """Note a 429's ``Retry(after_s=)`` the attempt ended with, for the token limits."""
-        if self.budgets and outcome is not None and isinstance(outcome[1], Retry):
-            self.blocked_ms = outcome[1].after_ms
+        if self.budgets and isinstance(error, Retry):
+            self.blocked_ms = error.after_ms
             self.refused = True
             if self.called_ms is None:  # its call was answered (429) before this
                 self.called_ms = (time.monotonic() - self._since) * 1000

@@ -1,32 +1,27 @@
-"""What a run's model calls used and cost: ``ctx.usage`` collected, recorded in the cost
-ledger (``state.cost_ledger``), settled into token limits; and a tenant's daily cap checked
-before its task runs (``policy.costs``).
+"""What a run's model calls used and cost: the calls it reported (``run.usage``) costed with
+the App's prices and recorded in the cost ledger (``state.cost_ledger``); and a tenant's daily
+cap checked before its task runs (``policy.costs``).
 
-Only an App with prices (or a handler with a token limit) comes here: the common path makes no
-call for it.
+Only a handler of an App with prices (or with a cap) has this part of its ``ModelCalls``
+middleware (``llm.calls``): the common path makes no call for it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from weclaw_mq.contract.message import Delivery
 from weclaw_mq.contract.naming import cap_keys
 from weclaw_mq.errors import BudgetExceeded
+from weclaw_mq.handlers.middleware import DeadLetter, Defer, Run
 from weclaw_mq.handlers.spec import HandlerSpec
-from weclaw_mq.observability.metrics import UNPRICED_MODEL
+from weclaw_mq.llm.limiting import Limiter, Ticket
+from weclaw_mq.observability.metrics import UNPRICED_MODEL, Metrics
 from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.policy.retry import DeadLetterReason
-from weclaw_mq.state.cost_ledger import MICROS, NO_TENANT, Call, day_of
-from weclaw_mq.worker.admission import park_until
-from weclaw_mq.worker.attempt import Attempt
-from weclaw_mq.worker.ends import DeadLetter, End, by
-from weclaw_mq.worker.limiting import Ticket
-from weclaw_mq.worker.runtime import Runtime
+from weclaw_mq.state.cost_ledger import MICROS, NO_TENANT, Call, CostLedger, day_of
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -34,28 +29,8 @@ log = logging.getLogger("weclaw_mq.worker")
 # are handlers' strings).
 _UNPRICED: set[str] = set()
 UNPRICED_WARNED_MAX = 100
-
-
-class RunUsage:
-    """The model calls one run reported (``ctx.usage``), as (model, input, output)."""
-
-    def __init__(
-        self, ticket: Ticket, model: str | None, prices: Mapping[str, Price] | None = None
-    ) -> None:
-        self._ticket = ticket
-        self._model = model
-        self._prices = prices or {}
-        self.calls: list[tuple[str, int, int]] = []
-
-    def report(self, input_tokens: int, output_tokens: int, model: str | None) -> None:
-        called = model or self._model or "-"
-        self.calls.append((called, input_tokens, output_tokens))
-        if self._ticket.budgets:  # the token limits settle with it when the run ends
-            self._ticket.report(input_tokens + output_tokens)
-        if self._ticket.spends:  # and a cap's reservation, with its cost
-            price = self._prices.get(called)
-            if price is not None:
-                self._ticket.report_cost(round(price.of(input_tokens, output_tokens) * MICROS))
+# How long a task waits when the runs under way hold the rest of its tenant's cap.
+CAP_HELD_RETRY_S = 1.0
 
 
 def tenant_of(spec: HandlerSpec, task: Any) -> str:
@@ -70,18 +45,32 @@ def tenant_of(spec: HandlerSpec, task: Any) -> str:
     return NO_TENANT if value is None else str(value)
 
 
+def charge(ticket: Ticket, run: Run, prices: Mapping[str, Price]) -> None:
+    """Settle the run's reported calls into its ticket: tokens for its token limits, cost for
+    its cap's reservation (both settled as the ticket is let go)."""
+    for used in run.usage:
+        if ticket.budgets:
+            ticket.report(used.input_tokens + used.output_tokens, at=used.at)
+        if ticket.spends:
+            price = prices.get(used.model)
+            if price is not None:
+                ticket.report_cost(round(price.of(used.input_tokens, used.output_tokens) * MICROS))
+
+
 async def record_usage(
-    rt: Runtime, delivery: Delivery, spec: HandlerSpec, task: Any, usage: RunUsage
+    ledger: CostLedger,
+    metrics: Metrics,
+    prices: Mapping[str, Price],
+    spec: HandlerSpec,
+    run: Run,
 ) -> None:
     """Cost the run's calls with the App's prices and record them (logged if Redis fails:
     the task's outcome does not depend on its bill)."""
-    if rt.ledger is None or not usage.calls:
-        return
-    prices = rt.app.prices
-    tenant = tenant_of(spec, task)
+    tenant = tenant_of(spec, run.task)
     at = datetime.now(UTC).isoformat()
     calls = []
-    for model, input_tokens, output_tokens in usage.calls:
+    for used in run.usage:
+        model, input_tokens, output_tokens = used.model, used.input_tokens, used.output_tokens
         price = prices.get(model)
         if price is None and model not in _UNPRICED and len(_UNPRICED) < UNPRICED_WARNED_MAX:
             _UNPRICED.add(model)
@@ -90,7 +79,7 @@ async def record_usage(
         calls.append(
             Call(
                 spec.queue,
-                delivery.attempt,
+                run.attempt,
                 model,
                 tenant,
                 input_tokens,
@@ -100,61 +89,55 @@ async def record_usage(
             )
         )
         label = UNPRICED_MODEL if price is None else model
-        rt.metrics.tokens.labels(spec.queue, label, "input").inc(input_tokens)
-        rt.metrics.tokens.labels(spec.queue, label, "output").inc(output_tokens)
-        rt.metrics.cost.labels(spec.queue, label).inc(cost)
+        metrics.tokens.labels(spec.queue, label, "input").inc(input_tokens)
+        metrics.tokens.labels(spec.queue, label, "output").inc(output_tokens)
+        metrics.cost.labels(spec.queue, label).inc(cost)
     try:
-        await rt.ledger.record(delivery.task_id, calls)
+        await ledger.record(run.task_id, calls)
     except Exception as e:
         log.warning("could not record the task's model usage (%s: %s)", type(e).__name__, e)
 
 
-async def within_cap(a: Attempt) -> End | None:
-    """The cap's gate, before the limits take their slots: go on as is; with the run's cost
-    reserved against the cap (``a.reserved``, settled when the run ends); on the cap's
-    cheaper model (``a.model``, a downgrade); or the end of a task whose tenant spent its
-    day's cap (parked until the next UTC day, or shed), or whose estimate does not fit beside
-    the runs that hold the rest of it now (parked 1 s)."""
-    capped = await _cap_reading(a.rt, a.spec, a.task)
-    if isinstance(capped, Ticket):
-        a.reserved = capped
-    elif isinstance(capped, str):
-        a.model = capped  # downgraded: the run gets the cap's cheaper model
-    elif capped is not None:
-        return by(capped, "cap")
-    return None
-
-
-async def _cap_reading(rt: Runtime, spec: HandlerSpec, task: Any) -> End | str | Ticket | None:
+async def within_cap(
+    app_name: str,
+    metrics: Metrics,
+    ledger: CostLedger,
+    limiter: Limiter | None,
+    spec: HandlerSpec,
+    task: Any,
+) -> Ticket | str | Defer | DeadLetter | None:
+    """The cap's answer before the limits take their slots: go on as is (None); with the
+    run's cost reserved against the cap (a ``Ticket``, settled when the run ends); on the
+    cap's cheaper model (its name, a downgrade); or parked or shed: the tenant spent its
+    day's cap, or the runs under way hold the rest of it now (parked 1 s)."""
     cap = spec.cap
-    if cap is None or rt.ledger is None:
-        return None
+    assert cap is not None
     tenant = tenant_of(spec, task)
     now = datetime.now(UTC)
     day = day_of(now)
     try:
-        spent, mean = await rt.ledger.cap_reading(tenant, spec.queue, day)
+        spent, mean = await ledger.cap_reading(tenant, spec.queue, day)
     except Exception as e:  # the cap cannot tell: run it (the bill is recorded all the same)
         log.warning("the tenant's spending could not be read (%s); running uncapped", e)
         return None
     budget = cap.per_day_micros
     if spent >= budget:
-        return _capped(rt, spec, cap, tenant, spent, now)
-    if rt.limiter is None:
+        return _capped(metrics, spec, cap, tenant, spent, now)
+    if limiter is None:
         return None
     need = _estimate_micros(cap, task, mean, budget - spent)
     try:
-        reserved = await rt.limiter.reserve(cap_keys(rt.app.name, tenant, day), budget, need)
+        reserved = await limiter.reserve(cap_keys(app_name, tenant, day), budget, need)
     except Exception as e:  # as an unreadable spending: run it, billed all the same
         log.warning("the tenant's cap could not reserve the run's cost (%s); running", e)
         return None
     if isinstance(reserved, Ticket):
         return reserved
     if spent + need > budget:  # what it spent leaves no room for this run: the cap is reached
-        return _capped(rt, spec, cap, tenant, spent, now)
+        return _capped(metrics, spec, cap, tenant, spent, now)
     # Runs under way hold the rest; they settle (often under their estimates) as they end.
     why = f"tenant {tenant!r}'s runs under way hold the rest of its cap of {cap.per_day:g}"
-    return park_until(spec, int(now.timestamp() * 1000) + 1000, why)
+    return Defer(why, after_s=CAP_HELD_RETRY_S, by="cap")
 
 
 def _estimate_micros(cap: Cap, task: Any, mean: int | None, left: int) -> int:
@@ -171,10 +154,10 @@ def _estimate_micros(cap: Cap, task: Any, mean: int | None, left: int) -> int:
 
 
 def _capped(
-    rt: Runtime, spec: HandlerSpec, cap: Cap, tenant: str, spent: int, now: datetime
-) -> End | str:
-    """The end (or the downgrade's model) of a task whose tenant reached its cap today."""
-    rt.metrics.capped.labels(spec.queue, cap.action).inc()
+    metrics: Metrics, spec: HandlerSpec, cap: Cap, tenant: str, spent: int, now: datetime
+) -> str | Defer | DeadLetter:
+    """The answer (or the downgrade's model) for a task whose tenant reached its cap today."""
+    metrics.capped.labels(spec.queue, cap.action).inc()
     if cap.action == "downgrade":
         assert cap.model is not None
         return cap.model
@@ -182,8 +165,8 @@ def _capped(
         why = BudgetExceeded(
             f"tenant {tenant!r} spent {spent / MICROS:g} today, its cap is {cap.per_day:g}"
         )
-        return DeadLetter(DeadLetterReason.BUDGET_EXCEEDED, why)
+        return DeadLetter(why, DeadLetterReason.BUDGET_EXCEEDED.value)
     tomorrow = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), UTC)
     reached = f"tenant {tenant!r} reached its cap of {cap.per_day:g} for today"
-    # One move: the midnight queue holds it until then (not ~84 hops through the ladder).
-    return replace(park_until(spec, int(tomorrow.timestamp() * 1000), reached), at_midnight=True)
+    # Until the next UTC midnight: one move through the midnight queue, not ~84 hops.
+    return Defer(reached, until=tomorrow, by="cap")
