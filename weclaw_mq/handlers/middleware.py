@@ -351,6 +351,8 @@ class Chain:
         self.admits = False
         self.wraps = False
         self.calls = False  # after_call or let_go hooks: the run's end is told to them
+        self.befores = False  # before_run hooks
+        self.afters = False  # after_run hooks: the settle's outcome is noted for them
         self.publishes = False
         # (middleware id, hook) -> [failures not yet logged, when a line was last logged]
         self._failures: dict[tuple[int, str], list[float]] = {}
@@ -384,6 +386,8 @@ class Chain:
         self.admits = bool(self._admit)
         self.wraps = bool(self._around_run)
         self.calls = bool(self._after_call or self._let_go)
+        self.befores = bool(self._before_run)
+        self.afters = bool(self._after_run)
         self.runs = bool(
             self._before_run or self._after_run or self.wraps or self.admits or self.calls
         )
@@ -399,9 +403,15 @@ class Chain:
             chain.add(middleware)
         return chain
 
-    async def admit(self, run: Run) -> Defer | DeadLetter | None:
+    def admit(self, run: Run) -> Awaitable[Defer | DeadLetter | None]:
         """Each ``admit`` in order, until one parks or dead-letters the task; an exception is
-        raised (the attempt's failure). Those that let it through before are let go."""
+        raised (the attempt's failure). Those that let it through before are let go. The
+        caller checks the answer's type."""
+        if len(self._admit) == 1:  # the hook's own coroutine: no frame of ours to resume
+            return self._admit[0].admit(run)
+        return self._admit_each(run)
+
+    async def _admit_each(self, run: Run) -> Defer | DeadLetter | None:
         for i, middleware in enumerate(self._admit):
             try:
                 answer = await middleware.admit(run)
@@ -418,10 +428,15 @@ class Chain:
                 return answer
         return None
 
-    async def after_call(self, run: Run, call: CallEnd) -> BaseException | Defer | None:
+    def after_call(self, run: Run, call: CallEnd) -> Awaitable[BaseException | Defer | None]:
         """Each ``after_call``, last added first: the error as the last changed it (each
-        sees the one before's in ``call.error``), or the first ``Defer``; an exception
-        raised by a hook is the attempt's failure."""
+        sees the one before's in ``call.error``), or the first ``Defer``. An exception a hook
+        raises is the attempt's failure: the caller catches it, and checks the answer's type."""
+        if len(self._after_call) == 1:  # the hook's own coroutine: no frame of ours
+            return self._after_call[0].after_call(run, call)
+        return self._after_each(run, call)
+
+    async def _after_each(self, run: Run, call: CallEnd) -> BaseException | Defer | None:
         changed: BaseException | None = None
         for middleware in self._after_call:
             try:

@@ -22,9 +22,10 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.llm import fallbacks
 from weclaw_mq.llm.limiting import NO_TICKET, Held, Ticket
 from weclaw_mq.llm.resources import ModelResources
-from weclaw_mq.llm.usage import charge, record_usage, within_cap
+from weclaw_mq.llm.usage import charge, costed, within_cap
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.policy.costs import Price
+from weclaw_mq.policy.failures import describe
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.settings import Settings
 
@@ -145,7 +146,11 @@ class ModelCalls(Middleware):
             ticket.release()
         ledger = self._resources.ledger
         if ledger is not None and run.usage:  # recorded before the task's end is
-            await record_usage(ledger, self._metrics, self._prices, self._spec, run)
+            calls = costed(self._metrics, self._prices, self._spec, run)
+            try:
+                await ledger.record(run.task_id, calls)
+            except Exception as e:  # the task's outcome does not depend on its bill
+                log.warning("could not record the task's model usage (%s)", describe(e))
         if not held.chained or run.model is None or call.cancelled or not call.started:
             return None
         answer = await fallbacks.after_attempt(

@@ -57,15 +57,11 @@ def charge(ticket: Ticket, run: Run, prices: Mapping[str, Price]) -> None:
                 ticket.report_cost(round(price.of(used.input_tokens, used.output_tokens) * MICROS))
 
 
-async def record_usage(
-    ledger: CostLedger,
-    metrics: Metrics,
-    prices: Mapping[str, Price],
-    spec: HandlerSpec,
-    run: Run,
-) -> None:
-    """Cost the run's calls with the App's prices and record them (logged if Redis fails:
-    the task's outcome does not depend on its bill)."""
+def costed(
+    metrics: Metrics, prices: Mapping[str, Price], spec: HandlerSpec, run: Run
+) -> list[Call]:
+    """The run's calls costed with the App's prices, as the ledger records them (and
+    counted in the tokens and cost metrics)."""
     tenant = tenant_of(spec, run.task)
     at = datetime.now(UTC).isoformat()
     calls = []
@@ -92,10 +88,7 @@ async def record_usage(
         metrics.tokens.labels(spec.queue, label, "input").inc(input_tokens)
         metrics.tokens.labels(spec.queue, label, "output").inc(output_tokens)
         metrics.cost.labels(spec.queue, label).inc(cost)
-    try:
-        await ledger.record(run.task_id, calls)
-    except Exception as e:
-        log.warning("could not record the task's model usage (%s: %s)", type(e).__name__, e)
+    return calls
 
 
 async def within_cap(

@@ -229,7 +229,7 @@ class TestBroker:
                 app.metrics,
                 retry_level=logging.getLevelName(app.settings.retry_log_level),
                 tracebacks=app.settings.failure_tracebacks,
-                observed=app.middleware.runs,
+                observed=app.middleware.afters,
             ),
             deadlines=self._deadlines,
             metrics=app.metrics,

@@ -54,6 +54,11 @@ async def admitted(a: Attempt) -> End | None:
     try:
         with holding, deadline:
             answer = await hooks.admit(run)
+            if answer is not None and not isinstance(answer, Deferred | DeadLettered):
+                raise TypeError(
+                    f"an admit hook returned {answer!r}: None, a weclaw_mq.Defer or a "
+                    "weclaw_mq.DeadLetter"
+                )
     except asyncio.CancelledError as e:
         if cancelled_by_caller():
             raise

@@ -500,7 +500,10 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
                 else functools.partial(_release, schedulers),
                 retry_level=logging.getLevelName(self.settings.retry_log_level),
                 tracebacks=self.settings.failure_tracebacks,
-                observed=any(self.app.handler_chain(s) is not None for s in self.specs),
+                observed=any(
+                    (chain := self.app.handler_chain(s)) is not None and chain.afters
+                    for s in self.specs
+                ),
             ),
             deadlines=self._deadlines,
             threads=self.sync_threads,

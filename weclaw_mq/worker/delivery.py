@@ -23,6 +23,7 @@ from collections.abc import Callable
 from aio_pika.abc import AbstractIncomingMessage
 
 from weclaw_mq.contract.message import Delivery, read_delivery
+from weclaw_mq.handlers.middleware import CallEnd
 from weclaw_mq.handlers.middleware import Defer as Deferred
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability import tracing
@@ -84,8 +85,9 @@ async def _process(
                 await _to_the_end(a, end)
         else:
             await _to_the_end(a, end)
-        if a.begun is not None and a.outcome is not None:  # settled: no lease kept for them
-            await run_hooks.finish(a.begun, a.outcome[0], a.outcome[1])
+        begun = a.begun
+        if begun is not None and a.outcome is not None and begun.hooks.afters:  # settled
+            await run_hooks.finish(begun, a.outcome[0], a.outcome[1])  # no lease kept
     except BaseException as e:
         if a.begun is not None:
             await run_hooks.given_back(a.begun, e)
@@ -124,7 +126,7 @@ async def _run(a: Attempt) -> End | None:
         a.recording = asyncio.create_task(record_status(rt, delivery, spec, _RUNNING))
     report: Callable[[int, int, str | None], None] | None = None
     if hooks is not None:  # the middleware's run: its before_run in call_handler
-        run = a.run or run_of(delivery, spec, a.task)
+        run = a.run = a.run or run_of(delivery, spec, a.task)
         run.model = a.model
         a.begun = run_hooks.begin(hooks, run)
         report = run_hooks.reporting(run)  # the run's model calls (ctx.usage), in run.usage
@@ -143,13 +145,19 @@ async def _run(a: Attempt) -> End | None:
         a.let_go()  # abandoned: what the middleware took is freed as the handler ended
         return None
     deferred: End | None = None  # an after_call hook's Defer: parked, no attempt spent
-    if a.begun is not None and a.begun.hooks.calls:
+    if hooks is not None and hooks.calls and a.run is not None:
         a.admitted = False  # told here, not let go
-        answer = await run_hooks.after_call(a.begun, outcome, a.watch.requested, not unstarted)
+        call = CallEnd(outcome[0], outcome[1], a.watch.requested, not unstarted)
+        try:
+            answer = await hooks.after_call(a.run, call)
+        except Exception as e:  # a hook's failure is the attempt's
+            answer = e
         if isinstance(answer, Deferred):
             deferred = parked(answer, spec)
-        elif answer is not None:
+        elif isinstance(answer, BaseException):
             outcome = (None, answer)
+        elif answer is not None:
+            outcome = (None, TypeError(f"an after_call hook returned {answer!r}"))
     a.outcome = outcome
     # Cancelled while it ran: whatever it returned or raised no longer counts (a failure is
     # not retried).

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weclaw_mq.contract.message import Delivery
-from weclaw_mq.handlers.middleware import CallEnd, Chain, Defer, Run, RunEnd, Usage
+from weclaw_mq.handlers.middleware import Chain, Run, RunEnd, Usage
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.worker.records import session_of
@@ -72,7 +72,8 @@ def begin(hooks: Chain, run: Run) -> Begun:
     """A hooked run, in the delivery's own task: from here the Settler notes this delivery's
     outcome. Its ``before_run`` hooks run in ``before``, under the handler's deadline."""
     begun = Begun(hooks, run, time.perf_counter(), [])
-    settled_as.set(begun.seen)
+    if hooks.afters:
+        settled_as.set(begun.seen)
     return begun
 
 
@@ -95,15 +96,6 @@ async def before(begun: Begun) -> Exception | None:
     return begun.failed
 
 
-async def after_call(
-    begun: Begun, outcome: tuple[Any, BaseException | None], cancelled: bool, started: bool
-) -> BaseException | Defer | None:
-    """The ``after_call`` hooks, as the handler's call ended (outside its deadline): the
-    error the retry policy sees instead of the call's, a ``Defer``, or None."""
-    call = CallEnd(outcome[0], outcome[1], cancelled, started)
-    return await begun.hooks.after_call(begun.run, call)
-
-
 async def finish(begun: Begun, result: Any, error: BaseException | None) -> None:
     """The ``after_run`` hooks, once the attempt's ending was carried out (bounded)."""
     await _bounded(begun, _end(begun, result, error), AFTER_RUN_TIMEOUT_S)
@@ -112,7 +104,7 @@ async def finish(begun: Begun, result: Any, error: BaseException | None) -> None
 async def given_back(begun: Begun, error: BaseException) -> None:
     """The ``after_run`` hooks of a delivery given back by an exception (a hard stop, a bug
     of ours): ``requeued``, bounded, before the exception goes on."""
-    if begun.reported:
+    if begun.reported or not begun.hooks.afters:
         return
     end = RunEnd(Outcome.REQUEUED, None, error, time.perf_counter() - begun.started)
     with contextlib.suppress(TimeoutError):
@@ -122,6 +114,8 @@ async def given_back(begun: Begun, error: BaseException) -> None:
 async def abandoned(begun: Begun, seen: list[Outcome], error: BaseException) -> None:
     """The ``after_run`` hooks of an attempt ended without its handler (``running.take_over``),
     with the outcome its ending counted in ``seen``."""
+    if not begun.hooks.afters:
+        return
     begun.seen = seen
     await _bounded(begun, _end(begun, None, error), AFTER_RUN_TIMEOUT_S)
 

@@ -75,7 +75,9 @@ async def call_handler(
     try:
         with deadline:
             watch.attach(deadline)
-            failed = None if begun is None else await run_hooks.before(begun)
+            failed = (
+                None if begun is None or not begun.hooks.befores else await run_hooks.before(begun)
+            )
             if failed is not None:
                 error = failed  # a before_run hook failed the attempt
             elif begun is not None and begun.hooks.wraps:  # around_run hooks around the call
