@@ -6,10 +6,10 @@ import pytest
 
 from weclaw_mq import App, Settings, Worker
 from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.llm.limiting import ROUND_TRIPS_IN_FLIGHT
 from weclaw_mq.state.pipelining import DEFAULT_MAX_IN_FLIGHT
 from weclaw_mq.streaming.redis import WRITES_IN_FLIGHT
 from weclaw_mq.worker.consume import REDIS_CONNECTIONS_NEEDED
-from weclaw_mq.llm.limiting import ROUND_TRIPS_IN_FLIGHT
 
 
 def test_the_checked_bound_covers_each_pool_of_a_worker() -> None:
