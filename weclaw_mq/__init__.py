@@ -10,6 +10,8 @@ from weclaw_mq.context import Context
 from weclaw_mq.errors import WeclawMQError
 
 # What a middleware's hooks are given: importable from here, beside Middleware (in __all__).
+from weclaw_mq.handlers.middleware import CallEnd as CallEnd
+from weclaw_mq.handlers.middleware import DeadLetter as DeadLetter
 from weclaw_mq.handlers.middleware import Defer as Defer
 from weclaw_mq.handlers.middleware import Middleware
 from weclaw_mq.handlers.middleware import Publish as Publish
