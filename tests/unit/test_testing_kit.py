@@ -461,3 +461,24 @@ def test_the_service_wait_is_the_default_or_the_one_set(monkeypatch: pytest.Monk
     assert services.service_wait_s() == services.SERVICE_WAIT_S
     monkeypatch.setenv(services.SERVICE_WAIT_ENV, "2.5")
     assert services.service_wait_s() == 2.5
+
+
+async def test_an_app_with_prices_and_limits_runs_in_the_kit_without_the_llm_features() -> None:
+    # The LLM layer's state needs Redis; the kit runs such an app as before (no limit, no
+    # bill), with results and guard off too, and gives the app back able to use them.
+    from weclaw_mq.llm import Limit, Price
+
+    app = offline_app(results_enabled=False)
+    app.prices = {"m": Price(input_per_1k=1.0, output_per_1k=1.0)}
+    ran: list[int] = []
+
+    @app.handler(Q, idempotent=False, limit=Limit(concurrency=1))
+    async def handle(task: dict[str, int], ctx: Context) -> None:
+        ctx.usage(input_tokens=1, output_tokens=1, model="m")
+        ran.append(task["n"])
+
+    async with TestBroker(app) as broker:
+        await app.publish_many(Q, [{"n": 1}, {"n": 2}])
+        await broker.run_until_idle()
+    assert sorted(ran) == [1, 2]
+    assert app._models.used  # given back

@@ -14,7 +14,6 @@ from weclaw_mq.llm.limiting import Limiter
 from weclaw_mq.settings import Settings
 from weclaw_mq.state.cost_ledger import CostLedger, ledger_of
 from weclaw_mq.state.model_health import ModelHealth, health_of
-from weclaw_mq.state.outages import redis_store
 
 
 class ModelResources:
@@ -42,17 +41,19 @@ class ModelResources:
         self._prices = prices
         self._handlers = handlers
         self._store = store
+        # Off for the test kit (``weclaw_mq.testing``), which runs no LLM feature (no Redis).
+        self.used = True
         self.limiter: Limiter | None = None
         self.ledger: CostLedger | None = None
         self.health: ModelHealth | None = None
 
     async def opened(self) -> AsyncIterator[ModelResources]:
         """The lifespan's resource: open what the handlers need, close it at the end."""
-        specs = list(self._handlers())
-        store = self._store()
-        if _test_kits_store(store):  # the test kit's in-memory store: the features are off
+        if not self.used:
             yield self
             return
+        specs = list(self._handlers())
+        store = self._store()
         settings = self._settings
         if self._prices():
             self.ledger = ledger_of(
@@ -72,15 +73,3 @@ class ModelResources:
             self.ledger = self.health = None
             if limiter is not None:
                 await limiter.close()
-
-
-def _test_kits_store(store: Any) -> bool:
-    """Whether ``store`` is not Redis but an in-memory one (the test kit's, which runs no
-    LLM feature); no store at all still needs Redis, and says so."""
-    if store is None:
-        return False
-    try:
-        redis_store(store, "")
-    except Exception:
-        return True
-    return False

@@ -207,6 +207,8 @@ class TestBroker:
             (engine, "local"),
             (reader, "_streams"),
             (reader, "_owns_streams"),
+            # The LLM layer's state needs Redis: the test kit runs without those features.
+            (app._models, "used"),
         )
         self._saved.append([(holder, name, getattr(holder, name)) for holder, name in slots])
         publisher = MemoryPublisher(self.memory, app)
@@ -219,6 +221,7 @@ class TestBroker:
         ):
             app._store, app._owns_store = self.store, False
         reader._streams, reader._owns_streams = self.streams, False
+        app._models.used = False
         engine.local = None
         runtime = Runtime(
             app=app,
