@@ -25,6 +25,7 @@ A succeeded task is not run again (the guard finds it done); a task on its way t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weclaw_mq.contract import headers as h
@@ -35,11 +36,52 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import NotifyOutcome
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.state import TaskState
+from weclaw_mq.workflows.hops import after_end, tagged
 
 if TYPE_CHECKING:
     from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """What an end tells before its settle: ``final`` to the ``notify=`` queue, and ``told``
+    (default ``final``) to the task's workflow. ``again``: a copy of a finished task, which
+    tells the stored final again instead."""
+
+    final: TaskState | None = None
+    told: TaskState | None = None
+    error_type: str | None = None
+    again: bool = False
+
+
+# A copy of a finished task: it announces and tells its stored end again.
+AGAIN = Heard(again=True)
+
+
+async def heard(delivery: Delivery, spec: HandlerSpec, rt: Runtime, what: Heard) -> str | None:
+    """None once the end is announced (``notify=``) and the task's workflow heard of it; else
+    why not: the caller parks the task, to try again when it comes back. Before the settle,
+    always: a crash in between redelivers it, and it tries again."""
+    if what.again:
+        failed = await announce_again(delivery, spec, rt)
+        if failed is not None or h.WORKFLOW not in delivery.headers:
+            return failed
+        return await _tell_again(delivery, spec, rt)
+    final = what.final
+    if final is None:
+        return None
+    failed = await announce(delivery, spec, rt, final, error_type=what.error_type)
+    if failed is not None or h.WORKFLOW not in delivery.headers:
+        return failed
+    # A workflow's task: its workflow hears of its end (the next stage or the callback
+    # confirmed on the broker, ``workflows.hops``).
+    place = tagged(delivery.headers, delivery.task_id)
+    if place is None:
+        return None
+    told = final if what.told is None else what.told
+    return await after_end(rt.app, place, told, delivery.trace_id)
 
 
 async def announce(
@@ -117,6 +159,25 @@ async def announce_again(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> 
         log.warning("a finished task's record is gone: its notification is not sent again")
         return None
     return await announce(delivery, spec, rt, final)
+
+
+async def _tell_again(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> str | None:
+    """A copy of a finished workflow task: its worker may have died before the hop's confirm,
+    so the workflow hears of the stored end again (its step answers as before, and a hop
+    published twice has the same task id, which the next handler's guard absorbs)."""
+    if rt.results is None:
+        return None
+    place = tagged(delivery.headers, delivery.task_id)
+    if place is None:
+        return None
+    try:
+        final = await rt.results.get(delivery.task_id, queue=spec.queue)
+    except Exception as e:  # unknown: not acked until the workflow is known to be told
+        return f"its stored end could not be read ({e})"
+    if final is None or not final.status.terminal:
+        log.warning("a finished workflow task's record is gone: its workflow is not told again")
+        return None
+    return await after_end(rt.app, place, final, delivery.trace_id)
 
 
 def requeued(delivery: Delivery) -> int:

@@ -1,22 +1,32 @@
 """What a delivery writes beside its message: the task's record, its session's inbox, and the
-release of its claim. Every write here is best effort or says how it failed; none settles."""
+release of its claim. Every write here is best effort or says how it failed; none settles.
+
+``write`` carries out the writes an end decided (``Writes``), all of them, in their order: the
+claim's release, the task's record (with the done marker when claimed), the session's inbox.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
 from weclaw_mq.contract.message import Delivery
 from weclaw_mq.contract.naming import session_id_or_none, validate_session_id
-from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.errors import ConfigurationError, ResultNotStored
 from weclaw_mq.handlers.spec import HandlerSpec
-from weclaw_mq.state import TaskState, TaskStatus
+from weclaw_mq.state import Finish, TaskState, TaskStatus
 from weclaw_mq.streaming.events import final_entry
 from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
+
+_T = TypeVar("_T")
 
 
 def task_state(
@@ -95,3 +105,177 @@ async def release(rt: Runtime, spec: HandlerSpec, delivery: Delivery, owner: str
         await rt.store.release(spec.queue, delivery.task_id, owner)
     except Exception as e:  # the lease lapses by itself
         log.warning("could not release the claim (%s); it lapses with its lease", e)
+
+
+# -- an end's writes, carried out ----------------------------------------------------------
+
+
+class How(enum.Enum):
+    """How an end writes the task's record."""
+
+    PROGRESS = "progress"  # best effort, as every progress status
+    RESULT = "result"  # patiently, owner-checked with the done marker when claimed; must land
+    CANCEL = "cancel"  # with the done marker when claimed; best effort
+    DEFERRAL = "deferral"  # best effort, only over a record of a task still on its way
+
+
+class Written(enum.Enum):
+    """What ``write`` found, when every write that must land did."""
+
+    OK = "ok"
+    # Done before this end's result was written: the stored one stands, this copy is a
+    # duplicate now (its stored final went to the inbox again).
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True, slots=True)
+class Writes:
+    """The writes of one end, in their order. ``release``: the claim's owner token to free
+    first (an end that does not finish the task); ``together``: the release and the record at
+    once. ``owner``: the claim's token a finishing record is written with (and the done
+    marker). ``inbox``: the session the record goes to as its final reply (must land);
+    ``inbox_again``: the stored final goes to the inbox again (a copy of a finished task).
+    ``mark_done``: the guard's done marker alone (best effort)."""
+
+    state: TaskState | None = None
+    how: How = How.PROGRESS
+    release: str | None = None
+    together: bool = False
+    owner: str | None = None
+    only_over: tuple[TaskStatus, ...] = ()
+    inbox: str | None = None
+    inbox_again: bool = False
+    mark_done: bool = False
+
+
+# Read once: on Python 3.11 every ``EnumClass.MEMBER`` is a descriptor call, per use.
+_FINISH_DONE = Finish.DONE
+_FINISH_TAKEN = Finish.TAKEN
+
+
+async def write(rt: Runtime, spec: HandlerSpec, delivery: Delivery, w: Writes) -> Written | str:
+    """Carry out ``w``: ``Written`` when every write that must land did, else why not (the
+    message is given back)."""
+    written = Written.OK
+    if w.together:
+        await asyncio.gather(release(rt, spec, delivery, w.release), _record(rt, spec, delivery, w))
+    else:
+        if w.release is not None:
+            await release(rt, spec, delivery, w.release)
+        if w.how is How.RESULT:
+            try:
+                finish = await _result(rt, spec, delivery, w)
+            except ResultNotStored as e:
+                return str(e)
+            if finish is _FINISH_DONE:
+                # Done before this write: another attempt (which took the claim over)
+                # finished first, or an earlier try of this write landed unanswered.
+                log.warning(
+                    "the task was done before its result was written: the stored one stands"
+                )
+                written = Written.DUPLICATE
+            elif finish is _FINISH_TAKEN:
+                log.warning(
+                    "this attempt had lost its claim to another one; its result is stored "
+                    "first, and the other attempt will find the task done"
+                )
+        else:
+            await _record(rt, spec, delivery, w)
+    if w.mark_done and rt.store is not None:
+        try:
+            await rt.store.finish(spec.queue, delivery.task_id, None)
+        except Exception as e:  # the stored result still answers the next copy
+            log.warning("could not mark the task done (%s)", e)
+    if w.inbox_again or written is Written.DUPLICATE:
+        await _to_inbox_again(rt, spec, delivery)
+    elif w.inbox is not None and w.state is not None:
+        # After the result is stored, before the ack: a crash in between redelivers the
+        # task, and the guard's "done" path writes the stored final to the inbox again.
+        try:
+            await to_inbox(rt, w.inbox, w.state)
+        except Exception as e:
+            return f"could not write the final reply to the inbox of {w.inbox!r}: {e}"
+    return written
+
+
+async def after_move(rt: Runtime, delivery: Delivery, final: TaskState) -> None:
+    """A dead letter's record and inbox entry, once the DLQ holds it: "dead_lettered" is final
+    for result() waiters, and a failed move returns the task to its queue, where it may yet
+    succeed."""
+    await record_quietly(rt, final)
+    session_id = session_of(delivery)
+    if session_id is not None:
+        # Best effort, after the move (the DLQ holds the task): its record still says so.
+        try:
+            await to_inbox(rt, session_id, final)
+        except Exception as e:
+            log.warning("could not write the dead-letter to the inbox (%s)", e)
+
+
+async def _record(rt: Runtime, spec: HandlerSpec, delivery: Delivery, w: Writes) -> None:
+    """A record that need not land (a progress status, a cancel, a deferral)."""
+    state = w.state
+    if w.how is How.CANCEL:
+        try:
+            if w.owner is not None and rt.store is not None:
+                await rt.store.finish(spec.queue, delivery.task_id, state, owner=w.owner)
+            elif rt.results is not None and state is not None:
+                await rt.results.record(state)
+        except Exception as e:
+            log.warning("could not record the cancel (%s)", e)
+    elif state is None or rt.results is None:
+        return
+    elif w.how is How.DEFERRAL:
+        try:
+            await rt.results.record(state, only_over=w.only_over)
+        except Exception as e:
+            log.warning("could not record the deferral (%s)", e)
+    else:
+        await record_quietly(rt, state)
+
+
+async def _result(rt: Runtime, spec: HandlerSpec, delivery: Delivery, w: Writes) -> Finish | None:
+    """The result, stored first: claimed, the result and the done marker together (one step),
+    owner-checked; else the record alone. Raises ResultNotStored past the store's patience."""
+    owner, state = w.owner, w.state
+    if owner is not None and rt.store is not None:
+        store = rt.store
+        return await _patiently(
+            rt, lambda: store.finish(spec.queue, delivery.task_id, state, owner=owner)
+        )
+    records = rt.results
+    if records is not None and state is not None:
+        final = state
+        await _patiently(rt, lambda: records.record(final))
+    return None
+
+
+async def _to_inbox_again(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> None:
+    """A copy of a finished task with a session: its worker may have died between storing
+    the result and writing the inbox, so the stored final goes to the inbox again (readers
+    drop the duplicate). Costs a read only for such copies."""
+    session_id = session_of(delivery)
+    if session_id is None or rt.results is None:
+        return
+    try:
+        state = await rt.results.get(delivery.task_id, queue=spec.queue)
+        if state is not None and state.status.terminal:
+            await to_inbox(rt, session_id, state)
+    except Exception as e:  # the first copy most likely wrote it
+        log.warning("could not write the final reply to the inbox again (%s)", e)
+
+
+async def _patiently(rt: Runtime, write: Callable[[], Awaitable[_T]]) -> _T:
+    """Retry a store write with backoff for up to ``result_store_patience_s``; its answer."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + rt.settings.result_store_patience_s
+    delay = 0.1
+    while True:
+        try:
+            return await write()
+        except Exception as e:  # any store failure is retried the same way
+            if loop.time() + delay > deadline:
+                raise ResultNotStored(f"could not store the result: {type(e).__name__}: {e}") from e
+            log.warning("storing the result failed (%s); retrying in %.1f s", e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
