@@ -188,9 +188,8 @@ class Ending:
     """An end, decided: its writes beside the message (``records.Writes``), what it tells
     before the settle (``announce.Heard``), then the settle as ``settle`` says; ``after``: the
     record (and inbox entry) written once the move landed (a dead letter's). ``failed``: the
-    error the delivery's span ends with. ``delay_ms``, ``level``, ``queues_ms``: a deferral's
-    or a retry's settle, resolved (the handler's first retry delay, the first deferral's log
-    level, the handler's delay queues)."""
+    error the delivery's span ends with. ``delay_ms``, ``level``: a deferral's settle,
+    resolved (the handler's first retry delay, the first deferral's log level)."""
 
     settle: End
     writes: Writes | None = None
@@ -199,7 +198,6 @@ class Ending:
     failed: BaseException | None = None
     delay_ms: int | None = None
     level: int | None = None
-    queues_ms: tuple[int, ...] | None = None
 
 
 # Read once: on Python 3.11 every ``EnumClass.MEMBER`` is a descriptor call, per use.
@@ -226,6 +224,7 @@ async def carry_out(
     read)."""
     ending = _ACK if delivery is None else decided(end, delivery, spec, rt, held)
     settle = end
+    queues_ms: tuple[int, ...] | None = None
     if delivery is not None and ending is not _ACK:
         settle = ending.settle
         if ending.failed is not None and rt.spans is not None:
@@ -240,7 +239,10 @@ async def carry_out(
         if heard is not None:
             failed = await notify.heard(delivery, spec, rt, heard)
             if failed is not None:  # not told yet: parked, to try again when it comes back
-                settle, ending = Defer(failed), Ending(settle, delay_ms=spec.retry.delay_ms(1))
+                settle = Defer(failed)
+                ending = Ending(settle, delay_ms=spec.retry.delay_ms(1))
+        if type(settle) is Reattempt:  # its hops through the handler's delay queues
+            queues_ms = delay_queue_set(spec.retry)
     if type(settle) is Store:  # the common end first, without a pattern match
         await rt.settler.ack(message, queue=spec.queue)
         return
@@ -260,7 +262,7 @@ async def carry_out(
                 queue=spec.queue,
                 delay_ms=delay_ms,
                 error=error,
-                queues_ms=ending.queues_ms,
+                queues_ms=queues_ms,
             )
         case Defer():
             assert ending.delay_ms is not None  # resolved as it was decided
@@ -310,18 +312,12 @@ def decided(
         )
     match end:
         case Reattempt(error=error):
-            queues_ms = delay_queue_set(spec.retry)
             retrying = (
                 task_state(delivery, spec, TaskStatus.RETRYING, error=describe(error))
                 if rt.results is not None
                 else None
             )
-            return Ending(
-                end,
-                Writes(retrying, release=held),
-                failed=error,
-                queues_ms=queues_ms,
-            )
+            return Ending(end, Writes(retrying, release=held), failed=error)
         case DeadLetter(reason=reason, error=error):
             announced = task_state(
                 delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value

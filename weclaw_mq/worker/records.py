@@ -10,23 +10,20 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import as_datetime, deadline_ms
 from weclaw_mq.contract.message import Delivery
 from weclaw_mq.contract.naming import session_id_or_none, validate_session_id
-from weclaw_mq.errors import ConfigurationError, ResultNotStored
+from weclaw_mq.errors import ConfigurationError
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.state import Finish, TaskState, TaskStatus
 from weclaw_mq.streaming.events import final_entry
 from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
-
-_T = TypeVar("_T")
 
 
 def task_state(
@@ -142,7 +139,7 @@ class Writes:
     release: str | None = None
     together: bool = False
     owner: str | None = None
-    only_over: tuple[TaskStatus, ...] = ()
+    only_over: tuple[TaskStatus, ...] | None = None
     inbox: str | None = None
     inbox_again: bool = False
     mark_done: bool = False
@@ -156,45 +153,11 @@ _FINISH_TAKEN = Finish.TAKEN
 async def write(rt: Runtime, spec: HandlerSpec, delivery: Delivery, w: Writes) -> Written | str:
     """Carry out ``w``: ``Written`` when every write that must land did, else why not (the
     message is given back)."""
-    written = Written.OK
-    if w.together:
-        await asyncio.gather(release(rt, spec, delivery, w.release), _record(rt, spec, delivery, w))
-    else:
-        if w.release is not None:
-            await release(rt, spec, delivery, w.release)
-        if w.how is How.RESULT:
-            try:
-                finish = await _result(rt, spec, delivery, w)
-            except ResultNotStored as e:
-                return str(e)
-            if finish is _FINISH_DONE:
-                # Done before this write: another attempt (which took the claim over)
-                # finished first, or an earlier try of this write landed unanswered.
-                log.warning(
-                    "the task was done before its result was written: the stored one stands"
-                )
-                written = Written.DUPLICATE
-            elif finish is _FINISH_TAKEN:
-                log.warning(
-                    "this attempt had lost its claim to another one; its result is stored "
-                    "first, and the other attempt will find the task done"
-                )
-        else:
-            await _record(rt, spec, delivery, w)
-    if w.mark_done and rt.store is not None:
-        try:
-            await rt.store.finish(spec.queue, delivery.task_id, None)
-        except Exception as e:  # the stored result still answers the next copy
-            log.warning("could not mark the task done (%s)", e)
-    if w.inbox_again or written is Written.DUPLICATE:
-        await _to_inbox_again(rt, spec, delivery)
-    elif w.inbox is not None and w.state is not None:
-        # After the result is stored, before the ack: a crash in between redelivers the
-        # task, and the guard's "done" path writes the stored final to the inbox again.
-        try:
-            await to_inbox(rt, w.inbox, w.state)
-        except Exception as e:
-            return f"could not write the final reply to the inbox of {w.inbox!r}: {e}"
+    written = await _record(rt, spec, delivery, w)
+    if isinstance(written, str):
+        return written
+    if w.inbox_again or written is Written.DUPLICATE or w.inbox is not None:
+        return await _inbox(rt, spec, delivery, w, written)
     return written
 
 
@@ -212,70 +175,114 @@ async def after_move(rt: Runtime, delivery: Delivery, final: TaskState) -> None:
             log.warning("could not write the dead-letter to the inbox (%s)", e)
 
 
-async def _record(rt: Runtime, spec: HandlerSpec, delivery: Delivery, w: Writes) -> None:
-    """A record that need not land (a progress status, a cancel, a deferral)."""
-    state = w.state
-    if w.how is How.CANCEL:
+async def _record(rt: Runtime, spec: HandlerSpec, delivery: Delivery, w: Writes) -> Written | str:
+    """The claim's release, the task's record as ``w.how`` says, and the done marker alone
+    (``mark_done``), each store call here: every record but the result is best effort; the
+    result is retried for up to ``result_store_patience_s``, and why it could not be stored
+    is answered."""
+    state, store, records = w.state, rt.store, rt.results
+    written = Written.OK
+    failed: BaseException | None = None  # a best-effort record's failure, told below
+    if w.together:  # the record beside the release, at once (best effort, both)
+        freed = release(rt, spec, delivery, w.release)
+        if records is None or state is None:
+            await freed
+        else:
+            write = (
+                records.record(state)
+                if w.only_over is None
+                else records.record(state, only_over=w.only_over)
+            )
+            _, done = await asyncio.gather(freed, write, return_exceptions=True)
+            failed = done if isinstance(done, Exception) else None
+    elif w.release is not None and store is not None:
         try:
-            if w.owner is not None and rt.store is not None:
-                await rt.store.finish(spec.queue, delivery.task_id, state, owner=w.owner)
-            elif rt.results is not None and state is not None:
-                await rt.results.record(state)
+            await store.release(spec.queue, delivery.task_id, w.release)
+        except Exception as e:  # the lease lapses by itself
+            log.warning("could not release the claim (%s); it lapses with its lease", e)
+    if w.how is How.RESULT:  # never together: the result is not written beside a release
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + rt.settings.result_store_patience_s
+        delay = 0.1
+        while True:
+            try:
+                if w.owner is not None and store is not None:
+                    # Claimed: the result and the done marker together (one step),
+                    # owner-checked.
+                    finish = await store.finish(spec.queue, delivery.task_id, state, owner=w.owner)
+                    if finish is _FINISH_DONE:
+                        # Done before this write: another attempt (which took the claim over)
+                        # finished first, or an earlier try of this write landed unanswered.
+                        log.warning(
+                            "the task was done before its result was written: the stored one stands"
+                        )
+                        written = Written.DUPLICATE
+                    elif finish is _FINISH_TAKEN:
+                        log.warning(
+                            "this attempt had lost its claim to another one; its result is "
+                            "stored first, and the other attempt will find the task done"
+                        )
+                elif records is not None and state is not None:
+                    await records.record(state)
+                break
+            except Exception as e:  # any store failure is retried the same way
+                if loop.time() + delay > deadline:
+                    return f"could not store the result: {type(e).__name__}: {e}"
+                log.warning("storing the result failed (%s); retrying in %.1f s", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+    elif w.how is How.CANCEL:
+        try:
+            if w.owner is not None and store is not None:
+                await store.finish(spec.queue, delivery.task_id, state, owner=w.owner)
+            elif records is not None and state is not None:
+                await records.record(state)
         except Exception as e:
             log.warning("could not record the cancel (%s)", e)
-    elif state is None or rt.results is None:
-        return
-    elif w.how is How.DEFERRAL:
+    elif not w.together and state is not None and records is not None:
         try:
-            await rt.results.record(state, only_over=w.only_over)
+            if w.only_over is None:
+                await records.record(state)
+            else:
+                await records.record(state, only_over=w.only_over)
         except Exception as e:
-            log.warning("could not record the deferral (%s)", e)
-    else:
-        await record_quietly(rt, state)
-
-
-async def _result(rt: Runtime, spec: HandlerSpec, delivery: Delivery, w: Writes) -> Finish | None:
-    """The result, stored first: claimed, the result and the done marker together (one step),
-    owner-checked; else the record alone. Raises ResultNotStored past the store's patience."""
-    owner, state = w.owner, w.state
-    if owner is not None and rt.store is not None:
-        store = rt.store
-        return await _patiently(
-            rt, lambda: store.finish(spec.queue, delivery.task_id, state, owner=owner)
-        )
-    records = rt.results
-    if records is not None and state is not None:
-        final = state
-        await _patiently(rt, lambda: records.record(final))
-    return None
-
-
-async def _to_inbox_again(rt: Runtime, spec: HandlerSpec, delivery: Delivery) -> None:
-    """A copy of a finished task with a session: its worker may have died between storing
-    the result and writing the inbox, so the stored final goes to the inbox again (readers
-    drop the duplicate). Costs a read only for such copies."""
-    session_id = session_of(delivery)
-    if session_id is None or rt.results is None:
-        return
-    try:
-        state = await rt.results.get(delivery.task_id, queue=spec.queue)
-        if state is not None and state.status.terminal:
-            await to_inbox(rt, session_id, state)
-    except Exception as e:  # the first copy most likely wrote it
-        log.warning("could not write the final reply to the inbox again (%s)", e)
-
-
-async def _patiently(rt: Runtime, write: Callable[[], Awaitable[_T]]) -> _T:
-    """Retry a store write with backoff for up to ``result_store_patience_s``; its answer."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + rt.settings.result_store_patience_s
-    delay = 0.1
-    while True:
+            failed = e
+    if failed is not None and state is not None:
+        if w.how is How.DEFERRAL:
+            log.warning("could not record the deferral (%s)", failed)
+        else:
+            log.warning("could not record status %s (%s)", state.status.value, failed)
+    if w.mark_done and store is not None:
         try:
-            return await write()
-        except Exception as e:  # any store failure is retried the same way
-            if loop.time() + delay > deadline:
-                raise ResultNotStored(f"could not store the result: {type(e).__name__}: {e}") from e
-            log.warning("storing the result failed (%s); retrying in %.1f s", e, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            await store.finish(spec.queue, delivery.task_id, None)
+        except Exception as e:  # the stored result still answers the next copy
+            log.warning("could not mark the task done (%s)", e)
+    return written
+
+
+async def _inbox(
+    rt: Runtime, spec: HandlerSpec, delivery: Delivery, w: Writes, written: Written
+) -> Written | str:
+    """The session's inbox: the end's final reply (must land: after the result is stored,
+    before the ack, so a crash in between redelivers the task, and the guard's "done" path
+    writes the stored final to the inbox again); or, for a copy of a finished task, the stored
+    final again, since its worker may have died between storing the result and writing the
+    inbox (best effort: readers drop the duplicate; costs a read only for such copies)."""
+    again = w.inbox_again or written is Written.DUPLICATE
+    session_id = session_of(delivery) if again else w.inbox
+    if session_id is None or (again and rt.results is None):
+        return written
+    state = w.state
+    try:
+        if again and rt.results is not None:
+            state = await rt.results.get(delivery.task_id, queue=spec.queue)
+            if state is None or not state.status.terminal:
+                return written
+        if state is not None:
+            await to_inbox(rt, session_id, state)
+    except Exception as e:
+        if again:  # the first copy most likely wrote it
+            log.warning("could not write the final reply to the inbox again (%s)", e)
+            return written
+        return f"could not write the final reply to the inbox of {session_id!r}: {e}"
+    return written
