@@ -25,6 +25,7 @@ A succeeded task is not run again (the guard finds it done); a task on its way t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weclaw_mq.contract import headers as h
@@ -35,11 +36,81 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import NotifyOutcome
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.state import TaskState
+from weclaw_mq.workflows.hops import after_end, tagged
 
 if TYPE_CHECKING:
     from weclaw_mq.worker.runtime import Runtime
 
 log = logging.getLogger("weclaw_mq.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """What an end tells before its settle: ``final`` to the ``notify=`` queue, and ``told``
+    (default ``final``) to the task's workflow. ``again``: a copy of a finished task, which
+    tells the stored final again instead."""
+
+    final: TaskState | None = None
+    told: TaskState | None = None
+    error_type: str | None = None
+    again: bool = False
+
+
+# A copy of a finished task: it announces and tells its stored end again.
+AGAIN = Heard(again=True)
+
+
+async def heard(delivery: Delivery, spec: HandlerSpec, rt: Runtime, what: Heard) -> str | None:
+    """None once the end is announced (``notify=``) and the task's workflow heard of it; else
+    why not: the caller parks the task, to try again when it comes back. Before the settle,
+    always: a crash in between redelivers it, and it tries again."""
+    final, told = what.final, what.told
+    if what.again:
+        stored = await _stored(delivery, spec, rt)
+        if isinstance(stored, str):
+            return stored
+        final = told = stored
+    if final is None:
+        return None
+    failed = await announce(delivery, spec, rt, final, error_type=what.error_type)
+    if failed is not None:
+        return failed
+    place = tagged(delivery.headers, delivery.task_id)
+    if place is None:
+        return None
+    # A workflow's task: its workflow hears of its end (the next stage or the callback
+    # confirmed on the broker, ``workflows.hops``).
+    return await after_end(rt.app, place, final if told is None else told, delivery.trace_id)
+
+
+async def _stored(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> TaskState | str | None:
+    """A copy of a finished task: its stored end, announced and told again (a notification
+    handler's guard absorbs the repeats; a hop published twice has the same task id, which the
+    next handler's guard absorbs). The copy may be the one whose worker died between storing
+    the result and the notification's or the hop's confirm; which copy it is cannot be told,
+    so every copy sends it. None when nothing is to be sent again; a str: why it cannot be
+    known yet (not acked until it is)."""
+    notifies = spec.notify is not None
+    place = tagged(delivery.headers, delivery.task_id)
+    if rt.results is None or (not notifies and place is None):
+        return None
+    try:
+        final = await rt.results.get(delivery.task_id, queue=spec.queue)
+    except Exception as e:
+        if not notifies:
+            return f"its stored end could not be read ({e})"
+        rt.metrics.notified(spec.queue, NotifyOutcome.FAILED).inc()
+        log.error("could not read the stored result to notify again (%s)", describe(e))
+        return "its stored result could not be read to publish its notification"
+    if final is None or not final.status.terminal:
+        # Its record expired (RESULT_TTL_S) before this copy came: the notification and the
+        # hop were sent when the task finished, and what they said is gone.
+        if notifies:
+            log.warning("a finished task's record is gone: its notification is not sent again")
+        if place is not None:
+            log.warning("a finished workflow task's record is gone: its workflow is not told again")
+        return None
+    return final
 
 
 async def announce(
@@ -93,30 +164,6 @@ async def announce(
         return f"its notification is not published yet ({why})"
     rt.metrics.notified(spec.queue, NotifyOutcome.PUBLISHED).inc()
     return None
-
-
-async def announce_again(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> str | None:
-    """A copy of a task that finished before: publish its notification again, from the stored
-    record, before the copy is acked. The copy may be the one whose worker died between
-    storing the result and the notification's confirm; which copy it is cannot be told, so
-    every copy sends it (the notification handler's guard absorbs the repeats).
-
-    None when the copy may be acked now; else why not (the caller parks it for another try).
-    """
-    if spec.notify is None or rt.results is None:
-        return None
-    try:
-        final = await rt.results.get(delivery.task_id, queue=spec.queue)
-    except Exception as e:  # unknown: not acked until the notification is known to be out
-        rt.metrics.notified(spec.queue, NotifyOutcome.FAILED).inc()
-        log.error("could not read the stored result to notify again (%s)", describe(e))
-        return "its stored result could not be read to publish its notification"
-    if final is None or not final.status.terminal:
-        # Its record expired (RESULT_TTL_S) before this copy came: the notification was sent
-        # when the task finished, and what it said is gone.
-        log.warning("a finished task's record is gone: its notification is not sent again")
-        return None
-    return await announce(delivery, spec, rt, final)
 
 
 def requeued(delivery: Delivery) -> int:

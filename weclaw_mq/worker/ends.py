@@ -5,23 +5,23 @@ Every gate of the worker's path (``admission``) and every end of a handler's run
 ``after_attempt``) answers with an ``End``; ``carry_out`` alone turns it into the claim's
 release, the record write, the inbox entry, the notification, the span's failure and, last,
 the settle through the ``Settler`` (a publish with confirm where the task moves, then the ack
-or nack, and the outcome metric and log line). No other module of the worker calls the
+or nack, and the outcome metric and log line). It decides all of that first, as one
+``Ending`` (``decided``: nothing written or sent there), then carries it out in one pass:
+``records.write``, ``announce.heard``, the settle. No other module of the worker calls the
 Settler's ends, and only the Settler touches the message's ack and nack
 (``tests/unit/test_settle_point.py``), so "every delivery is settled once" holds by
 construction: a path that returns an ``End`` is settled by ``carry_out``, and a path that
 raises is given back by ``in_flight.settled``.
 
-Nothing here acks before the result is stored: ``Store`` writes it (with the done marker,
-owner-checked, when claimed), then the inbox, then the notification, then the ack.
+Nothing here acks before the result is stored: a ``Store`` end writes it (with the done
+marker, owner-checked, when claimed), then the inbox, then the notification, then the ack.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import pydantic_core
 from aio_pika.abc import AbstractIncomingMessage
@@ -29,28 +29,19 @@ from aio_pika.abc import AbstractIncomingMessage
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import as_datetime, left_ms, now_ms
 from weclaw_mq.contract.message import Delivery
-from weclaw_mq.errors import ResultNotStored, TaskExpired, UnserialisableResult
+from weclaw_mq.errors import TaskExpired, UnserialisableResult
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.observability.metrics import Outcome
 from weclaw_mq.policy.failures import describe, error_type, safe_text
 from weclaw_mq.policy.retry import DeadLetterReason, GiveUp, RetryLater, decide, delay_queue_set
-from weclaw_mq.state import Deferral, Finish, TaskState, TaskStatus
+from weclaw_mq.state import Deferral, TaskState, TaskStatus
 from weclaw_mq.worker import announce as notify
-from weclaw_mq.worker.records import (
-    record_quietly,
-    record_status,
-    release,
-    session_of,
-    task_state,
-    to_inbox,
-)
+from weclaw_mq.worker.announce import AGAIN, Heard
+from weclaw_mq.worker.records import How, Writes, Written, after_move, session_of, task_state, write
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import deferrals
-from weclaw_mq.workflows.hops import after_end, tagged
 
 log = logging.getLogger("weclaw_mq.worker")
-
-_T = TypeVar("_T")
 
 
 # -- the ends ------------------------------------------------------------------------------
@@ -191,10 +182,30 @@ def as_json(result: Any) -> Any:
 
 # -- carrying it out -----------------------------------------------------------------------
 
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """An end, decided: its writes beside the message (``records.Writes``), what it tells
+    before the settle (``announce.Heard``), then the settle as ``settle`` says; ``after``: the
+    record (and inbox entry) written once the move landed (a dead letter's). ``failed``: the
+    error the delivery's span ends with. ``delay_ms``, ``level``: a deferral's settle,
+    resolved (the handler's first retry delay, the first deferral's log level)."""
+
+    settle: End
+    writes: Writes | None = None
+    heard: Heard | None = None
+    after: TaskState | None = None
+    failed: BaseException | None = None
+    delay_ms: int | None = None
+    level: int | None = None
+
+
 # Read once: on Python 3.11 every ``EnumClass.MEMBER`` is a descriptor call, per use.
 _SUCCEEDED = TaskStatus.SUCCEEDED
-_FINISH_DONE = Finish.DONE
-_FINISH_TAKEN = Finish.TAKEN
+_RESULT = How.RESULT
+_OK = Written.OK
+# The common end: a result of None, nothing to write, announce or tell: the ack alone.
+_ACK = Ending(Store(None))
 
 
 async def carry_out(
@@ -205,104 +216,149 @@ async def carry_out(
     rt: Runtime,
     held: str | None = None,
 ) -> None:
-    """Settle ``message`` as ``end`` says, once. ``held``: the claim's owner token, which every
-    end that does not finish the task releases first. ``delivery`` may be None only for a
-    ``GiveBack`` (a message given back before it was read)."""
-    if type(end) is Store:  # the common end first, without a pattern match
-        assert delivery is not None
-        await _store(end.result, message, delivery, spec, rt, held)
+    """Settle ``message`` as ``end`` says, once: what the end does is decided first, as one
+    ``Ending``, then carried out here, in its order: the writes (the claim's release, the
+    record, the inbox), the notification and the workflow's hop, the settle. ``held``: the
+    claim's owner token, which every end that does not finish the task releases first.
+    ``delivery`` may be None only for a ``GiveBack`` (a message given back before it was
+    read)."""
+    ending = _ACK if delivery is None else decided(end, delivery, spec, rt, held)
+    settle = end
+    queues_ms: tuple[int, ...] | None = None
+    if delivery is not None and ending is not _ACK:
+        settle = ending.settle
+        if ending.failed is not None and rt.spans is not None:
+            rt.spans.failed(ending.failed)
+        heard = ending.heard
+        if ending.writes is not None:
+            written = await write(rt, spec, delivery, ending.writes)
+            if type(written) is str:  # a write that must land did not: the task goes back
+                settle, heard = GiveBack(written, logging.ERROR), None
+            elif written is not _OK:  # done before: this copy is a duplicate now
+                settle, heard = AckDuplicate(), AGAIN
+        if heard is not None:
+            failed = await notify.heard(delivery, spec, rt, heard)
+            if failed is not None:  # not told yet: parked, to try again when it comes back
+                settle = Defer(failed)
+                ending = Ending(settle, delay_ms=spec.retry.delay_ms(1))
+        if type(settle) is Reattempt:  # its hops through the handler's delay queues
+            queues_ms = delay_queue_set(spec.retry)
+    if type(settle) is Store:  # the common end first, without a pattern match
+        await rt.settler.ack(message, queue=spec.queue)
         return
-    if isinstance(end, GiveBack):
-        await rt.settler.give_back(message, queue=spec.queue, why=end.why, level=end.level)
+    if isinstance(settle, GiveBack):
+        await rt.settler.give_back(message, queue=spec.queue, why=settle.why, level=settle.level)
         return
     assert delivery is not None
-    match end:
+    match settle:
+        case AckDuplicate():
+            await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
+        case AckCancelled():
+            await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
         case Reattempt(delay_ms=delay_ms, error=error):
-            if rt.spans is not None:
-                rt.spans.failed(error)
-            await release(rt, spec, delivery, held)
-            await record_status(rt, delivery, spec, TaskStatus.RETRYING, error=describe(error))
             await rt.settler.retry(
                 message,
                 delivery,
                 queue=spec.queue,
                 delay_ms=delay_ms,
                 error=error,
-                queues_ms=delay_queue_set(spec.retry),
+                queues_ms=queues_ms,
             )
-        case DeadLetter(reason=reason, error=error):
-            await release(rt, spec, delivery, held)
-            await _dead_letter(message, delivery, spec, rt, reason, error)
-        case Defer(by=by):
-            level = end.level
-            if by is not None:
-                await asyncio.gather(
-                    release(rt, spec, delivery, held),
-                    # "running" is ours when our claim wrote it, or this delivery did as its
-                    # handler was to start (no thread took it).
-                    _record_deferral(rt, delivery, spec, end, held is not None or by == "threads"),
-                )
-                level = logging.INFO if deferrals(delivery) == 0 else logging.DEBUG
-            elif end.queued_again and held is not None:
-                # The claim wrote "running": it waits in a delay queue now.
-                await asyncio.gather(
-                    release(rt, spec, delivery, held),
-                    record_status(rt, delivery, spec, TaskStatus.QUEUED),
-                )
-            else:
-                await release(rt, spec, delivery, held)
-            await _defer(
+        case Defer():
+            assert ending.delay_ms is not None  # resolved as it was decided
+            await rt.settler.defer(
                 message,
                 delivery,
-                spec,
-                rt,
-                end.why,
-                end.delay_ms,
-                level,
-                end.not_before_ms,
-                end.at_midnight,
+                queue=spec.queue,
+                delay_ms=ending.delay_ms,
+                why=settle.why,
+                level=ending.level,
+                not_before_ms=settle.not_before_ms,
+                at_midnight=settle.at_midnight,
             )
-        case AckDuplicate(mark_done=mark_done):
-            if mark_done and rt.store is not None:
-                try:
-                    await rt.store.finish(spec.queue, delivery.task_id, None)
-                except Exception as e:  # the stored result still answers the next copy
-                    log.warning("could not mark the task done (%s)", e)
-            await _ack_duplicate(message, delivery, spec, rt)
-        case AckCancelled():
-            await _ack_cancelled(message, delivery, spec, rt, held)
+        case DeadLetter(reason=reason, error=error):
+            moved = await rt.settler.dead_letter(
+                message, delivery, queue=spec.queue, reason=reason.value, error=error
+            )
+            if moved and ending.after is not None:
+                # Only once the DLQ holds it: "dead_lettered" is final for result() waiters,
+                # and a failed move returns the task to its queue, where it may yet succeed.
+                await after_move(rt, delivery, ending.after)
         case RejectOriginal():
             await rt.settler.reject(message, queue=spec.queue)
 
 
-async def give_back(
-    message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime, why: str, level: int
-) -> None:
-    """Return a message the worker will not process (it stops, or its consumer is gone)."""
-    await carry_out(GiveBack(why, level), message, None, spec, rt)
-
-
-async def _defer(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    why: str,
-    delay_ms: int | None = None,
-    level: int | None = None,
-    not_before_ms: int | None = None,
-    at_midnight: bool = False,
-) -> None:
-    await rt.settler.defer(
-        message,
-        delivery,
-        queue=spec.queue,
-        delay_ms=spec.retry.delay_ms(1) if delay_ms is None else delay_ms,
-        why=why,
-        level=level,
-        not_before_ms=not_before_ms,
-        at_midnight=at_midnight,
-    )
+def decided(
+    end: End, delivery: Delivery, spec: HandlerSpec, rt: Runtime, held: str | None
+) -> Ending:
+    """What ``end`` does, as one value: nothing is written, published or settled here."""
+    if type(end) is Defer:
+        return _deferred(end, delivery, spec, rt, held)
+    if type(end) is Store:
+        session_id = session_of(delivery) if h.SESSION_ID in delivery.headers else None
+        claimed = held is not None and rt.store is not None
+        if rt.results is None and session_id is None:
+            if not claimed:
+                return _ACK
+            state = None
+        else:
+            state = task_state(delivery, spec, _SUCCEEDED, result=end.result)
+        # Store first, then the inbox, then notify (``notify=``), then ack: a crash in between
+        # redelivers a task the guard knows is done.
+        return Ending(
+            end,
+            Writes(state, _RESULT, owner=held if claimed else None, inbox=session_id),
+            None if state is None else Heard(state),
+        )
+    match end:
+        case Reattempt(error=error):
+            retrying = (
+                task_state(delivery, spec, TaskStatus.RETRYING, error=describe(error))
+                if rt.results is not None
+                else None
+            )
+            return Ending(end, Writes(retrying, release=held), failed=error)
+        case DeadLetter(reason=reason, error=error):
+            announced = task_state(
+                delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
+            )
+            # Its record says "expired" where the notification said "dead_lettered"; else the
+            # same. Its workflow hears of it before the move, as the notification does: after
+            # it, a crash would leave the task in the DLQ and the workflow waiting for its
+            # deadline.
+            final = (
+                task_state(
+                    delivery, spec, TaskStatus.EXPIRED, error=describe(error), reason=reason.value
+                )
+                if reason is DeadLetterReason.EXPIRED
+                else announced
+            )
+            return Ending(
+                end,
+                Writes(release=held),
+                Heard(announced, told=final, error_type=error_type(error)),
+                after=final,
+                failed=error,
+            )
+        case AckDuplicate(mark_done=mark_done):
+            # The stored final goes to the inbox and the notification again (readers drop
+            # repeats), then the ack.
+            return Ending(end, Writes(mark_done=mark_done, inbox_again=True), AGAIN)
+        case AckCancelled():
+            # Record ``cancelled`` (the cancel wrote it already, unless it named no queue and
+            # found no record) and, when claimed, mark it done, so a copy is acked unrun (best
+            # effort: the cancel marker answers every later copy anyway); announced before the
+            # ack, like every end: a publish that fails parks the task, and its copy comes back
+            # to the cancel marker (or the done mark) and tries again.
+            cancelled = (
+                task_state(delivery, spec, TaskStatus.CANCELLED) if rt.results is not None else None
+            )
+            return Ending(
+                end,
+                Writes(cancelled, How.CANCEL, owner=held),
+                None if cancelled is None else Heard(cancelled),
+            )
+    return Ending(end)  # given back or rejected: the settle alone
 
 
 # A deferral is written over a record of a task still on its way, never over a final one;
@@ -312,17 +368,26 @@ _WAITING = (TaskStatus.QUEUED, TaskStatus.RETRYING, TaskStatus.STORED_LOCALLY)
 _WAITING_OR_OURS = (*_WAITING, TaskStatus.RUNNING)
 
 
-async def _record_deferral(
-    rt: Runtime, delivery: Delivery, spec: HandlerSpec, end: Defer, claimed: bool
-) -> None:
-    """The ``queued`` record of a deferred task, saying why and when it comes back (best
-    effort, as every progress status). The last failure its copy carries stays on it."""
+def _deferred(
+    end: Defer, delivery: Delivery, spec: HandlerSpec, rt: Runtime, held: str | None
+) -> Ending:
+    """A deferral's ending: the claim released and, for a gate's (``by``), the ``queued``
+    record saying why and when it comes back (best effort, as every progress status; the last
+    failure its copy carries stays on it), its first deferral logged at INFO."""
+    delay_ms = spec.retry.delay_ms(1) if end.delay_ms is None else end.delay_ms
+    count = deferrals(delivery)
+    if end.by is None:
+        if end.queued_again and held is not None and rt.results is not None:
+            # The claim wrote "running": it waits in a delay queue now.
+            queued = task_state(delivery, spec, TaskStatus.QUEUED)
+            writes = Writes(queued, release=held, together=True)
+        else:
+            writes = Writes(release=held)
+        return Ending(end, writes, delay_ms=delay_ms, level=end.level)
+    level = logging.INFO if count == 0 else logging.DEBUG
     if rt.results is None:
-        return
-    if end.not_before_ms is not None:
-        due_ms = end.not_before_ms
-    else:
-        due_ms = now_ms() + (spec.retry.delay_ms(1) if end.delay_ms is None else end.delay_ms)
+        return Ending(end, Writes(release=held), delay_ms=delay_ms, level=level)
+    due_ms = end.not_before_ms if end.not_before_ms is not None else now_ms() + delay_ms
     failed = delivery.headers.get(h.ERROR_TYPE)
     state = task_state(
         delivery,
@@ -331,256 +396,22 @@ async def _record_deferral(
         error=None if failed is None else f"{failed}: {delivery.headers.get(h.ERROR_MESSAGE, '')}",
     )
     state.deferred = Deferral(
-        by=end.by or "",
-        why=end.why,
-        next_try_at=as_datetime(due_ms),
-        count=deferrals(delivery) + 1,
+        by=end.by, why=end.why, next_try_at=as_datetime(due_ms), count=count + 1
     )
-    try:
-        await rt.results.record(state, only_over=_WAITING_OR_OURS if claimed else _WAITING)
-    except Exception as e:
-        log.warning("could not record the deferral (%s)", e)
+    # "running" is ours when our claim wrote it, or this delivery did as its handler was to
+    # start (no thread took it).
+    claimed = held is not None or end.by == "threads"
+    only_over = _WAITING_OR_OURS if claimed else _WAITING
+    return Ending(
+        end,
+        Writes(state, How.DEFERRAL, release=held, together=True, only_over=only_over),
+        delay_ms=delay_ms,
+        level=level,
+    )
 
 
-async def _announced(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    failed: str | None,
-) -> bool:
-    """True when the notification is out (or none is due); else the task is parked, to try
-    again when it comes back (``worker.announce``), and False."""
-    if failed is None:
-        return True
-    await _defer(message, delivery, spec, rt, failed)
-    return False
-
-
-async def _store(
-    result: Any,
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    owner: str | None,
+async def give_back(
+    message: AbstractIncomingMessage, spec: HandlerSpec, rt: Runtime, why: str, level: int
 ) -> None:
-    """Store first, then notify (``notify=``), then ack: a crash in between redelivers a task
-    the guard knows is done."""
-    records = rt.results
-    session_id = session_of(delivery) if h.SESSION_ID in delivery.headers else None
-    state = (
-        task_state(delivery, spec, _SUCCEEDED, result=result)
-        if records is not None or session_id is not None
-        else None
-    )
-    try:
-        if owner is not None and rt.store is not None:
-            # Claimed: the result and the done marker together (one step), owner-checked.
-            store = rt.store
-            finish = await _patiently(
-                rt, lambda: store.finish(spec.queue, delivery.task_id, state, owner=owner)
-            )
-            if finish is _FINISH_DONE:
-                # Done before this write: another attempt (which took the claim over)
-                # finished first, or an earlier try of this write landed unanswered. The
-                # stored result stands; this copy is a duplicate now.
-                log.warning(
-                    "the task was done before its result was written: the stored one stands"
-                )
-                await _ack_duplicate(message, delivery, spec, rt)
-                return
-            if finish is _FINISH_TAKEN:
-                log.warning(
-                    "this attempt had lost its claim to another one; its result is stored "
-                    "first, and the other attempt will find the task done"
-                )
-        elif records is not None and state is not None:
-            final = state
-            await _patiently(rt, lambda: records.record(final))
-    except ResultNotStored as e:
-        await rt.settler.give_back(message, queue=spec.queue, why=str(e), level=logging.ERROR)
-        return
-    if session_id is not None and state is not None:
-        # After the result is stored, before the ack: a crash in between redelivers the
-        # task, and the guard's "done" path writes the stored final to the inbox again.
-        try:
-            await to_inbox(rt, session_id, state)
-        except Exception as e:
-            why = f"could not write the final reply to the inbox of {session_id!r}: {e}"
-            await rt.settler.give_back(message, queue=spec.queue, why=why, level=logging.ERROR)
-            return
-    if state is None or await _heard(message, delivery, spec, rt, state):
-        await rt.settler.ack(message, queue=spec.queue)
-
-
-async def _heard(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    final: TaskState | None,
-    *,
-    told: TaskState | None = None,
-    error_type: str | None = None,
-) -> bool:
-    """True once ``final`` is announced (``notify=``) and the task's workflow heard of its end
-    (``told``, default ``final``); else the task is parked, to try again when it comes back,
-    and False. Before the settle, always: a crash in between redelivers it, and it tries again."""
-    if final is None:
-        return True
-    failed = await notify.announce(delivery, spec, rt, final, error_type=error_type)
-    if failed is not None:
-        await _defer(message, delivery, spec, rt, failed)
-        return False
-    if h.WORKFLOW not in delivery.headers:
-        return True
-    return await _told(message, delivery, spec, rt, final if told is None else told)
-
-
-async def _told(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    final: TaskState | None,
-) -> bool:
-    """A workflow's task: True once its workflow heard of ``final`` (the next stage or the
-    callback confirmed on the broker, ``workflows.hops``), else it is parked, to tell it
-    again when it comes back; True for a task of no workflow. Before the ack, always."""
-    place = tagged(delivery.headers, delivery.task_id)
-    if place is None or final is None:
-        return True
-    return await _announced(
-        message, delivery, spec, rt, await after_end(rt.app, place, final, delivery.trace_id)
-    )
-
-
-async def _tell_again(
-    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
-) -> bool:
-    """A copy of a finished workflow task: its worker may have died before the hop's confirm,
-    so the workflow hears of the stored end again (its step answers as before, and a hop
-    published twice has the same task id, which the next handler's guard absorbs)."""
-    if rt.results is None or tagged(delivery.headers, delivery.task_id) is None:
-        return True
-    try:
-        final = await rt.results.get(delivery.task_id, queue=spec.queue)
-    except Exception as e:  # unknown: not acked until the workflow is known to be told
-        await _defer(message, delivery, spec, rt, f"its stored end could not be read ({e})")
-        return False
-    if final is None or not final.status.terminal:
-        log.warning("a finished workflow task's record is gone: its workflow is not told again")
-        return True
-    return await _told(message, delivery, spec, rt, final)
-
-
-async def _patiently(rt: Runtime, write: Callable[[], Awaitable[_T]]) -> _T:
-    """Retry a store write with backoff for up to ``result_store_patience_s``; its answer."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + rt.settings.result_store_patience_s
-    delay = 0.1
-    while True:
-        try:
-            return await write()
-        except Exception as e:  # any store failure is retried the same way
-            if loop.time() + delay > deadline:
-                raise ResultNotStored(f"could not store the result: {type(e).__name__}: {e}") from e
-            log.warning("storing the result failed (%s); retrying in %.1f s", e, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-
-
-async def _ack_duplicate(
-    message: AbstractIncomingMessage, delivery: Delivery, spec: HandlerSpec, rt: Runtime
-) -> None:
-    """Ack a copy of a task that another attempt finished: the stored final goes to the
-    inbox and the notification again (readers drop repeats), then the ack."""
-    await _redeliver_to_inbox(delivery, spec, rt)
-    if not await _announced(
-        message, delivery, spec, rt, await notify.announce_again(delivery, spec, rt)
-    ):
-        return
-    if h.WORKFLOW in delivery.headers and not await _tell_again(message, delivery, spec, rt):
-        return
-    await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
-
-
-async def _redeliver_to_inbox(delivery: Delivery, spec: HandlerSpec, rt: Runtime) -> None:
-    """A copy of a finished task with a session: its worker may have died between storing
-    the result and writing the inbox, so the stored final goes to the inbox again (readers
-    drop the duplicate). Costs a read only for such copies."""
-    session_id = session_of(delivery)
-    if session_id is None or rt.results is None:
-        return
-    try:
-        state = await rt.results.get(delivery.task_id, queue=spec.queue)
-        if state is not None and state.status.terminal:
-            await to_inbox(rt, session_id, state)
-    except Exception as e:  # the first copy most likely wrote it
-        log.warning("could not write the final reply to the inbox again (%s)", e)
-
-
-async def _ack_cancelled(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    held: str | None,
-) -> None:
-    """Ack a cancelled task: record ``cancelled`` (the cancel wrote it already, unless it
-    named no queue and found no record) and, when claimed, mark it done, so a copy is acked
-    unrun (best effort: the cancel marker answers every later copy anyway); then, for a
-    ``notify=`` handler, announce it before the ack."""
-    state = task_state(delivery, spec, TaskStatus.CANCELLED) if rt.results is not None else None
-    try:
-        if held is not None and rt.store is not None:
-            await rt.store.finish(spec.queue, delivery.task_id, state, owner=held)
-        elif rt.results is not None and state is not None:
-            await rt.results.record(state)
-    except Exception as e:
-        log.warning("could not record the cancel (%s)", e)
-    # Announced before the ack, like every end (worker/notify.py): a publish that fails parks
-    # the task, and its copy comes back to the cancel marker (or the done mark) and tries again.
-    if await _heard(message, delivery, spec, rt, state):
-        await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
-
-
-async def _dead_letter(
-    message: AbstractIncomingMessage,
-    delivery: Delivery,
-    spec: HandlerSpec,
-    rt: Runtime,
-    reason: DeadLetterReason,
-    error: BaseException,
-) -> None:
-    if rt.spans is not None:
-        rt.spans.failed(error)
-    announced = task_state(
-        delivery, spec, TaskStatus.DEAD_LETTERED, error=describe(error), reason=reason.value
-    )
-    # Its record says "expired" where the notification said "dead_lettered"; else the same.
-    final = (
-        task_state(delivery, spec, TaskStatus.EXPIRED, error=describe(error), reason=reason.value)
-        if reason is DeadLetterReason.EXPIRED
-        else announced
-    )
-    # Its workflow hears of it before the move, as the notification does: after it, a crash
-    # would leave the task in the DLQ and the workflow waiting for its deadline.
-    if not await _heard(
-        message, delivery, spec, rt, announced, told=final, error_type=error_type(error)
-    ):
-        return
-    if await rt.settler.dead_letter(
-        message, delivery, queue=spec.queue, reason=reason.value, error=error
-    ):
-        # Only once the DLQ holds it: "dead_lettered" is final for result() waiters, and a
-        # failed move returns the task to its queue, where it may yet succeed.
-        await record_quietly(rt, final)
-        session_id = session_of(delivery)
-        if session_id is not None:
-            # Best effort, after the move (the DLQ holds the task): its record still says so.
-            try:
-                await to_inbox(rt, session_id, final)
-            except Exception as e:
-                log.warning("could not write the dead-letter to the inbox (%s)", e)
+    """Return a message the worker will not process (it stops, or its consumer is gone)."""
+    await carry_out(GiveBack(why, level), message, None, spec, rt)

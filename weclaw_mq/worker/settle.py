@@ -103,13 +103,6 @@ def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dic
     return out
 
 
-def _delay_target(message: AbstractIncomingMessage, queue: str, delay_ms: int) -> tuple[str, str]:
-    """(the shared delay queue's exchange, the routing key) to park the message: the routing
-    key is the lane it came from, which the delay queue dead-letters it back to, so a retried
-    or deferred task keeps its priority (``topology.delay_queue_arguments``)."""
-    return ladder_queue_name(delay_ms), source_lane(message.routing_key, queue)
-
-
 # How the delivery being settled in this context ended, for the middleware's ``after_run``
 # (``worker.run_hooks``): a list a hooked run sets, to which ``_ended`` appends the outcome.
 settled_as: ContextVar[list[Outcome] | None] = ContextVar("settled_as", default=None)
@@ -231,7 +224,9 @@ class Settler:
         headers[h.ATTEMPT] = delivery.attempt + 1
         hop_ms = delay_ms if queues_ms is None else next_hop_ms(delay_ms, queues_ms)
         schedule(headers, delay_ms, hop_ms, now_ms())
-        target, lane = _delay_target(message, queue, hop_ms)
+        # The lane it came from, which the delay queue dead-letters it back to: a retried task
+        # keeps its priority (``topology.delay_queue_arguments``).
+        target, lane = ladder_queue_name(hop_ms), source_lane(message.routing_key, queue)
         if not await self._move(message, delivery, lane, headers, queue=queue, exchange=target):
             return False
         self._ended(
@@ -261,7 +256,8 @@ class Settler:
         ``not_before_ms``: its due time beyond this hop, written on it (it hops until then).
         ``at_midnight``: that due time is the next UTC midnight: one hop through the
         midnight queue, the message's own TTL running until then."""
-        target, lane = _delay_target(message, queue, delay_ms)
+        # The lane it came from, as a retry's: a deferred task keeps its priority.
+        target, lane = ladder_queue_name(delay_ms), source_lane(message.routing_key, queue)
         headers = carried_headers(delivery)
         expiration_ms = None
         if not_before_ms is not None:
