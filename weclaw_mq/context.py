@@ -268,7 +268,7 @@ class Context:
             StateUnavailableError: Redis failed reading or writing the steps (the attempt
                 fails; the next one replays what was recorded).
         """
-        memo, occurrence, key = self._step_started(name)
+        memo, occurrence, seq, key = self._step_started(name)
         recorded = await memo.recorded(name, occurrence)
         if recorded is not None:
             return recorded.result
@@ -281,7 +281,7 @@ class Context:
                 value = await value
         finally:
             _running_step.reset(token)
-        return await self._record(memo, name, occurrence, value, started, running)
+        return await self._record(memo, name, (occurrence, seq), value, started, running)
 
     def step_sync(self, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``step`` from a plain-``def`` handler's thread: ``fn`` runs in this thread.
@@ -306,7 +306,7 @@ class Context:
             ConfigurationError: As ``step``.
             StateUnavailableError: As ``step``.
         """
-        memo, occurrence, key = self._step_started(name)
+        memo, occurrence, seq, key = self._step_started(name)
         recorded = self._on_loop(memo.recorded(name, occurrence), "step")
         if recorded is not None:
             return recorded.result
@@ -324,13 +324,15 @@ class Context:
                 f"step {name!r}: ctx.step_sync takes a plain function; await ctx.step(...) "
                 "in an async def for a coroutine function"
             )
-        return self._on_loop(self._record(memo, name, occurrence, value, started, running), "step")
+        called = (occurrence, seq)
+        return self._on_loop(self._record(memo, name, called, value, started, running), "step")
 
     @property
     def step_key(self) -> str:
-        """The running step's idempotency key, the same on every attempt of the task:
-        ``"<task id>:<queue>:<name>:<occurrence>"``. Read it inside the step's function
-        (in its thread, or in tasks it starts) and pass it to a provider's idempotency key.
+        """The running step's idempotency key, the same on every attempt of the task.
+
+        ``"<task id>:<queue>:<name>:<occurrence>"``. Read it inside the step's function (in
+        its thread, or in tasks it starts) and pass it to a provider's idempotency key.
 
         Raises:
             RuntimeError: No step of this context is running here.
@@ -340,8 +342,9 @@ class Context:
             raise RuntimeError("ctx.step_key is read inside a step's function (ctx.step)")
         return running.key
 
-    def _step_started(self, name: str) -> tuple[StepMemo, int, str]:
-        """This run's memo, the step's occurrence and its key; refuses a step in a step."""
+    def _step_started(self, name: str) -> tuple[StepMemo, int, int, str]:
+        """This run's memo, the step's occurrence, its place in the run and its key; refuses
+        a step in a step."""
         if not isinstance(name, str) or not name:
             raise StepError(f"a step's name is a non-empty str, got {name!r}")
         running = _running_step.get()
@@ -364,26 +367,28 @@ class Context:
             # A race of two first steps in two threads makes two memos; one is kept.
             self._memo.append(StepMemo(store.step_book(), self.queue, self.task_id))
         memo = self._memo[0]
-        occurrence = memo.next_occurrence(name)
-        return memo, occurrence, step_key(self.task_id, self.queue, name, occurrence)
+        occurrence, seq = memo.next_occurrence(name)
+        return memo, occurrence, seq, step_key(self.task_id, self.queue, name, occurrence)
 
     async def _record(
         self,
         memo: StepMemo,
         name: str,
-        occurrence: int,
+        called: tuple[int, int],
         value: Any,
         started: float,
         running: _Running,
     ) -> Any:
+        """Record a step that returned ``value``; ``called``: its occurrence and place."""
         record, body = made(
             name,
-            occurrence,
+            called[0],
             value,
             duration_s=time.perf_counter() - started,
             attempt=self.attempt,
             usage=running.usage,
             max_bytes=self.app.settings.step_max_bytes,
+            seq=called[1],
         )
         await memo.save(record, body)
         return record.result

@@ -415,7 +415,11 @@ class MemoryTaskStore(TaskStore, TaskIndex, FingerprintStore, HasWorkflows):
         return self._workflows
 
     def step_book(self) -> MemoryStepBook:
-        """The tasks' memoized steps (``ctx.step``), kept ``ttl_s`` after a task's last step."""
+        """The tasks' memoized steps (``ctx.step``), kept ``ttl_s`` after a task's last step.
+
+        Returns:
+            The step book.
+        """
         return self._steps
 
     async def close(self) -> None:

@@ -54,6 +54,8 @@ class StepRecord:
         attempt: The attempt that ran it.
         usage: The model calls reported inside it (``ctx.usage``): (model, input tokens,
             output tokens) each. A replay reports none again.
+        seq: Its place among the steps its run called (0 = the first): the order of steps
+            recorded in the same instant.
     """
 
     name: str
@@ -63,6 +65,7 @@ class StepRecord:
     at: str
     attempt: int
     usage: tuple[Usage, ...] = ()
+    seq: int = 0
 
     @property
     def field(self) -> str:
@@ -112,6 +115,7 @@ def encode(record: StepRecord, result_json: bytes) -> bytes:
         {
             "name": record.name,
             "n": record.occurrence,
+            "seq": record.seq,
             "duration_s": round(record.duration_s, 6),
             "at": record.at,
             "attempt": record.attempt,
@@ -132,6 +136,7 @@ def decode(raw: bytes | str) -> StepRecord:
         at=data["at"],
         attempt=int(data["attempt"]),
         usage=tuple((str(m), int(i), int(o)) for m, i, o in data.get("usage", ())),
+        seq=int(data.get("seq", 0)),
     )
 
 
@@ -144,6 +149,7 @@ def made(
     attempt: int,
     usage: Sequence[Usage],
     max_bytes: int,
+    seq: int = 0,
 ) -> tuple[StepRecord, bytes]:
     """The record of a step that returned ``value``, and its stored form.
 
@@ -168,9 +174,10 @@ def made(
         occurrence=occurrence,
         result=json.loads(result_json),
         duration_s=duration_s,
-        at=datetime.now(UTC).isoformat(timespec="milliseconds"),
+        at=datetime.now(UTC).isoformat(timespec="microseconds"),
         attempt=attempt,
         usage=tuple(usage),
+        seq=seq,
     )
     return record, encode(record, result_json)
 
@@ -204,7 +211,7 @@ class HasSteps(Protocol):
 def steps_of(raw: Mapping[str, bytes]) -> list[StepRecord]:
     """The stored steps as records, in the order they ran (by when each was recorded)."""
     records = [decode(body) for body in raw.values()]
-    return sorted(records, key=lambda r: (r.at, r.occurrence, r.name))
+    return sorted(records, key=lambda r: (r.at, r.seq))
 
 
 # The whole hash in one call that shares the store's auto-pipeline (a script: the pipeline
@@ -262,15 +269,18 @@ class MemoryStepBook:
         self._steps: dict[tuple[str, str], tuple[float, dict[str, bytes]]] = {}
 
     async def load(self, queue: str, task_id: str) -> dict[str, bytes]:
+        return self._live(queue, task_id)
+
+    async def save(self, queue: str, task_id: str, field: str, body: bytes) -> None:
+        steps = self._live(queue, task_id)
+        steps[field] = body
+        self._steps[(queue, task_id)] = (self._clock() + self._ttl_s, steps)
+
+    def _live(self, queue: str, task_id: str) -> dict[str, bytes]:
         kept = self._steps.get((queue, task_id))
         if kept is None or kept[0] <= self._clock():
             return {}
         return dict(kept[1])
-
-    async def save(self, queue: str, task_id: str, field: str, body: bytes) -> None:
-        steps = dict(await self.load(queue, task_id))
-        steps[field] = body
-        self._steps[(queue, task_id)] = (self._clock() + self._ttl_s, steps)
 
 
 class StepMemo:
@@ -290,13 +300,17 @@ class StepMemo:
         self._recorded: dict[str, bytes] | None = None
         self._loading: asyncio.Task[dict[str, bytes]] | None = None
         self._counts: dict[str, int] = {}
+        self._called = 0
         # A plain-def handler counts from its thread; its own threads may too.
         self._lock = threading.Lock()
 
-    def next_occurrence(self, name: str) -> int:
+    def next_occurrence(self, name: str) -> tuple[int, int]:
+        """The step's occurrence (its calls with ``name`` so far in this run, this one
+        included) and its place among all the steps this run called (0 = the first)."""
         with self._lock:
             count = self._counts[name] = self._counts.get(name, 0) + 1
-            return count
+            self._called += 1
+            return count, self._called - 1
 
     async def recorded(self, name: str, occurrence: int) -> StepRecord | None:
         """The step's record from an earlier attempt, or None (it runs)."""
