@@ -169,3 +169,29 @@ async def test_a_run_that_continues_writes_no_marker_and_one_that_does_not_write
 
     kinds = [e.kind for e in await streams.read("t", "0-0", 0)]
     assert kinds == (["chunk"] if continues else ["attempt", "chunk"])
+
+
+def test_the_task_page_lists_steps_as_text_fresh_or_cached_with_their_cost() -> None:
+    from datetime import UTC, datetime
+
+    from weclaw_mq.console import rendering
+    from weclaw_mq.console.task_views import step_row
+    from weclaw_mq.policy.costs import Price
+
+    evil = "<script>alert(1)</script>"
+    old, _ = made(evil, 1, 1, duration_s=0.5, attempt=1, usage=[("m-1", 1000, 2000)], **_bounded())
+    run_started = datetime.now(UTC)
+    new, _ = made("later", 1, 2, duration_s=0.25, attempt=2, usage=[("free", 1, 1)], **_bounded())
+    prices = {"m-1": Price(input_per_1k=0.5, output_per_1k=1.5)}
+    rows = [step_row(s, run_started, prices) for s in (old, new)]
+
+    assert [(r["cached"], r["cost"]) for r in rows] == [(True, 3.5), (False, None)]
+    html = rendering._env.get_template("task_status.html").render(
+        task_id="t", problem=None, state=None, timeline=[], timeline_problem=None, steps=rows
+    )
+    assert evil not in html and "&lt;script&gt;" in html
+    assert ">cached</span>" in html and "<td>fresh</td>" in html and "3.500000" in html
+
+
+def _bounded() -> dict[str, Any]:
+    return {"max_bytes": 100}
