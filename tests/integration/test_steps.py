@@ -397,3 +397,47 @@ async def test_status_prints_the_steps_and_a_task_without_steps_as_before(
     assert plain.code == 0 and "steps" not in json.loads(plain.stdout)
     state = await app.status(without)
     assert state is not None and plain.stdout.strip() == state.model_dump_json(indent=2)
+
+
+async def test_inspect_steps_lists_a_running_tasks_steps_so_far(
+    steps_fleet: tuple[App, Callable[..., Any]],
+    start_worker: Callable[..., Any],
+    tmp_path: Path,
+    broker_url: str,
+    redis_url: str,
+) -> None:
+    app, _ = steps_fleet
+    queue = app_queue(app)
+    release = asyncio.Event()
+    settings = settings_for(broker_url, redis_url, worker_beat_s=0.1)
+    worker_app = build_app(queue, settings=settings, record_dir=tmp_path, release=release)
+    await start_worker(worker_app)
+    task_id = await app.publish(queue, StepsJob(hold_after="fetch"))
+    env = {
+        **settings_env(settings_for(broker_url, redis_url)),
+        "TEST_QUEUE": queue,
+        "TEST_RECORD_DIR": str(tmp_path),
+    }
+    path = "tests.integration.fixture_apps.steps_app:app"
+    shown: list[dict[str, Any]] = []
+
+    async def listed() -> bool:
+        result = await run_cli("inspect", path, "--steps", "--json", env=env)
+        assert result.code == 0, result.stderr
+        tasks = [t for w in json.loads(result.stdout)["workers"] for t in w["tasks"]]
+        shown[:] = [t for t in tasks if t["task_id"] == task_id and t["steps"]]
+        return bool(shown)
+
+    try:
+        await wait_until(listed, 30, "inspect to list the running task's step")
+        (task,) = shown
+        (step,) = task["steps"]
+        assert (step["name"], step["occurrence"], step["attempt"]) == ("fetch", 1, 1)
+        assert step["usage"] == [{"model": "m-1", "input_tokens": 5, "output_tokens": 1}]
+        text = await run_cli("inspect", path, "--steps", env=env)
+        assert f"  steps of {task_id}: fetch " in text.stdout, text.stdout
+        assert "m-1 5+1 tokens" in text.stdout
+    finally:
+        release.set()
+    assert (await app.result(task_id, timeout_s=20)).status is TaskStatus.SUCCEEDED
+    await worker_app.close()

@@ -15,6 +15,7 @@ The ``WECLAW_MQ_*`` settings apply as in any app.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -36,6 +37,9 @@ class StepsJob(BaseModel):
     # chunks before word ``kill_at_word`` are in the stream (the first run only).
     words: int = 0
     kill_at_word: int | None = None
+    # Steps mode, in a test's own process: once this step is recorded, wait for the test's
+    # ``release`` event (``build_app(release=...)``).
+    hold_after: str | None = None
 
 
 def record_call(record_dir: Path, line: str) -> None:
@@ -61,7 +65,9 @@ def _kill_once(record_dir: Path) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def build_app(queue: str, *, settings: Settings, record_dir: Path) -> App:
+def build_app(
+    queue: str, *, settings: Settings, record_dir: Path, release: asyncio.Event | None = None
+) -> App:
     app = App("steps-fixture", settings=settings)
 
     def fetch(ctx: Context) -> str:
@@ -80,6 +86,8 @@ def build_app(queue: str, *, settings: Settings, record_dir: Path) -> App:
         fetched = await ctx.step("fetch", fetch, ctx)
         if task.kill_after == "fetch":
             _kill_once(record_dir)
+        if task.hold_after == "fetch" and release is not None:
+            await release.wait()
         called = await ctx.step("call", call)
         return {"fetch": fetched, "call": called, "attempt": ctx.attempt}
 
