@@ -24,10 +24,14 @@ from tests.integration.processes import (
     settings_env,
     spawn_cli_worker,
 )
+from tests.private_servers import PrivateRedisCluster
 from weclaw_mq import App, Context, Retry, TaskStatus
 from weclaw_mq.contract.naming import state_key, steps_key
 from weclaw_mq.errors import StepError
 from weclaw_mq.policy.retry import RetryPolicy
+from weclaw_mq.state import Claim, TaskState
+from weclaw_mq.state.redis_clients import open_client
+from weclaw_mq.state.steps import StepMemo, made
 from weclaw_mq.streaming import StreamEvent
 
 FAST_RETRY = RetryPolicy(max_retries=3, delay_s=0.05, max_delay_s=0.05)
@@ -441,3 +445,38 @@ async def test_inspect_steps_lists_a_running_tasks_steps_so_far(
         release.set()
     assert (await app.result(task_id, timeout_s=20)).status is TaskStatus.SUCCEEDED
     await worker_app.close()
+
+
+async def test_steps_on_a_redis_cluster_live_in_their_tasks_slot_and_expire_with_the_record(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    from tests.integration.test_redis_cluster import QUEUE, _ids_on_every_node, _store
+
+    store = _store(redis_cluster.url)
+    client = open_client(settings_for("amqp://unused", redis_cluster.url))
+    try:
+        book = store.step_book()
+        ids = _ids_on_every_node(redis_cluster, per_node=1)
+        for task_id in ids:  # the record's script renews the steps' TTL on the task's node
+            running = TaskState(task_id=task_id, queue=QUEUE, status=TaskStatus.RUNNING)
+            assert await store.claim(QUEUE, task_id, "me", running=running) is Claim.ACQUIRED
+            memo = StepMemo(book, QUEUE, task_id)
+            assert await memo.recorded("call", 1) is None
+            await memo.save(*made("call", 1, task_id, **_bounded()))
+            await client.pexpire(steps_key(QUEUE, task_id), 5_000)  # shorter than the record's
+            done = TaskState(task_id=task_id, queue=QUEUE, status=TaskStatus.SUCCEEDED)
+            await store.finish(QUEUE, task_id, done, owner="me")
+        for task_id in ids:
+            replayed = await StepMemo(book, QUEUE, task_id).recorded("call", 1)
+            assert replayed is not None and replayed.result == task_id
+            ttls = [
+                await client.pttl(k) for k in (state_key(QUEUE, task_id), steps_key(QUEUE, task_id))
+            ]
+            assert ttls[1] > 100_000 and abs(ttls[0] - ttls[1]) < 1_000, ttls
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+def _bounded() -> dict[str, Any]:
+    return {"duration_s": 0.0, "attempt": 1, "usage": [], "max_bytes": 10_000}
