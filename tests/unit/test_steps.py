@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.unit.test_naming_keys import _hash_tag
+from weclaw_mq import App, Context, Retry
 from weclaw_mq.contract.naming import guard_key, state_key, steps_key, task_keys
 from weclaw_mq.errors import StepError
 from weclaw_mq.state.steps import (
@@ -25,6 +26,7 @@ from weclaw_mq.state.steps import (
 from weclaw_mq.streaming import MemoryStreamStore
 from weclaw_mq.streaming.emitter import Emitter, emitted_chunks
 from weclaw_mq.streaming.events import attempt_entry, chunk_entry, encode_data, final_entry
+from weclaw_mq.testing import TestBroker
 
 
 def test_a_record_reads_back_as_made_with_its_result_as_json_data() -> None:
@@ -195,3 +197,36 @@ def test_the_task_page_lists_steps_as_text_fresh_or_cached_with_their_cost() -> 
 
 def _bounded() -> dict[str, Any]:
     return {"max_bytes": 100}
+
+
+async def test_the_test_kit_replays_steps_and_continues_a_stream_in_memory() -> None:
+    app = App("kit-steps")
+    calls: list[str] = []
+
+    def fetch() -> str:
+        calls.append("fetch")
+        return "page"
+
+    @app.handler("kit-steps")
+    async def agent(task: dict[str, str], ctx: Context) -> str:
+        page: str = await ctx.step("fetch", fetch)
+        before = await ctx.emitted()
+        if ctx.attempt == 1:
+            await ctx.emit("half ")
+            raise Retry("broke off", after_s=1)
+        await ctx.emit("done")
+        return page + ":" + "".join([*before, "done"])
+
+    async with TestBroker(app) as broker:
+        task_id = await app.publish("kit-steps", {})
+        await broker.run_until_idle()
+        state = await app.status(task_id)
+        events = await app.streams.read(task_id, "0-0", 0)
+
+    assert state is not None and (state.result, state.attempt) == ("page:half done", 2)
+    assert calls == ["fetch"]
+    assert [(e.kind, e.data) for e in events] == [
+        ("attempt", None),
+        ("chunk", "half "),
+        ("chunk", "done"),  # one marker: the retry went on (a reader appends the final)
+    ]
