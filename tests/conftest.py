@@ -32,6 +32,7 @@ from weclaw_mq.contract.naming import (
     GUARD_KEY_PREFIX,
     RETRY_INFIX,
     STATE_KEY_PREFIX,
+    STEPS_KEY_PREFIX,
     TASK_INDEX_KEY,
     TASK_INDEX_QUEUES_KEY,
     cancel_key,
@@ -295,14 +296,14 @@ async def forget_limit_keys(redis_url: str, queue: str) -> None:
 
 
 async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
-    """Delete the Redis keys (guard, record, body fingerprint, latest pointer, stream, cancel
-    marker, timeline, task index entries) of every task in ``queues``, so a test leaves
+    """Delete the Redis keys (guard, record, body fingerprint, steps, latest pointer, stream,
+    cancel marker, timeline, task index entries) of every task in ``queues``, so a test leaves
     nothing behind; best effort when the test left its Redis stopped."""
     client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
     try:
         for queue in queues:
             keys: list[bytes] = []
-            for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX, BODY_KEY_PREFIX):
+            for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX, BODY_KEY_PREFIX, STEPS_KEY_PREFIX):
                 keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
             task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
             keys += [

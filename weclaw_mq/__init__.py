@@ -57,6 +57,7 @@ StateCommandError = errors.StateCommandError
 StateUnavailableError = errors.StateUnavailableError
 StreamLimitError = errors.StreamLimitError
 StreamWriteError = errors.StreamWriteError
+StepError = errors.StepError
 TopologyConflictError = errors.TopologyConflictError
 UnroutableError = errors.UnroutableError
 

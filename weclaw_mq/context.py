@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import inspect
 import logging
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from weclaw_mq.errors import StreamWriteError
+from weclaw_mq.errors import ConfigurationError, StepError, StreamWriteError
+from weclaw_mq.state.steps import HasSteps, StepMemo, Usage, made, step_key
+from weclaw_mq.streaming.emitter import emitted_chunks
 
 if TYPE_CHECKING:
     from weclaw_mq.app import App
@@ -16,6 +21,22 @@ if TYPE_CHECKING:
     from weclaw_mq.streaming.emitter import Emitter
 
 _T = TypeVar("_T")
+
+
+@dataclass
+class _Running:
+    """The step running in this (asyncio or thread) context: its key, and the model calls
+    reported inside it (``ctx.usage``)."""
+
+    ctx: Context
+    key: str
+    usage: list[Usage]
+
+
+# Set while a step's function runs: asyncio tasks and threads started inside it inherit it.
+_running_step: contextvars.ContextVar[_Running | None] = contextvars.ContextVar(
+    "weclaw_mq_step", default=None
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +92,8 @@ class Context:
     usage_sink: Callable[[int, int, str | None], None] | None = field(default=None, repr=False)
     # The model the worker chose for this run (a tenant past its cap, downgraded), else None.
     model: str | None = None
+    # This run's view of the task's recorded steps (ctx.step), made at its first step.
+    _memo: list[StepMemo] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def cancelled(self) -> bool:
@@ -90,7 +113,9 @@ class Context:
         what it reports here replaces the estimate in the limit's window when the run ends,
         so the estimate's error does not accumulate. In an App with prices, each call is
         costed and recorded on the task and in its tenant's and model's daily totals
-        (``weclaw-mq costs``). Safe from a plain-``def`` handler's thread.
+        (``weclaw-mq costs``). Inside a step (``ctx.step``) the call is recorded with the step
+        too, and a replay of that step reports nothing again. Safe from a plain-``def``
+        handler's thread.
 
         Args:
             input_tokens: The prompt's tokens, as the provider counted them.
@@ -103,6 +128,9 @@ class Context:
         for name, count in (("input_tokens", input_tokens), ("output_tokens", output_tokens)):
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError(f"ctx.usage {name} must be an int >= 0, got {count!r}")
+        running = _running_step.get()
+        if running is not None and running.ctx is self:  # recorded with the step too
+            running.usage.append((model or self.model or "-", input_tokens, output_tokens))
         if self.usage_sink is not None:
             self.usage_sink(input_tokens, output_tokens, model)
 
@@ -202,6 +230,207 @@ class Context:
                 handler (its timeout, a cancel): an abandoned call streams nothing more.
         """
         self._on_loop(self.emit(chunk), "emit")
+
+    # -- memoized steps (weclaw_mq.state.steps) ---------------------------------------------
+    async def step(self, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` once per task: a later attempt gets its recorded result.
+
+        The step is recorded by this task, this queue, ``name`` and its occurrence (the 1st,
+        2nd... call with ``name`` in this run): a retry or a redelivery after a crash gets
+        back what the step returned, without calling ``fn``, as long as the task's record is
+        kept. So call steps in the same order on every attempt. The first step of a run
+        reads the task's steps (one Redis round trip); a replay costs none after it, a fresh
+        step one write. ``ctx.step_key`` is the step's idempotency key while ``fn`` runs, and
+        the model calls ``ctx.usage`` reports then are recorded with the step.
+
+        A step that raises is not recorded (it runs again on the next attempt). A step whose
+        call ended but whose record was not written (the worker died in between, Redis
+        failed) runs again too: a step is at-least-once; pass ``ctx.step_key`` to a provider
+        that takes an idempotency key to make even that once.
+
+        Args:
+            name: The step's name, the same on every attempt.
+            fn: A function or a coroutine function (anything whose call returns a value or
+                an awaitable). A blocking call belongs in a thread: pass
+                ``asyncio.to_thread, fn`` (or use ``step_sync`` in a plain ``def``).
+            *args: ``fn``'s arguments.
+            **kwargs: ``fn``'s keyword arguments.
+
+        Returns:
+            What ``fn`` returned, as JSON data (a fresh call's result goes through JSON too,
+            so a replay returns the same: a dict for a pydantic model, a list for a tuple).
+
+        Raises:
+            StepError: ``fn`` returned something that is not JSON or is over
+                ``step_max_bytes`` (nothing recorded), or this is a step inside a step.
+            ConfigurationError: The App keeps no task store (results off and no handler
+                guarded), or one that keeps no steps.
+            StateUnavailableError: Redis failed reading or writing the steps (the attempt
+                fails; the next one replays what was recorded).
+        """
+        memo, occurrence, seq, key = self._step_started(name)
+        recorded = await memo.recorded(name, occurrence)
+        if recorded is not None:
+            return recorded.result
+        running = _Running(self, key, [])
+        token = _running_step.set(running)
+        started = time.perf_counter()
+        try:
+            value = fn(*args, **kwargs)
+            if inspect.isawaitable(value):
+                value = await value
+        finally:
+            _running_step.reset(token)
+        return await self._record(memo, name, (occurrence, seq), value, started, running)
+
+    def step_sync(self, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``step`` from a plain-``def`` handler's thread: ``fn`` runs in this thread.
+
+        Reading and writing the record runs on the worker's event loop (as ``publish_sync``
+        does); everything else is as ``step``.
+
+        Args:
+            name: As ``step``.
+            fn: A plain function (called in this thread).
+            *args: As ``step``.
+            **kwargs: As ``step``.
+
+        Returns:
+            As ``step``.
+
+        Raises:
+            RuntimeError: Called on an event loop (an ``async def`` awaits ``step``), or this
+                context has no loop (it was not built by a worker for a plain ``def``).
+            TypeError: ``fn`` returned an awaitable (use ``step`` in an ``async def``).
+            StepError: As ``step``.
+            ConfigurationError: As ``step``.
+            StateUnavailableError: As ``step``.
+        """
+        memo, occurrence, seq, key = self._step_started(name)
+        recorded = self._on_loop(memo.recorded(name, occurrence), "step")
+        if recorded is not None:
+            return recorded.result
+        running = _Running(self, key, [])
+        token = _running_step.set(running)
+        started = time.perf_counter()
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            _running_step.reset(token)
+        if inspect.isawaitable(value):
+            if inspect.iscoroutine(value):
+                value.close()
+            raise TypeError(
+                f"step {name!r}: ctx.step_sync takes a plain function; await ctx.step(...) "
+                "in an async def for a coroutine function"
+            )
+        called = (occurrence, seq)
+        return self._on_loop(self._record(memo, name, called, value, started, running), "step")
+
+    @property
+    def step_key(self) -> str:
+        """The running step's idempotency key, the same on every attempt of the task.
+
+        ``"<task id>:<queue>:<name>:<occurrence>"``. Read it inside the step's function (in
+        its thread, or in tasks it starts) and pass it to a provider's idempotency key.
+
+        Raises:
+            RuntimeError: No step of this context is running here.
+        """
+        running = _running_step.get()
+        if running is None or running.ctx is not self:
+            raise RuntimeError("ctx.step_key is read inside a step's function (ctx.step)")
+        return running.key
+
+    def _step_started(self, name: str) -> tuple[StepMemo, int, int, str]:
+        """This run's memo, the step's occurrence, its place in the run and its key; refuses
+        a step in a step."""
+        if not isinstance(name, str) or not name:
+            raise StepError(f"a step's name is a non-empty str, got {name!r}")
+        running = _running_step.get()
+        if running is not None and running.ctx is self:
+            raise StepError(
+                f"step {name!r} called inside step {running.key!r}: steps do not nest (a "
+                "replay of the outer one would skip it, and shift every later occurrence)"
+            )
+        if not self._memo:
+            store = self.app.store
+            if not isinstance(store, HasSteps):
+                raise ConfigurationError(
+                    "ctx.step records steps in the task store: this App has "
+                    + (
+                        "none (results off and no handler guarded)"
+                        if store is None
+                        else f"a {type(store).__name__}, which keeps no steps"
+                    )
+                )
+            # A race of two first steps in two threads makes two memos; one is kept.
+            self._memo.append(StepMemo(store.step_book(), self.queue, self.task_id))
+        memo = self._memo[0]
+        occurrence, seq = memo.next_occurrence(name)
+        return memo, occurrence, seq, step_key(self.task_id, self.queue, name, occurrence)
+
+    async def _record(
+        self,
+        memo: StepMemo,
+        name: str,
+        called: tuple[int, int],
+        value: Any,
+        started: float,
+        running: _Running,
+    ) -> Any:
+        """Record a step that returned ``value``; ``called``: its occurrence and place."""
+        record, body = made(
+            name,
+            called[0],
+            value,
+            duration_s=time.perf_counter() - started,
+            attempt=self.attempt,
+            usage=running.usage,
+            max_bytes=self.app.settings.step_max_bytes,
+            seq=called[1],
+        )
+        await memo.save(record, body)
+        return record.result
+
+    # -- continuing a stream after a crash ------------------------------------------------
+    async def emitted(self) -> list[Any]:
+        """The chunks this task's stream holds now, as its readers see them, to go on from.
+
+        A run re-started after a crash or a failure reads what the earlier run emitted (the
+        chunks after the stream's last "attempt" marker; [] when none, or when the task
+        ended since), and continues the generation from there: pass the text as the
+        model's prefix, and emit only what follows. Called before this run's first
+        ``emit``, it makes this run write no "attempt" marker: readers keep the earlier
+        text and get the rest after it, with no gap and no duplicate. (Called later, it
+        returns this run's own chunks too, written so far, and changes nothing.)
+
+        Returns:
+            The chunks, oldest first (str or JSON data, as emitted).
+
+        Raises:
+            StreamWriteError: This context has no stream (it was not built by a worker).
+            StateUnavailableError: The stream store failed or did not answer.
+        """
+        if self.emitter is None:
+            raise StreamWriteError("this context has no stream (it was not built by a worker)")
+        chunks = await emitted_chunks(self.app.streams, self.task_id)
+        if chunks:
+            self.emitter.continue_text()
+        return chunks
+
+    def emitted_sync(self) -> list[Any]:
+        """``emitted`` from a plain-``def`` handler's thread (it reads on the worker's loop).
+
+        Returns:
+            As ``emitted``.
+
+        Raises:
+            RuntimeError: As ``emit_sync`` raises it.
+            StreamWriteError: As ``emitted``.
+            StateUnavailableError: As ``emitted``.
+        """
+        return self._on_loop(self.emitted(), "emitted")
 
     def _on_loop(self, work: Coroutine[Any, Any, _T], name: str) -> _T:
         """Run ``work`` on the worker's loop and wait for it in this (the handler's) thread."""

@@ -27,6 +27,8 @@
     │                                a schema this version does not know
     ├── StreamLimitError             ``ctx.emit``: a chunk too large, or too many in one run
     ├── StreamWriteError             ``ctx.emit``: the task's stream could not be written
+    ├── StepError                    ``ctx.step``: a result that is not JSON or is over
+    │                                ``step_max_bytes``, or a step inside a step
     ├── PublishFailedError           publish did not end in a broker ack
     │   ├── BrokerUnavailableError   no broker answered (connect failed): nothing was sent
     │   ├── PublishNackedError       the broker refused it (e.g. a full queue, reject-publish)
@@ -279,6 +281,14 @@ class StreamWriteError(WeclawMQError):
     not be written: the attempt fails and its retry streams again under a new marker."""
 
     error_type: ClassVar[str] = "weclaw_mq.StreamWriteError"
+
+
+class StepError(WeclawMQError):
+    """Raised by ``ctx.step`` in the handler: the step returned something that is not JSON
+    or whose JSON is over ``step_max_bytes`` (nothing was recorded: the step runs again on
+    the next attempt), or it was called inside another step (steps do not nest)."""
+
+    error_type: ClassVar[str] = "weclaw_mq.StepError"
 
 
 class BatchPublishError(PublishFailedError):

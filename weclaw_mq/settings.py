@@ -246,6 +246,9 @@ class Settings(EnvSettings):
     stream_max_chunk_bytes: int = Field(default=64 * 1024, ge=1)
     # The most chunks one attempt may emit.
     stream_max_chunks: int = Field(default=10_000, ge=1)
+    # Memoized steps (ctx.step): the most bytes of JSON one step's result may hold; over it
+    # ctx.step raises StepError and records nothing. Steps live as long as the task's record.
+    step_max_bytes: int = Field(default=256 * 1024, ge=1, le=64 * 1024 * 1024)
     # Per-session inbox: pending (unconfirmed) entries expire after inbox_ttl_s, leaving an
     # "expired" record; past inbox_max_entries the oldest are dropped (and counted).
     inbox_ttl_s: float = seconds(_WEEK_S, floor=0.1, ceiling=_YEAR_S)

@@ -5,8 +5,9 @@ Redis: for the console's browser and HTTP tests, and the screenshots.
 The handler (``Scenario``) is steered by the payload: ``ok`` returns an echo, ``fail``
 raises the named error (no retries: it is dead-lettered at once), ``fail_once`` fails its
 first run with a ``RateLimitError`` and succeeds once requeued, ``hold`` waits for the gate
-it names, and ``stream`` emits its words one by one, each after the test opens its gate, so
-a test sees a reply part-written without sleeping.
+it names, ``stream`` emits its words one by one, each after the test opens its gate, so
+a test sees a reply part-written without sleeping, and ``steps`` records two memoized steps
+(``ctx.step``) and fails its first run like ``fail_once``, so a requeued run replays them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ ERRORS: dict[str, type[Exception]] = {
 class Scenario:
     gates: dict[str, asyncio.Event] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
+    # Every real call of a "steps" task's step functions: "<task id> <step>".
+    step_calls: list[str] = field(default_factory=list)
 
     def gate(self, name: str) -> asyncio.Event:
         return self.gates.setdefault(name, asyncio.Event())
@@ -62,6 +65,8 @@ class Scenario:
                     await ctx.emit(word if i == 0 else " " + word)
                     await self.gate(f"{ctx.task_id}:{i}").wait()
                 return {"words": len(task["words"])}
+            if mode == "steps":
+                return await self.steps(task, ctx)
             if mode == "fail":
                 raise ERRORS[task["error"]](task.get("message", "upstream said no"))
             if mode == "fail_once" and ctx.task_id not in self.failed:
@@ -70,6 +75,23 @@ class Scenario:
             if mode == "hold":
                 await self.gate(task["gate"]).wait()
             return {"echo": task.get("text", "")}
+
+    async def steps(self, task: dict[str, Any], ctx: Context) -> Any:
+        def plan() -> list[str]:
+            self.step_calls.append(f"{ctx.task_id} plan")
+            return ["look", "answer"]
+
+        async def call() -> str:
+            self.step_calls.append(f"{ctx.task_id} call")
+            ctx.usage(input_tokens=12, output_tokens=30, model="m-1")
+            return "a reply"
+
+        planned = await ctx.step("plan", plan)
+        reply = await ctx.step("call", call)
+        if ctx.task_id not in self.failed:
+            self.failed.add(ctx.task_id)
+            raise RateLimitError("429 Too Many Requests from the model")
+        return {"plan": planned, "reply": reply}
 
 
 @dataclass

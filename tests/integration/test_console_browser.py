@@ -2,7 +2,8 @@
 against the console served for real, with a real Worker on the shared broker and Redis.
 
 Tasks go from queued to succeeded on the open Tasks page without a reload; a failing task's
-page shows its traceback; a streamed reply appears chunk by chunk; dead letters filtered by
+page shows its traceback; a streamed reply appears chunk by chunk; a task's memoized steps are
+listed, then shown replayed once a requeued run replays them; dead letters filtered by
 error type are previewed, requeued and run; markup in a payload stays text; a running task
 is cancelled from its page; the overview shows the live worker and what it runs; a console
 with a token asks for it once and keeps it in a cookie the page's script cannot read.
@@ -26,6 +27,7 @@ from tests.integration.console_live import (  # noqa: F401
     live_console,
 )
 from weclaw_mq import TaskStatus
+from weclaw_mq.admin import dlq
 from weclaw_mq.console import Access
 
 TIMEOUT_S = 20.0
@@ -147,6 +149,41 @@ async def test_a_streamed_reply_appears_chunk_by_chunk(
     assert await browser.text("#stream") == " ".join(words)
     await browser.until_text("#status", lambda t: t == "succeeded", "the status, live")
     assert '"words": 5' in await browser.text("#result")
+
+
+async def test_a_tasks_steps_are_listed_fresh_then_cached_after_a_run_replays_them(
+    live_console: LiveConsole,  # noqa: F811
+    browser: Browser,
+) -> None:
+    app, queue = live_console.console_app, live_console.queue
+    task_id = await live_console.publish({"mode": "steps"})
+    await live_console.start()
+    assert (await app.result(task_id, timeout_s=TIMEOUT_S)).status is TaskStatus.DEAD_LETTERED
+
+    await browser.open(f"/tasks/{task_id}?queue={queue}")
+    assert await step_cells(browser) == [
+        ["plan", "1", "1", "-", "0", "0", "-", "fresh"],
+        ["call", "1", "1", "m-1", "12", "30", "-", "fresh"],
+    ]
+    assert await dlq.requeue(app, queue, task_ids=[task_id]) == 1
+    final = await app.result(task_id, timeout_s=TIMEOUT_S)
+    assert final.status is TaskStatus.SUCCEEDED, final
+
+    # A final page polls no more: the run that replayed them is seen on the next visit.
+    await browser.open(f"/tasks/{task_id}?queue={queue}")
+    assert [row[-1] for row in await step_cells(browser)] == ["cached", "cached"]
+    assert live_console.scenario.step_calls == [f"{task_id} plan", f"{task_id} call"]
+    assert '"reply": "a reply"' in await browser.text("#result")
+
+
+async def step_cells(browser: Browser) -> list[list[str]]:
+    """The steps table's rows, without the duration (it varies): step, #, attempt, model,
+    tokens in and out, cost, run."""
+    rows: list[list[str]] = await browser.js(
+        "return [...document.querySelectorAll('#steps tbody tr')]"
+        ".map((r) => [...r.cells].map((c) => c.textContent.trim()));"
+    )
+    return [row[:3] + row[4:] for row in rows]
 
 
 async def test_dead_letters_of_one_error_type_are_previewed_requeued_and_run(

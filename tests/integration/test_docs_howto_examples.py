@@ -925,3 +925,51 @@ async def test_fair_share_page_starts_another_tenants_task_before_the_backlog_en
     states = [await app.status(t) for t in backlog]
     done = sum(1 for s in states if s is not None and s.status is TaskStatus.SUCCEEDED)
     assert done < 50, done
+
+
+# -- steps.md --------------------------------------------------------------------------------
+
+
+async def test_steps_page_replays_recorded_steps_after_a_failure_and_continues_the_story(
+    examples: Examples, start_worker: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WECLAW_MQ_RETRY_DELAY_S", "0.05")  # the retries come at once
+    example = examples.load("steps.py", queues=["agent", "story"])
+    app = example.app
+    example.BREAK_ONCE.update({"Answer", "generate"})  # each breaks off on its first call
+    await start_worker(app)
+
+    asked = await app.publish(examples.queue("agent"), {"question": "why queues"})
+    final = await app.result(asked, timeout_s=30)
+
+    assert final.status is TaskStatus.SUCCEEDED and final.attempt == 2, final
+    assert final.result["answer"].startswith("Answer why queues from")
+    # The retry replayed search and both summaries: only the answer was asked twice.
+    assert example.CALLS == [
+        "search",
+        "small-1 summarise:1",
+        "small-1 summarise:2",
+        "big-1 answer:1",
+        "big-1 answer:1",
+    ]
+    steps = await app.steps(asked)
+    assert [(s.name, s.occurrence, s.attempt) for s in steps] == [
+        ("search", 1, 1),
+        ("summarise", 1, 1),
+        ("summarise", 2, 1),
+        ("answer", 1, 2),
+    ]
+    assert [u[0] for s in steps for u in s.usage] == ["small-1", "small-1", "big-1"]
+
+    example.CALLS.clear()
+    told = await app.publish(examples.queue("story"), {"prompt": "a task"})
+    events = []
+    async with asyncio.timeout(30):
+        async for event in app.stream(told):
+            events.append(event)
+
+    whole = "Once upon a time a task met a queue that never lost "
+    assert [e.kind for e in events].count("attempt") == 1  # the re-run went on, no restart
+    assert "".join(e.data for e in events if e.kind == "chunk") == whole
+    assert events[-1].kind == "final" and events[-1].result == whole
+    assert example.CALLS == ["generate after 0 chars", "generate after 19 chars"]

@@ -48,6 +48,7 @@ DOCUMENTED = [
     "weclaw_mq.StateCommandError",
     "weclaw_mq.StreamLimitError",
     "weclaw_mq.StreamWriteError",
+    "weclaw_mq.StepError",
     "weclaw_mq.PublishFailedError",
     "weclaw_mq.BrokerUnavailableError",
     "weclaw_mq.PublishNackedError",

@@ -2,6 +2,9 @@
 runs now, read from the worker registry in Redis (``state.worker_registry``, written by each
 worker's beat, ``worker.beat``).
 
+With ``--steps``, each running task's memoized steps so far (``ctx.step``: one read per
+task, ``App.steps``) are listed under it, and given as ``"steps"`` in the JSON.
+
 Exit 0 with a table (``--json``: one document), also when no worker is live; exit 1 with one
 line when the app keeps no Redis (results off and no handler guarded, or a task store of its
 own that is not Redis), so that its workers write no record; 5 when Redis does not answer.
@@ -24,7 +27,11 @@ from weclaw_mq.cli.loading import load_app
 from weclaw_mq.cli.options import AppPath
 from weclaw_mq.observability.tracing import configure_logging
 from weclaw_mq.state import TaskQuery, TaskState, TaskStatus
+from weclaw_mq.state.steps import StepRecord
 from weclaw_mq.state.worker_registry import WorkerRecord, registry_of, worker_gone
+
+# A running task's recorded steps, by (queue, task id) (``--steps``).
+StepsOf = dict[tuple[str, str], list[StepRecord]]
 
 NO_REDIS = (
     "results are off (WECLAW_MQ_RESULTS_ENABLED=false) and no handler of app {app!r} is "
@@ -54,7 +61,17 @@ def inspect_workers(
             metavar="",
             help='One JSON document: {"app", "queues", "workers": [{"worker_id", "host", '
             '"pid", "queues", "concurrency", "uptime_s", "last_beat_s", "tasks": [{"task_id", '
-            '"queue", "attempt", "running_s"}], "more", ...}], "unserved_queues"}.',
+            '"queue", "attempt", "running_s"}], "more", ...}], "unserved_queues"}; with '
+            '--steps, each task also has "steps": [{"name", "occurrence", "attempt", '
+            '"duration_s", "usage", ...}].',
+        ),
+    ] = False,
+    show_steps: Annotated[
+        bool,
+        typer.Option(
+            "--steps",
+            help="Also list each running task's memoized steps so far (ctx.step): one Redis "
+            "read per task.",
         ),
     ] = False,
 ) -> None:
@@ -64,24 +81,33 @@ def inspect_workers(
     app = load_app(app_path)
     if not app.needs_store:
         fail(NO_REDIS.format(app=app.name))
-    records, gone = asyncio.run(_read(app))
     queues = list(app.handlers)
+    records, gone, steps = asyncio.run(_read(app, queues if show_steps else None))
     workers = [r for r in records if set(r.queues) & set(queues)]
     if as_json:
-        typer.echo(json.dumps(document(app.name, queues, workers, gone)))
+        typer.echo(json.dumps(document(app.name, queues, workers, gone, steps)))
     else:
-        for line in table(app.name, queues, workers, gone):
+        for line in table(app.name, queues, workers, gone, steps):
             typer.echo(line)
 
 
-async def _read(app: App) -> tuple[list[WorkerRecord], list[TaskState]]:
+async def _read(
+    app: App, steps_of: Sequence[str] | None
+) -> tuple[list[WorkerRecord], list[TaskState], StepsOf | None]:
     try:
         store = app.store
         registry = registry_of(store)
         if registry is None:
             fail(NOT_REDIS.format(app=app.name, store=type(store).__name__))
         records = await registry.read()
-        return records, await _on_gone_workers(app, records)
+        steps = None
+        if steps_of is not None:
+            running = {
+                (t.queue, t.task_id) for r in records for t in r.tasks if t.queue in steps_of
+            }
+            found = await asyncio.gather(*(app.steps(t, queue=q) for q, t in running))
+            steps = dict(zip(running, found, strict=True))
+        return records, await _on_gone_workers(app, records), steps
     finally:
         await app.close()
 
@@ -113,12 +139,19 @@ def document(
     queues: Sequence[str],
     workers: Sequence[WorkerRecord],
     gone: Sequence[TaskState] = (),
+    steps: StepsOf | None = None,
 ) -> dict[str, Any]:
-    """``--json``'s document."""
+    """``--json``'s document (with ``steps``: each running task's, under it)."""
+    shown = [_rounded(asdict(w)) for w in workers]
+    if steps is not None:
+        for worker in shown:
+            for task in worker["tasks"]:
+                found = steps.get((task["queue"], task["task_id"]), [])
+                task["steps"] = [s.to_dict() for s in found]
     return {
         "app": app,
         "queues": list(queues),
-        "workers": [_rounded(asdict(w)) for w in workers],
+        "workers": shown,
         "unserved_queues": unserved(queues, workers),
         "on_gone_workers": [
             {
@@ -137,10 +170,12 @@ def table(
     queues: Sequence[str],
     workers: Sequence[WorkerRecord],
     gone: Sequence[TaskState] = (),
+    steps: StepsOf | None = None,
 ) -> list[str]:
-    """The readable form: one row per worker, then each worker's running tasks, then the
-    tasks recorded running on a worker that is gone."""
-    return _workers_table(app, queues, workers) + _gone_table(gone)
+    """The readable form: one row per worker, then each worker's running tasks (with
+    ``steps``: each task's steps so far under it), then the tasks recorded running on a
+    worker that is gone."""
+    return _workers_table(app, queues, workers, steps) + _gone_table(gone)
 
 
 def _gone_table(gone: Sequence[TaskState]) -> list[str]:
@@ -156,7 +191,9 @@ def _gone_table(gone: Sequence[TaskState]) -> list[str]:
     return ["", header, *("  " + line for line in columns(GONE_COLUMNS, rows))]
 
 
-def _workers_table(app: str, queues: Sequence[str], workers: Sequence[WorkerRecord]) -> list[str]:
+def _workers_table(
+    app: str, queues: Sequence[str], workers: Sequence[WorkerRecord], steps: StepsOf | None
+) -> list[str]:
     idle = unserved(queues, workers)
     if not workers:
         return [f"no live worker consumes the queues of app {app!r} ({', '.join(queues)})"]
@@ -202,11 +239,31 @@ def _workers_table(app: str, queues: Sequence[str], workers: Sequence[WorkerReco
                 for t in w.tasks
             ]
             lines += ["  " + line for line in columns(TASK_COLUMNS, task_rows)]
+            if steps is not None:
+                for t in w.tasks:
+                    lines.append(
+                        f"  steps of {t.task_id}: {_steps_line(steps, t.queue, t.task_id)}"
+                    )
         if w.more:
             lines.append(f"  ... and {w.more} more (a record lists at most {len(w.tasks)})")
     if idle:
         lines += ["", f"no live worker consumes: {', '.join(idle)}"]
     return lines
+
+
+def _steps_line(steps: StepsOf, queue: str, task_id: str) -> str:
+    """``search 0.2s · summarise#2 1.4s small-1 120+20 tokens``, or ``none recorded``."""
+    found = steps.get((queue, task_id), [])
+    if not found:
+        return "none recorded"
+    shown = []
+    for s in found:
+        name = s.name if s.occurrence == 1 else f"{s.name}#{s.occurrence}"
+        part = f"{name} {duration(s.duration_s)}"
+        if s.usage:
+            part += f" {', '.join(s.models)} {s.input_tokens}+{s.output_tokens} tokens"
+        shown.append(part)
+    return " · ".join(shown)
 
 
 def _running(w: WorkerRecord) -> str:

@@ -366,7 +366,8 @@ def status(
         ),
     ] = None,
 ) -> None:
-    """Print a task's status (and result) as JSON; exit 1 if the task is unknown."""
+    """Print a task's status (and result) as JSON, with its memoized steps (``ctx.step``)
+    under "steps" when it recorded any; exit 1 if the task is unknown."""
     configure_logging("WARNING")
 
     async def read() -> str | None:
@@ -376,7 +377,14 @@ def status(
                 if wait_s > 0
                 else await app.status(task_id, queue=queue)
             )
-            return state.model_dump_json(indent=2) if state is not None else None
+            if state is None:
+                return None
+            steps = await app.steps(task_id, queue=state.queue)
+            if not steps:
+                return state.model_dump_json(indent=2)
+            shown = json.loads(state.model_dump_json())
+            shown["steps"] = [s.to_dict() for s in steps]
+            return json.dumps(shown, indent=2, ensure_ascii=False)
 
     text = asyncio.run(read())
     if text is None:

@@ -105,18 +105,33 @@ def _task_of(request: Request) -> tuple[App, str, str | None]:
     return app, request.path_params["task_id"], request.query_params.get("queue") or None
 
 
-async def _timeline(app: App, task_id: str, queue: str | None) -> tuple[list[Any], str | None]:
+async def _timeline_and_steps(
+    app: App, task_id: str, queue: str | None
+) -> tuple[list[Any], str | None, list[Any], str | None]:
+    """The task's timeline and steps as rows, each with why it could not be read."""
     try:
         events = await task_views.timeline(app, task_id, queue)
+        problem = None
     except WeclawMQError as e:
-        return [], str(e)
-    return [task_views.event_row(e) for e in events], None
+        events, problem = [], str(e)
+    steps: list[Any] = []
+    steps_problem = None
+    if queue is not None:
+        started = task_views.last_run_started(events)
+        try:
+            recorded = await task_views.steps(app, task_id, queue)
+            steps = [task_views.step_row(s, started, app.prices) for s in recorded]
+        except WeclawMQError as e:
+            steps_problem = str(e)
+    return [task_views.event_row(e) for e in events], problem, steps, steps_problem
 
 
 async def task_page(request: Request) -> Response:
     app, task_id, queue = _task_of(request)
     found = await details.detail(app, task_id, queue)
-    timeline, timeline_problem = await _timeline(app, task_id, found.queue)
+    timeline, timeline_problem, steps, steps_problem = await _timeline_and_steps(
+        app, task_id, found.queue
+    )
     dead_headers = found.dead.headers if found.dead is not None else {}
     return render(
         request,
@@ -125,6 +140,8 @@ async def task_page(request: Request) -> Response:
         state=details.state_document(found.state),
         timeline=timeline,
         timeline_problem=timeline_problem,
+        steps=steps,
+        steps_problem=steps_problem,
         body=details.body_text(found.dead) if found.dead is not None else None,
         trace_href=details.trace_link(
             console_of(request).trace_url, found.dead.trace_id if found.dead else None
@@ -140,7 +157,9 @@ async def task_fragment(request: Request) -> Response:
     state, problem = await details.status_of(app, task_id, queue)
     if queue is None and state is not None:
         queue = state.queue
-    timeline, timeline_problem = await _timeline(app, task_id, queue)
+    timeline, timeline_problem, steps, steps_problem = await _timeline_and_steps(
+        app, task_id, queue
+    )
     return render(
         request,
         "task_status.html",
@@ -149,6 +168,8 @@ async def task_fragment(request: Request) -> Response:
         problem=problem,
         timeline=timeline,
         timeline_problem=timeline_problem,
+        steps=steps,
+        steps_problem=steps_problem,
     )
 
 
@@ -157,7 +178,11 @@ async def task_json(request: Request) -> Response:
     state, problem = await details.status_of(app, task_id, queue)
     if problem is not None:
         return error_response(503, problem)
-    return JSONResponse({"task_id": task_id, "state": details.state_document(state)})
+    queue = state.queue if state is not None else queue
+    _, _, steps, _ = await _timeline_and_steps(app, task_id, queue)
+    return JSONResponse(
+        {"task_id": task_id, "state": details.state_document(state), "steps": steps}
+    )
 
 
 async def task_stream(request: Request) -> Response:

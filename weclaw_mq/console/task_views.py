@@ -1,6 +1,6 @@
 """The console's two views of the task index (``state.task_index``): the Tasks page (run
 history, newest first, filtered, a page at a time by cursor: ``App.tasks``) and the detail
-page's timeline (``App.timeline``).
+page's timeline (``App.timeline``); and the detail page's memoized steps (``App.steps``).
 
 Each page is one ``list_tasks`` call: the index examines a bounded number of entries per call
 (no KEYS, no unbounded scan) and hands back a cursor to go on from, so a page of 50 costs the
@@ -17,7 +17,9 @@ from typing import Any
 from weclaw_mq.admin.dlq_filter import parse_time
 from weclaw_mq.app import App
 from weclaw_mq.errors import ConfigurationError
+from weclaw_mq.policy.costs import Price
 from weclaw_mq.state import TaskStatus
+from weclaw_mq.state.steps import StepRecord
 from weclaw_mq.state.task_index import IndexedTask, TaskPage, TaskQuery, TimelineEvent
 
 # The filter fields of the Tasks page, in the order the form shows them.
@@ -94,3 +96,39 @@ async def tasks(app: App, query: TaskQuery) -> TaskPage:
 async def timeline(app: App, task_id: str, queue: str | None) -> list[TimelineEvent]:
     """The task's timeline (``App.timeline``), oldest first."""
     return await app.timeline(task_id, queue=queue)
+
+
+async def steps(app: App, task_id: str, queue: str | None) -> list[StepRecord]:
+    """The task's recorded steps (``App.steps``), in the order they ran."""
+    return await app.steps(task_id, queue=queue)
+
+
+def last_run_started(events: list[TimelineEvent]) -> datetime | None:
+    """When the task's latest run began: its last "running" event (a retry, and a redelivery
+    after a crash, each write one), None when the timeline holds none."""
+    starts = [e.at for e in events if e.status is TaskStatus.RUNNING]
+    return max(starts) if starts else None
+
+
+def step_row(
+    step: StepRecord, run_started: datetime | None, prices: Mapping[str, Price] | None
+) -> dict[str, Any]:
+    """One line of a task's steps: "cached" when it was recorded before the latest run began
+    (that run replayed the record, at no cost), else "fresh"; its cost with the App's prices
+    (None without a price for every model it called)."""
+    known = prices or {}
+    priced = all(m in known for m, _, _ in step.usage)
+    cost = sum(known[m].of(i, o) for m, i, o in step.usage) if priced and step.usage else None
+    replayed = run_started is not None and datetime.fromisoformat(step.at) < run_started
+    return {
+        "name": step.name,
+        "occurrence": step.occurrence,
+        "attempt": step.attempt,
+        "at": step.at,
+        "duration_s": round(step.duration_s, 3),
+        "models": ", ".join(step.models),
+        "input_tokens": step.input_tokens,
+        "output_tokens": step.output_tokens,
+        "cost": cost,
+        "cached": replayed,
+    }

@@ -34,6 +34,8 @@ CANCEL_KEY_PREFIX = f"{REDIS_PREFIX}:cancel"
 BODY_KEY_PREFIX = f"{REDIS_PREFIX}:body"
 # A task's timeline: one event per record write (state.task_index).
 TIMELINE_KEY_PREFIX = f"{REDIS_PREFIX}:timeline"
+# A task's memoized steps in one queue (ctx.step, state.steps): beside its record, same TTL.
+STEPS_KEY_PREFIX = f"{REDIS_PREFIX}:steps"
 # A workflow (weclaw_mq.workflows): its plan and progress, and its parts' ends, hash-tagged
 # on the workflow id; and the one sorted set of workflow deadlines every worker sweeps.
 WORKFLOW_KEY_PREFIX = f"{REDIS_PREFIX}:workflow"
@@ -213,6 +215,9 @@ def handler_queue_of(name: str) -> str:
 #                                        deliveries of T are acked unrun
 #     weclaw_mq:body:<len(Q)>:Q:{T}      the fingerprint of the body first published as T to
 #                                        Q with a task id of the caller's (state.reuse)
+#     weclaw_mq:steps:<len(Q)>:Q:{T}     the task's memoized steps in Q (hash: one field per
+#                                        step and occurrence; state.steps), expiring with
+#                                        the record (every record write renews its TTL)
 #
 # Unambiguous whatever the characters: Q is read by its byte length, T runs from the brace
 # after Q to the last character, so ("a:b", "c") and ("a", "b:c") never share a key. The
@@ -252,6 +257,12 @@ def state_key(queue: str, task_id: str) -> str:
 def body_key(queue: str, task_id: str) -> str:
     """The fingerprint of the body first published as (queue, task id) (``state.reuse``)."""
     return _task_key(BODY_KEY_PREFIX, queue, task_id)
+
+
+def steps_key(queue: str, task_id: str) -> str:
+    """The task's memoized steps in ``queue`` (``ctx.step``): per queue, as its record is, so
+    two pipeline stages sharing a task id never replay each other's steps."""
+    return _task_key(STEPS_KEY_PREFIX, queue, task_id)
 
 
 def latest_key(task_id: str) -> str:

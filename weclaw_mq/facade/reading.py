@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from weclaw_mq.results.reader import ResultsReader
 from weclaw_mq.state import Cancellation, TaskState
+from weclaw_mq.state.steps import StepRecord
 from weclaw_mq.state.task_index import TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 
@@ -199,3 +200,26 @@ class Reading:
             StateCommandError: Redis answered with an error (not an outage).
         """
         return await self._reader.timeline(task_id, queue)
+
+    # -- memoized steps (weclaw_mq.state.steps) -------------------------------------------
+    async def steps(self, task_id: str, *, queue: str | None = None) -> list[StepRecord]:
+        """The steps the task recorded (``ctx.step``), in the order they ran.
+
+        Each with its name and occurrence, result, duration, the attempt that ran it and the
+        model calls reported inside it; kept as long as the task's record.
+
+        Args:
+            task_id: The task's id.
+            queue: The queue whose steps answer; without it, those of the task's most
+                recently written record's queue.
+
+        Returns:
+            The steps ([] when none are kept, or the task has no record to say its queue).
+
+        Raises:
+            ConfigurationError: A task id no task can have, an invalid queue name, or no
+                task store that keeps steps.
+            StateUnavailableError: The store fails or does not answer.
+            StateCommandError: Redis answered with an error (not an outage).
+        """
+        return await self._reader.steps(task_id, queue)

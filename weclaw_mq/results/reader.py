@@ -27,6 +27,7 @@ from weclaw_mq.state import (
     state_unavailable,
 )
 from weclaw_mq.state.expiry import as_seen_at, until_deadline_s
+from weclaw_mq.state.steps import HasSteps, StepRecord, steps_of
 from weclaw_mq.state.task_index import TaskIndex, TaskPage, TaskQuery, TimelineEvent
 from weclaw_mq.state.worker_registry import registry_of, worker_gone
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
@@ -204,6 +205,35 @@ class ResultsReader:
         index = self._require_index()
         try:
             return await index.timeline(task_id, queue=queue)
+        except Exception as e:  # a custom store on redis-py, unwrapped
+            if is_state_failure(e):
+                raise state_unavailable(e) from e
+            raise
+
+    # -- memoized steps (state.steps) ---------------------------------------------------
+    async def steps(self, task_id: str, queue: str | None) -> list[StepRecord]:
+        """The task's recorded steps in ``queue`` (default: its latest record's), in the order
+        they ran (``App.steps``)."""
+        check_task_id(task_id)
+        if queue is not None:
+            validate_queue_name(queue)
+        store = self._store()
+        if not isinstance(store, HasSteps):
+            raise ConfigurationError(
+                "steps are kept in the task store: "
+                + (
+                    "this App has none (results off and no handler guarded)"
+                    if store is None
+                    else f"{type(store).__name__} keeps none"
+                )
+            )
+        try:
+            if queue is None:
+                latest = await store.get(task_id) if self._results() is not None else None
+                if latest is None:
+                    return []
+                queue = latest.queue
+            return steps_of(await store.step_book().load(queue, task_id))
         except Exception as e:  # a custom store on redis-py, unwrapped
             if is_state_failure(e):
                 raise state_unavailable(e) from e

@@ -45,6 +45,7 @@ from weclaw_mq.state.protocol import (
     TaskStore,
 )
 from weclaw_mq.state.reuse import FingerprintStore
+from weclaw_mq.state.steps import MemoryStepBook
 from weclaw_mq.state.task_index import (
     SPARSE_STATUSES,
     TIMELINE_MAX_EVENTS,
@@ -120,6 +121,7 @@ class MemoryTaskStore(TaskStore, TaskIndex, FingerprintStore, HasWorkflows):
         self._fingerprints: dict[tuple[str, str], _Entry] = {}  # state.reuse
         self._latest: dict[str, _Entry] = {}  # task id -> queue of its latest record
         self._workflows = MemoryWorkflowStore()  # state.workflow_records
+        self._steps = MemoryStepBook(ttl_s=ttl_s, clock=clock)  # state.steps
         self._fair_book = MemoryFairBook()  # state.fair_book
         self._finals: dict[str, asyncio.Event] = {}  # task id -> set when a record turns final
         self._markers: dict[str, _Marker] = {}  # task id -> its cancel marker
@@ -411,6 +413,14 @@ class MemoryTaskStore(TaskStore, TaskIndex, FingerprintStore, HasWorkflows):
 
     def workflow_store(self) -> MemoryWorkflowStore:
         return self._workflows
+
+    def step_book(self) -> MemoryStepBook:
+        """The tasks' memoized steps (``ctx.step``), kept ``ttl_s`` after a task's last step.
+
+        Returns:
+            The step book.
+        """
+        return self._steps
 
     async def close(self) -> None:
         return None  # nothing to release

@@ -33,7 +33,7 @@ import socket
 import uuid
 from typing import Any
 
-from weclaw_mq.contract.naming import heartbeat_key
+from weclaw_mq.contract.naming import STATE_KEY_PREFIX, STEPS_KEY_PREFIX, heartbeat_key
 from weclaw_mq.settings import Settings
 from weclaw_mq.state.cost_ledger import CostLedger
 from weclaw_mq.state.fair_book import RedisFairBook
@@ -56,6 +56,7 @@ from weclaw_mq.state.redis_wakeups import RECHECK_S as _RECHECK_S  # noqa: F401 
 from weclaw_mq.state.redis_wakeups import LoopWakeups
 from weclaw_mq.state.redis_workflows import RedisWorkflowStore
 from weclaw_mq.state.schedule_book import ScheduleBook
+from weclaw_mq.state.steps import RedisStepBook
 from weclaw_mq.state.transitions import TRANSITIONS
 from weclaw_mq.state.worker_registry import WorkerRegistry
 from weclaw_mq.state.workflow_records import HasWorkflows
@@ -80,10 +81,15 @@ def _lua_transitions() -> str:
 # the stored one is absent or listed. A written record becomes the task's latest (same TTL
 # as the record). A stored status the table does not know refuses every write. ``ix`` (from
 # ``ix_at``, nil with the task index off): the write's timeline event and index entry
-# (``state.redis_index``), written with the record.
+# (``state.redis_index``), written with the record. The task's steps in the queue
+# (``state.steps``; their key is the record's, another prefix, so in its slot) get the
+# record's TTL with each write: they expire with it.
 RECORD_WRITE_LUA = (
     _lua_transitions()
     + INDEX_WRITE_LUA
+    + f"""
+local steps_prefix, state_from = '{STEPS_KEY_PREFIX}', {len(STATE_KEY_PREFIX) + 1}
+"""
     + """
 local function write_record(key, latest, status, state, ttl_ms, only_over, ix)
   local current = redis.call('HGET', key, 'status') or ''
@@ -95,6 +101,7 @@ local function write_record(key, latest, status, state, ttl_ms, only_over, ix)
   end
   redis.call('HSET', key, 'status', status, 'state', state)
   redis.call('PEXPIRE', key, ttl_ms)
+  redis.call('PEXPIRE', steps_prefix .. string.sub(key, state_from), ttl_ms)
   redis.call('SET', latest, key, 'PX', ttl_ms)
   if ix then index_write(ix, latest, status, current, ttl_ms) end
   return 1
@@ -313,6 +320,7 @@ class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads, HasWorkflows)
             index=self.index,
         )
         self._workflows: RedisWorkflowStore | None = None  # made when first asked for
+        self._steps: RedisStepBook | None = None  # made when first asked for
         self._held: dict[str, str] = {}  # guard key -> its value, while its attempt holds it
         self._renewer: asyncio.Task[None] | None = None
         # This worker: every claim's value names it, and holds while its heartbeat key lives.
@@ -341,6 +349,16 @@ class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads, HasWorkflows)
         if self._workflows is None:
             self._workflows = RedisWorkflowStore(self._redis, self._pipe)
         return self._workflows
+
+    def step_book(self) -> RedisStepBook:
+        """The tasks' memoized steps (``ctx.step``, ``state.steps``) in this store's Redis.
+
+        Returns:
+            The book; its reads and writes share the store's auto-pipeline.
+        """
+        if self._steps is None:
+            self._steps = RedisStepBook(self._pipe, ttl_ms=self._ttl_ms)
+        return self._steps
 
     def model_health(self, app: str) -> ModelHealth:
         """Whether each model of app ``app``'s fallback chains is up, in this store's Redis.

@@ -7,7 +7,9 @@ What is queued or being written is bounded (``MAX_IN_FLIGHT_BYTES`` of entries p
 past it, ``emit`` waits until the writer's round trip frees room, so a handler that emits
 faster than Redis takes it is slowed to Redis's pace instead of filling the worker's memory.
 The first chunk of a run is preceded by an "attempt" marker, so a reader drops the partial
-text of an earlier run that failed or whose worker died.
+text of an earlier run that failed or whose worker died; unless the run read that text first
+(``ctx.emitted()``, ``emitted_chunks``) to continue it: then its chunks follow the earlier
+ones with no marker, and a reader's text goes on with no gap and no duplicate.
 
 A write that fails is not retried (a retry after a timeout could write a chunk twice): the
 next ``emit`` raises, and so does the run's end (``drain``), which fails the attempt; the
@@ -21,8 +23,17 @@ from collections.abc import Callable
 from typing import Any
 
 from weclaw_mq.errors import StreamLimitError, StreamWriteError
-from weclaw_mq.streaming.events import Entry, attempt_entry, chunk_entry, encode_data
-from weclaw_mq.streaming.protocol import StreamStore
+from weclaw_mq.streaming.events import (
+    ATTEMPT,
+    CHUNK,
+    FINAL,
+    FIRST_ID,
+    Entry,
+    attempt_entry,
+    chunk_entry,
+    encode_data,
+)
+from weclaw_mq.streaming.protocol import READ_BATCH, StreamStore
 
 # Entry bytes (queued or being written) per run past which emit waits: a few round trips'
 # worth, so a handler streaming at full speed keeps the writer busy without waiting on it.
@@ -56,6 +67,8 @@ class Emitter:
         self._writer: asyncio.Task[None] | None = None
         self._failed: BaseException | None = None
         self._closed = False
+        # The run continues the text an earlier run left (``continue_text``): no marker.
+        self._continues = False
 
     async def emit(self, chunk: Any) -> None:
         self._raise_if_unwritable()
@@ -74,12 +87,19 @@ class Emitter:
             raise StreamLimitError(
                 f"a run may emit at most {self._max_chunks} chunks (WECLAW_MQ_STREAM_MAX_CHUNKS)"
             )
-        if self._count == 0:
+        if self._count == 0 and not self._continues:
             self._queue(attempt_entry(self._task_id, self._attempt))
         self._count += 1
         self._queue(entry)
         if self._writer is None:
             self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    def continue_text(self) -> None:
+        """This run goes on with the text an earlier run left (it read it first): its first
+        chunk is written without an "attempt" marker, so readers keep that text. Nothing
+        changes once the run has emitted (its own marker is written already)."""
+        if self._count == 0:
+            self._continues = True
 
     def _queue(self, entry: Entry) -> None:
         self._queued.append(entry)
@@ -150,3 +170,22 @@ class Emitter:
         """Bytes of entries emitted but not yet written (at most ``max_in_flight_bytes``,
         or one chunk larger than that alone)."""
         return self._in_flight
+
+
+async def emitted_chunks(streams: StreamStore, task_id: str) -> list[Any]:
+    """The chunks a reader of the task's stream holds as its text now: those after the last
+    "attempt" marker, [] when there is none or a "final" came after it (the task ended, and
+    a run after that, by a requeue from the DLQ, starts afresh). Read without waiting, in
+    batches of ``READ_BATCH``."""
+    chunks: list[Any] = []
+    after = FIRST_ID
+    while True:
+        events = await streams.read(task_id, after, 0, count=READ_BATCH)
+        for event in events:
+            if event.kind == CHUNK:
+                chunks.append(event.data)
+            elif event.kind in (ATTEMPT, FINAL):
+                chunks = []
+        if len(events) < READ_BATCH:
+            return chunks
+        after = events[-1].id
