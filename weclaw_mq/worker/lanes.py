@@ -66,9 +66,9 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from weclaw_mq.wire.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
 from weclaw_mq.worker.incoming import consume
 from weclaw_mq.worker.lane_consumers import LaneConsumers, Subscribe
-from weclaw_mq.worker.lane_fairness import EMPTY_LANE_S, FairLanes
+from weclaw_mq.worker.lane_fairness import FairLanes
 from weclaw_mq.worker.lane_priority import LanePriorities
-from weclaw_mq.worker.lane_room import take_room
+from weclaw_mq.worker.lane_serving import LaneServing
 from weclaw_mq.worker.lane_sweep import HELD_BOUND_S, HeldSweep
 
 log = logging.getLogger("weclaw_mq.worker")
@@ -124,16 +124,13 @@ class LaneScheduler:
             subscribe=subscribe,
             fair=self._fair,
             holds=self._holds,
-            freed=self._serve_unserved,
+            freed=lambda: self._serving.serve(),
         )
         self._spawn = self._consumers.spawn
         # The channel of the bulk consumer (prefetch concurrency + 1), None: no bulk mode. Not
         # for fair lanes: the lowest level is several tenants' lanes, a bulk consumer would
         # serve one of them, and leaving bulk mode gives back what it held.
         self.bulk_channel = None if self._fair.peers[self._lowest] else bulk_channel
-        # Fair lanes: the timer that serves the unserved lanes once the youngest idle consumer
-        # of a peer lane is old enough to be withdrawn.
-        self._empty_timer: asyncio.TimerHandle | None = None
         # Each lane's consumer callback: a plain coroutine function, which aio-pika recognises
         # per delivery with fewer calls than a functools.partial.
         self._deliveries = {lane: self._delivery_callback(lane) for lane in self.lanes}
@@ -159,11 +156,18 @@ class LaneScheduler:
         # Paused by the circuit breaker: no consumer is opened; waiting tasks still start
         # (and are deferred by the breaker, ``delivery``).
         self._paused = False
-        # The consumer of the task being released, while ``release`` decides about it.
-        self._ending: str | None = None
-        self._cancel_ending = False
-        # Lanes left without any consumer not running a task, waiting for room.
-        self._unserved: set[str] = set()
+        # Each lane keeps a look-ahead under the cap (room made as ``take_room`` decides).
+        self._serving = LaneServing(
+            self.lanes,
+            consumers=self._consumers,
+            waiting=self._waiting,
+            fair=self._fair,
+            priorities=self._priorities,
+            give_back=give_back,
+            full=lambda: self.consumers >= self.cap,
+            active=lambda: not (self._stopping or self._paused),
+            open_lane=lambda lane: self._spawn(self._open(lane)),
+        )
         # Bulk mode: the tag of the bulk consumer (set before its consume is sent), its
         # queue object (on bulk_channel), and the running tasks it delivered (delivery tag on
         # bulk_channel -> consumer tag), also after it was cancelled.
@@ -174,8 +178,6 @@ class LaneScheduler:
         self._entering_bulk = False
         self._upper_seen = -BULK_QUIET_S  # loop time of the latest upper-lane delivery
         self._bulk_timer: asyncio.TimerHandle | None = None
-        # Surplus waiting tasks being given back to make room (see _make_room).
-        self._leaving = 0
         # The held-delivery net (``lane_sweep``): gives back a delivery waiting too long.
         self._sweep = HeldSweep(
             self._waiting,
@@ -199,7 +201,7 @@ class LaneScheduler:
         """Messages we may hold, counted as consumers (opening ones included; the bulk
         consumer counts its prefetch, a cancelled one its running tasks): never over ``cap``."""
         consumers = self._consumers
-        held = len(consumers.lane_of) + sum(consumers.opening.values()) + self._leaving
+        held = len(consumers.lane_of) + sum(consumers.opening.values()) + self._serving.leaving
         if self._bulk_mode:
             return held + self.concurrency + 1
         return held + len(self._bulk_running)
@@ -236,9 +238,9 @@ class LaneScheduler:
             await self._open(lane)
         if self._bulk_mode:
             await self._open_bulk()
-        elif self._lookahead(self._lowest) == 0 and self.bulk_channel is not None:
+        elif self._serving.lookahead(self._lowest) == 0 and self.bulk_channel is not None:
             # bulk mode ended (an upper task started) before the lowest lane was opened
-            self._renew(self._lowest)
+            self._serving.renew(self._lowest)
 
     async def release(self, message: AbstractIncomingMessage, *, reusable: bool = True) -> None:
         """A running task of ours is about to settle ``message``: free its slot and start
@@ -247,7 +249,7 @@ class LaneScheduler:
         if (message.consumer_tag or "").startswith(BULK_TAG):
             if self._bulk_running.pop(message.delivery_tag or 0, None) is None or self._stopping:
                 return
-            self._serve_unserved()  # a cancelled bulk consumer's task frees room under the cap
+            self._serving.serve()  # a cancelled bulk consumer's task frees room under the cap
             self._fill()
             self._maybe_bulk()
             return
@@ -255,27 +257,27 @@ class LaneScheduler:
         if ended is None or self._stopping:
             return
         tag, lane = ended
-        consumers = self._consumers
+        consumers, serving = self._consumers, self._serving
         if tag in consumers.withdrawing or tag in consumers.withdrawn:
             # Withdrawn to make room (``LaneConsumers.withdraw``) after this task came: never
             # re-armed; forgotten now if its cancel-ok came, else then.
             consumers.released(tag)
-            self._serve_unserved()
+            serving.serve()
             self._fill()
             return
         if not (reusable and tag in consumers.lane_of):  # broker-cancelled, or no ack coming
             consumers.drop(tag)
-            self._serve_unserved()
+            serving.serve()
             self._fill()
             return
         consumers.armed(lane, tag)
-        self._ending, self._cancel_ending = tag, False
+        serving.ending, serving.cancel_ending = tag, False
         try:
-            self._serve_unserved()
+            serving.serve()
             self._fill()
         finally:
-            self._ending = None
-        if self._cancel_ending:
+            serving.ending = None
+        if serving.cancel_ending:
             await consumers.cancel(tag, lane)
         self._maybe_bulk()
 
@@ -288,7 +290,7 @@ class LaneScheduler:
             await self._consume_again(self._lowest)
             return
         lane = self._consumers.lost(tag)
-        if lane is None or self._stopping or self._lookahead(lane):
+        if lane is None or self._stopping or self._serving.lookahead(lane):
             return
         await self._consume_again(lane)
 
@@ -311,7 +313,8 @@ class LaneScheduler:
         """Consume again: one consumer for each lane without a look-ahead, as at start."""
         self._paused = False
         for lane in self.lanes:
-            if self._lookahead(lane) == 0 and self.consumers < self.cap and not self._stopping:
+            lookahead = self._serving.lookahead(lane)
+            if lookahead == 0 and self.consumers < self.cap and not self._stopping:
                 self._consumers.opening[lane] += 1
                 await self._open(lane)
 
@@ -335,10 +338,10 @@ class LaneScheduler:
 
     def _stop_timers(self) -> None:
         self._sweep.stop()
-        for timer in (self._bulk_timer, self._empty_timer):
-            if timer is not None:
-                timer.cancel()
-        self._bulk_timer = self._empty_timer = None
+        self._serving.stop()
+        if self._bulk_timer is not None:
+            self._bulk_timer.cancel()
+            self._bulk_timer = None
 
     async def stop(self) -> None:
         """Take no new messages: cancel every consumer, give back the waiting ones."""
@@ -425,15 +428,6 @@ class LaneScheduler:
         self._spawn(self._give_back_one(message, "held without starting"))
         self._consumers.rearm(lane, message.consumer_tag or "")
 
-    def _empty_time(self) -> None:
-        self._empty_timer = None
-        self._serve_unserved()
-
-    def _lookahead(self, lane: str) -> int:
-        """Consumers of ``lane`` that are not running a task."""
-        consumers = self._consumers
-        return len(consumers.idle[lane]) + len(self._waiting[lane]) + consumers.opening[lane]
-
     def _holds(self, tag: str, lane: str) -> bool:
         """Consumer ``tag`` of ``lane`` holds a task, waiting or running."""
         return any(m.consumer_tag == tag for m in self._waiting[lane]) or any(
@@ -468,8 +462,8 @@ class LaneScheduler:
             if self._paused:
                 continue  # no consumer is renewed or added while paused
             if not self._waiting[chosen]:
-                if self._lookahead(chosen) == 0:
-                    self._renew(chosen)
+                if self._serving.lookahead(chosen) == 0:
+                    self._serving.renew(chosen)
                 elif chosen in self._priorities.above_lowest:  # nothing below the lowest waits
                     self._expect(chosen)
             if self.consumers < self.cap:
@@ -478,73 +472,6 @@ class LaneScheduler:
                 self._consumers.opening[chosen] += 1
                 self._spawn(self._open(chosen))
 
-    def _renew(self, lane: str) -> None:
-        """``lane`` has no look-ahead left: open a consumer, making room under the cap. With
-        nothing to give up now (the surplus is still being opened), it is retried when a
-        task ends or a consume completes: the cap holds, and no lane is left unconsumed."""
-        if self.consumers >= self.cap and not self._make_room(lane):
-            self._unserved.add(lane)
-            return
-        self._unserved.discard(lane)
-        self._consumers.opening[lane] += 1
-        self._priorities.expect(lane)  # timed from its consume-ok (``_open``)
-        self._spawn(self._open(lane))
-
-    def _serve_unserved(self) -> None:
-        if not self._unserved or self._stopping or self._paused:
-            return
-        for lane in [lane for lane in self.lanes if lane in self._unserved]:
-            if self._lookahead(lane) == 0:
-                self._renew(lane)
-            else:
-                self._unserved.discard(lane)
-
-    def _make_room(self, lane_in_need: str) -> bool:
-        """Carry out ``take_room`` for ``lane_in_need``: True if the room is there now (a
-        consumer cancelled), False if none is, or only from a cancel-ok or a give-back."""
-        consumers = self._consumers
-        ending = None
-        if self._ending is not None and not self._cancel_ending:
-            lane = consumers.lane_of.get(self._ending)
-            if lane is not None:
-                ending = (self._ending, lane)
-        room, young = take_room(
-            lane_in_need,
-            self.lanes,
-            idle=consumers.idle,
-            waiting=self._waiting,
-            opening=consumers.opening,
-            peers=self._fair.peers[lane_in_need],
-            ending=ending,
-            leaving=bool(self._leaving),
-            withdrawing=bool(consumers.withdrawing),
-            withdrawable=consumers.withdrawable,
-        )
-        if young and self._empty_timer is None:  # retried once the youngest is old enough
-            loop = asyncio.get_running_loop()
-            self._empty_timer = loop.call_later(EMPTY_LANE_S, self._empty_time)
-        if room is None:
-            return False
-        lane, tag = room.lane, room.tag
-        if room.how == "surplus":
-            message = self._waiting[lane].pop()
-            tag = message.consumer_tag or ""
-            consumers.forget(tag, lane)
-            # Counted until it is given back (after its consumer's cancel-ok): the room
-            # is there only then, and the unserved lane is served from there.
-            self._leaving += 1
-            self._spawn(self._give_back_surplus(message, tag, lane))
-            return False
-        if room.how == "withdraw":
-            consumers.withdraw(tag, lane)
-            return False
-        if room.how == "ending":
-            consumers.forget(tag, lane)
-            self._cancel_ending = True  # release cancels it before the ack
-        else:
-            self._spawn(consumers.cancel(tag, lane))
-        return True
-
     def _running_per_lane(self) -> dict[str, int]:
         """How many tasks of each lane run (fair lanes' turns; counted when asked, not kept)."""
         counts = dict.fromkeys(self.lanes, 0)
@@ -552,16 +479,6 @@ class LaneScheduler:
             counts[lane] += 1
         counts[self._lowest] += len(self._bulk_running)
         return counts
-
-    async def _give_back_surplus(
-        self, message: AbstractIncomingMessage, tag: str, lane: str
-    ) -> None:
-        try:
-            await self._consumers.cancel(tag, lane)  # forgotten already (``_make_room``)
-            await self._give_back(message, "room for a higher lane's look-ahead")
-        finally:
-            self._leaving -= 1
-        self._serve_unserved()
 
     def _ended_bulk(self, message: AbstractIncomingMessage, _: object) -> None:
         if (message.delivery_tag or 0) in self._bulk_running:
@@ -588,7 +505,7 @@ class LaneScheduler:
             self._spawn(self._give_back_one(waiting.pop(), "the lanes left bulk mode"))
         log.debug("lanes of %s: per-consumer mode", self._lowest)
         if renew and not self._paused and not self._stopping:
-            self._renew(self._lowest)
+            self._serving.renew(self._lowest)
 
     async def _give_back_one(self, message: AbstractIncomingMessage, why: str) -> None:
         await self._give_back(message, why)
@@ -604,7 +521,7 @@ class LaneScheduler:
             or self._stopping
             or self._running
             or self._bulk_running
-            or self._unserved
+            or self._serving.unserved
             or any(self._waiting.values())
             or any(self._consumers.opening.values())
         ):
@@ -645,13 +562,13 @@ class LaneScheduler:
             ):
                 # Busy again while we cancelled: stay per consumer.
                 if not self._paused and not self._stopping:
-                    self._serve_unserved()
-                    if self._lookahead(self._lowest) == 0:
-                        self._renew(self._lowest)
+                    self._serving.serve()
+                    if self._serving.lookahead(self._lowest) == 0:
+                        self._serving.renew(self._lowest)
                 return
             for lane in self._upper:  # each upper lane keeps one armed look-ahead
-                if self._lookahead(lane) == 0:
-                    self._renew(lane)
+                if self._serving.lookahead(lane) == 0:
+                    self._serving.renew(lane)
             self._bulk_mode = True
             await self._open_bulk()
             log.debug("lanes of %s: bulk mode", self._lowest)
@@ -685,7 +602,7 @@ class LaneScheduler:
                 self._opened(tag, lane)
             if lane in self._priorities.pending:
                 self._expect(lane)
-            self._serve_unserved()
+            self._serving.serve()
 
     def _opened(self, tag: str, lane: str) -> None:
         """The consume of ``tag`` completed and it is live (stop() cancels every live one):
