@@ -31,6 +31,8 @@ log = logging.getLogger("weclaw_mq.worker")
 
 CANCELLED_MEMORY_S = 5.0
 LANE_TAG = "weclaw-lane-"
+# Tags of our bulk consumers (unique, so a delivery tells which channel it came on).
+BULK_TAG = "weclaw-bulk-"
 
 # Subscribes ``callback`` to a queue with our consumer tag; returns the tag (incoming.consume).
 Subscribe = Callable[..., Awaitable[str]]
@@ -74,11 +76,35 @@ class LaneConsumers:
         self.withdrawing: set[str] = set()
         # ... and those whose cancel-ok came while they held a task: forgotten at its release.
         self.withdrawn: set[str] = set()
+        # The bulk consumer (the lowest lane's, on its own channel: ``worker.lanes``): its tag,
+        # set before its consume is sent, None if there is none; and its queue object.
+        self.bulk: str | None = None
+        self.bulk_queue: AbstractQueue | None = None
         self._background: set[asyncio.Task[None]] = set()
 
     async def load_queue(self, lane: str) -> None:
         """The queue object of ``lane`` (at the start, and after a redeclare)."""
         self.queues[lane] = await self.channel.get_queue(lane, ensure=False)
+
+    async def load_bulk_queue(self, channel: AbstractChannel, lane: str) -> None:
+        """The queue object of the bulk consumer: ``lane`` on its own ``channel``."""
+        self.bulk_queue = await channel.get_queue(lane, ensure=False)
+
+    async def open_bulk(self, callback: Callback) -> None:
+        """Consume the bulk queue, unless a bulk consumer is live (a second would be nobody's)."""
+        assert self.bulk_queue is not None
+        if self.bulk is not None:
+            return
+        tag = f"{BULK_TAG}{uuid.uuid4().hex}"
+        self.bulk = tag  # before the consume: deliveries may come before its consume-ok
+        await self._subscribe(self.bulk_queue, callback, consumer_tag=tag)
+
+    def end_bulk(self) -> None:
+        """Cancel the bulk consumer, if any, in the background (its running tasks still ack on
+        its channel)."""
+        tag, self.bulk = self.bulk, None
+        if tag is not None and self.bulk_queue is not None:
+            self.end_on(self.bulk_queue, tag)
 
     async def open(self, lane: str, callback: Callback, *, send: bool = True) -> str | None:
         """Consume ``lane`` (already counted in ``opening``; ``send``: False when the consume
@@ -219,7 +245,8 @@ class LaneConsumers:
             await self.cancel(tag, lane)
 
     async def stop(self) -> None:
-        """Let the consumer changes under way end, then cancel every live consumer."""
+        """Let the consumer changes under way end, then cancel every live consumer, the bulk
+        one last."""
         if self._background:
             # Not cancelled: aiormq closes the channel under a cancelled consume RPC, and the
             # running tasks still need it for their acks.
@@ -227,6 +254,9 @@ class LaneConsumers:
         for tag, lane in list(self.lane_of.items()):
             with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
                 await asyncio.wait_for(self.queues[lane].cancel(tag), CLOSE_TIMEOUT_S)
+        if self.bulk is not None and self.bulk_queue is not None:
+            with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
+                await asyncio.wait_for(self.bulk_queue.cancel(self.bulk), CLOSE_TIMEOUT_S)
 
     def spawn(self, work: Awaitable[None]) -> None:
         """Run ``work`` in the background, kept until it ends (``stop`` waits for it)."""

@@ -53,19 +53,16 @@ a slot is free. ``tests/unit/test_lanes_model.py`` checks these rules on a model
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from weclaw_mq.wire.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
 from weclaw_mq.worker.incoming import consume
-from weclaw_mq.worker.lane_consumers import LaneConsumers, Subscribe
+from weclaw_mq.worker.lane_consumers import BULK_TAG, LaneConsumers, Subscribe
 from weclaw_mq.worker.lane_fairness import FairLanes
 from weclaw_mq.worker.lane_priority import LanePriorities
 from weclaw_mq.worker.lane_serving import LaneServing
@@ -77,8 +74,6 @@ log = logging.getLogger("weclaw_mq.worker")
 # worker is idle): an occasional URGENT task does not flap the consumers at every task, and
 # a switch (a cancel, a consume) costs two round trips, nothing next to a second.
 BULK_QUIET_S = 1.0
-# Tags of our bulk consumers (unique, so a delivery tells which channel it came on).
-BULK_TAG = "weclaw-bulk-"
 
 
 class LaneScheduler:
@@ -103,8 +98,6 @@ class LaneScheduler:
         levels: Sequence[int] | None = None,
     ) -> None:
         self.channel = channel
-        # How a consumer is subscribed (incoming.consume; the lanes' model test gives its own)
-        self._subscribe = subscribe
         self.lanes = list(lanes)  # highest first
         self._lowest = self.lanes[-1]
         self._upper = tuple(self.lanes[:-1])
@@ -116,8 +109,9 @@ class LaneScheduler:
         # fair lanes' peers, turns and withdrawable idle consumers.
         self._priorities = LanePriorities(self.lanes, rank_of, starvation_limit=starvation_limit)
         self._fair = FairLanes(rank_of, memory=4 * (concurrency + len(self.lanes)))
-        # The books of our lane consumers (opening, live, idle, cancelled, withdrawn), and the
-        # background tasks that open and cancel them.
+        # The books of our consumers (opening, live, idle, cancelled, withdrawn; the bulk one)
+        # and the background tasks that open and cancel them; ``subscribe`` is how a consumer
+        # is subscribed (incoming.consume; the lanes' model test gives its own).
         self._consumers = LaneConsumers(
             channel,
             self.lanes,
@@ -168,12 +162,9 @@ class LaneScheduler:
             active=lambda: not (self._stopping or self._paused),
             open_lane=lambda lane: self._spawn(self._open(lane)),
         )
-        # Bulk mode: the tag of the bulk consumer (set before its consume is sent), its
-        # queue object (on bulk_channel), and the running tasks it delivered (delivery tag on
+        # Bulk mode, and the running tasks the bulk consumer delivered (delivery tag on
         # bulk_channel -> consumer tag), also after it was cancelled.
         self._bulk_mode = self.bulk_channel is not None
-        self._bulk: str | None = None
-        self._bulk_queue: AbstractQueue | None = None
         self._bulk_running: dict[int, str] = {}
         self._entering_bulk = False
         self._upper_seen = -BULK_QUIET_S  # loop time of the latest upper-lane delivery
@@ -214,7 +205,7 @@ class LaneScheduler:
     def schedules(self, tag: str) -> bool:
         """``tag`` is one of our consumers, live or being opened (one owner per consumer)."""
         consumers = self._consumers
-        return tag in consumers.lane_of or tag == self._bulk or tag in consumers.opening_tags
+        return tag in consumers.lane_of or tag == consumers.bulk or tag in consumers.opening_tags
 
     def pending_lanes(self) -> list[str]:
         """Lanes whose next task may be on its way, so lower lanes wait (``pick``'s pending)."""
@@ -230,14 +221,14 @@ class LaneScheduler:
         for lane in self.lanes:
             await self._consumers.load_queue(lane)
         if self.bulk_channel is not None:
-            self._bulk_queue = await self.bulk_channel.get_queue(self._lowest, ensure=False)
+            await self._consumers.load_bulk_queue(self.bulk_channel, self._lowest)
         first = self._upper if self._bulk_mode else self.lanes
         for lane in first:  # all counted before the first consume: its deliveries may grow a
             self._consumers.opening[lane] += 1  # lane toward the cap while the others open
         for lane in first:
             await self._open(lane)
         if self._bulk_mode:
-            await self._open_bulk()
+            await self._consumers.open_bulk(self._on_bulk)
         elif self._serving.lookahead(self._lowest) == 0 and self.bulk_channel is not None:
             # bulk mode ended (an upper task started) before the lowest lane was opened
             self._serving.renew(self._lowest)
@@ -285,7 +276,7 @@ class LaneScheduler:
         """The broker cancelled one of our consumers (its queue was deleted, a leader moved):
         a running task still settles its message; a lane left without a look-ahead gets a
         new consumer after a declare."""
-        if tag == self._bulk and not self._stopping:
+        if tag == self._consumers.bulk and not self._stopping:
             self._leave_bulk(renew=False)
             await self._consume_again(self._lowest)
             return
@@ -348,9 +339,6 @@ class LaneScheduler:
         self._stopping = True
         self._stop_timers()
         await self._consumers.stop()  # the changes under way end first, then the cancels
-        if self._bulk is not None and self._bulk_queue is not None:
-            with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
-                await asyncio.wait_for(self._bulk_queue.cancel(self._bulk), CLOSE_TIMEOUT_S)
         self._consumers_cancelled = True
         for waiting in self._waiting.values():
             while waiting:
@@ -411,9 +399,9 @@ class LaneScheduler:
             why = "the worker is stopping" if self._stopping else "its consumer was cancelled"
             await self._give_back(message, why)
             return
-        if tag != self._bulk:
-            assert self._bulk_queue is not None
-            self._consumers.disown(tag, self._bulk_queue)
+        if tag != self._consumers.bulk:
+            assert self._consumers.bulk_queue is not None
+            self._consumers.disown(tag, self._consumers.bulk_queue)
             await self._give_back(message, "its consumer is not ours")
             return
         self._waiting[self._lowest].append(message)
@@ -485,21 +473,11 @@ class LaneScheduler:
             self._spawn(self.release(message, reusable=False))
 
     # -- bulk mode --------------------------------------------------------------------------
-    async def _open_bulk(self) -> None:
-        assert self._bulk_queue is not None
-        if self._bulk is not None:
-            return  # one bulk consumer at a time: a second would be nobody's
-        tag = f"{BULK_TAG}{uuid.uuid4().hex}"
-        self._bulk = tag  # before the consume: deliveries may come before its consume-ok
-        await self._subscribe(self._bulk_queue, self._on_bulk, consumer_tag=tag)
-
     def _leave_bulk(self, *, renew: bool) -> None:
         """Cancel the bulk consumer: its waiting tasks go back, its running ones finish (and
         count against the cap until then); ``renew``: the lowest lane gets a consumer."""
         self._bulk_mode = False
-        tag, self._bulk = self._bulk, None
-        if tag is not None and self._bulk_queue is not None:
-            self._consumers.end_on(self._bulk_queue, tag)
+        self._consumers.end_bulk()
         waiting = self._waiting[self._lowest]
         while waiting:
             self._spawn(self._give_back_one(waiting.pop(), "the lanes left bulk mode"))
@@ -570,7 +548,7 @@ class LaneScheduler:
                 if self._serving.lookahead(lane) == 0:
                     self._serving.renew(lane)
             self._bulk_mode = True
-            await self._open_bulk()
+            await self._consumers.open_bulk(self._on_bulk)
             log.debug("lanes of %s: bulk mode", self._lowest)
         finally:
             self._entering_bulk = False
