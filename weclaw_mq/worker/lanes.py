@@ -47,7 +47,13 @@ One owner per consumer: a scheduler counts every consumer it opens from before i
 sent; a delivery on any other consumer is never adopted (that consumer is cancelled, the task
 given back), and a scheduler whose session ended (``retire``) starts nothing. The net behind
 that: a sweep every ``held_bound_s / 2`` gives back a delivery held unstarted that long while
-a slot is free. ``tests/unit/test_lanes_model.py`` checks these rules on a model broker.
+a slot is free (``lane_sweep``). ``tests/unit/test_lanes_model.py`` checks these rules on a
+model broker.
+
+The parts, each readable alone: this module starts the tasks and runs the bulk mode;
+``lane_consumers`` keeps the consumers' books (opening, live, idle, cancelled, withdrawn) and
+sends their consume and cancel RPCs; ``lane_serving`` keeps a look-ahead per lane under the
+cap, carrying out ``lane_room.take_room``; ``lane_sweep`` is the held-delivery net.
 """
 
 from __future__ import annotations
@@ -77,9 +83,10 @@ BULK_QUIET_S = 1.0
 
 
 class LaneScheduler:
-    """The consumers of one handler's lanes on ``channel`` (which has prefetch 1): opened,
-    counted, cancelled, and the tasks they hold started when a slot frees, as the lane
-    policies decide (``lane_priority``, ``lane_fairness``, ``lane_room``)."""
+    """One handler's lanes on ``channel`` (which has prefetch 1): the tasks their consumers
+    hold, started when a slot frees as the lane policies decide (``lane_priority``,
+    ``lane_fairness``), and the bulk mode. The consumers' books are ``LaneConsumers``', each
+    lane's look-ahead under the cap ``LaneServing``'s, the held-delivery net ``HeldSweep``'s."""
 
     def __init__(
         self,
