@@ -43,9 +43,10 @@ Callback = Callable[[AbstractIncomingMessage], Awaitable[None]]
 class LaneConsumers:
     """The consumers of ``lanes`` on ``channel``: counted, opened, cancelled, withdrawn.
 
-    The scheduler reads ``lane_of``, ``idle``, ``opening``, ``opening_tags``, ``cancelled``
-    and the withdrawal sets directly (on the delivery path: no call per delivery) and changes
-    them only through the methods, except ``opening[lane] += 1`` when it decides to open."""
+    The scheduler and ``LaneServing`` read the books (``lane_of``, ``idle``, ``opening``,
+    ``opening_tags``, ``cancelled``, the withdrawal sets, ``queues``, ``bulk``) directly, with
+    no call per delivery, and change them only through the methods, except the
+    ``opening[lane] += 1`` of a decision to open."""
 
     def __init__(
         self,
