@@ -19,7 +19,7 @@ from tests.conftest import wait_until
 from weclaw_mq import App
 from weclaw_mq.contract.naming import lane_queue_name
 from weclaw_mq.worker.incoming import consume
-from weclaw_mq.worker.lanes import BULK_TAG
+from weclaw_mq.worker.lane_consumers import BULK_TAG
 
 CONCURRENCY = 2
 LANES = 3
@@ -53,10 +53,12 @@ async def test_a_bulk_consumer_no_scheduler_owns_is_cancelled_and_its_tasks_run(
     worker = await start_worker(app, concurrency=CONCURRENCY)
     await wait_until(lambda: _is(_consumers(amqp, qname), LANES), 10, "bulk mode")
     scheduler = worker._schedulers[0]
-    assert scheduler.bulk and scheduler._bulk_queue is not None
+    assert scheduler.bulk and scheduler._consumers.bulk_queue is not None
     # A second bulk consumer on the worker's bulk channel that the scheduler did not open:
     # the orphaned set of the report (prefetch C + 1, the scheduler's callback).
-    await consume(scheduler._bulk_queue, scheduler._on_bulk, consumer_tag=f"{BULK_TAG}stray")
+    await consume(
+        scheduler._consumers.bulk_queue, scheduler._on_bulk, consumer_tag=f"{BULK_TAG}stray"
+    )
     assert await _consumers(amqp, qname) == LANES + 1
 
     tasks = 40

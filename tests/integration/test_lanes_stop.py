@@ -42,7 +42,7 @@ async def test_a_task_that_arrives_during_the_stop_is_given_back_once_not_dead_l
         await wait_until(lambda: started == ["first"], 20, "the first task to start")
 
         [scheduler] = worker._schedulers
-        bulk_queue = scheduler._bulk_queue
+        bulk_queue = scheduler._consumers.bulk_queue
         assert bulk_queue is not None, "the bulk consumer (concurrency + 1) is not open"
         cancel_entered, cancel_may_go = asyncio.Event(), asyncio.Event()
 
@@ -57,7 +57,7 @@ async def test_a_task_that_arrives_during_the_stop_is_given_back_once_not_dead_l
                 await cancel_may_go.wait()
                 return await bulk_queue.cancel(tag, *args, **kwargs)
 
-        scheduler._bulk_queue = HeldCancel()  # type: ignore[assignment]
+        scheduler._consumers.bulk_queue = HeldCancel()  # type: ignore[assignment]
         worker.stop()
         await asyncio.wait_for(cancel_entered.wait(), 20)
         # The bulk consumer is live and stopping: this task reaches it now.

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from weclaw_mq.worker import lanes as lanes_module
+from weclaw_mq.worker import lane_consumers as consumers_module
 from weclaw_mq.worker.lane_priority import LOOKAHEAD_GRACE_S
 from weclaw_mq.worker.lanes import LaneScheduler
 
@@ -257,7 +257,7 @@ class Session:
 
 
 class _CountedIds:
-    """Stands in for ``uuid`` in ``worker.lanes``: consumer tags in order, so a drawn
+    """Stands in for ``uuid`` in ``worker.lane_consumers``: consumer tags in order, so a drawn
     example replays the same way (hypothesis replays to shrink)."""
 
     def __init__(self) -> None:
@@ -274,8 +274,8 @@ class LanesModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._uuid = lanes_module.uuid
-        lanes_module.uuid = _CountedIds()  # type: ignore[assignment]
+        self._uuid = consumers_module.uuid
+        consumers_module.uuid = _CountedIds()  # type: ignore[assignment]
         self.loop = VirtualLoop()
         self.broker = ModelBroker(self.loop, self.lanes)
         self.cap = CONCURRENCY + len(self.lanes)
@@ -310,7 +310,7 @@ class LanesModel(RuleBasedStateMachine):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
         self.loop.run_until_complete(ended())
-        lanes_module.uuid = self._uuid
+        consumers_module.uuid = self._uuid
         self.loop.close()
 
     def _quiesce(self) -> None:

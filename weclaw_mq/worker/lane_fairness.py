@@ -11,8 +11,8 @@ sent it meanwhile waits and runs there (an armed consumer of a backlog is about 
 one; a give-back would bring that task one closer to the DLQ). No bulk mode: the lowest level
 is several tenants' lanes.
 
-Plain data in, a choice out: the lane scheduler (``worker.lanes``) owns the consumers and the
-clock, and tells this what happened.
+Plain data in, a choice out: the lane scheduler (``worker.lanes``) and its consumers' books
+(``lane_consumers``) own the consumers and the clock, and tell this what happened.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ pending: lower lanes wait for it up to ``grace``, ``LOOKAHEAD_GRACE_S``, or twic
 of the latest such waits that ended in a delivery (a loaded broker's round trip), at most
 ``LOOKAHEAD_GRACE_MAX_S``.
 
-Plain data in, a choice out: the lane scheduler (``worker.lanes``) owns the consumers, the
-timers and the clock, and tells this what happened.
+Plain data in, a choice out: the lane scheduler (``worker.lanes``, with ``lane_consumers``
+and ``lane_serving``) owns the consumers, the timers and the clock, and tells this what
+happened.
 """
 
 from __future__ import annotations

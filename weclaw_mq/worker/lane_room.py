@@ -11,7 +11,7 @@ scheduler's bound, ``worker.lanes``), so another consumer gives up its place, in
    (only after tasks of one lane waited behind a burst of another).
 
 Nothing is taken while a surplus task is on its way back or a withdrawn consumer's cancel-ok
-is: that is the room. Plain data in, a choice out: the scheduler carries it out.
+is: that is the room. Plain data in, a choice out: ``lane_serving`` carries it out.
 """
 
 from __future__ import annotations

@@ -47,50 +47,46 @@ One owner per consumer: a scheduler counts every consumer it opens from before i
 sent; a delivery on any other consumer is never adopted (that consumer is cancelled, the task
 given back), and a scheduler whose session ended (``retire``) starts nothing. The net behind
 that: a sweep every ``held_bound_s / 2`` gives back a delivery held unstarted that long while
-a slot is free. ``tests/unit/test_lanes_model.py`` checks these rules on a model broker.
+a slot is free (``lane_sweep``). ``tests/unit/test_lanes_model.py`` checks these rules on a
+model broker.
+
+The parts, each readable alone: this module starts the tasks and runs the bulk mode;
+``lane_consumers`` keeps the consumers' books (opening, live, idle, cancelled, withdrawn) and
+sends their consume and cancel RPCs; ``lane_serving`` keeps a look-ahead per lane under the
+cap, carrying out ``lane_room.take_room``; ``lane_sweep`` is the held-delivery net.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from weclaw_mq.wire.connection import CLOSE_TIMEOUT_S, LINK_ERRORS
 from weclaw_mq.worker.incoming import consume
-from weclaw_mq.worker.lane_fairness import EMPTY_LANE_S, FairLanes
+from weclaw_mq.worker.lane_consumers import BULK_TAG, LaneConsumers, Subscribe
+from weclaw_mq.worker.lane_fairness import FairLanes
 from weclaw_mq.worker.lane_priority import LanePriorities
-from weclaw_mq.worker.lane_room import take_room
+from weclaw_mq.worker.lane_serving import LaneServing
+from weclaw_mq.worker.lane_sweep import HELD_BOUND_S, HeldSweep
 
 log = logging.getLogger("weclaw_mq.worker")
 
-CANCELLED_MEMORY_S = 5.0
 # Bulk mode comes back only after no upper-lane task was delivered for this long (and the
 # worker is idle): an occasional URGENT task does not flap the consumers at every task, and
 # a switch (a cancel, a consume) costs two round trips, nothing next to a second.
 BULK_QUIET_S = 1.0
-# Tags of our bulk consumers (unique, so a delivery tells which channel it came on).
-BULK_TAG = "weclaw-bulk-"
-LANE_TAG = "weclaw-lane-"
-# A delivery held unstarted this long while a slot is free is given back (settings:
-# WECLAW_MQ_HELD_DELIVERY_S): no state of ours should ever allow it, so it is a bug's net.
-HELD_BOUND_S = 30.0
-
-# Subscribes ``callback`` to a queue with our consumer tag; returns the tag (incoming.consume).
-Subscribe = Callable[..., Awaitable[str]]
 
 
 class LaneScheduler:
-    """The consumers of one handler's lanes on ``channel`` (which has prefetch 1): opened,
-    counted, cancelled, and the tasks they hold started when a slot frees, as the lane
-    policies decide (``lane_priority``, ``lane_fairness``, ``lane_room``)."""
+    """One handler's lanes on ``channel`` (which has prefetch 1): the tasks their consumers
+    hold, started when a slot frees as the lane policies decide (``lane_priority``,
+    ``lane_fairness``), and the bulk mode. The consumers' books are ``LaneConsumers``', each
+    lane's look-ahead under the cap ``LaneServing``'s, the held-delivery net ``HeldSweep``'s."""
 
     def __init__(
         self,
@@ -109,8 +105,6 @@ class LaneScheduler:
         levels: Sequence[int] | None = None,
     ) -> None:
         self.channel = channel
-        # How a consumer is subscribed (incoming.consume; the lanes' model test gives its own)
-        self._subscribe = subscribe
         self.lanes = list(lanes)  # highest first
         self._lowest = self.lanes[-1]
         self._upper = tuple(self.lanes[:-1])
@@ -122,13 +116,22 @@ class LaneScheduler:
         # fair lanes' peers, turns and withdrawable idle consumers.
         self._priorities = LanePriorities(self.lanes, rank_of, starvation_limit=starvation_limit)
         self._fair = FairLanes(rank_of, memory=4 * (concurrency + len(self.lanes)))
+        # The books of our consumers (opening, live, idle, cancelled, withdrawn; the bulk one)
+        # and the background tasks that open and cancel them; ``subscribe`` is how a consumer
+        # is subscribed (incoming.consume; the lanes' model test gives its own).
+        self._consumers = LaneConsumers(
+            channel,
+            self.lanes,
+            subscribe=subscribe,
+            fair=self._fair,
+            holds=self._holds,
+            freed=lambda: self._serving.serve(),
+        )
+        self._spawn = self._consumers.spawn
         # The channel of the bulk consumer (prefetch concurrency + 1), None: no bulk mode. Not
         # for fair lanes: the lowest level is several tenants' lanes, a bulk consumer would
         # serve one of them, and leaving bulk mode gives back what it held.
         self.bulk_channel = None if self._fair.peers[self._lowest] else bulk_channel
-        # Fair lanes: the timer that serves the unserved lanes once the youngest idle consumer
-        # of a peer lane is old enough to be withdrawn.
-        self._empty_timer: asyncio.TimerHandle | None = None
         # Each lane's consumer callback: a plain coroutine function, which aio-pika recognises
         # per delivery with fewer calls than a functools.partial.
         self._deliveries = {lane: self._delivery_callback(lane) for lane in self.lanes}
@@ -137,16 +140,9 @@ class LaneScheduler:
         self._start = start
         self._give_back = give_back
         self._redeclare = redeclare
-        self._queues: dict[str, AbstractQueue] = {}
-        self._lane_of: dict[str, str] = {}  # every live consumer tag -> its lane
-        self._cancelled: set[str] = set()  # cancelled by us: a late delivery goes back
-        self._idle: dict[str, set[str]] = {lane: set() for lane in self.lanes}
         self._waiting: dict[str, deque[AbstractIncomingMessage]] = {
             lane: deque() for lane in self.lanes
         }
-        self._opening: dict[str, int] = dict.fromkeys(self.lanes, 0)
-        # The tags of the consumers counted in _opening whose consume was sent (see _open).
-        self._opening_tags: set[str] = set()
         # delivery tag -> (consumer tag, lane) of every running task
         self._running: dict[int, tuple[str, str]] = {}
         # The lane whose waiting task starts next, or None (``LanePriorities.choose``): a
@@ -161,35 +157,34 @@ class LaneScheduler:
         # Paused by the circuit breaker: no consumer is opened; waiting tasks still start
         # (and are deferred by the breaker, ``delivery``).
         self._paused = False
-        self._background: set[asyncio.Task[None]] = set()
-        # The consumer of the task being released, while ``release`` decides about it.
-        self._ending: str | None = None
-        self._cancel_ending = False
-        # Lanes left without any consumer not running a task, waiting for room.
-        self._unserved: set[str] = set()
-        # Bulk mode: the tag of the bulk consumer (set before its consume is sent), its
-        # queue object (on bulk_channel), and the running tasks it delivered (delivery tag on
+        # Each lane keeps a look-ahead under the cap (room made as ``take_room`` decides).
+        self._serving = LaneServing(
+            self.lanes,
+            consumers=self._consumers,
+            waiting=self._waiting,
+            fair=self._fair,
+            priorities=self._priorities,
+            give_back=give_back,
+            full=lambda: self.consumers >= self.cap,
+            active=lambda: not (self._stopping or self._paused),
+            open_lane=lambda lane: self._spawn(self._open(lane)),
+        )
+        # Bulk mode, and the running tasks the bulk consumer delivered (delivery tag on
         # bulk_channel -> consumer tag), also after it was cancelled.
         self._bulk_mode = self.bulk_channel is not None
-        self._bulk: str | None = None
-        self._bulk_queue: AbstractQueue | None = None
         self._bulk_running: dict[int, str] = {}
         self._entering_bulk = False
         self._upper_seen = -BULK_QUIET_S  # loop time of the latest upper-lane delivery
         self._bulk_timer: asyncio.TimerHandle | None = None
-        # Surplus waiting tasks being given back to make room (see _make_room).
-        self._leaving = 0
-        # Fair lanes' consumers cancelled to make room, until their cancel-ok (``_withdraw``):
-        # still counted, and a delivery that reaches one first is kept and run, not given back.
-        self._withdrawing: set[str] = set()
-        # ... and those whose cancel-ok came while they held a task: forgotten at its release.
-        self._withdrawn: set[str] = set()
-        # The held-delivery sweep (see _sweep): id of each waiting delivery -> the loop time
-        # a sweep first saw it waiting; rebuilt by every sweep, untouched per delivery.
-        self.held_bound_s = held_bound_s
-        self._on_held = on_held
-        self._seen_waiting: dict[int, float] = {}
-        self._sweep_timer: asyncio.TimerHandle | None = None
+        # The held-delivery net (``lane_sweep``): gives back a delivery waiting too long.
+        self._sweep = HeldSweep(
+            self._waiting,
+            bound_s=held_bound_s,
+            free=self._free_slot,
+            held=self._held,
+            swept=self._fill,
+            on_held=on_held,
+        )
 
     # -- what the worker calls ------------------------------------------------------------
     def owns(self, message: AbstractIncomingMessage) -> bool:
@@ -203,7 +198,8 @@ class LaneScheduler:
     def consumers(self) -> int:
         """Messages we may hold, counted as consumers (opening ones included; the bulk
         consumer counts its prefetch, a cancelled one its running tasks): never over ``cap``."""
-        held = len(self._lane_of) + sum(self._opening.values()) + self._leaving
+        consumers = self._consumers
+        held = len(consumers.lane_of) + sum(consumers.opening.values()) + self._serving.leaving
         if self._bulk_mode:
             return held + self.concurrency + 1
         return held + len(self._bulk_running)
@@ -215,7 +211,8 @@ class LaneScheduler:
 
     def schedules(self, tag: str) -> bool:
         """``tag`` is one of our consumers, live or being opened (one owner per consumer)."""
-        return tag in self._lane_of or tag == self._bulk or tag in self._opening_tags
+        consumers = self._consumers
+        return tag in consumers.lane_of or tag == consumers.bulk or tag in consumers.opening_tags
 
     def pending_lanes(self) -> list[str]:
         """Lanes whose next task may be on its way, so lower lanes wait (``pick``'s pending)."""
@@ -227,21 +224,21 @@ class LaneScheduler:
         return self._priorities.grace
 
     async def start(self) -> None:
-        self._arm_sweep()
+        self._sweep.arm()
         for lane in self.lanes:
-            self._queues[lane] = await self.channel.get_queue(lane, ensure=False)
+            await self._consumers.load_queue(lane)
         if self.bulk_channel is not None:
-            self._bulk_queue = await self.bulk_channel.get_queue(self._lowest, ensure=False)
+            await self._consumers.load_bulk_queue(self.bulk_channel, self._lowest)
         first = self._upper if self._bulk_mode else self.lanes
         for lane in first:  # all counted before the first consume: its deliveries may grow a
-            self._opening[lane] += 1  # lane toward the cap while the others are opened
+            self._consumers.opening[lane] += 1  # lane toward the cap while the others open
         for lane in first:
             await self._open(lane)
         if self._bulk_mode:
-            await self._open_bulk()
-        elif self._lookahead(self._lowest) == 0 and self.bulk_channel is not None:
+            await self._consumers.open_bulk(self._on_bulk)
+        elif self._serving.lookahead(self._lowest) == 0 and self.bulk_channel is not None:
             # bulk mode ended (an upper task started) before the lowest lane was opened
-            self._renew(self._lowest)
+            self._serving.renew(self._lowest)
 
     async def release(self, message: AbstractIncomingMessage, *, reusable: bool = True) -> None:
         """A running task of ours is about to settle ``message``: free its slot and start
@@ -250,7 +247,7 @@ class LaneScheduler:
         if (message.consumer_tag or "").startswith(BULK_TAG):
             if self._bulk_running.pop(message.delivery_tag or 0, None) is None or self._stopping:
                 return
-            self._serve_unserved()  # a cancelled bulk consumer's task frees room under the cap
+            self._serving.serve()  # a cancelled bulk consumer's task frees room under the cap
             self._fill()
             self._maybe_bulk()
             return
@@ -258,54 +255,48 @@ class LaneScheduler:
         if ended is None or self._stopping:
             return
         tag, lane = ended
-        if tag in self._withdrawing or tag in self._withdrawn:
-            # Withdrawn to make room (``_withdraw``) after this task came: never re-armed;
-            # forgotten now if its cancel-ok came, else then.
-            if tag in self._withdrawn:
-                self._withdrawn.discard(tag)
-                self._lane_of.pop(tag, None)
-            self._serve_unserved()
+        consumers, serving = self._consumers, self._serving
+        if tag in consumers.withdrawing or tag in consumers.withdrawn:
+            # Withdrawn to make room (``LaneConsumers.withdraw``) after this task came: never
+            # re-armed; forgotten now if its cancel-ok came, else then.
+            consumers.released(tag)
+            serving.serve()
             self._fill()
             return
-        if not (reusable and tag in self._lane_of):  # broker-cancelled, or no ack coming
-            self._drop(tag)
-            self._serve_unserved()
+        if not (reusable and tag in consumers.lane_of):  # broker-cancelled, or no ack coming
+            consumers.drop(tag)
+            serving.serve()
             self._fill()
             return
-        self._armed(lane, tag)
-        self._ending, self._cancel_ending = tag, False
+        consumers.armed(lane, tag)
+        serving.ending, serving.cancel_ending = tag, False
         try:
-            self._serve_unserved()
+            serving.serve()
             self._fill()
         finally:
-            self._ending = None
-        if self._cancel_ending:
-            await self._cancel(tag, lane)
+            serving.ending = None
+        if serving.cancel_ending:
+            await consumers.cancel(tag, lane)
         self._maybe_bulk()
 
     async def broker_cancelled(self, tag: str) -> None:
         """The broker cancelled one of our consumers (its queue was deleted, a leader moved):
         a running task still settles its message; a lane left without a look-ahead gets a
         new consumer after a declare."""
-        if tag == self._bulk and not self._stopping:
-            log.warning("the broker cancelled our consumer of %r; consuming it again", self._lowest)
+        if tag == self._consumers.bulk and not self._stopping:
             self._leave_bulk(renew=False)
-            await self._redeclare()
-            self._queues[self._lowest] = await self.channel.get_queue(self._lowest, ensure=False)
-            self._opening[self._lowest] += 1
-            await self._open(self._lowest)
-            log.info("consuming %s again", self._lowest)
+            await self._consume_again(self._lowest)
             return
-        lane = self._lane_of.pop(tag, None)
-        if lane is None or self._stopping:
+        lane = self._consumers.lost(tag)
+        if lane is None or self._stopping or self._serving.lookahead(lane):
             return
-        self._idle[lane].discard(tag)
-        if self._lookahead(lane):
-            return
+        await self._consume_again(lane)
+
+    async def _consume_again(self, lane: str) -> None:
         log.warning("the broker cancelled our consumer of %r; consuming it again", lane)
         await self._redeclare()
-        self._queues[lane] = await self.channel.get_queue(lane, ensure=False)
-        self._opening[lane] += 1
+        await self._consumers.load_queue(lane)
+        self._consumers.opening[lane] += 1
         await self._open(lane)
         log.info("consuming %s again", lane)
 
@@ -314,24 +305,21 @@ class LaneScheduler:
         self._paused = True
         if self._bulk_mode:
             self._leave_bulk(renew=False)
-        for tag, lane in list(self._lane_of.items()):
-            self._lane_of.pop(tag, None)
-            self._idle[lane].discard(tag)
-            self._cancelled.add(tag)
-            await self._cancel(tag, lane)
+        await self._consumers.cancel_every()
 
     async def resume(self) -> None:
         """Consume again: one consumer for each lane without a look-ahead, as at start."""
         self._paused = False
         for lane in self.lanes:
-            if self._lookahead(lane) == 0 and self.consumers < self.cap and not self._stopping:
-                self._opening[lane] += 1
+            lookahead = self._serving.lookahead(lane)
+            if lookahead == 0 and self.consumers < self.cap and not self._stopping:
+                self._consumers.opening[lane] += 1
                 await self._open(lane)
 
     async def fetch(self) -> AbstractIncomingMessage | None:
         """One task by basic.get, highest lane first (the breaker's probe), or None."""
         for lane in self.lanes:
-            message = await self._queues[lane].get(no_ack=False, fail=False)
+            message = await self._consumers.queues[lane].get(no_ack=False, fail=False)
             if message is not None:
                 return message
         return None
@@ -347,25 +335,17 @@ class LaneScheduler:
             waiting.clear()
 
     def _stop_timers(self) -> None:
-        for timer in (self._bulk_timer, self._sweep_timer, self._empty_timer):
-            if timer is not None:
-                timer.cancel()
-        self._bulk_timer = self._sweep_timer = self._empty_timer = None
+        self._sweep.stop()
+        self._serving.stop()
+        if self._bulk_timer is not None:
+            self._bulk_timer.cancel()
+            self._bulk_timer = None
 
     async def stop(self) -> None:
         """Take no new messages: cancel every consumer, give back the waiting ones."""
         self._stopping = True
         self._stop_timers()
-        if self._background:
-            # Not cancelled: aiormq closes the channel under a cancelled consume RPC, and the
-            # running tasks still need it for their acks.
-            await asyncio.wait(set(self._background), timeout=CLOSE_TIMEOUT_S)
-        for tag, lane in list(self._lane_of.items()):
-            with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
-                await asyncio.wait_for(self._queues[lane].cancel(tag), CLOSE_TIMEOUT_S)
-        if self._bulk is not None and self._bulk_queue is not None:
-            with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
-                await asyncio.wait_for(self._bulk_queue.cancel(self._bulk), CLOSE_TIMEOUT_S)
+        await self._consumers.stop()  # the changes under way end first, then the cancels
         self._consumers_cancelled = True
         for waiting in self._waiting.values():
             while waiting:
@@ -394,25 +374,22 @@ class LaneScheduler:
         tag = message.consumer_tag or ""
         if self._parked_for_the_stop(lane, message):
             return
-        if self._stopping or tag in self._cancelled:
+        consumers = self._consumers
+        if self._stopping or tag in consumers.cancelled:
             # Stopping, or it reached a consumer we had just cancelled: given back, so
             # another worker (or our next look-ahead) takes it.
             why = "the worker is stopping" if self._stopping else "its consumer was cancelled"
             await self._give_back(message, why)
             return
-        if tag in self._opening_tags:
-            # Its first delivery, before its consume() returned (the callback runs in the
-            # delivery's own task: see .incoming): counted as live from now on, not as
-            # opening, or the cap would count it twice and hold back a lane's spare.
-            self._opening_tags.discard(tag)
-            self._opening[lane] -= 1
-            self._lane_of[tag] = lane
-        elif tag not in self._lane_of:
+        if tag in consumers.opening_tags:
+            consumers.live(tag, lane)  # its first delivery, before its consume() returned
+        elif tag not in consumers.lane_of:
             # A consumer we do not schedule: never adopted (the cap would not count it);
             # cancelled so that it takes nothing more, and its delivery goes back.
-            await self._disown(tag, self._queues[lane], message)
+            consumers.disown(tag, consumers.queues[lane])
+            await self._give_back(message, "its consumer is not ours")
             return
-        self._idle[lane].discard(tag)
+        consumers.idle[lane].discard(tag)
         priorities = self._priorities
         if lane in priorities.pending or lane in priorities.expected_at:
             priorities.delivered(lane, asyncio.get_running_loop().time())
@@ -425,92 +402,32 @@ class LaneScheduler:
         tag = message.consumer_tag or ""
         if self._parked_for_the_stop(self._lowest, message):
             return
-        if self._stopping or tag in self._cancelled:
+        if self._stopping or tag in self._consumers.cancelled:
             why = "the worker is stopping" if self._stopping else "its consumer was cancelled"
             await self._give_back(message, why)
             return
-        if tag != self._bulk:
-            assert self._bulk_queue is not None
-            await self._disown(tag, self._bulk_queue, message)
+        if tag != self._consumers.bulk:
+            assert self._consumers.bulk_queue is not None
+            self._consumers.disown(tag, self._consumers.bulk_queue)
+            await self._give_back(message, "its consumer is not ours")
             return
         self._waiting[self._lowest].append(message)
         self._fill()
 
-    async def _disown(
-        self, tag: str, queue: AbstractQueue, message: AbstractIncomingMessage
-    ) -> None:
-        """One owner per consumer: a delivery on a consumer tag we do not schedule cancels
-        that consumer (once) and goes back."""
-        log.warning(
-            "a delivery of %s came on consumer %s, which no lane scheduler owns; cancelling "
-            "it and giving the task back",
-            queue.name,
-            tag,
+    def _free_slot(self) -> bool:
+        return len(self._running) + len(self._bulk_running) < self.concurrency
+
+    def _held(self, lane: str, message: AbstractIncomingMessage) -> None:
+        """The sweep took ``message`` out of ``lane``'s waiting ones: given back; its consumer
+        is re-armed by the nack (a bulk window stays)."""
+        self._spawn(self._give_back_one(message, "held without starting"))
+        self._consumers.rearm(lane, message.consumer_tag or "")
+
+    def _holds(self, tag: str, lane: str) -> bool:
+        """Consumer ``tag`` of ``lane`` holds a task, waiting or running."""
+        return any(m.consumer_tag == tag for m in self._waiting[lane]) or any(
+            t == tag for t, _ in self._running.values()
         )
-        self._cancelled.add(tag)
-        self._spawn(self._cancel_on(queue, tag))
-        await self._give_back(message, "its consumer is not ours")
-
-    def _arm_sweep(self) -> None:
-        if not self._stopping:
-            loop = asyncio.get_running_loop()
-            self._sweep_timer = loop.call_later(self.held_bound_s / 2, self._sweep)
-
-    def _sweep(self) -> None:
-        """The held-delivery net: a delivery waiting unstarted for ``held_bound_s`` while a
-        slot is free (which no state of ours should allow) is logged, counted, given back.
-        Every ``held_bound_s / 2``, over the waiting ones only (at most the cap)."""
-        self._sweep_timer = None
-        now = asyncio.get_running_loop().time()
-        seen, self._seen_waiting = self._seen_waiting, {}
-        free = len(self._running) + len(self._bulk_running) < self.concurrency
-        for lane, waiting in self._waiting.items():
-            for message in list(waiting):
-                since = seen.get(id(message), now)
-                if not (free and now - since >= self.held_bound_s):
-                    self._seen_waiting[id(message)] = since
-                    continue
-                waiting.remove(message)
-                log.warning(
-                    "task %s of %s was held %.0f s without starting while a slot was free; "
-                    "giving it back",
-                    message.message_id,
-                    lane,
-                    now - since,
-                )
-                if self._on_held is not None:
-                    self._on_held()
-                self._spawn(self._give_back_one(message, "held without starting"))
-                tag = message.consumer_tag or ""
-                withdrawn = tag in self._withdrawing or tag in self._withdrawn
-                if tag in self._lane_of and not withdrawn:
-                    self._armed(lane, tag)  # re-armed by the nack (a bulk window stays)
-        self._fill()
-        self._arm_sweep()
-
-    def _pop_idle(self, lane: str) -> str:
-        # The oldest tag, not set.pop()'s: the same choice on every run (a replayable model).
-        tag = min(self._idle[lane])
-        self._idle[lane].discard(tag)
-        return tag
-
-    def _withdrawable(self, lane: str) -> str | None:
-        """An idle consumer of the fair lane ``lane`` old enough to withdraw (``FairLanes``)."""
-        return self._fair.withdrawable(self._idle[lane], asyncio.get_running_loop().time())
-
-    def _empty_time(self) -> None:
-        self._empty_timer = None
-        self._serve_unserved()
-
-    def _armed(self, lane: str, tag: str) -> None:
-        """``tag`` of ``lane`` is idle (armed) from now."""
-        self._idle[lane].add(tag)
-        if self._fair.served is not None:  # only fair lanes ask how long (``_withdrawable``)
-            self._fair.armed(tag, asyncio.get_running_loop().time(), self._idle)
-
-    def _lookahead(self, lane: str) -> int:
-        """Consumers of ``lane`` that are not running a task."""
-        return len(self._idle[lane]) + len(self._waiting[lane]) + self._opening[lane]
 
     def _fill(self) -> None:
         """Start waiting tasks in free slots, highest lane first."""
@@ -540,106 +457,15 @@ class LaneScheduler:
             if self._paused:
                 continue  # no consumer is renewed or added while paused
             if not self._waiting[chosen]:
-                if self._lookahead(chosen) == 0:
-                    self._renew(chosen)
+                if self._serving.lookahead(chosen) == 0:
+                    self._serving.renew(chosen)
                 elif chosen in self._priorities.above_lowest:  # nothing below the lowest waits
                     self._expect(chosen)
             if self.consumers < self.cap:
                 # Grow toward the cap in the lane that is busy: prefetch-1 consumers are the
                 # window a single prefetch-C consumer would have (fast handlers need it).
-                self._opening[chosen] += 1
+                self._consumers.opening[chosen] += 1
                 self._spawn(self._open(chosen))
-
-    def _renew(self, lane: str) -> None:
-        """``lane`` has no look-ahead left: open a consumer, making room under the cap. With
-        nothing to give up now (the surplus is still being opened), it is retried when a
-        task ends or a consume completes: the cap holds, and no lane is left unconsumed."""
-        if self.consumers >= self.cap and not self._make_room(lane):
-            self._unserved.add(lane)
-            return
-        self._unserved.discard(lane)
-        self._opening[lane] += 1
-        self._priorities.expect(lane)  # timed from its consume-ok (``_open``)
-        self._spawn(self._open(lane))
-
-    def _serve_unserved(self) -> None:
-        if not self._unserved or self._stopping or self._paused:
-            return
-        for lane in [lane for lane in self.lanes if lane in self._unserved]:
-            if self._lookahead(lane) == 0:
-                self._renew(lane)
-            else:
-                self._unserved.discard(lane)
-
-    def _make_room(self, lane_in_need: str) -> bool:
-        """Carry out ``take_room`` for ``lane_in_need``: True if the room is there now (a
-        consumer cancelled), False if none is, or only from a cancel-ok or a give-back."""
-        ending = None
-        if self._ending is not None and not self._cancel_ending:
-            lane = self._lane_of.get(self._ending)
-            if lane is not None:
-                ending = (self._ending, lane)
-        room, young = take_room(
-            lane_in_need,
-            self.lanes,
-            idle=self._idle,
-            waiting=self._waiting,
-            opening=self._opening,
-            peers=self._fair.peers[lane_in_need],
-            ending=ending,
-            leaving=bool(self._leaving),
-            withdrawing=bool(self._withdrawing),
-            withdrawable=self._withdrawable,
-        )
-        if young and self._empty_timer is None:  # retried once the youngest is old enough
-            loop = asyncio.get_running_loop()
-            self._empty_timer = loop.call_later(EMPTY_LANE_S, self._empty_time)
-        if room is None:
-            return False
-        lane, tag = room.lane, room.tag
-        if room.how == "surplus":
-            message = self._waiting[lane].pop()
-            tag = message.consumer_tag or ""
-            self._lane_of.pop(tag, None)
-            self._cancelled.add(tag)
-            # Counted until it is given back (after its consumer's cancel-ok): the room
-            # is there only then, and the unserved lane is served from there.
-            self._leaving += 1
-            self._spawn(self._give_back_surplus(message, tag, lane))
-            return False
-        self._idle[lane].discard(tag)
-        if room.how == "withdraw":
-            self._withdraw(tag, lane)
-            return False
-        if room.how == "ending":
-            self._cancel_ending = True  # release cancels it before the ack
-        else:
-            self._spawn(self._cancel(tag, lane))
-        self._lane_of.pop(tag, None)
-        self._cancelled.add(tag)
-        return True
-
-    def _withdraw(self, tag: str, lane: str) -> None:
-        """Cancel the idle ``tag`` to make room: it stays counted (a delivery that reaches it
-        before its cancel-ok waits and runs as any other) until the cancel-ok; then it is
-        forgotten if it holds nothing, else when its task is released."""
-        self._withdrawing.add(tag)
-        self._spawn(self._withdrawal(tag, lane))
-
-    async def _withdrawal(self, tag: str, lane: str) -> None:
-        try:
-            await self._cancel(tag, lane)
-        finally:
-            self._withdrawing.discard(tag)
-            self._cancelled.add(tag)  # a delivery still behind the cancel-ok goes back
-        holds = any(m.consumer_tag == tag for m in self._waiting[lane]) or any(
-            t == tag for t, _ in self._running.values()
-        )
-        if holds and tag in self._lane_of:
-            self._withdrawn.add(tag)
-        else:
-            self._lane_of.pop(tag, None)
-        self._serve_unserved()
 
     def _running_per_lane(self) -> dict[str, int]:
         """How many tasks of each lane run (fair lanes' turns; counted when asked, not kept)."""
@@ -649,51 +475,22 @@ class LaneScheduler:
         counts[self._lowest] += len(self._bulk_running)
         return counts
 
-    async def _give_back_surplus(
-        self, message: AbstractIncomingMessage, tag: str, lane: str
-    ) -> None:
-        try:
-            await self._cancel(tag, lane)
-            await self._give_back(message, "room for a higher lane's look-ahead")
-        finally:
-            self._leaving -= 1
-        self._serve_unserved()
-
-    def _drop(self, tag: str) -> None:
-        """Forget a consumer that will not be re-armed (cancelled in the background)."""
-        lane = self._lane_of.pop(tag, None)
-        if lane is not None:
-            self._idle[lane].discard(tag)
-            self._cancelled.add(tag)
-            self._spawn(self._cancel(tag, lane))
-
     def _ended_bulk(self, message: AbstractIncomingMessage, _: object) -> None:
         if (message.delivery_tag or 0) in self._bulk_running:
             self._spawn(self.release(message, reusable=False))
 
     # -- bulk mode --------------------------------------------------------------------------
-    async def _open_bulk(self) -> None:
-        assert self._bulk_queue is not None
-        if self._bulk is not None:
-            return  # one bulk consumer at a time: a second would be nobody's
-        tag = f"{BULK_TAG}{uuid.uuid4().hex}"
-        self._bulk = tag  # before the consume: deliveries may come before its consume-ok
-        await self._subscribe(self._bulk_queue, self._on_bulk, consumer_tag=tag)
-
     def _leave_bulk(self, *, renew: bool) -> None:
         """Cancel the bulk consumer: its waiting tasks go back, its running ones finish (and
         count against the cap until then); ``renew``: the lowest lane gets a consumer."""
         self._bulk_mode = False
-        tag, self._bulk = self._bulk, None
-        if tag is not None and self._bulk_queue is not None:
-            self._cancelled.add(tag)
-            self._spawn(self._cancel_on(self._bulk_queue, tag))
+        self._consumers.end_bulk()
         waiting = self._waiting[self._lowest]
         while waiting:
             self._spawn(self._give_back_one(waiting.pop(), "the lanes left bulk mode"))
         log.debug("lanes of %s: per-consumer mode", self._lowest)
         if renew and not self._paused and not self._stopping:
-            self._renew(self._lowest)
+            self._serving.renew(self._lowest)
 
     async def _give_back_one(self, message: AbstractIncomingMessage, why: str) -> None:
         await self._give_back(message, why)
@@ -709,9 +506,9 @@ class LaneScheduler:
             or self._stopping
             or self._running
             or self._bulk_running
-            or self._unserved
+            or self._serving.unserved
             or any(self._waiting.values())
-            or any(self._opening.values())
+            or any(self._consumers.opening.values())
         ):
             return
         loop = asyncio.get_running_loop()
@@ -731,14 +528,12 @@ class LaneScheduler:
         try:
             # The lowest lane's consumers and every upper lane's surplus (all idle: nothing
             # runs or waits) are cancelled first; a delivery racing the cancel goes back.
+            consumers = self._consumers
             cancels = []
             for lane in self.lanes:
                 keep = 0 if lane == self._lowest else 1
-                while len(self._idle[lane]) > keep:
-                    tag = self._pop_idle(lane)
-                    self._lane_of.pop(tag, None)
-                    self._cancelled.add(tag)
-                    cancels.append(self._cancel(tag, lane))
+                while len(consumers.idle[lane]) > keep:
+                    cancels.append(consumers.cancel(consumers.pop_idle(lane), lane))
             await asyncio.gather(*cancels)
             if (
                 self._paused
@@ -746,31 +541,24 @@ class LaneScheduler:
                 or self._running
                 or self._bulk_running
                 or any(self._waiting.values())
-                or any(self._opening.values())
-                or any(len(self._idle[lane]) > 1 for lane in self._upper)
-                or self._idle[self._lowest]
+                or any(consumers.opening.values())
+                or any(len(consumers.idle[lane]) > 1 for lane in self._upper)
+                or consumers.idle[self._lowest]
             ):
                 # Busy again while we cancelled: stay per consumer.
                 if not self._paused and not self._stopping:
-                    self._serve_unserved()
-                    if self._lookahead(self._lowest) == 0:
-                        self._renew(self._lowest)
+                    self._serving.serve()
+                    if self._serving.lookahead(self._lowest) == 0:
+                        self._serving.renew(self._lowest)
                 return
             for lane in self._upper:  # each upper lane keeps one armed look-ahead
-                if self._lookahead(lane) == 0:
-                    self._renew(lane)
+                if self._serving.lookahead(lane) == 0:
+                    self._serving.renew(lane)
             self._bulk_mode = True
-            await self._open_bulk()
+            await self._consumers.open_bulk(self._on_bulk)
             log.debug("lanes of %s: bulk mode", self._lowest)
         finally:
             self._entering_bulk = False
-
-    async def _cancel_on(self, queue: AbstractQueue, tag: str) -> None:
-        with contextlib.suppress(asyncio.TimeoutError, *LINK_ERRORS):
-            await asyncio.wait_for(queue.cancel(tag), CLOSE_TIMEOUT_S)
-        # Deliveries sent before the cancel-ok are behind us by now; the tag is kept a while
-        # longer for one still being dispatched, then forgotten (no growth with time).
-        asyncio.get_running_loop().call_later(CANCELLED_MEMORY_S, self._cancelled.discard, tag)
 
     def _ended(self, message: AbstractIncomingMessage, _: object) -> None:
         if (message.delivery_tag or 0) in self._running:
@@ -788,55 +576,25 @@ class LaneScheduler:
             self._fill()
 
     async def _open(self, lane: str) -> None:
-        # Our tag, not the broker's: known before the consume-ok, so an early delivery
-        # (_on_message) and this method agree on which of them stops counting it as opening.
-        tag = f"{LANE_TAG}{uuid.uuid4().hex}"
-        self._opening_tags.add(tag)
-        opened = False
+        """Consume ``lane`` (counted in its opening by the caller), unless stopping or paused
+        by then; the unserved lanes are served once it stops counting as opening."""
+        tag = None
         try:
-            if self._stopping or self._paused:
-                return
-            await self._subscribe(self._queues[lane], self._deliveries[lane], consumer_tag=tag)
-            opened = True
+            send = not (self._stopping or self._paused)
+            tag = await self._consumers.open(lane, self._deliveries[lane], send=send)
         finally:
-            # Counted as live before it stops counting as opening: in between, the unserved
-            # lanes served below would see room that is not there (the cap + 1 consumers).
-            if opened:
-                self._register(tag, lane)
-            if tag in self._opening_tags:  # else an early delivery did it
-                self._opening_tags.discard(tag)
-                self._opening[lane] -= 1
+            if tag is not None:
+                self._opened(tag, lane)
             if lane in self._priorities.pending:
                 self._expect(lane)
-            self._serve_unserved()
+            self._serving.serve()
 
-    def _register(self, tag: str, lane: str) -> None:
-        """The consume of ``tag`` completed: a live consumer of ``lane`` (idle unless its
-        first delivery came already), unless it was cancelled meanwhile."""
-        if tag in self._cancelled:
-            return
-        self._lane_of[tag] = lane  # also when stopping: stop() cancels every one it knows
+    def _opened(self, tag: str, lane: str) -> None:
+        """The consume of ``tag`` completed and it is live (stop() cancels every live one):
+        idle unless its first delivery came already; dropped if the breaker paused us."""
         if self._stopping:
             return
         if self._paused:
-            self._drop(tag)  # opened as the breaker paused us
-            return
-        if not any(m.consumer_tag == tag for m in self._waiting[lane]) and not any(
-            t == tag for t, _ in self._running.values()
-        ):
-            self._armed(lane, tag)
-
-    async def _cancel(self, tag: str, lane: str) -> None:
-        await self._cancel_on(self._queues[lane], tag)
-
-    def _spawn(self, work: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background_ended)
-
-    def _background_ended(self, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and (e := task.exception()) is not None:
-            # A consume that failed means the channel is gone: the session ends and the
-            # reconnect consumes every lane afresh.
-            log.warning("lane consumer change failed (%s: %s)", type(e).__name__, e)
+            self._consumers.drop(tag)  # opened as the breaker paused us
+        elif not self._holds(tag, lane):
+            self._consumers.armed(lane, tag)
