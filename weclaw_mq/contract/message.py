@@ -183,6 +183,13 @@ class Delivery:
     # The model this attempt calls (``ctx.model``), written on its records; None: not chosen.
     model: str | None = None
 
+    @property
+    def deferrals(self) -> int:
+        """How often the task was parked without an attempt before this delivery (its
+        header)."""
+        value = self.headers.get(h.DEFERRALS)
+        return value if type(value) is int and value > 0 else 0
+
 
 def read_delivery(message: AbstractIncomingMessage, queue: str) -> Delivery:
     raw = message.headers

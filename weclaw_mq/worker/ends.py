@@ -39,7 +39,6 @@ from weclaw_mq.worker import announce as notify
 from weclaw_mq.worker.announce import AGAIN, Heard
 from weclaw_mq.worker.records import How, Writes, Written, after_move, session_of, task_state, write
 from weclaw_mq.worker.runtime import Runtime
-from weclaw_mq.worker.settle import deferrals
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -375,7 +374,7 @@ def _deferred(
     record saying why and when it comes back (best effort, as every progress status; the last
     failure its copy carries stays on it), its first deferral logged at INFO."""
     delay_ms = spec.retry.delay_ms(1) if end.delay_ms is None else end.delay_ms
-    count = deferrals(delivery)
+    count = delivery.deferrals
     if end.by is None:
         if end.queued_again and held is not None and rt.results is not None:
             # The claim wrote "running": it waits in a delay queue now.

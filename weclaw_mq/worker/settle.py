@@ -79,12 +79,6 @@ def carried_headers(delivery: Delivery) -> dict[str, Any]:
     return out
 
 
-def deferrals(delivery: Delivery) -> int:
-    """How often the task was parked without an attempt before this delivery (its header)."""
-    value = delivery.headers.get(h.DEFERRALS)
-    return value if type(value) is int and value > 0 else 0
-
-
 def failure_headers(delivery: Delivery, queue: str, error: BaseException) -> dict[str, Any]:
     """The source's headers plus what went wrong; first-failure time survives every hop."""
     out = carried_headers(delivery)
@@ -265,7 +259,7 @@ class Settler:
             if at_midnight:
                 target, expiration_ms = MIDNIGHT_QUEUE, max(1, not_before_ms - now_ms())
                 delay_ms = expiration_ms
-        headers[h.DEFERRALS] = deferrals(delivery) + 1
+        headers[h.DEFERRALS] = delivery.deferrals + 1
         if not await self._move(
             message,
             delivery,
