@@ -116,7 +116,7 @@ class App(Registration, Reading, WorkflowsAndCosts, LocalOutbox):
         self._from_parent: list[object] = []
         # The LLM layer's state in Redis, opened with the lifespan as the handlers need it.
         self._models = ModelResources(
-            self.name,
+            lambda: self.name,
             self.settings,
             lambda: bool(self.prices),
             lambda: self._handlers.values(),

@@ -21,7 +21,7 @@ class ModelResources:
     when no handler of the App needs it.
 
     Args:
-        name: The App's name (its ledger's and models' keys).
+        name: The App's name (its ledger's and models' keys), read when it opens.
         settings: The App's settings.
         prices: Whether the App has prices (its runs are costed), read when it opens.
         handlers: The App's handlers, read when the lifespan opens (all registered by then).
@@ -30,7 +30,7 @@ class ModelResources:
 
     def __init__(
         self,
-        name: str,
+        name: Callable[[], str],
         settings: Settings,
         prices: Callable[[], bool],
         handlers: Callable[[], Iterable[HandlerSpec]],
@@ -58,12 +58,12 @@ class ModelResources:
         if self._prices():
             self.ledger = ledger_of(
                 store,
-                self._name,
+                self._name(),
                 usage_ttl_s=settings.result_ttl_s,
                 days_kept=settings.cost_days_kept,
             )
         if any(s.fallback is not None for s in specs):
-            self.health = health_of(store, self._name)
+            self.health = health_of(store, self._name())
         if any(s.limits or s.cap is not None for s in specs):  # a cap reserves there
             self.limiter = Limiter.open(settings)
         try:
