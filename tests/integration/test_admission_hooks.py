@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tests.conftest import ignoring_cancels, wait_until
-from weclaw_mq import App, Context, Defer, Middleware, RetryPolicy, Run, TaskStatus
+from weclaw_mq import App, CallEnd, Context, Defer, Middleware, Reject, RetryPolicy, Run, TaskStatus
 
 FAST = RetryPolicy(max_retries=1, delay_s=0.05, multiplier=1)
 # The bound of a hook's wait on the test: never reached when the code is right.
@@ -211,3 +211,79 @@ async def test_an_around_run_hook_that_hangs_ends_at_the_handlers_deadline(
     assert final.status is TaskStatus.DEAD_LETTERED
     assert final.error == "HandlerTimeout: handler ran past its timeout of 0.3 s"
     assert ran == []
+
+
+async def test_after_call_hooks_see_the_call_and_may_change_its_error_or_park_the_task(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    # One hook turns the handler's first failure into a rejection (to the DLQ now, not a
+    # retry), another parks a success of the second queue once, without spending an attempt;
+    # a hook that let a task through is told how its call ended, every time.
+    app = make_app()
+    seen: list[tuple[str, int, str | None, bool]] = []
+    parked_once: list[str] = []
+
+    class Judge(Middleware):
+        async def after_call(self, run: Run, call: CallEnd) -> BaseException | Defer | None:
+            error = None if call.error is None else type(call.error).__name__
+            seen.append((run.queue, run.attempt, error, call.started))
+            if run.queue == qname and call.error is not None:
+                return Reject(f"judged: {call.error}")
+            if run.queue != qname and run.task_id not in parked_once:
+                parked_once.append(run.task_id)
+                return Defer("judged: once more", after_s=0.05, by="judge")
+            return None
+
+    app.add_middleware(Judge())
+
+    @app.handler(qname, retry=FAST)
+    async def failing(task: dict[str, int]) -> None:
+        raise RuntimeError("the answer did not parse")
+
+    @app.handler(f"{qname}-2", retry=FAST)
+    async def fine(task: dict[str, int], ctx: Context) -> int:
+        return ctx.attempt
+
+    await start_worker(app)
+    failed = await app.publish(qname, {"n": 1})
+    final = await app.result(failed, timeout_s=30)
+    assert final.status is TaskStatus.DEAD_LETTERED  # rejected at once: FAST had a retry left
+    assert final.error is not None and final.error.startswith("Reject: judged: ")
+    ok = await app.publish(f"{qname}-2", {"n": 2})
+    second = await app.result(ok, timeout_s=30)
+    assert (second.status, second.result) == (TaskStatus.SUCCEEDED, 1)  # parked, no attempt
+    assert seen == [
+        (qname, 1, "RuntimeError", True),
+        (f"{qname}-2", 1, None, True),
+        (f"{qname}-2", 1, None, True),
+    ]
+
+
+async def test_an_after_call_hook_past_the_handlers_timeout_fails_the_attempt_as_a_timeout(
+    make_app: Callable[..., App], start_worker: Callable[..., Any], qname: str
+) -> None:
+    # A hook that hangs after the call holds neither the claim nor the slot for ever: it is
+    # cancelled at the handler's timeout (counted afresh) and the attempt fails with it.
+    app = make_app()
+    hung = asyncio.Event()
+
+    class Slow(Middleware):
+        async def after_call(self, run: Run, call: CallEnd) -> BaseException | Defer | None:
+            if run.attempt == 1:
+                hung.set()
+                await asyncio.sleep(HOOK_WAIT_S)  # cancelled at the deadline
+            return None
+
+    app.add_middleware(Slow())
+
+    @app.handler(qname, retry=FAST, timeout_s=0.3)
+    async def work(task: dict[str, int], ctx: Context) -> int:
+        return ctx.attempt
+
+    await start_worker(app)
+    task_id = await app.publish(qname, {"n": 1})
+    final = await app.result(task_id, timeout_s=30)
+    assert hung.is_set()
+    # The first attempt failed as a timeout of the hook; its claim was freed, so the retry
+    # ran at once and succeeded.
+    assert (final.status, final.result) == (TaskStatus.SUCCEEDED, 2)

@@ -28,7 +28,8 @@ once each per run or publish:
   first. ``call`` says how (``CallEnd``). It answers None to let that stand, an exception to
   be the attempt's failure as the retry policy sees it (in place of ``call.error``), or a
   ``Defer`` to park the task without spending the attempt. An exception raised here is the
-  attempt's failure.
+  attempt's failure. They run under the handler's ``timeout_s``, counted afresh, with the
+  claim's lease kept: one past it fails the attempt as a ``HandlerTimeout``.
 - ``let_go(run)``: a run this middleware's ``admit`` let through will not reach
   ``after_call``: a later ``admit`` hook parked or failed it, or the worker gave the message
   back (it stops hard, or the handler was abandoned at its deadline). A plain function, for

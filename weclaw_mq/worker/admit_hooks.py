@@ -20,6 +20,7 @@ from typing import Any
 
 from weclaw_mq.contract.lifetime import now_ms
 from weclaw_mq.errors import HandlerTimeout
+from weclaw_mq.handlers.middleware import CallEnd
 from weclaw_mq.handlers.middleware import DeadLetter as DeadLettered
 from weclaw_mq.handlers.middleware import Defer as Deferred
 from weclaw_mq.handlers.spec import HandlerSpec
@@ -44,7 +45,8 @@ async def admitted(a: Attempt) -> End | None:
     run = a.run = run_of(a.delivery, spec, a.task)
     held = a.held is not None and rt.store is not None
     grace_s = rt.settings.handler_cancel_grace_s
-    deadline = Deadline(rt.deadlines, spec.timeout_s, functools.partial(_stuck, a), grace_s)
+    stuck = functools.partial(_stuck, a, "an admit hook")
+    deadline = Deadline(rt.deadlines, spec.timeout_s, stuck, grace_s)
     holding = (
         rt.store.holding(spec.queue, a.delivery.task_id, a.held)  # type: ignore[union-attr,arg-type]
         if held
@@ -80,14 +82,41 @@ async def admitted(a: Attempt) -> End | None:
     return _TAKEN_OVER if a.taken_over else end
 
 
+async def called_back(a: Attempt, call: CallEnd) -> BaseException | Deferred | None:
+    """Run the ``after_call`` hooks: their answer (None, the error the retry policy sees, a
+    ``Defer``), or the attempt's failure they became (a hook's exception; a ``HandlerTimeout``
+    past the handler's ``timeout_s``, counted afresh: the claim's lease is kept meanwhile and
+    no longer). One that ignores its cancellation is left behind as a stuck handler is
+    (``a.taken_over``: the delivery's task settles nothing more)."""
+    spec, rt, hooks, run = a.spec, a.rt, a.pipeline.hooks, a.run
+    assert hooks is not None and run is not None  # only for a run of a chain with such hooks
+    stuck = functools.partial(_stuck, a, "an after_call hook")
+    deadline = Deadline(rt.deadlines, spec.timeout_s, stuck, rt.settings.handler_cancel_grace_s)
+    try:
+        with deadline:
+            answer = await hooks.after_call(run, call)
+    except asyncio.CancelledError as e:
+        if cancelled_by_caller():
+            raise
+        return e  # raised by a hook itself
+    except Exception as e:
+        if isinstance(e, TimeoutError) and deadline.expired:
+            why = f"after_call hooks ran past the handler's timeout of {spec.timeout_s} s"
+            return HandlerTimeout(why)
+        return e
+    if answer is None or isinstance(answer, BaseException | Deferred):
+        return answer
+    return TypeError(f"an after_call hook returned {answer!r}: None, an exception or a Defer")
+
+
 # What the gate answers once another task ended the attempt: it stops the later gates and is
 # never carried out (``delivery._process`` reads ``taken_over`` first).
 _TAKEN_OVER = GiveBack("an admit hook was abandoned; the task that took over ended it")
 
 
-def _stuck(a: Attempt, stuck: asyncio.Task[Any]) -> None:
+def _stuck(a: Attempt, what: str, stuck: asyncio.Task[Any]) -> None:
     """The deadline's call for a hook still running a grace after its cancellation."""
-    a.taken_over = True
+    a.taken_over = what
     take_over(a, stuck)
 
 

@@ -81,9 +81,10 @@ class Attempt:
         # The middleware's view of the run, made by its admit hooks (``admit_hooks``) or
         # as its run begins.
         self.run: Run | None = None
-        # An admit hook ignored its cancellation past the timeout: another task ended the
-        # attempt (``running.take_over``), and this delivery's task settles nothing more.
-        self.taken_over = False
+        # A middleware hook (an admit or after_call hook: which, said here) ignored its
+        # cancellation past the timeout: another task ended the attempt
+        # (``running.take_over``), and this delivery's task settles nothing more.
+        self.taken_over = ""
 
     def let_go(self) -> None:
         """Tell the middleware that let the run through that its call will not end here (a

@@ -30,7 +30,7 @@ from weclaw_mq.observability import tracing
 from weclaw_mq.state import TaskStatus
 from weclaw_mq.worker import run_hooks
 from weclaw_mq.worker.admission import admit
-from weclaw_mq.worker.admit_hooks import admitted, parked
+from weclaw_mq.worker.admit_hooks import admitted, called_back, parked
 from weclaw_mq.worker.attempt import Attempt, Gate, Pipeline
 from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.ends import AckCancelled, Defer, End, after_attempt, carry_out
@@ -148,16 +148,13 @@ async def _run(a: Attempt) -> End | None:
     if hooks is not None and hooks.calls and a.run is not None:
         a.admitted = False  # told here, not let go
         call = CallEnd(outcome[0], outcome[1], a.watch.requested, not unstarted)
-        try:
-            answer = await hooks.after_call(a.run, call)
-        except Exception as e:  # a hook's failure is the attempt's
-            answer = e
+        answer = await called_back(a, call)  # under the handler's timeout, counted afresh
+        if a.taken_over:  # a hook ignored its cancellation: another task ended the attempt
+            return None
         if isinstance(answer, Deferred):
             deferred = parked(answer, spec)
-        elif isinstance(answer, BaseException):
-            outcome = (None, answer)
         elif answer is not None:
-            outcome = (None, TypeError(f"an after_call hook returned {answer!r}"))
+            outcome = (None, answer)
     a.outcome = outcome
     # Cancelled while it ran: whatever it returned or raised no longer counts (a failure is
     # not retried).

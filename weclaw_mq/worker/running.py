@@ -217,7 +217,7 @@ async def _end_abandoned(a: Attempt) -> None:
             )
             error, end = asyncio.CancelledError(), AckCancelled()
         else:
-            what = "an admit hook" if a.taken_over else "handler"
+            what = a.taken_over or "handler"
             log.error(
                 "%s still running %.3g s after it was cancelled at its timeout of %.3g s "
                 "(it ignores cancellation); ending the attempt without it",
