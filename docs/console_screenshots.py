@@ -71,6 +71,17 @@ def register(app: App, state: State) -> None:
 
     @app.handler(CHAT, retry=RetryPolicy(max_retries=2, delay_s=0.5))
     async def reply(message: dict[str, Any], ctx: Context) -> dict[str, Any]:
+        # Two memoized steps before the reply: the task page lists them with their tokens.
+        async def look_up() -> dict[str, str]:
+            ctx.usage(input_tokens=420, output_tokens=35, model="small-1")
+            return {"order": "A-1042", "refund": "approved"}
+
+        async def check_policy(order: dict[str, str]) -> bool:
+            ctx.usage(input_tokens=180, output_tokens=4, model="guard-1")
+            return order["refund"] == "approved"
+
+        order = await ctx.step("look up the order", look_up)
+        await ctx.step("check the refund policy", check_policy, order)
         words = REPLY if message.get("long") else REPLY[:9]
         for i, word in enumerate(words):
             await ctx.emit(word if i == 0 else " " + word)
