@@ -46,6 +46,7 @@ from weclaw_mq.contract.naming import (
     timeline_key,
 )
 from weclaw_mq.state.task_index import SPARSE_STATUSES
+from weclaw_mq.streaming import StreamEvent
 from weclaw_mq.testing import services
 from weclaw_mq.wire.topology import queue_declarations
 
@@ -367,6 +368,15 @@ async def wait_until(predicate: Callable[[], Any], timeout_s: float = 10.0, what
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
         await asyncio.sleep(0.02)
+
+
+async def collect(events: AsyncIterator[StreamEvent], timeout_s: float = 30.0) -> list[StreamEvent]:
+    """Every event of a task's stream until its final one (bounded by ``timeout_s``)."""
+    out: list[StreamEvent] = []
+    async with asyncio.timeout(timeout_s):
+        async for event in events:
+            out.append(event)
+    return out
 
 
 async def ignoring_cancels(release: asyncio.Event) -> None:

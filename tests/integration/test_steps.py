@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
+from tests.conftest import collect, delete_queues, forget_task_keys, settings_for, wait_until
 from tests.integration.fixture_apps.steps_app import StepsJob, build_app, read_calls
 from tests.integration.processes import (
     queue_names,
@@ -32,17 +32,8 @@ from weclaw_mq.policy.retry import RetryPolicy
 from weclaw_mq.state import Claim, TaskState
 from weclaw_mq.state.redis_clients import open_client
 from weclaw_mq.state.steps import StepMemo, made
-from weclaw_mq.streaming import StreamEvent
 
 FAST_RETRY = RetryPolicy(max_retries=3, delay_s=0.05, max_delay_s=0.05)
-
-
-async def collect(events: AsyncIterator[StreamEvent], timeout_s: float = 30.0) -> list[StreamEvent]:
-    out: list[StreamEvent] = []
-    async with asyncio.timeout(timeout_s):
-        async for event in events:
-            out.append(event)
-    return out
 
 
 async def test_a_step_runs_once_across_a_retry_and_the_retry_replays_its_result(

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import BaseModel
 
-from tests.conftest import delete_queues, running_private_redis, settings_for
+from tests.conftest import collect, delete_queues, running_private_redis, settings_for
 from tests.integration.fixture_apps.worker_app import Job
 from tests.integration.processes import queue_names
 from tests.private_servers import PrivateRedis
@@ -30,14 +30,6 @@ from weclaw_mq.streaming.events import final_entry, id_key
 class Words(BaseModel):
     words: list[str]
     fail_first: bool = False
-
-
-async def collect(events: AsyncIterator[StreamEvent], timeout_s: float = 20.0) -> list[StreamEvent]:
-    out: list[StreamEvent] = []
-    async with asyncio.timeout(timeout_s):
-        async for event in events:
-            out.append(event)
-    return out
 
 
 def texts(events: list[StreamEvent]) -> list[Any]:
