@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,12 +26,24 @@ _T = TypeVar("_T")
 
 @dataclass
 class _Running:
-    """The step running in this (asyncio or thread) context: its key, and the model calls
-    reported inside it (``ctx.usage``)."""
+    """The step running in this (asyncio or thread) context: its key, the model calls
+    reported inside it (``ctx.usage``), and when it started (``time.perf_counter``)."""
 
     ctx: Context
     key: str
-    usage: list[Usage]
+    usage: list[Usage] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+
+@contextlib.contextmanager
+def _inside(ctx: Context, key: str) -> Iterator[_Running]:
+    """The step's function runs inside this: ``ctx.step_key`` and ``ctx.usage`` see it."""
+    running = _Running(ctx, key)
+    token = _running_step.set(running)
+    try:
+        yield running
+    finally:
+        _running_step.reset(token)
 
 
 # Set while a step's function runs: asyncio tasks and threads started inside it inherit it.
@@ -272,16 +285,11 @@ class Context:
         recorded = await memo.recorded(name, occurrence)
         if recorded is not None:
             return recorded.result
-        running = _Running(self, key, [])
-        token = _running_step.set(running)
-        started = time.perf_counter()
-        try:
+        with _inside(self, key) as running:
             value = fn(*args, **kwargs)
             if inspect.isawaitable(value):
                 value = await value
-        finally:
-            _running_step.reset(token)
-        return await self._record(memo, name, (occurrence, seq), value, started, running)
+        return await self._record(memo, name, (occurrence, seq), value, running)
 
     def step_sync(self, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``step`` from a plain-``def`` handler's thread: ``fn`` runs in this thread.
@@ -310,13 +318,8 @@ class Context:
         recorded = self._on_loop(memo.recorded(name, occurrence), "step")
         if recorded is not None:
             return recorded.result
-        running = _Running(self, key, [])
-        token = _running_step.set(running)
-        started = time.perf_counter()
-        try:
+        with _inside(self, key) as running:
             value = fn(*args, **kwargs)
-        finally:
-            _running_step.reset(token)
         if inspect.isawaitable(value):
             if inspect.iscoroutine(value):
                 value.close()
@@ -325,7 +328,7 @@ class Context:
                 "in an async def for a coroutine function"
             )
         called = (occurrence, seq)
-        return self._on_loop(self._record(memo, name, called, value, started, running), "step")
+        return self._on_loop(self._record(memo, name, called, value, running), "step")
 
     @property
     def step_key(self) -> str:
@@ -376,7 +379,6 @@ class Context:
         name: str,
         called: tuple[int, int],
         value: Any,
-        started: float,
         running: _Running,
     ) -> Any:
         """Record a step that returned ``value``; ``called``: its occurrence and place."""
@@ -384,7 +386,7 @@ class Context:
             name,
             called[0],
             value,
-            duration_s=time.perf_counter() - started,
+            duration_s=time.perf_counter() - running.started,
             attempt=self.attempt,
             usage=running.usage,
             max_bytes=self.app.settings.step_max_bytes,
