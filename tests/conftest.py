@@ -289,7 +289,7 @@ async def forget_limit_keys(redis_url: str, queue: str) -> None:
     client = aioredis.from_url(redis_url)
     try:
         pattern = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:*"
-        keys = [k async for k in client.scan_iter(pattern)]
+        keys = [k async for k in client.scan_iter(pattern, count=1000)]
         if keys:
             await client.delete(*keys)
     finally:
@@ -305,7 +305,9 @@ async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
         for queue in queues:
             keys: list[bytes] = []
             for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX, BODY_KEY_PREFIX, STEPS_KEY_PREFIX):
-                keys += [k async for k in client.scan_iter(queue_key_pattern(prefix, queue))]
+                keys += [
+                    k async for k in client.scan_iter(queue_key_pattern(prefix, queue), count=1000)
+                ]
             task_ids = {k.rsplit(b":{", 1)[1].removesuffix(b"}").decode() for k in keys}
             keys += [
                 key(t).encode()
@@ -324,7 +326,7 @@ async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
             await client.delete(indexed)
             await client.srem(TASK_INDEX_QUEUES_KEY, indexed)
             # The fair-share book (the lane counts, each tenant's lane).
-            fair = [k async for k in client.scan_iter(f"{fair_key(queue)}*")]
+            fair = [k async for k in client.scan_iter(f"{fair_key(queue)}*", count=1000)]
             if fair:
                 await client.delete(*fair)
     except (aioredis.RedisError, OSError):

@@ -80,7 +80,9 @@ async def forget(redis_url: str, broker_url: str) -> AsyncIterator[list[tuple[st
     for name, ids in apps:
         await client.delete(costs_key(name, day), *(usage_key(t) for t in ids))
         # The tenants' reservations against their caps.
-        async for key in client.scan_iter(match=f"{CAP_KEY_PREFIX}:{len(name)}:{name}:*"):
+        async for key in client.scan_iter(
+            match=f"{CAP_KEY_PREFIX}:{len(name)}:{name}:*", count=1000
+        ):
             await client.delete(key)
     await client.aclose()
 

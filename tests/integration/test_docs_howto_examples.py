@@ -127,7 +127,7 @@ class Examples:
             keys = list(self.redis_keys)
             for queue in queues:  # per-key limits' slots and starts (they expire, but later)
                 pattern = f"{LIMIT_KEY_PREFIX}:{len(queue.encode())}:{queue}:*"
-                keys += [k.decode() async for k in client.scan_iter(pattern)]
+                keys += [k.decode() async for k in client.scan_iter(pattern, count=1000)]
             if keys:
                 await client.delete(*keys)
         finally:
@@ -658,7 +658,9 @@ async def test_admission_page_quota_parks_the_third_run_and_dead_letters_an_unkn
         assert finals[2].error == "Reject: customer 'mallory' has no contract"
     finally:
         client = example.quota.redis
-        examples.redis_keys += [k.decode() async for k in client.scan_iter(f"quota:{queue}:*")]
+        examples.redis_keys += [
+            k.decode() async for k in client.scan_iter(f"quota:{queue}:*", count=1000)
+        ]
         await client.aclose()
 
 

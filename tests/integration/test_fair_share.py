@@ -301,7 +301,7 @@ async def _redis_or_memory(kind: str, redis_url: str) -> tuple[FairBook, aioredi
 
 async def _forget(client: aioredis.Redis | None, queue: str) -> None:
     if client is not None:
-        keys = [k async for k in client.scan_iter(f"{fair_key(queue)}*")]
+        keys = [k async for k in client.scan_iter(f"{fair_key(queue)}*", count=1000)]
         if keys:
             await client.delete(*keys)
         await client.aclose()

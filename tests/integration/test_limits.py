@@ -59,14 +59,16 @@ async def counters(redis_client: aioredis.Redis) -> AsyncIterator[str]:
     """A prefix for this test's counter keys, deleted afterwards."""
     prefix = f"test-limits:{uuid.uuid4().hex[:8]}"
     yield prefix
-    keys = [k async for k in redis_client.scan_iter(f"{prefix}:*")]
+    keys = [k async for k in redis_client.scan_iter(f"{prefix}:*", count=1000)]
     if keys:
         await redis_client.delete(*keys)
 
 
 async def _forget_limit_keys(client: aioredis.Redis, queue: str) -> None:
     # They expire by themselves (one lease / one period); a test leaves none behind anyway.
-    keys = [k async for k in client.scan_iter(f"{LIMIT_KEY_PREFIX}:{len(queue)}:{queue}:*")]
+    keys = [
+        k async for k in client.scan_iter(f"{LIMIT_KEY_PREFIX}:{len(queue)}:{queue}:*", count=1000)
+    ]
     if keys:
         await client.delete(*keys)
 

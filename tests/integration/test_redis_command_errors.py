@@ -36,7 +36,7 @@ async def test_a_claim_redis_refuses_raises_a_command_error_not_an_outage(
         with pytest.raises(StateCommandError) as caught:
             await store.claim(qname, "t-1", new_owner())
     finally:
-        keys = [k async for k in client.scan_iter(f"*{qname}*")]
+        keys = [k async for k in client.scan_iter(f"*{qname}*", count=1000)]
         if keys:
             await client.delete(*keys)
         await client.aclose()
