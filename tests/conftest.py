@@ -35,6 +35,7 @@ from weclaw_mq.contract.naming import (
     STEPS_KEY_PREFIX,
     TASK_INDEX_KEY,
     TASK_INDEX_QUEUES_KEY,
+    WATCH_KEY_PREFIX,
     cancel_key,
     fair_key,
     is_shared_name,
@@ -304,7 +305,13 @@ async def forget_task_keys(redis_url: str, queues: Iterable[str]) -> None:
     try:
         for queue in queues:
             keys: list[bytes] = []
-            for prefix in (GUARD_KEY_PREFIX, STATE_KEY_PREFIX, BODY_KEY_PREFIX, STEPS_KEY_PREFIX):
+            for prefix in (
+                GUARD_KEY_PREFIX,
+                STATE_KEY_PREFIX,
+                BODY_KEY_PREFIX,
+                STEPS_KEY_PREFIX,
+                WATCH_KEY_PREFIX,
+            ):
                 keys += [
                     k async for k in client.scan_iter(queue_key_pattern(prefix, queue), count=1000)
                 ]

@@ -202,6 +202,10 @@ class Settings(EnvSettings):
     # lapsed (the worker died) is free at once, without waiting out guard_lease_s. A worker
     # whose event loop stalls longer than this looks dead to the others.
     guard_heartbeat_ttl_s: float = seconds(5.0, floor=0.5, ceiling=300.0)
+    # A long run's watch copy (worker.long_runs) comes back this often, through the longest
+    # of its handler's delay queues not longer: one publish per period per run. A run whose
+    # worker died resumes within this plus guard_heartbeat_ttl_s (docs/how-to/long-runs.md).
+    long_run_watch_s: float = seconds(16.0, floor=1.0, ceiling=1024.0)
     # 'weclaw-mq inspect' (weclaw_mq.state.worker_registry): a worker with a Redis task store
     # writes what it runs to Redis this often, off the delivery path; the record lives three
     # beats, so a worker killed without stopping disappears within 3 x this.

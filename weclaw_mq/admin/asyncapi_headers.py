@@ -150,6 +150,13 @@ TASK: tuple[HeaderDoc, ...] = (
         WECLAW_MQ,
     ),
     HeaderDoc(
+        h.WATCH,
+        _count(1),
+        "On a long run's watch copy (long_running=True): the generation of the run it "
+        "watches; a copy whose generation the task's watch has passed is acked unrun.",
+        WECLAW_MQ,
+    ),
+    HeaderDoc(
         h.X_DELIVERY_COUNT,
         _count(0),
         "RabbitMQ's count of returns to this queue (quorum queues).",

@@ -53,6 +53,10 @@ MODELS_TRIED = f"{PREFIX}models-tried"
 # breaker, no free thread): the first deferral is logged at INFO, the later ones at DEBUG.
 DEFERRALS = f"{PREFIX}deferrals"
 
+# A long run's watch copy (worker.long_runs): the generation of the run it watches. A copy
+# whose generation the task's watch key has passed is no longer needed and is dropped.
+WATCH = f"{PREFIX}watch"
+
 # The error's stable name (part of the wire format, see failures.error_type); the class's
 # module path beside it is for people only and changes when code moves.
 ERROR_TYPE = f"{PREFIX}error-type"

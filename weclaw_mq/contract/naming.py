@@ -36,6 +36,9 @@ BODY_KEY_PREFIX = f"{REDIS_PREFIX}:body"
 TIMELINE_KEY_PREFIX = f"{REDIS_PREFIX}:timeline"
 # A task's memoized steps in one queue (ctx.step, state.steps): beside its record, same TTL.
 STEPS_KEY_PREFIX = f"{REDIS_PREFIX}:steps"
+# A long run's watch (worker.long_runs): the generation of its live watch copy, or minus it
+# once the run ended (state.watches).
+WATCH_KEY_PREFIX = f"{REDIS_PREFIX}:watch"
 # A workflow (weclaw_mq.workflows): its plan and progress, and its parts' ends, hash-tagged
 # on the workflow id; and the one sorted set of workflow deadlines every worker sweeps.
 WORKFLOW_KEY_PREFIX = f"{REDIS_PREFIX}:workflow"
@@ -263,6 +266,12 @@ def steps_key(queue: str, task_id: str) -> str:
     """The task's memoized steps in ``queue`` (``ctx.step``): per queue, as its record is, so
     two pipeline stages sharing a task id never replay each other's steps."""
     return _task_key(STEPS_KEY_PREFIX, queue, task_id)
+
+
+def watch_key(queue: str, task_id: str) -> str:
+    """A long run's watch generation in ``queue`` (``state.watches``): beside its guard key,
+    in its slot, so the claim reads it in the same step."""
+    return _task_key(WATCH_KEY_PREFIX, queue, task_id)
 
 
 def latest_key(task_id: str) -> str:

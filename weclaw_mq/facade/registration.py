@@ -91,6 +91,7 @@ class Registration:
         cap: Cap | None = None,
         fallback: Fallback | None = None,
         fair: Fair | bool | None = None,
+        long_running: bool = False,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register a handler (async or plain def) for ``queue``; unset options come from settings.
 
@@ -132,6 +133,10 @@ class Registration:
             fair: ``Fair(lanes=4)`` (or ``True``): a tenant's backlog does not hold up another
                 tenant's task: each tenant's tasks go to a lane of its own, served in turn
                 (``weclaw_mq.policy.fair_share``). The tenant is ``tenant=`` or ``Fair(key=)``.
+            long_running: Runs may outlive the broker's consumer timeout: the delivery is
+                acked as the run begins, a watch copy keeps the task on the broker, and a
+                run whose worker died resumes elsewhere (``weclaw_mq.worker.long_runs``).
+                Needs the guard (``idempotent=True``) and Redis.
 
         Returns:
             The decorator, which registers the function and returns it unchanged.
@@ -175,6 +180,7 @@ class Registration:
                 cap=cap,
                 fallback=fallback,
                 fair=fair,
+                long_running=long_running,
             )
             return func
 

@@ -66,6 +66,8 @@ class HandlerSpec:
     # with the function naming a task's tenant.
     fair: Fair | None = None
     fair_key: KeyFunc | None = None
+    # Runs may outlive the broker's consumer timeout (``long_running=``; worker.long_runs).
+    long_running: bool = False
 
     @property
     def name(self) -> str:
@@ -242,6 +244,7 @@ def build_spec(
     cap: Cap | None = None,
     fallback: Fallback | None = None,
     fair: Fair | bool | None = None,
+    long_running: bool = False,
 ) -> HandlerSpec:
     """Check the function and options now, so a mistake fails at import and not at 3 a.m."""
     validate_queue_name(queue)
@@ -249,6 +252,7 @@ def build_spec(
     hints = _type_hints(func)
     params = _check_signature(func, queue, hints)
     _check_run_options(queue, timeout_s, delivery_limit, max_length, ttl_s, priorities)
+    _check_long_running(queue, long_running, idempotent)
     _check_policies(queue, limits, breaker, tenant, cap, fallback)
     fair, fair_key = _fair_share(queue, fair, tenant)
     annotation = hints.get(params[0].name, Any)
@@ -277,6 +281,7 @@ def build_spec(
         fallback=fallback,
         fair=fair,
         fair_key=fair_key,
+        long_running=long_running,
     )
 
 
@@ -306,6 +311,17 @@ def _check_run_options(
     check_ttl(ttl_s, f"ttl_s for {queue!r}")
     if not isinstance(priorities, bool):
         raise ConfigurationError(f"priorities for {queue!r} must be True or False")
+
+
+def _check_long_running(queue: str, long_running: bool, idempotent: bool) -> None:
+    """A long run is resumed by whoever gets its watch copy: only the guard makes that safe."""
+    if not isinstance(long_running, bool):
+        raise ConfigurationError(f"long_running for {queue!r} must be True or False")
+    if long_running and not idempotent:
+        raise ConfigurationError(
+            f"long_running for {queue!r} needs the guard (idempotent=True): its watch copy "
+            "would otherwise run it a second time beside the first"
+        )
 
 
 def _check_policies(

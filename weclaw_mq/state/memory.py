@@ -60,6 +60,7 @@ from weclaw_mq.state.task_index import (
     to_ms,
 )
 from weclaw_mq.state.transitions import may_follow, narrowing
+from weclaw_mq.state.watches import WatchStep, is_stale, next_value
 from weclaw_mq.state.workflow_records import HasWorkflows, MemoryWorkflowStore
 
 _DONE = "done"  # a claim's holder once the task finished: no owner token is this
@@ -116,6 +117,8 @@ class MemoryTaskStore(TaskStore, TaskIndex, FingerprintStore, HasWorkflows):
         self._done_ttl_s = done_ttl_s
         self._clock = clock
         self._claims: dict[tuple[str, str], _Entry] = {}
+        # Long runs' watch generations (state.watches); as long as the process, no TTL.
+        self._watches: dict[tuple[str, str], int] = {}
         self._held: dict[tuple[str, str], str] = {}  # claims kept alive by ``holding``
         self._records: dict[tuple[str, str], _Entry] = {}
         self._fingerprints: dict[tuple[str, str], _Entry] = {}  # state.reuse
@@ -150,8 +153,16 @@ class MemoryTaskStore(TaskStore, TaskIndex, FingerprintStore, HasWorkflows):
 
     # -- the guard ----------------------------------------------------------------------
     async def claim(
-        self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
+        self,
+        queue: str,
+        task_id: str,
+        owner: str,
+        *,
+        running: TaskState | None = None,
+        watch: int | None = None,
     ) -> Claim:
+        if watch is not None and is_stale(self._watches.get((queue, task_id)), watch):
+            return Claim.STALE
         if self._is_cancelled(queue, task_id):
             return Claim.CANCELLED
         key = (queue, task_id)
@@ -162,6 +173,11 @@ class MemoryTaskStore(TaskStore, TaskIndex, FingerprintStore, HasWorkflows):
                 self._write(running, only_if_new=False)
             return Claim.ACQUIRED
         return Claim.DONE if current.value == _DONE else Claim.BUSY
+
+    async def watch(self, queue: str, task_id: str, generation: int, step: WatchStep) -> int:
+        key = (queue, task_id)
+        value = self._watches[key] = next_value(self._watches.get(key), generation, step)
+        return value
 
     @contextlib.contextmanager
     def holding(self, queue: str, task_id: str, owner: str) -> Iterator[None]:

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
+from weclaw_mq.state.watches import WatchStep
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
@@ -152,6 +154,7 @@ class Claim(StrEnum):
     DONE = "done"  # finished before: ack without running
     BUSY = "busy"  # another attempt holds it now: come back later
     CANCELLED = "cancelled"  # cancelled (App.cancel): ack without running
+    STALE = "stale"  # a long run's watch copy no longer needed (state.watches): ack it unrun
 
 
 class Finish(StrEnum):
@@ -174,7 +177,13 @@ class TaskStore(Protocol):
 
     # -- the guard ----------------------------------------------------------------------
     async def claim(
-        self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
+        self,
+        queue: str,
+        task_id: str,
+        owner: str,
+        *,
+        running: TaskState | None = None,
+        watch: int | None = None,
     ) -> Claim:
         """Claim (queue, task id) for ``owner`` under a lease, never check-then-set.
 
@@ -183,11 +192,27 @@ class TaskStore(Protocol):
             task_id: The task's id.
             owner: The attempt's token (``new_owner``).
             running: A record to write in the same step when the claim is granted.
+            watch: The generation a long run's watch copy carries (``state.watches``): a
+                stale one claims nothing.
 
         Returns:
             ``Claim.ACQUIRED`` (run it), ``Claim.DONE`` (finished before), ``Claim.BUSY``
-            (another attempt holds it), or ``Claim.CANCELLED`` (nothing claimed) when the task
-            was cancelled in that queue.
+            (another attempt holds it), ``Claim.CANCELLED`` (nothing claimed) when the task
+            was cancelled in that queue, or ``Claim.STALE`` for a stale watch copy.
+        """
+        ...
+
+    async def watch(self, queue: str, task_id: str, generation: int, step: WatchStep) -> int:
+        """Move a long run's watch generation (``state.watches``).
+
+        Args:
+            queue: The handler queue.
+            task_id: The task's id.
+            generation: The copy's generation (``START``, ``RAISE``) or the run's (``END``).
+            step: How it moves.
+
+        Returns:
+            The value written: the generation that counts now, or minus it once ended.
         """
         ...
 

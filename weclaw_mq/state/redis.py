@@ -58,6 +58,7 @@ from weclaw_mq.state.redis_workflows import RedisWorkflowStore
 from weclaw_mq.state.schedule_book import ScheduleBook
 from weclaw_mq.state.steps import RedisStepBook
 from weclaw_mq.state.transitions import TRANSITIONS
+from weclaw_mq.state.watches import WATCH_SET_LUA, WATCHED_CLAIM_PRELUDE
 from weclaw_mq.state.worker_registry import WorkerRegistry
 from weclaw_mq.state.workflow_records import HasWorkflows
 
@@ -109,9 +110,7 @@ end
 """
 )
 
-CLAIM_SCRIPT = (
-    RECORD_WRITE_LUA
-    + """
+_CLAIM = """
 if redis.call('SISMEMBER', KEYS[2], '*') == 1 or redis.call('SISMEMBER', KEYS[2], ARGV[4]) == 1 then
   return 'cancelled'
 end
@@ -123,7 +122,7 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if KEYS[3] then write_record(KEYS[3], KEYS[4], ARGV[5], ARGV[6], ARGV[7], false, ix) end
 return 'acquired'
 """
-)
+CLAIM_SCRIPT = RECORD_WRITE_LUA + _CLAIM
 """The claim: the guard key set if free (lease_ms), and the "running" record in the same step.
 
 KEYS: guard key, cancel marker[, record key, latest key]. ARGV: "running:<owner>@<worker>",
@@ -134,6 +133,10 @@ Returns
 before) or the value of the claim's holder (busy). With a stale holder (a value whose worker's
 heartbeat lapsed) a claim still held by exactly that value is taken over.
 """
+
+# A long run's watch copy claims through this: the claim after the watch check
+# (``state.watches``), which takes its own key and argument off the ends of KEYS and ARGV.
+WATCHED_CLAIM_SCRIPT = RECORD_WRITE_LUA + WATCHED_CLAIM_PRELUDE + _CLAIM
 
 FINISH_SCRIPT = (
     RECORD_WRITE_LUA
@@ -303,6 +306,8 @@ class RedisTaskStore(RedisGuard, RedisCancelling, RedisIndexReads, HasWorkflows)
             max_age_s=task_index_max_age_s or ttl_s,
         )
         self._claim = Script.of(CLAIM_SCRIPT)
+        self._watched_claim = Script.of(WATCHED_CLAIM_SCRIPT)
+        self._watch_set = Script.of(WATCH_SET_LUA)
         self._finish = Script.of(FINISH_SCRIPT)
         self._record = Script.of(_RECORD)
         self._forget_queued = Script.of(_FORGET_QUEUED)

@@ -13,12 +13,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from weclaw_mq.contract.naming import cancel_key, done_channel, guard_key, heartbeat_key
+from weclaw_mq.contract.naming import (
+    cancel_key,
+    done_channel,
+    guard_key,
+    heartbeat_key,
+    watch_key,
+)
 from weclaw_mq.state.outages import state_unavailable
 from weclaw_mq.state.pipelining import Script
 from weclaw_mq.state.protocol import Claim, Finish, TaskState
 from weclaw_mq.state.redis_clients import REDIS_FAILURES
 from weclaw_mq.state.redis_records import RedisRecords
+from weclaw_mq.state.watches import WatchStep
 
 log = logging.getLogger("weclaw_mq.state")
 
@@ -49,6 +56,8 @@ class RedisGuard(RedisRecords):
     _lease_ms: int
     _done_ttl_ms: int
     _claim: Script
+    _watched_claim: Script
+    _watch_set: Script
     _finish: Script
     _release: Script
     _extend: Script
@@ -64,7 +73,13 @@ class RedisGuard(RedisRecords):
     _beating: asyncio.Future[Any] | None
 
     async def claim(
-        self, queue: str, task_id: str, owner: str, *, running: TaskState | None = None
+        self,
+        queue: str,
+        task_id: str,
+        owner: str,
+        *,
+        running: TaskState | None = None,
+        watch: int | None = None,
     ) -> Claim:
         keys = [guard_key(queue, task_id), cancel_key(task_id)]
         args: list[str | int] = [_RUNNING + owner + self._of_worker, self._lease_ms, DONE, queue]
@@ -72,22 +87,38 @@ class RedisGuard(RedisRecords):
             keys += self._record_keys(running)
             args += [running.status.value, running.model_dump_json(), self._ttl_ms]
             args += self.index.block(running)
+        tail: list[str | int]
+        # A watch copy's claim reads the watch key in the same step (its prelude takes the
+        # last key and argument off): a copy made stale just before never claims.
+        script, tail = self._claim, []
+        if watch is not None:
+            script, tail = self._watched_claim, [watch]
+            keys.append(watch_key(queue, task_id))
         self._renewing()
         try:
             # The claim names our heartbeat: on the first claims (or after the renewer could
             # not beat for a while) it is written just before, in the same batch.
             beat = self._beat_for_claims()
-            answer = await self._pipe.script(self._claim, keys, args)
+            answer = await self._pipe.script(script, keys, args + tail)
             if beat is not None:
                 await beat
             # A dict lookup, not Claim(value): an enum call by value costs several Python
             # calls on every guarded delivery (Python 3.11).
             claim = _CLAIMS.get(answer)
-            return claim if claim is not None else await self._claim_from(answer, keys, args)
+            if claim is not None:
+                return claim
+            return await self._claim_from(answer, script, keys, args, tail)
         except REDIS_FAILURES as e:
             raise state_unavailable(e) from e
 
-    async def _claim_from(self, holder: Any, keys: list[str], args: list[str | int]) -> Claim:
+    async def _claim_from(
+        self,
+        holder: Any,
+        script: Script,
+        keys: list[str],
+        args: list[str | int],
+        tail: list[str | int],
+    ) -> Claim:
         """Busy: take the claim over if its holder's worker is gone (no heartbeat), else
         ``Claim.BUSY``. Only a copy of a task someone holds pays these round trips."""
         text = holder.decode() if isinstance(holder, bytes) else str(holder)
@@ -98,7 +129,7 @@ class RedisGuard(RedisRecords):
             return Claim.BUSY
         if await self._pipe.script(self._alive, [heartbeat_key(worker)], []):
             return Claim.BUSY
-        again = _CLAIMS.get(await self._pipe.script(self._claim, keys, [*args, holder]))
+        again = _CLAIMS.get(await self._pipe.script(script, keys, [*args, holder, *tail]))
         if again is None:  # another copy took it over first
             return Claim.BUSY
         if again is Claim.ACQUIRED:
@@ -198,6 +229,13 @@ class RedisGuard(RedisRecords):
                         "run the task too",
                         key,
                     )
+
+    async def watch(self, queue: str, task_id: str, generation: int, step: WatchStep) -> int:
+        keys, args = [watch_key(queue, task_id)], [generation, step.value, self._ttl_ms]
+        try:
+            return int(await self._pipe.script(self._watch_set, keys, args))
+        except REDIS_FAILURES as e:
+            raise state_unavailable(e) from e
 
     async def release(self, queue: str, task_id: str, owner: str) -> None:
         key, value = guard_key(queue, task_id), _RUNNING + owner + self._of_worker

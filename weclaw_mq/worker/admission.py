@@ -8,6 +8,7 @@ anything itself."""
 from __future__ import annotations
 
 import logging
+from logging import DEBUG
 
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.lifetime import left_ms, now_ms
@@ -29,11 +30,13 @@ from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.ends import (
     AckCancelled,
     AckDuplicate,
+    AckStale,
     DeadLetter,
     Defer,
     End,
     RejectOriginal,
 )
+from weclaw_mq.worker.long_runs import hop_ms, watch_generation
 from weclaw_mq.worker.records import record_status, task_state
 from weclaw_mq.worker.runtime import Runtime
 
@@ -50,6 +53,7 @@ UNGUARDED = Unguarded()
 _CLAIM_DONE = Claim.DONE
 _CLAIM_BUSY = Claim.BUSY
 _CLAIM_CANCELLED = Claim.CANCELLED
+_CLAIM_STALE = Claim.STALE
 _RUNNING = TaskStatus.RUNNING
 
 
@@ -156,8 +160,9 @@ async def pass_guard(
     owner = new_owner()
     # With results on, the "running" record rides on the claim (one step, one round trip).
     running = task_state(delivery, spec, _RUNNING) if rt.results is not None else None
+    watch = watch_generation(delivery) if h.WATCH in delivery.headers else None
     try:
-        claim = await store.claim(spec.queue, delivery.task_id, owner, running=running)
+        claim = await store.claim(spec.queue, delivery.task_id, owner, running=running, watch=watch)
     except StateCommandError as e:  # Redis is up and said no: never run unguarded for it
         log.error("the task store refused the claim: %s", e)
         return Defer("the task store refused the claim")
@@ -167,6 +172,8 @@ async def pass_guard(
             return UNGUARDED
         log.warning("task store unavailable (%s: %s)", type(e).__name__, e)
         return Defer("the task store is down, the guard cannot tell")
+    if claim is _CLAIM_STALE:
+        return AckStale()
     if claim is _CLAIM_CANCELLED:
         return AckCancelled()
     if claim is _CLAIM_DONE:
@@ -174,6 +181,8 @@ async def pass_guard(
     if await _finished_before(delivery, spec, rt):
         return AckDuplicate(mark_done=True)
     if claim is _CLAIM_BUSY:
+        if watch is not None:  # a long run's watch copy, its run alive: one more period
+            return Defer("its long run is alive", delay_ms=hop_ms(spec, rt.settings), level=DEBUG)
         return Defer("another worker is running this task")
     return owner
 

@@ -23,6 +23,7 @@ from weclaw_mq.worker.cancel_watch import Watch
 if TYPE_CHECKING:
     from weclaw_mq.observability.metrics import Timing
     from weclaw_mq.worker.ends import End
+    from weclaw_mq.worker.long_runs import LongRun
     from weclaw_mq.worker.pausing import QueueCircuit
     from weclaw_mq.worker.run_hooks import Begun
     from weclaw_mq.worker.runtime import Runtime
@@ -38,6 +39,7 @@ class Attempt:
         "begun",
         "delivery",
         "held",
+        "long_run",
         "message",
         "model",
         "outcome",
@@ -68,6 +70,8 @@ class Attempt:
         self.pipeline = pipeline
         self.task: Any = None  # the task as the handler receives it, once decoded
         self.held: str | None = None  # the claim's owner token, while we hold the claim
+        # Its delivery acked as the run began (``worker.long_runs``), its watch copy out.
+        self.long_run: LongRun | None = None
         self.model: str | None = None  # the model an admit hook chose for the run (run.model)
         # The middleware's admit hooks let the run through, and its after_call (or let_go)
         # hooks have not been told how it ended yet.

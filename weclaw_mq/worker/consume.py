@@ -59,6 +59,7 @@ from weclaw_mq.worker.fair_counts import count_forever
 from weclaw_mq.worker.health import QueueState, WorkerHealth
 from weclaw_mq.worker.in_flight import InFlight
 from weclaw_mq.worker.lanes import LaneScheduler
+from weclaw_mq.worker.long_runs import LongRuns
 from weclaw_mq.worker.pausing import QueueCircuit
 from weclaw_mq.worker.runtime import Runtime
 from weclaw_mq.worker.settle import Settler
@@ -137,6 +138,15 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         self.sync_threads = SyncThreads(self.settings.sync_threads)
         # Cancel requests for the deliveries in flight (worker.cancel_watch).
         self.cancels = Cancels()
+        # Its long runs, which hold no delivery (worker.long_runs); None without such handlers.
+        self._long_runs = (
+            LongRuns(self.concurrency) if any(s.long_running for s in self.specs) else None
+        )
+        if self._long_runs is not None and app.store is None:
+            raise ConfigurationError(
+                "long_running handlers need the task store: set WECLAW_MQ_REDIS_URL "
+                "(a long run is resumed through its guard and watch in Redis)"
+            )
         # Per worker, not per session: a reconnect keeps each breaker's state.
         self._circuits = {
             s.queue: QueueCircuit(s.queue, s.breaker, app.metrics)
@@ -341,6 +351,8 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
             await self._consume(conn, publishing)
         finally:
             self._conn = self._publishing = None
+            if self._long_runs is not None:
+                self._long_runs.on_full = None  # its consumers end with the session
             self._recovering.clear()
             # Its lane schedulers end with it: none starts a task or adopts a delivery of a
             # session that is gone (a stop has already stopped them).
@@ -433,6 +445,8 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         pausable: dict[str, _SingleConsumer] = {}
         for spec in single:
             await self._subscribe(channel, spec, runtime, consumers, pausable, watches)
+        if self._long_runs is not None:
+            self._long_runs.on_full = functools.partial(_room, pausable, set())
         for spec in laned:
             scheduler = self._lane_scheduler(
                 conn, lane_channel, spec, runtime, version, bulk_channel
@@ -515,6 +529,7 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
             circuits=self._circuits,
             spans=self._spans,
             hooks=self.app.middleware if self.app.middleware.runs else None,
+            long_runs=self._long_runs,
         )
 
 
@@ -524,6 +539,24 @@ async def _release(schedulers: list[LaneScheduler], message: AbstractIncomingMes
         if scheduler.owns(message):
             await scheduler.release(message)
             return
+
+
+def _room(
+    pausable: dict[str, _SingleConsumer], pending: set[asyncio.Task[None]], queue: str, full: bool
+) -> None:
+    """A queue's long runs filled the worker, or one ended: pause or resume its consumer."""
+    consumer = pausable.get(queue)
+    if consumer is None:
+        return  # a laned handler: its lane slots stay taken until its runs end
+    task = asyncio.ensure_future(consumer.room(full))
+    pending.add(task)
+    task.add_done_callback(_forget_room)
+    task.add_done_callback(pending.discard)
+
+
+def _forget_room(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:  # a closing channel: the session ends
+        log.debug("could not pause or resume a consumer: %s", task.exception())
 
 
 async def _close(conn: AbstractConnection) -> None:

@@ -34,6 +34,7 @@ from weclaw_mq.worker.admit_hooks import admitted, called_back, parked
 from weclaw_mq.worker.attempt import Attempt, Gate, Pipeline
 from weclaw_mq.worker.cancel_watch import Watch
 from weclaw_mq.worker.ends import AckCancelled, Defer, End, after_attempt, carry_out
+from weclaw_mq.worker.long_runs import detach, hand_over
 from weclaw_mq.worker.records import record_status, release
 from weclaw_mq.worker.run_hooks import run_of
 from weclaw_mq.worker.running import call_handler, take_over
@@ -45,6 +46,9 @@ __all__ = ["process"]
 # How long a delivery that is being given back (a hard stop, a bug of ours) waits to release
 # its claim first.
 RELEASE_ON_EXIT_S = 1.0
+# How long a long run of a stopping worker has to hand itself over (a publish with confirm,
+# then the watch and the claim): inside the stop's DRAIN_CANCEL_S.
+HAND_OVER_S = 3.0
 
 # Read once: on Python 3.11 every ``EnumClass.MEMBER`` is a descriptor call, per use.
 _RUNNING = TaskStatus.RUNNING
@@ -82,6 +86,14 @@ async def _process(
             # The claim's lease is kept from the handler's start until its ending returned (a
             # result write that retries included): a lapsed lease would let a copy run it.
             with rt.store.holding(spec.queue, delivery.task_id, a.held):
+                if spec.long_running and rt.long_runs is not None:
+                    a.long_run = await detach(rt, spec, delivery, message)
+                    if a.long_run is None:  # not begun: given back, or the store failed
+                        if not message.processed:
+                            end = Defer("the long run's watch could not begin")
+                        else:
+                            await release(rt, spec, delivery, a.held)
+                            return
                 await _to_the_end(a, end)
         else:
             await _to_the_end(a, end)
@@ -99,9 +111,17 @@ async def _process(
             a.recording.cancel()
         a.let_go()
         # Bounded: the message is given back only after this, and a stop promises that
-        # within DRAIN_CANCEL_S even when the store hangs (the lease lapses by itself).
+        # within DRAIN_CANCEL_S even when the store hangs (the lease lapses by itself). A long
+        # run holds no message: it is handed over (its watch copy brings it back if not).
+        letting_go = (
+            release(rt, spec, delivery, a.held)
+            if a.long_run is None
+            else hand_over(rt, spec, delivery, message, a.long_run, a.held)
+        )
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(release(rt, spec, delivery, a.held), RELEASE_ON_EXIT_S)
+            await asyncio.wait_for(
+                letting_go, RELEASE_ON_EXIT_S if a.long_run is None else HAND_OVER_S
+            )
         raise
 
 
@@ -112,7 +132,7 @@ async def _to_the_end(a: Attempt, end: End | None) -> None:
         end = await _run(a)
         if end is None:  # abandoned, and the task that took over settled it
             return
-    await carry_out(end, a.message, a.delivery, a.spec, a.rt, a.held)
+    await carry_out(end, a.message, a.delivery, a.spec, a.rt, a.held, a.long_run)
 
 
 async def _run(a: Attempt) -> End | None:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 from weclaw_mq.worker.in_flight import InFlight
+from weclaw_mq.worker.long_runs import LongRuns
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -23,6 +24,7 @@ class Draining:
 
     shutdown_grace_s: float
     _in_flight: InFlight
+    _long_runs: LongRuns | None
 
     async def _drain(self) -> None:
         """Wait for in-flight handlers up to the grace period, then cancel the rest; they
@@ -30,6 +32,13 @@ class Draining:
         running = self._in_flight.all()
         if not running:
             return
+        handed = [t for t in running if self._long_runs is not None and t in self._long_runs.tasks]
+        if handed:
+            # They hold no delivery, and may run for hours: handed over now (each publishes
+            # its copy for the next worker as it ends: worker.long_runs), not waited for.
+            log.info("handing over %d long run(s) to the next worker", len(handed))
+            for task in handed:
+                task.cancel()
         log.info(
             "waiting up to %.0f s for %d in-flight task(s)", self.shutdown_grace_s, len(running)
         )

@@ -37,6 +37,7 @@ from weclaw_mq.policy.retry import DeadLetterReason, GiveUp, RetryLater, decide,
 from weclaw_mq.state import Deferral, TaskState, TaskStatus
 from weclaw_mq.worker import announce as notify
 from weclaw_mq.worker.announce import AGAIN, Heard
+from weclaw_mq.worker.long_runs import LongRun, ended, hand_over
 from weclaw_mq.worker.records import How, Writes, Written, after_move, session_of, task_state, write
 from weclaw_mq.worker.runtime import Runtime
 
@@ -59,6 +60,12 @@ class AckDuplicate:
     inbox and the notification again). ``mark_done``: the guard's done marker is missing."""
 
     mark_done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AckStale:
+    """A long run's watch copy no longer needed (``state.watches``): its run ended, or a newer
+    copy carries the task. Acked unrun, nothing written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +126,15 @@ class GiveBack:
 
 
 End = (
-    Store | AckDuplicate | AckCancelled | Reattempt | Defer | DeadLetter | RejectOriginal | GiveBack
+    Store
+    | AckDuplicate
+    | AckStale
+    | AckCancelled
+    | Reattempt
+    | Defer
+    | DeadLetter
+    | RejectOriginal
+    | GiveBack
 )
 
 
@@ -200,6 +215,7 @@ class Ending:
 
 
 # Read once: on Python 3.11 every ``EnumClass.MEMBER`` is a descriptor call, per use.
+_STALE_TEXT = "acked without running the handler: a long run's watch copy no longer needed"
 _SUCCEEDED = TaskStatus.SUCCEEDED
 _RESULT = How.RESULT
 _OK = Written.OK
@@ -214,14 +230,22 @@ async def carry_out(
     spec: HandlerSpec,
     rt: Runtime,
     held: str | None = None,
+    long_run: LongRun | None = None,
 ) -> None:
     """Settle ``message`` as ``end`` says, once: what the end does is decided first, as one
     ``Ending``, then carried out here, in its order: the writes (the claim's release, the
     record, the inbox), the notification and the workflow's hop, the settle. ``held``: the
     claim's owner token, which every end that does not finish the task releases first.
     ``delivery`` may be None only for a ``GiveBack`` (a message given back before it was
-    read)."""
+    read). ``long_run``: the delivery was acked as its run began (``worker.long_runs``): a
+    move is published first, then the watch ended and the claim released; a give-back is a
+    hand-over."""
     ending = _ACK if delivery is None else decided(end, delivery, spec, rt, held)
+    release_after: str | None = None
+    if long_run is not None and ending.writes is not None and ending.writes.release:
+        # Its watch copy would run it again once the claim is free: freed after the move.
+        release_after = ending.writes.release
+        ending = replace(ending, writes=replace(ending.writes, release=None, together=False))
     settle = end
     queues_ms: tuple[int, ...] | None = None
     if delivery is not None and ending is not _ACK:
@@ -246,16 +270,24 @@ async def carry_out(
         await rt.settler.ack(message, queue=spec.queue)
         return
     if isinstance(settle, GiveBack):
+        if long_run is not None and delivery is not None:
+            await hand_over(rt, spec, delivery, message, long_run, held)
+            return
         await rt.settler.give_back(message, queue=spec.queue, why=settle.why, level=settle.level)
         return
     assert delivery is not None
+    moved = True
     match settle:
         case AckDuplicate():
             await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.DUPLICATE)
+        case AckStale():
+            await rt.settler.ack(
+                message, queue=spec.queue, outcome=Outcome.DUPLICATE, text=_STALE_TEXT
+            )
         case AckCancelled():
             await rt.settler.ack(message, queue=spec.queue, outcome=Outcome.CANCELLED)
         case Reattempt(delay_ms=delay_ms, error=error):
-            await rt.settler.retry(
+            moved = await rt.settler.retry(
                 message,
                 delivery,
                 queue=spec.queue,
@@ -265,7 +297,7 @@ async def carry_out(
             )
         case Defer():
             assert ending.delay_ms is not None  # resolved as it was decided
-            await rt.settler.defer(
+            moved = await rt.settler.defer(
                 message,
                 delivery,
                 queue=spec.queue,
@@ -285,6 +317,8 @@ async def carry_out(
                 await after_move(rt, delivery, ending.after)
         case RejectOriginal():
             await rt.settler.reject(message, queue=spec.queue)
+    if long_run is not None and release_after is not None:
+        await ended(rt, spec, delivery, long_run, release_after, moved=moved)
 
 
 def decided(

@@ -230,7 +230,7 @@ async def _end_abandoned(a: Attempt) -> None:
                 f"cancellation for {grace_s} s"
             )
             end = after_attempt(a.delivery, spec, None, error)
-        await carry_out(end, a.message, a.delivery, spec, a.rt, a.held)
+        await carry_out(end, a.message, a.delivery, spec, a.rt, a.held, a.long_run)
         if a.begun is not None:
             await run_hooks.abandoned(a.begun, seen, error)
     finally:

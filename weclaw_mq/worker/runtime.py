@@ -69,3 +69,7 @@ class Runtime:
     # Each handler queue's ``worker.attempt.Pipeline``, made at its first delivery (typed
     # Any: attempt.py reads this module, and an import back would close a cycle).
     pipelines: dict[str, Any] = field(default_factory=dict)
+    # The worker's ``worker.long_runs.LongRuns``; None in the test kit, which runs a
+    # ``long_running`` handler as any other (no consumer timeout there to outlive). Typed Any
+    # as ``pipelines``: long_runs reads this module.
+    long_runs: Any = None

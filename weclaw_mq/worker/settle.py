@@ -21,6 +21,7 @@ from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
+from aio_pika import Message
 from aio_pika.abc import AbstractIncomingMessage, HeadersType
 
 from weclaw_mq.contract import headers as h
@@ -167,14 +168,20 @@ class Settler:
             outcome_log.handle(record)
 
     async def ack(
-        self, message: AbstractIncomingMessage, *, queue: str, outcome: Outcome = Outcome.ACKED
+        self,
+        message: AbstractIncomingMessage,
+        *,
+        queue: str,
+        outcome: Outcome = Outcome.ACKED,
+        text: str | None = None,
     ) -> bool:
         """Ack a task whose result is stored (``ACKED``), a copy of a finished task
         (``DUPLICATE``) or a cancelled task (``CANCELLED``); False when the channel is gone
-        (the broker redelivers: a duplicate, not a loss)."""
+        (the broker redelivers: a duplicate, not a loss). ``text``: the log line's, if not
+        the outcome's."""
         if not await self._settle(message, requeue=None):
             return False
-        self._ended(queue, outcome, _ACK_TEXTS[outcome])
+        self._ended(queue, outcome, text or _ACK_TEXTS[outcome])
         return True
 
     async def give_back(
@@ -300,6 +307,53 @@ class Settler:
         )
         return True
 
+    async def watch(
+        self,
+        message: AbstractIncomingMessage,
+        delivery: Delivery,
+        *,
+        queue: str,
+        hop_ms: int,
+        generation: int,
+    ) -> bool:
+        """A long run begins (``worker.long_runs``): its watch copy of ``generation`` parked
+        for ``hop_ms``, then the source acked. No outcome: the run's end is the delivery's,
+        and its lane slot stays taken until then."""
+        headers = carried_headers(delivery)
+        headers[h.WATCH] = generation
+        target, lane = ladder_queue_name(hop_ms), source_lane(message.routing_key, queue)
+        return await self._move(
+            message, delivery, lane, headers, queue=queue, exchange=target, keep_slot=True
+        )
+
+    async def hand_over(
+        self, message: AbstractIncomingMessage, delivery: Delivery, *, queue: str, generation: int
+    ) -> bool:
+        """A long run this worker will not end (it stops): a copy of ``generation`` straight
+        to its lane, which the next worker resumes at once."""
+        headers = carried_headers(delivery)
+        headers[h.WATCH] = generation
+        lane = source_lane(message.routing_key, queue)
+        try:
+            await self.publisher.publish(lane, self._copy(message, delivery, headers))
+        except Exception as e:
+            log.warning("could not hand the long run over (%s); its watch copy brings it back", e)
+            return False
+        self._ended(queue, Outcome.REQUEUED, "a long run handed over to the next worker")
+        await self._settle(message, requeue=None)  # frees its lane slot
+        return True
+
+    def _copy(
+        self, message: AbstractIncomingMessage, delivery: Delivery, headers: HeadersType
+    ) -> Message:
+        copy = build_message(
+            delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
+        )
+        # A native priority travels in the property (the header x-weclaw-priority is in
+        # ``headers``): the copy is served at the same level when it comes back.
+        copy.priority = message.priority
+        return copy
+
     async def _move(
         self,
         message: AbstractIncomingMessage,
@@ -310,17 +364,14 @@ class Settler:
         queue: str,
         exchange: str = "",
         expiration_ms: int | None = None,
+        keep_slot: bool = False,
     ) -> bool:
         """Publish a copy to ``target`` (a routing key: through ``exchange``, a delay queue's,
-        when given), then ack the source. ``expiration_ms``: the copy's own TTL."""
-        copy = build_message(
-            delivery.body, task_id=delivery.task_id, headers=headers, timestamp=delivery.timestamp
-        )
+        when given), then ack the source. ``expiration_ms``: the copy's own TTL.
+        ``keep_slot``: the lane slot stays taken (a long run goes on)."""
+        copy = self._copy(message, delivery, headers)
         if expiration_ms is not None:
             copy.expiration = expiration_ms / 1000  # aio-pika takes seconds
-        # A native priority travels in the property (the header x-weclaw-priority is in
-        # ``headers``): the copy is served at the same level when it comes back.
-        copy.priority = message.priority
         try:
             await self.publisher.publish(target, copy, exchange=exchange)
         except Exception as e:
@@ -336,15 +387,21 @@ class Settler:
             )
             return False
         # Moved, whatever the ack does: if it fails, the source comes back as a duplicate.
-        await self._settle(message, requeue=None)
+        await self._settle(message, requeue=None, keep_slot=keep_slot)
         return True
 
-    async def _settle(self, message: AbstractIncomingMessage, *, requeue: bool | None) -> bool:
-        if self.before_settle is not None:
+    async def _settle(
+        self, message: AbstractIncomingMessage, *, requeue: bool | None, keep_slot: bool = False
+    ) -> bool:
+        if self.before_settle is not None and not keep_slot:
             try:
                 await self.before_settle(message)
             except Exception as e:  # the settle below matters more than the hand-over
                 log.warning("releasing the lane slot failed (%s)", describe(e))
+        if message.processed:
+            # A long run's delivery, acked as it began (``watch``): an ack has nothing left to
+            # send; a give-back cannot return it (its watch copy will: ``worker.long_runs``).
+            return requeue is None
         try:
             with Deadline(self.deadlines, SETTLE_TIMEOUT_S):
                 if requeue is None:

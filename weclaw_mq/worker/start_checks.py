@@ -62,11 +62,12 @@ class StartChecks:
 
     def _warn_about_consumer_timeout(self) -> None:
         for spec in self.specs:
-            if spec.timeout_s >= BROKER_CONSUMER_TIMEOUT_S:
+            if spec.timeout_s >= BROKER_CONSUMER_TIMEOUT_S and not spec.long_running:
                 log.warning(
                     "handler for %r may run %.0f s, past RabbitMQ's consumer_timeout (30 min by "
                     "default): the broker would close the channel and requeue its messages. "
-                    "Raise it in rabbitmq.conf, e.g. 'consumer_timeout = %d' (milliseconds)",
+                    "Make it @app.handler(..., long_running=True) (docs/how-to/long-runs.md), "
+                    "or raise it in rabbitmq.conf, e.g. 'consumer_timeout = %d' (milliseconds)",
                     spec.queue,
                     spec.timeout_s,
                     int(spec.timeout_s * 1000 * 2),

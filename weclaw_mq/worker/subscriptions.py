@@ -63,12 +63,13 @@ class Subscriptions:
         queue = await channel.get_queue(spec.queue, ensure=False)
         tag = await consume(queue, self._dispatcher(spec, runtime))
         consumers[tag] = (spec, queue)
-        if spec.queue in self._circuits:
+        if spec.queue in self._circuits or spec.long_running:
             on_message = self._dispatcher(spec, runtime)
             single_consumer = _SingleConsumer(
                 spec, queue, on_message, consumers, self._stop, self._recovering
             )
             pausable[spec.queue] = single_consumer
+        if spec.queue in self._circuits:
             watches.append(self._watch(spec, runtime, single_consumer))
 
     async def _broker_cancelled(
@@ -165,6 +166,12 @@ class Subscriptions:
                 # take it while this one drains (which may last the whole grace period).
                 await ends.give_back(message, spec, runtime, "the worker is stopping", logging.INFO)
                 return
+            if spec.long_running and len(self._in_flight.of(spec.queue)) >= self.concurrency:
+                # Sent before its consumer paused for a queue full of long runs (which hold
+                # no delivery, so the prefetch no longer bounds them): another worker's.
+                why = "this worker runs as many long runs as its concurrency"
+                await ends.give_back(message, spec, runtime, why, logging.DEBUG)
+                return
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and
             # store its result even if its ack can no longer be sent.
@@ -211,9 +218,23 @@ class _SingleConsumer:
         self.stopping = stopping
         self.recovering = recovering  # queues the session loop is subscribing again
         self.paused = False
+        # Paused too while this worker runs as many long runs of it as its concurrency
+        # (``worker.long_runs``): the breaker's resume leaves it paused then.
+        self.full = False
 
     async def pause(self) -> None:
         self.paused = True
+        await self._cancel()
+
+    async def room(self, full: bool) -> None:
+        """A long run began and filled the worker (``full``), or one ended and made room."""
+        self.full = full
+        if full:
+            await self._cancel()
+        elif not self.paused:
+            await self.resume()
+
+    async def _cancel(self) -> None:
         for tag, (spec, queue) in list(self.consumers.items()):
             if spec is self.spec:
                 del self.consumers[tag]
@@ -221,6 +242,8 @@ class _SingleConsumer:
 
     async def resume(self) -> None:
         self.paused = False
+        if self.full:
+            return  # its long runs fill the worker: ``room`` resumes it
         if self.stopping.is_set():
             return  # the stop cancels consumers: none is added behind it
         if self.spec.queue in self.recovering:

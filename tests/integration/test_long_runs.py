@@ -1,0 +1,216 @@
+"""Long runs (``long_running=True``, ``worker.long_runs``) on the real broker and Redis, with
+workers in processes of their own: the delivery is acked as the run begins and a watch copy
+keeps the task on the broker; a worker killed with SIGKILL has its run resumed by another
+within the watch period plus the heartbeat TTL, its steps not run again; a worker stopped with
+SIGTERM hands its run over at once; a retried long run leaves no stale copy that runs it again;
+a worker runs no more long runs than its concurrency. The consumer timeout itself is outlived
+on a private node (``tests/drills/test_long_run_drill.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import delete_queues, forget_task_keys, settings_for, wait_until
+from tests.integration.fixture_apps.long_app import LongJob, build_app
+from tests.integration.fixture_apps.steps_app import read_calls
+from tests.integration.processes import (
+    broker_queue_counts,
+    queue_names,
+    spawn_cli_worker,
+)
+from weclaw_mq import App, TaskStatus
+
+# A watch copy every second (the 1 s delay queue) and a heartbeat that lapses in 0.5 s: a
+# killed worker's run resumes within 1.5 s plus a delivery.
+WATCH_S = 1.0
+HEARTBEAT_S = 0.5
+RESUME_BOUND_S = WATCH_S + HEARTBEAT_S
+
+
+@pytest.fixture
+async def long_fleet(
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+) -> AsyncIterator[tuple[App, Callable[..., Any]]]:
+    """The long-run fixture app (to publish and read) and a starter of its workers in
+    processes of their own (killed by pid at teardown, then the queues and keys go)."""
+    settings = settings_for(
+        broker_url,
+        redis_url,
+        guard_heartbeat_ttl_s=HEARTBEAT_S,
+        long_run_watch_s=WATCH_S,
+        shutdown_grace_s=120,
+    )
+    app = build_app(qname, settings=settings, record_dir=tmp_path)
+    await app.declare()
+    workers: list[Any] = []
+
+    def start(concurrency: int = 1) -> Any:
+        worker = spawn_cli_worker(
+            "tests.integration.fixture_apps.long_app:app",
+            settings=settings,
+            app_env={"TEST_QUEUE": qname, "TEST_RECORD_DIR": str(tmp_path)},
+            log_path=tmp_path / f"worker-{len(workers)}.log",
+            concurrency=concurrency,
+        )
+        workers.append(worker)
+        return worker
+
+    try:
+        yield app, start
+    finally:
+        for worker in workers:
+            worker.kill()
+        await app.close()
+        await delete_queues(broker_url, queue_names(app))
+        await forget_task_keys(redis_url, [qname])
+
+
+def _lines(record_dir: Path, kind: str) -> list[list[str]]:
+    return [line.split() for line in read_calls(record_dir) if line.startswith(kind + " ")]
+
+
+async def test_a_long_run_holds_no_delivery_and_ends_with_nothing_left_on_the_broker(
+    long_fleet: tuple[App, Callable[..., Any]], tmp_path: Path, qname: str
+) -> None:
+    app, start = long_fleet
+    worker = start()
+    await worker.wait_consuming()
+    task_id = await app.publish(qname, LongJob(steps=16, step_s=0.5))
+    # 6 s into the run: past the broker's statistics interval (5 s), so its count below was
+    # taken while the run went on.
+    await wait_until(lambda: len(_lines(tmp_path, "step")) >= 12, 30, "twelve steps")
+
+    # Mid-run: nothing unacked on the handler's queue (the broker's word), the watch copy
+    # parked and coming back.
+    counts = await broker_queue_counts([qname])
+    assert counts[qname].unacked == 0, counts
+    final = await app.result(task_id, timeout_s=30)
+    assert final.status is TaskStatus.SUCCEEDED, (final, worker.describe())
+    assert final.result == {"sum": 16 + sum(range(16)), "attempt": 1}
+    assert [line[1] for line in _lines(tmp_path, "step")] == [str(i) for i in range(16)]
+    assert len(_lines(tmp_path, "start")) == 1  # the watch copies parked; none ran it again
+
+    # The last watch copy comes back to a task that is done and is acked: nothing is left.
+    await wait_until(
+        lambda: "a finished task seen again" in worker.log() or "parked" in worker.log(),
+        10,
+        "the watch copy to come back",
+    )
+
+    async def empty() -> bool:
+        counts = await broker_queue_counts(queue_names(app))
+        return all(c.ready == 0 and c.unacked == 0 for c in counts.values())
+
+    await wait_until(empty, 30, "every queue of the handler empty")
+
+
+async def test_a_run_whose_worker_was_killed_resumes_elsewhere_within_the_bound(
+    long_fleet: tuple[App, Callable[..., Any]], tmp_path: Path, qname: str
+) -> None:
+    app, start = long_fleet
+    first = start()
+    second = start()
+    await first.wait_consuming()
+    await second.wait_consuming()
+    task_id = await app.publish(qname, LongJob(steps=6, step_s=0.3, kill_after=2))
+    killed = [w for w in (first, second) if await _exited(w)]
+    assert len(killed) == 1, (first.describe(), second.describe())
+    killed_at = (tmp_path / "killed").stat().st_mtime
+
+    final = await app.result(task_id, timeout_s=30)
+    assert final.status is TaskStatus.SUCCEEDED, (final, first.describe(), second.describe())
+    starts = _lines(tmp_path, "start")
+    assert len(starts) == 2, starts
+    resumed_in = float(starts[1][2]) - killed_at
+    # Within the watch period plus the heartbeat TTL, plus a second for the deliveries.
+    assert resumed_in <= RESUME_BOUND_S + 1.0, resumed_in
+    # Steps 0..2 were recorded before the kill: the resumed run replays them.
+    assert [line[1] for line in _lines(tmp_path, "step")] == [str(i) for i in range(6)]
+    assert final.attempt == 1  # a resumed run is the same attempt
+    print(f"resumed {resumed_in:.2f} s after the kill (bound {RESUME_BOUND_S + 1.0:.1f} s)")
+
+
+async def _exited(worker: Any) -> bool:
+    try:
+        return await worker.wait_exit(15) == -9
+    except AssertionError:
+        return False
+
+
+async def test_a_stopped_worker_hands_its_long_run_over_at_once(
+    long_fleet: tuple[App, Callable[..., Any]], tmp_path: Path, qname: str
+) -> None:
+    app, start = long_fleet
+    first = start()
+    await first.wait_consuming()
+    task_id = await app.publish(qname, LongJob(steps=10, step_s=0.4))
+    await wait_until(lambda: len(_lines(tmp_path, "step")) >= 2, 20, "two steps")
+    second = start()
+    await second.wait_consuming()
+
+    stopped_at = time.time()
+    first.signal(signal.SIGTERM)
+    # Not the 120 s grace: the long run was handed over, not waited for.
+    assert await first.wait_exit(15) == 0, first.describe()
+    assert "handing over 1 long run(s)" in first.log(), first.describe()
+    final = await app.result(task_id, timeout_s=30)
+    assert final.status is TaskStatus.SUCCEEDED, (final, second.describe())
+    starts = _lines(tmp_path, "start")
+    assert len(starts) == 2 and starts[1][1] == str(second.pid), starts
+    # The hand-over copy went straight to the queue: resumed well inside one watch period
+    # plus the heartbeat (the watch copy's way).
+    assert float(starts[1][2]) - stopped_at < RESUME_BOUND_S, starts
+    steps = [line[1] for line in _lines(tmp_path, "step")]
+    # Each step once, but the one the stop interrupted (at least once per step).
+    assert sorted(set(steps)) == [str(i) for i in range(10)] and len(steps) <= 11, steps
+
+
+async def test_a_retried_long_run_leaves_no_watch_copy_that_runs_it_again(
+    long_fleet: tuple[App, Callable[..., Any]], tmp_path: Path, qname: str
+) -> None:
+    app, start = long_fleet
+    worker = start()
+    await worker.wait_consuming()
+    task_id = await app.publish(qname, LongJob(steps=3, step_s=0.2, retry_after=1))
+    final = await app.result(task_id, timeout_s=30)
+    assert final.status is TaskStatus.SUCCEEDED, (final, worker.describe())
+    assert final.result == {"sum": 3 + 3, "attempt": 2}
+    # The first attempt's watch copy comes back after its retry began or ended: stale, or the
+    # task done; either way acked unrun. Two runs, never a third.
+    await wait_until(
+        lambda: (
+            "watch copy no longer needed" in worker.log()
+            or "a finished task seen again" in worker.log()
+        ),
+        15,
+        "the first attempt's watch copy to come back",
+    )
+    assert [s[4] for s in _lines(tmp_path, "start")] == ["1", "2"]
+
+
+async def test_a_worker_runs_no_more_long_runs_than_its_concurrency(
+    long_fleet: tuple[App, Callable[..., Any]], tmp_path: Path, qname: str
+) -> None:
+    app, start = long_fleet
+    worker = start(concurrency=1)
+    await worker.wait_consuming()
+    ids = [await app.publish(qname, LongJob(steps=3, step_s=0.3)) for _ in range(3)]
+    finals = await asyncio.gather(*(app.result(i, timeout_s=60) for i in ids))
+    assert all(f.status is TaskStatus.SUCCEEDED for f in finals), (finals, worker.describe())
+    # Each run began after the one before it ended: never two at once in this worker.
+    events = sorted(
+        [(float(s[2]), 1) for s in _lines(tmp_path, "start")]
+        + [(float(e[2]), -1) for e in _lines(tmp_path, "end")]
+    )
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    assert peak == 1, events
