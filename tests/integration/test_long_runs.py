@@ -12,6 +12,7 @@ import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from weclaw_mq import App, TaskStatus
 WATCH_S = 1.0
 HEARTBEAT_S = 0.5
 RESUME_BOUND_S = WATCH_S + HEARTBEAT_S
+# The worker registry's beat, which a running task's status reads as its heartbeat.
+BEAT_S = 0.5
 
 
 @pytest.fixture
@@ -46,6 +49,7 @@ async def long_fleet(
         guard_heartbeat_ttl_s=HEARTBEAT_S,
         long_run_watch_s=WATCH_S,
         shutdown_grace_s=120,
+        worker_beat_s=BEAT_S,
     )
     app = build_app(qname, settings=settings, record_dir=tmp_path)
     await app.declare()
@@ -91,6 +95,13 @@ async def test_a_long_run_holds_no_delivery_and_ends_with_nothing_left_on_the_br
     # parked and coming back.
     counts = await broker_queue_counts([qname])
     assert counts[qname].unacked == 0, counts
+    # Its status: running, with the time its worker last beat (its registry record lives three
+    # beats, so no older than that).
+    running = await app.status(task_id)
+    assert running is not None and running.status is TaskStatus.RUNNING, running
+    assert running.heartbeat_at is not None, running
+    age_s = (datetime.now(UTC) - running.heartbeat_at).total_seconds()
+    assert age_s <= 3 * BEAT_S + 0.5, (age_s, running)
     final = await app.result(task_id, timeout_s=30)
     assert final.status is TaskStatus.SUCCEEDED, (final, worker.describe())
     assert final.result == {"sum": 16 + sum(range(16)), "attempt": 1}

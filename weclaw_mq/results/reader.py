@@ -29,7 +29,7 @@ from weclaw_mq.state import (
 from weclaw_mq.state.expiry import as_seen_at, until_deadline_s
 from weclaw_mq.state.steps import HasSteps, StepRecord, steps_of
 from weclaw_mq.state.task_index import TaskIndex, TaskPage, TaskQuery, TimelineEvent
-from weclaw_mq.state.worker_registry import registry_of, worker_gone
+from weclaw_mq.state.worker_registry import last_beat, registry_of, worker_gone
 from weclaw_mq.streaming import Inbox, StreamEvent, StreamStore
 from weclaw_mq.streaming.events import check_event_id
 from weclaw_mq.streaming.reading import task_events
@@ -104,16 +104,25 @@ class ResultsReader:
         return as_seen_at(state, datetime.now(UTC))
 
     async def _seen_running(self, store: TaskStore, state: TaskState) -> TaskState:
-        """A ``running`` record, marked ``worker_gone`` when no live worker runs the task
-        (the worker registry says so). Read only: the record is not rewritten. Unchanged
-        while it is younger than the registry's records live (its worker may not have
-        beaten since it started), when the registry cannot tell, or cannot be read."""
+        """A ``running`` record with ``heartbeat_at`` when a live worker lists the task, or
+        marked ``worker_gone`` when none runs it (the worker registry says so). Read only:
+        the record is not rewritten. Not marked gone while it is younger than the registry's
+        records live (its worker may not have beaten since it started), when the registry
+        cannot tell, or cannot be read."""
         registry = registry_of(store)
         beat_s = self.settings.worker_beat_s
-        if registry is None or not worker_gone([], state, beat_s, datetime.now(UTC)):
-            return state  # no registry, or too young to judge
+        if registry is None:
+            return state
         try:
-            if not worker_gone(await registry.read(), state, beat_s, datetime.now(UTC)):
+            workers = await registry.read()
+        except Exception:  # best effort: the record as it stands
+            return state
+        now = datetime.now(UTC)
+        beat = last_beat(workers, state.task_id, state.queue, now)
+        if beat is not None:
+            return state.model_copy(update={"heartbeat_at": beat})
+        try:
+            if not worker_gone(workers, state, beat_s, now):
                 return state
             # Read again: a task that ended between the two reads is no longer running.
             again = await store.get(state.task_id, queue=state.queue)

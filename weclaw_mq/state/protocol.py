@@ -124,6 +124,10 @@ class TaskState(BaseModel):
             live worker runs the task (its worker died; the copy on the broker runs again
             once the broker or the guard's lease gives it back). ``updated_at`` is when it was
             last known to run.
+        heartbeat_at: Set by the reader, never stored: on a ``running`` record, when the
+            live worker that lists the task in the worker registry last beat (every
+            ``worker_beat_s``): a run of hours shows it is alive; None when no live worker
+            lists it, or the registry cannot tell.
     """
 
     task_id: str
@@ -145,6 +149,8 @@ class TaskState(BaseModel):
     deferred: Deferral | None = None
     # A reader's finding (App.status), never written by a worker: running, on no live worker.
     worker_gone: bool = False
+    # A reader's finding (App.status), never written: when the worker running it last beat.
+    heartbeat_at: datetime | None = None
 
 
 class Claim(StrEnum):

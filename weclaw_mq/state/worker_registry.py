@@ -22,7 +22,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from weclaw_mq.contract.naming import WORKER_INDEX_KEY, worker_key
@@ -222,6 +222,16 @@ def runs(workers: Sequence[WorkerRecord], task_id: str, queue: str) -> bool | No
             return True
         unlisted = unlisted or (worker.more > 0 and queue in worker.queues)
     return None if unlisted else False
+
+
+def last_beat(
+    workers: Sequence[WorkerRecord], task_id: str, queue: str, now: datetime
+) -> datetime | None:
+    """When the live worker that lists the task in flight last beat, None when none does."""
+    for worker in workers:
+        if any(t.task_id == task_id and t.queue == queue for t in worker.tasks):
+            return now - timedelta(seconds=worker.last_beat_s)
+    return None
 
 
 def worker_gone(
