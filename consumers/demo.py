@@ -97,6 +97,7 @@ async def stand_in_llm(
     return prefix + "".join(words[start:])
 
 
+# --8<-- [start:continue]
 async def answer(task: Prompt, ctx: Context) -> dict[str, Any]:
     # What an earlier run of this task streamed before it died or failed ("" on a first run).
     # Read before the first emit, it makes this run continue the stream, not start it over.
@@ -114,6 +115,7 @@ async def answer(task: Prompt, ctx: Context) -> dict[str, Any]:
         # How many words of the reply an earlier run had streamed (0: this run wrote it all).
         "continued_after_words": continued,
     }
+    # --8<-- [end:continue]
 
 
 def register(app: App, *, queue: str | None = None) -> str:

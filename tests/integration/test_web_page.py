@@ -255,6 +255,7 @@ async def test_a_reply_whose_worker_is_killed_at_90_percent_finishes_on_the_page
     live = asyncio.create_task(read_events(process_demo.client, url, until_finals=1, timeout_s=60))
 
     kill_at = math.ceil(total * KILL_AT)
+    assert (kill_at, total) == (43, 47)  # as docs/how-to/examples.md says
     before = await page.wait_for(0, f"{kill_at} of {total} words", lambda t: words(t) >= kill_at)
     first.kill()  # SIGKILL, by pid
     assert first.popen.returncode == -signal.SIGKILL, first.describe()
