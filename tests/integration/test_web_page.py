@@ -176,8 +176,9 @@ new MutationObserver(() => {
 """
 # The kill comes once the page shows this share of the reply's words.
 KILL_AT = 0.9
-# Slow enough that the words after 90 % (5 of 47) are not all written in the page's lag.
-KILL_WORD_S = "0.1"
+# Slow enough that the last 4 of the 47 words (0.6 s) are not all written within the page's
+# lag behind the worker (tens of ms) plus the time the kill takes.
+KILL_WORD_S = "0.15"
 
 
 @dataclass
