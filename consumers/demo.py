@@ -2,7 +2,10 @@
 
 The stand-in model streams its reply word by word with ``ctx.emit``, as a real model's
 tokens would be: any process can read them live with ``app.stream(task_id)``, and a task
-published with a session id also lands in that session's inbox (``app.inbox``).
+published with a session id also lands in that session's inbox (``app.inbox``). A run that
+follows a crash or a failure (its worker killed with ``kill -9`` mid-reply, a simulated
+outage) reads what the earlier run streamed (``ctx.emitted()``) and continues the reply
+from there: readers see the rest appended, no word twice, none missing.
 
 Run it with ``weclaw-mq worker consumers.demo:app --concurrency 4``; ``make demo`` does that
 for you and publishes a few prompts (see ``consumers.demo_run``).
@@ -13,7 +16,7 @@ Environment (read on every call, so a test can change it without re-importing):
 - ``DEMO_LLM_LATENCY_S``: how long the stand-in model thinks before its first word, default 0.2.
 - ``DEMO_LLM_WORD_S``: how long it takes per word after that, default 0.04.
 - ``DEMO_LLM_FAILURE_RATE``: the chance that a call fails half-way through its reply,
-  default 0.2, so retries show (and the stream shows a new attempt replacing the failed one).
+  default 0.2, so retries show (and the retry continues the text the failed run streamed).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def reply_to(prompt: str) -> str:
     return (
         f'(stand-in reply) You asked "{prompt}". A real model would answer here one token '
         "at a time; this stand-in streams its words the same way, so you can watch them "
-        "arrive, and see a crashed attempt replaced by the next one."
+        "arrive, and see the run after a crash continue where the dead one stopped."
     )
 
 
@@ -71,30 +74,48 @@ def words_of(reply: str) -> list[str]:
     return re.findall(r"\S+\s*", reply)
 
 
-async def stand_in_llm(prompt: str, emit: Callable[[str], Awaitable[None]]) -> str:
-    """Streams the reply's words through ``emit``; takes ``DEMO_LLM_LATENCY_S`` plus
-    ``DEMO_LLM_WORD_S`` per word, and fails half-way with probability
-    ``DEMO_LLM_FAILURE_RATE``."""
+async def stand_in_llm(
+    prompt: str, emit: Callable[[str], Awaitable[None]], *, prefix: str = ""
+) -> str:
+    """Streams through ``emit`` the words of the reply that follow ``prefix`` (what an
+    earlier run already streamed, as a real model continues an assistant prefix); returns
+    the whole text. Takes ``DEMO_LLM_LATENCY_S`` plus ``DEMO_LLM_WORD_S`` per word, and
+    fails half-way through the reply with probability ``DEMO_LLM_FAILURE_RATE``."""
     latency_s = _env_float("DEMO_LLM_LATENCY_S", 0.2)
     word_s = _env_float("DEMO_LLM_WORD_S", 0.04)
     failure_rate = _env_float("DEMO_LLM_FAILURE_RATE", 0.2)
-    reply = reply_to(prompt)
-    words = words_of(reply)
+    words = words_of(reply_to(prompt))
+    # The prefix is whole words of this reply (chunks are words), so it says where to go on.
+    start = len(words_of(prefix))
     fail_at = len(words) // 2 if random.random() < failure_rate else None
     await asyncio.sleep(latency_s)
-    for i, word in enumerate(words):
+    for i in range(start, len(words)):
         if i == fail_at:
             raise StandInLLMError("stand-in model overloaded (simulated)")
-        await emit(word)
+        await emit(words[i])
         await asyncio.sleep(word_s)
-    return reply
+    return prefix + "".join(words[start:])
 
 
+# --8<-- [start:continue]
 async def answer(task: Prompt, ctx: Context) -> dict[str, Any]:
+    # What an earlier run of this task streamed before it died or failed ("" on a first run).
+    # Read before the first emit, it makes this run continue the stream, not start it over.
+    before = "".join(str(chunk) for chunk in await ctx.emitted())
+    continued = len(words_of(before))
+    if continued:
+        ctx.logger.info("continuing the reply after the %d words streamed before", continued)
     ctx.logger.info("calling %s for user %s", MODEL_NAME, task.user_id or "-")
-    reply = await stand_in_llm(task.text, ctx.emit)
+    reply = await stand_in_llm(task.text, ctx.emit, prefix=before)
     # The return value is what the result store keeps for this task id.
-    return {"reply": reply, "model": MODEL_NAME, "attempt": ctx.attempt}
+    return {
+        "reply": reply,
+        "model": MODEL_NAME,
+        "attempt": ctx.attempt,
+        # How many words of the reply an earlier run had streamed (0: this run wrote it all).
+        "continued_after_words": continued,
+    }
+    # --8<-- [end:continue]
 
 
 def register(app: App, *, queue: str | None = None) -> str:

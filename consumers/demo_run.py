@@ -4,9 +4,9 @@
 2. ``weclaw-mq worker consumers.demo:app --concurrency 4`` starts a worker process.
 3. One reply streams (``app.stream(task_id)``); after a few words the worker is killed with
    SIGKILL and a new one started. The broker gives the task to the new worker, whose run
-   begins a new attempt in the stream: the reader throws away the dead run's words and
-   prints the reply again from its start. The demo checks that what it read is exactly the
-   stored reply: complete, no word twice.
+   reads what the dead run streamed (``ctx.emitted()``) and continues the reply from there:
+   the reader's line goes on where it stopped. The demo checks that what it read is exactly
+   the stored reply: complete, no word twice, and that the new run continued it.
 4. ``app.publish`` sends N prompts; each returns once RabbitMQ confirmed it.
 5. ``app.result(task_id)`` waits for each task's terminal state in the result store.
 6. SIGTERM stops the worker cleanly (it finishes in-flight tasks, exit code 0).
@@ -204,7 +204,8 @@ async def stop_worker(worker: WorkerProcess) -> int:
 
 @dataclass
 class Reading:
-    """What a reader of one task's stream shows: the words of the current attempt only."""
+    """What a reader of one task's stream shows: the words after the last "attempt" marker
+    (a run that continues the text writes none, so its words follow the earlier ones)."""
 
     words: list[str] = field(default_factory=list)
     runs: int = 0
@@ -213,7 +214,7 @@ class Reading:
 
     def apply(self, event: StreamEvent) -> None:
         if event.kind == "attempt":
-            # A new run of the handler: the words of the run before it are thrown away.
+            # A run that starts afresh: the words of the run before it are thrown away.
             self.runs += 1
             if self.words:
                 say(f"[attempt] a new run starts; the {len(self.words)} words above are discarded")
@@ -283,8 +284,13 @@ def verdict(reading: Reading, prompt: str) -> bool:
     if final is None:
         return False
     text = "".join(reading.words)
-    stored = final.result.get("reply") if isinstance(final.result, dict) else None
-    say(f"[final] {final.status} after {reading.runs} run(s); {reading.discarded} words discarded")
+    result = final.result if isinstance(final.result, dict) else {}
+    stored = result.get("reply")
+    continued = result.get("continued_after_words", 0)
+    say(
+        f"[final] {final.status}; the last run continued after {continued} words; "
+        f"{reading.runs} attempt marker(s), {reading.discarded} words discarded"
+    )
     complete = final.status == "succeeded" and text == stored == reply_to(prompt)
     if complete:
         say(f"check: the text read is the stored reply, {len(reading.words)} words, none twice: OK")

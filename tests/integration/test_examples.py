@@ -114,7 +114,12 @@ async def test_posted_prompt_is_accepted_with_202_and_its_status_reaches_succeed
         "task_id": task_id,
         "queue": qname,
         "status": "succeeded",
-        "result": {"reply": demo.reply_to("hello"), "model": demo.MODEL_NAME, "attempt": 1},
+        "result": {
+            "reply": demo.reply_to("hello"),
+            "model": demo.MODEL_NAME,
+            "attempt": 1,
+            "continued_after_words": 0,
+        },
         "error": None,
         "attempt": 1,
     }
@@ -229,7 +234,7 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
         "WECLAW_MQ_AMQP_URL": broker_url,
         "WECLAW_MQ_REDIS_URL": redis_url,
         "PYTHONUNBUFFERED": "1",
-        # Slow enough that the worker is killed mid-reply (8 of 53 words) even on a busy machine.
+        # Slow enough that the worker is killed mid-reply (8 of 56 words) even on a busy machine.
         "DEMO_LLM_WORD_S": "0.03",
     }
     # Its own process group: on a timeout the script's worker child is killed with it.
@@ -255,13 +260,17 @@ async def test_demo_script_runs_end_to_end_and_reports_every_task_succeeded(
     forget_tasks.extend((qname, task_id) for task_id, _, _ in rows)
 
     assert proc.returncode == 0, text
-    # The streamed reply: its worker killed mid-reply, a second run, the text read complete.
+    # The streamed reply: its worker killed mid-reply, the next run continued it (one marker,
+    # nothing discarded), the text read complete.
     assert re.search(r"^\$ kill -9 \d+ ", text, flags=re.MULTILINE), text
-    discarded = re.search(
-        r"^\[final\] succeeded after 2 run\(s\); (\d+) words discarded", text, re.M
+    continued = re.search(
+        r"^\[final\] succeeded; the last run continued after (\d+) words; "
+        r"1 attempt marker\(s\), 0 words discarded$",
+        text,
+        re.M,
     )
-    assert discarded is not None and int(discarded[1]) >= 8, text
-    assert "check: the text read is the stored reply, 53 words, none twice: OK" in text, text
+    assert continued is not None and 8 <= int(continued[1]) < 56, text
+    assert "check: the text read is the stored reply, 56 words, none twice: OK" in text, text
     assert "summary: 3 published, 3 succeeded, 0 dead-lettered; " in text, text
     assert "streamed reply through the crash: complete" in text, text
     assert [status for _, status, _ in rows] == ["succeeded"] * 3, text
