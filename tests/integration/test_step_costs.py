@@ -68,12 +68,13 @@ async def fleet(
 
 @contextlib.asynccontextmanager
 async def bill_fleet(
-    broker_url: str, redis_url: str, qname: str, tmp_path: Path
+    broker_url: str, redis_url: str, qname: str, tmp_path: Path, *, token_s: float = STREAM_TOKEN_S
 ) -> AsyncIterator[Fleet]:
-    """A fleet on ``qname``; at the end its workers are killed by pid, and its queues, its
-    tasks' keys and its App's totals of today deleted."""
+    """A fleet on ``qname`` (its provider streams a token per ``token_s``); at the end its
+    workers are killed by pid, and its queues, its tasks' keys and its App's totals of today
+    deleted."""
     limits = ModelLimits(tokens=10**9, requests=10**6, window_s=60)
-    provider = FakeProvider({MODEL: limits}, stream_token_s=STREAM_TOKEN_S)
+    provider = FakeProvider({MODEL: limits}, stream_token_s=token_s)
     # Short heartbeats: a killed worker's claim lapses in a second, not 30.
     settings = settings_for(broker_url, redis_url, guard_heartbeat_ttl_s=0.5)
     name = f"bill-{qname}"
@@ -113,8 +114,8 @@ async def ledger_tokens(app: App, task_id: str) -> tuple[int, int, int]:
     return sum(c.input_tokens for c in calls), sum(c.output_tokens for c in calls), len(calls)
 
 
-async def succeeded(app: App, task_id: str) -> None:
-    final = await app.result(task_id, timeout_s=60)
+async def succeeded(app: App, task_id: str, timeout_s: float = 60) -> None:
+    final = await app.result(task_id, timeout_s=timeout_s)
     assert final.status is TaskStatus.SUCCEEDED, final
 
 
@@ -168,24 +169,28 @@ async def measure_stream_kill(fleet: Fleet, tokens: int, killed_at: float) -> Me
     ``killed_at`` of it; its re-run continues from the stream. Asserts the stream's readers
     got the whole answer once; returns the billed output tokens."""
     app, provider = fleet.app, fleet.provider
+    # A generation's own time, twice, and some for the workers' starts.
+    timeout_s = 30 + 2 * tokens * provider.stream_token_s
     first = fleet.start()
     await first.wait_consuming()
     clean = await app.publish(fleet.queue, BillJob(tokens=tokens))
     fleet.ids.append(clean)
-    await succeeded(app, clean)
+    await succeeded(app, clean, timeout_s)
 
     killed = await app.publish(fleet.queue, BillJob(tokens=tokens))
     fleet.ids.append(killed)
-    reader = asyncio.create_task(collect(app.stream(killed), timeout_s=60 + tokens * 0.1))
+    reader = asyncio.create_task(collect(app.stream(killed), timeout_s=2 * timeout_s))
     cut = int(tokens * killed_at)
     await wait_until(
-        lambda: provider.billed_for(killed).output_tokens >= cut, 60, f"{cut} tokens streamed"
+        lambda: provider.billed_for(killed).output_tokens >= cut,
+        timeout_s,
+        f"{cut} tokens streamed",
     )
     first.kill()
     assert first.popen.returncode == -9, first.describe()
     second = fleet.start()
     await second.wait_consuming()
-    await succeeded(app, killed)
+    await succeeded(app, killed, timeout_s)
 
     events = await reader
     chunks = [e.data for e in events if e.kind == "chunk"]

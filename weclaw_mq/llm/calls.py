@@ -15,6 +15,7 @@ and the reservation of a run that did not end its call here.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Mapping, Sequence
@@ -158,7 +159,8 @@ class ModelCalls(Middleware):
         calls = costed(self._metrics, self._prices, self._spec, run, used)
         held.billed.extend(used)
         try:
-            await ledger.record(run.task_id, calls)
+            # Written even when the handler is cancelled meanwhile: the call was made.
+            await asyncio.shield(ledger.record(run.task_id, calls))
         except Exception as e:
             log.warning("could not record a step's model usage yet (%s)", describe(e))
             held.unrecorded.extend(calls)
