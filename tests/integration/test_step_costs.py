@@ -7,7 +7,8 @@ is SIGKILLed at its 19th call of 20 has its 18 recorded calls in the ledger alre
 replays them (billed nothing) and calls the last two: the ledger is the provider's bill to the
 token, and the bill stays within 5 % of a clean run's. A streamed generation killed at 90 %
 continues from what its stream holds (``ctx.emitted()`` as the prefix), so its billed output
-stays within 15 % of a clean run's. The ratios are printed (``-s``).
+stays within 15 % of a clean run's. The ratios are printed (``-s``). A replayed step bills
+nothing, and a plain ``def``'s ``step_sync`` is in the ledger before its attempt ends.
 
 ``measure_agent_kill`` and ``measure_stream_kill`` are shared with the drill
 (tests/drills/test_step_costs_drill.py: longer generations, more runs).
@@ -271,6 +272,47 @@ async def test_a_replayed_step_costs_nothing_and_a_call_outside_steps_is_billed_
         assert int(totals[f"model:{MODEL}:cost".encode()]) == expected
         # Two attempts ended with calls: two runs of the queue, not one per step.
         assert int(totals[f"queue:{qname}:runs".encode()]) == 2
+    finally:
+        await redis_client.delete(costs_key(app.name, day), usage_key(task_id))
+        await forget_task_keys(redis_url, [qname])
+
+
+async def test_a_plain_def_handlers_step_is_billed_once_across_a_retry(
+    make_app: Callable[..., App],
+    start_worker: Callable[..., Any],
+    qname: str,
+    redis_url: str,
+    redis_client: aioredis.Redis,
+) -> None:
+    app = make_app(f"bill-{qname}")
+    app.prices = dict(PRICES)
+
+    def call_model(ctx: Context) -> str:
+        ctx.usage(input_tokens=11, output_tokens=4, model=MODEL)
+        return "answer"
+
+    seen: list[int] = []
+
+    @app.handler(qname, retry=FAST_RETRY)
+    def agent(task: dict[str, str], ctx: Context) -> str:
+        answer: str = ctx.step_sync("call", call_model, ctx)  # billed from the worker's loop
+        assert ctx.loop is not None
+        # In the ledger already, before the attempt ends.
+        billed = asyncio.run_coroutine_threadsafe(app.calls(ctx.task_id), ctx.loop).result()
+        seen.append(len(billed))
+        if ctx.attempt == 1:
+            raise Retry("the retry replays the step", after_s=0.05)
+        return answer
+
+    await start_worker(app)
+    task_id = await app.publish(qname, {})
+    day = datetime.now(UTC).date().isoformat()
+    try:
+        final = await app.result(task_id, timeout_s=20)
+        assert final.status is TaskStatus.SUCCEEDED, final
+        calls = [(c.attempt, c.input_tokens, c.output_tokens) for c in await app.calls(task_id)]
+        assert calls == [(1, 11, 4)]
+        assert seen == [1, 1]
     finally:
         await redis_client.delete(costs_key(app.name, day), usage_key(task_id))
         await forget_task_keys(redis_url, [qname])
