@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from weclaw_mq.errors import ConfigurationError, StepError, StreamWriteError
-from weclaw_mq.state.steps import HasSteps, StepMemo, Usage, made, step_key
+from weclaw_mq.state.steps import HasSteps, StepMemo, Usage, made, step_billing, step_key
 from weclaw_mq.streaming.emitter import emitted_chunks
 
 if TYPE_CHECKING:
@@ -126,9 +126,9 @@ class Context:
         what it reports here replaces the estimate in the limit's window when the run ends,
         so the estimate's error does not accumulate. In an App with prices, each call is
         costed and recorded on the task and in its tenant's and model's daily totals
-        (``weclaw-mq costs``). Inside a step (``ctx.step``) the call is recorded with the step
-        too, and a replay of that step reports nothing again. Safe from a plain-``def``
-        handler's thread.
+        (``weclaw-mq costs``) as the attempt ends; inside a step (``ctx.step``), as the step
+        is recorded (with the step too), and a replay of that step reports nothing again.
+        Safe from a plain-``def`` handler's thread.
 
         Args:
             input_tokens: The prompt's tokens, as the provider counted them.
@@ -254,7 +254,10 @@ class Context:
         kept. So call steps in the same order on every attempt. The first step of a run
         reads the task's steps (one Redis round trip); a replay costs none after it, a fresh
         step one write. ``ctx.step_key`` is the step's idempotency key while ``fn`` runs, and
-        the model calls ``ctx.usage`` reports then are recorded with the step.
+        the model calls ``ctx.usage`` reports then are recorded with the step, and billed
+        in the cost ledger (an App with prices) as its record is written, not again at the
+        attempt's end: a worker killed later has billed them all the same, and a replay
+        bills nothing.
 
         A step that raises is not recorded (it runs again on the next attempt). A step whose
         call ended but whose record was not written (the worker died in between, Redis
@@ -392,6 +395,11 @@ class Context:
             max_bytes=self.app.settings.step_max_bytes,
             seq=called[1],
         )
+        bill = step_billing.get()
+        if bill is not None and record.usage:
+            # Billed before the record is written: a kill between them repeats the call,
+            # and the provider bills that again too (the ledger stays its bill).
+            await bill(record.usage)
         await memo.save(record, body)
         return record.result
 

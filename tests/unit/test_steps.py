@@ -1,11 +1,13 @@
 """Memoized steps' pure parts (``state.steps``): a record's stored form both ways and its bound,
-the hash field and key, one read per attempt however many steps start at once; and what a
-re-run reads of its stream (``streaming.emitter.emitted_chunks``) and writes after it. The
-steps on the real broker and Redis: tests/integration/test_steps.py."""
+the hash field and key, one read per attempt however many steps start at once; a fresh step's
+usage billed before its record, a replay's never; and what a re-run reads of its stream
+(``streaming.emitter.emitted_chunks``) and writes after it. The steps on the real broker and
+Redis: tests/integration/test_steps.py."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,11 +16,16 @@ from tests.unit.test_naming_keys import _hash_tag
 from weclaw_mq import App, Context, Retry
 from weclaw_mq.contract.naming import guard_key, state_key, steps_key, task_keys
 from weclaw_mq.errors import StepError
+from weclaw_mq.handlers.middleware import Usage as MiddlewareUsage
+from weclaw_mq.llm.usage import unbilled
 from weclaw_mq.state.steps import (
+    HasSteps,
     MemoryStepBook,
     StepMemo,
+    Usage,
     decode,
     made,
+    step_billing,
     step_field,
     step_key,
     steps_of,
@@ -230,3 +237,46 @@ async def test_the_test_kit_replays_steps_and_continues_a_stream_in_memory() -> 
         ("chunk", "half "),
         ("chunk", "done"),  # one marker: the retry went on (a reader appends the final)
     ]
+
+
+async def test_a_fresh_steps_usage_is_billed_before_its_record_and_a_replay_bills_nothing() -> None:
+    app = App("kit-bill")
+    ids: list[str] = []
+    billed: list[tuple[tuple[Usage, ...], list[str]]] = []
+
+    def call(ctx: Context) -> str:
+        ctx.usage(input_tokens=5, output_tokens=2, model="m-1")
+        return "answer"
+
+    @app.handler("kit-bill")
+    async def agent(task: dict[str, str], ctx: Context) -> str:
+        answer: str = await ctx.step("call", call, ctx)
+        await ctx.step("plain", str, "no usage")  # nothing to bill
+        if ctx.attempt == 1:
+            raise Retry("the replay bills nothing", after_s=1)
+        return answer
+
+    async def bill(used: Sequence[Usage]) -> None:
+        assert isinstance(app.store, HasSteps)
+        recorded = await app.store.step_book().load("kit-bill", ids[0])
+        billed.append((tuple(used), sorted(recorded)))  # what was recorded as it was billed
+
+    token = step_billing.set(bill)  # as the LLM middleware sets it for a run (llm.calls)
+    try:
+        async with TestBroker(app) as broker:
+            ids.append(await app.publish("kit-bill", {}))
+            await broker.run_until_idle()
+            state = await app.status(ids[0])
+    finally:
+        step_billing.reset(token)
+
+    assert state is not None and (state.result, state.attempt) == ("answer", 2)
+    assert billed == [((("m-1", 5, 2),), [])]  # once, before the step's record was written
+
+
+def test_unbilled_leaves_the_calls_no_step_billed_each_billed_call_taken_once() -> None:
+    usage = [MiddlewareUsage("m", 5, 2), MiddlewareUsage("m", 7, 1), MiddlewareUsage("m", 5, 2)]
+
+    assert unbilled(usage, [("m", 5, 2)]) == [("m", 7, 1), ("m", 5, 2)]
+    assert unbilled(usage, []) == [("m", 5, 2), ("m", 7, 1), ("m", 5, 2)]
+    assert unbilled(usage, [("m", 5, 2), ("m", 5, 2), ("m", 7, 1)]) == []

@@ -5,16 +5,20 @@ handler's middleware after the App's (``App.handler_chain``).
 
 In ``admit``, in this order: the cap (a tenant past it is parked, shed or downgraded; a run's
 estimated cost is reserved), the fallback chain's model (``run.model``), the limits' slots
-(per model too). In ``after_call``: the slots and the reservation settled with what the run
-reported (``run.usage``), the calls recorded in the cost ledger, and the model's health told
-how the attempt went. ``let_go`` frees the slots and the reservation of a run that did not
-end its call here.
+(per model too). In ``before_run``: the run's steps given their biller (``state.steps``), so
+a step's calls go to the cost ledger as its record is written. In ``after_call``: the slots
+and the reservation settled with all the calls the run reported (``run.usage``, its steps'
+included: they used the provider's tokens), the calls not billed by a step recorded in the
+cost ledger, and the model's health told how the attempt went. ``let_go`` frees the slots
+and the reservation of a run that did not end its call here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from weclaw_mq.errors import InvalidPayload, StateCommandError
 from weclaw_mq.handlers.middleware import CallEnd, Chain, DeadLetter, Defer, Middleware, Run
@@ -22,12 +26,15 @@ from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.llm import fallbacks
 from weclaw_mq.llm.limiting import NO_TICKET, Held, Ticket
 from weclaw_mq.llm.resources import ModelResources
-from weclaw_mq.llm.usage import charge, costed, within_cap
+from weclaw_mq.llm.usage import charge, costed, unbilled, within_cap
 from weclaw_mq.observability.metrics import Metrics
 from weclaw_mq.policy.costs import Price
 from weclaw_mq.policy.failures import describe
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.settings import Settings
+from weclaw_mq.state.cost_ledger import Call, CostLedger
+from weclaw_mq.state.steps import Usage as StepUsage
+from weclaw_mq.state.steps import step_billing
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -36,14 +43,17 @@ _HELD = "weclaw_mq.llm"
 
 
 class _Held:
-    """What one run holds: its slots and cost reservation, and whether its model is the
-    fallback chain's (a cap's downgrade is not)."""
+    """What one run holds: its slots and cost reservation, whether its model is the fallback
+    chain's (a cap's downgrade is not), and the calls its steps billed already."""
 
-    __slots__ = ("chained", "ticket")
+    __slots__ = ("billed", "chained", "ticket", "unrecorded")
 
     def __init__(self) -> None:
         self.ticket: Ticket = NO_TICKET
         self.chained = False
+        self.billed: list[StepUsage] = []
+        # A step's costed calls whose ledger write failed: tried again at the attempt's end.
+        self.unrecorded: list[Call] = []
 
 
 class ModelCalls(Middleware):
@@ -135,20 +145,42 @@ class ModelCalls(Middleware):
         why = f"over its {answer.kind} limit"
         return Defer(why, after_s=answer.delay_ms / 1000, by="limit", quiet=True)
 
+    async def before_run(self, run: Run) -> None:
+        held: _Held | None = run.state.get(_HELD)
+        ledger = self._resources.ledger
+        if held is not None and ledger is not None:  # the handler's steps bill as they end
+            step_billing.set(functools.partial(self._bill_step, run, held, ledger))
+
+    async def _bill_step(
+        self, run: Run, held: _Held, ledger: CostLedger, used: Sequence[StepUsage]
+    ) -> None:
+        """Record a fresh step's calls in the ledger, before its record is written (a write
+        that failed is tried again at the attempt's end)."""
+        calls = costed(self._metrics, self._prices, self._spec, run, used)
+        held.billed.extend(used)
+        try:
+            # Written even when the handler is cancelled meanwhile: the call was made.
+            await asyncio.shield(ledger.record(run.task_id, calls))
+        except Exception as e:
+            log.warning("could not record a step's model usage yet (%s)", describe(e))
+            held.unrecorded.extend(calls)
+
     async def after_call(self, run: Run, call: CallEnd) -> BaseException | Defer | None:
         held: _Held | None = run.state.pop(_HELD, None)
         if held is None:  # admitted by none of ours (an earlier admit hook failed it)
             return None
         ticket = held.ticket
         if ticket is not NO_TICKET:  # its slots freed as the handler ended, however
+            # Every real call of the attempt, its steps' too: they used the window's tokens.
             charge(ticket, run, self._prices)
             ticket.ended(call.error)
             ticket.release()
         ledger = self._resources.ledger
         if ledger is not None and run.usage:  # recorded before the task's end is
-            calls = costed(self._metrics, self._prices, self._spec, run)
+            outside = unbilled(run.usage, held.billed)  # the steps' calls are billed already
+            calls = held.unrecorded + costed(self._metrics, self._prices, self._spec, run, outside)
             try:
-                await ledger.record(run.task_id, calls)
+                await ledger.record(run.task_id, calls, run_of=self._spec.queue)
             except Exception as e:  # the task's outcome does not depend on its bill
                 log.warning("could not record the task's model usage (%s)", describe(e))
         if not held.chained or run.model is None or call.cancelled or not call.started:

@@ -9,19 +9,21 @@ middleware (``llm.calls``): the common path makes no call for it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from weclaw_mq.contract.naming import cap_keys
 from weclaw_mq.errors import BudgetExceeded
-from weclaw_mq.handlers.middleware import DeadLetter, Defer, Run
+from weclaw_mq.handlers.middleware import DeadLetter, Defer, Run, Usage
 from weclaw_mq.handlers.spec import HandlerSpec
 from weclaw_mq.llm.limiting import Limiter, Ticket
 from weclaw_mq.observability.metrics import UNPRICED_MODEL, Metrics
 from weclaw_mq.policy.costs import Cap, Price
 from weclaw_mq.policy.retry import DeadLetterReason
 from weclaw_mq.state.cost_ledger import MICROS, NO_TENANT, Call, CostLedger, day_of
+from weclaw_mq.state.steps import Usage as StepUsage
 
 log = logging.getLogger("weclaw_mq.worker")
 
@@ -58,15 +60,18 @@ def charge(ticket: Ticket, run: Run, prices: Mapping[str, Price]) -> None:
 
 
 def costed(
-    metrics: Metrics, prices: Mapping[str, Price], spec: HandlerSpec, run: Run
+    metrics: Metrics,
+    prices: Mapping[str, Price],
+    spec: HandlerSpec,
+    run: Run,
+    used: Iterable[StepUsage],
 ) -> list[Call]:
-    """The run's calls costed with the App's prices, as the ledger records them (and
-    counted in the tokens and cost metrics)."""
+    """The run's calls ``used`` ((model, input tokens, output tokens) each) costed with the
+    App's prices, as the ledger records them (and counted in the tokens and cost metrics)."""
     tenant = tenant_of(spec, run.task)
     at = datetime.now(UTC).isoformat()
     calls = []
-    for used in run.usage:
-        model, input_tokens, output_tokens = used.model, used.input_tokens, used.output_tokens
+    for model, input_tokens, output_tokens in used:
         price = prices.get(model)
         if price is None and model not in _UNPRICED and len(_UNPRICED) < UNPRICED_WARNED_MAX:
             _UNPRICED.add(model)
@@ -89,6 +94,19 @@ def costed(
         metrics.tokens.labels(spec.queue, label, "output").inc(output_tokens)
         metrics.cost.labels(spec.queue, label).inc(cost)
     return calls
+
+
+def unbilled(usage: Sequence[Usage], billed: Sequence[StepUsage]) -> list[StepUsage]:
+    """The run's calls (``run.usage``) less those its steps billed already (each once)."""
+    left = Counter(billed)
+    outside = []
+    for used in usage:
+        call = (used.model, used.input_tokens, used.output_tokens)
+        if left[call] > 0:
+            left[call] -= 1
+        else:
+            outside.append(call)
+    return outside
 
 
 async def within_cap(

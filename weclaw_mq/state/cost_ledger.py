@@ -5,14 +5,18 @@ A task's calls are a list beside its records (its hash tag), kept as long as its
 (``result_ttl_s``): every attempt's, retries and downgrades included. A day's totals are one
 hash per app and UTC day (``contract.naming.costs_key``), kept ``cost_days_kept`` days: costs
 in millionths of the price table's currency (integers: sums are exact) and tokens, per
-tenant and per model, and cost and runs per queue (a cap's estimate of one run). A call is
-recorded with one pipelined round trip after its attempt ends.
+tenant and per model, and cost and runs per queue (a cap's estimate of one run). A call made
+inside a step (``ctx.step``) is recorded as the step's record is written, before it; any
+other call after its attempt ends; each with one pipelined round trip (``llm.calls``). So
+each call whose answer reached the worker is counted once, a worker killed mid-run included,
+and a replayed step counts nothing.
 
 redis-py is not imported here: an app without prices never loads it (``ledger_of``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,15 +90,26 @@ class CostLedger:
         self._usage_ttl_s = max(1, int(usage_ttl_s))
         self._days_ttl_s = days_kept * 86_400 + 86_400
 
-    async def record(self, task_id: str, calls: Sequence[Call]) -> None:
-        """Add ``calls`` to the task's list and to their day's totals (one round trip per slot)."""
-        if not calls:
-            return
-        task = self._client.pipeline(transaction=False)
-        key = usage_key(task_id)
-        for call in calls:
-            task.rpush(key, json.dumps(call.__dict__, separators=(",", ":")))
-        task.expire(key, self._usage_ttl_s)
+    async def record(
+        self, task_id: str, calls: Sequence[Call], *, run_of: str | None = None
+    ) -> None:
+        """Add ``calls`` to the task's list and to their day's totals: one round trip per
+        slot, both in flight at once.
+
+        Args:
+            task_id: The task whose calls they are.
+            calls: The calls, costed.
+            run_of: The queue whose attempt ended with these calls (its day's runs count one
+                more); None for calls billed mid-run (a step's), which count no run.
+        """
+        writes = []
+        if calls:
+            task = self._client.pipeline(transaction=False)
+            key = usage_key(task_id)
+            for call in calls:
+                task.rpush(key, json.dumps(call.__dict__, separators=(",", ":")))
+            task.expire(key, self._usage_ttl_s)
+            writes.append(task)
         totals = self._client.pipeline(transaction=False)
         for call in calls:
             day = costs_key(self.app, call.at[:10])
@@ -104,11 +119,15 @@ class CostLedger:
                 totals.hincrby(day, f"{who}:out", call.output_tokens)
             totals.hincrby(day, f"queue:{call.queue}:cost", call.cost_micros)
             totals.expire(day, self._days_ttl_s)
-        # One run per record (an attempt's calls): what a run of the queue costs on average.
-        first = calls[0]
-        totals.hincrby(costs_key(self.app, first.at[:10]), f"queue:{first.queue}:runs", 1)
-        await answered(task.execute())
-        await answered(totals.execute())
+        if run_of is not None:
+            # One run per attempt that reported calls: what a run of the queue costs on
+            # average (its steps' calls billed earlier included).
+            day = costs_key(self.app, calls[0].at[:10] if calls else day_of(datetime.now(UTC)))
+            totals.hincrby(day, f"queue:{run_of}:runs", 1)
+            totals.expire(day, self._days_ttl_s)
+        if len(totals):
+            writes.append(totals)
+        await asyncio.gather(*(answered(pipe.execute()) for pipe in writes))
 
     async def calls_of(self, task_id: str) -> list[Call]:
         """Every model call recorded on the task, oldest first."""

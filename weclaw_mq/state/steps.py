@@ -15,6 +15,11 @@ as the record and expire with it. An attempt reads all of them once, at its firs
 A step is at-least-once: a call that finished but whose record was not written (the worker
 died in between, or Redis failed) runs again on the next attempt. ``step_key`` names the step
 stably across attempts, for a provider's own idempotency key.
+
+A fresh step's model calls (``ctx.usage`` inside it) are billed as its record is written:
+``step_billing``, set by the LLM middleware for its run (``llm.calls``), writes them to the
+cost ledger first, then the record goes. A kill between the two repeats the call, which the
+provider bills again too; a kill before the record costs nothing twice; a replay bills none.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -33,12 +39,17 @@ from weclaw_mq.errors import StepError
 from weclaw_mq.state.outages import answered
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from weclaw_mq.state.pipelining import AutoPipeline
 
 # Model calls reported inside a step (``ctx.usage``): (model, input tokens, output tokens).
 Usage = tuple[str, int, int]
+
+# Bills a fresh step's model calls, awaited before its record is written; it never raises
+# (a bill that could not be written is left to the attempt's end).
+StepBilling = Callable[[Sequence[Usage]], Awaitable[None]]
+# Set for a run by the middleware that keeps the cost ledger (``llm.calls``), in the delivery's
+# task before the handler starts: the handler's steps (and its threads) inherit it.
+step_billing: ContextVar[StepBilling | None] = ContextVar("weclaw_mq_step_billing", default=None)
 
 
 @dataclass(frozen=True)
