@@ -378,7 +378,9 @@ def cut_before_move_ack(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, A
     cut: dict[str, Any] = {"task": None, "name": None, "closed": 0, "ack_went_through": None}
     settle = Settler._settle
 
-    async def ack_after_a_cut(self: Settler, message: Any, *, requeue: bool | None) -> bool:
+    async def ack_after_a_cut(
+        self: Settler, message: Any, *, requeue: bool | None, keep_slot: bool = False
+    ) -> bool:
         first_ack = requeue is None and message.message_id == cut["task"] and not cut["closed"]
         if cut["task"] is not None and first_ack:
             cut["closed"] = await asyncio.to_thread(close_connections, cut["name"])
@@ -386,9 +388,11 @@ def cut_before_move_ack(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, A
             # the close: an ack sent in between could still go through (seen on a loaded
             # machine). The channel reports closed once the close reached the client.
             await wait_until(lambda: _channel_closed(message), 10, "the worker saw the cut")
-            cut["ack_went_through"] = await settle(self, message, requeue=requeue)
+            cut["ack_went_through"] = await settle(
+                self, message, requeue=requeue, keep_slot=keep_slot
+            )
             return bool(cut["ack_went_through"])
-        return await settle(self, message, requeue=requeue)
+        return await settle(self, message, requeue=requeue, keep_slot=keep_slot)
 
     monkeypatch.setattr(Settler, "_settle", ack_after_a_cut)
     yield cut

@@ -162,7 +162,12 @@ async def pass_guard(
     running = task_state(delivery, spec, _RUNNING) if rt.results is not None else None
     watch = watch_generation(delivery) if h.WATCH in delivery.headers else None
     try:
-        claim = await store.claim(spec.queue, delivery.task_id, owner, running=running, watch=watch)
+        if watch is None:  # a store of the user's own from before long runs takes no watch
+            claim = await store.claim(spec.queue, delivery.task_id, owner, running=running)
+        else:
+            claim = await store.claim(
+                spec.queue, delivery.task_id, owner, running=running, watch=watch
+            )
     except StateCommandError as e:  # Redis is up and said no: never run unguarded for it
         log.error("the task store refused the claim: %s", e)
         return Defer("the task store refused the claim")

@@ -19,8 +19,8 @@ stored cannot run longer. A long run holds no delivery:
 5. the run's end is carried out as any delivery's, but its move (a retry, a deferral, the DLQ)
    is published first and the watch ended after it (``ended``), so the task is never off the
    broker; its ack has nothing left to send (``Settler._settle``);
-6. a worker that stops hands its long runs over at once (``hand_over``): a copy of the next
-   generation straight to the queue, the watch raised to it, the claim released; another
+6. a worker that stops hands its long runs over at once (``hand_over``): the claim released,
+   a copy of the next generation straight to the queue, the watch raised to it; another
    worker resumes the run within a delivery.
 
 A run whose worker died resumes within ``long_run_watch_s`` (as served by the delay queue
@@ -171,9 +171,15 @@ async def hand_over(
     run: LongRun,
     held: str | None,
 ) -> None:
-    """This worker will not end the run (it stops, or could not store its end): a copy of
-    the next generation straight to the queue, the watch raised to it (older copies stale),
-    the claim released, so another worker resumes it at once."""
+    """This worker will not end the run (it stops, or could not store its end): the claim
+    released, then a copy of the next generation straight to the queue, then the watch
+    raised to it (older copies stale), so another worker resumes it at once.
+
+    Released first: a copy that found the claim still held would be parked for a whole
+    watch period. Until the copy is out the watch copy still counts, so a crash in between
+    loses nothing (the watch copy resumes the run); if it comes back first and resumes the
+    run, the hand-over's copy is parked beside the new run's until it ends."""
+    await release(rt, spec, delivery, held)
     generation = run.generation + 1
     sent = await rt.settler.hand_over(
         message,
@@ -186,4 +192,3 @@ async def hand_over(
             await rt.store.watch(spec.queue, delivery.task_id, generation, WatchStep.RAISE)
         except Exception as e:  # both copies count: the first to resume makes the other stale
             log.warning("could not raise the long run's watch (%s)", e)
-    await release(rt, spec, delivery, held)
