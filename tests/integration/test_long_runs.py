@@ -26,7 +26,10 @@ from tests.integration.processes import (
     queue_names,
     spawn_cli_worker,
 )
+from tests.private_servers import PrivateRedisCluster
 from weclaw_mq import App, TaskStatus
+from weclaw_mq.state import Claim, TaskState
+from weclaw_mq.state.watches import WatchStep
 
 # A watch copy every second (the 1 s delay queue) and a heartbeat that lapses in 0.5 s: a
 # killed worker's run resumes within 1.5 s plus a delivery.
@@ -231,3 +234,26 @@ async def test_a_worker_runs_no_more_long_runs_than_its_concurrency(
         running += change
         peak = max(peak, running)
     assert peak == 1, events
+
+
+async def test_watch_copies_claim_in_their_tasks_slot_on_every_node_of_a_cluster(
+    redis_cluster: PrivateRedisCluster,
+) -> None:
+    from tests.integration.test_redis_cluster import QUEUE, _ids_on_every_node, _store
+
+    store = _store(redis_cluster.url)
+    try:
+        for task_id in _ids_on_every_node(redis_cluster, per_node=1):
+            running = TaskState(task_id=task_id, queue=QUEUE, status=TaskStatus.RUNNING)
+            first = await store.watch(QUEUE, task_id, 0, WatchStep.START)
+            claim = await store.claim(QUEUE, task_id, "a", running=running, watch=first)
+            assert claim is Claim.ACQUIRED
+            assert await store.claim(QUEUE, task_id, "b", watch=first) is Claim.BUSY
+            assert await store.watch(QUEUE, task_id, first, WatchStep.END) == -first
+            await store.release(QUEUE, task_id, "a")
+            assert await store.claim(QUEUE, task_id, "c", watch=first) is Claim.STALE
+            # A retry's copy carries no generation: it claims, and its run starts past the end.
+            assert await store.claim(QUEUE, task_id, "d", running=running) is Claim.ACQUIRED
+            assert await store.watch(QUEUE, task_id, 0, WatchStep.START) == first + 1
+    finally:
+        await store.close()

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from tests.conftest import outcome_count, settings_for, wait_until
 from tests.integration.processes import one_error_line, run_cli, settings_env
 from tests.integration.scenario_backends import WAIT_S, MemoryBackend, RealBackend
-from weclaw_mq import App, Reject, RetryPolicy, TaskState, TaskStatus, Worker
+from weclaw_mq import App, Reject, Retry, RetryPolicy, TaskState, TaskStatus, Worker
 from weclaw_mq.contract import headers as h
 from weclaw_mq.contract.naming import (
     CHAIN_RECORD_QUEUE,
@@ -752,3 +752,39 @@ async def test_the_cli_cancels_a_workflow_and_says_when_it_had_ended(
         assert misused.code == 2 and "--workflow takes neither" in misused.stderr
     finally:
         await forget_workflows(redis_url, [group_id], [])
+
+
+async def test_a_chain_stage_and_group_parts_replay_their_steps_on_a_retry(
+    backend: Backend, qname: str
+) -> None:
+    """Memoized steps (``ctx.step``) inside a chain's stage and a group's parts: each part's
+    step runs once though its first attempt asked for a retry after it."""
+    app = backend.app(retry_delay_s=0.05)
+    calls: list[str] = []
+
+    async def model(text: str) -> str:
+        calls.append(text)
+        return text.upper()
+
+    @app.handler(f"{qname}-s", retry=FAST_RETRY)
+    async def stage(text: str, ctx: Any) -> str:
+        answer: str = await ctx.step("model", model, text)
+        if ctx.attempt == 1:
+            raise Retry("the tool said busy", after_s=0.05)
+        return answer
+
+    @app.handler(f"{qname}-t")
+    async def tail(text: str) -> str:
+        return f"{text}!"
+
+    await backend.open(app)
+    await backend.run(app)
+    chain_id = await app.chain([f"{qname}-s", f"{qname}-t"], "hi")
+    group_id = await app.group(f"{qname}-s", ["a", "b", "c"])
+    backend.ids += [chain_id, group_id]
+
+    chained = await backend.final(app, chain_id)
+    grouped = await backend.final(app, group_id)
+    assert (chained.status, chained.result) == (TaskStatus.SUCCEEDED, "HI!")
+    assert (grouped.status, grouped.result) == (TaskStatus.SUCCEEDED, ["A", "B", "C"])
+    assert sorted(calls) == ["a", "b", "c", "hi"]  # each once, across the retries
