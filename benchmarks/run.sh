@@ -8,7 +8,7 @@
 # Then the feature benchmarks: benchmarks/stream_cost.py (make bench-stream),
 # benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke),
 # benchmarks/priority.py (make bench-priority), benchmarks/limits_cost.py (a per-key limit
-# against none; about 60 s, tiny with --smoke) and benchmarks/task_index_cost.py (the task
+# against none; about 60 s, tiny with --smoke), benchmarks/task_index_cost.py (the task
 # index on vs off, and a page of a million; a few minutes, tiny with --smoke) and
 # benchmarks/step_cost.py (a memoized step's round trips and CPU, a long run's publishes; about
 # a minute, tiny with --smoke).
