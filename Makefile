@@ -18,7 +18,7 @@ TEST_WORKERS ?= 3
 .DEFAULT_GOAL := help
 .PHONY: help venv install lock test-slow test-ends tools tools-mermaid test lint format docs-code demo drill bench bench-own-cost bench-outbox bench-postgres-outbox bench-sync-client bench-notify \
 	bench-stream bench-priority bench-limits bench-token-budget bench-fair-share bench-task-index bench-console bench-rss bench-redis-client \
-	bench-start bench-io-high bench-waiters bench-workflows compose-check clean \
+	bench-start bench-io-high bench-waiters bench-workflows bench-steps compose-check clean \
 	distclean docs docs-serve console-screenshots services-up services-down services-status soak fuzz
 
 help:
@@ -54,6 +54,7 @@ help:
 	@echo "make bench-redis-client  the store's Redis calls alone vs auto-pipelined (and hiredis if installed)"
 	@echo "make bench-waiters  10,000 result() waiters in one process: connections, memory, publish latency"
 	@echo "make bench-workflows a 3-stage chain vs three stages chained by hand; a 1,000-part group's fan-in"
+	@echo "make bench-steps    a memoized step's round trips and CPU, fresh and replayed; a long run's publishes"
 	@echo "make docs           build the documentation site into site/ (mkdocs build --strict)"
 	@echo "make docs-serve     serve the site at http://127.0.0.1:8000/, rebuilt on every save"
 	@echo "make console-screenshots  photograph the web console's pages into docs/assets/console/ (broker, Redis, Chromium)"
@@ -306,6 +307,13 @@ bench-fair-share: install
 # redis-server of its own (target: < 100 ms); also run by 'make bench'. TASK_INDEX_ARGS=--smoke.
 bench-task-index: install
 	$(BIN)/python -m benchmarks.task_index_cost $(TASK_INDEX_ARGS)
+
+# Durable work (issue 40, ~1 min): a memoized step's Redis round trips (counted; target <= 1 per
+# fresh step beyond its attempt's one read, 0 per replay) and CPU (target <= 30 us), fresh,
+# replayed and in a worker; a long run's publishes (target <= T / period + 2). A missed count
+# fails it; also run by 'make bench' (benchmarks/run.sh). STEPS_BENCH_ARGS=--smoke for tiny.
+bench-steps: install
+	$(BIN)/python -m benchmarks.step_cost $(STEPS_BENCH_ARGS)
 
 # The web console's Tasks page over a big index (its own redis-server): a page of 50 out of
 # 1,000,000, server time, beside App.tasks alone (target < 100 ms). CONSOLE_BENCH_ARGS="--smoke".

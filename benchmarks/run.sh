@@ -8,8 +8,10 @@
 # Then the feature benchmarks: benchmarks/stream_cost.py (make bench-stream),
 # benchmarks/notify_cost.py (notify=True against off; about a minute, tiny with --smoke),
 # benchmarks/priority.py (make bench-priority), benchmarks/limits_cost.py (a per-key limit
-# against none; about 60 s, tiny with --smoke) and benchmarks/task_index_cost.py (the task
-# index on vs off, and a page of a million; a few minutes, tiny with --smoke).
+# against none; about 60 s, tiny with --smoke), benchmarks/task_index_cost.py (the task
+# index on vs off, and a page of a million; a few minutes, tiny with --smoke) and
+# benchmarks/step_cost.py (a memoized step's round trips and CPU, a long run's publishes; about
+# a minute, tiny with --smoke).
 #
 # The peers (FastStream, Dramatiq) live in benchmarks/.venv, never in the project's .venv.
 # That venv is created on first use and re-installed only when requirements.txt or
@@ -68,4 +70,6 @@ fi
 "$venv/bin/python" -m benchmarks.limits_cost "${limits_args[@]}" || status=$?
 # What the task index costs the consume path, and a page of a million (make bench-task-index).
 "$venv/bin/python" -m benchmarks.task_index_cost "${feature_args[@]}" || status=$?
+# What a memoized step and a long run cost (make bench-steps).
+"$venv/bin/python" -m benchmarks.step_cost "${feature_args[@]}" || status=$?
 exit "$status"
