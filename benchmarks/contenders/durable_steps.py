@@ -56,6 +56,8 @@ from weclaw_mq.contract.naming import steps_key, stream_key, task_keys
 from weclaw_mq.policy.retry import RetryPolicy
 from weclaw_mq.wire.topology import queue_declarations
 
+from ..infra import bench_queue_name
+
 RESULT_TIMEOUT_S = 120.0
 # The streamed reply: 10 chunks, the first attempt breaking off after 6 (at 60 %, as in
 # tests/integration/test_steps.py for weclaw_mq's ctx.emitted()).
@@ -88,7 +90,7 @@ class WeclawSide:
 
     def __init__(self) -> None:
         self.settings = Settings()
-        self.queue = f"bench-steps-{uuid.uuid4().hex[:10]}"
+        self.queue = bench_queue_name("steps")
         self.app = App("bench-steps", settings=self.settings)
         self.task_ids: list[str] = []
         fast = RetryPolicy(max_retries=2, delay_s=0.01, max_delay_s=0.01)
