@@ -477,6 +477,8 @@ def task_keys(queue: str, task_id: str) -> list[str]:
         state_key(queue, task_id),
         latest_key(task_id),
         body_key(queue, task_id),
+        steps_key(queue, task_id),
+        watch_key(queue, task_id),
     ]
 
 
