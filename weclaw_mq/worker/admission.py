@@ -125,6 +125,11 @@ async def admit(a: Attempt) -> End | None:
         return DeadLetter(DeadLetterReason.UNDECODABLE, e)
     except InvalidPayload as e:
         return DeadLetter(DeadLetterReason.INVALID_PAYLOAD, e)
+    if spec.long_running and rt.long_runs is not None and rt.long_runs.full(spec.queue):
+        # Sent before its consumer paused for a queue full of long runs (they hold no
+        # delivery, so the prefetch no longer bounds them): parked, no attempt spent, for
+        # another worker. Never given back: each return counts toward the delivery limit.
+        return Defer(f"this worker runs {rt.long_runs.concurrency} long runs of {spec.queue!r}")
     if rt.store is not None and spec.idempotent:
         claimed = await pass_guard(delivery, spec, rt.store, rt)
         if isinstance(claimed, str):

@@ -352,7 +352,7 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         finally:
             self._conn = self._publishing = None
             if self._long_runs is not None:
-                self._long_runs.on_full = None  # its consumers end with the session
+                self._long_runs.attach(None)  # its consumers end with the session
             self._recovering.clear()
             # Its lane schedulers end with it: none starts a task or adopts a delivery of a
             # session that is gone (a stop has already stopped them).
@@ -446,7 +446,7 @@ class Worker(StartChecks, Status, Draining, Subscriptions):
         for spec in single:
             await self._subscribe(channel, spec, runtime, consumers, pausable, watches)
         if self._long_runs is not None:
-            self._long_runs.on_full = functools.partial(_room, pausable, set())
+            self._long_runs.attach(functools.partial(_room, pausable, set()))
         for spec in laned:
             scheduler = self._lane_scheduler(
                 conn, lane_channel, spec, runtime, version, bulk_channel

@@ -84,12 +84,26 @@ class LongRuns:
     def __init__(self, concurrency: int) -> None:
         self.concurrency = concurrency
         self.tasks: dict[asyncio.Task[Any], str] = {}
-        # Called with a queue that is full (True) or has room again (False): its consumer
-        # pauses or resumes (set per session by the worker).
-        self.on_full: Callable[[str, bool], None] | None = None
+        # Called with a queue that became full (True) or has room again (False): its consumer
+        # pauses or resumes. Told only of changes (a resume per ended run would race others
+        # and add consumers), and set per session (``attach``).
+        self._on_full: Callable[[str, bool], None] | None = None
+        self._full: set[str] = set()
+
+    def attach(self, on_full: Callable[[str, bool], None] | None) -> None:
+        """A session's consumers (None: the session ended). A new session's consumers start
+        consuming: those of queues already full are paused at once."""
+        self._on_full = on_full
+        if on_full is not None:
+            for queue in self._full:
+                on_full(queue, True)
 
     def count(self, queue: str) -> int:
         return sum(1 for q in self.tasks.values() if q == queue)
+
+    def full(self, queue: str) -> bool:
+        """This worker runs as many long runs of ``queue`` as its concurrency."""
+        return self.count(queue) >= self.concurrency
 
     def add(self, queue: str) -> None:
         """The current task's run is a long run of ``queue`` from now until it ends."""
@@ -98,13 +112,17 @@ class LongRuns:
             return
         self.tasks[task] = queue
         task.add_done_callback(self._gone)
-        if self.on_full is not None and self.count(queue) >= self.concurrency:
-            self.on_full(queue, True)
+        if queue not in self._full and self.full(queue):
+            self._full.add(queue)
+            if self._on_full is not None:
+                self._on_full(queue, True)
 
     def _gone(self, task: asyncio.Task[Any]) -> None:
         queue = self.tasks.pop(task, None)
-        if queue is not None and self.on_full is not None and self.count(queue) < self.concurrency:
-            self.on_full(queue, False)
+        if queue is not None and queue in self._full and not self.full(queue):
+            self._full.discard(queue)
+            if self._on_full is not None:
+                self._on_full(queue, False)
 
 
 async def detach(

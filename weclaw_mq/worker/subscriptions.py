@@ -166,12 +166,6 @@ class Subscriptions:
                 # take it while this one drains (which may last the whole grace period).
                 await ends.give_back(message, spec, runtime, "the worker is stopping", logging.INFO)
                 return
-            if spec.long_running and len(self._in_flight.of(spec.queue)) >= self.concurrency:
-                # Sent before its consumer paused for a queue full of long runs (which hold
-                # no delivery, so the prefetch no longer bounds them): another worker's.
-                why = "this worker runs as many long runs as its concurrency"
-                await ends.give_back(message, spec, runtime, why, logging.DEBUG)
-                return
             # Our own task, not aiormq's: aiormq cancels its callback tasks when the
             # connection drops, and a model call that is paid for should still finish and
             # store its result even if its ack can no longer be sent.
@@ -221,18 +215,21 @@ class _SingleConsumer:
         # Paused too while this worker runs as many long runs of it as its concurrency
         # (``worker.long_runs``): the breaker's resume leaves it paused then.
         self.full = False
+        self._rooming = asyncio.Lock()
 
     async def pause(self) -> None:
         self.paused = True
         await self._cancel()
 
     async def room(self, full: bool) -> None:
-        """A long run began and filled the worker (``full``), or one ended and made room."""
-        self.full = full
-        if full:
-            await self._cancel()
-        elif not self.paused:
-            await self.resume()
+        """A long run began and filled the worker (``full``), or one ended and made room.
+        One at a time: two resumes awaiting their consume at once would add two consumers."""
+        async with self._rooming:
+            self.full = full
+            if full:
+                await self._cancel()
+            elif not self.paused:
+                await self.resume()
 
     async def _cancel(self) -> None:
         for tag, (spec, queue) in list(self.consumers.items()):
