@@ -92,7 +92,7 @@ async def test_a_long_run_holds_no_delivery_and_ends_with_nothing_left_on_the_br
     app, start = long_fleet
     worker = start()
     await worker.wait_consuming()
-    task_id = await app.publish(qname, LongJob(steps=16, step_s=0.5))
+    task_id = await app.publish(qname, LongJob(steps=30, step_s=0.5))
     # 6 s into the run: past the broker's statistics interval (5 s), so its count below was
     # taken while the run went on.
     await wait_until(lambda: len(_lines(tmp_path, "step")) >= 12, 30, "twelve steps")
@@ -110,8 +110,8 @@ async def test_a_long_run_holds_no_delivery_and_ends_with_nothing_left_on_the_br
     assert age_s <= 3 * BEAT_S + 0.5, (age_s, running)
     final = await app.result(task_id, timeout_s=30)
     assert final.status is TaskStatus.SUCCEEDED, (final, worker.describe())
-    assert final.result == {"sum": 16 + sum(range(16)), "attempt": 1}
-    assert [line[1] for line in _lines(tmp_path, "step")] == [str(i) for i in range(16)]
+    assert final.result == {"sum": 30 + sum(range(30)), "attempt": 1}
+    assert [line[1] for line in _lines(tmp_path, "step")] == [str(i) for i in range(30)]
     assert len(_lines(tmp_path, "start")) == 1  # the watch copies parked; none ran it again
 
     # The last watch copy comes back to a task that is done and is acked: nothing is left.

@@ -471,14 +471,14 @@ def queue_key_pattern(prefix: str, queue: str) -> str:
 
 
 def task_keys(queue: str, task_id: str) -> list[str]:
-    """Every key that (queue, task id) may own: for cleanup by tests and operator scripts."""
+    """The keys (queue, task id) owned as released (the wire snapshot holds this list), for
+    cleanup by tests and operator scripts; beside them now its ``steps_key`` and
+    ``watch_key``."""
     return [
         guard_key(queue, task_id),
         state_key(queue, task_id),
         latest_key(task_id),
         body_key(queue, task_id),
-        steps_key(queue, task_id),
-        watch_key(queue, task_id),
     ]
 
 
