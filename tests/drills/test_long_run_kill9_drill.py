@@ -14,7 +14,7 @@ broker and Redis say:
   whole;
 - a run starts again only after the worker of its previous run was killed (no stale copy ran
   it, no two runs at once), and every run a kill hit was resumed within
-  ``long_run_watch_s + guard_heartbeat_ttl_s + RESUME_SLACK_S``;
+  ``long_run_watch_s + guard_heartbeat_ttl_s`` + slack (``bounds.LONG_RUN_RESUME_BOUND_S``);
 - each step's real calls <= 1 + the kills that hit its run while it was the step in progress,
   so the extra step calls are at most the runs in flight at the kills;
 - each reader's stream (``App.stream``) holds one "attempt" marker and every word once, in
@@ -41,6 +41,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import delete_queues, forget_task_keys, wait_until
+from tests.drills import bounds
 from tests.drills.conftest import DrillReport, RabbitNode, drill_settings
 from tests.integration.fixture_apps.long_kill_app import KillJob, Line, build_app, lines, words
 from tests.integration.processes import (
@@ -51,23 +52,23 @@ from tests.integration.processes import (
     spawn_cli_worker,
 )
 from weclaw_mq import App, Settings, TaskStatus
+from weclaw_mq.admin import dlq
 from weclaw_mq.contract.naming import is_shared_name
 from weclaw_mq.streaming.events import StreamEvent
 
 APP_PATH = "tests.integration.fixture_apps.long_kill_app:app"
-WATCH_S = 1.0
-HEARTBEAT_S = 1.0
-# The copy's delivery and the resumed run's start on a loaded 2-core machine (workers
-# restarting beside the runs).
-RESUME_SLACK_S = 1.5
-RESUME_BOUND_S = WATCH_S + HEARTBEAT_S + RESUME_SLACK_S
-WORKERS = 3
-CONCURRENCY = 5
+WATCH_S = bounds.LONG_RUN_WATCH_S
+HEARTBEAT_S = bounds.LONG_RUN_HEARTBEAT_S
+RESUME_BOUND_S = bounds.LONG_RUN_RESUME_BOUND_S
+WORKERS = 2
+CONCURRENCY = 8
 # Runs in flight at most: no more than one worker's concurrency (see the module docstring).
 WINDOW = CONCURRENCY
 JOB = KillJob(steps=10, step_s=0.2, words=10, word_s=0.05)
 # Seconds between kills, drawn uniformly (after the killed worker consumes again).
-KILL_GAP_S = (1.0, 3.0)
+KILL_GAP_S = (0.5, 2.5)
+# A run's stream read to its final event within this, from its publish.
+READ_WITHIN_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ async def _read(app: App, task_id: str, timeout_s: float) -> list[StreamEvent]:
 
 
 async def _publish_all(
-    app: App, queue: str, runs: int, timeout_s: float
+    app: App, queue: str, runs: int, timeout_s: float, published: Path
 ) -> dict[str, asyncio.Task[list[StreamEvent]]]:
     """Publish ``runs`` jobs, at most ``WINDOW`` unfinished at a time; each read by a reader
     of its stream from its publish on (its final event frees its place)."""
@@ -152,6 +153,8 @@ async def _publish_all(
     for _ in range(runs):
         await room.acquire()
         task_id = await app.publish(queue, JOB)
+        with published.open("a") as file:
+            file.write(f"{task_id} {time.time():.3f}\n")
         reader = asyncio.create_task(_read(app, task_id, timeout_s))
         reader.add_done_callback(lambda _: room.release())
         readers[task_id] = reader
@@ -256,7 +259,11 @@ async def _drill(
         fleet.workers = [fleet.start() for _ in range(WORKERS)]
         for worker in fleet.workers:
             await worker.wait_consuming(60)
-        published = asyncio.create_task(_publish_all(app, queue, runs, timeout_s=runs * 10))
+        published = asyncio.create_task(
+            _publish_all(
+                app, queue, runs, timeout_s=READ_WITHIN_S, published=tmp_path / "published.txt"
+            )
+        )
         done = asyncio.Event()
         published.add_done_callback(lambda _: done.set())
         made = await _kill_at_random(fleet, rng, kills, done)
@@ -267,6 +274,10 @@ async def _drill(
         task_ids = list(readers)
         expected = words(JOB.words)
         succeeded_writes: Counter[str] = Counter()
+        unread = {t: repr(r.exception()) for t, r in readers.items() if r.exception()}
+        if unread:
+            states = {t: await app.status(t) for t in unread}
+            raise AssertionError(f"streams not read to their end: {unread}; status: {states}")
         for task_id, reader in readers.items():
             events = reader.result()
             final = await app.result(task_id, timeout_s=5)
@@ -302,7 +313,10 @@ async def _drill(
         try:
             await wait_until(clean, 30, "the broker to report every queue empty")
         except AssertionError:
-            raise AssertionError(f"end state on the broker: {'; '.join(problems)}") from None
+            dead = await dlq.inspect(app, queue)
+            raise AssertionError(
+                f"end state on the broker: {'; '.join(problems)}; dead letters: {dead}"
+            ) from None
         for worker in fleet.workers:
             worker.signal(signal.SIGTERM)
         for worker in fleet.workers:
@@ -317,8 +331,8 @@ async def _drill(
             f"{found.hits} runs in flight; {runs}/{runs} succeeded, succeeded record written "
             f"once each; extra step calls {found.extra_calls} (<= {found.hits}); streams whole; "
             f"resumed {len(found.resumes)} runs, max {worst:.2f} s, median {median:.2f} s "
-            f"(bound {RESUME_BOUND_S:.1f} s = watch {WATCH_S:g} + heartbeat {HEARTBEAT_S:g} "
-            f"+ {RESUME_SLACK_S:g}); broker: queues, delay ladder, DLQ empty, 0 unacked; "
+            f"({bounds.long_run_resume_bound_text()}); "
+            "broker: queues, delay ladder, DLQ empty, 0 unacked; "
             f"{seconds:.0f} s"
         )
         print(summary)
