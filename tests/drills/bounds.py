@@ -50,6 +50,16 @@ SENTINEL_FAILOVER_BOUND_S = 15.0
 # task run again if its message comes back, a lost result leaves its status at an earlier one.
 SENTINEL_DRILL_CONCURRENCY = 8
 SENTINEL_LOST_WRITES_BOUND = SENTINEL_DRILL_CONCURRENCY
+# Long runs under the same failover: every run is in flight at the kill. A run's step is
+# called again after it only if its record was lost: written in the last instant before the
+# primary died and not yet on the replica (at most one per run: steps are 0.3 s apart), or
+# not written because Redis was down when the call returned (that attempt fails, the next
+# calls it again). So at most 2 extra calls per run in flight.
+SENTINEL_LONG_RUNS = 12
+SENTINEL_LONG_RUN_WATCH_S = 1.0
+SENTINEL_LONG_RUN_HEARTBEAT_S = 1.0
+SENTINEL_LONG_RUN_EXTRA_STEPS_PER_RUN = 2
+SENTINEL_LONG_RUN_EXTRA_STEPS_BOUND = SENTINEL_LONG_RUNS * SENTINEL_LONG_RUN_EXTRA_STEPS_PER_RUN
 
 # make drill: how many times in a row the cluster failover drill runs.
 CLUSTER_DRILL_RUNS_DEFAULT = 5
@@ -94,6 +104,14 @@ def sentinel_lost_writes_bound_text() -> str:
     )
 
 
+def sentinel_long_run_extra_steps_bound_text() -> str:
+    return (
+        f"bound {SENTINEL_LONG_RUN_EXTRA_STEPS_BOUND} = {SENTINEL_LONG_RUN_EXTRA_STEPS_PER_RUN} "
+        f"per run in flight x {SENTINEL_LONG_RUNS}: a step record lost with the primary, and "
+        "the call that returned while Redis was down"
+    )
+
+
 def bound_texts() -> list[str]:
     """One line per asserted bound, printed under the drill table."""
     return [
@@ -106,4 +124,6 @@ def bound_texts() -> list[str]:
         f"Redis primary kill -9 (Sentinel): writes accepted again within the "
         f"{sentinel_failover_bound_text()}; results missing and duplicates "
         f"{sentinel_lost_writes_bound_text()}",
+        f"Redis primary kill -9 (Sentinel) under long runs: each ended once, extra step calls "
+        f"{sentinel_long_run_extra_steps_bound_text()}",
     ]
