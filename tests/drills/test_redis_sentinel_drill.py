@@ -8,6 +8,12 @@ SIGKILLed. The Sentinels promote the replica; meanwhile the worker parks the tas
 claim in a delay queue and keeps trying to store the results of those that ran. Every task
 must run, none more than the bound allows, and the results must be readable from the new
 primary (see ``bounds.SENTINEL_LOST_WRITES_BOUND`` for why either may miss a few).
+
+The same kill under long runs (issue 40): two workers run 12 long runs of memoized steps
+(``fixture_apps/long_sentinel_app.py``) with a watch of 1 s and a heartbeat of 1 s, all in
+flight when the primary dies. Every task must succeed, each run end once, the steps called
+before the kill be replayed (extra calls within ``bounds.SENTINEL_LONG_RUN_EXTRA_STEPS_BOUND``)
+and the broker end clean.
 """
 
 from __future__ import annotations
@@ -226,13 +232,6 @@ async def _final(app: App, task_id: str) -> TaskStatus | None:
 
 
 @pytest.mark.drill
-@pytest.mark.slow
-@pytest.mark.xfail(
-    reason="long runs' watch copies pile up x-delivery-count while their workers are full "
-    "(consumers paused); the failover's deferrals add to it and copies reach the delivery "
-    "limit: dead-lettered copies, and once a run that never ended (h/sentinel report)",
-    strict=False,
-)
 async def test_redis_primary_killed_under_long_runs_they_resume_and_replay_their_steps(
     broker_url: str, private_servers: PrivateServers, tmp_path: Path, drill_report: DrillReport
 ) -> None:

@@ -32,6 +32,7 @@ from weclaw_mq.worker import ends
 from weclaw_mq.worker.in_flight import InFlight
 from weclaw_mq.worker.incoming import consume
 from weclaw_mq.worker.lanes import LaneScheduler
+from weclaw_mq.worker.long_runs import LongRuns
 from weclaw_mq.worker.pausing import Pausable, QueueCircuit
 from weclaw_mq.worker.runtime import Runtime
 
@@ -46,6 +47,7 @@ class Subscriptions:
     concurrency: int
     _stop: asyncio.Event
     _in_flight: InFlight
+    _long_runs: LongRuns | None
     _circuits: dict[str, QueueCircuit]
     _recovering: set[str]
     _schedulers: list[LaneScheduler]
@@ -166,9 +168,19 @@ class Subscriptions:
                 # take it while this one drains (which may last the whole grace period).
                 await ends.give_back(message, spec, runtime, "the worker is stopping", logging.INFO)
                 return
-            if spec.long_running and len(self._in_flight.of(spec.queue)) >= self.concurrency:
+            long_runs = self._long_runs
+            if (
+                spec.long_running
+                and long_runs is not None
+                and long_runs.count(spec.queue) >= self.concurrency
+            ):
                 # Sent before its consumer paused for a queue full of long runs (which hold
                 # no delivery, so the prefetch no longer bounds them): another worker's.
+                # Long runs only, not every delivery in flight: runs ending and copies
+                # deferred against a Redis that is down (each waiting out its timeout) held
+                # the count up, and every delivery went back at once, raising its
+                # x-delivery-count until the delivery limit dead-lettered it (issue 40's
+                # Sentinel drill: tests/drills/test_redis_sentinel_drill.py).
                 why = "this worker runs as many long runs as its concurrency"
                 await ends.give_back(message, spec, runtime, why, logging.DEBUG)
                 return
