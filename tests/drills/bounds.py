@@ -50,6 +50,16 @@ SENTINEL_FAILOVER_BOUND_S = 15.0
 # task run again if its message comes back, a lost result leaves its status at an earlier one.
 SENTINEL_DRILL_CONCURRENCY = 8
 SENTINEL_LOST_WRITES_BOUND = SENTINEL_DRILL_CONCURRENCY
+# Long runs under the same failover: every run is in flight at the kill. A run's step is
+# called again after it only if its record was lost: written in the last instant before the
+# primary died and not yet on the replica (at most one per run: steps are 0.3 s apart), or
+# not written because Redis was down when the call returned (that attempt fails, the next
+# calls it again). So at most 2 extra calls per run in flight.
+SENTINEL_LONG_RUNS = 12
+SENTINEL_LONG_RUN_WATCH_S = 1.0
+SENTINEL_LONG_RUN_HEARTBEAT_S = 1.0
+SENTINEL_LONG_RUN_EXTRA_STEPS_PER_RUN = 2
+SENTINEL_LONG_RUN_EXTRA_STEPS_BOUND = SENTINEL_LONG_RUNS * SENTINEL_LONG_RUN_EXTRA_STEPS_PER_RUN
 
 # kill -9 of workers mid long run: the watch copy comes back within one watch period of the
 # death, and claims once the worker's heartbeat lapsed (else it parks once more), so a run a
@@ -110,6 +120,14 @@ def long_run_resume_bound_text() -> str:
     )
 
 
+def sentinel_long_run_extra_steps_bound_text() -> str:
+    return (
+        f"bound {SENTINEL_LONG_RUN_EXTRA_STEPS_BOUND} = {SENTINEL_LONG_RUN_EXTRA_STEPS_PER_RUN} "
+        f"per run in flight x {SENTINEL_LONG_RUNS}: a step record lost with the primary, and "
+        "the call that returned while Redis was down"
+    )
+
+
 def bound_texts() -> list[str]:
     """One line per asserted bound, printed under the drill table."""
     return [
@@ -125,4 +143,6 @@ def bound_texts() -> list[str]:
         f"long runs, kill -9 of workers: every run hit resumed within the "
         f"{long_run_resume_bound_text()}; extra step calls within the runs in flight at the "
         f"kills",
+        f"Redis primary kill -9 (Sentinel) under long runs: each ended once, extra step calls "
+        f"{sentinel_long_run_extra_steps_bound_text()}",
     ]
