@@ -975,3 +975,29 @@ async def test_steps_page_replays_recorded_steps_after_a_failure_and_continues_t
     assert "".join(e.data for e in events if e.kind == "chunk") == whole
     assert events[-1].kind == "final" and events[-1].result == whole
     assert example.CALLS == ["generate after 0 chars", "generate after 19 chars"]
+
+
+# -- long-runs.md ----------------------------------------------------------------------------
+
+
+async def test_long_runs_page_hands_a_run_over_at_a_stop_and_replays_its_steps(
+    examples: Examples, start_worker: Callable[..., Any]
+) -> None:
+    example = examples.load("long_runs.py", queues=["agent.run"])
+    app = example.app
+    first = await start_worker(app)
+    second = await start_worker(app)
+
+    task_id = await app.publish(examples.queue("agent.run"), {"goal": "ship it"})
+    await wait_until(lambda: len(example.CALLS) >= 3, 20, "the plan and two parts")
+    (running,) = [w for w in (first, second) if w.in_flight]
+    running.stop()  # a SIGTERM: its long run is handed over, not waited for
+    final = await app.result(task_id, timeout_s=30)
+
+    assert final.status is TaskStatus.SUCCEEDED, final
+    assert final.result == [f"SHIP IT, PART {i}" for i in range(1, 9)]
+    # The plan was made once; each part once, but the one the stop interrupted.
+    assert example.CALLS.count("plan") == 1, example.CALLS
+    parts = [c for c in example.CALLS if c != "plan"]
+    assert sorted(set(parts)) == [f"ship it, part {i}" for i in range(1, 9)]
+    assert len(parts) <= 9, parts
