@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,6 +272,33 @@ class WorkerFleet:
 
     def kill_all(self) -> None:
         for worker in self.workers:
+            worker.kill()
+
+
+@contextlib.contextmanager
+def spawned_workers(
+    app_path: str, *, settings: Settings, app_env: dict[str, str], log_dir: Path
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """A starter of ``app_path``'s workers in processes of their own (``start(concurrency,
+    **setting overrides)``), each logging to ``log_dir/worker-<n>.log``; every one started is
+    killed by pid on the way out."""
+    workers: list[WorkerProcess] = []
+
+    def start(concurrency: int = 1, **overrides: Any) -> WorkerProcess:
+        worker = spawn_cli_worker(
+            app_path,
+            settings=settings.model_copy(update=overrides) if overrides else settings,
+            app_env=app_env,
+            log_path=log_dir / f"worker-{len(workers)}.log",
+            concurrency=concurrency,
+        )
+        workers.append(worker)
+        return worker
+
+    try:
+        yield start
+    finally:
+        for worker in workers:
             worker.kill()
 
 

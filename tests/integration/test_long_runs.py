@@ -24,7 +24,7 @@ from tests.integration.fixture_apps.steps_app import read_calls
 from tests.integration.processes import (
     broker_queue_counts,
     queue_names,
-    spawn_cli_worker,
+    spawned_workers,
 )
 from tests.private_servers import PrivateRedisCluster
 from weclaw_mq import App, TaskStatus
@@ -59,24 +59,12 @@ async def long_fleet(
     )
     app = build_app(qname, settings=settings, record_dir=tmp_path)
     await app.declare()
-    workers: list[Any] = []
-
-    def start(concurrency: int = 1, watch_s: float = WATCH_S) -> Any:
-        worker = spawn_cli_worker(
-            "tests.integration.fixture_apps.long_app:app",
-            settings=settings.model_copy(update={"long_run_watch_s": watch_s}),
-            app_env={"TEST_QUEUE": qname, "TEST_RECORD_DIR": str(tmp_path)},
-            log_path=tmp_path / f"worker-{len(workers)}.log",
-            concurrency=concurrency,
-        )
-        workers.append(worker)
-        return worker
-
+    env = {"TEST_QUEUE": qname, "TEST_RECORD_DIR": str(tmp_path)}
+    app_path = "tests.integration.fixture_apps.long_app:app"
     try:
-        yield app, start
+        with spawned_workers(app_path, settings=settings, app_env=env, log_dir=tmp_path) as start:
+            yield app, start
     finally:
-        for worker in workers:
-            worker.kill()
         await app.close()
         await delete_queues(broker_url, queue_names(app))
         await forget_task_keys(redis_url, [qname])
@@ -167,7 +155,7 @@ async def test_a_stopped_worker_hands_its_long_run_over_at_once(
     app, start = long_fleet
     # A watch copy every 16 s (the default): a resume within a few seconds of the stop can
     # only be the hand-over's copy.
-    workers = [start(watch_s=16.0), start(watch_s=16.0)]
+    workers = [start(long_run_watch_s=16.0), start(long_run_watch_s=16.0)]
     for worker in workers:
         await worker.wait_consuming()
     task_id = await app.publish(qname, LongJob(steps=20, step_s=0.4))

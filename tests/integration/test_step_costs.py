@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 
 from tests.conftest import collect, delete_queues, forget_task_keys, settings_for, wait_until
 from tests.integration.fixture_apps.bill_app import MODEL, PRICES, BillJob, build_app
-from tests.integration.processes import WorkerProcess, queue_names, spawn_cli_worker
+from tests.integration.processes import WorkerProcess, queue_names, spawned_workers
 from weclaw_mq import App, Context, Retry, TaskStatus
 from weclaw_mq.contract.naming import costs_key, usage_key
 from weclaw_mq.policy.retry import RetryPolicy
@@ -79,33 +79,22 @@ async def bill_fleet(
     # Short heartbeats: a killed worker's claim lapses in a second, not 30.
     settings = settings_for(broker_url, redis_url, guard_heartbeat_ttl_s=0.5)
     name = f"bill-{qname}"
-    workers: list[WorkerProcess] = []
     async with serving(provider) as url:
         app = build_app(name, qname, settings=settings, provider_url=url)
         await app.declare()
-
-        def start() -> WorkerProcess:
-            worker = spawn_cli_worker(
-                "tests.integration.fixture_apps.bill_app:app",
-                settings=settings,
-                app_env={"BILL_APP_NAME": name, "BILL_APP_QUEUE": qname, "BILL_APP_PROVIDER": url},
-                log_path=tmp_path / f"worker-{len(workers)}.log",
-            )
-            workers.append(worker)
-            return worker
-
-        made = Fleet(app, provider, start, qname, [])
+        env = {"BILL_APP_NAME": name, "BILL_APP_QUEUE": qname, "BILL_APP_PROVIDER": url}
+        app_path = "tests.integration.fixture_apps.bill_app:app"
+        ids: list[str] = []
         try:
-            yield made
+            with spawned_workers(app_path, settings=settings, app_env=env, log_dir=tmp_path) as s:
+                yield Fleet(app, provider, s, qname, ids)
         finally:
-            for worker in workers:
-                worker.kill()
             await app.close()
             await delete_queues(broker_url, queue_names(app))
             await forget_task_keys(redis_url, [qname])
             client = aioredis.Redis.from_url(redis_url)
             day = datetime.now(UTC).date().isoformat()
-            await client.delete(costs_key(name, day), *(usage_key(t) for t in made.ids))
+            await client.delete(costs_key(name, day), *(usage_key(t) for t in ids))
             await client.aclose()
 
 

@@ -22,7 +22,7 @@ from tests.integration.processes import (
     queue_names,
     run_cli,
     settings_env,
-    spawn_cli_worker,
+    spawned_workers,
 )
 from tests.private_servers import PrivateRedisCluster
 from weclaw_mq import App, Context, Retry, TaskStatus
@@ -276,23 +276,12 @@ async def steps_fleet(
     settings = settings_for(broker_url, redis_url, guard_heartbeat_ttl_s=0.5)
     app = build_app(qname, settings=settings, record_dir=tmp_path)
     await app.declare()
-    workers: list[Any] = []
-
-    def start() -> Any:
-        worker = spawn_cli_worker(
-            "tests.integration.fixture_apps.steps_app:app",
-            settings=settings,
-            app_env={"TEST_QUEUE": qname, "TEST_RECORD_DIR": str(tmp_path)},
-            log_path=tmp_path / f"worker-{len(workers)}.log",
-        )
-        workers.append(worker)
-        return worker
-
+    env = {"TEST_QUEUE": qname, "TEST_RECORD_DIR": str(tmp_path)}
+    app_path = "tests.integration.fixture_apps.steps_app:app"
     try:
-        yield app, start
+        with spawned_workers(app_path, settings=settings, app_env=env, log_dir=tmp_path) as start:
+            yield app, start
     finally:
-        for worker in workers:
-            worker.kill()
         await app.close()
         await delete_queues(broker_url, queue_names(app))
         await forget_task_keys(redis_url, [qname])
